@@ -1,0 +1,33 @@
+# The two commands: `make demo` and `make test`. Both create .venv when it is missing.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+EXTRAS := mpi,torch,test
+
+.PHONY: demo test install clean bench
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(BIN)/python pyproject.toml requirements/cpu.txt
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -r requirements/cpu.txt
+	$(BIN)/python -m pip install --quiet -c requirements/cpu.txt -e ".[$(EXTRAS)]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m nbdist.demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python bench/allreduce_vs_ddp.py
+	$(BIN)/python bench/master_throughput.py
+	$(BIN)/python bench/overhead.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,5 @@
+import sys
+
+from nbdist.cli import main
+
+sys.exit(main())

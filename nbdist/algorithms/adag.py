@@ -1,0 +1,64 @@
+"""ADAG: asynchronous distributed adaptive gradients (Hermans, "Distributed Deep Learning").
+
+Workers take `sync_every` (lambda) local steps with their own optimiser and send the
+accumulated displacement normalised by lambda (accumulated gradient normalisation), so
+the centre moves by an average step rather than lambda of them. The master scales each
+update by how stale it is:
+
+    update   = (x_local - x_pulled) / lambda
+    centre  <- centre + update / (1 + staleness)
+
+Stale updates, computed from a centre many versions old, count for less.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from nbdist.algorithms.base import Algorithm, RuleState, Update
+from nbdist.backends.base import FlatOptimizer
+
+
+@dataclass(slots=True)
+class ADAGWorker(RuleState):
+    pulled: np.ndarray  # the centre this worker started its window from
+    count: int
+    sync_every: int
+
+
+class ADAG(Algorithm):
+    name = "adag"
+    default_sync_every = 4
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    def new_worker_state(self, n: int, sync_every: int) -> ADAGWorker:
+        return ADAGWorker(np.zeros(n, np.float32), 0, sync_every)
+
+    def worker_start(self, state, params) -> None:
+        state.pulled[:] = params
+
+    def worker_step(self, state, params, grad, opt) -> bool:
+        opt.step(grad)
+        state.count += 1
+        return state.count == state.sync_every
+
+    def worker_message(self, state, params, out) -> None:
+        np.subtract(params, state.pulled, out=out)
+        out /= np.float32(state.count)
+        state.count = 0
+
+    def worker_reply(self, state, params, reply) -> None:
+        params[:] = reply
+        state.pulled[:] = reply
+
+    def master_apply(self, state, center, updates: Sequence[Update], opt: FlatOptimizer | None):
+        for u in updates:
+            if u.staleness:
+                u.payload *= np.float32(1.0 / (1.0 + u.staleness))
+            center += u.payload
+        return [center] * len(updates)

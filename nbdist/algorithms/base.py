@@ -1,0 +1,124 @@
+"""What every master/worker update rule provides.
+
+An algorithm is a pure rule over flat float32 numpy arrays plus a small slotted state:
+no MPI, no framework. The topology calls it at fixed points:
+
+worker:  once, with the initial weights      `worker_start`
+         after each batch's gradient      `worker_step`   (local progress; time to sync?)
+         when it is time to sync           `worker_message` (fill the payload to send)
+         when the master's reply arrives   `worker_reply`   (apply it to the local weights)
+master:  on updates from workers           `master_apply`   (move the centre; say what to reply)
+
+Optimisers are passed in as `FlatOptimizer` objects (the backend makes them), so the
+rules never name a framework.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, Sequence
+
+import numpy as np
+
+from nbdist.backends.base import FlatOptimizer
+
+__all__ = ["Algorithm", "RuleState", "Update"]
+
+
+class RuleState:
+    """Base for the slotted per-rank state of a rule; arrays and scalars checkpoint as-is."""
+
+    __slots__ = ()
+
+    def to_arrays(self) -> dict[str, np.ndarray]:
+        return {f.name: np.asarray(getattr(self, f.name)) for f in fields(self)}  # type: ignore[arg-type]
+
+    def load_arrays(self, arrays: dict[str, np.ndarray]) -> None:
+        for f in fields(self):  # type: ignore[arg-type]
+            if f.name not in arrays:
+                continue
+            current = getattr(self, f.name)
+            value = arrays[f.name]
+            if isinstance(current, np.ndarray):
+                current[...] = value
+            else:
+                setattr(self, f.name, type(current)(value))
+
+
+@dataclass(slots=True)
+class Update:
+    """One worker's message as the master sees it."""
+
+    payload: np.ndarray  # the worker_message array (the master may overwrite it)
+    staleness: int  # master version now - version the worker computed from
+    samples: int  # samples behind this update (weights synchronous averages)
+
+
+class Algorithm(ABC):
+    name: ClassVar[str]
+    default_sync_every: ClassVar[int] = 1
+    uses_worker_optimizer: ClassVar[bool] = True
+    uses_master_optimizer: ClassVar[bool] = False
+
+    def __init__(self, **params: Any):
+        self.params = params
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
+        return f"{self.name}({args})"
+
+    def bind(self, workers: int) -> None:
+        """Called once with the number of workers per master, before any update."""
+
+    # -- worker side ------------------------------------------------------------------
+    @abstractmethod
+    def new_worker_state(self, n: int, sync_every: int) -> RuleState: ...
+
+    def worker_start(self, state: RuleState, params: np.ndarray) -> None:
+        """Called once the worker holds the master's initial weights."""
+
+    @abstractmethod
+    def worker_step(
+        self, state: RuleState, params: np.ndarray, grad: np.ndarray, opt: FlatOptimizer | None
+    ) -> bool:
+        """Use one batch's gradient; True when the worker should now talk to its master."""
+
+    @abstractmethod
+    def worker_message(self, state: RuleState, params: np.ndarray, out: np.ndarray) -> None:
+        """Write what the worker sends into `out` (len(params) floats)."""
+
+    @abstractmethod
+    def worker_reply(self, state: RuleState, params: np.ndarray, reply: np.ndarray) -> None:
+        """Apply the master's reply to the local weights."""
+
+    # -- master side ------------------------------------------------------------------
+    def new_master_state(self, n: int) -> RuleState:
+        return _NoState()
+
+    @abstractmethod
+    def master_apply(
+        self,
+        state: RuleState,
+        center: np.ndarray,
+        updates: Sequence[Update],
+        opt: FlatOptimizer | None,
+    ) -> list[np.ndarray]:
+        """Fold `updates` into `center` (one update when asynchronous, one per worker
+        when synchronous) and return, per update, the array to send back."""
+
+
+@dataclass(slots=True)
+class _NoState(RuleState):
+    pass
+
+
+def weighted_mean(updates: Sequence[Update]) -> np.ndarray:
+    """Sample-weighted mean of the payloads: equal to the gradient of the concatenated batch."""
+    if len(updates) == 1:
+        return updates[0].payload
+    total = sum(u.samples for u in updates)
+    out = updates[0].payload * np.float32(updates[0].samples / total)
+    for u in updates[1:]:
+        out += u.payload * np.float32(u.samples / total)
+    return out

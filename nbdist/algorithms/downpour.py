@@ -1,0 +1,56 @@
+"""Downpour SGD (Dean et al., 2012): workers push gradients, the master's optimiser applies them.
+
+Between synchronisations (`sync_every` > 1) a worker keeps training its own copy with its
+own optimiser and accumulates the gradients it computed; it pushes their sum. With one
+worker and sync_every=1 this is exactly the master optimiser on a single process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from nbdist.algorithms.base import Algorithm, RuleState, Update, weighted_mean
+from nbdist.backends.base import FlatOptimizer
+
+
+@dataclass(slots=True)
+class DownpourWorker(RuleState):
+    accumulated: np.ndarray
+    count: int
+    sync_every: int
+
+
+class Downpour(Algorithm):
+    name = "downpour"
+    uses_master_optimizer = True
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    def new_worker_state(self, n: int, sync_every: int) -> DownpourWorker:
+        return DownpourWorker(np.zeros(n, np.float32), 0, sync_every)
+
+    def worker_step(self, state, params, grad, opt) -> bool:
+        state.accumulated += grad
+        state.count += 1
+        if state.count < state.sync_every:
+            # Explore locally until the next push; the master only sees the gradients.
+            opt.step(grad)
+            return False
+        return True
+
+    def worker_message(self, state, params, out) -> None:
+        out[:] = state.accumulated
+        state.accumulated[:] = 0.0
+        state.count = 0
+
+    def worker_reply(self, state, params, reply) -> None:
+        params[:] = reply
+
+    def master_apply(self, state, center, updates: Sequence[Update], opt: FlatOptimizer | None):
+        # Synchronous: one step on the sample-weighted mean, i.e. the big-batch gradient.
+        opt.step(weighted_mean(updates))
+        return [center] * len(updates)

@@ -1,0 +1,93 @@
+"""Elastic Averaging SGD (Zhang, Choromanska & LeCun, 2015).
+
+Workers train freely with their own optimiser and every `sync_every` steps are pulled
+towards the centre by an elastic force, while the centre is pulled towards them:
+
+    diff_i   = alpha * (x_i - centre),        alpha = elastic_lr * elastic_force
+                                              (elastic_force default: 0.9 / workers)
+    x_i     <- x_i - diff_i
+    u       <- elastic_momentum * u + sum_i diff_i
+    centre  <- centre + u
+
+The worker sends its weights x_i; the master computes diff_i against the centre it
+holds *now* (so the elastic step never uses a stale centre), replies with diff_i, and
+moves the centre. Both elastic parameters act (NNLO accepted and ignored them); with
+elastic_force = 0 the centre never moves and the workers train independently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from nbdist.algorithms.base import Algorithm, RuleState, Update
+from nbdist.backends.base import FlatOptimizer
+
+
+@dataclass(slots=True)
+class EASGDWorker(RuleState):
+    count: int
+    sync_every: int
+
+
+@dataclass(slots=True)
+class EASGDMaster(RuleState):
+    velocity: np.ndarray  # u, the centre's elastic momentum
+
+
+class EASGD(Algorithm):
+    name = "easgd"
+    default_sync_every = 4
+
+    def __init__(self, elastic_force: float | None = None, elastic_lr: float = 1.0,
+                 elastic_momentum: float = 0.0):
+        if not 0.0 <= elastic_momentum < 1.0:
+            raise ValueError(f"easgd: elastic_momentum must be in [0, 1), got {elastic_momentum}")
+        if (elastic_force is not None and elastic_force < 0) or elastic_lr < 0:
+            raise ValueError("easgd: elastic_force and elastic_lr must be >= 0")
+        super().__init__(
+            elastic_force=elastic_force, elastic_lr=elastic_lr, elastic_momentum=elastic_momentum
+        )
+        self.momentum = np.float32(elastic_momentum)
+        self.alpha = np.float32(elastic_lr * (elastic_force if elastic_force is not None else 0.9))
+
+    def bind(self, workers: int) -> None:
+        # Zhang et al. keep beta = workers * alpha = 0.9: a synchronous round then moves the
+        # centre 90% of the way to the workers' mean, and no further (beta > 1 overshoots).
+        if self.params["elastic_force"] is None:
+            self.params["elastic_force"] = 0.9 / workers
+            self.alpha = np.float32(self.params["elastic_lr"] * self.params["elastic_force"])
+
+    def new_worker_state(self, n: int, sync_every: int) -> EASGDWorker:
+        return EASGDWorker(0, sync_every)
+
+    def worker_step(self, state, params, grad, opt) -> bool:
+        opt.step(grad)
+        state.count += 1
+        return state.count % state.sync_every == 0
+
+    def worker_message(self, state, params, out) -> None:
+        out[:] = params
+
+    def worker_reply(self, state, params, reply) -> None:
+        params -= reply
+
+    def new_master_state(self, n: int) -> EASGDMaster:
+        return EASGDMaster(np.zeros(n, np.float32))
+
+    def master_apply(self, state, center, updates: Sequence[Update], opt: FlatOptimizer | None):
+        # Every diff is taken against the same centre before the centre moves, so a
+        # synchronous round is Zhang's synchronous EASGD.
+        for u in updates:
+            np.subtract(u.payload, center, out=u.payload)
+            u.payload *= self.alpha
+        if self.momentum:
+            state.velocity *= self.momentum
+        else:
+            state.velocity[:] = 0.0
+        for u in updates:
+            state.velocity += u.payload
+        center += state.velocity
+        return [u.payload for u in updates]

@@ -1,0 +1,101 @@
+"""Gradient Energy Matching (Hermans & Louppe, 2018, arXiv:1805.08469).
+
+Asynchronous updates from n workers act like momentum the user never asked for
+(implicit momentum ~ 1 - 1/n). GEM rescales each worker's update, per parameter, so
+that the kinetic energy of the central variable matches that of a proxy: momentum SGD
+(lr, momentum) as one worker would run it, amplified by kappa:
+
+    v_t   = momentum * v_{t-1} + lr * g_t               (the proxy's velocity)
+    c_t   = centre_t - centre_{t-1}                    (the centre's observed velocity)
+    pi_t  = clip((kappa * |v_t| - |c_t|) / (|lr * g_t| + eps), 0, pi_max)
+    send    -pi_t * lr * g_t ;   master: centre += update
+
+The rescaling runs on the workers (they see the centre at every pull), which keeps
+the master's work to one addition per update.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from nbdist.algorithms.base import Algorithm, RuleState, Update
+from nbdist.backends.base import FlatOptimizer
+
+
+@dataclass(slots=True)
+class GEMWorker(RuleState):
+    velocity: np.ndarray  # v, the proxy's momentum
+    previous_center: np.ndarray  # centre at the pull before the last one
+    accumulated: np.ndarray
+    scratch: np.ndarray
+    count: int
+    sync_every: int
+    pulls: int
+
+
+class GEM(Algorithm):
+    name = "gem"
+    uses_worker_optimizer = False
+
+    def __init__(self, lr: float = 0.05, momentum: float = 0.9, kappa: float = 1.0,
+                 epsilon: float = 1e-12, pi_max: float = 5.0):
+        if lr <= 0 or not 0.0 <= momentum < 1.0 or kappa <= 0:
+            raise ValueError("gem: lr and kappa must be > 0 and momentum in [0, 1)")
+        super().__init__(lr=lr, momentum=momentum, kappa=kappa, epsilon=epsilon, pi_max=pi_max)
+        self.lr, self.momentum, self.kappa = np.float32(lr), np.float32(momentum), np.float32(kappa)
+        self.epsilon, self.pi_max = np.float32(epsilon), np.float32(pi_max)
+
+    def new_worker_state(self, n: int, sync_every: int) -> GEMWorker:
+        z = lambda: np.zeros(n, np.float32)  # noqa: E731
+        return GEMWorker(z(), z(), z(), z(), 0, sync_every, 0)
+
+    def worker_start(self, state, params) -> None:
+        state.pulls = 1
+
+    def worker_step(self, state, params, grad, opt) -> bool:
+        # No local steps: the worker's weights stay the centre it last pulled.
+        state.accumulated += grad
+        state.count += 1
+        return state.count == state.sync_every
+
+    def scaled_update(self, state: GEMWorker, params: np.ndarray, grad: np.ndarray, out: np.ndarray) -> None:
+        """pi * (-lr * grad) for the gradient `grad` taken at the centre `params`."""
+        step = state.scratch
+        np.multiply(grad, self.lr, out=step)  # lr * g
+        state.velocity *= self.momentum
+        state.velocity += step
+        # |c|: how far the centre moved between this worker's last two pulls.
+        if state.pulls >= 2:
+            np.subtract(params, state.previous_center, out=out)
+            np.abs(out, out=out)
+        else:
+            out[:] = 0.0
+        # pi = (kappa |v| - |c|) / (|lr g| + eps), clipped
+        np.subtract(np.abs(state.velocity) * self.kappa, out, out=out)
+        np.abs(step, out=state.scratch)
+        state.scratch += self.epsilon
+        np.divide(out, state.scratch, out=out)
+        np.clip(out, 0.0, self.pi_max, out=out)
+        # update = -pi * lr * g
+        out *= grad
+        out *= -self.lr
+
+    def worker_message(self, state, params, out) -> None:
+        if state.count > 1:
+            state.accumulated /= np.float32(state.count)
+        self.scaled_update(state, params, state.accumulated, out)
+        state.accumulated[:] = 0.0
+        state.count = 0
+
+    def worker_reply(self, state, params, reply) -> None:
+        state.previous_center[:] = params
+        state.pulls += 1
+        params[:] = reply
+
+    def master_apply(self, state, center, updates: Sequence[Update], opt: FlatOptimizer | None):
+        for u in updates:
+            center += u.payload
+        return [center] * len(updates)

@@ -1,0 +1,108 @@
+"""The Backend protocol: one model replica seen as flat float32 buffers.
+
+Algorithms and topologies only ever see `params`, `grads` and `state` as 1-D float32
+numpy arrays that alias the framework's own memory, so an MPI send of `params` is a
+send of the model itself. A framework (PyTorch now, Keras later) implements this class;
+nothing above it knows which one runs.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from nbdist.errors import UserError
+from nbdist.specs import Spec
+
+__all__ = ["Backend", "FlatOptimizer", "BatchStats", "ModelError"]
+
+
+class ModelError(UserError, ValueError):
+    """The user's model, loss or metric cannot be used; the message says why."""
+
+
+@dataclass(slots=True)
+class BatchStats:
+    """Sums over the samples of one or more batches (sums, so ranks can add them up)."""
+
+    loss_sum: float = 0.0
+    metric_sum: float = 0.0
+    n: int = 0
+
+    def add(self, other: "BatchStats") -> None:
+        self.loss_sum += other.loss_sum
+        self.metric_sum += other.metric_sum
+        self.n += other.n
+
+    @property
+    def loss(self) -> float:
+        return self.loss_sum / self.n if self.n else float("nan")
+
+    @property
+    def metric(self) -> float:
+        return self.metric_sum / self.n if self.n else float("nan")
+
+
+class FlatOptimizer(ABC):
+    """A framework optimiser bound to one flat parameter array, stepped with a flat gradient."""
+
+    spec: Spec
+
+    @abstractmethod
+    def step(self, grad: np.ndarray) -> None:
+        """params <- update(params, grad), in place."""
+
+    @abstractmethod
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        """Optimiser state as named arrays (for checkpoints)."""
+
+    @abstractmethod
+    def load_state_arrays(self, arrays: dict[str, np.ndarray]) -> None: ...
+
+
+class Backend(ABC):
+    params: np.ndarray  # trainable weights, flat float32, aliasing the model
+    grads: np.ndarray  # their gradients, flat float32, filled by compute_gradients
+    state: np.ndarray  # non-trainable float state (BatchNorm statistics), maybe empty
+    metric_name: str | None  # e.g. "acc"; None when the model has no metric
+
+    @property
+    def num_params(self) -> int:
+        return int(self.params.size)
+
+    @abstractmethod
+    def compute_gradients(self, x: Any, y: Any, *, scale: float = 1.0) -> BatchStats:
+        """Forward and backward on one batch; `grads` holds scale * d(mean loss)/d(params).
+
+        Gradients are overwritten, not accumulated.
+        """
+
+    @abstractmethod
+    def evaluate(self, x: Any, y: Any, *, batch_size: int = 1024) -> BatchStats: ...
+
+    @abstractmethod
+    def make_optimizer(self, spec: Spec, params: np.ndarray | None = None) -> FlatOptimizer:
+        """A named optimiser over `params` (default: this model's own weights)."""
+
+    @abstractmethod
+    def check_optimizer(self, spec: Spec) -> None:
+        """Raise SpecError when `spec` names no optimiser of this framework, or bad arguments."""
+
+    @abstractmethod
+    def bucket_hooks(self, cap: int, on_ready: Callable[[int], None]) -> list[tuple[int, int]]:
+        """Split `grads` into contiguous buckets of about `cap` floats in backward order;
+        call `on_ready(i)` from inside the backward pass as soon as bucket i is final.
+        Returns the buckets' (start, stop) ranges. Every bucket fires once per backward."""
+
+    @abstractmethod
+    def named_arrays(self) -> dict[str, np.ndarray]:
+        """The model's weights and state by their framework names (for exporting)."""
+
+    @abstractmethod
+    def rng_state(self) -> dict[str, np.ndarray]: ...
+
+    @abstractmethod
+    def set_rng_state(self, arrays: dict[str, np.ndarray]) -> None: ...

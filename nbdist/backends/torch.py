@@ -1,0 +1,244 @@
+"""PyTorch backend: a plain nn.Module whose parameters live in one flat float32 buffer.
+
+Every parameter's `.data` and `.grad` become views into two contiguous tensors, laid
+out in reverse registration order (roughly the order autograd finishes them), so:
+- `params`/`grads` are numpy views of those tensors: an MPI send of them is zero-copy;
+- a bucket of gradients that backward has finished is one contiguous slice, which the
+  allreduce topology can reduce while backward goes on with earlier layers.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from nbdist.backends.base import Backend, BatchStats, FlatOptimizer, ModelError
+from nbdist.specs import Spec, SpecError, check_kwargs, unknown_name
+
+__all__ = ["TorchBackend", "TorchFlatOptimizer", "torch_optimizers"]
+
+# Optimisers that need a closure or sparse gradients cannot step a flat dense buffer.
+_UNSUITABLE = {"lbfgs", "sparseadam"}
+
+
+def torch_optimizers() -> dict[str, type[torch.optim.Optimizer]]:
+    found = {}
+    for value in vars(torch.optim).values():
+        if isinstance(value, type) and issubclass(value, torch.optim.Optimizer):
+            name = value.__name__.lower()
+            if value is not torch.optim.Optimizer and name not in _UNSUITABLE:
+                found[name] = value
+    return found
+
+
+def _accepts(cls: type, name: str) -> bool:
+    return name in inspect.signature(cls.__init__).parameters
+
+
+class TorchFlatOptimizer(FlatOptimizer):
+    """torch.optim over one flat tensor that shares memory with a numpy array.
+
+    One tensor means the fused (or foreach) kernels update the whole model in a single
+    pass; `fused=True` is the default where the optimiser offers it (Adam on 10M
+    parameters: 12 ms fused against ~50 ms for the default path on this kind of CPU).
+    """
+
+    def __init__(self, cls: type[torch.optim.Optimizer], spec: Spec, params: np.ndarray):
+        self.spec = spec
+        self._param = torch.from_numpy(params)
+        kwargs = dict(spec.kwargs)
+        if "fused" not in kwargs and "foreach" not in kwargs and _accepts(cls, "fused"):
+            kwargs["fused"] = True
+        try:
+            self._opt = cls([self._param], **kwargs)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            if kwargs.get("fused") and "fused" not in spec.kwargs:
+                kwargs.pop("fused")
+                self._opt = cls([self._param], **kwargs)
+            else:
+                raise SpecError(f"optimizer {spec}: {exc}") from None
+
+    def step(self, grad: np.ndarray) -> None:
+        self._param.grad = torch.from_numpy(grad)
+        self._opt.step()
+        self._param.grad = None
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        state = self._opt.state.get(self._param, {})
+        return {
+            key: value.detach().cpu().numpy().copy()
+            for key, value in state.items()
+            if isinstance(value, torch.Tensor)
+        }
+
+    def load_state_arrays(self, arrays: dict[str, np.ndarray]) -> None:
+        if not arrays:
+            return
+        self._opt.state[self._param] = {k: torch.from_numpy(np.array(v)) for k, v in arrays.items()}
+
+
+def _accuracy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Number of correct predictions (a sum, so ranks can add them up)."""
+    if output.ndim >= 2 and output.shape[1] > 1:
+        predicted = output.argmax(dim=1)
+    else:
+        predicted = (output.reshape(-1) > 0).to(target.dtype)
+        target = target.reshape(-1)
+    return (predicted == target).sum()
+
+
+class TorchBackend(Backend):
+    def __init__(
+        self,
+        model: nn.Module,
+        loss: Callable[[Any, Any], Any] | None = None,
+        metric: "str | Callable[[Any, Any], Any] | None" = "accuracy",
+    ):
+        if not isinstance(model, nn.Module):
+            raise ModelError(f"the model must be a torch.nn.Module, got {type(model).__name__}")
+        self.model = model.to(torch.float32)
+        self.loss_fn = loss if loss is not None else nn.CrossEntropyLoss()
+        if not callable(self.loss_fn):
+            raise ModelError(f"the loss must be callable(output, target), got {self.loss_fn!r}")
+        self._set_metric(metric)
+
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        if not trainable:
+            raise ModelError("the model has no trainable parameters")
+        self._order = list(reversed(trainable))
+        self._flat_params = torch.zeros(sum(p.numel() for p in self._order), dtype=torch.float32)
+        self._flat_grads = torch.zeros_like(self._flat_params)
+        self._slices: list[tuple[int, int]] = []
+        offset = 0
+        with torch.no_grad():
+            for p in self._order:
+                size = p.numel()
+                self._flat_params[offset : offset + size].copy_(p.reshape(-1))
+                p.data = self._flat_params[offset : offset + size].view_as(p)
+                p.grad = self._flat_grads[offset : offset + size].view_as(p)
+                self._slices.append((offset, offset + size))
+                offset += size
+        self.params = self._flat_params.numpy()
+        self.grads = self._flat_grads.numpy()
+
+        float_buffers = [b for b in self.model.buffers() if b.is_floating_point()]
+        self._flat_state = torch.zeros(sum(b.numel() for b in float_buffers), dtype=torch.float32)
+        offset = 0
+        for b in float_buffers:
+            size = b.numel()
+            self._flat_state[offset : offset + size].copy_(b.reshape(-1))
+            b.data = self._flat_state[offset : offset + size].view_as(b)
+            offset += size
+        self.state = self._flat_state.numpy()
+
+        self._bucket_of: list[int] = []
+        self._pending: list[int] = []
+        self._bucket_sizes: list[int] = []
+        self._on_ready: Callable[[int], None] | None = None
+
+    def _set_metric(self, metric: "str | Callable | None") -> None:
+        if metric is None:
+            self.metric_name, self._metric = None, None
+        elif metric in ("accuracy", "acc"):
+            self.metric_name, self._metric = "acc", _accuracy
+        elif callable(metric):
+            # A user metric returns a batch mean; it is turned into a sum like accuracy.
+            self.metric_name = getattr(metric, "__name__", "metric")
+            self._metric = lambda out, y: metric(out, y) * len(y)
+        else:
+            raise ModelError(f"metric must be 'accuracy', a callable or None, got {metric!r}")
+
+    # -- training ---------------------------------------------------------------------
+    @staticmethod
+    def _tensor(value: Any) -> torch.Tensor:
+        return torch.from_numpy(value) if isinstance(value, np.ndarray) else value
+
+    def compute_gradients(self, x: Any, y: Any, *, scale: float = 1.0) -> BatchStats:
+        xb, yb = self._tensor(x), self._tensor(y)
+        # Backward accumulates into the .grad views in place, so they start from zero.
+        self._flat_grads.zero_()
+        self._pending = list(self._bucket_sizes)
+        output = self.model(xb)
+        loss = self.loss_fn(output, yb)
+        (loss * scale if scale != 1.0 else loss).backward()
+        if self._on_ready is not None:
+            # Parameters the forward pass did not use get no hook call: finish their buckets.
+            for i, left in enumerate(self._pending):
+                if left > 0:
+                    self._pending[i] = 0
+                    self._on_ready(i)
+        n = len(yb)
+        with torch.no_grad():
+            metric = float(self._metric(output, yb)) if self._metric else 0.0
+        return BatchStats(float(loss.detach()) * n, metric, n)
+
+    def evaluate(self, x: Any, y: Any, *, batch_size: int = 1024) -> BatchStats:
+        stats = BatchStats()
+        xb, yb = self._tensor(x), self._tensor(y)
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for start in range(0, len(yb), batch_size):
+                    xs, ys = xb[start : start + batch_size], yb[start : start + batch_size]
+                    output = self.model(xs)
+                    n = len(ys)
+                    metric = float(self._metric(output, ys)) if self._metric else 0.0
+                    stats.add(BatchStats(float(self.loss_fn(output, ys)) * n, metric, n))
+        finally:
+            self.model.train()
+        return stats
+
+    def bucket_hooks(self, cap: int, on_ready: Callable[[int], None]) -> list[tuple[int, int]]:
+        if self._on_ready is not None:
+            raise RuntimeError("bucket hooks are already installed on this model")
+        buckets: list[tuple[int, int]] = []
+        start = 0
+        for _, hi in self._slices:
+            if hi - start >= cap:
+                buckets.append((start, hi))
+                start = hi
+        if start < self.num_params:
+            buckets.append((start, self.num_params))
+        self._bucket_of = [
+            next(i for i, (b0, b1) in enumerate(buckets) if b0 <= lo < b1) for lo, _ in self._slices
+        ]
+        self._bucket_sizes = [self._bucket_of.count(i) for i in range(len(buckets))]
+        self._on_ready = on_ready
+        for p, bucket in zip(self._order, self._bucket_of):
+            p.register_post_accumulate_grad_hook(self._make_hook(bucket))
+        return buckets
+
+    def _make_hook(self, bucket: int) -> Callable[[torch.Tensor], None]:
+        def hook(_param: torch.Tensor) -> None:
+            self._pending[bucket] -= 1
+            if self._pending[bucket] == 0 and self._on_ready is not None:
+                self._on_ready(bucket)
+
+        return hook
+
+    # -- optimisers -------------------------------------------------------------------
+    def check_optimizer(self, spec: Spec) -> None:
+        known = torch_optimizers()
+        if spec.name not in known:
+            raise unknown_name("PyTorch optimizer", spec.name, list(known))
+        check_kwargs(f"optimizer {spec.name!r}", known[spec.name].__init__, spec.kwargs, skip=2)
+
+    def make_optimizer(self, spec: Spec, params: np.ndarray | None = None) -> TorchFlatOptimizer:
+        self.check_optimizer(spec)
+        target = self.params if params is None else params
+        return TorchFlatOptimizer(torch_optimizers()[spec.name], spec, target)
+
+    # -- state ------------------------------------------------------------------------
+    def named_arrays(self) -> dict[str, np.ndarray]:
+        return {k: v.detach().cpu().numpy().copy() for k, v in self.model.state_dict().items()}
+
+    def rng_state(self) -> dict[str, np.ndarray]:
+        return {"torch_cpu": torch.get_rng_state().numpy().copy()}
+
+    def set_rng_state(self, arrays: dict[str, np.ndarray]) -> None:
+        if "torch_cpu" in arrays:
+            torch.set_rng_state(torch.from_numpy(np.array(arrays["torch_cpu"], dtype=np.uint8)))

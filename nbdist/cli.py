@@ -1,0 +1,116 @@
+"""`python -m nbdist ...`: the batch command line, with the same options as the magics.
+
+    mpiexec -n 4 python -m nbdist train --model examples/digits_mlp.py --algorithm easgd
+    python -m nbdist layout --workers 4 --masters 2
+
+Errors in the user's input print one line, `nbdist: error: ...`, on the first rank only,
+and every rank exits with status 2; a failure while training exits with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+from pathlib import Path
+
+from nbdist.errors import UserError
+from nbdist.options import TrainOptions, add_arguments, options_from_args
+
+__all__ = ["main", "build_parser"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m nbdist", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train a model under mpiexec/srun",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_arguments(train)
+
+    layout = sub.add_parser("layout", help="print the rank layout as a tree")
+    layout.add_argument("--workers", type=int, default=None, help="workers per master")
+    layout.add_argument("--masters", type=int, default=1)
+    layout.add_argument("--procs-per-worker", type=int, default=1)
+    layout.add_argument("--groups", type=int, default=1)
+    layout.add_argument("--folds", type=int, default=1)
+    layout.add_argument("--topology", default="master-worker", choices=("master-worker", "allreduce"))
+    layout.add_argument("--coordinator", action="store_true", help="add a study coordinator rank")
+    layout.add_argument("--ranks", type=int, default=None, help="infer --workers from a rank count")
+    layout.add_argument("--json", action="store_true", help="print the layout as JSON")
+    return parser
+
+
+def _world_rank() -> int:
+    try:
+        from mpi4py import MPI
+
+        return MPI.COMM_WORLD.Get_rank()
+    except Exception:  # noqa: BLE001 - no MPI: a single process is rank 0
+        return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from nbdist.train.definition import load_model_file
+    from nbdist.train.runner import run_rank
+
+    base = None
+    if args.resume:
+        saved = Path(args.resume) / "options.json"
+        if saved.exists():
+            base = TrainOptions.from_dict(json.loads(saved.read_text()))
+    options = options_from_args(args, base)
+    if not options.model:
+        raise UserError("--model is required: a Python file that defines build_model()")
+    result = run_rank(options, lambda: load_model_file(options.model))
+    if result is not None:
+        final = result.final
+        shown = "  ".join(f"{k} {v:.4f}" for k, v in final.items() if k.startswith("val_"))
+        print(f"nbdist: {result.stop_reason} in {result.seconds:.1f}s  {shown}", flush=True)
+        print(f"nbdist: results in {result.run_dir} (final weights {result.weights_path}, "
+              f"metric log {result.run_dir / 'metrics'}, checkpoints {result.run_dir / 'checkpoints'})",
+              flush=True)
+    return 0
+
+
+def _layout(args: argparse.Namespace) -> int:
+    from nbdist.layout import Layout
+
+    options = dict(masters=args.masters, procs_per_worker=args.procs_per_worker, groups=args.groups,
+                   folds=args.folds, topology=args.topology, coordinator=args.coordinator)
+    if args.ranks is not None:
+        layout = Layout.for_world(args.ranks, workers=args.workers, **options)
+    else:
+        layout = Layout(workers=args.workers or 1, **options)
+    print(json.dumps(layout.to_dict(), indent=1) if args.json else layout.tree())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return {"train": _train, "layout": _layout}[args.command](args)
+    except UserError as exc:
+        if _world_rank() == 0:
+            print(f"nbdist: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception:  # a bug or a failure inside user code while training
+        rank = _world_rank()
+        sys.stderr.write(f"nbdist: rank {rank} failed:\n{traceback.format_exc()}")
+        sys.stderr.flush()
+        _abort_others()
+        return 1
+
+
+def _abort_others() -> None:
+    """One rank failed mid-run: the others may be waiting for it inside MPI."""
+    try:
+        from mpi4py import MPI
+
+        if MPI.Is_initialized() and MPI.COMM_WORLD.Get_size() > 1:
+            MPI.COMM_WORLD.Abort(1)
+    except Exception:  # noqa: BLE001
+        pass

@@ -1,0 +1,21 @@
+"""Errors meant for the person at the keyboard.
+
+A `UserError` is shown as its message alone (no traceback) in the notebook cell or on
+the command line; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+__all__ = ["UserError", "OptionsError", "TrainingError"]
+
+
+class UserError(Exception):
+    """Bad input: the message names the problem and, where it can, the fix."""
+
+
+class OptionsError(UserError, ValueError):
+    pass
+
+
+class TrainingError(UserError, RuntimeError):
+    """Training could not go on (a NaN loss, a worker that failed)."""

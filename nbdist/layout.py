@@ -1,0 +1,451 @@
+"""Which rank does what: roles and sub-communicators from (N_G, N_F, N_M, N_W, N_P).
+
+One training run or HPO study occupies
+
+    N_ranks = [1] + N_G x N_F x (N_M + N_M x N_W x N_P)      (master-worker)
+    N_ranks = [1] + N_G x N_F x N_W x N_P                     (allreduce)
+
+ranks: an optional coordinator, then group by group and fold by fold; inside a fold
+master 0, its workers, master 1, its workers, ... (allreduce: the workers), each worker's
+processes contiguous. Keeping every unit contiguous makes the rank ranges in a tree, a
+log line or a `mpiexec --map-by` hint easy to read, and puts the processes of one worker
+next to each other, where a block mapping places them on the same node.
+
+Nothing else in nbdist computes "which rank am I": topologies, the training loop and the
+dashboard all ask a `Layout`. mpi4py is imported only by `Layout.split`, so layouts can be
+built, checked and printed in a notebook kernel that has no MPI.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from nbdist.errors import UserError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from mpi4py import MPI
+
+__all__ = ["Layout", "Role", "LayoutError", "Communicators"]
+
+TOPOLOGIES = ("master-worker", "allreduce")
+
+# Option names as the command line and the magics spell them; error messages name them
+# so that the fix can be typed as read.
+_FLAG = {
+    "workers": "--workers",
+    "masters": "--masters",
+    "procs_per_worker": "--procs-per-worker",
+    "groups": "--groups",
+    "folds": "--folds",
+}
+
+
+class LayoutError(UserError, ValueError):
+    """A rank layout that cannot be built; the message says why and how to fix it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Role:
+    """What one world rank is in a `Layout`."""
+
+    rank: int
+    kind: str  # "coordinator" | "master" | "worker"
+    group: int | None
+    fold: int | None
+    master: int | None  # a worker's master; None in allreduce and for the coordinator
+    worker: int | None  # under its master (allreduce: within the fold)
+    proc: int | None  # within its worker; 0 is the leader
+
+    @property
+    def is_top_master(self) -> bool:
+        return self.kind == "master" and self.master == 0
+
+    @property
+    def is_sub_master(self) -> bool:
+        return self.kind == "master" and (self.master or 0) > 0
+
+    @property
+    def is_leader(self) -> bool:
+        return self.kind == "worker" and self.proc == 0
+
+    def __str__(self) -> str:
+        if self.kind == "coordinator":
+            return f"rank {self.rank}: coordinator"
+        where = f"group {self.group}, fold {self.fold}"
+        if self.kind == "master":
+            return f"rank {self.rank}: master {self.master} ({where})"
+        boss = "" if self.master is None else f" of master {self.master}"
+        return f"rank {self.rank}: worker {self.worker}{boss}, process {self.proc} ({where})"
+
+
+def _plural(count: int | str, word: str) -> str:
+    # `count` may be the symbol "W" in messages about the worker count to choose.
+    if str(count) == "1":
+        return f"1 {word}"
+    return f"{count} {word}es" if word.endswith("s") else f"{count} {word}s"
+
+
+def _count(name: str, value: Any) -> int:
+    # bool is an int to Python, but `workers=True` is a bug, not a count.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise LayoutError(
+            f"{name} must be a whole number >= 1, got {value!r}: set {_FLAG[name]} to 1 or more"
+        )
+    return int(value)
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ", ".join(map(str, ranks))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Layout:
+    """The roles of N_ranks = [1] + N_G x N_F x (N_M + N_M x N_W x N_P) MPI ranks.
+
+    `workers` is per master (allreduce: per fold); `masters` is ignored (set to 0) in the
+    allreduce topology, where every rank is a worker process.
+    """
+
+    workers: int = 1
+    masters: int = 1
+    procs_per_worker: int = 1
+    groups: int = 1
+    folds: int = 1
+    topology: str = "master-worker"
+    coordinator: bool = False
+    roles: tuple[Role, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.topology not in TOPOLOGIES:
+            raise LayoutError(
+                f"unknown topology {self.topology!r}: use --topology master-worker or "
+                f"--topology allreduce"
+            )
+        for name in ("workers", "procs_per_worker", "groups", "folds"):
+            object.__setattr__(self, name, _count(name, getattr(self, name)))
+        if self.topology == "allreduce":
+            # No masters at all, whatever was passed: the same options can then be
+            # reused when switching topology in a notebook.
+            object.__setattr__(self, "masters", 0)
+        else:
+            object.__setattr__(self, "masters", _count("masters", self.masters))
+        if not isinstance(self.coordinator, bool):
+            raise LayoutError(f"coordinator must be True or False, got {self.coordinator!r}")
+        object.__setattr__(self, "roles", self._build_roles())
+
+    # -- construction ---------------------------------------------------------------
+
+    @classmethod
+    def for_world(cls, size: int, *, workers: int | None = None, **options: Any) -> Layout:
+        """The layout of `size` ranks; with `workers=None` the worker count is inferred."""
+        if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 1:
+            raise LayoutError(f"the number of MPI ranks must be a whole number >= 1, got {size!r}")
+        size = int(size)
+        if workers is not None:
+            layout = cls(workers=workers, **options)
+            if layout.n_ranks != size:
+                started = "1 was" if size == 1 else f"{size} were"
+                hint = "change --workers"
+                fits = cls._infer_workers(size, layout)
+                if fits is not None:
+                    hint = f"use --workers {fits} to fit {size} ranks"
+                raise LayoutError(
+                    f"this layout needs {layout.n_ranks} ranks "
+                    f"({layout._formula(str(layout.workers))}), but {started} started: "
+                    f"run with mpiexec -n {layout.n_ranks}, or {hint}"
+                )
+            return layout
+
+        probe = cls(workers=1, **options)  # validates every other option first
+        fixed, step = probe._fixed_and_step()
+        fits = cls._infer_workers(size, probe)
+        if fits is None:
+            valid = [fixed + step * w for w in (1, 2, 3)]
+            scaled = "W" if step == 1 else f"{step} x W"
+            needs = f"{fixed} + {scaled}" if fixed else scaled
+            per = "per master" if probe.topology == "master-worker" else "per fold"
+            # The valid sizes either side of the one asked for, as ready-to-type fixes.
+            below = (size - fixed) // step
+            runs = [f"-n {fixed + step * w} (W = {w})" for w in (below, below + 1) if w >= 1]
+            knobs = ["--procs-per-worker", "--groups", "--folds"]
+            if probe.topology == "master-worker":
+                knobs.insert(0, "--masters")
+            raise LayoutError(
+                f"{_plural(size, 'rank')} cannot be laid out as {probe._formula('W')}: "
+                f"this layout needs {needs} ranks for W workers {per} "
+                f"({', '.join(map(str, valid))}, ...): run with mpiexec "
+                f"{' or '.join(runs)}, or change {', '.join(knobs)}"
+            )
+        return cls(workers=fits, **options)
+
+    @staticmethod
+    def _infer_workers(size: int, layout: Layout) -> int | None:
+        fixed, step = layout._fixed_and_step()
+        workers, rest = divmod(size - fixed, step)
+        return workers if rest == 0 and workers >= 1 else None
+
+    def _fixed_and_step(self) -> tuple[int, int]:
+        # n_ranks = fixed + step x workers: the arithmetic behind inference and its errors.
+        runs = self.groups * self.folds
+        fixed = int(self.coordinator) + runs * self.masters
+        step = runs * max(self.masters, 1) * self.procs_per_worker
+        return fixed, step
+
+    def _build_roles(self) -> tuple[Role, ...]:
+        roles: list[Role] = []
+        if self.coordinator:
+            roles.append(Role(0, "coordinator", None, None, None, None, None))
+
+        def add_workers(g: int, f: int, m: int | None) -> None:
+            for w in range(self.workers):
+                for p in range(self.procs_per_worker):
+                    roles.append(Role(len(roles), "worker", g, f, m, w, p))
+
+        for g in range(self.groups):
+            for f in range(self.folds):
+                if self.topology == "allreduce":
+                    add_workers(g, f, None)
+                    continue
+                for m in range(self.masters):
+                    roles.append(Role(len(roles), "master", g, f, m, None, None))
+                    add_workers(g, f, m)
+        return tuple(roles)
+
+    # -- queries ---------------------------------------------------------------------
+
+    @property
+    def n_ranks(self) -> int:
+        fixed, step = self._fixed_and_step()
+        return fixed + step * self.workers
+
+    @property
+    def ranks_per_run(self) -> int:
+        """Ranks of one training run (one fold of one group)."""
+        return (self.n_ranks - int(self.coordinator)) // (self.groups * self.folds)
+
+    def role(self, rank: int) -> Role:
+        if not 0 <= rank < self.n_ranks:
+            raise LayoutError(
+                f"rank {rank} is outside this layout of {self.n_ranks} ranks "
+                f"(0-{self.n_ranks - 1})"
+            )
+        return self.roles[rank]
+
+    def fold_ranks(self, group: int, fold: int) -> list[int]:
+        """The world ranks of one training run, in rank order."""
+        if not (0 <= group < self.groups and 0 <= fold < self.folds):
+            raise LayoutError(
+                f"there is no group {group}, fold {fold} in a layout of "
+                f"{_plural(self.groups, 'group')} x {_plural(self.folds, 'fold')}"
+            )
+        start = int(self.coordinator) + (group * self.folds + fold) * self.ranks_per_run
+        return list(range(start, start + self.ranks_per_run))
+
+    # -- printing --------------------------------------------------------------------
+
+    def _formula(self, workers: str) -> str:
+        """The layout as a product, e.g. "2 groups x 1 fold x (1 master + 4 workers)"."""
+        unit = _plural(workers, "worker")
+        if self.procs_per_worker > 1:
+            unit += f" of {self.procs_per_worker} processes"
+        if self.topology == "allreduce":
+            inner = unit
+        elif self.masters == 1:
+            inner = f"1 master + {unit}"
+        else:
+            inner = f"{self.masters} masters x (1 + {unit})"
+        if self.groups > 1 or self.folds > 1:
+            if self.topology == "master-worker" and self.masters == 1:
+                inner = f"({inner})"
+            inner = f"{_plural(self.groups, 'group')} x {_plural(self.folds, 'fold')} x {inner}"
+        return f"1 coordinator + {inner}" if self.coordinator else inner
+
+    def describe(self) -> str:
+        """One line, e.g. "11 ranks: 1 coordinator + 2 groups x 1 fold x (1 master + 4 workers)"."""
+        return f"{_plural(self.n_ranks, 'rank')}: {self._formula(str(self.workers))}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The tree as plain JSON-able data: options, then nested nodes.
+
+        Every node has `kind`, `ranks` (the world ranks below it, sorted) and `children`;
+        groups, folds, masters and workers carry their `index`, masters `top`, and
+        coordinator/master/worker nodes their own `rank` (a worker's: its leader's).
+        """
+        nodes: list[dict[str, Any]] = []
+        if self.coordinator:
+            nodes.append({"kind": "coordinator", "rank": 0, "ranks": [0], "children": []})
+
+        def worker_nodes(ranks: list[int]) -> list[dict[str, Any]]:
+            p = self.procs_per_worker
+            return [
+                {"kind": "worker", "index": w, "rank": ranks[w * p],
+                 "ranks": ranks[w * p:(w + 1) * p], "children": []}
+                for w in range(len(ranks) // p)
+            ]
+
+        for g in range(self.groups):
+            folds = []
+            for f in range(self.folds):
+                ranks = self.fold_ranks(g, f)
+                if self.topology == "allreduce":
+                    children = worker_nodes(ranks)
+                else:
+                    per_master = len(ranks) // self.masters
+                    children = []
+                    for m in range(self.masters):
+                        own = ranks[m * per_master:(m + 1) * per_master]
+                        children.append({"kind": "master", "index": m, "top": m == 0,
+                                         "rank": own[0], "ranks": own,
+                                         "children": worker_nodes(own[1:])})
+                folds.append({"kind": "fold", "index": f, "ranks": ranks, "children": children})
+            nodes.append({"kind": "group", "index": g,
+                          "ranks": [r for fold in folds for r in fold["ranks"]],
+                          "children": folds})
+        options = {name: getattr(self, name) for name in
+                   ("topology", "workers", "masters", "procs_per_worker", "groups", "folds",
+                    "coordinator")}
+        return {"options": options, "n_ranks": self.n_ranks, "describe": self.describe(),
+                "nodes": nodes}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Layout:
+        """The layout that `to_dict` described."""
+        return cls(**data["options"])
+
+    def tree(self) -> str:
+        """A printable tree; group and fold levels of count 1 are folded into one line."""
+        lines = [f"{self.topology} layout, {self.describe()}"]
+
+        def label(node: dict[str, Any]) -> str:
+            kind = node["kind"]
+            if kind == "coordinator":
+                return "coordinator"
+            text = f"{kind} {node['index']}"
+            if kind == "master" and self.masters > 1:
+                text += " [top master]" if node["top"] else " [sub-master]"
+            return text
+
+        def draw(node: dict[str, Any], text: str, prefix: str, branch: str, below: str) -> None:
+            # A master's line shows its own rank; its workers show theirs below it.
+            ranks = [node["rank"]] if node["kind"] == "master" else node["ranks"]
+            lines.append(f"{prefix}{branch}{text}  {_ranks_text(ranks)}")
+            kids = node["children"]
+            for i, kid in enumerate(kids):
+                last = i == len(kids) - 1
+                draw(kid, label(kid), prefix + below, "└── " if last else "├── ",
+                     "    " if last else "│   ")
+
+        for node in self.to_dict()["nodes"]:
+            if node["kind"] == "coordinator":
+                draw(node, label(node), "", "", "")
+                continue
+            g = node["index"]
+            if self.groups == 1:
+                # One group: its folds are the roots.
+                for fold in node["children"]:
+                    draw(fold, f"fold {fold['index']} (group {g})", "", "", "")
+            elif self.folds == 1:
+                fold = node["children"][0]
+                draw({**node, "children": fold["children"]}, f"group {g} (fold 0)", "", "", "")
+            else:
+                draw(node, f"group {g}", "", "", "")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.tree()
+
+    # -- MPI -------------------------------------------------------------------------
+
+    def split(self, comm: MPI.Intracomm) -> Communicators:
+        """This rank's sub-communicators; collective over `comm`.
+
+        Every rank makes the same `Split` calls in the same order (non-members pass
+        `MPI.UNDEFINED` and get `MPI.COMM_NULL`), so no rank can wait on a split that
+        another rank skipped. Splits that no rank of this topology joins are not made.
+        """
+        from mpi4py import MPI
+
+        if comm.Get_size() != self.n_ranks:
+            # Every rank sees the same size, so every rank raises: no hang.
+            raise LayoutError(
+                f"this layout needs {self.n_ranks} ranks ({self._formula(str(self.workers))}), "
+                f"but the communicator has {comm.Get_size()}: run with mpiexec -n {self.n_ranks}, "
+                f"or build the layout with Layout.for_world({comm.Get_size()}, ...)"
+            )
+        role = self.role(comm.Get_rank())
+        undefined = MPI.UNDEFINED
+        in_run = role.kind != "coordinator"
+        run_index = (role.group * self.folds + role.fold) if in_run else undefined
+
+        def split(color: int, key: int = 0) -> MPI.Intracomm:
+            # key defaults to 0 so members keep world-rank order (MPI breaks key ties by rank).
+            return comm.Split(color, key)
+
+        comms = Communicators(world=comm, role=role)
+        comms.run = split(run_index)
+        comms.group = split(role.group if in_run else undefined)
+        if self.topology == "master-worker":
+            if role.kind == "master":
+                comms.block = split(run_index * self.masters + role.master, 0)
+            elif role.is_leader:
+                comms.block = split(run_index * self.masters + role.master, role.worker + 1)
+            else:
+                comms.block = split(undefined)
+            is_master = role.kind == "master"
+            comms.masters = split(run_index if is_master else undefined, role.master or 0)
+        # A worker's leader rank is unique in the world: a ready-made colour for its processes.
+        leader = role.rank - (role.proc or 0)
+        comms.worker = split(leader if role.kind == "worker" else undefined, role.proc or 0)
+        if self.topology == "allreduce":
+            comms.leaders = split(run_index if role.is_leader else undefined, role.worker or 0)
+        return comms
+
+
+def _null() -> Any:
+    from mpi4py import MPI
+
+    return MPI.COMM_NULL
+
+
+@dataclass(slots=True)
+class Communicators:
+    """The calling rank's communicators; `MPI.COMM_NULL` where it is not a member.
+
+    run      all ranks of this rank's fold (one training run), in world-rank order
+    group    all ranks of this rank's group
+    block    master-worker: master m (rank 0) + the leader of each of its workers (w + 1)
+    masters  master-worker: the masters of the fold, top master = rank 0
+    worker   the processes of this rank's worker, leader = rank 0
+    leaders  allreduce: the leaders of all workers of the fold, worker w = rank w
+    """
+
+    world: Any
+    role: Role
+    run: Any = field(default_factory=_null)
+    group: Any = field(default_factory=_null)
+    block: Any = field(default_factory=_null)
+    masters: Any = field(default_factory=_null)
+    worker: Any = field(default_factory=_null)
+    leaders: Any = field(default_factory=_null)
+
+    def free(self) -> None:
+        """Free the sub-communicators `split` made (never `world`); safe to call twice."""
+        from mpi4py import MPI
+
+        for name in ("run", "group", "block", "masters", "worker", "leaders"):
+            comm = getattr(self, name)
+            if comm != MPI.COMM_NULL:
+                comm.Free()
+            setattr(self, name, MPI.COMM_NULL)
+
+    def __enter__(self) -> Communicators:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.free()

@@ -1,0 +1,6 @@
+"""Metric records, the per-run log written by each rank, and reading it back."""
+
+from nbdist.metrics.log import RunLog, read_log
+from nbdist.metrics.record import Record
+
+__all__ = ["Record", "RunLog", "read_log"]

@@ -1,0 +1,22 @@
+"""The metric record: small, append-only, the same from every rank."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(slots=True)
+class Record:
+    run: str
+    trial: int | None
+    rank: int
+    role: str  # "master" | "worker" | "coordinator"
+    kind: str  # "train", "update", "epoch", "phase", "run", ...
+    step: int
+    epoch: int
+    time: float  # seconds since the epoch (time.time())
+    values: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,150 @@
+"""The options of a training run: one typed config behind the CLI, the magics and the API.
+
+Each field carries its flag and help; `add_arguments` builds the argparse parser from
+them, so `python -m nbdist train`, `%%distnn train` and `nbdist.train(...)` take the same
+names with the same meaning. Validation that needs no model happens here, at the edge.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from nbdist.errors import OptionsError
+
+__all__ = ["TrainOptions", "add_arguments", "options_from_args", "Target", "parse_target"]
+
+TOPOLOGIES = ("master-worker", "allreduce")
+
+
+def _opt(default: Any, help: str, **extra: Any) -> Any:
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass
+class TrainOptions:
+    model: str | None = _opt(None, "Python file defining build_model() (and optionally loss, metric, data)")
+    topology: str = _opt("master-worker", "master-worker (parameter server) or allreduce", choices=TOPOLOGIES)
+    algorithm: str | None = _opt(
+        None,
+        "update rule, optionally with parameters: downpour (default), easgd(elastic_force=0.5, "
+        "elastic_lr=1.0, elastic_momentum=0.0), gem(lr=0.05, momentum=0.9, kappa=1.0), adag; "
+        "allreduce uses sgd",
+    )
+    synchronous: bool = _opt(False, "master waits for every worker before each update (master-worker)")
+    workers: int | None = _opt(None, "workers per master (default: fill the MPI ranks)")
+    masters: int = _opt(1, "masters per run; >1 puts sub-masters under a top master")
+    procs_per_worker: int = _opt(1, "MPI processes per worker (a worker's gradient is allreduced over them)")
+    epochs: int = _opt(5, "number of passes over the training data")
+    batch_size: int = _opt(32, "samples per batch per worker")
+    sync_every: int | None = _opt(None, "batches between a worker's exchanges with its master (default per algorithm)")
+    worker_optimizer: str | None = _opt(None, "worker optimizer, e.g. sgd(lr=0.05, momentum=0.9) or adam(lr=1e-3)")
+    master_optimizer: str | None = _opt(None, "master optimizer (downpour), e.g. sgd(lr=0.05) or adam(lr=1e-3)")
+    seed: int = _opt(0, "seed for weights, shuffling and dropout")
+    validate_every: int = _opt(1, "validate every N epochs")
+    early_stopping: int | None = _opt(None, "stop after N validations without improvement of --monitor")
+    monitor: str = _opt("val_loss", "metric watched by early stopping: val_loss, val_acc, ...")
+    min_delta: float = _opt(0.0, "smallest change of --monitor that counts as an improvement")
+    target: str | None = _opt(None, "stop when a condition holds, e.g. 'val_acc > 0.97'")
+    checkpoint_every: int = _opt(0, "write a checkpoint every N epochs (one is always written at the end)")
+    resume: str | None = _opt(None, "run directory to resume from its last checkpoint")
+    runs_dir: str = _opt("runs", "where run directories are created")
+    run_name: str | None = _opt(None, "name of the run directory (default: time, algorithm, topology)")
+    threads: int = _opt(1, "torch threads per rank")
+    bucket_mb: float = _opt(2.0, "allreduce bucket size in MB (gradients reduced while backward runs)")
+    quiet: bool = _opt(False, "print only the final summary")
+
+    # -- validation -----------------------------------------------------------------
+    def validate(self) -> "TrainOptions":
+        if self.topology not in TOPOLOGIES:
+            raise OptionsError(f"unknown topology {self.topology!r}; choose one of: {', '.join(TOPOLOGIES)}")
+        positive = ("epochs", "batch_size", "masters", "procs_per_worker", "validate_every", "threads")
+        for name in positive:
+            if int(getattr(self, name)) < 1:
+                raise OptionsError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        for name in ("workers", "sync_every", "early_stopping"):
+            value = getattr(self, name)
+            if value is not None and int(value) < 1:
+                raise OptionsError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        if self.checkpoint_every < 0:
+            raise OptionsError("--checkpoint-every must be 0 (only at the end) or more")
+        if self.target is not None:
+            parse_target(self.target)
+        if self.topology == "allreduce" and self.masters != 1:
+            raise OptionsError("--masters applies to the master-worker topology; allreduce has no master")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "TrainOptions":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise OptionsError(f"unknown option(s): {', '.join(unknown)}")
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> "TrainOptions":
+        return dataclasses.replace(self, **changes)
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
+    """Add every TrainOptions field to `parser` as --kebab-case flags."""
+    for f in fields(TrainOptions):
+        if f.name in skip:
+            continue
+        meta = dict(f.metadata)
+        helptext = meta.pop("help")
+        if f.type in ("bool", bool):
+            parser.add_argument(flag(f.name), action="store_true", default=None, help=helptext)
+            continue
+        kind = {"int": int, "int | None": int, "float": float}.get(str(f.type), str)
+        parser.add_argument(flag(f.name), type=kind, default=None, help=f"{helptext} (default: {f.default})", **meta)
+
+
+def options_from_args(args: argparse.Namespace, base: TrainOptions | None = None) -> TrainOptions:
+    """Options given on the command line over `base` (defaults, or a resumed run's)."""
+    given = {f.name: getattr(args, f.name) for f in fields(TrainOptions)
+             if getattr(args, f.name, None) is not None}
+    return (base or TrainOptions()).replace(**given)
+
+
+# -- target conditions --------------------------------------------------------------
+_TARGET = re.compile(r"^\s*([A-Za-z_][\w.]*)\s*(>=|<=|>|<)\s*([-+0-9.eE]+)\s*$")
+_COMPARE = {">": float.__gt__, ">=": float.__ge__, "<": float.__lt__, "<=": float.__le__}
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    metric: str
+    op: str
+    value: float
+
+    def reached(self, metrics: dict[str, float]) -> bool:
+        if self.metric not in metrics:
+            return False
+        return _COMPARE[self.op](float(metrics[self.metric]), self.value)
+
+    def __str__(self) -> str:
+        return f"{self.metric} {self.op} {self.value:g}"
+
+
+def parse_target(text: str) -> Target:
+    match = _TARGET.match(text)
+    if not match:
+        raise OptionsError(
+            f"cannot read --target {text!r}: write metric, comparison, number, e.g. 'val_acc > 0.97'"
+        )
+    try:
+        value = float(match.group(3))
+    except ValueError:
+        raise OptionsError(f"--target {text!r}: {match.group(3)!r} is not a number") from None
+    return Target(match.group(1), match.group(2), value)

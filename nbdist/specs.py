@@ -1,0 +1,97 @@
+"""Parsing `name(key=value, ...)` specifications: optimizers and algorithms by name.
+
+One syntax serves the command line, the magics and Python calls:
+`adam`, `adam(lr=1e-3, betas=(0.9, 0.99))`, `easgd(elastic_force=0.5)`.
+Only literals are accepted (parsed with `ast`, nothing is evaluated), and names are
+resolved once, at the edge, in a registry, so a typo is one clear error.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from nbdist.errors import UserError
+
+__all__ = ["Spec", "SpecError", "parse_spec", "check_kwargs", "unknown_name"]
+
+
+class SpecError(UserError, ValueError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Spec:
+    name: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        if not self.kwargs:
+            return self.name
+        args = ", ".join(f"{k}={v!r}" for k, v in self.kwargs.items())
+        return f"{self.name}({args})"
+
+    def with_defaults(self, **defaults: Any) -> "Spec":
+        return Spec(self.name, {**defaults, **self.kwargs})
+
+
+def parse_spec(text: "str | Spec | Mapping[str, Any]", *, what: str = "option") -> Spec:
+    """`adam(lr=0.01)` -> Spec('adam', {'lr': 0.01}); a Spec or {'name':..., ...} passes."""
+    if isinstance(text, Spec):
+        return text
+    if isinstance(text, Mapping):
+        kwargs = dict(text)
+        try:
+            name = kwargs.pop("name")
+        except KeyError:
+            raise SpecError(f"{what} {dict(text)!r} needs a 'name'") from None
+        return Spec(str(name).lower(), kwargs)
+    source = str(text).strip()
+    try:
+        node = ast.parse(source, mode="eval").body
+    except SyntaxError:
+        raise SpecError(
+            f"cannot read {what} {source!r}: write a name, or name(key=value, ...), "
+            f"e.g. adam(lr=0.001)"
+        ) from None
+    if isinstance(node, ast.Name):
+        return Spec(node.id.lower())
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args:
+        kwargs = {}
+        for kw in node.keywords:
+            if kw.arg is None:
+                raise SpecError(f"{what} {source!r}: **kwargs is not allowed")
+            try:
+                kwargs[kw.arg] = ast.literal_eval(kw.value)
+            except ValueError:
+                raise SpecError(
+                    f"{what} {source!r}: the value of {kw.arg} must be a literal "
+                    f"(number, string, tuple, True/False/None)"
+                ) from None
+        return Spec(node.func.id.lower(), kwargs)
+    raise SpecError(
+        f"cannot read {what} {source!r}: write a name, or name(key=value, ...) with keyword "
+        f"arguments only, e.g. sgd(lr=0.1, momentum=0.9)"
+    )
+
+
+def unknown_name(what: str, name: str, known: list[str]) -> SpecError:
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return SpecError(f"unknown {what} {name!r}{hint}; choose one of: {', '.join(sorted(known))}")
+
+
+def check_kwargs(what: str, func: Callable[..., Any], kwargs: Mapping[str, Any], *, skip: int = 0) -> None:
+    """Reject keyword arguments that `func` does not take, listing the ones it does."""
+    params = list(inspect.signature(func).parameters.values())[skip:]
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return
+    accepted = [p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    bad = [k for k in kwargs if k not in accepted]
+    if bad:
+        raise SpecError(
+            f"{what} takes no parameter {', '.join(map(repr, bad))}; it takes: {', '.join(accepted)}"
+        )

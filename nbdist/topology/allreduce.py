@@ -1,0 +1,176 @@
+"""Allreduce topology: every rank is a worker; gradients are summed over all of them.
+
+Gradients are reduced in buckets while backward is still running: the backend calls
+back as soon as a contiguous bucket of the flat gradient is final, and that bucket's
+`Iallreduce` starts at once (later layers' buckets finish first). Each call also pokes
+MPI (`Testall`) so the reductions progress during the rest of the backward pass. After
+backward, the rank waits for the last buckets, and every rank steps the same optimiser
+on the same gradient, so the replicas stay bit-identical.
+
+A four-number trailer (samples, loss sum, metric sum, stop requests) is reduced with
+the gradient: the global training loss costs no extra message, and a stop requested on
+any rank (signal) stops every rank at the same step.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from nbdist.algorithms import allreduce_sgd
+from nbdist.backends.base import BatchStats
+from nbdist.data.sharding import ShardPlan, split_evenly
+from nbdist.errors import TrainingError
+from nbdist.topology.waiting import wait_all
+from nbdist.train.context import RankContext
+from nbdist.train.progress import EpochTally, RunResult, epoch_metrics, format_epoch, write_final
+from nbdist.train.state import load_rank_state, save_rank_state
+
+__all__ = ["run_allreduce", "GradientReducer"]
+
+REPORT_EVERY = 0.5
+
+
+class GradientReducer:
+    """Starts one in-place Iallreduce per gradient bucket from inside backward."""
+
+    __slots__ = ("comm", "grads", "buckets", "requests")
+
+    def __init__(self, comm: MPI.Intracomm, backend, bucket_floats: int):
+        self.comm = comm
+        self.grads = backend.grads
+        self.requests: list[MPI.Request] = []
+        self.buckets = backend.bucket_hooks(bucket_floats, self._bucket_ready)
+
+    def _bucket_ready(self, index: int) -> None:
+        start, stop = self.buckets[index]
+        self.requests.append(self.comm.Iallreduce(MPI.IN_PLACE, self.grads[start:stop], op=MPI.SUM))
+        MPI.Request.Testall(self.requests)  # progress the earlier buckets
+
+    def finish(self, trailer: np.ndarray) -> None:
+        self.requests.append(self.comm.Iallreduce(MPI.IN_PLACE, trailer, op=MPI.SUM))
+        wait_all(self.requests)
+        self.requests.clear()
+
+
+def run_allreduce(ctx: RankContext) -> RunResult | None:
+    comm = ctx.comms.run
+    rank, size = comm.Get_rank(), comm.Get_size()
+    backend = ctx.backend
+    params, grads, model_state = backend.params, backend.grads, backend.state
+    opt = backend.make_optimizer(ctx.worker_optimizer)
+    reducer = GradientReducer(comm, backend, max(1, int(ctx.options.bucket_mb * 2**20 / 4)))
+    plan = ShardPlan(ctx.data.n_train, size, ctx.options.batch_size, ctx.options.seed)
+    val_indices = split_evenly(np.arange(ctx.data.n_val), size, rank)
+
+    history: list[dict] = []
+    start_epoch, start_step = 0, 0
+    if ctx.resume_from is not None:
+        extra = load_rank_state(ctx, ctx.resume_from, opt, None)
+        start_epoch, start_step = int(extra["epoch"]), int(extra["step"])
+        ctx.early.load_json(extra.get("early", {}))
+        history = list(extra.get("history", []))
+        ctx.say(f"resumed from {ctx.resume_from} at epoch {start_epoch + 1}")
+    else:
+        comm.Bcast(params, root=0)
+        comm.Bcast(model_state, root=0)
+
+    trailer = np.zeros(4, np.float32)
+    started = time.time()
+    stop_reason = ""
+    report = BatchStats()
+    phases = {"compute": 0.0, "wait": 0.0, "update": 0.0}
+    since = time.monotonic()
+
+    def save(label: str, epoch: int, step: int) -> None:
+        save_rank_state(ctx, label, opt, None, {"epoch": epoch, "step": step,
+                                                "early": ctx.early.to_json(), "history": history})
+        comm.Barrier()  # every rank's file is on disk before the directory is committed
+        if rank == 0:
+            ctx.checkpoints.commit(label, {"label": label, "layout": ctx.layout.to_dict(),
+                                           "options": ctx.options.to_dict(), "time": time.time()})
+
+    epoch = start_epoch
+    for epoch in range(start_epoch, ctx.options.epochs):
+        tally = EpochTally()
+        batches = plan.epoch(epoch, rank)
+        sizes = plan.step_sizes(epoch)
+        first = start_step if epoch == start_epoch else 0
+        for step in range(first, len(batches)):
+            t0 = time.perf_counter()
+            x, y = ctx.data.train_batch(batches[step])
+            share = allreduce_sgd.sample_share(sizes[step], rank)
+            stats = backend.compute_gradients(x, y, scale=share)
+            t1 = time.perf_counter()
+            trailer[:] = (stats.n, stats.loss_sum, stats.metric_sum, float(ctx.stop.requested))
+            reducer.finish(trailer)
+            t2 = time.perf_counter()
+            if not np.isfinite(trailer[1]):
+                raise TrainingError(
+                    f"the loss became NaN at epoch {epoch + 1}, batch {step + 1}: lower the learning "
+                    f"rate or check the data"
+                )
+            allreduce_sgd.apply(opt, grads)
+            t3 = time.perf_counter()
+            phases["compute"] += t1 - t0
+            phases["wait"] += t2 - t1
+            phases["update"] += t3 - t2
+            global_stats = BatchStats(float(trailer[1]), float(trailer[2]), int(trailer[0]))
+            tally.train.add(global_stats)
+            report.add(stats)
+            if time.monotonic() - since >= REPORT_EVERY:
+                _report(ctx, report, phases, since, epoch, step)
+                report, since = BatchStats(), time.monotonic()
+                phases = dict.fromkeys(phases, 0.0)
+            if trailer[3] > 0:
+                stop_reason = "stopped by a signal"
+                save(f"stopped-{epoch:04d}{step + 1:06d}", epoch, step + 1)
+                break
+        if stop_reason:
+            break
+        tally.ended = size
+        val = None
+        if (epoch + 1) % ctx.options.validate_every == 0 or epoch + 1 == ctx.options.epochs:
+            val = _validate(ctx, comm, val_indices, size)
+        metrics = epoch_metrics(epoch, tally, val, time.time() - tally.started, backend.metric_name)
+        history.append(metrics)
+        ctx.log.emit("epoch", metrics, step=(epoch + 1) * len(batches), epoch=epoch + 1)
+        ctx.say(format_epoch(metrics, ctx.options.epochs))
+        decision = ctx.early.update(metrics)
+        if ctx.checkpoint_due(epoch + 1) or decision.stop:
+            save(f"epoch-{epoch + 1:04d}", epoch + 1, 0)
+        if decision.stop:
+            stop_reason = decision.reason
+            break
+
+    _report(ctx, report, phases, since, epoch, 0)
+    reason = stop_reason or f"completed {ctx.options.epochs} epochs"
+    ctx.log.emit("run", {"status": "stopped" if stop_reason else "completed", "reason": reason})
+    ctx.log.close()
+    if rank != 0:
+        return None
+    return write_final(ctx.run_dir, backend.named_arrays(), history, reason, time.time() - started)
+
+
+def _validate(ctx: RankContext, comm: MPI.Intracomm, indices: np.ndarray, size: int) -> BatchStats:
+    """Each rank evaluates its slice of the validation set; the sums are added up."""
+    state = ctx.backend.state
+    if state.size:
+        # BatchNorm statistics differ per rank (each saw its own batches): use their mean.
+        comm.Allreduce(MPI.IN_PLACE, state, op=MPI.SUM)
+        state /= np.float32(size)
+    x, y = ctx.data.val_batch(indices)
+    local = ctx.backend.evaluate(x, y) if len(indices) else BatchStats()
+    sums = np.array([local.loss_sum, local.metric_sum, local.n], np.float64)
+    comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
+    return BatchStats(float(sums[0]), float(sums[1]), int(sums[2]))
+
+
+def _report(ctx: RankContext, stats: BatchStats, phases: dict, since: float, epoch: int, step: int) -> None:
+    elapsed = time.monotonic() - since
+    ctx.log.emit("train", {"samples": stats.n, "samples_per_s": stats.n / elapsed if elapsed else 0.0,
+                           "loss": stats.loss, ctx.backend.metric_name or "metric": stats.metric,
+                           "compute_s": phases["compute"], "wait_s": phases["wait"],
+                           "update_s": phases["update"]}, step=step, epoch=epoch)

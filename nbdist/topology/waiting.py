@@ -1,0 +1,58 @@
+"""Waiting on MPI requests without blocking inside MPI.
+
+A rank blocked in MPI_Wait runs no Python signal handler (a stop request would not get
+through) and, oversubscribed, burns the core another rank needs. So waits here spin on
+Test for a short while (replies usually come within microseconds), then sleep with a
+growing back-off that gives the core away.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+from mpi4py import MPI
+
+__all__ = ["wait", "wait_all", "wait_some"]
+
+SPIN_SECONDS = 2e-4
+FIRST_SLEEP = 5e-5
+LONGEST_SLEEP = 2e-3
+
+
+class _Backoff:
+    __slots__ = ("spin_until", "delay")
+
+    def __init__(self) -> None:
+        self.spin_until = time.perf_counter() + SPIN_SECONDS
+        self.delay = 0.0
+
+    def pause(self) -> None:
+        if time.perf_counter() < self.spin_until:
+            return
+        self.delay = min(self.delay * 2 or FIRST_SLEEP, LONGEST_SLEEP)
+        time.sleep(self.delay)
+
+
+def wait(request: MPI.Request, status: MPI.Status | None = None) -> None:
+    backoff = _Backoff()
+    while not request.Test(status):
+        backoff.pause()
+
+
+def wait_all(requests: Sequence[MPI.Request]) -> None:
+    backoff = _Backoff()
+    while not MPI.Request.Testall(requests):
+        backoff.pause()
+
+
+def wait_some(requests: list[MPI.Request]) -> list[int]:
+    """Indices of the requests that completed (at least one, unless all are null)."""
+    backoff = _Backoff()
+    while True:
+        done = MPI.Request.Testsome(requests)
+        if done is None:  # every request is null
+            return []
+        if done:
+            return list(done)
+        backoff.pause()

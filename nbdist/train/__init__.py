@@ -1,0 +1,1 @@
+"""The per-rank training loop and its services: checkpoints, early stopping, results."""

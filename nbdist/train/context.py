@@ -1,0 +1,243 @@
+"""Setting up one rank: options, layout, model, data, rule and run directory.
+
+Everything that can be wrong with the user's input is checked here, on every rank,
+before any rank starts to train; the ranks then agree (one small allgather) so that a
+mistake becomes the same clear error everywhere instead of a hang or a traceback from
+one rank.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from nbdist.algorithms import Algorithm, make_algorithm
+from nbdist.backends import Backend, backend_for
+from nbdist.backends.base import ModelError
+from nbdist.data.arrays import ArrayData
+from nbdist.errors import OptionsError, UserError
+from nbdist.layout import Communicators, Layout, Role
+from nbdist.metrics.log import RunLog
+from nbdist.options import TrainOptions, parse_target
+from nbdist.specs import Spec, parse_spec
+from nbdist.train.checkpoint import CheckpointError, Checkpoints
+from nbdist.train.definition import ModelDefinition
+from nbdist.train.stopping import EarlyStopping, StopFlag
+
+__all__ = ["RankContext", "prepare", "agree"]
+
+# Workers explore with momentum; a Downpour master gets none by default, because
+# asynchronous updates already act as momentum (Hermans & Louppe, 2018) and the two
+# together diverge.
+DEFAULT_WORKER_OPTIMIZER = "sgd(lr=0.1, momentum=0.9)"
+DEFAULT_MASTER_OPTIMIZER = "sgd(lr=0.1)"
+ALLREDUCE_RULES = ("sgd", "allreduce")
+
+
+@dataclass
+class RankContext:
+    options: TrainOptions
+    layout: Layout
+    role: Role
+    comms: Communicators
+    backend: Backend
+    data: ArrayData
+    algorithm: Algorithm | None  # None in the allreduce topology
+    sync_every: int
+    worker_optimizer: Spec | None
+    master_optimizer: Spec | None
+    run_dir: Path
+    run_id: str
+    log: RunLog
+    stop: StopFlag
+    checkpoints: Checkpoints
+    resume_from: Path | None
+    early: EarlyStopping
+    is_leader: bool  # prints progress and writes run-level files
+
+    def say(self, text: str) -> None:
+        if self.is_leader and not self.options.quiet:
+            print(text, flush=True)
+
+    def checkpoint_due(self, epochs_done: int) -> bool:
+        every = self.options.checkpoint_every
+        return epochs_done == self.options.epochs or (every > 0 and epochs_done % every == 0)
+
+
+def agree(comm: Any, error: BaseException | None) -> None:
+    """Collective: raise the same UserError on every rank when any rank failed setup."""
+    messages = comm.allgather(None if error is None else _describe(error))
+    failed = [(rank, msg) for rank, msg in enumerate(messages) if msg is not None]
+    if not failed:
+        return
+    texts = {msg for _, msg in failed}
+    rank, msg = failed[0]
+    if len(failed) < len(messages) and len(texts) == 1:
+        msg = f"{msg} (on rank{'s' if len(failed) > 1 else ''} {', '.join(str(r) for r, _ in failed)})"
+    raise UserError(msg)
+
+
+def _describe(error: BaseException) -> str:
+    if isinstance(error, UserError):
+        return str(error)
+    return f"{type(error).__name__}: {error}"
+
+
+def _resolve_rules(options: TrainOptions) -> tuple[Algorithm | None, int, Spec | None, Spec | None]:
+    if options.topology == "allreduce":
+        spec = parse_spec(options.algorithm or "sgd", what="--algorithm")
+        if spec.name not in ALLREDUCE_RULES:
+            raise OptionsError(
+                f"{spec.name} is a master/worker algorithm; the allreduce topology trains with "
+                f"synchronous sgd (use --topology master-worker for {spec.name})"
+            )
+        if options.master_optimizer:
+            raise OptionsError("--master-optimizer applies to the master-worker topology; allreduce has no master")
+        if options.sync_every not in (None, 1):
+            raise OptionsError("--sync-every applies to the master-worker topology; allreduce syncs every batch")
+        worker = parse_spec(options.worker_optimizer or DEFAULT_WORKER_OPTIMIZER, what="--worker-optimizer")
+        return None, 1, worker, None
+
+    algorithm = make_algorithm(parse_spec(options.algorithm or "downpour", what="--algorithm"))
+    if options.worker_optimizer and not algorithm.uses_worker_optimizer:
+        raise OptionsError(
+            f"{algorithm.name} takes no worker optimizer: its workers step with its own lr and "
+            f"momentum, e.g. --algorithm 'gem(lr=0.05, momentum=0.9)'"
+        )
+    if options.master_optimizer and not algorithm.uses_master_optimizer:
+        raise OptionsError(
+            f"{algorithm.name} takes no master optimizer: its master adds the workers' updates "
+            f"to the centre; drop --master-optimizer"
+        )
+    worker = (parse_spec(options.worker_optimizer or DEFAULT_WORKER_OPTIMIZER, what="--worker-optimizer")
+              if algorithm.uses_worker_optimizer else None)
+    master = (parse_spec(options.master_optimizer or DEFAULT_MASTER_OPTIMIZER, what="--master-optimizer")
+              if algorithm.uses_master_optimizer else None)
+    sync_every = options.sync_every or algorithm.default_sync_every
+    return algorithm, sync_every, worker, master
+
+
+def _probe(backend: Backend, data: ArrayData, source: str) -> None:
+    """One tiny forward pass, so a model that cannot take the data fails here, clearly."""
+    try:
+        backend.evaluate(data.x_train[:2], data.y_train[:2])
+    except UserError:
+        raise
+    except Exception as exc:
+        raise ModelError(
+            f"{source}: the model cannot take the data (features {tuple(data.x_train.shape[1:])}, "
+            f"labels {data.y_train.dtype}): {type(exc).__name__}: {exc}"
+        ) from None
+
+
+def _run_name(options: TrainOptions) -> str:
+    rule = (options.algorithm or ("sgd" if options.topology == "allreduce" else "downpour")).split("(")[0]
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{options.topology}-{rule}"
+
+
+def prepare(
+    options: TrainOptions,
+    definition: ModelDefinition | Callable[[], ModelDefinition],
+    comm: Any,
+    stop: StopFlag,
+) -> RankContext:
+    """Collective over `comm`: build this rank's context or raise one UserError everywhere."""
+    import torch
+
+    error: BaseException | None = None
+    try:
+        options.validate()
+        layout = Layout.for_world(
+            comm.Get_size(), workers=options.workers, masters=options.masters,
+            procs_per_worker=options.procs_per_worker, topology=options.topology,
+        )
+        role = layout.role(comm.Get_rank())
+        algorithm, sync_every, worker_opt, master_opt = _resolve_rules(options)
+        if algorithm is not None:
+            algorithm.bind(layout.workers)
+        resume_from = _find_resume(options, layout)
+        torch.set_num_threads(options.threads)
+        # Same seed on every rank: identical initial replicas even before the first sync.
+        torch.manual_seed(options.seed)
+        definition = definition() if callable(definition) else definition
+        model = definition.make_model()
+        backend = backend_for(model, definition.loss, definition.metric)
+        for spec in (worker_opt, master_opt):
+            if spec is not None:
+                backend.check_optimizer(spec)
+        data = definition.make_data()
+        _probe(backend, data, definition.source)
+        # Dropout differs per rank after this point; weights do not.
+        torch.manual_seed(options.seed * 100003 + role.rank)
+    except UserError as exc:
+        error = exc
+    except Exception as exc:  # a bug or a user-code failure: keep it visible, named
+        error = UserError(f"setup failed: {type(exc).__name__}: {exc}")
+    agree(comm, error)
+
+    comms = layout.split(comm)
+    run_comm = comms.run
+    is_leader = run_comm.Get_rank() == 0
+    run_dir = Path(options.resume) if resume_from is not None else None
+    if run_dir is None:
+        name = None
+        if is_leader:
+            name = options.run_name or _run_name(options)
+            run_dir = _fresh_dir(Path(options.runs_dir), name)
+            name = str(run_dir)
+        run_dir = Path(run_comm.bcast(name, root=0))
+    if is_leader:
+        _write_run_files(run_dir, options, layout)
+    run_id = run_dir.name
+    log = RunLog(run_dir, run_id, comm.Get_rank(), role.kind)
+    early = EarlyStopping(
+        options.monitor, options.early_stopping, options.min_delta,
+        parse_target(options.target) if options.target else None,
+    )
+    return RankContext(
+        options=options, layout=layout, role=role, comms=comms, backend=backend, data=data,
+        algorithm=algorithm, sync_every=sync_every, worker_optimizer=worker_opt,
+        master_optimizer=master_opt, run_dir=run_dir, run_id=run_id, log=log, stop=stop,
+        checkpoints=Checkpoints(run_dir), resume_from=resume_from, early=early, is_leader=is_leader,
+    )
+
+
+def _find_resume(options: TrainOptions, layout: Layout) -> Path | None:
+    if not options.resume:
+        return None
+    run_dir = Path(options.resume)
+    if not (run_dir / "options.json").exists():
+        raise CheckpointError(f"--resume {options.resume}: not a run directory (no options.json)")
+    latest = Checkpoints(run_dir).latest()
+    if latest is None:
+        raise CheckpointError(f"--resume {options.resume}: the run has no complete checkpoint")
+    saved = Checkpoints.read_meta(latest).get("layout", {})
+    if saved and Layout.from_dict(saved) != layout:
+        raise CheckpointError(
+            f"--resume {options.resume}: the checkpoint was written by {saved.get('describe')}, "
+            f"this run is {layout.describe()}; resume with the same number of ranks and layout"
+        )
+    return latest
+
+
+def _fresh_dir(root: Path, name: str) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    candidate, n = root / name, 1
+    while candidate.exists():
+        n += 1
+        candidate = root / f"{name}-{n}"
+    candidate.mkdir()
+    return candidate
+
+
+def _write_run_files(run_dir: Path, options: TrainOptions, layout: Layout) -> None:
+    with open(run_dir / "options.json", "w", encoding="utf-8") as fh:
+        json.dump(options.to_dict(), fh, indent=1)
+    with open(run_dir / "layout.json", "w", encoding="utf-8") as fh:
+        json.dump(layout.to_dict(), fh, indent=1)
+    (run_dir / "layout.txt").write_text(layout.tree() + "\n", encoding="utf-8")

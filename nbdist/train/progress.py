@@ -1,0 +1,98 @@
+"""Per-epoch bookkeeping shared by the topologies: tallies, the epoch line, the decision."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from safetensors.numpy import save_file
+
+from nbdist.backends.base import BatchStats
+from nbdist.errors import TrainingError
+from nbdist.train.stopping import StopDecision
+
+__all__ = ["EpochTally", "epoch_metrics", "format_epoch", "RunResult", "write_final"]
+
+
+@dataclass(slots=True)
+class EpochTally:
+    """Sums over one epoch's training updates (from every worker)."""
+
+    train: BatchStats = field(default_factory=BatchStats)
+    ended: int = 0  # workers that finished this epoch
+    updates: int = 0
+    staleness_sum: int = 0
+    staleness_max: int = 0
+    started: float = field(default_factory=time.time)
+
+    def add_staleness(self, value: int) -> None:
+        self.updates += 1
+        self.staleness_sum += value
+        self.staleness_max = max(self.staleness_max, value)
+
+
+def epoch_metrics(epoch: int, tally: EpochTally, val: BatchStats | None, seconds: float,
+                  metric_name: str | None) -> dict[str, Any]:
+    m: dict[str, Any] = {"epoch": epoch + 1, "train_loss": tally.train.loss,
+                         "samples": tally.train.n, "seconds": seconds,
+                         "samples_per_s": tally.train.n / seconds if seconds > 0 else float("nan")}
+    if metric_name:
+        m[f"train_{metric_name}"] = tally.train.metric
+    if val is not None:
+        m["val_loss"] = val.loss
+        if metric_name:
+            m[f"val_{metric_name}"] = val.metric
+        if not math.isfinite(val.loss):
+            raise TrainingError(
+                f"the validation loss is {val.loss} after epoch {epoch + 1}: the weights diverged; "
+                f"lower the learning rate"
+            )
+    if tally.updates:
+        m["staleness_mean"] = tally.staleness_sum / tally.updates
+        m["staleness_max"] = tally.staleness_max
+    return m
+
+
+def format_epoch(m: dict[str, Any], epochs: int) -> str:
+    parts = [f"epoch {m['epoch']:>3}/{epochs}"]
+    for key in m:
+        if key.startswith(("train_", "val_")):
+            parts.append(f"{key} {m[key]:.4f}")
+    parts.append(f"{m['samples_per_s']:8.0f} samples/s")
+    if "staleness_mean" in m:
+        parts.append(f"staleness {m['staleness_mean']:.2f} (max {m['staleness_max']})")
+    parts.append(f"{m['seconds']:.2f}s")
+    return "  ".join(parts)
+
+
+@dataclass(slots=True)
+class RunResult:
+    run_dir: Path
+    history: list[dict[str, Any]]
+    stop_reason: str
+    seconds: float
+    final: dict[str, Any]
+
+    @property
+    def weights_path(self) -> Path:
+        return self.run_dir / "final" / "model.safetensors"
+
+
+def write_final(run_dir: Path, named_arrays: dict[str, Any], history: list[dict[str, Any]],
+                stop_reason: str, seconds: float, decision: StopDecision | None = None) -> RunResult:
+    """Final weights (safetensors, loadable with load_state_dict) and summary.json."""
+    final_dir = run_dir / "final"
+    final_dir.mkdir(parents=True, exist_ok=True)
+    tmp = final_dir / "model.safetensors.tmp"
+    save_file({k: v for k, v in named_arrays.items()}, str(tmp))
+    tmp.replace(final_dir / "model.safetensors")
+    final = dict(history[-1]) if history else {}
+    summary = {"stop_reason": stop_reason, "seconds": seconds, "epochs_run": len(history),
+               "final": final, "history": history}
+    with open(run_dir / "summary.json", "w", encoding="utf-8") as fh:
+        json.dump(summary, fh, indent=1, default=lambda v: None)
+    return RunResult(run_dir, history, stop_reason, seconds, final)

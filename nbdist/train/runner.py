@@ -1,0 +1,51 @@
+"""One rank's whole run: set up, train in its role, return the result (on the leader)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+from nbdist.errors import OptionsError
+from nbdist.options import TrainOptions
+from nbdist.train.context import prepare
+from nbdist.train.definition import ModelDefinition
+from nbdist.train.progress import RunResult
+from nbdist.train.stopping import StopFlag
+
+__all__ = ["run_rank"]
+
+
+def run_rank(options: TrainOptions, definition: ModelDefinition | Callable[[], ModelDefinition],
+             comm: Any = None, stop: StopFlag | None = None) -> RunResult | None:
+    """Collective over `comm` (default COMM_WORLD). Returns the RunResult on the run's
+    leader (the top master, or rank 0 of an allreduce run), None elsewhere."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD if comm is None else comm
+    if stop is None:
+        stop = StopFlag()
+        if threading.current_thread() is threading.main_thread():
+            stop.install()
+    if options.topology == "master-worker" and options.masters > 1:
+        raise OptionsError(
+            "--masters > 1 (sub-masters under a top master) is laid out by `nbdist layout` but "
+            "cannot train yet; use --masters 1"
+        )
+    ctx = prepare(options, definition, comm, stop)
+    ctx.say(f"nbdist: {ctx.layout.describe()}, {ctx.options.topology}"
+            + (f", {ctx.algorithm!r}" if ctx.algorithm else ", synchronous sgd")
+            + (", synchronous" if options.synchronous and ctx.algorithm else "")
+            + f"; run directory {ctx.run_dir}")
+    try:
+        if options.topology == "allreduce":
+            from nbdist.topology.allreduce import run_allreduce
+
+            return run_allreduce(ctx)
+        from nbdist.topology.master_worker import run_master, run_worker
+
+        if ctx.role.kind == "master":
+            return run_master(ctx)
+        run_worker(ctx)
+        return None
+    finally:
+        ctx.comms.free()

@@ -1,0 +1,46 @@
+"""One rank's share of a checkpoint: weights, optimiser, rule state, RNG, position."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from nbdist.algorithms.base import RuleState
+from nbdist.backends.base import FlatOptimizer
+from nbdist.train.checkpoint import CheckpointError
+
+__all__ = ["save_rank_state", "load_rank_state"]
+
+
+def save_rank_state(ctx: Any, label: str, opt: FlatOptimizer | None, rule_state: RuleState | None,
+                    extra: dict[str, Any]) -> None:
+    backend = ctx.backend
+    arrays = {
+        "model": {"params": backend.params, "state": backend.state},
+        "opt": opt.state_arrays() if opt is not None else {},
+        "rule": rule_state.to_arrays() if rule_state is not None else {},
+        "rng": backend.rng_state(),
+    }
+    meta = {"rank": ctx.role.rank, "role": ctx.role.kind, **extra}
+    ctx.checkpoints.write_rank(label, ctx.comms.world.Get_rank(), arrays, meta)
+
+
+def load_rank_state(ctx: Any, path: Path, opt: FlatOptimizer | None,
+                    rule_state: RuleState | None) -> dict[str, Any]:
+    """Restore this rank from checkpoint `path`; returns the rank's saved scalars."""
+    backend = ctx.backend
+    arrays, meta = ctx.checkpoints.read_rank(path, ctx.comms.world.Get_rank())
+    model = arrays.get("model", {})
+    if model.get("params") is None or model["params"].shape != backend.params.shape:
+        raise CheckpointError(
+            f"checkpoint {path} holds {getattr(model.get('params'), 'size', 0)} weights for rank "
+            f"{ctx.role.rank}, the model has {backend.params.size}: resume with the same model"
+        )
+    backend.params[:] = model["params"]
+    backend.state[:] = model.get("state", backend.state)
+    if opt is not None:
+        opt.load_state_arrays(arrays.get("opt", {}))
+    if rule_state is not None:
+        rule_state.load_arrays(arrays.get("rule", {}))
+    backend.set_rng_state(arrays.get("rng", {}))
+    return meta

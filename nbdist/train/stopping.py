@@ -1,0 +1,74 @@
+"""Stop requests and the decisions that end a run: signals, early stopping, targets."""
+
+from __future__ import annotations
+
+import math
+import signal
+from dataclasses import dataclass
+
+from nbdist.options import Target
+
+__all__ = ["StopFlag", "EarlyStopping", "StopDecision"]
+
+
+class StopFlag:
+    """Set by SIGUSR1/SIGTERM (what `mpiexec` forwards, and what a notebook's job.stop()
+    sends); the training loops read it at step boundaries and stop together."""
+
+    __slots__ = ("requested", "reason")
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.reason = ""
+
+    def request(self, reason: str) -> None:
+        if not self.requested:
+            self.requested, self.reason = True, reason
+
+    def install(self) -> None:
+        def handler(signum: int, _frame: object) -> None:
+            self.request(f"stopped by {signal.Signals(signum).name}")
+
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, handler)
+
+
+@dataclass(slots=True)
+class StopDecision:
+    stop: bool
+    reason: str = ""
+
+
+class EarlyStopping:
+    """Patience on a validation metric; minimised unless its name says accuracy."""
+
+    __slots__ = ("monitor", "patience", "min_delta", "maximize", "best", "bad_rounds", "target")
+
+    def __init__(self, monitor: str, patience: int | None, min_delta: float, target: Target | None):
+        self.monitor, self.patience, self.min_delta, self.target = monitor, patience, min_delta, target
+        self.maximize = "acc" in monitor or monitor.endswith("auc")
+        self.best = -math.inf if self.maximize else math.inf
+        self.bad_rounds = 0
+
+    def update(self, metrics: dict[str, float]) -> StopDecision:
+        if self.target is not None and self.target.reached(metrics):
+            return StopDecision(True, f"target {self.target} reached")
+        if self.patience is None or self.monitor not in metrics:
+            return StopDecision(False)
+        value = metrics[self.monitor]
+        improved = value > self.best + self.min_delta if self.maximize else value < self.best - self.min_delta
+        if improved:
+            self.best, self.bad_rounds = value, 0
+            return StopDecision(False)
+        self.bad_rounds += 1
+        if self.bad_rounds >= self.patience:
+            return StopDecision(True, f"early stopping: {self.monitor} did not improve for {self.patience} validations")
+        return StopDecision(False)
+
+    def to_json(self) -> dict:
+        return {"best": self.best if math.isfinite(self.best) else None, "bad_rounds": self.bad_rounds}
+
+    def load_json(self, data: dict) -> None:
+        if data.get("best") is not None:
+            self.best = float(data["best"])
+        self.bad_rounds = int(data.get("bad_rounds", 0))

@@ -1,0 +1,61 @@
+"""Shared fixtures: real `mpiexec` runs with a timeout on every wait."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from nbdist.launch import mpi_env, mpiexec_command
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Completed:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+
+def run_mpi(n: int, argv: list[str], *, timeout: float = 120, cwd: Path | None = None) -> Completed:
+    """Run `mpiexec -n n python <argv>`; a run that outlives `timeout` fails the test."""
+    cmd = mpiexec_command(n, argv)
+    try:
+        proc = subprocess.run(
+            cmd, cwd=cwd or ROOT, env=mpi_env(), capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired as exc:
+        out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        err = (exc.stderr or b"").decode() if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+        pytest.fail(f"mpiexec -n {n} {' '.join(argv)} hung for {timeout}s\n{out}\n{err}")
+    return Completed(proc.returncode, proc.stdout, proc.stderr)
+
+
+def run_python(argv: list[str], *, timeout: float = 120, cwd: Path | None = None) -> Completed:
+    """Run `python <argv>` (one process, no mpiexec) with the MPI environment."""
+    try:
+        proc = subprocess.run(
+            [sys.executable, *argv], cwd=cwd or ROOT, env=mpi_env(), capture_output=True,
+            text=True, timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"python {' '.join(argv)} hung for {timeout}s")
+    return Completed(proc.returncode, proc.stdout, proc.stderr)
+
+
+@pytest.fixture
+def mpirun():
+    return run_mpi
+
+
+@pytest.fixture
+def pyrun():
+    return run_python
