@@ -104,7 +104,8 @@ def add_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()
         meta = dict(f.metadata)
         helptext = meta.pop("help")
         if f.type in ("bool", bool):
-            parser.add_argument(flag(f.name), action="store_true", default=None, help=helptext)
+            parser.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, default=None,
+                                help=helptext)
             continue
         kind = {"int": int, "int | None": int, "float": float}.get(str(f.type), str)
         parser.add_argument(flag(f.name), type=kind, default=None, help=f"{helptext} (default: {f.default})", **meta)

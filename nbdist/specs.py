@@ -64,9 +64,12 @@ def parse_spec(text: "str | Spec | Mapping[str, Any]", *, what: str = "option") 
         for kw in node.keywords:
             if kw.arg is None:
                 raise SpecError(f"{what} {source!r}: **kwargs is not allowed")
+            if kw.arg in kwargs:
+                raise SpecError(f"{what} {source!r}: {kw.arg} is given twice")
             try:
                 kwargs[kw.arg] = ast.literal_eval(kw.value)
-            except ValueError:
+            except (ValueError, TypeError, RecursionError):
+                # literal_eval raises TypeError for e.g. {[1]} (an unhashable set member).
                 raise SpecError(
                     f"{what} {source!r}: the value of {kw.arg} must be a literal "
                     f"(number, string, tuple, True/False/None)"
@@ -92,6 +95,5 @@ def check_kwargs(what: str, func: Callable[..., Any], kwargs: Mapping[str, Any],
     accepted = [p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
     bad = [k for k in kwargs if k not in accepted]
     if bad:
-        raise SpecError(
-            f"{what} takes no parameter {', '.join(map(repr, bad))}; it takes: {', '.join(accepted)}"
-        )
+        takes = f"it takes: {', '.join(accepted)}" if accepted else "it takes no parameters"
+        raise SpecError(f"{what} takes no parameter {', '.join(map(repr, bad))}; {takes}")

@@ -43,7 +43,8 @@ class RuleState:
             if isinstance(current, np.ndarray):
                 current[...] = value
             else:
-                setattr(self, f.name, type(current)(value))
+                # .item(): a scalar saved as shape (1,) by older checkpoints loads too.
+                setattr(self, f.name, type(current)(np.asarray(value).item()))
 
 
 @dataclass(slots=True)

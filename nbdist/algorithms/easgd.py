@@ -66,10 +66,11 @@ class EASGD(Algorithm):
     def worker_step(self, state, params, grad, opt) -> bool:
         opt.step(grad)
         state.count += 1
-        return state.count % state.sync_every == 0
+        return state.count >= state.sync_every
 
     def worker_message(self, state, params, out) -> None:
         out[:] = params
+        state.count = 0  # a sync forced at an epoch's end starts a new window
 
     def worker_reply(self, state, params, reply) -> None:
         params -= reply

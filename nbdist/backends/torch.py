@@ -52,15 +52,15 @@ class TorchFlatOptimizer(FlatOptimizer):
         self._param = torch.from_numpy(params)
         kwargs = dict(spec.kwargs)
         if "fused" not in kwargs and "foreach" not in kwargs and _accepts(cls, "fused"):
-            kwargs["fused"] = True
+            try:
+                self._opt = cls([self._param], **kwargs, fused=True)
+                return
+            except (TypeError, ValueError, RuntimeError):
+                pass  # no fused kernel here, or a bad value: the plain path says which
         try:
             self._opt = cls([self._param], **kwargs)
         except (TypeError, ValueError, RuntimeError) as exc:
-            if kwargs.get("fused") and "fused" not in spec.kwargs:
-                kwargs.pop("fused")
-                self._opt = cls([self._param], **kwargs)
-            else:
-                raise SpecError(f"optimizer {spec}: {exc}") from None
+            raise SpecError(f"optimizer {spec}: {exc}") from None
 
     def step(self, grad: np.ndarray) -> None:
         self._param.grad = torch.from_numpy(grad)

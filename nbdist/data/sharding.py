@@ -20,6 +20,8 @@ class ShardPlan:
     def __init__(self, n_samples: int, shards: int, batch_size: int, seed: int = 0):
         if batch_size < 1:
             raise ValueError(f"batch size must be at least 1, got {batch_size}")
+        if shards < 1:
+            raise ValueError(f"the number of workers (shards) must be at least 1, got {shards}")
         self.n_samples = int(n_samples)
         self.shards = int(shards)
         self.batch_size = int(batch_size)

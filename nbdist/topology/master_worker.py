@@ -130,13 +130,15 @@ def run_master(ctx: RankContext) -> RunResult:
                 active.discard(i)
                 requests[i] = MPI.REQUEST_NULL
                 continue
-            _tally(me, msg)
             if msg.has(m.STOP_REQUEST):
                 begin_stop("stop requested")
-            worker_states[i] = msg.state
             if me.stopping:
+                # The update is dropped (and not counted): the worker checkpoints the
+                # state it had before it and leaves.
                 reply(i, m.STOP, center)
                 continue
+            _tally(me, msg)
+            worker_states[i] = msg.state
             update = Update(msg.payload, me.version - int(msg.header[m.VERSION]), int(msg.header[m.SAMPLES]))
             round_updates.append((i, update))
 
@@ -160,10 +162,12 @@ def run_master(ctx: RankContext) -> RunResult:
             last_report = time.monotonic()
         _commit_ready_checkpoints(me, workers)
 
-    # Every worker has said DONE (or failed). Write the stop checkpoint if one is due.
+    # Every worker has said DONE (or failed). The stop checkpoint commits only when every
+    # worker stopped on the same STOP; otherwise the last epoch checkpoint is the state.
     if me.stopping and not me.error:
         _save_master(me, me.stop_label, rule_state, opt, worker_states)
         _commit_ready_checkpoints(me, workers)
+    ctx.checkpoints.discard_incomplete()
     ctx.log.emit("phase", dict(me.phases), step=me.version, epoch=me.next_epoch)
     if me.error:
         ctx.log.emit("run", {"status": "failed", "error": me.error})

@@ -31,7 +31,9 @@ class CheckpointError(UserError):
 
 def flatten_arrays(groups: dict[str, dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     """{'opt': {'exp_avg': a}} -> {'opt/exp_avg': a} (safetensors has flat names)."""
-    return {f"{group}/{name}": np.ascontiguousarray(value)
+    # Not np.ascontiguousarray: it turns 0-d arrays (Adam's step, a rule's counters) into
+    # shape (1,), which then no longer load as scalars on resume.
+    return {f"{group}/{name}": np.asarray(value, order="C")
             for group, arrays in groups.items() for name, value in arrays.items()}
 
 
@@ -73,9 +75,14 @@ class Checkpoints:
         """Make `.tmp-<label>` the checkpoint `<label>`; every rank must have written."""
         tmp, final = self._tmp(label), self.root / label
         _write_json(tmp / "meta.json", meta)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        if final.exists():  # re-committing a label: move the old one aside, never delete first
+            old = self.root / f".old-{label}"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
         _write_json(self.root / "LATEST.json", {"label": label})
         return final
 

@@ -1,0 +1,359 @@
+"""TorchBackend: flat views, gradients, BatchNorm state, bucket hooks, evaluation, optimisers."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from nbdist.backends import backend_for
+from nbdist.backends.base import ModelError
+from nbdist.backends.torch import TorchBackend
+from nbdist.specs import Spec, SpecError, parse_spec
+
+F32 = np.float32
+
+
+def mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 6), nn.Tanh(), nn.Linear(6, 4), nn.ReLU(),
+                         nn.Linear(4, 3))
+
+
+def data(n: int = 9, seed: int = 0, features: int = 5):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, features)).astype(F32), rng.integers(0, 3, size=n)
+
+
+def reversed_flat(tensors) -> np.ndarray:
+    return torch.cat([t.detach().reshape(-1) for t in reversed(list(tensors))]).numpy().copy()
+
+
+def buffer_range(t: torch.Tensor) -> tuple[int, int]:
+    start = t.data_ptr()
+    return start, start + t.numel() * t.element_size()
+
+
+# ----------------------------------------------------------------------------- views
+def test_params_and_grads_are_views_of_the_model():
+    model = mlp()
+    reference = copy.deepcopy(model)
+    backend = TorchBackend(model)
+    n = sum(p.numel() for p in reference.parameters())
+    assert backend.params.shape == (n,) and backend.params.dtype == np.float32
+    assert backend.num_params == n
+    np.testing.assert_array_equal(backend.params, reversed_flat(reference.parameters()))
+
+    x, _ = data()
+    before = model(torch.from_numpy(x)).detach().clone()
+    backend.params[:] = 0.0
+    after = model(torch.from_numpy(x)).detach()
+    assert not torch.equal(before, after)
+    assert torch.count_nonzero(after) == 0  # every weight and bias was zeroed through the view
+    for p in model.parameters():
+        assert torch.count_nonzero(p) == 0
+
+    with torch.no_grad():
+        model[0].bias.fill_(3.5)
+    assert (backend.params == 3.5).sum() == 7
+    lo, hi = backend._slices[-2]  # registered second (0.bias), laid out second to last
+    np.testing.assert_array_equal(backend.params[hi - 7 : hi], 3.5)
+
+
+def test_every_grad_lives_inside_the_flat_buffer():
+    model = mlp()
+    backend = TorchBackend(model)
+    x, y = data()
+    backend.compute_gradients(x, y)
+    p_lo, p_hi = buffer_range(torch.from_numpy(backend.params))
+    g_lo, g_hi = buffer_range(torch.from_numpy(backend.grads))
+    grad_ranges, param_ranges = [], []
+    for p in model.parameters():
+        assert p.grad is not None
+        glo, ghi = buffer_range(p.grad)
+        plo, phi = buffer_range(p)
+        assert g_lo <= glo and ghi <= g_hi
+        assert p_lo <= plo and phi <= p_hi
+        grad_ranges.append((glo, ghi))
+        param_ranges.append((plo, phi))
+    # Disjoint and together exactly the whole buffer.
+    for ranges, (lo, hi) in ((grad_ranges, (g_lo, g_hi)), (param_ranges, (p_lo, p_hi))):
+        ranges.sort()
+        assert ranges[0][0] == lo and ranges[-1][1] == hi
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    # Flat gradient and per-parameter .grad are the same numbers.
+    np.testing.assert_array_equal(backend.grads, reversed_flat(p.grad for p in model.parameters()))
+
+
+def test_gradient_matches_autograd_and_scale_scales():
+    model = mlp()
+    reference = copy.deepcopy(model)
+    backend = TorchBackend(model)
+    x, y = data(11)
+    stats = backend.compute_gradients(x, y)
+    loss = nn.CrossEntropyLoss()(reference(torch.from_numpy(x)), torch.from_numpy(y))
+    loss.backward()
+    expected = reversed_flat(p.grad for p in reference.parameters())
+    np.testing.assert_allclose(backend.grads, expected, rtol=1e-6, atol=1e-8)
+    assert np.abs(expected).max() > 0
+    assert stats.n == 11
+    assert stats.loss_sum == pytest.approx(loss.item() * 11, rel=1e-6)
+    out = reference(torch.from_numpy(x))
+    assert stats.metric_sum == int((out.argmax(1) == torch.from_numpy(y)).sum())
+
+    # Gradients are overwritten, not accumulated, and `scale` multiplies them.
+    backend.compute_gradients(x, y, scale=0.25)
+    np.testing.assert_allclose(backend.grads, 0.25 * expected, rtol=1e-6, atol=1e-9)
+    backend.compute_gradients(x, y)
+    np.testing.assert_allclose(backend.grads, expected, rtol=1e-6, atol=1e-8)
+
+
+def test_batchnorm_statistics_live_in_state():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 3))
+    backend = TorchBackend(model)
+    bn = model[1]
+    assert backend.state.size == 8  # running_mean + running_var (num_batches_tracked is an int)
+    assert backend.state.dtype == np.float32
+    initial = backend.state.copy()
+    np.testing.assert_array_equal(np.sort(initial), np.array([0.0] * 4 + [1.0] * 4, F32))
+    x, y = data(16)
+    backend.compute_gradients(x, y)
+    assert not np.array_equal(backend.state, initial)
+    state = backend.state.copy()
+    values = np.concatenate([bn.running_mean.numpy(), bn.running_var.numpy()])
+    np.testing.assert_array_equal(np.sort(state), np.sort(values))
+    # Writing the state writes the module's buffers (the master averages workers' states).
+    backend.state[:] = 2.0
+    assert torch.all(bn.running_mean == 2.0) and torch.all(bn.running_var == 2.0)
+    backend.state[:] = state
+    # Evaluation uses, and does not change, the running statistics.
+    backend.evaluate(x, y)
+    np.testing.assert_array_equal(backend.state, state)
+    assert model.training
+
+
+# ----------------------------------------------------------------------------- buckets
+def test_bucket_hooks_fire_once_with_final_gradients():
+    model = mlp()
+    backend = TorchBackend(model)
+    n = backend.num_params
+    fired: list[int] = []
+    snapshots: dict[int, np.ndarray] = {}
+    buckets: list[tuple[int, int]] = []
+
+    def on_ready(i: int) -> None:
+        fired.append(i)
+        lo, hi = buckets[i]
+        snapshots[i] = backend.grads[lo:hi].copy()
+
+    buckets.extend(backend.bucket_hooks(30, on_ready))
+    assert len(buckets) >= 3
+    assert buckets[0][0] == 0 and buckets[-1][1] == n
+    assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(buckets, buckets[1:]))
+    # Buckets end at parameter boundaries.
+    ends = {hi for _, hi in backend._slices}
+    assert all(hi in ends for _, hi in buckets)
+
+    for seed in (1, 2):
+        fired.clear()
+        snapshots.clear()
+        x, y = data(8, seed)
+        backend.compute_gradients(x, y)
+        assert sorted(fired) == list(range(len(buckets)))  # each exactly once
+        assert fired == sorted(fired)  # in backward order: the last layers' bucket first
+        for i, (lo, hi) in enumerate(buckets):
+            np.testing.assert_array_equal(snapshots[i], backend.grads[lo:hi])
+        assert any(np.abs(s).max() > 0 for s in snapshots.values())
+
+    with pytest.raises(RuntimeError, match="already installed"):
+        backend.bucket_hooks(30, on_ready)
+
+
+def test_bucket_of_an_unused_parameter_still_fires():
+    class Partly(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.unused = nn.Linear(5, 50)
+            self.a = nn.Linear(5, 6)
+            self.b = nn.Linear(6, 3)
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)))
+
+    torch.manual_seed(0)
+    backend = TorchBackend(Partly())
+    fired: list[int] = []
+    buckets = backend.bucket_hooks(20, fired.append)
+    x, y = data(4)
+    for _ in range(2):
+        fired.clear()
+        backend.compute_gradients(x, y)
+        assert sorted(fired) == list(range(len(buckets)))
+    lo, hi = backend._slices[-2]  # unused.weight (registered first, laid out last)
+    assert not backend.grads[lo:].any()
+
+
+def test_one_big_bucket_when_cap_exceeds_the_model():
+    backend = TorchBackend(mlp())
+    fired: list[int] = []
+    assert backend.bucket_hooks(10**9, fired.append) == [(0, backend.num_params)]
+    backend.compute_gradients(*data())
+    assert fired == [0]
+
+
+# ----------------------------------------------------------------------------- evaluate
+def test_evaluate_sums_loss_and_correct_predictions():
+    model = mlp()
+    backend = TorchBackend(model)
+    x, y = data(10, seed=3)
+    stats = backend.evaluate(x, y, batch_size=4)  # three chunks: 4, 4, 2
+    with torch.no_grad():
+        out = model(torch.from_numpy(x))
+        losses = nn.CrossEntropyLoss(reduction="none")(out, torch.from_numpy(y))
+        correct = int((out.argmax(1) == torch.from_numpy(y)).sum())
+    assert stats.n == 10
+    assert stats.loss_sum == pytest.approx(float(losses.sum()), rel=1e-6)
+    assert stats.metric_sum == correct
+    assert stats.loss == pytest.approx(float(losses.mean()), rel=1e-6)
+    assert backend.metric_name == "acc"
+
+
+def test_binary_accuracy_and_custom_metric():
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    backend = TorchBackend(model, loss=lambda out, y: nn.functional.binary_cross_entropy_with_logits(
+        out.reshape(-1), y))
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(12, 3)).astype(F32)
+    y = (rng.random(12) > 0.5).astype(F32)
+    stats = backend.evaluate(x, y)
+    with torch.no_grad():
+        predicted = (model(torch.from_numpy(x)).reshape(-1) > 0).float()
+    assert stats.metric_sum == int((predicted == torch.from_numpy(y)).sum())
+
+    def mae(out, y):
+        return (out.reshape(-1) - y).abs().mean()
+
+    b2 = TorchBackend(copy.deepcopy(model), loss=lambda o, t: ((o.reshape(-1) - t) ** 2).mean(), metric=mae)
+    assert b2.metric_name == "mae"
+    s2 = b2.evaluate(x, y, batch_size=5)
+    with torch.no_grad():
+        expected = float((model(torch.from_numpy(x)).reshape(-1) - torch.from_numpy(y)).abs().sum())
+    assert s2.metric_sum == pytest.approx(expected, rel=1e-5)
+
+
+# ----------------------------------------------------------------------------- optimisers
+def test_unknown_optimizer_lists_choices():
+    backend = TorchBackend(mlp())
+    with pytest.raises(SpecError) as err:
+        backend.make_optimizer(Spec("rmsprob"))
+    text = str(err.value)
+    assert "did you mean 'rmsprop'" in text
+    for name in ("sgd", "adam", "adamw", "rmsprop"):
+        assert name in text
+    assert "lbfgs" not in text  # needs a closure: cannot step a flat buffer
+
+
+def test_optimizer_bad_kwarg_and_bad_value_are_clear():
+    backend = TorchBackend(mlp())
+    with pytest.raises(SpecError) as err:
+        backend.make_optimizer(parse_spec("sgd(lr=0.1, momentun=0.9)"))
+    assert "momentun" in str(err.value) and "momentum" in str(err.value).split("takes:")[1]
+    with pytest.raises(SpecError, match=r"sgd\(lr=-1\).*[Ii]nvalid learning rate"):
+        backend.make_optimizer(parse_spec("sgd(lr=-1)"))
+    with pytest.raises(SpecError, match="adam"):
+        backend.make_optimizer(parse_spec("adam(lr=0.1, betas=(1.5, 0.9))"))
+
+
+def test_flat_optimizer_matches_per_parameter_optimizer():
+    model = mlp()
+    reference = copy.deepcopy(model)
+    backend = TorchBackend(model)
+    opt = backend.make_optimizer(parse_spec("adamw(lr=0.01, weight_decay=0.1)"))
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01, weight_decay=0.1, foreach=False)
+    for seed in range(4):
+        x, y = data(6, seed)
+        backend.compute_gradients(x, y)
+        opt.step(backend.grads)
+        ref_opt.zero_grad()
+        nn.CrossEntropyLoss()(reference(torch.from_numpy(x)), torch.from_numpy(y)).backward()
+        ref_opt.step()
+    np.testing.assert_allclose(backend.params, reversed_flat(reference.parameters()), rtol=1e-6, atol=1e-7)
+    # The model's .grad views survive the optimizer steps.
+    g_lo, g_hi = buffer_range(torch.from_numpy(backend.grads))
+    for p in model.parameters():
+        assert g_lo <= p.grad.data_ptr() < g_hi
+
+
+@pytest.mark.parametrize("spec", ["adam(lr=0.01)", "sgd(lr=0.05, momentum=0.9)"])
+def test_optimizer_state_round_trip_resumes_exactly(spec):
+    model = mlp()
+    resumed_model = copy.deepcopy(model)
+    fresh_model = copy.deepcopy(model)
+    batches = [data(6, seed) for seed in range(6)]
+
+    a = TorchBackend(model)
+    opt_a = a.make_optimizer(parse_spec(spec))
+    for x, y in batches[:3]:
+        a.compute_gradients(x, y)
+        opt_a.step(a.grads)
+    saved_params = a.params.copy()
+    saved_state = {k: v.copy() for k, v in opt_a.state_arrays().items()}
+    assert saved_state  # Adam: step, exp_avg, exp_avg_sq; SGD: momentum_buffer
+    for x, y in batches[3:]:
+        a.compute_gradients(x, y)
+        opt_a.step(a.grads)
+
+    b = TorchBackend(resumed_model)
+    b.params[:] = saved_params
+    opt_b = b.make_optimizer(parse_spec(spec))
+    opt_b.load_state_arrays(saved_state)
+    for x, y in batches[3:]:
+        b.compute_gradients(x, y)
+        opt_b.step(b.grads)
+    np.testing.assert_array_equal(b.params, a.params)
+    for k, v in opt_a.state_arrays().items():
+        np.testing.assert_array_equal(opt_b.state_arrays()[k], v)
+
+    # Without the state, resuming gives a different trajectory: the state matters.
+    c = TorchBackend(fresh_model)
+    c.params[:] = saved_params
+    opt_c = c.make_optimizer(parse_spec(spec))
+    for x, y in batches[3:]:
+        c.compute_gradients(x, y)
+        opt_c.step(c.grads)
+    assert np.abs(c.params - a.params).max() > 1e-6
+
+
+def test_named_arrays_and_rng_state():
+    model = mlp()
+    backend = TorchBackend(model)
+    named = backend.named_arrays()
+    assert set(named) == set(model.state_dict())
+    backend.params[:] = 1.0
+    assert named["0.weight"].max() != 1.0  # a copy, not a view
+    rng = backend.rng_state()
+    first = torch.rand(3)
+    backend.set_rng_state(rng)
+    assert torch.equal(torch.rand(3), first)
+
+
+# ----------------------------------------------------------------------------- errors
+def test_models_that_cannot_be_trained():
+    with pytest.raises(ModelError, match="no trainable parameters"):
+        TorchBackend(nn.ReLU())
+    frozen = nn.Linear(3, 2)
+    frozen.requires_grad_(False)
+    with pytest.raises(ModelError, match="no trainable parameters"):
+        TorchBackend(frozen)
+    with pytest.raises(ModelError, match="torch.nn.Module"):
+        TorchBackend(lambda x: x)  # type: ignore[arg-type]
+    with pytest.raises(ModelError, match="metric"):
+        TorchBackend(nn.Linear(3, 2), metric="f1")
+    with pytest.raises(ModelError, match="nbdist trains torch.nn.Module"):
+        backend_for(object())
+    assert isinstance(backend_for(nn.Linear(2, 2)), TorchBackend)

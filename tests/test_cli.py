@@ -1,0 +1,58 @@
+"""The command line as a user meets it: layout trees, help, and the demo end to end."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+
+def test_layout_tree_prints_roles_and_ranks(pyrun):
+    out = pyrun(["-m", "nbdist", "layout", "--workers", "2", "--masters", "2"], timeout=60)
+    assert out.returncode == 0, out.output
+    assert "6 ranks" in out.stdout
+    assert re.search(r"master 0 \[top master\]\s+rank 0", out.stdout)
+    assert re.search(r"master 1 \[sub-master\]\s+rank 3", out.stdout)
+    assert len(re.findall(r"worker \d", out.stdout)) == 4
+
+
+def test_layout_from_rank_count_and_json(pyrun):
+    out = pyrun(["-m", "nbdist", "layout", "--ranks", "5", "--json"], timeout=60)
+    assert out.returncode == 0, out.output
+    tree = json.loads(out.stdout)
+    assert tree["n_ranks"] == 5
+    assert tree["options"]["workers"] == 4
+
+
+def test_layout_rank_count_that_does_not_fit(pyrun):
+    out = pyrun(["-m", "nbdist", "layout", "--ranks", "5", "--masters", "2"], timeout=60)
+    assert out.returncode == 2
+    assert "nbdist: error: 5 ranks cannot be laid out" in out.stderr
+    assert "Traceback" not in out.output
+
+
+def test_train_help_lists_every_option(pyrun):
+    from dataclasses import fields
+
+    from nbdist.options import TrainOptions
+
+    out = pyrun(["-m", "nbdist", "train", "--help"], timeout=60)
+    assert out.returncode == 0
+    for f in fields(TrainOptions):
+        assert "--" + f.name.replace("_", "-") in out.stdout
+
+
+@pytest.mark.mpi
+def test_demo_runs_every_setup_and_says_where_results_are(pyrun, tmp_path):
+    out = pyrun(["-m", "nbdist.demo", "--epochs", "1", "--runs-dir", str(tmp_path)], timeout=300)
+    assert out.returncode == 0, out.output
+    table = out.stdout.split("=== digits CNN")[-1]
+    rows = [line for line in table.splitlines() if str(tmp_path) in line]
+    assert len(rows) == 3
+    for row in rows:
+        run_dir = row.split()[-1]
+        summary = json.loads(open(f"{run_dir}/summary.json").read())
+        assert summary["epochs_run"] == 1
+        # One epoch of a CNN on digits is far better than chance (0.1).
+        assert summary["final"]["val_acc"] > 0.5
