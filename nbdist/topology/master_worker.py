@@ -31,6 +31,7 @@ from nbdist.topology.waiting import wait, wait_all, wait_some
 from nbdist.train.context import RankContext
 from nbdist.train.progress import EpochTally, RunResult, epoch_metrics, format_epoch, write_final
 from nbdist.train.state import load_rank_state, save_rank_state
+from nbdist.train.validation import BackgroundValidator
 
 __all__ = ["run_master", "run_worker"]
 
@@ -52,6 +53,13 @@ class _Master:
     master_wrote: set = field(default_factory=set)
     failed: set = field(default_factory=set)
     epoch_clock: float = field(default_factory=time.time)  # when the previous epoch ended
+    validator: BackgroundValidator | None = None
+
+    def begin_stop(self, reason: str) -> None:
+        """From now on every worker's next update is answered with STOP."""
+        if not self.stopping:
+            self.stopping = reason
+            self.stop_label = f"stopped-{self.version:010d}"
     phases: dict = field(default_factory=lambda: {"wait": 0.0, "update": 0.0, "reply": 0.0, "validate": 0.0})
 
 
@@ -64,6 +72,7 @@ def run_master(ctx: RankContext) -> RunResult:
     rule_state = algorithm.new_master_state(n)
     opt = backend.make_optimizer(ctx.master_optimizer) if ctx.master_optimizer else None
     me = _Master(ctx)
+    me.validator = BackgroundValidator(ctx.make_replica, ctx.data.x_val, ctx.data.y_val)
 
     if ctx.resume_from is not None:
         extra = load_rank_state(ctx, ctx.resume_from, opt, rule_state)
@@ -81,7 +90,7 @@ def run_master(ctx: RankContext) -> RunResult:
     active = set(range(workers))
     reply_header = m.new_header()
     world_rank_of = _leader_world_ranks(ctx, workers)
-    started = time.time()
+    started = me.epoch_clock = time.time()  # after the initial broadcast: all ranks are ready
     last_report = time.monotonic()
     synchronous = ctx.options.synchronous
     if me.next_epoch not in me.tallies:
@@ -97,14 +106,9 @@ def run_master(ctx: RankContext) -> RunResult:
         requests[i] = block.Irecv(inbox[i].buffer, source=i + 1, tag=m.TAG_UPDATE)
         me.phases["reply"] += time.perf_counter() - t0
 
-    def begin_stop(reason: str) -> None:
-        if not me.stopping:
-            me.stopping = reason
-            me.stop_label = f"stopped-{me.version:010d}"
-
     while active:
         if ctx.stop.requested:
-            begin_stop(ctx.stop.reason)
+            me.begin_stop(ctx.stop.reason)
         t0 = time.perf_counter()
         if synchronous:
             wait_all([requests[i] for i in sorted(active)])
@@ -126,12 +130,12 @@ def run_master(ctx: RankContext) -> RunResult:
                 text = block.recv(source=i + 1, tag=m.TAG_ERROR_TEXT)
                 me.error = me.error or text
                 me.failed.add(i)
-                begin_stop(f"error on worker {i}")
+                me.begin_stop(f"error on worker {i}")
                 active.discard(i)
                 requests[i] = MPI.REQUEST_NULL
                 continue
             if msg.has(m.STOP_REQUEST):
-                begin_stop("stop requested")
+                me.begin_stop("stop requested")
             if me.stopping:
                 # The update is dropped (and not counted): the worker checkpoints the
                 # state it had before it and leaves.
@@ -157,11 +161,13 @@ def run_master(ctx: RankContext) -> RunResult:
                     reply(i, m.CONTINUE, payload)
 
         _end_finished_epochs(me, workers, worker_states, rule_state, opt)
+        _collect_validation(me, block=False)
         if time.monotonic() - last_report >= REPORT_EVERY:
             ctx.log.emit("phase", dict(me.phases), step=me.version, epoch=me.next_epoch)
             last_report = time.monotonic()
         _commit_ready_checkpoints(me, workers)
 
+    _collect_validation(me, block=True)
     # Every worker has said DONE (or failed). The stop checkpoint commits only when every
     # worker stopped on the same STOP; otherwise the last epoch checkpoint is the state.
     if me.stopping and not me.error:
@@ -208,30 +214,52 @@ def _end_finished_epochs(me: _Master, workers: int, worker_states, rule_state, o
         tally = me.tallies.pop(epoch)
         me.next_epoch += 1
         me.tallies.setdefault(me.next_epoch, EpochTally())
-        val = None
-        if (epoch + 1) % ctx.options.validate_every == 0 or epoch + 1 == ctx.options.epochs:
+        now = time.time()
+        seconds, me.epoch_clock = now - me.epoch_clock, now
+        label = f"epoch-{epoch + 1:04d}" if ctx.checkpoint_due(epoch + 1) else None
+        if not ((epoch + 1) % ctx.options.validate_every == 0 or epoch + 1 == ctx.options.epochs):
+            _finish_epoch(me, epoch, tally, seconds, None)
+        elif ctx.options.synchronous:
+            # Inline, after this round's replies went out: the workers compute meanwhile, and
+            # the stop decision falls at the same step in every run (exact resume).
             t0 = time.perf_counter()
             _average_state(ctx.backend, worker_states)
             val = ctx.backend.evaluate(ctx.data.x_val, ctx.data.y_val)
             me.phases["validate"] += time.perf_counter() - t0
-        now = time.time()
-        seconds, me.epoch_clock = now - me.epoch_clock, now
-        try:
-            metrics = epoch_metrics(epoch, tally, val, seconds, ctx.backend.metric_name)
-        except TrainingError as exc:
-            me.error = me.error or str(exc)
-            me.stopping = me.stopping or "error"
-            return
-        me.history.append(metrics)
-        ctx.log.emit("epoch", metrics, step=me.version, epoch=epoch + 1)
-        ctx.say(format_epoch(metrics, ctx.options.epochs))
-        if not me.stopping:
-            decision = ctx.early.update(metrics)
-            if decision.stop:
-                me.stopping = decision.reason
-                me.stop_label = f"stopped-{me.version:010d}"
-        if ctx.checkpoint_due(epoch + 1):
-            _save_master(me, f"epoch-{epoch + 1:04d}", rule_state, opt, worker_states)
+            _finish_epoch(me, epoch, tally, seconds, val)
+        else:
+            _collect_validation(me, block=True)  # one at a time, in epoch order
+            _average_state(ctx.backend, worker_states)
+            me.validator.start(ctx.backend.params, ctx.backend.state, (epoch, tally, seconds))
+        if label:
+            _save_master(me, label, rule_state, opt, worker_states)
+
+
+def _collect_validation(me: _Master, block: bool) -> None:
+    t0 = time.perf_counter()
+    done = me.validator.poll(block)
+    if block:
+        me.phases["validate"] += time.perf_counter() - t0
+    if done is not None:
+        (epoch, tally, seconds), val = done
+        _finish_epoch(me, epoch, tally, seconds, val)
+
+
+def _finish_epoch(me: _Master, epoch: int, tally: EpochTally, seconds: float, val) -> None:
+    ctx = me.ctx
+    try:
+        metrics = epoch_metrics(epoch, tally, val, seconds, ctx.backend.metric_name)
+    except TrainingError as exc:
+        me.error = me.error or str(exc)
+        me.begin_stop("error")
+        return
+    me.history.append(metrics)
+    ctx.log.emit("epoch", metrics, step=me.version, epoch=epoch + 1)
+    ctx.say(format_epoch(metrics, ctx.options.epochs))
+    if not me.stopping:
+        decision = ctx.early.update(metrics)
+        if decision.stop:
+            me.begin_stop(decision.reason)
 
 
 def _average_state(backend, worker_states: np.ndarray) -> None:

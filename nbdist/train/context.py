@@ -59,6 +59,7 @@ class RankContext:
     resume_from: Path | None
     early: EarlyStopping
     is_leader: bool  # prints progress and writes run-level files
+    make_replica: Callable[[], Backend]  # another copy of the model (background validation)
 
     def say(self, text: str) -> None:
         if self.is_leader and not self.options.quiet:
@@ -167,6 +168,7 @@ def prepare(
         definition = definition() if callable(definition) else definition
         model = definition.make_model()
         backend = backend_for(model, definition.loss, definition.metric)
+        make_replica = _replica_factory(definition)
         for spec in (worker_opt, master_opt):
             if spec is not None:
                 backend.check_optimizer(spec)
@@ -204,7 +206,15 @@ def prepare(
         algorithm=algorithm, sync_every=sync_every, worker_optimizer=worker_opt,
         master_optimizer=master_opt, run_dir=run_dir, run_id=run_id, log=log, stop=stop,
         checkpoints=Checkpoints(run_dir), resume_from=resume_from, early=early, is_leader=is_leader,
+        make_replica=make_replica,
     )
+
+
+def _replica_factory(definition: ModelDefinition) -> Callable[[], Backend]:
+    def make() -> Backend:
+        return backend_for(definition.make_model(), definition.loss, definition.metric)
+
+    return make
 
 
 def _find_resume(options: TrainOptions, layout: Layout) -> Path | None:
