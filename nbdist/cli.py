@@ -25,8 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m nbdist", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    train = sub.add_parser("train", help="train a model under mpiexec/srun",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    # add_arguments writes each default into the help itself (the parser's defaults are
+    # None, so that a resumed run's saved options are not overridden).
+    train = sub.add_parser("train", help="train a model under mpiexec/srun")
     add_arguments(train)
 
     layout = sub.add_parser("layout", help="print the rank layout as a tree")

@@ -30,7 +30,7 @@ class TrainOptions:
     topology: str = _opt("master-worker", "master-worker (parameter server) or allreduce", choices=TOPOLOGIES)
     algorithm: str | None = _opt(
         None,
-        "update rule, optionally with parameters: downpour (default), easgd(elastic_force=0.5, "
+        "update rule, optionally with parameters: downpour (default), easgd(elastic_force=0.9/workers, "
         "elastic_lr=1.0, elastic_momentum=0.0), gem(lr=0.05, momentum=0.9, kappa=1.0), adag; "
         "allreduce uses sgd",
     )

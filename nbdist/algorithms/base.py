@@ -70,7 +70,8 @@ class Algorithm(ABC):
         return f"{self.name}({args})"
 
     def bind(self, workers: int) -> None:
-        """Called once with the number of workers per master, before any update."""
+        """Called once, before any update, with the number of workers whose updates reach
+        the centre (every master's, with sub-masters)."""
 
     # -- worker side ------------------------------------------------------------------
     @abstractmethod

@@ -136,7 +136,9 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
             val = _validate(ctx, comm, val_indices, size)
         metrics = epoch_metrics(epoch, tally, val, time.time() - tally.started, backend.metric_name)
         history.append(metrics)
-        ctx.log.emit("epoch", metrics, step=(epoch + 1) * len(batches), epoch=epoch + 1)
+        if ctx.is_leader:
+            # Every rank holds the same global metrics; one record per epoch, like a master's.
+            ctx.log.emit("epoch", metrics, step=(epoch + 1) * len(batches), epoch=epoch + 1)
         ctx.say(format_epoch(metrics, ctx.options.epochs))
         decision = ctx.early.update(metrics)
         if ctx.checkpoint_due(epoch + 1) or decision.stop:

@@ -1,19 +1,22 @@
 """The wire format between workers and masters: a small header in front of a flat payload.
 
 A worker's message is ONE float32 buffer, [header | payload | model state], sent with
-one `Send`. The header is 8 float64 slots viewed over the first 16 floats (float64 holds
+one `Send`. The header is 9 float64 slots viewed over the first 18 floats (float64 holds
 versions and sample counts exactly). Replies travel as a header message followed by
-the payload array itself, so the master sends its centre without copying it.
+the payload array itself, so the master sends its centre without copying it. A
+sub-master speaks the same format to the top master (topology/hierarchy.py).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-HEADER_FLOATS = 16  # 8 float64 slots
+HEADER_FLOATS = 18  # 9 float64 slots
 
-# slots
-KIND, VERSION, EPOCH, SAMPLES, LOSS_SUM, METRIC_SUM, FLAGS, CHECKPOINT = range(8)
+# slots. CHECKPOINT: one label acknowledged (or, in a STOP reply, the stop label).
+# EPOCHS_ACKED: every epoch checkpoint up to this epoch acknowledged (sub-masters, whose
+# acks can complete several at once; 0 = none).
+KIND, VERSION, EPOCH, SAMPLES, LOSS_SUM, METRIC_SUM, FLAGS, CHECKPOINT, EPOCHS_ACKED = range(9)
 
 # worker -> master kinds
 UPDATE, DONE, ERROR = 1.0, 2.0, 3.0
@@ -58,4 +61,4 @@ class Message:
 
 
 def new_header() -> np.ndarray:
-    return np.zeros(8, dtype=np.float64)
+    return np.zeros(HEADER_FLOATS // 2, dtype=np.float64)

@@ -160,7 +160,10 @@ def prepare(
         role = layout.role(comm.Get_rank())
         algorithm, sync_every, worker_opt, master_opt = _resolve_rules(options)
         if algorithm is not None:
-            algorithm.bind(layout.workers)
+            # Every worker of the run moves the one centre, through its master or a
+            # sub-master's merged push: a synchronous round of EASGD under sub-masters
+            # then pulls the centre exactly as far as one master with all the workers would.
+            algorithm.bind(layout.workers * layout.masters)
         resume_from = _find_resume(options, layout)
         torch.set_num_threads(options.threads)
         # Same seed on every rank: identical initial replicas even before the first sync.

@@ -34,6 +34,16 @@ class EpochTally:
         self.staleness_sum += value
         self.staleness_max = max(self.staleness_max, value)
 
+    def to_json(self) -> list:
+        t = self.train
+        return [t.loss_sum, t.metric_sum, t.n, self.ended, self.updates, self.staleness_sum, self.staleness_max]
+
+    @classmethod
+    def from_json(cls, values: list) -> "EpochTally":
+        loss_sum, metric_sum, n, ended, updates, staleness_sum, staleness_max = values
+        return cls(BatchStats(float(loss_sum), float(metric_sum), int(n)), int(ended), int(updates),
+                   int(staleness_sum), int(staleness_max))
+
 
 def epoch_metrics(epoch: int, tally: EpochTally, val: BatchStats | None, seconds: float,
                   metric_name: str | None) -> dict[str, Any]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
-from nbdist.errors import OptionsError
 from nbdist.options import TrainOptions
 from nbdist.train.context import prepare
 from nbdist.train.definition import ModelDefinition
@@ -26,11 +25,6 @@ def run_rank(options: TrainOptions, definition: ModelDefinition | Callable[[], M
         stop = StopFlag()
         if threading.current_thread() is threading.main_thread():
             stop.install()
-    if options.topology == "master-worker" and options.masters > 1:
-        raise OptionsError(
-            "--masters > 1 (sub-masters under a top master) is laid out by `nbdist layout` but "
-            "cannot train yet; use --masters 1"
-        )
     ctx = prepare(options, definition, comm, stop)
     ctx.say(f"nbdist: {ctx.layout.describe()}, {ctx.options.topology}"
             + (f", {ctx.algorithm!r}" if ctx.algorithm else ", synchronous sgd")
@@ -43,6 +37,11 @@ def run_rank(options: TrainOptions, definition: ModelDefinition | Callable[[], M
             return run_allreduce(ctx)
         from nbdist.topology.master_worker import run_master, run_worker
 
+        if ctx.role.is_sub_master:
+            from nbdist.topology.hierarchy import run_sub_master
+
+            run_sub_master(ctx)
+            return None
         if ctx.role.kind == "master":
             return run_master(ctx)
         run_worker(ctx)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from nbdist.algorithms.base import RuleState
 from nbdist.backends.base import FlatOptimizer
 from nbdist.train.checkpoint import CheckpointError
@@ -13,21 +15,24 @@ __all__ = ["save_rank_state", "load_rank_state"]
 
 
 def save_rank_state(ctx: Any, label: str, opt: FlatOptimizer | None, rule_state: RuleState | None,
-                    extra: dict[str, Any]) -> None:
+                    extra: dict[str, Any], own: dict[str, np.ndarray] | None = None) -> None:
+    """`own`: arrays only this kind of rank has (a sub-master's last pulled centre)."""
     backend = ctx.backend
     arrays = {
         "model": {"params": backend.params, "state": backend.state},
         "opt": opt.state_arrays() if opt is not None else {},
         "rule": rule_state.to_arrays() if rule_state is not None else {},
         "rng": backend.rng_state(),
+        "own": own or {},
     }
     meta = {"rank": ctx.role.rank, "role": ctx.role.kind, **extra}
     ctx.checkpoints.write_rank(label, ctx.comms.world.Get_rank(), arrays, meta)
 
 
 def load_rank_state(ctx: Any, path: Path, opt: FlatOptimizer | None,
-                    rule_state: RuleState | None) -> dict[str, Any]:
-    """Restore this rank from checkpoint `path`; returns the rank's saved scalars."""
+                    rule_state: RuleState | None, own: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
+    """Restore this rank from checkpoint `path` (and the `own` arrays, in place); returns
+    the rank's saved scalars."""
     backend = ctx.backend
     arrays, meta = ctx.checkpoints.read_rank(path, ctx.comms.world.Get_rank())
     model = arrays.get("model", {})
@@ -43,4 +48,9 @@ def load_rank_state(ctx: Any, path: Path, opt: FlatOptimizer | None,
     if rule_state is not None:
         rule_state.load_arrays(arrays.get("rule", {}))
     backend.set_rng_state(arrays.get("rng", {}))
+    saved = arrays.get("own", {})
+    for name, array in (own or {}).items():
+        if name not in saved:
+            raise CheckpointError(f"checkpoint {path} holds no {name!r} for rank {ctx.role.rank}")
+        array[...] = saved[name]
     return meta

@@ -1,0 +1,248 @@
+"""Sub-masters under a top master (`--masters N_M > 1`): workers in groups.
+
+With one master, every worker's every update crosses the same rank. With N_M masters the
+top master serves its own N_W workers plus N_M - 1 sub-masters, and each sub-master
+serves N_W workers: the communication load is spread, at the cost of some staleness.
+
+A sub-master is an ordinary master for its workers (master_worker's serving loop, the
+algorithm's `master_apply` and master optimiser on its OWN copy of the centre) and is
+itself a client of the top master on the `masters` communicator (top master = rank 0).
+After each round's worth of updates (N_W when asynchronous, every round when
+synchronous), at the end of every epoch of its workers, and to pass on a stop request or
+an error, it pushes the top master its displacement since it last pulled,
+
+    delta = local centre - centre at the last pull,
+
+waits for the reply (the top centre) and continues from it. The push comes before the
+round's replies, so its workers continue from the merged centre. The top master merges
+a delta as one update, `centre += delta` (whatever the rule: the sub-master already
+applied the rule to its workers' updates), with its staleness counted in top versions;
+synchronous, its round waits for its workers and every sub-master, so nothing is stale.
+
+A synchronous round thus moves the centre by the sum of the masters' steps from the same
+centre. For EASGD (and GEM, ADAG) that is exactly one master serving all the workers,
+because the elastic force is bound to every worker of the run (train/context.py); a
+Downpour master steps its own optimiser on its own workers' mean gradient, so the
+centre takes N_M such steps per round, as asynchronous Downpour applies every push.
+
+Message, as a worker's: [header | delta | model state] (the state is the mean of its
+workers'), VERSION = the top version of the last pull. Its header forwards
+
+  EPOCH_END    with the epoch's train sums of its workers (other pushes carry 0 samples),
+               so the top master's epoch ends when its workers and every sub-master ended it;
+  STOP_REQUEST a signal or a worker's request: only the top master decides a stop;
+  ERROR + text a worker failed; the top master replies STOP (and later raises one
+               error naming the worker), the sub-master stops its other workers;
+  DONE         once all its workers are DONE (after an ERROR too, so that the top master
+               leaves only when no rank of the run still writes into its directory);
+  EPOCHS_ACKED every epoch checkpoint up to there is complete below it (its workers' files
+               and its own), cumulative because several can complete between two pushes;
+               CHECKPOINT in DONE acknowledges the stop checkpoint.
+
+A STOP reply carries the top master's stop label: the sub-master answers STOP with that
+label to its workers as they report, waits until they are all DONE, writes its own share
+of the stop checkpoint and says DONE. The delta of the push that got STOP was dropped by
+the top master but stays in the sub-master's centre, and that round's workers get
+CONTINUE (their updates are in it): its checkpoint (centre and pulled copy) still holds
+them and a resume pushes them again. Only the top master validates, prints, decides
+stops and commits checkpoints.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from nbdist.backends.base import BatchStats
+from nbdist.topology import messages as m
+from nbdist.topology.master_worker import (
+    SUB_MASTER,
+    Client,
+    _average_state,
+    _commit_ready_checkpoints,
+    _Master,
+    _open,
+    _open_tallies,
+    _restore_tallies,
+    _serve,
+    _share_initial_weights,
+    _worker_clients,
+)
+from nbdist.topology.waiting import wait_all
+from nbdist.train.context import RankContext
+from nbdist.train.progress import EpochTally
+from nbdist.train.state import load_rank_state, save_rank_state
+
+__all__ = ["run_sub_master", "sub_master_clients", "merge_delta"]
+
+
+def merge_delta(center: np.ndarray, delta: np.ndarray) -> None:
+    """The top master's rule for a sub-master's push: its displacement, added as is."""
+    center += delta
+
+
+def sub_master_clients(ctx: RankContext) -> list[Client]:
+    """The top master's clients on the `masters` communicator, sub-master j = peer j."""
+    layout, role = ctx.layout, ctx.role
+    masters = [r for r in layout.fold_ranks(role.group, role.fold) if layout.role(r).kind == "master"]
+    n, s = ctx.backend.params.size, ctx.backend.state.size
+    return [Client(ctx.comms.masters, j, SUB_MASTER, rank, m.Message(n, s), merge=merge_delta,
+                   weight=layout.workers)
+            for j, rank in enumerate(masters) if j > 0]
+
+
+@dataclass
+class SubMaster(_Master):
+    """A master of its own workers that asks the top master instead of deciding (stops),
+    pushes instead of validating (epochs) and acknowledges instead of committing."""
+
+    uplink: Any = None  # the `masters` communicator
+    pulled: np.ndarray | None = None  # the top centre at the last pull
+    incoming: np.ndarray | None = None  # the top master's reply (a STOP reply is no pull)
+    pulled_version: int = 0  # the top master's version of `pulled`
+    unpushed: int = 0  # updates applied since the last push
+    stop_wanted: str = ""
+    error_sent: bool = False
+    epochs_acked: int = 0
+    stop_acked: bool = False
+    out: m.Message | None = None
+    top_reply: np.ndarray = field(default_factory=m.new_header)
+
+    def request_stop(self, reason: str) -> None:
+        # Only the top master decides: ask it at the next push (made at once, see below).
+        if not self.stopping and not self.stop_wanted:
+            self.stop_wanted = reason
+
+    def pop_finished_epochs(self) -> list[tuple[int, EpochTally, float]]:
+        # Once told STOP, nothing goes up but DONE: the epochs still open stay open, so
+        # that the stop checkpoint holds their tallies and a resume forwards them (the
+        # workers that ended them will not end them again).
+        return [] if self.stopping else super().pop_finished_epochs()
+
+    def before_replies(self, applied: int, finished: list) -> None:
+        if self.error and not self.error_sent:  # even while stopping: the run must fail
+            self.error_sent = True
+            self._push(m.ERROR)
+        if self.stopping:
+            self._reopen(finished)
+            return
+        self.unpushed += applied
+        every = 1 if self.ctx.options.synchronous else self.ctx.layout.workers
+        pushes = [(m.EPOCH_END, epoch, tally) for epoch, tally, _ in finished]
+        if not pushes and (self.unpushed >= every or self.stop_wanted):
+            pushes = [(0, self.next_epoch, None)]
+        for k, (flags, epoch, tally) in enumerate(pushes):
+            if self._push(m.UPDATE, flags, epoch, tally) == m.STOP:
+                # The top master dropped this push and takes no more.
+                self._reopen(finished[k:] if flags else finished)
+                return
+
+    def _reopen(self, finished: list) -> None:
+        """Give back epochs popped but not taken by the top master (see pop_finished_epochs)."""
+        for epoch, tally, _ in finished:
+            self.tallies[epoch] = tally
+            self.next_epoch = min(self.next_epoch, epoch)
+
+    def end_epoch(self, epoch: int, tally: EpochTally, seconds: float) -> None:
+        if epoch >= self.next_epoch:  # reopened: the top master never took it
+            return
+        # Its tally went up with the push; validating and reporting are the top master's.
+        # Written after that push, so the checkpoint holds the merged centre (exact resume).
+        if self.ctx.checkpoint_due(epoch + 1):
+            self.save(m.label_of(epoch + 1))
+
+    def save(self, label: str) -> None:
+        _average_state(self)
+        extra = {"version": self.version, "next_epoch": self.next_epoch, "pulled_version": self.pulled_version,
+                 **_open_tallies(self, label)}
+        save_rank_state(self.ctx, label, self.opt, self.rule_state, extra, {"pulled": self.pulled})
+        self.master_wrote.add(label)
+
+    def commit(self, label: str) -> None:
+        # Complete below this rank: acknowledge it to the top master, which commits.
+        if label == self.stop_label:
+            self.stop_acked = True
+        else:
+            self.epochs_acked = max(self.epochs_acked, int(m.label_code(label)))
+
+    def _push(self, kind: float, flags: int = 0, epoch: int = 0, tally: EpochTally | None = None) -> float:
+        """Send [header | centre - pulled | state] up, wait for the reply and continue from
+        the top centre (CONTINUE) or begin this block's stop (STOP). Returns the reply kind."""
+        t0 = time.perf_counter()
+        out = self.out
+        train = tally.train if tally is not None else BatchStats()
+        self._fill_header(kind, flags | (m.STOP_REQUEST if self.stop_wanted else 0), epoch, train)
+        np.subtract(self.center, self.pulled, out=out.payload)
+        _average_state(self)
+        out.state[:] = self.ctx.backend.state
+        replies = [self.uplink.Irecv(self.top_reply, source=0, tag=m.TAG_REPLY_HEADER),
+                   self.uplink.Irecv(self.incoming, source=0, tag=m.TAG_REPLY)]
+        self.uplink.Send(out.buffer if kind == m.UPDATE else out.buffer[: m.HEADER_FLOATS], dest=0, tag=m.TAG_UPDATE)
+        if kind == m.ERROR:
+            self.uplink.send(self.error, dest=0, tag=m.TAG_ERROR_TEXT)
+        wait_all(replies)
+        self.phases["uplink"] += time.perf_counter() - t0
+        if self.top_reply[m.KIND] == m.STOP:
+            self.stopping = "stopped by the top master"
+            self.stop_label = m.label_of(self.top_reply[m.CHECKPOINT])
+            return m.STOP
+        self.center[:] = self.incoming
+        self.pulled[:] = self.incoming
+        self.pulled_version = int(self.top_reply[m.VERSION])
+        # The centre changed under the workers: what they computed before is one version staler.
+        self.version += 1
+        self.unpushed = 0
+        return m.CONTINUE
+
+    def send_done(self) -> None:
+        self._fill_header(m.DONE, 0, self.next_epoch, BatchStats())
+        if self.stop_acked:
+            self.out.header[m.CHECKPOINT] = m.label_code(self.stop_label)
+        self.uplink.Send(self.out.buffer[: m.HEADER_FLOATS], dest=0, tag=m.TAG_UPDATE)
+
+    def _fill_header(self, kind: float, flags: int, epoch: int, train: BatchStats) -> None:
+        header = self.out.header
+        header[m.KIND] = kind
+        header[m.VERSION] = self.pulled_version
+        header[m.EPOCH] = epoch
+        header[m.SAMPLES] = train.n
+        header[m.LOSS_SUM] = train.loss_sum
+        header[m.METRIC_SUM] = train.metric_sum
+        header[m.FLAGS] = flags
+        header[m.CHECKPOINT] = m.NO_CHECKPOINT
+        header[m.EPOCHS_ACKED] = self.epochs_acked
+
+
+def run_sub_master(ctx: RankContext) -> None:
+    me = SubMaster(ctx, uplink=ctx.comms.masters)
+    _open(me, _worker_clients(ctx))
+    n, s = me.center.size, ctx.backend.state.size
+    me.pulled, me.incoming, me.out = np.empty(n, np.float32), np.empty(n, np.float32), m.Message(n, s)
+    me.phases["uplink"] = 0.0
+    if ctx.resume_from is not None:
+        extra = load_rank_state(ctx, ctx.resume_from, me.opt, me.rule_state, {"pulled": me.pulled})
+        me.version, me.next_epoch = int(extra["version"]), int(extra["next_epoch"])
+        me.pulled_version = int(extra["pulled_version"])
+        me.epochs_acked = me.next_epoch  # the checkpoint resumed from was committed
+        _restore_tallies(me, extra)
+    else:
+        _share_initial_weights(ctx)
+        me.pulled[:] = me.center
+    _serve(me)
+
+    # Every worker has said DONE (or failed); as at the top master, the stop checkpoint
+    # is acknowledged only when every worker stopped on the same STOP.
+    if me.stopping and not me.error:
+        me.save(me.stop_label)
+        _commit_ready_checkpoints(me)
+    me.send_done()
+    ctx.log.emit("phase", dict(me.phases), step=me.version, epoch=me.next_epoch)
+    if me.error:
+        ctx.log.emit("run", {"status": "failed", "error": me.error})
+    else:
+        status = "stopped" if me.stopping else "completed"
+        ctx.log.emit("run", {"status": status, "reason": me.stopping or f"completed {ctx.options.epochs} epochs"})
+    ctx.log.close()

@@ -1,0 +1,91 @@
+"""nbdist's real allreduce path on fixed data; the weights are saved for comparison.
+
+Usage: mpiexec -n N python tests/mpi_scripts/allreduce_equivalence.py OUT_DIR STEPS
+
+For each of two batch layouts (`equal`: 4 samples per rank; `unequal`: sizes differ by
+one between ranks), every rank builds the same model (same seed), wraps it in a
+TorchBackend, reduces its gradients with `GradientReducer` (one Iallreduce per bucket,
+started from inside backward; a small bucket cap gives several buckets), weights its
+gradient by `allreduce_sgd.sample_share` and steps the backend's flat optimiser, as
+`nbdist.topology.allreduce.run_allreduce` does. This runs over all N ranks and then,
+when N > 2, again over pairs of ranks (COMM_WORLD split in two-rank communicators), so
+one job gives the N-rank and the 2-rank results. Rank 0 writes
+OUT_DIR/<ranks>-<layout>.safetensors (the model's state_dict). Every rank checks that
+all replicas are bit-identical and that the reduced sample count is the global batch
+size. Prints `OK <ranks>-<layout>`; any failure aborts the job so that no rank hangs.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+from safetensors.numpy import save_file  # noqa: E402
+from torch import nn  # noqa: E402
+
+import equivalence_common as common  # noqa: E402
+from nbdist.algorithms import allreduce_sgd  # noqa: E402
+from nbdist.backends.torch import TorchBackend  # noqa: E402
+from nbdist.specs import parse_spec  # noqa: E402
+from nbdist.topology.allreduce import GradientReducer  # noqa: E402
+
+
+def train(comm: MPI.Intracomm, steps: int, unequal: bool) -> TorchBackend:
+    rank, size = comm.Get_rank(), comm.Get_size()
+    x, y = common.make_arrays()
+    backend = TorchBackend(common.initial_model(), nn.CrossEntropyLoss(), "accuracy")
+    comm.Bcast(backend.params, root=0)  # as run_allreduce does (a no-op here: same seed)
+    reducer = GradientReducer(comm, backend, common.BUCKET_FLOATS)
+    assert len(reducer.buckets) >= 3, reducer.buckets
+    opt = backend.make_optimizer(parse_spec(common.OPTIMIZER))
+    trailer = np.zeros(4, np.float32)
+    for batch in common.global_batches(steps, size, unequal):
+        parts = np.array_split(batch, size)
+        sizes = np.array([len(p) for p in parts])
+        assert (sizes.max() - sizes.min()) == (1 if unequal else 0), sizes
+        mine = parts[rank]
+        stats = backend.compute_gradients(x[mine], y[mine], scale=allreduce_sgd.sample_share(sizes, rank))
+        trailer[:] = (stats.n, stats.loss_sum, stats.metric_sum, 0.0)
+        reducer.finish(trailer)
+        assert int(trailer[0]) == len(batch), (trailer, len(batch))
+        allreduce_sgd.apply(opt, backend.grads)
+    # The replicas must not drift apart: every rank holds exactly rank 0's weights.
+    everyone = np.empty((size, backend.params.size), np.float32)
+    comm.Allgather(backend.params, everyone)
+    assert all(np.array_equal(everyone[0], row) for row in everyone), "replicas differ"
+    return backend
+
+
+def main() -> None:
+    out_dir, steps = Path(sys.argv[1]), int(sys.argv[2])
+    torch.set_num_threads(1)
+    world = MPI.COMM_WORLD
+    sizes = [world.Get_size()] + ([2] if world.Get_size() > 2 else [])
+    for ranks in sizes:
+        comm = world if ranks == world.Get_size() else world.Split(world.Get_rank() // ranks, world.Get_rank())
+        for layout in ("equal", "unequal"):
+            backend = train(comm, steps, layout == "unequal")
+            if world.Get_rank() == 0:
+                out_dir.mkdir(parents=True, exist_ok=True)
+                save_file(backend.named_arrays(), str(out_dir / f"{ranks}-{layout}.safetensors"))
+                print(f"OK {ranks}-{layout} steps={steps}", flush=True)
+        if comm is not world:
+            comm.Free()
+        world.Barrier()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)

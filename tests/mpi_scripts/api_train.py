@@ -1,0 +1,58 @@
+"""`nbdist.train` (the Python API) on the small equivalence model and data.
+
+Usage: mpiexec -n N python tests/mpi_scripts/api_train.py RUNS.json
+
+RUNS.json is a list of keyword dicts for `nbdist.train` (runs_dir, run_name, algorithm,
+...); the model, loss and data come from equivalence_common.py, so a test can rebuild
+the same initial weights and batches in one process. A dict may say `"ranks": k`: that
+run trains on the first k ranks only, through `nbdist.train(comm=...)` with a
+sub-communicator (the other ranks wait), so runs of different sizes share one job.
+The runs go one after the other. Rank 0 prints `OK <run_dir>` per run; a failure aborts
+the job so that no rank hangs.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from mpi4py import MPI  # noqa: E402
+from torch import nn  # noqa: E402
+
+import equivalence_common as common  # noqa: E402
+import nbdist  # noqa: E402
+
+
+def main() -> None:
+    world = MPI.COMM_WORLD
+    runs = json.loads(Path(sys.argv[1]).read_text())
+    for options in runs:
+        ranks = options.pop("ranks", world.Get_size())
+        inside = world.Get_rank() < ranks
+        comm = world.Split(0 if inside else MPI.UNDEFINED, world.Get_rank())
+        if inside:
+            result = nbdist.train(common.build_model, data=common.make_data, loss=nn.CrossEntropyLoss(),
+                                  comm=comm, **options)
+            # The run's leader (the master, or rank 0) gets the RunResult, the others None.
+            if comm.Get_rank() == 0:
+                assert result is not None, "rank 0 got no RunResult"
+                print(f"OK {result.run_dir}", flush=True)
+            else:
+                assert result is None, "a rank other than the leader got a RunResult"
+            comm.Free()
+        world.Barrier()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)

@@ -1,0 +1,85 @@
+"""What the equivalence scripts and tests/test_equivalence_mpi.py share: one small model,
+fixed data, the optimiser and the global batches of each step.
+
+The MPI scripts and the single-process references in the test import this same file, so
+"same init, same batches, same optimiser" holds by construction.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+SEED = 7
+N_FEATURES, N_CLASSES = 10, 3
+LR, MOMENTUM = 0.1, 0.9
+OPTIMIZER = f"sgd(lr={LR}, momentum={MOMENTUM})"
+# About 40 floats per bucket: the model below (10*16+16 + 16*12+12 + 12*3+3 = 419 floats
+# in 6 tensors) is then reduced in several buckets, as a big model would be.
+BUCKET_FLOATS = 40
+
+
+def build_model() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(N_FEATURES, 16), nn.Tanh(),
+        nn.Linear(16, 12), nn.Tanh(),
+        nn.Linear(12, N_CLASSES),
+    )
+
+
+def initial_model(seed: int = SEED) -> nn.Module:
+    torch.manual_seed(seed)
+    return build_model()
+
+
+def make_arrays(n: int = 160, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Separable-ish data: the label depends on the features, so training moves the weights."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, N_FEATURES)).astype(np.float32)
+    w = rng.normal(size=(N_FEATURES, N_CLASSES)).astype(np.float32)
+    y = np.argmax(x @ w + 0.3 * rng.normal(size=(n, N_CLASSES)), axis=1).astype(np.int64)
+    return x, y
+
+
+def make_data(n_train: int = 96, n_val: int = 32):
+    """An nbdist ArrayData over make_arrays (for nbdist.train)."""
+    from nbdist.data.arrays import ArrayData
+
+    x, y = make_arrays(n_train + n_val)
+    return ArrayData(x[:n_train], y[:n_train], x[n_train:], y[n_train:], name="equivalence", num_classes=N_CLASSES)
+
+
+def global_batches(steps: int, ranks: int, unequal: bool, n: int = 160) -> list[np.ndarray]:
+    """The indices of each step's global batch (a fixed permutation, cut in order).
+
+    Equal: 4 samples per rank. Unequal: 4 * ranks + 1 + step % (ranks - 1) samples, so
+    the first ranks get one sample more than the others (how many of them changes from
+    step to step).
+    """
+    order = np.random.default_rng(123).permutation(n)
+    out, start = [], 0
+    for step in range(steps):
+        size = 4 * ranks + (1 + step % max(ranks - 1, 1) if unequal else 0)
+        if start + size > n:
+            start = 0
+        out.append(order[start : start + size])
+        start += size
+    return out
+
+
+def rank_part(batch: np.ndarray, ranks: int, rank: int) -> np.ndarray:
+    return np.array_split(batch, ranks)[rank]
+
+
+def reference_weights(steps: int, ranks: int, unequal: bool) -> dict[str, np.ndarray]:
+    """One process, plain torch: each step on the whole (concatenated) global batch."""
+    x, y = make_arrays()
+    model = initial_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    loss_fn = nn.CrossEntropyLoss()
+    for batch in global_batches(steps, ranks, unequal):
+        opt.zero_grad()
+        loss_fn(model(torch.from_numpy(x[batch])), torch.from_numpy(y[batch])).backward()
+        opt.step()
+    return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}

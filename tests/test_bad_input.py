@@ -1,0 +1,196 @@
+"""Bad input under a real `mpiexec`: one clear error, no traceback, no hang.
+
+Each case runs a training command line on several ranks and checks what the person at
+the keyboard sees: a non-zero exit status, ONE `nbdist: error: ...` line that names the
+problem (printed once, not once per rank), no Python traceback, and an end within the
+timeout (a hang fails the test through run_mpi's timeout).
+
+A few cases run `python -m nbdist train` as its own job (exit status of the job, as a
+batch script sees it). The others, which all fail the same way, run one after the other
+in ONE job through `nbdist.cli.main` (tests/mpi_scripts/train_many.py), and each test
+reads its own run's part of the output and its exit status: starting Python, torch and
+MPI costs seconds per rank, a failing run costs nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.mpi
+
+ROOT = Path(__file__).resolve().parent.parent
+MLP = str(ROOT / "examples" / "digits_mlp.py")
+TIMEOUT = 120
+
+
+def train(mpirun, n: int, tmp_path: Path, *args: str, model: str = MLP):
+    argv = ["-m", "nbdist", "train", "--model", model, "--epochs", "3", "--runs-dir", str(tmp_path / "runs"),
+            "--quiet", *args]
+    return mpirun(n, argv, timeout=TIMEOUT)
+
+
+def assert_one_clear_error(done, *needles: str, pattern: str | None = None) -> str:
+    """The run failed with exactly one `nbdist: error:` line holding every needle."""
+    out = done.output
+    assert done.returncode != 0, out
+    assert out.count("nbdist: error") == 1, out
+    assert "Traceback" not in out, out
+    line = next(line for line in out.splitlines() if "nbdist: error" in line)
+    assert out.count(line) == 1, out  # said once, not once per rank
+    for needle in needles:
+        assert needle in line, f"{needle!r} not in {line!r}"
+    if pattern is not None:
+        assert re.search(pattern, line, re.IGNORECASE), f"{pattern!r} does not match {line!r}"
+    return line
+
+
+def model_file(tmp_path: Path, name: str, source: str) -> str:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(source))
+    return str(path)
+
+
+# ------------------------------------------------------------------ own-job cases
+def test_wrong_rank_count_says_how_many_are_needed(mpirun, tmp_path):
+    done = train(mpirun, 4, tmp_path, "--workers", "5")
+    line = assert_one_clear_error(done, "needs 6 ranks")
+    assert "4 were started" in line and "mpiexec -n 6" in line
+
+
+NAN_AFTER_A_FEW_STEPS = """
+    import math
+
+    from torch import nn
+
+    calls = 0
+
+    def build_model():
+        return nn.Sequential(nn.Linear(64, 10))
+
+    def loss(output, target):
+        # Finite for the set-up probe and 4 batches, NaN from then on.
+        global calls
+        calls += 1
+        value = nn.functional.cross_entropy(output, target)
+        return value * math.nan if calls > 5 else value
+"""
+
+
+@pytest.mark.parametrize("topology, n", [("master-worker", 3), ("allreduce", 2)])
+def test_nan_loss_from_the_model_file(mpirun, tmp_path, topology, n):
+    path = model_file(tmp_path, "nan_loss.py", NAN_AFTER_A_FEW_STEPS)
+    done = train(mpirun, n, tmp_path, "--topology", topology, model=path)
+    line = assert_one_clear_error(done, "lower the learning rate", pattern=r"loss became nan")
+    assert "epoch 1, batch 5" in line
+    # The master (or rank 0) names the failure; no result was written as if it had worked.
+    runs = list((tmp_path / "runs").iterdir())
+    assert len(runs) == 1 and not (runs[0] / "summary.json").exists()
+
+
+# --------------------------------------------------------------- cases in one job
+MODEL_FILES = {
+    "no_build.py": """
+        from torch import nn
+        layers = [nn.Linear(64, 10)]
+    """,
+    # textwrap.dedent keeps the leading newline: the bad `def` is on line 4.
+    "broken.py": """
+        from torch import nn
+
+        def build_model(:
+            return nn.Linear(64, 10)
+    """,
+    "raises.py": """
+        def build_model():
+            raise RuntimeError("no GPU on this login node")
+    """,
+    "wrong_size.py": """
+        from torch import nn
+
+        def build_model():
+            return nn.Sequential(nn.Linear(50, 10))  # digits have 64 features
+    """,
+}
+
+# name -> (argv, text the one error line must hold, regular expression or None)
+CASES = {
+    "unknown-algorithm": (["--algorithm", "easgdd"], ["unknown algorithm 'easgdd'", "did you mean 'easgd'?"], None),
+    "unknown-optimizer": (["--worker-optimizer", "adamm"],
+                          ["unknown PyTorch optimizer 'adamm'", "did you mean 'adam'?"], None),
+    "unknown-algorithm-parameter": (["--algorithm", "easgd(elastic_forse=0.5)"],
+                                    ["'elastic_forse'", "it takes: elastic_force"], None),
+    "easgd-with-allreduce": (["--algorithm", "easgd", "--topology", "allreduce"],
+                             ["easgd is a master/worker algorithm", "--topology master-worker"], None),
+    "model-missing": (["--model", "{tmp}/no_such_model.py"], ["no_such_model.py", "not found"], None),
+    "model-without-build-model": (["--model", "{tmp}/no_build.py"],
+                                  ["no_build.py", "defines no build_model()"], None),
+    "model-syntax-error": (["--model", "{tmp}/broken.py"], ["broken.py", "syntax error on line 4"], None),
+    "build-model-raises": (["--model", "{tmp}/raises.py"],
+                           ["raises.py", "build_model() failed", "RuntimeError: no GPU on this login node"], None),
+    "model-cannot-take-the-data": (["--model", "{tmp}/wrong_size.py"],
+                                   ["wrong_size.py", "cannot take the data", "(64,)"], None),
+    "huge-lr-easgd": (["--algorithm", "easgd", "--worker-optimizer", "sgd(lr=1e30)"],
+                      ["lower the learning rate"], r"loss became nan"),
+    "huge-lr-allreduce": (["--topology", "allreduce", "--worker-optimizer", "sgd(lr=1e30)"],
+                          ["lower the learning rate"], r"loss became nan"),
+}
+
+
+class Part:
+    """One run's share of a batched job's output."""
+
+    def __init__(self, returncode: int, stdout: str, stderr: str):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+
+def _cut(text: str, count: int) -> tuple[list[str], list[int]]:
+    """Split a stream at the `nbdist-test: run I rc=RC` markers."""
+    parts, codes = [], []
+    for i in range(count):
+        marker = re.search(rf"^nbdist-test: run {i} rc=(-?\d+)$", text, re.MULTILINE)
+        assert marker, f"no end marker for run {i}:\n{text}"
+        parts.append(text[: marker.start()])
+        codes.append(int(marker.group(1)))
+        text = text[marker.end():]
+    return parts, codes
+
+
+@pytest.fixture(scope="module")
+def batched(tmp_path_factory):
+    """Every CASES run, in order, in one `mpiexec -n 2` job."""
+    from conftest import run_mpi
+
+    tmp = tmp_path_factory.mktemp("bad")
+    for name, source in MODEL_FILES.items():
+        model_file(tmp, name, source)
+    names = list(CASES)
+    argvs = []
+    for name in names:
+        argv = [a.replace("{tmp}", str(tmp)) for a in CASES[name][0]]
+        if "--model" not in argv:
+            argv = ["--model", MLP, *argv]
+        argvs.append([*argv, "--epochs", "3", "--runs-dir", str(tmp / "runs"), "--quiet"])
+    spec = tmp / "runs.json"
+    spec.write_text(json.dumps(argvs))
+    done = run_mpi(2, [str(ROOT / "tests" / "mpi_scripts" / "train_many.py"), str(spec)], timeout=240)
+    assert "Traceback" not in done.output, done.output
+    outs, codes = _cut(done.stdout, len(names))
+    errs, codes_err = _cut(done.stderr, len(names))
+    assert codes == codes_err
+    return {name: Part(codes[i], outs[i], errs[i]) for i, name in enumerate(names)}
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input(batched, name):
+    _, needles, pattern = CASES[name]
+    assert_one_clear_error(batched[name], *needles, pattern=pattern)

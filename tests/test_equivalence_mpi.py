@@ -1,0 +1,173 @@
+"""Equivalences on real MPI ranks (ARCHITECTURE.md section 7).
+
+- allreduce over 2 and 4 ranks == one process on the concatenated batch (also when the
+  ranks' batch sizes differ by one), through nbdist's own GradientReducer (several
+  buckets), sample shares and flat optimiser;
+- the same weights as PyTorch DistributedDataParallel on gloo;
+- Downpour with one worker and sync_every=1 == plain SGD on the same batch order;
+- EASGD with elastic_force=0 leaves the centre where it started.
+
+The single-process references are plain torch in this process; the model, data, seed
+and batches come from tests/mpi_scripts/equivalence_common.py, which the MPI scripts use.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file
+from torch import nn
+
+SCRIPTS = Path(__file__).resolve().parent / "mpi_scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+import equivalence_common as common  # noqa: E402
+
+from nbdist.data.sharding import ShardPlan  # noqa: E402
+
+pytestmark = pytest.mark.mpi
+
+STEPS = 12
+TOL = 1e-5
+
+
+def assert_weights_close(actual: dict, expected: dict, tol: float = TOL) -> None:
+    assert set(actual) == set(expected), (sorted(actual), sorted(expected))
+    for name in expected:
+        assert actual[name].shape == expected[name].shape, name
+        diff = float(np.max(np.abs(actual[name] - expected[name])))
+        assert diff <= tol, f"{name}: max abs difference {diff:.3g} > {tol:g}"
+
+
+def state_dict_arrays(model: nn.Module) -> dict[str, np.ndarray]:
+    return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def moved(a: dict, b: dict) -> float:
+    return max(float(np.max(np.abs(a[k] - b[k]))) for k in a)
+
+
+@pytest.fixture(scope="module")
+def allreduce_weights(tmp_path_factory):
+    """Directory with <ranks>-<layout>.safetensors for 4 and 2 ranks (one 4-rank job; the
+    2-rank runs use pairs of its ranks)."""
+    from conftest import run_mpi
+
+    directory = tmp_path_factory.mktemp("allreduce")
+    done = run_mpi(4, [str(SCRIPTS / "allreduce_equivalence.py"), str(directory), str(STEPS)], timeout=180)
+    assert done.returncode == 0, done.output
+    assert done.stdout.count("OK ") == 4, done.output
+    return directory
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("layout", ["equal", "unequal"])
+def test_allreduce_equals_one_process_on_the_concatenated_batch(allreduce_weights, ranks, layout):
+    got = load_file(str(allreduce_weights / f"{ranks}-{layout}.safetensors"))
+    expected = common.reference_weights(STEPS, ranks, unequal=layout == "unequal")
+    # The comparison means something only if training moved the weights a lot more than TOL.
+    assert moved(expected, state_dict_arrays(common.initial_model())) > 0.1
+    assert_weights_close(got, expected)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.timeout(420)
+def test_allreduce_matches_pytorch_ddp_on_gloo(allreduce_weights, pyrun, tmp_path):
+    ddp_file = tmp_path / "ddp.safetensors"
+    done = pyrun([str(SCRIPTS / "ddp_reference.py"), str(ddp_file), str(STEPS), str(_free_port())],
+                 timeout=180)
+    assert done.returncode == 0, done.output
+    ddp = load_file(str(ddp_file))
+    ours = load_file(str(allreduce_weights / "2-equal.safetensors"))
+    assert moved(ddp, state_dict_arrays(common.initial_model())) > 0.1
+    assert_weights_close(ours, ddp)
+
+
+# ----------------------------------------------------------------------- nbdist.train
+API_EPOCHS, API_BATCH, API_SEED = 3, 16, 3
+DOWNPOUR_RUNS = {
+    "downpour-sync": dict(synchronous=True, master_optimizer=common.OPTIMIZER),
+    "downpour-async": dict(master_optimizer=common.OPTIMIZER),
+    "downpour-async-plain": dict(master_optimizer=f"sgd(lr={common.LR})"),
+}
+EASGD_RUNS = {"easgd-async": dict(), "easgd-sync": dict(synchronous=True)}
+
+
+@pytest.fixture(scope="module")
+def api_runs(tmp_path_factory):
+    """One `mpiexec -n 3` job: the Downpour runs on 2 of the ranks (one master, one
+    worker, through nbdist.train(comm=...)), the EASGD runs on all 3 (two workers)."""
+    from conftest import run_mpi
+
+    runs_dir = tmp_path_factory.mktemp("api")
+    base = dict(topology="master-worker", epochs=API_EPOCHS, batch_size=API_BATCH, seed=API_SEED,
+                runs_dir=str(runs_dir), quiet=True)
+    runs = [dict(base, run_name=name, ranks=2, algorithm="downpour", sync_every=1, **extra)
+            for name, extra in DOWNPOUR_RUNS.items()]
+    runs += [dict(base, run_name=name, ranks=3, algorithm="easgd(elastic_force=0.0)",
+                  worker_optimizer=common.OPTIMIZER, **extra)
+             for name, extra in EASGD_RUNS.items()]
+    spec = runs_dir / "runs.json"
+    spec.write_text(json.dumps(runs))
+    done = run_mpi(3, [str(SCRIPTS / "api_train.py"), str(spec)], timeout=240)
+    assert done.returncode == 0, done.output
+    assert done.stdout.count("OK ") == len(runs), done.output
+    return runs_dir
+
+
+def plain_sgd_weights(momentum: float) -> dict[str, np.ndarray]:
+    """Single-process torch SGD over the batches one nbdist worker sees, in its order."""
+    data = common.make_data()
+    x, y = torch.from_numpy(data.x_train), torch.from_numpy(data.y_train)
+    model = common.initial_model(API_SEED)
+    opt = torch.optim.SGD(model.parameters(), lr=common.LR, momentum=momentum)
+    loss_fn = nn.CrossEntropyLoss()
+    plan = ShardPlan(data.n_train, 1, API_BATCH, API_SEED)
+    for epoch in range(API_EPOCHS):
+        for batch in plan.epoch(epoch, 0):
+            opt.zero_grad()
+            loss_fn(model(x[batch]), y[batch]).backward()
+            opt.step()
+    return state_dict_arrays(model)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", list(DOWNPOUR_RUNS))
+def test_downpour_one_worker_is_plain_sgd(api_runs, name):
+    momentum = 0.0 if name.endswith("plain") else common.MOMENTUM
+    expected = plain_sgd_weights(momentum)
+    assert moved(expected, state_dict_arrays(common.initial_model(API_SEED))) > 0.1
+    got = load_file(str(api_runs / name / "final" / "model.safetensors"))
+    assert_weights_close(got, expected)
+    summary = json.loads((api_runs / name / "summary.json").read_text())
+    assert summary["epochs_run"] == API_EPOCHS
+    # One worker: the master always answers before the next gradient, no staleness.
+    assert all(h["staleness_max"] == 0 for h in summary["history"])
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", list(EASGD_RUNS))
+def test_easgd_zero_elastic_force_leaves_the_centre_unchanged(api_runs, name):
+    initial = state_dict_arrays(common.initial_model(API_SEED))
+    got = load_file(str(api_runs / name / "final" / "model.safetensors"))
+    assert set(got) == set(initial)
+    for key in initial:
+        assert np.array_equal(got[key], initial[key]), f"{name}: the centre moved ({key})"
+    history = json.loads((api_runs / name / "summary.json").read_text())["history"]
+    assert len(history) == API_EPOCHS
+    # The centre (validated by the master) never moves...
+    assert len({h["val_loss"] for h in history}) == 1, history
+    # ...while the two workers, free of the centre, do learn.
+    assert history[-1]["train_loss"] < history[0]["train_loss"] - 0.05, history

@@ -1,0 +1,381 @@
+"""Training on real MPI ranks: every algorithm learns, staleness and fair service,
+exact resume, checkpoints, early stopping and targets, multi-process workers,
+BatchNorm, and a graceful stop by signal.
+
+Starting Python + torch + MPI costs seconds per rank on a small box, while a digits run
+trains in well under a second, so most runs are batched: one `mpiexec` job per rank
+count runs many command lines through `nbdist.cli.main` (tests/mpi_scripts/train_many.py),
+and each test then reads its own run's files. Resumes run in a later job, i.e. in other
+processes than the ones that wrote the checkpoints. The graceful stop runs
+`python -m nbdist train` itself.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from nbdist.launch import mpi_env, mpiexec_command
+from nbdist.metrics import read_log
+
+pytestmark = pytest.mark.mpi
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN_MANY = str(ROOT / "tests" / "mpi_scripts" / "train_many.py")
+MLP = str(ROOT / "examples" / "digits_mlp.py")
+CNN = str(ROOT / "examples" / "digits_cnn.py")
+
+# The bar, and the budget chosen once per algorithm (an epoch of digits takes well
+# under 0.1 s here; the budget leaves a margin for the noise of asynchronous runs).
+ACCURACY = 0.90
+EPOCHS = 12
+DIGITS_TRAIN = 1437  # nbdist.datasets.digits(): 80% of scikit-learn's 1797 images
+MOMENTUM_MASTER = "sgd(lr=0.1, momentum=0.9)"
+ACCURACY_RUNS = {
+    # Downpour's default master optimizer is plain sgd: asynchronous pushes already act as
+    # momentum. A synchronous round is one big-batch step, which wants momentum back.
+    "downpour": ["--algorithm", "downpour"],
+    "downpour-sync": ["--algorithm", "downpour", "--synchronous", "--master-optimizer", MOMENTUM_MASTER],
+    "easgd": ["--algorithm", "easgd"],
+    "easgd-sync": ["--algorithm", "easgd", "--synchronous"],
+    "gem": ["--algorithm", "gem(lr=0.05, momentum=0.9, kappa=1.0)"],
+    "adag": ["--algorithm", "adag"],
+    "allreduce": ["--topology", "allreduce"],
+}
+# Extra runs in the same jobs: {ranks: {name: argv after `train`}}.
+EXTRA_RUNS = {
+    3: {
+        "cnn-master-worker": ["--model", CNN, "--epochs", "6"],
+        "cnn-allreduce": ["--model", CNN, "--epochs", "6", "--topology", "allreduce"],
+        "target": ["--model", MLP, "--epochs", "30", "--target", "val_acc > 0.5"],
+        # A tiny lr: val_loss moves by far less than min_delta from one epoch to the next.
+        "early-stopping": ["--model", MLP, "--epochs", "30", "--topology", "allreduce",
+                           "--worker-optimizer", "sgd(lr=1e-6)", "--early-stopping", "1",
+                           "--min-delta", "0.001"],
+    },
+    5: {
+        # 1 master + 2 workers of 2 processes each.
+        "procs-per-worker-2": ["--model", MLP, "--epochs", str(EPOCHS), "--procs-per-worker", "2"],
+    },
+}
+
+
+def _run_batch(n: int, runs: dict[str, list[str]], runs_dir: Path, timeout: float, quiet: bool = True):
+    """Run `runs` (name -> argv after `train`) in one `mpiexec -n n` job."""
+    from conftest import run_mpi
+
+    names = list(runs)
+    argvs = [[*runs[name], "--runs-dir", str(runs_dir), "--run-name", name, "--quiet" if quiet else "--no-quiet"]
+             for name in names]
+    spec = runs_dir / f"runs-{n}.json"
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    spec.write_text(json.dumps(argvs))
+    done = run_mpi(n, [TRAIN_MANY, str(spec)], timeout=timeout)
+    codes = {names[int(i)]: int(rc) for i, rc in re.findall(r"nbdist-test: run (\d+) rc=(-?\d+)", done.stdout)}
+    return done, codes
+
+
+class Batch:
+    """The runs of one job: their directories, exit codes and the job's output."""
+
+    def __init__(self, done, codes, runs_dir: Path):
+        self.done, self.codes, self.runs_dir = done, codes, runs_dir
+
+    def run(self, name: str) -> Path:
+        assert self.codes.get(name) == 0, (
+            f"run {name!r}: exit status {self.codes.get(name)} (job status {self.done.returncode})\n"
+            f"{self.done.output[-6000:]}"
+        )
+        return self.runs_dir / name
+
+    def summary(self, name: str) -> dict:
+        return json.loads((self.run(name) / "summary.json").read_text())
+
+
+RESUME_CONFIGS = {
+    "downpour-sync": ["--algorithm", "downpour", "--synchronous", "--master-optimizer", MOMENTUM_MASTER],
+    "easgd-sync": ["--algorithm", "easgd", "--synchronous"],
+    "allreduce": ["--topology", "allreduce"],
+}
+RESUME_RANKS = 3
+for _name, _argv in RESUME_CONFIGS.items():
+    # Run A trains 4 epochs at once (checkpointing each); run B stops after 2 and is
+    # resumed later (see `resumed`).
+    EXTRA_RUNS[RESUME_RANKS][f"{_name}-A"] = ["--model", MLP, "--epochs", "4", "--checkpoint-every", "1", *_argv]
+    EXTRA_RUNS[RESUME_RANKS][f"{_name}-B"] = ["--model", MLP, "--epochs", "2", *_argv]
+
+
+@pytest.fixture(scope="module")
+def batches(tmp_path_factory):
+    """{3: Batch, 5: Batch}: every accuracy run under -n 3 and -n 5, plus the extras."""
+    out = {}
+    for n in (3, 5):
+        runs_dir = tmp_path_factory.mktemp(f"n{n}")
+        runs = {name: ["--model", MLP, "--epochs", str(EPOCHS), *argv] for name, argv in ACCURACY_RUNS.items()}
+        runs.update(EXTRA_RUNS[n])
+        out[n] = Batch(*_run_batch(n, runs, runs_dir, timeout=400), runs_dir)
+    return out
+
+
+# ------------------------------------------------------------------------- accuracy
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("n", [3, 5])
+@pytest.mark.parametrize("name", list(ACCURACY_RUNS))
+def test_every_algorithm_learns_digits(batches, n, name):
+    summary = batches[n].summary(name)
+    assert summary["epochs_run"] == EPOCHS
+    assert summary["stop_reason"] == f"completed {EPOCHS} epochs"
+    history = summary["history"]
+    assert [h["epoch"] for h in history] == list(range(1, EPOCHS + 1))
+    # Every sample of the training set is used once per epoch, over all workers.
+    assert all(h["samples"] == DIGITS_TRAIN for h in history), [h["samples"] for h in history]
+    final = summary["final"]["val_acc"]
+    assert final >= ACCURACY, f"{name} on {n} ranks: val_acc {final:.4f} after {EPOCHS} epochs: {history}"
+    # The weights that reach 0.90 are the ones written out.
+    weights = load_file(str(batches[n].run(name) / "final" / "model.safetensors"))
+    assert set(weights) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("topology", ["master-worker", "allreduce"])
+def test_batchnorm_model_learns_and_its_statistics_travel(batches, topology):
+    summary = batches[3].summary(f"cnn-{topology}")
+    assert summary["final"]["val_acc"] >= ACCURACY, summary["history"]
+    weights = load_file(str(batches[3].run(f"cnn-{topology}") / "final" / "model.safetensors"))
+    # The saved model holds BatchNorm statistics gathered from the workers, not the
+    # initial zeros and ones (the master itself never runs a training batch).
+    assert np.abs(weights["1.running_mean"]).max() > 1e-3
+    assert np.abs(weights["1.running_var"] - 1).max() > 1e-3
+
+
+@pytest.mark.timeout(900)
+def test_procs_per_worker_two(batches):
+    run = batches[5].run("procs-per-worker-2")
+    layout = json.loads((run / "layout.json").read_text())["options"]
+    assert (layout["workers"], layout["procs_per_worker"]) == (2, 2), layout
+    summary = batches[5].summary("procs-per-worker-2")
+    assert summary["final"]["val_acc"] >= ACCURACY, summary["history"]
+    # Only each worker's leader talks to the master.
+    sources = Counter(r["values"]["source_rank"] for r in read_log(run, "update"))
+    assert set(sources) == {1, 3}, sources
+    # Each worker's two processes log their own throughput.
+    train_ranks = {r["rank"] for r in read_log(run, "train")}
+    assert train_ranks == {1, 2, 3, 4}
+
+
+# ------------------------------------------------------------------------ staleness
+def _updates(run: Path) -> list[dict]:
+    return sorted((r["values"] for r in read_log(run, "update")), key=lambda v: v["version"])
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", ["downpour-sync", "easgd-sync"])
+def test_synchronous_updates_are_never_stale(batches, name):
+    updates = _updates(batches[5].run(name))
+    assert updates, "no update records"
+    assert {u["staleness"] for u in updates} == {0}
+    assert {u["source_rank"] for u in updates} == {1, 2, 3, 4}
+    # A synchronous round applies one update from each of the 4 workers at one version.
+    per_version = Counter(u["version"] for u in updates)
+    assert set(per_version.values()) == {4}, per_version.most_common(3)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", ["downpour", "gem", "easgd", "adag"])
+def test_asynchronous_updates_are_stale_and_every_worker_is_served(batches, name):
+    updates = _updates(batches[5].run(name))
+    assert updates, "no update records"
+    staleness = [u["staleness"] for u in updates]
+    assert max(staleness) > 0, "4 asynchronous workers and never a stale update"
+    assert min(staleness) >= 0
+    # One update per version, versions 1..N with no gap.
+    assert [u["version"] for u in updates] == list(range(1, len(updates) + 1))
+    workers = {1, 2, 3, 4}
+    assert {u["source_rank"] for u in updates} == workers
+    # Fair service: each worker gets a share of the updates while all four are training,
+    # not only once the others have finished (the first half of the run).
+    first_half = Counter(u["source_rank"] for u in updates[: len(updates) // 2])
+    for rank in workers:
+        assert first_half[rank] >= 0.10 * (len(updates) // 2), (name, first_half)
+    # The epoch records carry the staleness summary.
+    history = batches[5].summary(name)["history"]
+    assert max(h["staleness_max"] for h in history) == max(staleness)
+
+
+# ---------------------------------------------------------------- stopping decisions
+@pytest.mark.timeout(900)
+def test_target_stops_the_run_early(batches):
+    summary = batches[3].summary("target")
+    assert "target" in summary["stop_reason"] and "val_acc > 0.5" in summary["stop_reason"]
+    assert summary["epochs_run"] <= 5
+    assert summary["final"]["val_acc"] > 0.5
+    # Each earlier epoch was still below the target.
+    assert all(h["val_acc"] <= 0.5 for h in summary["history"][:-1])
+
+
+@pytest.mark.timeout(900)
+def test_early_stopping_with_a_tiny_learning_rate(batches):
+    summary = batches[3].summary("early-stopping")
+    assert "early stopping" in summary["stop_reason"], summary["stop_reason"]
+    assert summary["epochs_run"] == 2, summary["history"]
+    # The decision is checkpointed, so the run can be picked up again.
+    latest = json.loads((batches[3].run("early-stopping") / "checkpoints" / "LATEST.json").read_text())
+    assert latest["label"] == "epoch-0002"
+
+
+# -------------------------------------------------------------- resume, checkpoints
+@pytest.fixture(scope="module")
+def resumed(batches):
+    """Run A: 4 epochs at once; run B: 2 epochs (both in the -n 3 job), then B resumed to
+    4 epochs in a new job, i.e. by other processes than the ones that checkpointed it."""
+    first = batches[RESUME_RANKS]
+    second = {f"{name}-B": ["--resume", str(first.runs_dir / f"{name}-B"), "--epochs", "4"]
+              for name in RESUME_CONFIGS}
+    # --runs-dir/--run-name are ignored by a resume (it continues in its own directory).
+    done, codes = _run_batch(RESUME_RANKS, second, first.runs_dir / "unused", timeout=300, quiet=False)
+    return first, Batch(done, codes, first.runs_dir)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", list(RESUME_CONFIGS))
+def test_resume_continues_exactly(resumed, name):
+    first, second = resumed
+    a = first.run(f"{name}-A")
+    second.run(f"{name}-B")  # the resume itself succeeded
+    b = first.runs_dir / f"{name}-B"
+    weights_a = load_file(str(a / "final" / "model.safetensors"))
+    weights_b = load_file(str(b / "final" / "model.safetensors"))
+    assert set(weights_a) == set(weights_b)
+    for key in weights_a:
+        diff = float(np.max(np.abs(weights_a[key] - weights_b[key])))
+        assert diff <= 1e-6, f"{key}: resumed run differs from the straight run by {diff:g}"
+    summary_a = json.loads((a / "summary.json").read_text())
+    summary_b = json.loads((b / "summary.json").read_text())
+    assert summary_b["epochs_run"] == 4
+    assert [h["epoch"] for h in summary_b["history"]] == [1, 2, 3, 4]
+    # The same run, so the same validation curve, epoch by epoch.
+    np.testing.assert_allclose([h["val_loss"] for h in summary_b["history"]],
+                               [h["val_loss"] for h in summary_a["history"]], rtol=1e-6)
+    assert summary_b["stop_reason"] == "completed 4 epochs"
+    # The resume says where it picked up.
+    assert re.search(rf"resumed from \S*/{name}-B/checkpoints/epoch-0002 at epoch 3\b", second.done.stdout), \
+        second.done.stdout
+    # The resumed part logged epochs 3 and 4 only (appended to the first part's log).
+    epochs = [r["epoch"] for r in read_log(b, "epoch")]
+    assert epochs == [1, 2, 3, 4], epochs
+    latest = json.loads((b / "checkpoints" / "LATEST.json").read_text())
+    assert latest["label"] == "epoch-0004"
+
+
+def _check_checkpoint_dir(path: Path, ranks: int) -> None:
+    meta = json.loads((path / "meta.json").read_text())
+    assert meta["label"] == path.name
+    files = sorted(p.name for p in path.iterdir())
+    # Safetensors and JSON only: nothing that needs pickle to load.
+    assert all(f.endswith((".safetensors", ".json")) for f in files), files
+    for rank in range(ranks):
+        arrays = load_file(str(path / f"rank-{rank:05d}.safetensors"))
+        assert "model/params" in arrays and arrays["model/params"].dtype == np.float32
+        rank_meta = json.loads((path / f"rank-{rank:05d}.json").read_text())
+        assert rank_meta["rank"] == rank
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", list(RESUME_CONFIGS))
+def test_checkpoint_every_epoch(resumed, name):
+    first, _ = resumed
+    root = first.run(f"{name}-A") / "checkpoints"
+    labels = sorted(p.name for p in root.iterdir() if p.is_dir())
+    assert labels == ["epoch-0001", "epoch-0002", "epoch-0003", "epoch-0004"], labels
+    assert not list(root.glob(".tmp-*")), "an uncommitted checkpoint directory was left behind"
+    assert json.loads((root / "LATEST.json").read_text())["label"] == "epoch-0004"
+    for label in labels:
+        _check_checkpoint_dir(root / label, RESUME_RANKS)
+    # The last epoch checkpoint holds the weights that were written out as final (the
+    # centre on the master, the replica on rank 0 of allreduce).
+    final = load_file(str(first.run(f"{name}-A") / "final" / "model.safetensors"))
+    saved = load_file(str(root / "epoch-0004" / "rank-00000.safetensors"))["model/params"]
+    # The flat buffer holds the parameters in reverse registration order.
+    flat = np.concatenate([final[k].ravel() for k in ("2.bias", "2.weight", "0.bias", "0.weight")])
+    assert np.array_equal(saved, flat)
+
+
+# -------------------------------------------------------------------- graceful stop
+def _epoch_records_exist(run_dir: Path) -> bool:
+    metrics = run_dir / "metrics"
+    if not metrics.exists():
+        return False
+    return any('"kind":"epoch"' in p.read_text(errors="replace") for p in metrics.glob("rank-*.jsonl"))
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("topology", ["master-worker", "allreduce"])
+def test_sigusr1_stops_every_rank_and_checkpoints(tmp_path, topology, mpirun):
+    ranks = 4
+    run_dir = tmp_path / "run"
+    argv = ["-m", "nbdist", "train", "--model", MLP, "--topology", topology, "--epochs", "200",
+            "--runs-dir", str(tmp_path), "--run-name", "run", "--quiet"]
+    log = open(tmp_path / "output.txt", "w+")
+    proc = subprocess.Popen(mpiexec_command(ranks, argv), cwd=ROOT, env=mpi_env(), stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 150
+        while not _epoch_records_exist(run_dir):
+            assert proc.poll() is None, f"the run ended before it was stopped:\n{(tmp_path / 'output.txt').read_text()}"
+            assert time.monotonic() < deadline, "no epoch record within 150 s"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGUSR1)  # mpiexec forwards SIGUSR1 to every rank
+        try:
+            returncode = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{topology}: still running 60 s after SIGUSR1:\n{(tmp_path / 'output.txt').read_text()}")
+    finally:
+        if proc.poll() is None:
+            import os
+
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        log.close()
+    output = (tmp_path / "output.txt").read_text()
+    assert returncode == 0, output
+    assert "Traceback" not in output, output
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert "stopped" in summary["stop_reason"], summary["stop_reason"]
+    assert 1 <= summary["epochs_run"] < 200
+    root = run_dir / "checkpoints"
+    latest = json.loads((root / "LATEST.json").read_text())["label"]
+    assert latest.startswith("stopped-"), latest
+    _check_checkpoint_dir(root / latest, ranks)
+    assert not list(root.glob(".tmp-*"))
+    # Every rank logged that the run stopped.
+    statuses = {r["rank"]: r["values"].get("status") for r in read_log(run_dir, "run")}
+    if topology == "allreduce":
+        assert statuses == dict.fromkeys(range(ranks), "stopped"), statuses
+    else:
+        assert statuses.get(0) == "stopped", statuses
+
+    if topology == "allreduce":
+        return  # (its stop checkpoint is a synchronous cut; test_resume covers its resume)
+    # The stop checkpoint holds everything needed to go on, including the tallies of the
+    # epochs the workers were in: resume it for one more epoch.
+    epochs = summary["epochs_run"] + 1
+    done = mpirun(ranks, ["-m", "nbdist", "train", "--resume", str(run_dir), "--epochs", str(epochs),
+                          "--no-quiet"], timeout=150)
+    assert done.returncode == 0, done.output
+    assert f"resumed from {root / latest} at epoch" in done.stdout, done.output
+    resumed = json.loads((run_dir / "summary.json").read_text())
+    context = (f"stopped run: {summary['stop_reason']}, epochs {[h['epoch'] for h in summary['history']]}\n"
+               f"resumed run: {resumed['stop_reason']}, epochs {[h['epoch'] for h in resumed['history']]}\n"
+               f"{done.output}")
+    assert resumed["stop_reason"] == f"completed {epochs} epochs", context
+    assert [h["epoch"] for h in resumed["history"]] == list(range(1, epochs + 1)), context
+    assert resumed["final"]["val_acc"] >= summary["final"]["val_acc"] - 0.05
