@@ -1,0 +1,147 @@
+"""The MPI side of master_throughput.py; run under `mpiexec -n 3` (1 master + 2 workers).
+
+Rank 0 runs nbdist's real master loop (`run_master`: one posted Irecv per worker,
+Testsome, Downpour.master_apply with the master optimiser, reply header + payload).
+The model is an nn.Embedding with exactly --params parameters, so the master's work per
+update is that of a real model of that size.
+
+Workers (`--workers protocol`, the default) speak the real wire format and nothing else:
+each sends ONE message [header | precomputed gradient | state] per update, waits for the
+reply header and payload, and sends again at once, so the master is the bottleneck.
+`--workers real` runs nbdist's own `run_worker` instead (its per-step gradient
+computation on this model is an embedding lookup plus zeroing and copying the flat
+buffers), to show what a worker's side costs on top.
+
+The master rank reports the steady-state time per update from its own metric records
+(one "update" record per update, the first fifth dropped as warm-up), its phase totals
+(wait / update / reply), and the memcpy reference measured in the same process just
+before and after the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+from torch import nn  # noqa: E402
+
+from _common import emit, memcpy_ms  # noqa: E402
+from nbdist.metrics.log import read_log  # noqa: E402
+from nbdist.options import TrainOptions  # noqa: E402
+from nbdist.topology import messages as m  # noqa: E402
+from nbdist.topology.master_worker import run_master, run_worker  # noqa: E402
+from nbdist.topology.waiting import wait  # noqa: E402
+from nbdist.train.context import prepare  # noqa: E402
+from nbdist.train.definition import ModelDefinition  # noqa: E402
+from nbdist.train.stopping import StopFlag  # noqa: E402
+
+CLASSES = 10
+
+
+def definition(params: int, samples: int) -> ModelDefinition:
+    rows = params // CLASSES
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, rows, samples).astype(np.int64)
+    y = rng.integers(0, CLASSES, samples).astype(np.int64)
+    from nbdist.data import ArrayData
+
+    data = ArrayData(x, y, x[:8], y[:8], name="embedding-ids")
+    return ModelDefinition(build_model=lambda: nn.Embedding(rows, CLASSES), data=data, source="bench")
+
+
+def protocol_worker(ctx, epochs: int, steps: int) -> None:
+    """Only the wire protocol of run_worker: send a precomputed gradient, await the reply."""
+    block = ctx.comms.block
+    params, state = ctx.backend.params, ctx.backend.state
+    block.Bcast(params, root=0)
+    block.Bcast(state, root=0)
+    n, s = params.size, state.size
+    out = m.Message(n, s)
+    out.payload[:] = np.random.default_rng(ctx.role.rank).standard_normal(n, dtype=np.float32) * 1e-3
+    reply_header, reply_payload = m.new_header(), np.empty(n, np.float32)
+    version = 0
+    for epoch in range(epochs):
+        for step in range(steps):
+            out.header[: m.CHECKPOINT + 1] = (m.UPDATE, version, epoch, 1, 2.3, 0.0,
+                                              m.EPOCH_END if step == steps - 1 else 0, m.NO_CHECKPOINT)
+            header_req = block.Irecv(reply_header, source=0, tag=m.TAG_REPLY_HEADER)
+            payload_req = block.Irecv(reply_payload, source=0, tag=m.TAG_REPLY)
+            block.Send(out.buffer, dest=0, tag=m.TAG_UPDATE)
+            wait(header_req)
+            wait(payload_req)
+            version = int(reply_header[m.VERSION])
+            if reply_header[m.KIND] == m.STOP:
+                raise SystemExit("the master said stop")
+    # DONE, acknowledging the final checkpoint the master wrote.
+    out.header[: m.CHECKPOINT + 1] = (m.DONE, version, epochs, 0, 0.0, 0.0, 0, m.label_code(f"epoch-{epochs:04d}"))
+    block.Send(out.buffer[: m.HEADER_FLOATS], dest=0, tag=m.TAG_UPDATE)
+
+
+def measure(comm, params: int, optimizer: str, updates: int, workers: str, runs: str) -> dict | None:
+    """One run of the real master against this job's workers; the result on the master."""
+    n_workers = comm.Get_size() - 1
+    epochs = 2
+    steps = max(2, updates // epochs)
+    options = TrainOptions(topology="master-worker", algorithm="downpour", workers=n_workers,
+                           epochs=epochs, batch_size=1, sync_every=1, master_optimizer=optimizer,
+                           worker_optimizer="sgd(lr=0.01)", validate_every=10**6, runs_dir=runs,
+                           quiet=True)
+    ctx = prepare(options, definition(params, n_workers * steps), comm, StopFlag())
+    assert ctx.backend.params.size == params
+    try:
+        if ctx.role.kind == "master":
+            copy_before = memcpy_ms(params, 10)  # the reference, in this process, next to the run
+            started = time.perf_counter()
+            run_master(ctx)
+            total = time.perf_counter() - started
+            copy_after = memcpy_ms(params, 10)
+        elif workers == "protocol":
+            protocol_worker(ctx, epochs, steps)
+        else:
+            run_worker(ctx)
+    finally:
+        ctx.comms.free()
+    if ctx.role.kind != "master":
+        return None
+    times = np.array([r["time"] for r in read_log(ctx.run_dir, "update")])
+    phases = [r["values"] for r in read_log(ctx.run_dir, "phase")][-1]
+    steady = np.diff(times[len(times) // 5:])  # the first fifth is warm-up
+    count = len(times)
+    return {"params": params, "optimizer": optimizer, "workers": workers, "updates": count,
+            "ms_per_update": float(np.mean(steady)) * 1e3, "median_ms": float(np.median(steady)) * 1e3,
+            "wait_ms": phases["wait"] / count * 1e3, "apply_ms": phases["update"] / count * 1e3,
+            "reply_ms": phases["reply"] / count * 1e3, "run_s": total,
+            "memcpy_ms": (copy_before + copy_after) / 2}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--configs", required=True,
+                   help='JSON list of {"params": N, "optimizer": spec, "updates": per worker, '
+                        '"workers": "protocol" | "real"}')
+    p.add_argument("--runs-dir", default=None)
+    args = p.parse_args()
+
+    comm = MPI.COMM_WORLD
+    runs = args.runs_dir or tempfile.mkdtemp(prefix="nbdist-bench-")
+    results = []
+    for c in json.loads(args.configs):
+        results.append(measure(comm, c["params"], c["optimizer"], c["updates"], c.get("workers", "protocol"), runs))
+        gc.collect()
+    if comm.Get_rank() == 0:
+        emit({"results": results})
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main()

@@ -1,0 +1,44 @@
+"""The nbdist side of overhead.py; run under mpiexec (-n 2 master-worker, -n 1 allreduce).
+
+Calls nbdist.train on the digits images with the model and options overhead.py chose, and
+prints the leader's per-epoch history (nbdist's own samples/s accounting).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import emit  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--topology", choices=("master-worker", "allreduce"), required=True)
+    p.add_argument("--optimizer", required=True)
+    p.add_argument("--epochs", type=int, required=True)
+    p.add_argument("--batch-size", type=int, required=True)
+    p.add_argument("--runs-dir", required=True)
+    args = p.parse_args()
+
+    import nbdist
+    from overhead import MODELS, load_data
+
+    options = dict(epochs=args.epochs, batch_size=args.batch_size, runs_dir=args.runs_dir, quiet=True,
+                   validate_every=10**6, seed=0)
+    if args.topology == "master-worker":
+        options.update(topology="master-worker", algorithm="downpour", workers=1, sync_every=1,
+                       master_optimizer=args.optimizer)
+    else:
+        options.update(topology="allreduce", worker_optimizer=args.optimizer)
+    result = nbdist.train(MODELS[args.model], data=load_data(args.model), **options)
+    if result is not None:
+        emit({"history": result.history})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""What nbdist costs one worker: its training throughput against a plain PyTorch loop.
+
+Same model, data, batch size, optimizer, batch order and one torch thread everywhere:
+
+  plain          one process: for each batch, zero_grad, forward, backward, torch.optim step
+  master-worker  `mpiexec -n 2`: 1 master + 1 worker, Downpour, sync_every=1 (the worker
+                 sends every gradient and waits for the master's weights; the master's
+                 optimizer is the one above)
+  allreduce      `mpiexec -n 1`: the allreduce topology on one rank
+
+The default model is a small CNN on scikit-learn's digits as 8x8 images (~151k
+parameters, batch 128: a few milliseconds of compute per step on one core); `--model mlp`
+takes a 64-512-512-10 MLP (~300k parameters) instead. samples/s is taken over the middle
+epochs (the first has the warm-up, the last nbdist's final validation); the plain loop is
+timed before and after the nbdist runs and its faster run is kept (which errs against
+nbdist). Aim: master-worker >= 0.95x plain. Usage: python bench/overhead.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+OPTIMIZER = "sgd(lr=0.05, momentum=0.9)"
+AIM = 0.95
+
+
+def cnn():
+    from torch import nn
+
+    return nn.Sequential(
+        nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(64 * 4 * 4, 128), nn.ReLU(), nn.Linear(128, 10),
+    )
+
+
+def mlp():
+    from torch import nn
+
+    return nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+
+
+MODELS = {"cnn": cnn, "mlp": mlp}
+
+
+def load_data(model: str):
+    from nbdist.datasets import digits
+
+    return digits(images=(model == "cnn"))
+
+
+def plain_loop(model: str, epochs: int, batch_size: int) -> list[dict]:
+    """The loop a PyTorch user writes, on the batches nbdist's single worker gets."""
+    import torch
+    from torch import nn
+
+    from nbdist.data.sharding import ShardPlan
+
+    torch.set_num_threads(1)
+    data = load_data(model)
+    torch.manual_seed(0)
+    net = MODELS[model]()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+    plan = ShardPlan(data.n_train, 1, batch_size, seed=0)
+    history = []
+    for epoch in range(epochs):
+        t0 = time.time()
+        samples, loss_sum = 0, 0.0
+        for indices in plan.epoch(epoch, 0):
+            x, y = data.train_batch(indices)
+            xb, yb = torch.from_numpy(x), torch.from_numpy(y)
+            opt.zero_grad()
+            loss = loss_fn(net(xb), yb)
+            loss.backward()
+            opt.step()
+            samples += len(yb)
+            loss_sum += loss.item() * len(yb)  # nbdist's per-step bookkeeping does the same
+        history.append({"samples": samples, "seconds": time.time() - t0, "train_loss": loss_sum / samples})
+    return history
+
+
+def middle_rate(history: list[dict]) -> float:
+    middle = history[1:-1] or history
+    return sum(h["samples"] for h in middle) / sum(h["seconds"] for h in middle)
+
+
+def nbdist_run(n: int, topology: str, model: str, epochs: int, batch_size: int) -> list[dict]:
+    from _common import run_mpi
+
+    with tempfile.TemporaryDirectory(prefix="nbdist-bench-") as runs:
+        argv = [str(Path(__file__).with_name("_overhead_worker.py")), "--model", model, "--topology", topology,
+                "--optimizer", OPTIMIZER, "--epochs", str(epochs), "--batch-size", str(batch_size),
+                "--runs-dir", runs]
+        return run_mpi(n, argv)[0]["history"]
+
+
+def param_count(model: str) -> int:
+    return sum(p.numel() for p in MODELS[model]().parameters())
+
+
+def main() -> None:
+    from _common import aim, header, table
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="fewer epochs (about 30 s)")
+    p.add_argument("--model", choices=sorted(MODELS), default="cnn")
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--epochs", type=int, default=None, help="epochs per run (default 12, quick 6)")
+    args = p.parse_args()
+    epochs = args.epochs or (6 if args.quick else 12)
+    data = load_data(args.model)
+
+    header("nbdist overhead on one worker against a plain PyTorch loop")
+    print(f"   model {args.model}: {param_count(args.model):,} parameters; data digits "
+          f"{tuple(data.x_train.shape)} train; batch {args.batch_size}; {OPTIMIZER}; {epochs} epochs per run")
+    print()
+
+    runs = {"plain": plain_loop(args.model, epochs, args.batch_size),
+            "master-worker": nbdist_run(2, "master-worker", args.model, epochs, args.batch_size),
+            "allreduce": nbdist_run(1, "allreduce", args.model, epochs, args.batch_size)}
+    plain_after = plain_loop(args.model, epochs, args.batch_size)
+    plain_before = middle_rate(runs["plain"])
+    plain = max(plain_before, middle_rate(plain_after))
+    mw, ar = middle_rate(runs["master-worker"]), middle_rate(runs["allreduce"])
+
+    # The three train the same model on the same batches with the same optimizer (one
+    # Downpour worker with sync_every=1 is plain SGD), so their losses must agree too.
+    loss = {k: h[-1]["train_loss"] for k, h in runs.items()}
+    table([["plain PyTorch loop (1 process)", plain, 1.0, loss["plain"]],
+           ["nbdist master-worker (1 master + 1 worker, downpour)", mw, mw / plain, loss["master-worker"]],
+           ["nbdist allreduce (1 rank)", ar, ar / plain, loss["allreduce"]]],
+          ["run", "samples/s", "vs plain", f"train loss, epoch {epochs}"])
+    print(f"   plain loop runs: {plain_before:,.0f} and {middle_rate(plain_after):,.0f} samples/s (the faster is used)")
+    print()
+    aim("master-worker, 1 worker vs plain loop", AIM, mw / plain)
+    aim("allreduce, 1 rank vs plain loop", AIM, ar / plain)
+
+
+if __name__ == "__main__":
+    main()
