@@ -211,3 +211,14 @@ def test_skip_leaves_flags_out():
     assert "model" not in dests and "resume" not in dests and "epochs" in dests
     opts = options_from_args(p.parse_args(["--epochs", "2"]))
     assert opts.model is None and opts.epochs == 2
+
+
+def test_downpour_pushing_every_batch_rejects_a_worker_optimizer():
+    from nbdist.errors import OptionsError
+    from nbdist.train.context import _resolve_rules
+
+    with pytest.raises(OptionsError, match="downpour with --sync-every 1 takes no worker optimizer"):
+        _resolve_rules(TrainOptions(algorithm="downpour", worker_optimizer="sgd(lr=1e6)"))
+    algorithm, sync_every, worker, master = _resolve_rules(TrainOptions(algorithm="downpour", sync_every=4,
+                                                                        worker_optimizer="adam(lr=1e-3)"))
+    assert sync_every == 4 and worker.name == "adam" and master.name == "sgd"

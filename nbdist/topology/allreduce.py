@@ -125,7 +125,7 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
                 report, since = BatchStats(), time.monotonic()
                 phases = dict.fromkeys(phases, 0.0)
             if trailer[3] > 0:
-                stop_reason = "stopped by a signal"
+                stop_reason = ctx.stop.reason or "stopped: requested on another rank"
                 save(f"stopped-{epoch:04d}{step + 1:06d}", epoch, step + 1)
                 break
         if stop_reason:

@@ -120,6 +120,15 @@ def _resolve_rules(options: TrainOptions) -> tuple[Algorithm | None, int, Spec |
     master = (parse_spec(options.master_optimizer or DEFAULT_MASTER_OPTIMIZER, what="--master-optimizer")
               if algorithm.uses_master_optimizer else None)
     sync_every = options.sync_every or algorithm.default_sync_every
+    if algorithm.name == "downpour" and sync_every == 1:
+        # Downpour workers step locally only between pushes; with a push after every
+        # batch a worker optimizer would be silently ignored.
+        if options.worker_optimizer:
+            raise OptionsError(
+                "downpour with --sync-every 1 takes no worker optimizer (workers only compute "
+                "gradients; the master's is --master-optimizer); use --sync-every > 1 for local steps"
+            )
+        worker = None
     return algorithm, sync_every, worker, master
 
 
