@@ -94,7 +94,7 @@ def measure(comm, params: int, optimizer: str, updates: int, workers: str, runs:
     steps = max(2, updates // epochs)
     options = TrainOptions(topology="master-worker", algorithm="downpour", workers=n_workers,
                            epochs=epochs, batch_size=1, sync_every=1, master_optimizer=optimizer,
-                           worker_optimizer="sgd(lr=0.01)", validate_every=10**6, runs_dir=runs,
+                           validate_every=10**6, runs_dir=runs,
                            quiet=True)
     ctx = prepare(options, definition(params, n_workers * steps), comm, StopFlag())
     assert ctx.backend.params.size == params
