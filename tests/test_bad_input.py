@@ -120,7 +120,7 @@ MODEL_FILES = {
 # name -> (argv, text the one error line must hold, regular expression or None)
 CASES = {
     "unknown-algorithm": (["--algorithm", "easgdd"], ["unknown algorithm 'easgdd'", "did you mean 'easgd'?"], None),
-    "unknown-optimizer": (["--worker-optimizer", "adamm"],
+    "unknown-optimizer": (["--algorithm", "easgd", "--worker-optimizer", "adamm"],
                           ["unknown PyTorch optimizer 'adamm'", "did you mean 'adam'?"], None),
     "unknown-algorithm-parameter": (["--algorithm", "easgd(elastic_forse=0.5)"],
                                     ["'elastic_forse'", "it takes: elastic_force"], None),
