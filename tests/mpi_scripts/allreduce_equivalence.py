@@ -18,7 +18,6 @@ size. Prints `OK <ranks>-<layout>`; any failure aborts the job so that no rank h
 from __future__ import annotations
 
 import sys
-import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -35,6 +34,7 @@ from nbdist.algorithms import allreduce_sgd  # noqa: E402
 from nbdist.backends.torch import TorchBackend  # noqa: E402
 from nbdist.specs import parse_spec  # noqa: E402
 from nbdist.topology.allreduce import GradientReducer  # noqa: E402
+from rank_main import run_or_abort  # noqa: E402
 
 
 def train(comm: MPI.Intracomm, steps: int, unequal: bool) -> TorchBackend:
@@ -82,10 +82,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except BaseException:
-        traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(1)
+    run_or_abort(main)

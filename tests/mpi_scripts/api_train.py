@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import sys
-import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -26,6 +25,7 @@ from torch import nn  # noqa: E402
 
 import equivalence_common as common  # noqa: E402
 import nbdist  # noqa: E402
+from rank_main import run_or_abort  # noqa: E402
 
 
 def main() -> None:
@@ -49,10 +49,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except BaseException:
-        traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(1)
+    run_or_abort(main)
