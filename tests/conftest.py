@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -23,6 +24,27 @@ class Completed:
     @property
     def output(self) -> str:
         return self.stdout + self.stderr
+
+
+@dataclass
+class BatchedRuns:
+    """The runs of one mpiexec job that trained several configurations: their exit codes
+    (by run name), their directories and the job's output."""
+
+    output: str
+    returncode: int
+    runs_dir: Path
+    codes: dict
+
+    def run(self, name: str) -> Path:
+        assert self.codes.get(name) == 0, (
+            f"run {name!r}: exit status {self.codes.get(name)} (job status {self.returncode})\n"
+            f"{self.output[-6000:]}"
+        )
+        return self.runs_dir / name
+
+    def summary(self, name: str) -> dict:
+        return json.loads((self.run(name) / "summary.json").read_text())
 
 
 def run_mpi(n: int, argv: list[str], *, timeout: float = 120, cwd: Path | None = None) -> Completed:

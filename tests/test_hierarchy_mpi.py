@@ -19,13 +19,13 @@ import subprocess
 import textwrap
 import time
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from conftest import BatchedRuns
 from nbdist.launch import mpi_env, mpiexec_command
 from nbdist.metrics import read_log
 
@@ -74,24 +74,6 @@ NAN_ON_RANK_4 = """
     def load_data():
         return nbdist.datasets.digits()
 """
-
-
-@dataclass
-class Job:
-    output: str
-    returncode: int
-    runs_dir: Path
-    codes: dict
-
-    def run(self, name: str) -> Path:
-        assert self.codes.get(name) == 0, (
-            f"run {name!r}: exit status {self.codes.get(name)} (job status {self.returncode})\n"
-            f"{self.output[-6000:]}"
-        )
-        return self.runs_dir / name
-
-    def summary(self, name: str) -> dict:
-        return json.loads((self.run(name) / "summary.json").read_text())
 
 
 def _epoch_logged(run_dir: Path) -> bool:
@@ -148,7 +130,7 @@ def job(tmp_path_factory):
              for name in names]
     output, returncode = _run_job(argvs, runs_dir, runs_dir / "stop", timeout=500)
     found = re.findall(r"nbdist-test: run (\d+) rc=(-?\d+)", output)
-    return Job(output, returncode, runs_dir, {names[int(i)]: int(rc) for i, rc in found})
+    return BatchedRuns(output, returncode, runs_dir, {names[int(i)]: int(rc) for i, rc in found})
 
 
 def _updates(run: Path, rank: int) -> list[dict]:

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from conftest import BatchedRuns
 from nbdist.launch import mpi_env, mpiexec_command
 from nbdist.metrics import read_log
 
@@ -84,21 +85,12 @@ def _run_batch(n: int, runs: dict[str, list[str]], runs_dir: Path, timeout: floa
     return done, codes
 
 
-class Batch:
-    """The runs of one job: their directories, exit codes and the job's output."""
+class Batch(BatchedRuns):
+    """The runs of one job, keeping the job's completed process for its stdout."""
 
     def __init__(self, done, codes, runs_dir: Path):
-        self.done, self.codes, self.runs_dir = done, codes, runs_dir
-
-    def run(self, name: str) -> Path:
-        assert self.codes.get(name) == 0, (
-            f"run {name!r}: exit status {self.codes.get(name)} (job status {self.done.returncode})\n"
-            f"{self.done.output[-6000:]}"
-        )
-        return self.runs_dir / name
-
-    def summary(self, name: str) -> dict:
-        return json.loads((self.run(name) / "summary.json").read_text())
+        super().__init__(done.output, done.returncode, runs_dir, codes)
+        self.done = done
 
 
 RESUME_CONFIGS = {
