@@ -1,8 +1,15 @@
 """nbdist: distributed training and hyper-parameter optimisation on MPI, from Jupyter."""
 
 from nbdist.api import train
+from nbdist.cluster import Cluster
 from nbdist.layout import Layout
 from nbdist.options import TrainOptions
 
-__all__ = ["train", "Layout", "TrainOptions"]
+__all__ = ["train", "Cluster", "Layout", "TrainOptions", "load_ipython_extension"]
 __version__ = "0.1.0"
+
+
+def load_ipython_extension(shell):  # noqa: ANN001 - IPython's hook: %load_ext nbdist
+    from nbdist.magics import load_ipython_extension as load
+
+    load(shell)

@@ -13,10 +13,9 @@ import argparse
 import json
 import sys
 import traceback
-from pathlib import Path
 
 from nbdist.errors import UserError
-from nbdist.options import TrainOptions, add_arguments, options_from_args
+from nbdist.options import add_arguments, options_from_args
 
 __all__ = ["main", "build_parser"]
 
@@ -56,12 +55,7 @@ def _train(args: argparse.Namespace) -> int:
     from nbdist.train.definition import load_model_file
     from nbdist.train.runner import run_rank
 
-    base = None
-    if args.resume:
-        saved = Path(args.resume) / "options.json"
-        if saved.exists():
-            base = TrainOptions.from_dict(json.loads(saved.read_text()))
-    options = options_from_args(args, base)
+    options = options_from_args(args)
     if not options.model:
         raise UserError("--model is required: a Python file that defines build_model()")
     result = run_rank(options, lambda: load_model_file(options.model))

@@ -12,6 +12,11 @@ __all__ = ["UserError", "OptionsError", "TrainingError"]
 class UserError(Exception):
     """Bad input: the message names the problem and, where it can, the fix."""
 
+    def _render_traceback_(self) -> list[str]:
+        # IPython shows what this returns instead of a traceback: in a notebook cell the
+        # user sees the one line that says what is wrong.
+        return [f"{type(self).__name__}: {self}"]
+
 
 class OptionsError(UserError, ValueError):
     pass

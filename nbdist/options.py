@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 from nbdist.errors import OptionsError
@@ -112,7 +114,12 @@ def add_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()
 
 
 def options_from_args(args: argparse.Namespace, base: TrainOptions | None = None) -> TrainOptions:
-    """Options given on the command line over `base` (defaults, or a resumed run's)."""
+    """Options given on the command line over `base`: by default the saved options of
+    the run named by --resume, else the defaults."""
+    if base is None and getattr(args, "resume", None):
+        saved = Path(args.resume) / "options.json"
+        if saved.exists():
+            base = TrainOptions.from_dict(json.loads(saved.read_text()))
     given = {f.name: getattr(args, f.name) for f in fields(TrainOptions)
              if getattr(args, f.name, None) is not None}
     return (base or TrainOptions()).replace(**given)

@@ -2,7 +2,8 @@
 
 Records are buffered in memory and written a few times a second from the training
 loop's own thread, at step boundaries: a step never waits on a file or on a client.
-One file per rank means no two processes ever write the same file.
+One file per rank means no two processes ever write the same file. A sink (the
+notebook's live stream) receives the same batches at the same moments.
 """
 
 from __future__ import annotations
@@ -11,11 +12,15 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from nbdist.metrics.record import Record
 
-__all__ = ["RunLog", "read_log", "metrics_dir"]
+__all__ = ["RunLog", "RecordSink", "read_log", "metrics_dir"]
+
+# Called with each flushed batch of record dicts; must return at once (no waiting on
+# a client or a network on the training loop's thread).
+RecordSink = Callable[[list[dict[str, Any]]], None]
 
 
 def metrics_dir(run_dir: Path) -> Path:
@@ -30,31 +35,35 @@ def _finite(value: Any) -> Any:
 
 
 class RunLog:
-    __slots__ = ("run", "trial", "rank", "role", "path", "_pending", "_last_flush", "flush_every", "_file")
+    __slots__ = ("run", "trial", "rank", "role", "path", "_pending", "_last_flush", "flush_every", "_file",
+                 "sink")
 
     def __init__(self, run_dir: Path, run: str, rank: int, role: str, *, trial: int | None = None,
-                 flush_every: float = 0.25):
+                 flush_every: float = 0.25, sink: RecordSink | None = None):
         self.run, self.trial, self.rank, self.role = run, trial, rank, role
         directory = metrics_dir(run_dir)
         directory.mkdir(parents=True, exist_ok=True)
         self.path = directory / f"rank-{rank:05d}.jsonl"
         self._file = open(self.path, "a", encoding="utf-8")
-        self._pending: list[str] = []
+        self._pending: list[dict[str, Any]] = []
+        self.sink = sink
         self._last_flush = time.monotonic()
         self.flush_every = flush_every
 
     def emit(self, kind: str, values: dict[str, Any], *, step: int = 0, epoch: int = 0) -> None:
         record = Record(self.run, self.trial, self.rank, self.role, kind, int(step), int(epoch),
                         time.time(), {k: _finite(v) for k, v in values.items()})
-        self._pending.append(json.dumps(record.to_dict(), separators=(",", ":")))
+        self._pending.append(record.to_dict())
         if time.monotonic() - self._last_flush >= self.flush_every:
             self.flush()
 
     def flush(self) -> None:
         if self._pending:
-            self._file.write("\n".join(self._pending) + "\n")
+            batch, self._pending = self._pending, []
+            self._file.write("\n".join(json.dumps(r, separators=(",", ":")) for r in batch) + "\n")
             self._file.flush()
-            self._pending.clear()
+            if self.sink is not None:
+                self.sink(batch)
         self._last_flush = time.monotonic()
 
     def close(self) -> None:

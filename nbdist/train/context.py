@@ -22,7 +22,7 @@ from nbdist.backends.base import ModelError
 from nbdist.data.arrays import ArrayData
 from nbdist.errors import OptionsError, UserError
 from nbdist.layout import Communicators, Layout, Role
-from nbdist.metrics.log import RunLog
+from nbdist.metrics.log import RecordSink, RunLog
 from nbdist.options import TrainOptions, parse_target
 from nbdist.specs import Spec, parse_spec
 from nbdist.train.checkpoint import CheckpointError, Checkpoints
@@ -155,6 +155,7 @@ def prepare(
     definition: ModelDefinition | Callable[[], ModelDefinition],
     comm: Any,
     stop: StopFlag,
+    sink: "RecordSink | None" = None,
 ) -> RankContext:
     """Collective over `comm`: build this rank's context or raise one UserError everywhere."""
     import torch
@@ -208,7 +209,7 @@ def prepare(
     if is_leader:
         _write_run_files(run_dir, options, layout)
     run_id = run_dir.name
-    log = RunLog(run_dir, run_id, comm.Get_rank(), role.kind)
+    log = RunLog(run_dir, run_id, comm.Get_rank(), role.kind, sink=sink)
     early = EarlyStopping(
         options.monitor, options.early_stopping, options.min_delta,
         parse_target(options.target) if options.target else None,

@@ -16,7 +16,7 @@ from typing import Any, Callable
 from nbdist.backends.base import ModelError
 from nbdist.data.arrays import ArrayData
 
-__all__ = ["ModelDefinition", "load_model_file"]
+__all__ = ["ModelDefinition", "load_model_file", "definition_from_namespace"]
 
 
 @dataclass(slots=True)
@@ -67,13 +67,19 @@ def load_model_file(path: str | Path) -> ModelDefinition:
     except Exception as exc:
         raise ModelError(f"model file {file} failed while loading: {_short(exc)}") from exc
 
+    return definition_from_namespace(namespace, f"model file {file}")
+
+
+def definition_from_namespace(namespace: dict[str, Any], source: str) -> ModelDefinition:
+    """build_model (or a ready `model`), loss, metric and load_data (or `data`) from the
+    names a model file or a notebook cell defined."""
     build = namespace.get("build_model")
     if build is None and "model" in namespace:
         model = namespace["model"]
         build = lambda: model  # noqa: E731 - a ready-made model object
     if not callable(build):
         raise ModelError(
-            f"model file {file} defines no build_model() function (or `model` object); "
+            f"{source} defines no build_model() function (or `model` object); "
             f"add e.g.  def build_model(): return torch.nn.Sequential(...)"
         )
     data = namespace.get("load_data", namespace.get("data"))
@@ -82,5 +88,5 @@ def load_model_file(path: str | Path) -> ModelDefinition:
         loss=namespace.get("loss"),
         metric=namespace.get("metric", "accuracy"),
         data=data,
-        source=f"model file {file}",
+        source=source,
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
+from nbdist.metrics.log import RecordSink
 from nbdist.options import TrainOptions
 from nbdist.train.context import prepare
 from nbdist.train.definition import ModelDefinition
@@ -15,9 +16,11 @@ __all__ = ["run_rank"]
 
 
 def run_rank(options: TrainOptions, definition: ModelDefinition | Callable[[], ModelDefinition],
-             comm: Any = None, stop: StopFlag | None = None) -> RunResult | None:
+             comm: Any = None, stop: StopFlag | None = None,
+             sink: RecordSink | None = None) -> RunResult | None:
     """Collective over `comm` (default COMM_WORLD). Returns the RunResult on the run's
-    leader (the top master, or rank 0 of an allreduce run), None elsewhere."""
+    leader (the top master, or rank 0 of an allreduce run), None elsewhere. `sink`
+    also receives every batch of this rank's metric records (the notebook's live view)."""
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD if comm is None else comm
@@ -25,7 +28,7 @@ def run_rank(options: TrainOptions, definition: ModelDefinition | Callable[[], M
         stop = StopFlag()
         if threading.current_thread() is threading.main_thread():
             stop.install()
-    ctx = prepare(options, definition, comm, stop)
+    ctx = prepare(options, definition, comm, stop, sink)
     ctx.say(f"nbdist: {ctx.layout.describe()}, {ctx.options.topology}"
             + (f", {ctx.algorithm!r}" if ctx.algorithm else ", synchronous sgd")
             + (", synchronous" if options.synchronous and ctx.algorithm else "")

@@ -1,0 +1,140 @@
+"""What runs on the engines of a notebook's cluster (each engine is one MPI rank).
+
+The client sends these functions by reference (they live in this module), with the
+options and the cell's source text: every rank then runs the cell itself, builds its own
+model and loads its own shard. Models and datasets never travel between client and
+engines.
+
+A rank never raises into ipyparallel: it returns an `EngineOutcome`, so the client can
+show one error naming the rank instead of one remote traceback per engine.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from nbdist.backends.base import ModelError
+from nbdist.errors import UserError
+
+__all__ = ["EngineOutcome", "describe_engine", "install_idle_stop_handler", "run_training",
+           "CELL_FILENAME", "LIVE_PREFIX"]
+
+CELL_FILENAME = "<distnn cell>"
+LIVE_PREFIX = "nbdist-records-"  # keys of the record batches published to the client
+
+
+class Abandoned(BaseException):
+    """Raised on a rank by SIGUSR2: another rank failed where the others cannot hear of
+    it (they wait for its next message), and the client gave up on the job. A
+    BaseException, so that no `except Exception` in user code holds the rank back."""
+
+
+def _abandon(signum: int, frame: object) -> None:
+    raise Abandoned()
+
+
+@dataclass(slots=True)
+class EngineOutcome:
+    rank: int
+    result: Any = None  # the RunResult on the run's leader
+    error: str = ""  # one line for the user; empty when the rank finished
+    user_error: bool = False  # bad input (no traceback needed) vs a failure
+    detail: str = ""  # the traceback of an unexpected failure
+    abandoned: bool = False  # stopped because another rank failed
+
+
+def describe_engine() -> dict[str, Any]:
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    return {"rank": world.Get_rank(), "size": world.Get_size(), "host": socket.gethostname(),
+            "pid": os.getpid()}
+
+
+def install_idle_stop_handler() -> None:
+    """A stop that arrives between jobs must not kill the engine (the default action of
+    SIGUSR1 and SIGUSR2)."""
+    for sig in (signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, lambda *_: None)
+
+
+def _user_namespace() -> dict[str, Any]:
+    # The engine's interactive namespace: what the cell defines stays there, as it does
+    # for %px, so a later cell on the engines can use it.
+    try:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+    except ImportError:
+        shell = None
+    return shell.user_ns if shell is not None else {}
+
+
+def definition_from_cell(source: str) -> Any:
+    """Run the cell's source in this engine's namespace; collect what it defined."""
+    from nbdist.train.definition import definition_from_namespace
+
+    namespace = _user_namespace()
+    try:
+        code = compile(source, CELL_FILENAME, "exec")
+    except SyntaxError as exc:
+        raise ModelError(f"the cell has a syntax error on line {exc.lineno}: {exc.msg}") from None
+    try:
+        exec(code, namespace)  # noqa: S102 - the user's own cell, on the user's own engines
+    except Exception as exc:
+        raise ModelError(f"the cell failed: {_where(exc)}") from exc
+    return definition_from_namespace(namespace, "the cell")
+
+
+def _where(exc: BaseException) -> str:
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == CELL_FILENAME]
+    line = f" (cell line {frames[-1].lineno})" if frames else ""
+    return f"{type(exc).__name__}: {exc}{line}"
+
+
+def run_training(options: dict[str, Any], *, cell: str | None = None,
+                 model: Callable[[], Any] | str | None = None, loss: Any = None,
+                 metric: Any = "accuracy", data: Any = None, live: bool = True) -> EngineOutcome:
+    """One rank's part of a notebook job: collective over COMM_WORLD."""
+    from mpi4py import MPI
+
+    from nbdist.metrics.publish import DataPublisher
+    from nbdist.options import TrainOptions
+    from nbdist.train.definition import ModelDefinition, load_model_file
+    from nbdist.train.runner import run_rank
+    from nbdist.train.stopping import StopFlag
+
+    rank = MPI.COMM_WORLD.Get_rank()
+    opts = TrainOptions.from_dict(options)
+    if cell is not None:
+        definition: Any = lambda: definition_from_cell(cell)  # noqa: E731
+    elif isinstance(model, str):
+        definition = lambda: load_model_file(model)  # noqa: E731
+    else:
+        definition = ModelDefinition(build_model=model, loss=loss, metric=metric, data=data,
+                                     source=getattr(model, "__name__", "model"))
+    stop = StopFlag()
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)}
+    stop.install()
+    signal.signal(signal.SIGUSR2, _abandon)
+    publisher = DataPublisher(LIVE_PREFIX) if live else None
+    try:
+        result = run_rank(opts, definition, MPI.COMM_WORLD, stop, sink=publisher)
+        return EngineOutcome(rank, result=result)
+    except Abandoned:
+        return EngineOutcome(rank, error="abandoned: another rank failed", abandoned=True)
+    except UserError as exc:
+        return EngineOutcome(rank, error=str(exc), user_error=True)
+    except Exception as exc:  # noqa: BLE001 - reported to the client, named by rank
+        return EngineOutcome(rank, error=f"{type(exc).__name__}: {exc}", detail=traceback.format_exc())
+    finally:
+        signal.signal(signal.SIGUSR2, lambda *_: None)  # a late SIGUSR2 must not raise here
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        if publisher is not None:
+            publisher.close()

@@ -1,0 +1,139 @@
+"""`%distnn` and `%%distnn`: parse the options, call the Python API, nothing else.
+
+    %load_ext nbdist
+    %distnn cluster start -n 4
+    %%distnn train --algorithm gem --workers 3 --epochs 10
+    model = ...                     # the cell body runs on every engine
+
+The train options are the parser of `python -m nbdist train` (nbdist.options), so the
+magic, the command line and `nbdist.train(...)` take the same names.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.magic_arguments import ArgDecorator, MagicArgumentParser, magic_arguments, parse_argstring
+
+from nbdist.options import add_arguments, options_from_args
+
+__all__ = ["DistnnMagics", "load_ipython_extension"]
+
+
+class _commands(ArgDecorator):
+    """The sub-commands of %distnn, built on the train options' own parser."""
+
+    def add_to_parser(self, parser: MagicArgumentParser, group: Any) -> None:
+        sub = parser.add_subparsers(dest="command", metavar="{cluster,train,last,stop}",
+                                    parser_class=MagicArgumentParser)
+        cluster = sub.add_parser("cluster", help="start, stop or describe the MPI engines")
+        actions = cluster.add_subparsers(dest="action", parser_class=MagicArgumentParser)
+        start = actions.add_parser("start", help="start MPI engines (or reuse the running cluster)")
+        start.add_argument("-n", type=int, default=4, help="number of engines (MPI ranks)")
+        start.add_argument("--engines", default="mpi", choices=("mpi", "slurm"),
+                           help="launcher: mpiexec here, or srun on a SLURM allocation")
+        start.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the engines")
+        actions.add_parser("stop", help="stop the engines")
+        actions.add_parser("status", help="engines, ranks, hosts and the layout tree")
+
+        train = sub.add_parser("train", help="train the model the cell defines on every engine")
+        add_arguments(train)
+        train.add_argument("--block", action="store_true", help="wait for the training to end")
+        train.add_argument("--no-progress", action="store_true", help="no live progress line")
+
+        sub.add_parser("last", help="the last job started from a cell")
+        sub.add_parser("stop", help="stop the last job on every rank")
+        _commands.subparsers = sub
+
+
+def _full_help(parser: MagicArgumentParser) -> str:
+    parts = [parser.format_help()]
+    for name, child in _commands.subparsers.choices.items():
+        parts.append(f"\n%distnn {name}\n" + child.format_help())
+    return "\n".join(parts)
+
+
+@magics_class
+class DistnnMagics(Magics):
+    def __init__(self, shell: Any):
+        super().__init__(shell)
+        self.last_job: Any = None
+
+    @magic_arguments()
+    @_commands()
+    @line_cell_magic
+    def distnn(self, line: str, cell: str | None = None) -> Any:
+        """Distributed training on an MPI cluster of ipyparallel engines."""
+        args = parse_argstring(self.distnn, line)
+        if args.command is None:
+            raise UsageError("say what to do: %distnn cluster start | train | last | stop  (%distnn? for help)")
+        if cell is not None and args.command != "train" and cell.strip():
+            raise UsageError(f"%%distnn {args.command} takes no cell body; use %distnn {args.command}")
+        # A UserError raised from here shows as its one line (UserError._render_traceback_).
+        return getattr(self, f"_{args.command}")(args, cell)
+
+    def _cluster(self, args: argparse.Namespace, cell: str | None) -> Any:
+        from nbdist import cluster as clusters
+
+        if args.action is None:
+            raise UsageError("%distnn cluster start | stop | status")
+        running = clusters._current if clusters._current is not None and clusters._current.running else None
+        if args.action == "start":
+            if running is not None:
+                if running.n == args.n and running.engines == args.engines:
+                    print(f"nbdist: reusing the running cluster ({running.n} engines)")
+                    return running
+                raise UsageError(f"a cluster of {running.n} {running.engines} engines is running; "
+                                 f"%distnn cluster stop first")
+            print(f"nbdist: starting {args.n} MPI engines ...", flush=True)
+            started = clusters.Cluster(n=args.n, engines=args.engines, start_timeout=args.timeout).start()
+            print(started.status())
+            return started
+        if args.action == "stop":
+            if running is None:
+                print("nbdist: no cluster is running")
+                return None
+            running.stop()
+            print("nbdist: cluster stopped")
+            return None
+        print(running.status() if running is not None else "nbdist cluster: not running")
+        return None
+
+    def _train(self, args: argparse.Namespace, cell: str | None) -> Any:
+        from nbdist.api import submit
+        from nbdist.cluster import current_cluster
+
+        options = options_from_args(args)
+        if cell is None or not cell.strip():
+            cell = None
+            if not options.model:
+                raise UsageError("%distnn train needs a cell body that defines the model "
+                                 "(%%distnn train ...) or --model FILE.py")
+        elif options.model:
+            raise UsageError("give the model either as the cell body or as --model, not both")
+        job = submit(current_cluster(), options, cell=cell, block=False, show_progress=not args.no_progress)
+        self.last_job = job
+        if args.block:
+            job.wait()
+        return job
+
+    def _last(self, args: argparse.Namespace, cell: str | None) -> Any:
+        if self.last_job is None:
+            raise UsageError("no job has been started from a cell yet")
+        return self.last_job
+
+    def _stop(self, args: argparse.Namespace, cell: str | None) -> Any:
+        job = self._last(args, cell)
+        job.stop()
+        print(f"nbdist: job {job.status}")
+        return job
+
+
+DistnnMagics.distnn.__doc__ = _full_help(DistnnMagics.distnn.parser)
+
+
+def load_ipython_extension(shell: Any) -> None:
+    shell.register_magics(DistnnMagics)

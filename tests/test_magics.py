@@ -1,0 +1,262 @@
+"""The notebook layer for real: an IPython shell, %distnn magics, a local cluster of 4
+ipyparallel engines that are the ranks of one mpiexec job."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from dataclasses import fields
+
+import pytest
+
+pytest.importorskip("ipyparallel")
+from IPython.core.error import UsageError  # noqa: E402
+from IPython.core.interactiveshell import InteractiveShell  # noqa: E402
+
+import nbdist  # noqa: E402
+from nbdist.errors import UserError  # noqa: E402
+from nbdist.job import JobError  # noqa: E402
+from nbdist.options import TrainOptions, flag  # noqa: E402
+
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(600)]
+
+MODEL_CELL = """
+import torch.nn as nn
+model = nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+"""
+
+
+@pytest.fixture(scope="module")
+def shell():
+    ip = InteractiveShell.instance()
+    ip.run_line_magic("load_ext", "nbdist")
+    yield ip
+    ip.run_line_magic("distnn", "cluster stop")
+
+
+@pytest.fixture(scope="module")
+def cluster(shell):
+    return shell.run_line_magic("distnn", "cluster start -n 4")
+
+
+def _opts(tmp_path, extra: str = "") -> str:
+    return f"--quiet --runs-dir {tmp_path} {extra}"
+
+
+def _wait_for_records(job, count: int = 1, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while len(job.records) < count:
+        assert not job.done, f"the job ended before streaming {count} records: {job!r}"
+        assert time.monotonic() < deadline, f"no records streamed within {timeout} s"
+        time.sleep(0.1)
+
+
+def test_engines_are_mapped_to_ranks(cluster, shell, capsys):
+    assert sorted(i.rank for i in cluster.info) == [0, 1, 2, 3]
+    for rank in range(4):
+        assert cluster.rank_of(cluster.engine_of(rank)) == rank
+    # The view the jobs run on lists the engines in rank order.
+    from nbdist.engine import describe_engine
+
+    assert [r["rank"] for r in cluster.view.apply_sync(describe_engine)] == [0, 1, 2, 3]
+    shell.run_line_magic("distnn", "cluster status")
+    out = capsys.readouterr().out
+    assert "4 MPI engines" in out and "master 0  rank 0" in out and "worker 2  rank 3" in out
+    # Starting again reuses the running cluster.
+    assert shell.run_line_magic("distnn", "cluster start -n 4") is cluster
+
+
+@pytest.mark.parametrize("options, threshold", [
+    ("--topology master-worker --algorithm gem --workers 3 --epochs 4", 0.85),
+    ("--topology master-worker --algorithm easgd --workers 3 --epochs 4 --synchronous", 0.85),
+    ("--topology allreduce --epochs 4", 0.85),
+])
+def test_train_each_topology_from_a_cell(cluster, shell, tmp_path, options, threshold):
+    job = shell.run_cell_magic("distnn", f"train {options} --block {_opts(tmp_path)}", MODEL_CELL)
+    assert job.status == "completed", job
+    assert job.result.final["val_acc"] >= threshold, job.epochs
+    assert job.result.weights_path.exists()
+    history = job.history
+    # Records from every rank reached the client, and the per-epoch ones of the run.
+    assert set(history["rank"]) == {0, 1, 2, 3}
+    assert list(job.epochs["epoch"]) == [1, 2, 3, 4]
+    if "master-worker" in options:
+        assert "staleness" in history.columns
+    assert shell.run_line_magic("distnn", "last") is job
+
+
+def test_python_api_trains_on_the_cluster(cluster, shell, tmp_path):
+    # Functions defined in a notebook (the shell's __main__) travel to the engines by value.
+    shell.run_cell(
+        "def build_model():\n"
+        "    import torch.nn as nn\n"
+        "    return nn.Sequential(nn.Flatten(), nn.Linear(64, 10))\n"
+        "def load_data():\n"
+        "    from nbdist.datasets import digits\n"
+        "    return digits(val_fraction=0.25)\n"
+    )
+    build_model, load_data = shell.user_ns["build_model"], shell.user_ns["load_data"]
+    job = nbdist.train(build_model, data=load_data, cluster=cluster, topology="allreduce", epochs=3,
+                       block=True, quiet=True, runs_dir=str(tmp_path))
+    assert job.status == "completed" and job.result.final["val_acc"] > 0.8
+    with pytest.raises(UserError, match="function that loads it"):
+        nbdist.train(build_model, data=load_data(), cluster=cluster, runs_dir=str(tmp_path))
+
+
+def test_stop_ends_every_rank_and_the_next_cell_trains(cluster, shell, tmp_path):
+    job = shell.run_cell_magic("distnn", f"train --epochs 5000 --checkpoint-every 1000 {_opts(tmp_path)}",
+                               MODEL_CELL)
+    assert not job.done
+    _wait_for_records(job)
+    job.stop(timeout=5)  # raises TimeoutError if any rank is still training after 5 s
+    assert job.status == "stopped", job
+    assert job.result.stop_reason == "stopped by SIGUSR1"
+    # The stop was taken at a step boundary and checkpointed, for a resume.
+    assert any(p.name.startswith("stopped") for p in (job.result.run_dir / "checkpoints").iterdir())
+
+    again = shell.run_cell_magic("distnn", f"train --epochs 1 --block {_opts(tmp_path)}", MODEL_CELL)
+    assert again.status == "completed"
+
+
+def test_kernel_interrupt_during_block_stops_the_job(cluster, shell, tmp_path, capsys):
+    magics = shell.magics_manager.registry["DistnnMagics"]
+    interrupted_at: list[float] = []
+
+    def interrupt_once_training() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            job = magics.last_job
+            if job is not None and job.options.epochs == 4000 and job.records:
+                interrupted_at.append(time.time())
+                os.kill(os.getpid(), signal.SIGINT)  # what Jupyter's interrupt button sends
+                return
+            time.sleep(0.1)
+
+    threading.Thread(target=interrupt_once_training, daemon=True).start()
+    job = shell.run_cell_magic("distnn", f"train --epochs 4000 --block {_opts(tmp_path)}", MODEL_CELL)
+    assert interrupted_at, "the training never streamed a record"
+    assert job.done and job.status == "stopped", job
+    assert job.ended - interrupted_at[0] < 5.0
+    assert "interrupted; the job stopped" in capsys.readouterr().out
+    assert shell.run_cell_magic("distnn", f"train --epochs 1 --block {_opts(tmp_path)}",
+                                MODEL_CELL).status == "completed"
+
+
+def test_history_grows_while_training(cluster, shell, tmp_path):
+    job = shell.run_cell_magic("distnn", f"train --topology allreduce --epochs 5000 {_opts(tmp_path)}",
+                               MODEL_CELL)
+    try:
+        _wait_for_records(job)
+        counts = [len(job.records)]
+        for _ in range(20):  # 20 s of training, looked at once a second
+            time.sleep(1.0)
+            counts.append(len(job.records))
+        assert not job.done
+        growth = [b - a for a, b in zip(counts, counts[1:])]
+        assert all(g > 0 for g in growth), counts
+    finally:
+        job.stop(timeout=30)
+
+
+def test_error_in_the_cell_on_one_rank_is_one_error_naming_it(cluster, shell, tmp_path):
+    cell = MODEL_CELL + (
+        "from mpi4py import MPI\n"
+        "if MPI.COMM_WORLD.Get_rank() == 2:\n"
+        "    raise ValueError('no data on this node')\n"
+    )
+    with pytest.raises(JobError) as caught:
+        shell.run_cell_magic("distnn", f"train --epochs 2 --block {_opts(tmp_path)}", cell)
+    message = str(caught.value)
+    assert message == "the cell failed: ValueError: no data on this node (cell line 6) (on rank 2)"
+    # In a notebook this is all the user sees: one line, no traceback from the engines.
+    assert caught.value._render_traceback_() == [f"JobError: {message}"]
+
+
+FLAKY_CELL = """
+import torch.nn as nn
+from mpi4py import MPI
+
+class Flaky(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if MPI.COMM_WORLD.Get_rank() == 2 and self.training and self.calls > 20:
+            raise RuntimeError("illegal memory access")
+        return self.net(x)
+
+def build_model():
+    return Flaky()
+"""
+
+
+@pytest.mark.parametrize("topology", ["master-worker", "allreduce"])
+def test_failure_on_one_rank_while_training_is_one_error(cluster, shell, tmp_path, topology):
+    # The others wait for the failed rank's next message; the client makes them give up.
+    with pytest.raises(JobError) as caught:
+        shell.run_cell_magic("distnn", f"train --topology {topology} --epochs 50 --block {_opts(tmp_path)}",
+                             FLAKY_CELL)
+    assert str(caught.value).startswith("RuntimeError: illegal memory access (on rank 2)")
+    assert "in forward" in caught.value.detail  # the rank's own traceback, kept for the curious
+    assert shell.run_cell_magic("distnn", f"train --epochs 1 --block {_opts(tmp_path)}",
+                                MODEL_CELL).status == "completed"
+
+
+def test_bad_input_on_the_engines_is_one_error(cluster, shell, tmp_path):
+    with pytest.raises(UserError) as caught:
+        shell.run_cell_magic("distnn", f"train --algorithm nosuch --block {_opts(tmp_path)}", MODEL_CELL)
+    assert "nosuch" in str(caught.value) and "rank" not in str(caught.value)
+
+
+def test_bad_magic_options_print_the_usage_error(cluster, shell, capsys):
+    for line, expected in [
+        ("train --epochs ten", "argument --epochs: invalid int value: 'ten'"),
+        ("train --topology ring", "argument --topology: invalid choice: 'ring'"),
+        ("train --no-such-flag", "unrecognized arguments: --no-such-flag"),
+        ("cluster start -n", "argument -n: expected one argument"),
+    ]:
+        result = shell.run_cell(f"%%distnn {line}\n{MODEL_CELL}")
+        assert isinstance(result.error_in_exec, UsageError), line
+        assert expected in str(result.error_in_exec)
+        err = capsys.readouterr()
+        assert "Traceback" not in err.out + err.err
+    # Checked on the client, before any engine is busy.
+    result = shell.run_cell(f"%%distnn train --workers 5 --block\n{MODEL_CELL}")
+    assert isinstance(result.error_in_exec, UserError)
+    assert "--workers" in str(result.error_in_exec)
+    result = shell.run_cell("%distnn train --epochs 2")
+    assert "needs a cell body" in str(result.error_in_exec)
+
+
+def test_help_shows_every_option():
+    from nbdist.magics import DistnnMagics
+
+    doc = DistnnMagics.distnn.__doc__
+    for f in fields(TrainOptions):
+        assert flag(f.name) in doc, f.name
+    for word in ("cluster", "start", "status", "--block", "last", "stop"):
+        assert word in doc
+
+
+def test_cluster_start_errors_name_the_cause(tmp_path):
+    from nbdist.cluster import Cluster, ClusterError
+
+    with pytest.raises(ClusterError, match="does not exist or is not executable"):
+        Cluster(n=2, mpiexec=str(tmp_path / "no-mpiexec")).start()
+    # Engines that die at start: the error quotes what they printed, and comes at once.
+    failing = tmp_path / "mpiexec"
+    failing.write_text("#!/bin/sh\necho 'mpiexec: no slots on host node17' >&2\nexit 3\n")
+    failing.chmod(0o755)
+    with pytest.raises(ClusterError) as caught:
+        Cluster(n=2, mpiexec=str(failing), start_timeout=100).start()
+    assert "exited while starting" in str(caught.value)
+    assert "no slots on host node17" in str(caught.value)
+    with pytest.raises(ClusterError, match="at least 1 engine"):
+        Cluster(n=0)
+    with pytest.raises(ClusterError, match="unknown engine launcher 'pbs'"):
+        Cluster(engines="pbs")
