@@ -74,7 +74,12 @@ def submit(cluster: "Cluster", options: TrainOptions, *, cell: str | None = None
     if model is None and options.model:
         model = options.model
     if isinstance(model, str):
+        model = str(Path(model).resolve())
         options = options.replace(model=model)
+    # Paths as the notebook sees them: the engines may run in another directory.
+    options = options.replace(runs_dir=str(Path(options.runs_dir).resolve()))
+    if options.resume:
+        options = options.replace(resume=str(Path(options.resume).resolve()))
     cluster.check_alive()
     # Checked here, before any engine is busy, with the rules the ranks apply.
     from nbdist.layout import Layout

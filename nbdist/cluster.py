@@ -86,6 +86,7 @@ class Cluster:
         self.profile = profile
         self.ipp_options = ipp_options
         self._ipp: Any = None
+        self.owned = True  # started here; an attached cluster's engines belong to whoever started them
         self.client: Any = None
         self.view: Any = None  # a DirectView on every engine, in rank order
         self.info: list[EngineInfo] = []
@@ -144,6 +145,37 @@ class Cluster:
         _current = self
         return self
 
+    @classmethod
+    def attach(cls, cluster_id: str = "", profile: str | None = None) -> "Cluster":
+        """Use MPI engines started elsewhere: `ipcluster start --engines=mpi -n 8`, another
+        notebook, or JupyterHub's cluster panel. stop() then only disconnects."""
+        global _current
+        import ipyparallel as ipp
+
+        try:
+            ipp_cluster = ipp.Cluster.from_file(profile=profile, cluster_id=cluster_id, log_level=40)
+        except FileNotFoundError:
+            raise ClusterError(
+                f"no running cluster with id {cluster_id!r} in profile {profile or 'default'} "
+                f"(ipcluster list shows the running ones)"
+            ) from None
+        kinds = {type(s).__name__ for s in ipp_cluster.engines.values()}
+        engines = "slurm" if any("Slurm" in k for k in kinds) else "mpi"
+        n = sum(getattr(s, "n", 0) for s in ipp_cluster.engines.values())
+        cluster = cls(n=max(n, 1), engines=engines, cluster_id=cluster_id or None, profile=profile)
+        cluster._ipp, cluster.owned = ipp_cluster, False
+        try:
+            cluster.client = ipp_cluster.connect_client_sync()
+            cluster._wait_for_engines(cluster.client)
+        except Exception as exc:
+            cluster.stop()
+            if isinstance(exc, ClusterError):
+                raise
+            raise ClusterError(f"could not connect to cluster {cluster_id!r}: {type(exc).__name__}: {exc}") from None
+        cluster._map_ranks()
+        _current = cluster
+        return cluster
+
     def _wait_for_engines(self, client: Any) -> None:
         import time
 
@@ -195,6 +227,7 @@ class Cluster:
         self.view.apply_sync(engine.install_idle_stop_handler)
 
     def stop(self) -> None:
+        """Stop the engines and the controller (an attached cluster: disconnect only)."""
         global _current
         self._teardown()
         if _current is self:
@@ -206,7 +239,7 @@ class Cluster:
                 self.client.close()
             except Exception:  # noqa: BLE001 - closing a dead connection
                 pass
-        if self._ipp is not None:
+        if self._ipp is not None and self.owned:
             try:
                 self._ipp.stop_cluster_sync()
             except Exception:  # noqa: BLE001 - already gone
@@ -242,12 +275,16 @@ class Cluster:
                 f"(%distnn cluster stop, then start)" + (f"\nengine output:\n{output}" if output else "")
             )
 
+    @property
+    def id(self) -> str:
+        return self._ipp.cluster_id if self._ipp is not None else (self.cluster_id or "")
+
     def status(self, layout: Any = None) -> str:
         """Engines, ranks and hosts, and the rank layout a run would use."""
         if not self.running:
             return "nbdist cluster: not running"
-        lines = [f"nbdist cluster: {self.n} MPI engines ({self.engines}), "
-                 f"cluster id {self._ipp.cluster_id}, profile {self._ipp.profile_dir}"]
+        lines = [f"nbdist cluster: {self.n} MPI engines ({self.engines}{'' if self.owned else ', attached'}), "
+                 f"cluster id {self.id}, profile {self._ipp.profile_dir}"]
         lines.append(f"  {'rank':>4}  {'engine':>6}  {'host':<20} pid")
         for i in self.info:
             lines.append(f"  {i.rank:>4}  {i.engine_id:>6}  {i.host:<20} {i.pid}")
@@ -261,4 +298,4 @@ class Cluster:
 
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"
-        return f"<nbdist.Cluster {self.n} {self.engines} engines, {state}>"
+        return f"<nbdist.Cluster {self.id} {self.n} {self.engines} engines, {state}>"

@@ -36,7 +36,10 @@ class _commands(ArgDecorator):
         start.add_argument("--engines", default="mpi", choices=("mpi", "slurm"),
                            help="launcher: mpiexec here, or srun on a SLURM allocation")
         start.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the engines")
-        actions.add_parser("stop", help="stop the engines")
+        attach = actions.add_parser("attach", help="use engines started elsewhere (ipcluster, another notebook)")
+        attach.add_argument("--cluster-id", default="", help="the cluster's id (ipcluster list)")
+        attach.add_argument("--profile", default=None, help="the IPython profile it was started with")
+        actions.add_parser("stop", help="stop the engines (an attached cluster: disconnect)")
         actions.add_parser("status", help="engines, ranks, hosts and the layout tree")
 
         train = sub.add_parser("train", help="train the model the cell defines on every engine")
@@ -79,7 +82,7 @@ class DistnnMagics(Magics):
         from nbdist import cluster as clusters
 
         if args.action is None:
-            raise UsageError("%distnn cluster start | stop | status")
+            raise UsageError("%distnn cluster start | attach | stop | status")
         running = clusters._current if clusters._current is not None and clusters._current.running else None
         if args.action == "start":
             if running is not None:
@@ -92,12 +95,18 @@ class DistnnMagics(Magics):
             started = clusters.Cluster(n=args.n, engines=args.engines, start_timeout=args.timeout).start()
             print(started.status())
             return started
+        if args.action == "attach":
+            if running is not None:
+                raise UsageError(f"a cluster is already in use ({running!r}); %distnn cluster stop first")
+            attached = clusters.Cluster.attach(cluster_id=args.cluster_id, profile=args.profile)
+            print(attached.status())
+            return attached
         if args.action == "stop":
             if running is None:
                 print("nbdist: no cluster is running")
                 return None
             running.stop()
-            print("nbdist: cluster stopped")
+            print("nbdist: cluster stopped" if running.owned else "nbdist: disconnected from the cluster")
             return None
         print(running.status() if running is not None else "nbdist cluster: not running")
         return None

@@ -116,8 +116,13 @@ def test_stop_ends_every_rank_and_the_next_cell_trains(cluster, shell, tmp_path)
     # The stop was taken at a step boundary and checkpointed, for a resume.
     assert any(p.name.startswith("stopped") for p in (job.result.run_dir / "checkpoints").iterdir())
 
-    again = shell.run_cell_magic("distnn", f"train --epochs 1 --block {_opts(tmp_path)}", MODEL_CELL)
-    assert again.status == "completed"
+    # The next cell resumes it, on the same cluster, to the end of the epoch it stopped in.
+    epochs_done = len(job.epochs)
+    again = shell.run_cell_magic(
+        "distnn", f"train --resume {job.result.run_dir} --epochs {epochs_done + 1} --block --quiet", MODEL_CELL)
+    assert again.status == "completed", again
+    assert again.result.run_dir == job.result.run_dir
+    assert [h["epoch"] for h in again.result.history][-1] == epochs_done + 1
 
 
 def test_kernel_interrupt_during_block_stops_the_job(cluster, shell, tmp_path, capsys):
@@ -260,3 +265,22 @@ def test_cluster_start_errors_name_the_cause(tmp_path):
         Cluster(n=0)
     with pytest.raises(ClusterError, match="unknown engine launcher 'pbs'"):
         Cluster(engines="pbs")
+
+
+def test_attach_to_a_running_cluster(cluster, tmp_path):
+    from nbdist import cluster as clusters
+
+    # Engines started elsewhere (here: the module's cluster) are used, not owned.
+    attached = clusters.Cluster.attach(cluster_id=cluster.id)
+    try:
+        assert not attached.owned and attached.n == 4
+        assert [i.pid for i in attached.info] == [i.pid for i in cluster.info]
+        job = nbdist.train("examples/digits_mlp.py", cluster=attached, epochs=1, block=True, quiet=True,
+                           runs_dir=str(tmp_path))
+        assert job.status == "completed"
+    finally:
+        attached.stop()
+        clusters._current = cluster
+    assert cluster.running and len(cluster.client.ids) == 4  # disconnecting left the engines up
+    with pytest.raises(clusters.ClusterError, match="no running cluster with id 'nosuch'"):
+        clusters.Cluster.attach(cluster_id="nosuch")
