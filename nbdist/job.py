@@ -159,6 +159,9 @@ class Job:
                 if self._progress:
                     self._progress.update()
                 time.sleep(POLL_SECONDS)
+            # The records travel on another channel than the result: wait until the
+            # engines' last published batches are in, so history ends with the last epoch.
+            self._result.wait_for_output(10)
             self._finish()
         except Exception as exc:  # noqa: BLE001 - never die silently: the job reports it
             self._error = self._error or JobError(f"the job's monitor failed: {type(exc).__name__}: {exc}")

@@ -82,6 +82,11 @@ def test_train_each_topology_from_a_cell(cluster, shell, tmp_path, options, thre
     # Records from every rank reached the client, and the per-epoch ones of the run.
     assert set(history["rank"]) == {0, 1, 2, 3}
     assert list(job.epochs["epoch"]) == [1, 2, 3, 4]
+    # Every record every rank wrote to its log reached the notebook, once.
+    from nbdist.metrics import read_log
+
+    logged = sorted((r["rank"], r["time"], r["kind"]) for r in read_log(job.result.run_dir))
+    assert sorted((r["rank"], r["time"], r["kind"]) for r in job.records) == logged
     if "master-worker" in options:
         assert "staleness" in history.columns
     assert shell.run_line_magic("distnn", "last") is job
