@@ -53,8 +53,8 @@ class Job:
         self._abandon_sent = False
         self._outcomes: list[EngineOutcome] | None = None
         self._error: JobError | None = None
-        self._progress = _Progress(self) if show_progress else None
         self._done = threading.Event()
+        self._progress = _Progress(self) if show_progress else None
         self._monitor = threading.Thread(target=self._watch, name="nbdist-job-monitor", daemon=True)
         self._monitor.start()
 
