@@ -1,11 +1,12 @@
 """nbdist: distributed training and hyper-parameter optimisation on MPI, from Jupyter."""
 
+from nbdist import data, datasets  # nbdist.datasets.digits() after a plain `import nbdist`
 from nbdist.api import train
 from nbdist.cluster import Cluster
 from nbdist.layout import Layout
 from nbdist.options import TrainOptions
 
-__all__ = ["train", "Cluster", "Layout", "TrainOptions", "load_ipython_extension"]
+__all__ = ["train", "Cluster", "Layout", "TrainOptions", "data", "datasets", "load_ipython_extension"]
 __version__ = "0.1.0"
 
 

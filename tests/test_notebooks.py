@@ -1,0 +1,73 @@
+"""The tutorials in notebooks/, executed top to bottom in a real kernel, as a reader would,
+each starting its own local cluster of MPI engines; and binder's set-up for them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+from nbclient import NotebookClient  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(900)]
+
+
+def _outputs_text(nb) -> str:
+    texts = []
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            texts.append(out.get("text", "") or out.get("data", {}).get("text/plain", ""))
+    return "\n".join(texts)
+
+
+def test_the_tutorials_are_committed_without_outputs():
+    assert NOTEBOOKS, "no notebooks found"
+    for path in NOTEBOOKS:
+        nb = nbformat.read(path, as_version=4)
+        nbformat.validate(nb)
+        for cell in nb.cells:
+            if cell.cell_type == "code":
+                assert not cell.outputs and cell.execution_count is None, f"{path.name}: a cell has outputs"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_tutorial_executes_top_to_bottom(path, tmp_path):
+    nb = nbformat.read(path, as_version=4)
+    # Run where a reader would have their own working directory: runs/ goes there.
+    client = NotebookClient(nb, timeout=300, kernel_name="python3",
+                            resources={"metadata": {"path": str(tmp_path)}})
+    client.execute()  # a failing cell, including the notebook's own final checks, raises here
+    text = _outputs_text(nb)
+    assert "Traceback" not in text
+    if path.stem == "01_quickstart":
+        assert "all four trainings reached at least 90% validation accuracy" in text
+        assert len(list((tmp_path / "runs").glob("*/final/model.safetensors"))) == 4
+        assert "cluster stopped" in text  # the notebook leaves no engines behind
+
+
+def test_binder_postbuild_loads_the_extension_in_new_kernels(tmp_path):
+    # repo2docker runs postBuild from the repository root, in the environment it built.
+    env = dict(os.environ, IPYTHONDIR=str(tmp_path / "ipython"),
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    done = subprocess.run(["bash", "binder/postBuild"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        "print(sorted(get_ipython().extension_manager.loaded))\n%distnn cluster status")])
+    client = NotebookClient(nb, timeout=60, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
+    client.execute(env=env)  # a new kernel, as binder starts one, reading the profile postBuild wrote
+    text = _outputs_text(nb)
+    assert "'nbdist'" in text and "nbdist cluster: not running" in text
+
+
+def test_binder_installs_the_cpu_build_of_torch_pinned_for_the_project():
+    requirements = (ROOT / "binder" / "requirements.txt").read_text()
+    assert "-r ../requirements/cpu.txt" in requirements
+    assert "download.pytorch.org/whl/cpu" in requirements
