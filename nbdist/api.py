@@ -62,6 +62,7 @@ def submit(cluster: "Cluster", options: TrainOptions, *, cell: str | None = None
     from nbdist import engine
     from nbdist.data.arrays import ArrayData
     from nbdist.job import Job
+    from nbdist.store import RunStore, store_path
 
     if data is not None and isinstance(data, ArrayData):
         raise OptionsError("with a cluster, pass data as a function that loads it (each engine "
@@ -78,6 +79,8 @@ def submit(cluster: "Cluster", options: TrainOptions, *, cell: str | None = None
         options = options.replace(model=model)
     # Paths as the notebook sees them: the engines may run in another directory.
     options = options.replace(runs_dir=str(Path(options.runs_dir).resolve()))
+    if store_path(options.store, options.runs_dir) is not None and options.store is not None:
+        options = options.replace(store=str(Path(options.store).resolve()))
     if options.resume:
         options = options.replace(resume=str(Path(options.resume).resolve()))
     cluster.check_alive()
@@ -85,10 +88,13 @@ def submit(cluster: "Cluster", options: TrainOptions, *, cell: str | None = None
     from nbdist.layout import Layout
 
     options.validate()
-    Layout.for_world(cluster.n, workers=options.workers, masters=options.masters,
-                     procs_per_worker=options.procs_per_worker, topology=options.topology)
+    layout = Layout.for_world(cluster.n, workers=options.workers, masters=options.masters,
+                              procs_per_worker=options.procs_per_worker, topology=options.topology)
+    database = store_path(options.store, options.runs_dir)
+    if database is not None:
+        RunStore(database).close()  # a store that cannot be used is an error now, in the cell
     async_result = cluster.view.apply_async(
         engine.run_training, options.to_dict(), cell=cell, model=model, loss=loss, metric=metric, data=data,
     )
-    job = Job(cluster, async_result, options, show_progress=show_progress)
+    job = Job(cluster, async_result, options, layout=layout.to_dict(), store=database, show_progress=show_progress)
     return job.wait() if block else job

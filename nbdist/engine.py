@@ -124,7 +124,8 @@ def run_training(options: dict[str, Any], *, cell: str | None = None,
     signal.signal(signal.SIGUSR2, _abandon)
     publisher = DataPublisher(LIVE_PREFIX) if live else None
     try:
-        result = run_rank(opts, definition, MPI.COMM_WORLD, stop, sink=publisher)
+        # The notebook records the run in the store (the Job), not the engines.
+        result = run_rank(opts, definition, MPI.COMM_WORLD, stop, sink=publisher, record=False)
         return EngineOutcome(rank, result=result)
     except Abandoned:
         return EngineOutcome(rank, error="abandoned: another rank failed", abandoned=True)

@@ -5,9 +5,10 @@
     job.wait(); job.result                              # final metrics, weights path
     job.stop()                                          # every rank stops at a step boundary
 
-A monitor thread on the client polls the records the ranks stream in, keeps the
-progress line under the cell up to date, and watches for a rank that failed while the
-others still train (they are then asked to stop, so a failure never leaves a hang).
+A monitor thread on the client polls the records the ranks stream in, records them in
+the run store (the notebook is a notebook job's one store writer), keeps the progress
+line under the cell up to date, and watches for a rank that failed while the others
+still train (they are then asked to stop, so a failure never leaves a hang).
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ import html
 import signal
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from nbdist.engine import LIVE_PREFIX, EngineOutcome
 from nbdist.errors import TrainingError
 from nbdist.metrics.collect import LiveRecords
 from nbdist.options import TrainOptions
+from nbdist.store import RunFeed
 
 __all__ = ["Job", "JobError"]
 
@@ -41,11 +44,17 @@ class JobError(TrainingError):
 
 
 class Job:
-    def __init__(self, cluster: Any, async_result: Any, options: TrainOptions, *, show_progress: bool = True):
+    def __init__(self, cluster: Any, async_result: Any, options: TrainOptions, *, layout: dict[str, Any],
+                 store: str | None = None, show_progress: bool = True):
         self.cluster = cluster
         self.options = options
+        self.layout = layout
+        self.store = store  # the run store file this job is recorded in (None: not recorded)
         self._result = async_result
         self.live = LiveRecords(async_result, LIVE_PREFIX)
+        self._feed: RunFeed | None = None
+        self._stored = 0  # records already written to the store
+        self.store_error: str | None = None
         self.started = time.time()
         self.ended: float | None = None
         self._stop_requested = False
@@ -86,6 +95,12 @@ class Job:
     @property
     def error(self) -> JobError | None:
         return self._error
+
+    @property
+    def run_id(self) -> str | None:
+        """The run's name (its directory's name), once the first record has arrived."""
+        records = self.live.records
+        return records[0]["run"] if records else None
 
     @property
     def records(self) -> list[dict[str, Any]]:
@@ -155,6 +170,7 @@ class Job:
         try:
             while not self._result.ready():
                 self.live.poll()
+                self._record_in_store()
                 self._check_partial_failure()
                 if self._progress:
                     self._progress.update()
@@ -168,9 +184,41 @@ class Job:
         finally:
             self.ended = time.time()
             self.live.poll()
+            self._record_in_store(final=True)
             self._done.set()
             if self._progress:
                 self._progress.update(final=True)
+
+    def _record_in_store(self, final: bool = False) -> None:
+        """New records into the store; at the end, how the run ended. A store that fails
+        is reported on the job and never stops the training."""
+        if self.store is None or self.store_error is not None:
+            return
+        records = self.live.records
+        try:
+            if self._feed is None and records:
+                run_dir = Path(self.options.resume or Path(self.options.runs_dir) / records[0]["run"])
+                self._feed = RunFeed(self.store, records[0]["run"], run_dir, options=self.options.to_dict(),
+                                     layout=self.layout)
+            if self._feed is None:
+                return
+            new, self._stored = records[self._stored:], len(records)
+            self._feed.add(new)
+            if final:
+                self._feed.end(*self._ending())
+        except Exception as exc:  # noqa: BLE001 - the training matters more than its record
+            self.store_error = f"{type(exc).__name__}: {exc}"
+            print(f"nbdist: the run store {self.store} failed, the job goes on unrecorded: {self.store_error}",
+                  flush=True)
+
+    def _ending(self) -> tuple[str, str | None, dict[str, Any] | None]:
+        if self._error is not None:
+            return "failed", str(self._error), None
+        result = next((o.result for o in self._outcomes or [] if o.result is not None), None)
+        if result is None:
+            return "failed", "the job ended without a result", None
+        stopped = result.stop_reason.startswith("stopped")
+        return ("stopped" if stopped else "completed"), result.stop_reason, result.final
 
     def _finished_outcomes(self) -> list[EngineOutcome]:
         outcomes = []

@@ -54,6 +54,8 @@ class TrainOptions:
     checkpoint_every: int = _opt(0, "write a checkpoint every N epochs (one is always written at the end)")
     resume: str | None = _opt(None, "run directory to resume from its last checkpoint")
     runs_dir: str = _opt("runs", "where run directories are created")
+    store: str | None = _opt(None, "run store (SQLite) the run is recorded in, for the dashboard "
+                                   "(default: RUNS_DIR/nbdist.db; 'off' records nothing)")
     run_name: str | None = _opt(None, "name of the run directory (default: time, algorithm, topology)")
     threads: int = _opt(1, "torch threads per rank")
     bucket_mb: float = _opt(2.0, "allreduce bucket size in MB (gradients reduced while backward runs)")

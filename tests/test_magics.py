@@ -87,6 +87,14 @@ def test_train_each_topology_from_a_cell(cluster, shell, tmp_path, options, thre
 
     logged = sorted((r["rank"], r["time"], r["kind"]) for r in read_log(job.result.run_dir))
     assert sorted((r["rank"], r["time"], r["kind"]) for r in job.records) == logged
+    # The notebook recorded the run in the store: all of it, once, and how it ended.
+    from nbdist.store import RunStore
+
+    with RunStore(tmp_path / "nbdist.db") as store:
+        run = store.run(job.run_id)
+        assert (run.status, run.reason, run.final) == ("completed", "completed 4 epochs", job.result.final)
+        stored, _ = store.records(job.run_id)
+        assert sorted((r["rank"], r["time"], r["kind"]) for r in stored) == logged
     if "master-worker" in options:
         assert "staleness" in history.columns
     assert shell.run_line_magic("distnn", "last") is job

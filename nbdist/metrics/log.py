@@ -3,7 +3,8 @@
 Records are buffered in memory and written a few times a second from the training
 loop's own thread, at step boundaries: a step never waits on a file or on a client.
 One file per rank means no two processes ever write the same file. A sink (the
-notebook's live stream) receives the same batches at the same moments.
+notebook's live stream) receives the same batches at the same moments. About once a
+second the log also records the rank's CPU and memory use (kind "resources").
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from nbdist.metrics.record import Record
+from nbdist.metrics.resources import ResourceSampler
 
 __all__ = ["RunLog", "RecordSink", "read_log", "metrics_dir"]
 
@@ -34,28 +36,48 @@ def _finite(value: Any) -> Any:
     return value
 
 
+def _records_in(path: Path) -> int:
+    if not path.exists():
+        return 0
+    with open(path, "rb") as fh:
+        return sum(1 for line in fh if line.strip())
+
+
 class RunLog:
     __slots__ = ("run", "trial", "rank", "role", "path", "_pending", "_last_flush", "flush_every", "_file",
-                 "sink")
+                 "sink", "seq", "_resources", "_last_sample", "sample_every")
 
     def __init__(self, run_dir: Path, run: str, rank: int, role: str, *, trial: int | None = None,
-                 flush_every: float = 0.25, sink: RecordSink | None = None):
+                 flush_every: float = 0.25, sample_every: float = 1.0, sink: RecordSink | None = None):
         self.run, self.trial, self.rank, self.role = run, trial, rank, role
         directory = metrics_dir(run_dir)
         directory.mkdir(parents=True, exist_ok=True)
         self.path = directory / f"rank-{rank:05d}.jsonl"
+        # A resumed run appends to its log: its records go on counting where it stopped.
+        self.seq = _records_in(self.path)
         self._file = open(self.path, "a", encoding="utf-8")
         self._pending: list[dict[str, Any]] = []
         self.sink = sink
         self._last_flush = time.monotonic()
         self.flush_every = flush_every
+        self._resources = ResourceSampler()
+        self._last_sample = time.monotonic()
+        self.sample_every = sample_every
 
     def emit(self, kind: str, values: dict[str, Any], *, step: int = 0, epoch: int = 0) -> None:
-        record = Record(self.run, self.trial, self.rank, self.role, kind, int(step), int(epoch),
-                        time.time(), {k: _finite(v) for k, v in values.items()})
-        self._pending.append(record.to_dict())
-        if time.monotonic() - self._last_flush >= self.flush_every:
+        self._append(kind, values, step, epoch)
+        now = time.monotonic()
+        if now - self._last_sample >= self.sample_every:
+            self._last_sample = now
+            self._append("resources", self._resources.sample(), step, epoch)
+        if now - self._last_flush >= self.flush_every:
             self.flush()
+
+    def _append(self, kind: str, values: dict[str, Any], step: int, epoch: int) -> None:
+        record = Record(self.run, self.trial, self.rank, self.role, kind, int(step), int(epoch),
+                        time.time(), {k: _finite(v) for k, v in values.items()}, self.seq)
+        self.seq += 1
+        self._pending.append(record.to_dict())
 
     def flush(self) -> None:
         if self._pending:

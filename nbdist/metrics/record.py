@@ -12,11 +12,15 @@ class Record:
     trial: int | None
     rank: int
     role: str  # "master" | "worker" | "coordinator"
-    kind: str  # "train", "update", "epoch", "phase", "run", ...
+    kind: str  # "train", "update", "epoch", "phase", "resources", "run", ...
     step: int
     epoch: int
     time: float  # seconds since the epoch (time.time())
     values: dict[str, Any]
+    # Per rank and run, counting from 0 across resumes: (run, rank, seq) names a record
+    # once, so a store that is fed the same record twice (a log read again, a batch
+    # streamed and ingested) keeps one copy.
+    seq: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -21,7 +21,7 @@ from typing import Sequence
 
 from mpi4py import MPI
 
-__all__ = ["wait", "wait_all", "wait_some"]
+__all__ = ["wait", "wait_all", "wait_some", "wait_until"]
 
 SPIN_SECONDS = 2e-4
 FIRST_SLEEP = 5e-5
@@ -67,3 +67,15 @@ def wait_some(requests: list[MPI.Request]) -> list[int]:
         if done:
             return list(done)
         backoff.pause()
+
+
+def wait_until(request: MPI.Request, timeout: float) -> bool:
+    """Wait at most `timeout` seconds; False if the request is still pending (it is
+    left as it is: the caller goes on without it)."""
+    deadline = time.monotonic() + timeout
+    backoff = _Backoff()
+    while not request.Test():
+        if time.monotonic() > deadline:
+            return False
+        backoff.pause()
+    return True

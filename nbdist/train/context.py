@@ -25,6 +25,7 @@ from nbdist.layout import Communicators, Layout, Role
 from nbdist.metrics.log import RecordSink, RunLog
 from nbdist.options import TrainOptions, parse_target
 from nbdist.specs import Spec, parse_spec
+from nbdist.store import RunRecorder, store_path
 from nbdist.train.checkpoint import CheckpointError, Checkpoints
 from nbdist.train.definition import ModelDefinition
 from nbdist.train.stopping import EarlyStopping, StopFlag
@@ -60,6 +61,8 @@ class RankContext:
     early: EarlyStopping
     is_leader: bool  # prints progress and writes run-level files
     make_replica: Callable[[], Backend]  # another copy of the model (background validation)
+    store_path: str | None = None  # the run store this run is recorded in by its leader (every rank knows)
+    recorder: RunRecorder | None = None  # the leader's feed of the run store (batch runs)
 
     def say(self, text: str) -> None:
         if self.is_leader and not self.options.quiet:
@@ -156,8 +159,12 @@ def prepare(
     comm: Any,
     stop: StopFlag,
     sink: "RecordSink | None" = None,
+    record: bool = True,
 ) -> RankContext:
-    """Collective over `comm`: build this rank's context or raise one UserError everywhere."""
+    """Collective over `comm`: build this rank's context or raise one UserError everywhere.
+
+    `record`: the run leader feeds the run store (batch runs); a notebook job passes
+    False, because the notebook's collector records it."""
     import torch
 
     error: BaseException | None = None
@@ -209,6 +216,15 @@ def prepare(
     if is_leader:
         _write_run_files(run_dir, options, layout)
     run_id = run_dir.name
+    recorder, error = None, None
+    database = store_path(options.store, options.runs_dir) if record else None
+    if is_leader and database is not None:
+        try:
+            recorder = RunRecorder(database, run_id, run_dir, options=options.to_dict(), layout=layout.to_dict())
+        except UserError as exc:
+            error = exc
+    if database is not None:
+        agree(run_comm, error)
     log = RunLog(run_dir, run_id, comm.Get_rank(), role.kind, sink=sink)
     early = EarlyStopping(
         options.monitor, options.early_stopping, options.min_delta,
@@ -219,7 +235,7 @@ def prepare(
         algorithm=algorithm, sync_every=sync_every, worker_optimizer=worker_opt,
         master_optimizer=master_opt, run_dir=run_dir, run_id=run_id, log=log, stop=stop,
         checkpoints=Checkpoints(run_dir), resume_from=resume_from, early=early, is_leader=is_leader,
-        make_replica=make_replica,
+        make_replica=make_replica, store_path=database, recorder=recorder,
     )
 
 

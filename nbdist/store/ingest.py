@@ -1,0 +1,138 @@
+"""Getting a run's records into the store from the files its ranks write.
+
+Every rank already appends its records to `metrics/rank-NNNNN.jsonl` (nbdist.metrics.log).
+For a batch run the run leader follows those files on a thread (`RunRecorder`) and is the
+store's only writer: no rank ever waits on SQLite, and a thousand ranks never open the
+database at once. The same follower imports a finished run's directory
+(`python -m nbdist store import RUN_DIR`), e.g. one trained where the store was not
+reachable. Records carry (run, rank, seq), so reading a file twice stores nothing twice.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+from nbdist.metrics.log import metrics_dir
+from nbdist.store.runstore import RunStore
+
+__all__ = ["LogFollower", "RunFeed", "RunRecorder", "import_run", "record_checkpoints"]
+
+RECORD_EVERY = 0.5  # seconds between the recorder's passes over the logs
+
+
+class LogFollower:
+    """Reads the complete lines appended to a run's rank logs since the last read."""
+
+    def __init__(self, run_dir: Path | str):
+        self.directory = metrics_dir(Path(run_dir))
+        self._offsets: dict[Path, int] = {}
+
+    def poll(self) -> list[dict[str, Any]]:
+        records: list[dict[str, Any]] = []
+        for path in sorted(self.directory.glob("rank-*.jsonl")):
+            offset = self._offsets.get(path, 0)
+            with open(path, "rb") as fh:
+                fh.seek(offset)
+                chunk = fh.read()
+            # A line is complete once its newline is written; the rest waits for next time.
+            complete = chunk[: chunk.rfind(b"\n") + 1]
+            for line in complete.splitlines():
+                if line.strip():
+                    records.append(json.loads(line))
+            self._offsets[path] = offset + len(complete)
+        return records
+
+
+def record_checkpoints(store: RunStore, run_id: str, run_dir: Path) -> None:
+    """Committed checkpoint directories (those with meta.json) into the store."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return
+    for meta in root.glob("*/meta.json"):
+        if not meta.parent.name.startswith("."):
+            store.add_checkpoint(run_id, meta.parent.name, meta.parent, meta.stat().st_mtime)
+
+
+class RunFeed:
+    """The writing side of one run in the store: begins it (or resumes it), adds its
+    records and committed checkpoints with a heartbeat, and ends it. Opening it checks
+    the store, so a store that cannot be used is an error before any training."""
+
+    def __init__(self, store_path: Path | str, run_id: str, run_dir: Path | str, *, options: dict[str, Any],
+                 layout: dict[str, Any]):
+        self.run_id, self.run_dir = run_id, Path(run_dir).resolve()
+        self.store = RunStore(store_path)
+        self.store.begin_run(run_id, run_dir=self.run_dir, options=options, layout=layout)
+
+    def add(self, records: list[dict[str, Any]]) -> None:
+        self.store.add_records(records)
+        record_checkpoints(self.store, self.run_id, self.run_dir)
+        self.store.heartbeat(self.run_id)
+
+    def end(self, status: str, reason: str | None = None, final: dict[str, Any] | None = None) -> None:
+        self.store.end_run(self.run_id, status, reason, final)
+        self.store.close()
+
+
+class RunRecorder:
+    """The run leader's thread that moves a batch run's records from its ranks' logs
+    into the store while it trains."""
+
+    def __init__(self, store_path: Path | str, run_id: str, run_dir: Path, *, options: dict[str, Any],
+                 layout: dict[str, Any], every: float = RECORD_EVERY):
+        self.every = every
+        self.follower = LogFollower(run_dir)
+        self.feed = RunFeed(store_path, run_id, run_dir, options=options, layout=layout)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="nbdist-run-recorder", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        # The feed's connection is used by this thread only until finish() joins it.
+        while not self._stop.wait(self.every):
+            self.feed.add(self.follower.poll())
+
+    def finish(self, status: str, reason: str | None = None, final: dict[str, Any] | None = None) -> None:
+        """After every rank closed its log: the last records, then the run's end."""
+        self._stop.set()
+        self._thread.join()
+        self.feed.add(self.follower.poll())
+        self.feed.end(status, reason, final)
+
+
+def import_run(store: RunStore, run_dir: Path | str) -> tuple[str, int]:
+    """A run directory (finished, stopped or killed) into the store; returns its id and
+    how many records were new."""
+    from nbdist.errors import UserError
+
+    run_dir = Path(run_dir).resolve()
+    if not (run_dir / "options.json").exists():
+        raise UserError(f"{run_dir} is not a run directory (no options.json)")
+    run_id = run_dir.name
+    options = json.loads((run_dir / "options.json").read_text())
+    layout_file = run_dir / "layout.json"
+    layout = json.loads(layout_file.read_text()) if layout_file.exists() else {}
+    records = LogFollower(run_dir).poll()
+    store.begin_run(run_id, run_dir=run_dir, options=options, layout=layout)
+    added = store.add_records(records)
+    record_checkpoints(store, run_id, run_dir)
+    status, reason, final = _outcome(run_dir, records)
+    store.end_run(run_id, status, reason, final)
+    return run_id, added
+
+
+def _outcome(run_dir: Path, records: list[dict[str, Any]]) -> tuple[str, str | None, dict[str, Any] | None]:
+    """How a run ended, from what it left: its summary, else its ranks' last words."""
+    summary = run_dir / "summary.json"
+    ends = [r["values"] for r in records if r["kind"] == "run"]
+    failed = [v for v in ends if v.get("status") == "failed"]
+    if failed:
+        return "failed", failed[0].get("error"), None
+    if summary.exists():
+        data = json.loads(summary.read_text())
+        stopped = data["stop_reason"].startswith("stopped")
+        return ("stopped" if stopped else "completed"), data["stop_reason"], data.get("final")
+    return "killed", "the run left no summary: it was killed before it ended", None

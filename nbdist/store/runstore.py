@@ -1,0 +1,312 @@
+"""The run store: one SQLite file (WAL mode) with every run, its metric records, its
+checkpoints and, for studies, their trials.
+
+Exactly one writer feeds a run's records: the notebook's collector for a notebook job,
+the run leader's recorder thread for a batch run (topology ranks never touch SQLite).
+Readers (the dashboard, `job.history` of a past run) poll it while it is written: WAL
+lets them read without blocking the writer.
+
+A run whose writer vanished (the job was killed) stays "running" in the file; the next
+reader that opens the store marks it "killed" (same host: its writer process is gone;
+any host: no heartbeat for STALE_SECONDS).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sqlite3
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from nbdist.store.schema import StoreError, prepare_schema
+
+__all__ = ["RunStore", "RunRow", "TrialRow", "STALE_SECONDS", "RUN_STATES"]
+
+STALE_SECONDS = 60.0
+RUN_STATES = ("running", "completed", "stopped", "failed", "killed")
+_RECORD_COLUMNS = ("run", "rank", "seq", "trial", "role", "kind", "step", "epoch", "time")
+
+
+@dataclass(frozen=True, slots=True)
+class RunRow:
+    id: str
+    kind: str
+    status: str
+    reason: str | None
+    run_dir: str | None
+    options: dict[str, Any]
+    layout: dict[str, Any]
+    final: dict[str, Any]
+    study: str | None
+    trial: int | None
+    started: float | None
+    ended: float | None
+    heartbeat: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class TrialRow:
+    study: str
+    number: int
+    params: dict[str, Any]
+    state: str  # running | complete | pruned | failed
+    fom: float | None
+    fom_std: float | None
+    folds: list[float]
+    generation: int | None
+    group: int | None
+    error: str | None
+    started: float | None
+    ended: float | None
+
+
+def _json(value: Any) -> str | None:
+    return None if value is None else json.dumps(value, separators=(",", ":"), default=str)
+
+
+def _loads(text: str | None, empty: Any) -> Any:
+    return empty if text is None else json.loads(text)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's
+        return True
+    return True
+
+
+class RunStore:
+    """One connection to a store file; use one RunStore per thread."""
+
+    def __init__(self, path: str | Path, *, create: bool = True):
+        self.path = Path(path)
+        if not create and not self.path.exists():
+            raise StoreError(f"no run store at {self.path}")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._conn = sqlite3.connect(str(self.path), timeout=30.0, isolation_level=None,
+                                         check_same_thread=False)
+        except (OSError, sqlite3.Error) as exc:
+            raise StoreError(f"cannot open the run store {self.path}: {exc}") from None
+        try:
+            self._conn.execute("PRAGMA journal_mode=WAL")
+            self._conn.execute("PRAGMA synchronous=NORMAL")
+            prepare_schema(self._conn, str(self.path))
+        except sqlite3.DatabaseError as exc:
+            self._conn.close()
+            raise StoreError(f"{self.path} is not an nbdist run store ({exc})") from None
+        except StoreError:
+            self._conn.close()
+            raise
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def __enter__(self) -> "RunStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        self._conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield self._conn
+        except BaseException:
+            self._conn.execute("ROLLBACK")
+            raise
+        self._conn.execute("COMMIT")
+
+    # -- runs: written by the run's one writer ----------------------------------------
+    def begin_run(self, run_id: str, *, run_dir: str | Path | None, options: dict[str, Any],
+                  layout: dict[str, Any], kind: str = "train", study: str | None = None,
+                  trial: int | None = None) -> None:
+        """A new run, or a resumed one (the same id): running again, from now."""
+        now = time.time()
+        with self._write() as conn:
+            conn.execute(
+                """INSERT INTO runs (id, kind, status, run_dir, options, layout, study, trial, started,
+                                     heartbeat, host, pid)
+                   VALUES (?, ?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                   ON CONFLICT (id) DO UPDATE SET status = 'running', reason = NULL, ended = NULL,
+                       options = excluded.options, heartbeat = excluded.heartbeat,
+                       host = excluded.host, pid = excluded.pid""",
+                (run_id, kind, None if run_dir is None else str(run_dir), _json(options), _json(layout),
+                 study, trial, now, now, socket.gethostname(), os.getpid()),
+            )
+
+    def heartbeat(self, run_id: str) -> None:
+        # A run marked killed whose writer turns out to be alive (it was only paused)
+        # is running again.
+        with self._write() as conn:
+            conn.execute("UPDATE runs SET heartbeat = ?, status = CASE status WHEN 'killed' THEN "
+                         "'running' ELSE status END WHERE id = ?", (time.time(), run_id))
+
+    def end_run(self, run_id: str, status: str, reason: str | None = None,
+                final: dict[str, Any] | None = None) -> None:
+        if status not in RUN_STATES or status == "running":
+            raise ValueError(f"a run ends as one of {RUN_STATES[1:]}, not {status!r}")
+        with self._write() as conn:
+            conn.execute("UPDATE runs SET status = ?, reason = ?, final = COALESCE(?, final), ended = ?, "
+                         "heartbeat = ? WHERE id = ?",
+                         (status, reason, _json(final), time.time(), time.time(), run_id))
+
+    def add_records(self, records: Iterable[dict[str, Any]]) -> int:
+        """Insert metric records (Record.to_dict() form); ones already stored are skipped.
+        Returns how many were new."""
+        rows = [tuple(r.get(c) for c in _RECORD_COLUMNS) + (_json(r["values"]),) for r in records]
+        if not rows:
+            return 0
+        with self._write() as conn:
+            before = conn.total_changes
+            conn.executemany(
+                'INSERT OR IGNORE INTO records (run, rank, seq, trial, role, kind, step, epoch, time, "values") '
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
+            return conn.total_changes - before
+
+    def add_checkpoint(self, run_id: str, label: str, path: str | Path, when: float | None = None) -> None:
+        with self._write() as conn:
+            conn.execute("INSERT OR IGNORE INTO checkpoints (run, label, path, time) VALUES (?, ?, ?, ?)",
+                         (run_id, label, str(path), when))
+
+    # -- reading ----------------------------------------------------------------------
+    def reap(self, stale_after: float = STALE_SECONDS) -> list[str]:
+        """Mark runs whose writer is gone as killed; returns their ids."""
+        here, now = socket.gethostname(), time.time()
+        rows = self._conn.execute("SELECT id, heartbeat, host, pid FROM runs WHERE status = 'running'").fetchall()
+        dead = [run_id for run_id, beat, host, pid in rows
+                if (host == here and pid and not _process_alive(pid)) or (beat or 0) < now - stale_after]
+        if dead:
+            with self._write() as conn:
+                conn.executemany(
+                    "UPDATE runs SET status = 'killed', ended = heartbeat, reason = 'the job ended without "
+                    "finishing the run (killed, or its node lost); its last records are kept' "
+                    "WHERE id = ? AND status = 'running'", [(d,) for d in dead])
+        return dead
+
+    def runs(self, *, kind: str | None = None, study: str | None = None) -> list[RunRow]:
+        """Every run, newest first (writers that vanished are marked killed first)."""
+        self.reap()
+        query, args = "SELECT * FROM runs", []
+        where = []
+        if kind is not None:
+            where.append("kind = ?")
+            args.append(kind)
+        if study is not None:
+            where.append("study = ?")
+            args.append(study)
+        if where:
+            query += " WHERE " + " AND ".join(where)
+        return [self._run_row(r) for r in self._conn.execute(query + " ORDER BY started DESC", args)]
+
+    def run(self, run_id: str) -> RunRow:
+        self.reap()
+        row = self._conn.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone()
+        if row is None:
+            raise StoreError(f"no run {run_id!r} in the store {self.path}")
+        return self._run_row(row)
+
+    def _run_row(self, row: tuple) -> RunRow:
+        (run_id, kind, status, reason, run_dir, options, layout, final, study, trial, started, ended,
+         heartbeat, _host, _pid) = row
+        return RunRow(run_id, kind, status, reason, run_dir, _loads(options, {}), _loads(layout, {}),
+                      _loads(final, {}), study, trial, started, ended, heartbeat)
+
+    def records(self, run_id: str, *, after: int = 0, kinds: Iterable[str] | None = None,
+                limit: int | None = None) -> tuple[list[dict[str, Any]], int]:
+        """The run's records stored after row `after`, in the order they were stored, and
+        the row to ask after next time (poll with it to get only what is new)."""
+        query = ('SELECT rowid, run, rank, seq, trial, role, kind, step, epoch, time, "values" '
+                 "FROM records WHERE run = ? AND rowid > ?")
+        args: list[Any] = [run_id, after]
+        if kinds is not None:
+            kinds = list(kinds)
+            query += f" AND kind IN ({','.join('?' * len(kinds))})"
+            args += kinds
+        query += " ORDER BY rowid"
+        if limit is not None:
+            query += f" LIMIT {int(limit)}"
+        out, last = [], after
+        for rowid, run, rank, seq, trial, role, kind, step, epoch, when, values in self._conn.execute(query, args):
+            out.append({"run": run, "trial": trial, "rank": rank, "role": role, "kind": kind, "step": step,
+                        "epoch": epoch, "time": when, "values": json.loads(values), "seq": seq})
+            last = rowid
+        return out, last
+
+    def checkpoints(self, run_id: str) -> list[dict[str, Any]]:
+        rows = self._conn.execute("SELECT label, path, time FROM checkpoints WHERE run = ? ORDER BY label",
+                                  (run_id,))
+        return [{"label": label, "path": path, "time": when} for label, path, when in rows]
+
+    # -- studies and trials (the HPO issue writes them; the dashboard reads them) ------
+    def begin_study(self, study_id: str, *, searcher: str, space: Any, options: dict[str, Any],
+                    objective: str, direction: str) -> None:
+        now = time.time()
+        with self._write() as conn:
+            conn.execute(
+                """INSERT INTO studies (id, status, searcher, space, options, objective, direction, started,
+                                        heartbeat, host, pid)
+                   VALUES (?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                   ON CONFLICT (id) DO UPDATE SET status = 'running', ended = NULL,
+                       heartbeat = excluded.heartbeat, host = excluded.host, pid = excluded.pid""",
+                (study_id, searcher, _json(space), _json(options), objective, direction, now, now,
+                 socket.gethostname(), os.getpid()),
+            )
+
+    def save_searcher_state(self, study_id: str, state: Any) -> None:
+        with self._write() as conn:
+            conn.execute("UPDATE studies SET searcher_state = ?, heartbeat = ? WHERE id = ?",
+                         (_json(state), time.time(), study_id))
+
+    def end_study(self, study_id: str, status: str) -> None:
+        with self._write() as conn:
+            conn.execute("UPDATE studies SET status = ?, ended = ? WHERE id = ?", (status, time.time(), study_id))
+
+    def study(self, study_id: str) -> dict[str, Any]:
+        cursor = self._conn.execute("SELECT * FROM studies WHERE id = ?", (study_id,))
+        row = cursor.fetchone()
+        if row is None:
+            raise StoreError(f"no study {study_id!r} in the store {self.path}")
+        study = dict(zip([d[0] for d in cursor.description], row))
+        for key in ("space", "options", "searcher_state"):
+            study[key] = _loads(study[key], None)
+        return study
+
+    def studies(self) -> list[dict[str, Any]]:
+        ids = [r[0] for r in self._conn.execute("SELECT id FROM studies ORDER BY started DESC")]
+        return [self.study(i) for i in ids]
+
+    def record_trial(self, study_id: str, number: int, *, params: dict[str, Any], state: str,
+                     fom: float | None = None, fom_std: float | None = None, folds: list[float] | None = None,
+                     generation: int | None = None, group: int | None = None, error: str | None = None,
+                     started: float | None = None, ended: float | None = None) -> None:
+        """Insert a trial or replace what is known of it (a running trial that completed)."""
+        with self._write() as conn:
+            conn.execute(
+                """INSERT INTO trials (study, number, params, state, fom, fom_std, folds, generation, grp,
+                                       error, started, ended)
+                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                   ON CONFLICT (study, number) DO UPDATE SET params = excluded.params,
+                       state = excluded.state, fom = excluded.fom, fom_std = excluded.fom_std,
+                       folds = excluded.folds, generation = excluded.generation, grp = excluded.grp,
+                       error = excluded.error, started = COALESCE(trials.started, excluded.started),
+                       ended = excluded.ended""",
+                (study_id, int(number), _json(params), state, fom, fom_std, _json(folds or []), generation,
+                 group, error, started, ended),
+            )
+
+    def trials(self, study_id: str) -> list[TrialRow]:
+        rows = self._conn.execute(
+            "SELECT study, number, params, state, fom, fom_std, folds, generation, grp, error, started, ended "
+            "FROM trials WHERE study = ? ORDER BY number", (study_id,))
+        return [TrialRow(s, n, json.loads(p), st, f, fs, _loads(fo, []), g, gr, e, t0, t1)
+                for s, n, p, st, f, fs, fo, g, gr, e, t0, t1 in rows]

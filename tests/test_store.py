@@ -1,0 +1,173 @@
+"""The run store: its schema and version guard, records kept once, killed runs, trials;
+and real batch runs under mpiexec landing in it complete."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import time
+from collections import Counter
+
+import pytest
+
+from nbdist.launch import mpi_env, mpiexec_command
+from nbdist.metrics import read_log
+from nbdist.store import SCHEMA_VERSION, RunStore, StoreError, import_run
+
+from conftest import ROOT
+
+
+def _record(run: str, rank: int, seq: int, kind: str = "train", **values) -> dict:
+    return {"run": run, "trial": None, "rank": rank, "role": "worker", "kind": kind, "step": seq, "epoch": 0,
+            "time": 1000.0 + seq, "values": values or {"loss": 1.0 / (seq + 1)}, "seq": seq}
+
+
+def test_records_are_kept_once_and_polled_in_order(tmp_path):
+    with RunStore(tmp_path / "s.db") as store:
+        store.begin_run("r1", run_dir=tmp_path, options={"epochs": 2}, layout={"workers": 2})
+        assert store.add_records([_record("r1", 0, i) for i in range(3)]) == 3
+        # The same records again (a log read twice), plus one new: only the new one lands.
+        assert store.add_records([_record("r1", 0, i) for i in range(4)]) == 1
+        first, last = store.records("r1")
+        assert [r["seq"] for r in first] == [0, 1, 2, 3] and first[0]["values"] == {"loss": 1.0}
+        store.add_records([_record("r1", 1, 0, kind="update", staleness=2)])
+        new, last2 = store.records("r1", after=last)
+        assert [(r["rank"], r["kind"], r["values"]["staleness"]) for r in new] == [(1, "update", 2)]
+        assert store.records("r1", after=last2) == ([], last2)
+        assert [r["kind"] for r in store.records("r1", kinds=["update"])[0]] == ["update"]
+        store.end_run("r1", "completed", "completed 2 epochs", {"val_acc": 0.9})
+        run = store.run("r1")
+        assert (run.status, run.final, run.options, run.layout) == ("completed", {"val_acc": 0.9}, {"epochs": 2},
+                                                                    {"workers": 2})
+
+
+def test_a_store_from_a_newer_nbdist_is_refused(tmp_path):
+    path = tmp_path / "new.db"
+    RunStore(path).close()
+    with sqlite3.connect(path) as conn:
+        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    with pytest.raises(StoreError) as caught:
+        RunStore(path)
+    assert str(caught.value) == (
+        f"the run store {path} was written by a newer nbdist (schema {SCHEMA_VERSION + 1}; this nbdist reads "
+        f"up to {SCHEMA_VERSION}): upgrade nbdist, or give another --store")
+
+
+def test_a_file_that_is_not_a_store_is_refused(tmp_path):
+    path = tmp_path / "notes.db"
+    path.write_text("these are my notes, not a database\n" * 100)
+    with pytest.raises(StoreError, match="is not an nbdist run store"):
+        RunStore(path)
+    with pytest.raises(StoreError, match="no run store at"):
+        RunStore(tmp_path / "missing.db", create=False)
+
+
+def test_runs_whose_writer_vanished_are_marked_killed(tmp_path):
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    with RunStore(tmp_path / "s.db") as store:
+        store.begin_run("alive", run_dir=None, options={}, layout={})
+        store.begin_run("gone", run_dir=None, options={}, layout={})
+        store.begin_run("silent", run_dir=None, options={}, layout={})
+        store._conn.execute("UPDATE runs SET pid = ? WHERE id = 'gone'", (gone.pid,))
+        store._conn.execute("UPDATE runs SET host = 'node17', heartbeat = ? WHERE id = 'silent'", (time.time() - 3600,))
+        states = {r.id: r.status for r in store.runs()}
+        assert states == {"alive": "running", "gone": "killed", "silent": "killed"}
+        assert "killed" in store.run("gone").reason
+        # A writer that was only paused comes back to life with its next heartbeat.
+        store.heartbeat("silent")
+        assert store.run("silent").status == "running"
+
+
+def test_trials_and_studies_round_trip(tmp_path):
+    with RunStore(tmp_path / "s.db") as store:
+        store.begin_study("st", searcher="evolution", space={"lr": "log(1e-4,1e-1)"}, options={"trials": 4},
+                          objective="val_loss", direction="minimize")
+        store.record_trial("st", 0, params={"lr": 0.01}, state="running", generation=0, group=1, started=5.0)
+        store.record_trial("st", 0, params={"lr": 0.01}, state="complete", fom=0.3, fom_std=0.02,
+                           folds=[0.28, 0.32], generation=0, group=1, ended=9.0)
+        store.record_trial("st", 1, params={"lr": 0.1}, state="failed", error="NaN loss")
+        store.save_searcher_state("st", {"generation": 1})
+        trials = store.trials("st")
+        assert [(t.number, t.state, t.fom, t.folds, t.started, t.ended) for t in trials] == [
+            (0, "complete", 0.3, [0.28, 0.32], 5.0, 9.0), (1, "failed", None, [], None, None)]
+        assert trials[1].error == "NaN loss"
+        assert store.study("st")["searcher_state"] == {"generation": 1}
+
+
+def _start_batch(tmp_path, *extra: str, n: int = 3) -> subprocess.Popen:
+    cmd = mpiexec_command(n, ["-m", "nbdist", "train", "--model", "examples/digits_mlp.py", "--runs-dir",
+                              str(tmp_path), "--quiet", *extra])
+    return subprocess.Popen(cmd, cwd=ROOT, env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def _store_rows(tmp_path) -> list[tuple]:
+    with sqlite3.connect(tmp_path / "nbdist.db") as conn:
+        return conn.execute("SELECT run, rank, seq, kind, time FROM records").fetchall()
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(300)
+def test_a_batch_run_lands_complete_in_the_store(tmp_path):
+    job = _start_batch(tmp_path, "--epochs", "3", "--checkpoint-every", "1", "--topology", "master-worker")
+    out, _ = job.communicate(timeout=240)
+    assert job.returncode == 0, out
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    rows = _store_rows(tmp_path)
+    logged = [(r["run"], r["rank"], r["seq"], r["kind"], r["time"]) for r in read_log(run_dir)]
+    # Every record of every rank, each once.
+    assert sorted(rows) == sorted(logged)
+    assert len(set((r[1], r[2]) for r in rows)) == len(rows)
+    assert {r[1] for r in rows} == {0, 1, 2}
+    assert Counter(r[3] for r in rows)["epoch"] == 3
+    with RunStore(tmp_path / "nbdist.db") as store:
+        run = store.run(run_dir.name)
+        assert run.status == "completed" and run.reason == "completed 3 epochs"
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert run.final == summary["final"]
+        assert run.layout["options"]["workers"] == 2 and run.options["epochs"] == 3
+        assert [c["label"] for c in store.checkpoints(run.id)] == ["epoch-0001", "epoch-0002", "epoch-0003"]
+
+    # Resumed for two more epochs: the same run, running again, its records still each once.
+    job = _start_batch(tmp_path, "--resume", str(run_dir), "--epochs", "5")
+    out, _ = job.communicate(timeout=240)
+    assert job.returncode == 0, out
+    rows = _store_rows(tmp_path)
+    assert sorted(rows) == sorted((r["run"], r["rank"], r["seq"], r["kind"], r["time"]) for r in read_log(run_dir))
+    with RunStore(tmp_path / "nbdist.db") as store:
+        assert [r.status for r in store.runs()] == ["completed"]
+        assert Counter(r["kind"] for r in store.records(run_dir.name)[0])["epoch"] == 5
+
+    # Importing the run directory again adds nothing: it is all there.
+    with RunStore(tmp_path / "nbdist.db") as store:
+        assert import_run(store, run_dir) == (run_dir.name, 0)
+        assert store.run(run_dir.name).status == "completed"
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(300)
+def test_a_killed_batch_run_is_marked_killed(tmp_path):
+    job = _start_batch(tmp_path, "--epochs", "100000", "--topology", "allreduce")
+    try:
+        deadline = time.monotonic() + 180
+        while not any(r[3] == "train" for r in (_store_rows(tmp_path) if (tmp_path / "nbdist.db").exists() else [])):
+            assert job.poll() is None, job.communicate()[0]
+            assert time.monotonic() < deadline, "the run never reached the store"
+            time.sleep(0.2)
+        with RunStore(tmp_path / "nbdist.db") as store:
+            assert [r.status for r in store.runs()] == ["running"]
+    finally:
+        os.killpg(job.pid, signal.SIGKILL)  # no handler runs: the job just vanishes
+        job.communicate(timeout=60)
+    deadline = time.monotonic() + 60
+    with RunStore(tmp_path / "nbdist.db") as store:
+        while store.runs()[0].status == "running":  # until the ranks themselves are gone
+            assert time.monotonic() < deadline, "the killed run was never marked killed"
+            time.sleep(0.2)
+        run = store.runs()[0]
+        assert run.status == "killed" and "killed" in run.reason
+        assert store.records(run.id, kinds=["train"])[0], "the records up to the kill are kept"
