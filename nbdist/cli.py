@@ -2,6 +2,8 @@
 
     mpiexec -n 4 python -m nbdist train --model examples/digits_mlp.py --algorithm easgd
     python -m nbdist layout --workers 4 --masters 2
+    python -m nbdist dashboard --store runs/nbdist.db        # live, on localhost
+    python -m nbdist store import runs/<run>                 # a run directory into the store
 
 Errors in the user's input print one line, `nbdist: error: ...`, on the first rank only,
 and every rank exits with status 2; a failure while training exits with status 1.
@@ -28,6 +30,26 @@ def build_parser() -> argparse.ArgumentParser:
     # None, so that a resumed run's saved options are not overridden).
     train = sub.add_parser("train", help="train a model under mpiexec/srun")
     add_arguments(train)
+
+    board = sub.add_parser("dashboard", help="serve the live dashboard of a run store (or export one run)")
+    board.add_argument("--store", default="runs/nbdist.db", help="the run store (default: runs/nbdist.db)")
+    board.add_argument("--address", default="127.0.0.1",
+                       help="interface to listen on (default: localhost only; any other needs the token)")
+    board.add_argument("--port", type=int, default=5006, help="port (0: any free port)")
+    board.add_argument("--prefix", default="", help="URL prefix, e.g. behind a proxy")
+    board.add_argument("--token", default=None,
+                       help="token the browser must give (default: none on localhost, a random one otherwise)")
+    board.add_argument("--run", default=None, help="the run to show first (default: the newest)")
+    board.add_argument("--allow-websocket-origin", action="append", default=None, metavar="HOST[:PORT]",
+                       help="pages allowed to connect, e.g. the JupyterHub host behind a proxy ('*': any)")
+    board.add_argument("--export", default=None, metavar="FILE.html",
+                       help="write the run's dashboard to one HTML file instead of serving")
+
+    store = sub.add_parser("store", help="the run store: import run directories")
+    store_sub = store.add_subparsers(dest="action", required=True)
+    imports = store_sub.add_parser("import", help="record run directories (finished, stopped or killed) in the store")
+    imports.add_argument("run_dirs", nargs="+", help="run directories")
+    imports.add_argument("--store", default="runs/nbdist.db", help="the run store (default: runs/nbdist.db)")
 
     layout = sub.add_parser("layout", help="print the rank layout as a tree")
     layout.add_argument("--workers", type=int, default=None, help="workers per master")
@@ -82,10 +104,35 @@ def _layout(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dashboard(args: argparse.Namespace) -> int:
+    from nbdist.dashboard import export_html, serve
+
+    if args.export:
+        path = export_html(args.store, args.export, run=args.run)
+        print(f"nbdist: dashboard written to {path}")
+        return 0
+    serve(args.store, address=args.address, port=args.port, prefix=args.prefix, token=args.token, run=args.run,
+          allow_origin=args.allow_websocket_origin)
+    return 0
+
+
+def _store(args: argparse.Namespace) -> int:
+    from nbdist.store import RunStore, import_run
+
+    with RunStore(args.store) as store:
+        for run_dir in args.run_dirs:
+            run_id, added = import_run(store, run_dir)
+            print(f"nbdist: {run_id}: {store.run(run_id).status}, {added} new records in {args.store}")
+    return 0
+
+
+COMMANDS = {"train": _train, "layout": _layout, "dashboard": _dashboard, "store": _store}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"train": _train, "layout": _layout}[args.command](args)
+        return COMMANDS[args.command](args)
     except UserError as exc:
         if _world_rank() == 0:
             print(f"nbdist: error: {exc}", file=sys.stderr, flush=True)

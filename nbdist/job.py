@@ -128,6 +128,13 @@ class Job:
         rows = [r["values"] for r in self.records if r["kind"] == "epoch"]
         return pd.DataFrame(rows)
 
+    def dashboard(self, period_ms: int = 1000) -> Any:
+        """The live dashboard of this job (Panel): displayed under the cell, it updates
+        while the job trains. Panel and HoloViews are imported only here."""
+        from nbdist.dashboard import dashboard
+
+        return dashboard(job=self, period_ms=period_ms).servable()
+
     # -- control ----------------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> "Job":
         """Block until the job ends (KeyboardInterrupt stops it). Raises JobError if it

@@ -46,6 +46,8 @@ class _commands(ArgDecorator):
         add_arguments(train)
         train.add_argument("--block", action="store_true", help="wait for the training to end")
         train.add_argument("--no-progress", action="store_true", help="no live progress line")
+        train.add_argument("--dashboard", action="store_true",
+                           help="show the live dashboard (throughput, staleness, loss, timeline) under the cell")
 
         sub.add_parser("last", help="the last job started from a cell")
         sub.add_parser("stop", help="stop the last job on every rank")
@@ -125,6 +127,10 @@ class DistnnMagics(Magics):
             raise UsageError("give the model either as the cell body or as --model, not both")
         job = submit(current_cluster(), options, cell=cell, block=False, show_progress=not args.no_progress)
         self.last_job = job
+        if args.dashboard:
+            from IPython.display import display
+
+            display(job.dashboard())
         if args.block:
             job.wait()
         return job

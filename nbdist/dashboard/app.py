@@ -1,0 +1,267 @@
+"""The dashboard app: a factory that builds the Panel page of a run, live.
+
+    dashboard(store="runs/nbdist.db")            # a served app: run picker, compare, studies
+    dashboard(job=job)                           # inline in the notebook, the job's run
+    dashboard(store=..., run=..., live=False)    # a finished run, e.g. for a static export
+
+A periodic callback polls the source (the store's new rows, or the job's new records)
+a few times a second, turns them into new rows per view (frames.RunFrames) and appends
+those to the plots (plots.RunPlots). Nothing is recomputed from the start, and a plot is
+rebuilt only when another run is picked.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import panel as pn
+
+from nbdist.dashboard.frames import RunFrames
+from nbdist.dashboard.layout_view import layout_html
+from nbdist.dashboard.plots import RunPlots, phase_legend
+from nbdist.dashboard.sources import JobSource, RecordSource, RunInfo, StoreSource, run_choices
+from nbdist.dashboard.study_view import StudyPlots
+from nbdist.store import RunStore, StoreError
+
+__all__ = ["Dashboard", "dashboard"]
+
+POLL_MS = 1000  # a browser redraws each streamed plot per poll: once a second is live enough
+CHOICES_EVERY = 2.0  # seconds between looks for new runs in the store
+
+
+def _worker_ranks(layout: dict[str, Any]) -> list[int]:
+    found: list[int] = []
+
+    def walk(nodes: list[dict[str, Any]]) -> None:
+        for node in nodes:
+            if node["kind"] == "worker":
+                found.extend(node["ranks"])
+            walk(node.get("children", []))
+
+    walk(layout.get("nodes", []))
+    return sorted(found)
+
+
+class _RunView:
+    """The live part of the page for one run."""
+
+    def __init__(self, source: RecordSource, info: RunInfo):
+        self.source, self.info = source, info
+        ranks = list(range(int(info.layout.get("n_ranks", 0))))
+        workers = _worker_ranks(info.layout) or ranks
+        self.frames = RunFrames(info.topology, info.started)
+        self.plots = RunPlots(ranks, workers)
+        self.header = pn.pane.Markdown("", sizing_mode="stretch_width", name="nbdist-header")
+        self.latest: dict[str, Any] = {}
+        self.records = 0
+        p, bokeh = self.plots, pn.pane.Bokeh
+        self.panel = pn.Column(
+            self.header,
+            pn.Tabs(("by samples seen", pn.Row(bokeh(p.loss["samples_seen"]), bokeh(p.accuracy["samples_seen"]))),
+                    ("by wall time", pn.Row(bokeh(p.loss["t"]), bokeh(p.accuracy["t"])))),
+            pn.Row(bokeh(p.throughput.figure), bokeh(p.total_figure)),
+            pn.Row(bokeh(p.staleness.figure), bokeh(p.staleness_figure)),
+            pn.Column(bokeh(p.timeline_figure), pn.pane.HTML(phase_legend())),
+            pn.Row(bokeh(p.cpu.figure), bokeh(p.memory.figure)),
+            pn.Row(pn.pane.HTML(layout_html(info.layout), name="nbdist-layout"),
+                   *([bokeh(p.gan_figure)] if info.options.get("gan") else [])),
+        )
+
+    def tick(self) -> int:
+        records = self.source.poll()
+        if records:
+            self.records += len(records)
+            frames = self.frames.ingest(records)
+            self.plots.send(frames)
+            if frames.epochs is not None:
+                self.latest = frames.epochs.iloc[-1].to_dict()
+        info = self.source.info() or self.info
+        self.info = info
+        self.header.object = self._header(info)
+        return len(records)
+
+    def _header(self, info: RunInfo) -> str:
+        parts = [f"**{info.id}**", f"**{info.status}**", info.layout.get("describe", "")]
+        epochs = info.options.get("epochs")
+        if self.latest:
+            parts.append(f"epoch {int(self.latest.get('epoch', 0))}/{epochs}")
+            parts += [f"{k} {v:.4f}" for k, v in self.latest.items()
+                      if k.startswith("val_") and isinstance(v, float)]
+        if info.started:
+            parts.append(f"{time.time() - info.started:.0f} s since start" if info.status == "running"
+                         else info.reason or "")
+        parts.append(f"{self.records} records")
+        return "  ·  ".join(p for p in parts if p)
+
+
+class Dashboard:
+    """A run's dashboard, from a store (with pickers) or from a notebook job."""
+
+    def __init__(self, *, store: str | Path | None = None, job: Any = None, run: str | None = None,
+                 study: str | None = None, live: bool = True, period_ms: int = POLL_MS):
+        if (store is None) == (job is None):
+            raise ValueError("give the dashboard a store or a job")
+        self.store_path = Path(store) if store is not None else None
+        self.job = job
+        self.live = live
+        self.period_ms = period_ms
+        self.view: _RunView | None = None
+        self.study: StudyPlots | None = None
+        self.body = pn.Column(sizing_mode="stretch_width")
+        self.study_body = pn.Column()
+        self.controls = pn.Row()
+        self._callback: Any = None
+        self._choices_read = time.monotonic()
+        self._store = RunStore(self.store_path) if self.store_path is not None else None
+        if self._store is not None:
+            self._build_pickers(run, study)
+        else:
+            self.body[:] = [pn.pane.Markdown("*waiting for the job's first records ...*")]
+        # A static page (live=False: an export) gets no pickers: nothing would answer them.
+        parts = [pn.pane.Markdown("## nbdist dashboard")] + ([self.controls] if live and len(self.controls) else [])
+        parts += [self.body] + ([self.study_body] if self.study is not None else [])
+        self.page = pn.Column(*parts, name="nbdist-dashboard")
+
+    # -- the store's pickers --------------------------------------------------------------
+    def _build_pickers(self, run: str | None, study: str | None) -> None:
+        choices = run_choices(self._store)
+        if run is not None and run not in choices.values():
+            raise StoreError(f"no run {run!r} in the store {self.store_path}")
+        self.run_picker = pn.widgets.Select(label="run", options=choices, value=run or next(iter(choices.values()), None),
+                                            width=420)
+        self.compare_picker = pn.widgets.Select(label="compare with", options={"(none)": "", **choices}, value="",
+                                                width=420)
+        self.run_picker.param.watch(lambda e: self.open_run(e.new), "value")
+        self.compare_picker.param.watch(lambda e: self.compare(e.new), "value")
+        widgets: list[Any] = [self.run_picker, self.compare_picker]
+        studies = {s["id"]: s["id"] for s in self._store.studies()}
+        if studies:
+            self.study_picker = pn.widgets.Select(label="study", options=studies, value=study or next(iter(studies)),
+                                                  width=300)
+            self.study_picker.param.watch(lambda e: self.open_study(e.new), "value")
+            widgets.append(self.study_picker)
+            self.open_study(self.study_picker.value)
+        self.controls[:] = widgets
+        if self.run_picker.value:
+            self.open_run(self.run_picker.value)
+        else:
+            self.body[:] = [pn.pane.Markdown(f"*no runs in {self.store_path} yet: they appear here when they start*")]
+
+    def open_run(self, run_id: str) -> None:
+        source = StoreSource(self.store_path, run_id)
+        self._show(source, source.info())
+        if getattr(self, "compare_picker", None) is not None and self.compare_picker.value:
+            self.compare(self.compare_picker.value)
+
+    def compare(self, run_id: str) -> None:
+        """Draw another run's validation curves under this one's ('' clears them)."""
+        if self.view is None:
+            return
+        plots = self.view.plots
+        if not run_id:
+            plots.show_compared(None)
+            return
+        other = StoreSource(self.store_path, run_id)
+        try:
+            info = other.info()
+            epochs = RunFrames(info.topology, info.started).ingest(_drain(other)).epochs
+        finally:
+            other.close()
+        if epochs is not None:
+            plots.show_compared(epochs)
+
+    def open_study(self, study_id: str) -> None:
+        self.study = StudyPlots(self._store, study_id)
+        self.study.update()
+        self.study_body[:] = [pn.pane.Markdown(f"### study {study_id}"),
+                              pn.Row(self.study.population, self.study.per_trial), self.study.parallel_plot]
+
+    # -- the live loop ------------------------------------------------------------------
+    def _show(self, source: RecordSource, info: RunInfo) -> None:
+        if self.view is not None:
+            self.view.source.close()
+        self.view = _RunView(source, info)
+        self.view.tick()
+        self.body[:] = [self.view.panel]
+
+    def tick(self) -> None:
+        """One poll of the sources: new rows to the plots."""
+        if self.view is None and self.job is not None:
+            source = JobSource(self.job)
+            info = source.info()
+            if info is None:
+                return
+            self._show(source, info)
+            return
+        if self._store is not None:
+            self._refresh_choices()
+        if self.view is not None:
+            new = self.view.tick()
+            if self.job is not None and self.job.done and not new:
+                self.stop()  # the job's last records are shown: nothing more will come
+        if self.study is not None:
+            self.study.update()
+
+    def _refresh_choices(self) -> None:
+        """Runs started since the page opened join the pickers; the first one is shown."""
+        now = time.monotonic()
+        if now - self._choices_read < CHOICES_EVERY:
+            return
+        self._choices_read = now
+        choices = run_choices(self._store)
+        if choices != self.run_picker.options:
+            self.run_picker.options = choices
+            self.compare_picker.options = {"(none)": "", **choices}
+        if self.view is None and choices:
+            self.run_picker.value = next(iter(choices.values()))  # its watcher opens it
+
+    def drain(self) -> None:
+        """Poll until everything stored so far is shown (a finished run, an export)."""
+        while self.view is not None and self.view.tick():
+            pass
+        if self.study is not None:
+            self.study.update()
+
+    def start(self) -> "Dashboard":
+        """Poll the source while the page is shown (in this notebook or served session)."""
+        if self.live and self._callback is None:
+            self._callback = pn.state.add_periodic_callback(self.tick, period=self.period_ms)
+            if pn.state.curdoc is not None and pn.state.curdoc.session_context is not None:
+                pn.state.on_session_destroyed(lambda _context: self.close())
+        return self
+
+    def servable(self) -> Any:
+        """The page, live, marked for `panel serve` (and shown as is in a notebook)."""
+        return self.start().page.servable(title="nbdist dashboard")
+
+    def stop(self) -> None:
+        """Stop polling (the page keeps what it shows)."""
+        if self._callback is not None:
+            self._callback.stop()
+            self._callback = None
+
+    def close(self) -> None:
+        self.stop()
+        if self.view is not None:
+            self.view.source.close()
+        if self._store is not None:
+            self._store.close()
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> Any:
+        return self.servable()._repr_mimebundle_(include, exclude)
+
+
+def _drain(source: StoreSource) -> list[dict[str, Any]]:
+    records, batch = [], source.poll()
+    while batch:
+        records += batch
+        batch = source.poll()
+    return records
+
+
+def dashboard(store: str | Path | None = None, *, job: Any = None, run: str | None = None,
+              study: str | None = None, live: bool = True, period_ms: int = POLL_MS) -> Dashboard:
+    pn.extension()
+    return Dashboard(store=store, job=job, run=run, study=study, live=live, period_ms=period_ms)

@@ -1,0 +1,208 @@
+"""From metric records to the rows each dashboard view streams (pandas only, no plotting).
+
+`RunFrames` is fed the records of one run as they arrive and returns, per view, only
+the rows that are new; the plots append those and nothing else. It keeps what the views
+need across batches: each rank's latest throughput (for the total), the samples seen so
+far, a master's cumulative phase times (its timeline is their differences), the
+staleness counts (for the distribution).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+
+__all__ = ["RunFrames", "Frames", "PHASES", "phase_parts"]
+
+PHASES = ("compute", "communicate", "wait")
+
+# What each timed part of a rank's loop is on the timeline. Workers and allreduce ranks
+# report seconds per interval in their 'train' records; masters report running totals in
+# their 'phase' records. An allreduce rank's "wait" is the wait for the reduction to
+# finish: communication that backward did not hide.
+_PARTS = {
+    "worker": {"compute_s": "compute", "send_s": "communicate", "wait_s": "wait"},
+    "allreduce": {"compute_s": "compute", "update_s": "compute", "wait_s": "communicate"},
+    "master": {"update": "compute", "validate": "compute", "reply": "communicate", "uplink": "communicate",
+               "wait": "wait"},
+}
+
+
+def phase_parts(values: dict[str, Any], kind: str) -> dict[str, float]:
+    """Seconds of compute / communicate / wait in one record's values; `kind` is
+    "worker", "allreduce" or "master"."""
+    parts = dict.fromkeys(PHASES, 0.0)
+    for key, phase in _PARTS[kind].items():
+        parts[phase] += float(values.get(key) or 0.0)
+    return parts
+
+
+@dataclass
+class Frames:
+    """New rows per view. Per-rank views are keyed by world rank."""
+
+    throughput: dict[int, pd.DataFrame] = field(default_factory=dict)  # t, samples_per_s
+    total_throughput: pd.DataFrame | None = None  # t, samples_per_s
+    staleness: dict[int, pd.DataFrame] = field(default_factory=dict)  # t, staleness (mean), max
+    staleness_counts: pd.DataFrame | None = None  # rank, staleness, count: the whole table, when it changed
+    train_loss: pd.DataFrame | None = None  # t, samples_seen, loss, metric
+    epochs: pd.DataFrame | None = None  # epoch, t, samples_seen, train_loss, val_loss, val_<metric>, ...
+    timeline: pd.DataFrame | None = None  # x0, y0, x1, y1, rank, phase
+    resources: dict[int, pd.DataFrame] = field(default_factory=dict)  # t, cpu_percent, rss_mb
+    gan: pd.DataFrame | None = None  # t, samples_seen, d_loss, g_loss, d_real, d_fake (GAN runs)
+    ended: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> its 'run' record values
+
+    def empty(self) -> bool:
+        return not (self.throughput or self.staleness or self.resources or self.ended) and all(
+            v is None for v in (self.total_throughput, self.staleness_counts, self.train_loss, self.epochs,
+                                self.timeline, self.gan))
+
+
+GAN_KEYS = ("d_loss", "g_loss", "d_real", "d_fake")
+
+
+class RunFrames:
+    def __init__(self, topology: str = "master-worker", t0: float | None = None):
+        self.topology = topology
+        self.t0 = t0
+        self._rate: dict[int, float] = {}
+        self._samples_seen = 0
+        self._epoch_samples = 0
+        self._phase_totals: dict[int, dict[str, float]] = {}
+        self._last_time: dict[int, float] = {}
+        self._staleness: Counter = Counter()
+        self.metric_name: str | None = None
+
+    def _t(self, when: float) -> float:
+        if self.t0 is None:
+            self.t0 = when
+        return when - self.t0
+
+    def ingest(self, records: list[dict[str, Any]]) -> Frames:
+        out = Frames()
+        by_kind: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for r in sorted(records, key=lambda r: r["time"]):
+            by_kind[r["kind"]].append(r)
+        if self.t0 is None and records:
+            self.t0 = min(r["time"] for r in records)
+        self._train(by_kind["train"], out)
+        self._updates(by_kind["update"], out)
+        self._masters(by_kind["phase"], out)
+        self._epochs(by_kind["epoch"], out)
+        self._resources(by_kind["resources"], out)
+        for r in by_kind["run"]:
+            out.ended[r["rank"]] = r["values"]
+        if out.timeline is not None:
+            out.timeline = out.timeline.sort_values("x0", kind="stable").reset_index(drop=True)
+        return out
+
+    # -- per view ---------------------------------------------------------------------
+    def _train(self, records: list[dict[str, Any]], out: Frames) -> None:
+        if not records:
+            return
+        kind = "allreduce" if self.topology == "allreduce" else "worker"
+        rows: dict[int, list[tuple[float, float]]] = defaultdict(list)
+        totals, losses, segments, gan = [], [], [], []
+        for r in records:
+            v, rank, t = r["values"], r["rank"], self._t(r["time"])
+            rate = float(v.get("samples_per_s") or 0.0)
+            rows[rank].append((t, rate))
+            self._rate[rank] = rate
+            totals.append((t, sum(self._rate.values())))
+            samples = int(v.get("samples") or 0)
+            self._samples_seen += samples
+            if self.metric_name is None:
+                self.metric_name = next((k for k in v if k not in _TRAIN_KEYS and k not in GAN_KEYS), None)
+            if samples and v.get("loss") is not None:
+                losses.append((t, self._samples_seen, v["loss"],
+                               v.get(self.metric_name) if self.metric_name else None))
+            if any(k in v for k in GAN_KEYS):
+                gan.append((t, self._samples_seen, *(v.get(k) for k in GAN_KEYS)))
+            segments += self._segments(rank, t, phase_parts(v, kind))
+        out.throughput = {rank: pd.DataFrame(rs, columns=["t", "samples_per_s"]) for rank, rs in rows.items()}
+        out.total_throughput = pd.DataFrame(totals, columns=["t", "samples_per_s"])
+        if losses:
+            out.train_loss = pd.DataFrame(losses, columns=["t", "samples_seen", "loss", "metric"])
+        if gan:
+            out.gan = pd.DataFrame(gan, columns=["t", "samples_seen", *GAN_KEYS])
+        self._add_segments(out, segments)
+
+    def _updates(self, records: list[dict[str, Any]], out: Frames) -> None:
+        """The master's per-update records, thousands a second: one point per worker per
+        batch of records (mean and max), and the counts for the distribution."""
+        if not records:
+            return
+        per_rank: dict[int, list[tuple[float, int]]] = defaultdict(list)
+        for r in records:
+            v = r["values"]
+            if v.get("staleness") is None:
+                continue
+            source = int(v.get("source_rank", r["rank"]))
+            per_rank[source].append((self._t(r["time"]), int(v["staleness"])))
+            self._staleness[(source, int(v["staleness"]))] += 1
+        out.staleness = {
+            rank: pd.DataFrame([(pts[-1][0], sum(s for _, s in pts) / len(pts), max(s for _, s in pts))],
+                               columns=["t", "staleness", "max"])
+            for rank, pts in per_rank.items()
+        }
+        out.staleness_counts = pd.DataFrame(
+            [(rank, value, count) for (rank, value), count in sorted(self._staleness.items())],
+            columns=["rank", "staleness", "count"])
+
+    def _masters(self, records: list[dict[str, Any]], out: Frames) -> None:
+        segments = []
+        for r in records:
+            rank, totals = r["rank"], phase_parts(r["values"], "master")
+            before = self._phase_totals.get(rank, dict.fromkeys(PHASES, 0.0))
+            self._phase_totals[rank] = totals
+            delta = {p: max(totals[p] - before[p], 0.0) for p in PHASES}
+            segments += self._segments(rank, self._t(r["time"]), delta)
+        self._add_segments(out, segments)
+
+    def _segments(self, rank: int, t: float, parts: dict[str, float]) -> list[tuple]:
+        """The interval that ended at `t`, split in its phases laid end to end (their order
+        within the interval is not recorded, only their shares)."""
+        spent = sum(parts.values())
+        start = self._last_time.get(rank, t - spent)
+        self._last_time[rank] = t
+        length = t - start
+        if length <= 0 or spent <= 0:
+            return []
+        scale = min(1.0, length / spent)  # rounding and untimed bits: never past the interval
+        segments, x = [], start
+        for phase in PHASES:
+            width = parts[phase] * scale
+            if width > 0:
+                segments.append((x, rank - 0.4, x + width, rank + 0.4, rank, phase))
+                x += width
+        return segments
+
+    @staticmethod
+    def _add_segments(out: Frames, segments: list[tuple]) -> None:
+        if not segments:
+            return
+        frame = pd.DataFrame(segments, columns=["x0", "y0", "x1", "y1", "rank", "phase"])
+        out.timeline = frame if out.timeline is None else pd.concat([out.timeline, frame], ignore_index=True)
+
+    def _epochs(self, records: list[dict[str, Any]], out: Frames) -> None:
+        rows = []
+        for r in records:
+            v = dict(r["values"])
+            self._epoch_samples += int(v.get("samples") or 0)
+            rows.append({**v, "t": self._t(r["time"]), "samples_seen": self._epoch_samples})
+        if rows:
+            out.epochs = pd.DataFrame(rows)
+
+    def _resources(self, records: list[dict[str, Any]], out: Frames) -> None:
+        rows: dict[int, list[tuple[float, float, float]]] = defaultdict(list)
+        for r in records:
+            v = r["values"]
+            rows[r["rank"]].append((self._t(r["time"]), v.get("cpu_percent"), v.get("rss_mb")))
+        out.resources = {rank: pd.DataFrame(rs, columns=["t", "cpu_percent", "rss_mb"]) for rank, rs in rows.items()}
+
+
+# The keys of a 'train' record that are not its metric.
+_TRAIN_KEYS = {"samples", "samples_per_s", "loss", "compute_s", "send_s", "wait_s", "update_s", "version"}

@@ -1,0 +1,120 @@
+"""The hyper-parameter study view: the population as it evolves, the figure of merit of
+every trial with its spread over folds, the best so far, and the parameters against the
+figure of merit (parallel coordinates).
+
+Trials are read from the run store as they finish; each finished trial is appended to
+the plots once. The parallel coordinates are normalised per parameter over the trials
+seen so far, so they are redrawn as a whole (a study has tens to hundreds of trials).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import holoviews as hv
+import numpy as np
+import pandas as pd
+from holoviews.streams import Buffer, Pipe
+
+from nbdist.dashboard.plots import HEIGHT, WIDTH
+from nbdist.store import RunStore, TrialRow
+
+__all__ = ["StudyPlots", "FINISHED"]
+
+FINISHED = ("complete", "pruned", "failed")
+
+
+def _named(name: str) -> Callable[[Any, Any], None]:
+    """A plot hook that names the Bokeh figure `nbdist-<name>`, for tests and scripts."""
+
+    def hook(plot: Any, element: Any) -> None:
+        plot.state.name = f"nbdist-{name}"
+
+    return hook
+_COLUMNS = ["trial", "generation", "fom", "low", "high", "best"]
+
+
+class StudyPlots:
+    def __init__(self, store: RunStore, study_id: str):
+        self.store, self.study_id = store, study_id
+        study = store.study(study_id)
+        self.maximize = study.get("direction") == "maximize"
+        self.objective = study.get("objective") or "figure of merit"
+        self._sent: set[int] = set()
+        self._best: float | None = None
+        self._finished: list[TrialRow] = []
+        self.trials = Buffer(pd.DataFrame({c: pd.Series(dtype="float64") for c in _COLUMNS}), length=100_000,
+                             index=False)
+        self.parallel = Pipe(data=[])
+        fom = self.objective
+        population = hv.DynamicMap(lambda data: hv.Scatter(data, "generation", ["fom", "trial"]),
+                                   streams=[self.trials])
+        self.population = population.opts(
+            title=f"Population per generation ({fom})", width=WIDTH, height=HEIGHT, size=7, tools=["hover"],
+            hooks=[_named("population")], xlabel="generation (trial batch for bayes/random)", ylabel=fom)
+        points = hv.DynamicMap(lambda data: hv.Scatter(data, "trial", ["fom", "generation"], label="mean over folds"),
+                               streams=[self.trials]).opts(size=6, tools=["hover"])
+        spread = hv.DynamicMap(lambda data: hv.Segments(data, ["trial", "low", "trial", "high"], label="fold spread"),
+                               streams=[self.trials]).opts(color="gray")
+        best = hv.DynamicMap(lambda data: hv.Curve(data, "trial", "best", label="best so far"),
+                             streams=[self.trials]).opts(color="black", line_width=2, interpolation="steps-post")
+        self.per_trial = (spread * points * best).opts(
+            title=f"{fom} per trial", width=WIDTH, height=HEIGHT, hooks=[_named("trials")], xlabel="trial",
+            ylabel=fom, legend_position="top_right")
+        coords = hv.DynamicMap(_parallel_element, streams=[self.parallel])
+        self.parallel_plot = coords.opts(
+            title="Parameters vs figure of merit", width=2 * WIDTH + 20, height=HEIGHT, color="fom",
+            cmap="viridis_r" if not self.maximize else "viridis", colorbar=True, line_width=2, alpha=0.8,
+            hooks=[_named("parallel-coordinates")], xlabel="", ylabel="normalised value", tools=["hover"])
+
+    def update(self) -> int:
+        """Append the trials that finished since the last update; returns how many."""
+        new = [t for t in self.store.trials(self.study_id) if t.state in FINISHED and t.number not in self._sent]
+        rows = []
+        for t in sorted(new, key=lambda t: t.ended or 0):
+            self._sent.add(t.number)
+            if t.fom is None or not math.isfinite(t.fom):
+                continue
+            better = self._best is None or (t.fom > self._best if self.maximize else t.fom < self._best)
+            self._best = t.fom if better else self._best
+            spread = t.fom_std or 0.0
+            generation = t.generation if t.generation is not None else (t.group or 0)
+            rows.append((t.number, generation, t.fom, t.fom - spread, t.fom + spread, self._best))
+            self._finished.append(t)
+        if rows:
+            self.trials.send(pd.DataFrame(rows, columns=_COLUMNS).astype("float64"))
+            self.parallel.send(parallel_paths(self._finished, self.objective))
+        return len(new)
+
+
+def _parallel_element(data: Any) -> hv.Path:
+    paths, axes = data if data else ([], [])
+    return hv.Path(paths, ["x", "y"], ["fom"]).opts(xticks=list(enumerate(axes)))
+
+
+def parallel_paths(trials: list[TrialRow], objective: str) -> tuple[list[dict[str, Any]], list[str]]:
+    """One path per trial across the parameter axes (x = axis index), each parameter
+    scaled to [0, 1] over the trials; categories placed evenly; the last axis is the fom.
+    Returns the paths and the axes' names."""
+    names = sorted({k for t in trials for k in t.params})
+    axes = []
+    for name in names:
+        values = [t.params.get(name) for t in trials]
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            lo, hi = min(values), max(values)
+            positive = lo > 0 and hi / lo > 100  # log-scaled spaces spread over decades
+            f = np.log10 if positive else (lambda v: v)
+            lo_, hi_ = f(lo), f(hi)
+            axes.append(lambda v, f=f, lo_=lo_, hi_=hi_: 0.5 if hi_ == lo_ else (f(v) - lo_) / (hi_ - lo_))
+        else:
+            levels = sorted({str(v) for v in values})
+            axes.append(lambda v, levels=levels: levels.index(str(v)) / max(len(levels) - 1, 1))
+    foms = [t.fom for t in trials]
+    lo, hi = min(foms), max(foms)
+    paths = []
+    for t in trials:
+        ys = [axis(t.params.get(name)) for axis, name in zip(axes, names)]
+        ys.append(0.5 if hi == lo else (t.fom - lo) / (hi - lo))
+        paths.append({"x": np.arange(len(ys), dtype=float), "y": np.array(ys, dtype=float), "fom": t.fom})
+    return paths, [*names, objective]

@@ -1,0 +1,75 @@
+"""The dashboard's data side, without a browser: records in, new rows per view out."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("pandas")
+
+from nbdist.dashboard.frames import RunFrames, phase_parts  # noqa: E402
+
+
+def _rec(kind, rank, t, role="worker", **values):
+    return {"run": "r", "trial": None, "rank": rank, "role": role, "kind": kind, "step": 0, "epoch": 0,
+            "time": t, "values": values, "seq": 0}
+
+
+def test_phase_parts_put_each_timed_part_in_its_phase():
+    assert phase_parts({"compute_s": 0.3, "send_s": 0.1, "wait_s": 0.2}, "worker") == {
+        "compute": 0.3, "communicate": 0.1, "wait": 0.2}
+    # An allreduce rank's wait is its wait for the reduction: communication.
+    assert phase_parts({"compute_s": 0.3, "update_s": 0.05, "wait_s": 0.2}, "allreduce") == {
+        "compute": 0.35, "communicate": 0.2, "wait": 0.0}
+    assert phase_parts({"wait": 1.0, "update": 0.5, "reply": 0.25, "validate": 0.25}, "master") == {
+        "compute": 0.75, "communicate": 0.25, "wait": 1.0}
+
+
+def test_throughput_total_and_samples_seen_accumulate_across_batches():
+    frames = RunFrames("master-worker", t0=100.0)
+    first = frames.ingest([_rec("train", 1, 101.0, samples=64, samples_per_s=100.0, loss=2.0, acc=0.1),
+                           _rec("train", 2, 101.5, samples=32, samples_per_s=50.0, loss=1.0, acc=0.2)])
+    assert first.throughput[1].values.tolist() == [[1.0, 100.0]]
+    assert first.total_throughput["samples_per_s"].tolist() == [100.0, 150.0]
+    assert first.train_loss[["samples_seen", "loss", "metric"]].values.tolist() == [[64, 2.0, 0.1], [96, 1.0, 0.2]]
+    second = frames.ingest([_rec("train", 1, 102.0, samples=64, samples_per_s=80.0, loss=0.5, acc=0.5)])
+    # Only the new point; the total uses rank 2's latest rate.
+    assert second.throughput == {1: second.throughput[1]} and len(second.throughput[1]) == 1
+    assert second.total_throughput["samples_per_s"].tolist() == [130.0]
+    assert second.train_loss["samples_seen"].tolist() == [160]
+
+
+def test_staleness_points_per_worker_and_the_distribution():
+    frames = RunFrames("master-worker", t0=0.0)
+    updates = [_rec("update", 0, 1.0 + i / 10, role="master", source_rank=1 + i % 2, staleness=i % 3) for i in range(6)]
+    out = frames.ingest(updates)
+    # One point per worker per batch of records: the mean and the max of its staleness.
+    assert out.staleness[1][["staleness", "max"]].values.tolist() == [[(0 + 2 + 1) / 3, 2]]
+    assert out.staleness[2][["staleness", "max"]].values.tolist() == [[(1 + 0 + 2) / 3, 2]]
+    counts = {(r, s): c for r, s, c in out.staleness_counts.values.tolist()}
+    assert counts == {(1, 0): 1, (1, 1): 1, (1, 2): 1, (2, 0): 1, (2, 1): 1, (2, 2): 1}
+    more = frames.ingest([_rec("update", 0, 2.0, role="master", source_rank=1, staleness=2)])
+    assert {(r, s): c for r, s, c in more.staleness_counts.values.tolist()}[(1, 2)] == 2
+
+
+def test_timeline_segments_tile_each_interval_by_phase():
+    frames = RunFrames("master-worker", t0=0.0)
+    frames.ingest([_rec("train", 1, 1.0, samples=1, samples_per_s=1, compute_s=0.5, send_s=0.1, wait_s=0.2)])
+    out = frames.ingest([_rec("train", 1, 2.0, samples=1, samples_per_s=1, compute_s=0.6, send_s=0.2, wait_s=0.2)])
+    segments = out.timeline[["x0", "x1", "phase"]].values.tolist()
+    assert [p for *_, p in segments] == ["compute", "communicate", "wait"]
+    assert segments[0][0] == pytest.approx(1.0) and segments[-1][1] == pytest.approx(2.0)
+    assert [round(x1 - x0, 6) for x0, x1, _ in segments] == [0.6, 0.2, 0.2]
+    # A master's phase records are running totals: its segments are their increments.
+    master = RunFrames("master-worker", t0=0.0)
+    master.ingest([_rec("phase", 0, 1.0, role="master", wait=0.5, update=0.3, reply=0.1, validate=0.0)])
+    out = master.ingest([_rec("phase", 0, 2.0, role="master", wait=1.0, update=0.6, reply=0.3, validate=0.0)])
+    assert {p: round(x1 - x0, 6) for x0, x1, p in out.timeline[["x0", "x1", "phase"]].values.tolist()} == {
+        "compute": 0.3, "communicate": 0.2, "wait": 0.5}
+
+
+def test_epochs_carry_samples_seen_and_time():
+    frames = RunFrames("allreduce", t0=10.0)
+    out = frames.ingest([_rec("epoch", 0, 12.0, epoch=1, samples=1000, val_loss=0.5, val_acc=0.8),
+                         _rec("epoch", 0, 14.0, epoch=2, samples=1000, val_loss=0.3, val_acc=0.9)])
+    assert out.epochs[["epoch", "t", "samples_seen", "val_acc"]].values.tolist() == [[1, 2.0, 1000, 0.8],
+                                                                                    [2, 4.0, 2000, 0.9]]
