@@ -10,7 +10,6 @@ import os
 import queue
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +23,7 @@ import pytest
 pytest.importorskip("panel")
 from playwright.sync_api import sync_playwright  # noqa: E402
 
+from nbdist.dashboard.serve import free_port  # noqa: E402
 from nbdist.launch import mpi_env, mpiexec_command  # noqa: E402
 from nbdist.store import RunStore  # noqa: E402
 
@@ -157,12 +157,6 @@ def test_live_dashboard_of_a_training_run_in_chromium(tmp_path, browser):
     page.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _get(url: str, cookie: str | None = None) -> tuple[int, str, str | None]:
     request = urllib.request.Request(url, headers={"Cookie": cookie} if cookie else {})
     try:
@@ -194,7 +188,7 @@ def test_the_jupyter_server_proxy_entry_serves_under_the_hub_prefix(tmp_path):
     from nbdist.dashboard.proxy import PROXY_NAME, server_process
 
     entry = server_process()
-    port, base_url = _free_port(), "/user/alice/"
+    port, base_url = free_port("127.0.0.1"), "/user/alice/"
     command = [part.replace("{port}", str(port)).replace("{base_url}", base_url) for part in entry["command"]]
     env = dict(os.environ, NBDIST_STORE=str(tmp_path / "nbdist.db"))
     RunStore(tmp_path / "nbdist.db").close()

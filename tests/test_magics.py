@@ -178,6 +178,30 @@ def test_history_grows_while_training(cluster, shell, tmp_path):
         job.stop(timeout=30)
 
 
+def test_the_jobs_dashboard_fills_while_it_trains(cluster, shell, tmp_path, capsys):
+    from nbdist.dashboard import Dashboard
+
+    job = shell.run_cell_magic("distnn", f"train --epochs 5000 --dashboard {_opts(tmp_path)}", MODEL_CELL)
+    try:
+        assert "Column" in capsys.readouterr().out  # displayed under the cell (here: as text)
+        board = Dashboard(job=job)
+        _wait_for_records(job)
+        board.tick()  # the first records name the run: its plots are built
+        plots = board.view.plots
+        seen = []
+        for _ in range(3):
+            time.sleep(1.5)
+            board.tick()
+            seen.append(sum(len(s.data["t"]) for s in plots.throughput.sources.values()))
+        # Every poll appended the job's newest points, from every worker.
+        assert seen[0] > 0 and seen[0] < seen[1] < seen[2], seen
+        assert all(len(s.data["t"]) for s in plots.throughput.sources.values())
+        assert len(plots.timeline.data["x0"]) > 0 and len(plots.staleness_counts.data["staleness"]) > 0
+        assert board.view.info.id == job.run_id and "running" in board.view.header.object
+    finally:
+        job.stop(timeout=30)
+
+
 def test_error_in_the_cell_on_one_rank_is_one_error_naming_it(cluster, shell, tmp_path):
     cell = MODEL_CELL + (
         "from mpi4py import MPI\n"

@@ -22,7 +22,7 @@ from bokeh.server.auth_provider import AuthProvider
 from tornado.web import RequestHandler
 from tornado.websocket import WebSocketHandler
 
-__all__ = ["serve", "TokenAuth", "is_loopback", "APP_PATH"]
+__all__ = ["serve", "TokenAuth", "is_loopback", "free_port", "APP_PATH"]
 
 APP_PATH = "nbdist"
 COOKIE = "nbdist-dashboard-token"
@@ -90,7 +90,7 @@ def serve(store: str | Path, *, address: str = "127.0.0.1", port: int = 5006, pr
     if token is None and not is_loopback(address):
         token = secrets.token_urlsafe(24)
     if port == 0:
-        port = _free_port(address)
+        port = free_port(address)
     options: dict[str, Any] = {}
     if token is not None:
         options["auth_provider"] = TokenAuth(token)
@@ -113,7 +113,7 @@ def serve(store: str | Path, *, address: str = "127.0.0.1", port: int = 5006, pr
     return server
 
 
-def _free_port(address: str) -> int:
+def free_port(address: str) -> int:
     with socket.socket() as probe:
         probe.bind((address, 0))
         return probe.getsockname()[1]
