@@ -88,8 +88,14 @@ def test_nan_loss_from_the_model_file(mpirun, tmp_path, topology, n):
     line = assert_one_clear_error(done, "lower the learning rate", pattern=r"loss became nan")
     assert "epoch 1, batch 5" in line
     # The master (or rank 0) names the failure; no result was written as if it had worked.
-    runs = list((tmp_path / "runs").iterdir())
+    runs = [p for p in (tmp_path / "runs").iterdir() if p.is_dir()]
     assert len(runs) == 1 and not (runs[0] / "summary.json").exists()
+    # The run store says so too, in the same words.
+    from nbdist.store import RunStore
+
+    with RunStore(tmp_path / "runs" / "nbdist.db") as store:
+        run = store.run(runs[0].name)
+    assert run.status == "failed" and "loss became nan" in run.reason.lower() and "lower the learning rate" in run.reason
 
 
 # --------------------------------------------------------------- cases in one job

@@ -47,12 +47,15 @@ def test_train_help_lists_every_option(pyrun):
 def test_demo_runs_every_setup_and_says_where_results_are(pyrun, tmp_path):
     out = pyrun(["-m", "nbdist.demo", "--epochs", "1", "--runs-dir", str(tmp_path)], timeout=300)
     assert out.returncode == 0, out.output
-    table = out.stdout.split("=== digits CNN")[-1]
+    table = out.stdout.split("=== digits CNN")[-1].split("\n\n")[0]
     rows = [line for line in table.splitlines() if str(tmp_path) in line]
     assert len(rows) == 3
+    assert "=== live dashboard: http://127.0.0.1:" in out.stdout
     for row in rows:
         run_dir = row.split()[-1]
         summary = json.loads(open(f"{run_dir}/summary.json").read())
         assert summary["epochs_run"] == 1
         # One epoch of a CNN on digits is far better than chance (0.1).
         assert summary["final"]["val_acc"] > 0.5
+        # Each run's dashboard, as one HTML file, next to its results.
+        assert "nbdist-throughput" in open(f"{run_dir}/dashboard.html").read()
