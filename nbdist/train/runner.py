@@ -51,3 +51,4 @@ def run_rank(options: TrainOptions, definition: ModelDefinition | Callable[[], M
         return None
     finally:
         ctx.comms.free()
+        ctx.data.close()
