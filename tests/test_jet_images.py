@@ -82,6 +82,17 @@ def test_top_jets_are_heavier_and_three_pronged(jet_sample):
     assert centre[top].mean() < centre[qcd].mean() - 0.1
 
 
+def test_w_jets_carry_the_w_mass_and_two_prongs(tmp_path):
+    sample = jet_images(tmp_path / "w", signal="w", events=20, files=1, underlying_event=False, seed=3,
+                        progress=False)
+    assert (sample.made, sample.reused) == (2, 0)
+    data = sample.load()  # everything in memory: an ArrayData for load_data()
+    assert (data.n_train, data.n_val, data.num_classes) == (16, 4, 2)
+    mass, tau21, labels = sample.read("jet_mass", "tau21", "labels")
+    assert 70 < np.median(mass[labels == 1]) < 90, mass[labels == 1]
+    assert np.median(tau21[labels == 1]) < np.median(tau21[labels == 0])
+
+
 def test_a_cnn_trained_on_the_files_separates_top_from_qcd(jet_sample, mpirun, tmp_path):
     """The user's command line: three ranks of allreduce, reading the HDF5 files through
     a node-local cache; then the ROC AUC of the final weights on the held-out jets."""
