@@ -216,3 +216,25 @@ def test_a_missing_file_on_the_command_line_is_one_line(files, pyrun, tmp_path):
                   "--runs-dir", str(tmp_path / "runs")], timeout=120)
     assert done.returncode == 2, done.output
     assert done.stderr.strip() == "nbdist: error: --train: file 'missing.h5' not found"
+
+
+def test_a_file_that_cannot_be_read_while_training_stops_the_run(files, mpirun, tmp_path):
+    """Only the rank reading the file knows: the run is aborted, not left waiting."""
+    bad = files["dir"] / "train_3.h5"  # its metadata is fine; its compressed data is not
+    ids = np.arange(1000, 1000 + SIZES[3])
+    with h5py.File(bad, "w") as fh:
+        fh.create_dataset("features", data=np.broadcast_to(ids[:, None, None], (len(ids), 2, 3)).astype(np.float32),
+                          chunks=(4, 2, 3), compression="gzip")
+        fh["labels"] = (ids % 2).astype(np.int64)
+        chunks = [fh["features"].id.get_chunk_info(i) for i in range(fh["features"].id.get_num_chunks())]
+    with open(bad, "r+b") as raw:
+        for chunk in chunks:
+            raw.seek(chunk.byte_offset)
+            raw.write(b"\xff" * chunk.size)
+    model = tmp_path / "model.py"
+    model.write_text("from torch import nn\nmodel = nn.Sequential(nn.Flatten(), nn.Linear(6, 2))\n")
+    done = mpirun(2, ["-m", "nbdist", "train", "--model", str(model), "--topology", "allreduce",
+                      "--train", files["train"], "--val", files["val"], "--epochs", "2",
+                      "--runs-dir", str(tmp_path / "runs")], timeout=120)
+    assert done.returncode != 0, done.output
+    assert f"DataReadError: --train: cannot read {bad}" in done.stderr, done.output

@@ -2,8 +2,8 @@
 per epoch."""
 
 from nbdist.data.arrays import ArrayData
-from nbdist.data.base import Data
-from nbdist.data.files import DataError, HDF5Data
+from nbdist.data.base import Data, DataError, DataReadError
+from nbdist.data.files import HDF5Data
 from nbdist.data.sharding import FilePlan, ShardPlan
 
-__all__ = ["Data", "ArrayData", "HDF5Data", "DataError", "ShardPlan", "FilePlan"]
+__all__ = ["Data", "ArrayData", "HDF5Data", "DataError", "DataReadError", "ShardPlan", "FilePlan"]

@@ -8,8 +8,19 @@ from typing import Any
 import numpy as np
 
 from nbdist.data.sharding import ShardPlan
+from nbdist.errors import UserError
 
-__all__ = ["Data"]
+__all__ = ["Data", "DataError", "DataReadError"]
+
+
+class DataError(UserError):
+    """Bad data found while setting up (a missing file, a wrong dataset name): the
+    same message on every rank before training starts."""
+
+
+class DataReadError(RuntimeError):
+    """A file that could not be read during training. Not a UserError: only the ranks
+    reading it know, so the run is aborted rather than left waiting for them."""
 
 
 class Data(ABC):

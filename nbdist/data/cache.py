@@ -11,6 +11,7 @@ import threading
 import weakref
 from pathlib import Path
 
+from nbdist.data.base import DataReadError
 from nbdist.errors import UserError
 
 __all__ = ["FileCache", "CacheError"]
@@ -59,8 +60,8 @@ class FileCache:
                     shutil.copyfile(path, partial)
                     os.replace(partial, copy)
                 except OSError as exc:
-                    raise CacheError(f"cannot copy {path} into the cache {self.dir}: "
-                                     f"{exc.strerror or exc}") from None
+                    raise DataReadError(f"cannot copy {path} into the cache {self.dir}: "
+                                        f"{exc.strerror or exc}") from None
                 self._copies[path] = copy
             return copy
 

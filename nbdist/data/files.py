@@ -21,18 +21,13 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from nbdist.data.base import Data
+from nbdist.data.base import Data, DataError, DataReadError
 from nbdist.data.cache import FileCache
 from nbdist.data.sharding import FilePlan, Piece
-from nbdist.errors import UserError
 
-__all__ = ["HDF5Data", "FileSet", "DataError", "expand_files"]
+__all__ = ["HDF5Data", "FileSet", "expand_files"]
 
 DEFAULT_KEYS = ("features", "labels")
-
-
-class DataError(UserError):
-    pass
 
 
 def _h5py() -> Any:
@@ -138,7 +133,7 @@ class FileSet:
             with _h5py().File(source, "r") as fh:
                 return fh[self.keys[0]][piece.start : piece.stop], fh[self.keys[1]][piece.start : piece.stop]
         except OSError as exc:
-            raise DataError(f"{self.what}: cannot read {path}: {exc}") from None
+            raise DataReadError(f"{self.what}: cannot read {path}: {exc}") from None
 
     def gather(self, indices: np.ndarray, fetch: Callable[[int, int, int], tuple[Piece, Any]]
                ) -> tuple[np.ndarray, np.ndarray, list[Piece]]:
