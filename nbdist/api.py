@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -55,16 +56,21 @@ def _options(options: dict[str, Any]) -> TrainOptions:
         raise OptionsError(str(exc)) from None
 
 
+def _absolute(patterns: str) -> str:
+    """Comma-separated paths or globs, made absolute from the notebook's directory."""
+    return ",".join(os.path.abspath(os.path.expanduser(p.strip())) for p in patterns.split(",") if p.strip())
+
+
 def submit(cluster: "Cluster", options: TrainOptions, *, cell: str | None = None, model: Any = None,
            loss: Any = None, metric: Any = "accuracy", data: Any = None, block: bool = False,
            show_progress: bool = True) -> "Job":
     """Start a training on every engine of `cluster`; the magics and train() end here."""
     from nbdist import engine
-    from nbdist.data.arrays import ArrayData
+    from nbdist.data.base import Data
     from nbdist.job import Job
     from nbdist.store import RunStore, store_path
 
-    if data is not None and isinstance(data, ArrayData):
+    if data is not None and isinstance(data, Data):
         raise OptionsError("with a cluster, pass data as a function that loads it (each engine "
                            "loads its own shard), not as arrays: data=lambda: nbdist.datasets.digits()")
     if cell is None and model is None and not options.model:
@@ -83,6 +89,9 @@ def submit(cluster: "Cluster", options: TrainOptions, *, cell: str | None = None
         options = options.replace(store=str(Path(options.store).resolve()))
     if options.resume:
         options = options.replace(resume=str(Path(options.resume).resolve()))
+    for name in ("train", "val", "cache_dir"):
+        if getattr(options, name):
+            options = options.replace(**{name: _absolute(getattr(options, name))})
     cluster.check_alive()
     # Checked here, before any engine is busy, with the rules the ranks apply.
     from nbdist.layout import Layout

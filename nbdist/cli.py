@@ -4,6 +4,7 @@
     python -m nbdist layout --workers 4 --masters 2
     python -m nbdist dashboard --store runs/nbdist.db        # live, on localhost
     python -m nbdist store import runs/<run>                 # a run directory into the store
+    mpiexec -n 4 python -m nbdist datasets jet-images --signal top --events 20000 --out data/jets/
 
 Errors in the user's input print one line, `nbdist: error: ...`, on the first rank only,
 and every rank exits with status 2; a failure while training exits with status 1.
@@ -61,6 +62,25 @@ def build_parser() -> argparse.ArgumentParser:
     layout.add_argument("--coordinator", action="store_true", help="add a study coordinator rank")
     layout.add_argument("--ranks", type=int, default=None, help="infer --workers from a rank count")
     layout.add_argument("--json", action="store_true", help="print the layout as JSON")
+
+    datasets = sub.add_parser("datasets", help="make datasets offline (under mpiexec: on every rank)")
+    kinds = datasets.add_subparsers(dest="dataset", required=True)
+    jets = kinds.add_parser("jet-images", help="boosted top or W jets against QCD jets, Pythia 8 + FastJet, "
+                                               "as HDF5 files of eta-phi images")
+    jets.add_argument("--out", required=True, help="directory for train_NNN.h5 and val_NNN.h5")
+    jets.add_argument("--signal", default="top", choices=("top", "w"))
+    jets.add_argument("--events", type=int, default=2000, help="jet images in all, half signal, half QCD")
+    jets.add_argument("--files", type=int, default=4, help="training files (validation files in proportion)")
+    jets.add_argument("--val-fraction", type=float, default=0.2)
+    jets.add_argument("--pixels", type=int, default=32, help="image side in pixels")
+    jets.add_argument("--radius", type=float, default=0.8, help="anti-kt jet radius R (the image spans 2R)")
+    jets.add_argument("--pt-min", type=float, default=550.0, help="jet pT window, GeV")
+    jets.add_argument("--pt-max", type=float, default=650.0)
+    jets.add_argument("--eta-max", type=float, default=2.0)
+    jets.add_argument("--no-underlying-event", action="store_true",
+                      help="switch off multiple parton interactions (about twice as fast)")
+    jets.add_argument("--seed", type=int, default=0)
+    jets.add_argument("--overwrite", action="store_true", help="replace other samples' files in --out")
     return parser
 
 
@@ -126,7 +146,23 @@ def _store(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"train": _train, "layout": _layout, "dashboard": _dashboard, "store": _store}
+def _datasets(args: argparse.Namespace) -> int:
+    from mpi4py import MPI
+
+    from nbdist.datasets import jet_images
+
+    comm = MPI.COMM_WORLD if MPI.COMM_WORLD.Get_size() > 1 else None
+    sample = jet_images(args.out, signal=args.signal, events=args.events, files=args.files,
+                        val_fraction=args.val_fraction, pixels=args.pixels, radius=args.radius,
+                        pt_range=(args.pt_min, args.pt_max), eta_max=args.eta_max,
+                        underlying_event=not args.no_underlying_event, seed=args.seed, comm=comm,
+                        overwrite=args.overwrite)
+    if _world_rank() == 0:
+        print(f"nbdist: {sample}", flush=True)
+    return 0
+
+
+COMMANDS = {"train": _train, "layout": _layout, "dashboard": _dashboard, "store": _store, "datasets": _datasets}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -60,6 +60,13 @@ class TrainOptions:
     threads: int = _opt(1, "torch threads per rank")
     bucket_mb: float = _opt(2.0, "allreduce bucket size in MB (gradients reduced while backward runs)")
     quiet: bool = _opt(False, "print only the final summary")
+    # -- data in files (instead of the model's load_data) --------------------------------
+    train: str | None = _opt(None, "training data: HDF5 files, comma-separated paths or globs, "
+                                   "e.g. 'data/jets/train_*.h5' (replaces the model's load_data)")
+    val: str | None = _opt(None, "validation data: HDF5 files or globs, like --train")
+    cache_dir: str | None = _opt(None, "node-local directory each rank copies the files it reads into "
+                                       "(removed at the end), e.g. /tmp/nbdist-cache")
+    data_keys: str = _opt("features,labels", "names of the features and labels datasets in the HDF5 files")
 
     # -- validation -----------------------------------------------------------------
     def validate(self) -> "TrainOptions":
@@ -77,9 +84,21 @@ class TrainOptions:
             raise OptionsError("--checkpoint-every must be 0 (only at the end) or more")
         if self.target is not None:
             parse_target(self.target)
+        self._validate_files()
         if self.topology == "allreduce" and self.masters != 1:
             raise OptionsError("--masters applies to the master-worker topology; allreduce has no master")
         return self
+
+    def _validate_files(self) -> None:
+        if self.train and not self.val:
+            raise OptionsError("--train needs --val: the HDF5 files to validate on, e.g. --val 'data/val_*.h5'")
+        for name in ("val", "cache_dir"):
+            if getattr(self, name) and not self.train:
+                raise OptionsError(f"{flag(name)} applies to data in files: give --train as well")
+        keys = [k.strip() for k in self.data_keys.split(",")]
+        if len(keys) != 2 or not all(keys):
+            raise OptionsError(f"--data-keys takes the features and the labels dataset names, e.g. "
+                               f"'features,labels'; got {self.data_keys!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

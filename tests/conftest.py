@@ -81,3 +81,26 @@ def mpirun():
 @pytest.fixture
 def pyrun():
     return run_python
+
+
+# -- one generated jet sample for the whole session ----------------------------------------
+# The settings of notebooks/02_jet_tagging.ipynb's sample: its test hands these files to
+# the notebook, which then finds them made and generates nothing (see test_notebooks).
+JET_SAMPLE = dict(events=2000, files=6, underlying_event=False, seed=7)
+
+
+@pytest.fixture(scope="session")
+def jet_sample(tmp_path_factory):
+    """2000 top and QCD jet images made by `python -m nbdist datasets jet-images` on two
+    MPI ranks, as a user would make them."""
+    pytest.importorskip("pythia8mc")
+    out = tmp_path_factory.mktemp("jets") / "jets"
+    done = run_mpi(2, ["-m", "nbdist", "datasets", "jet-images", "--signal", "top", "--out", str(out),
+                       "--events", str(JET_SAMPLE["events"]), "--files", str(JET_SAMPLE["files"]),
+                       "--no-underlying-event", "--seed", str(JET_SAMPLE["seed"])], timeout=300)
+    assert done.returncode == 0, done.output
+    from nbdist.datasets import jet_images
+
+    sample = jet_images(out, **JET_SAMPLE)  # the files are there: nothing is generated
+    assert sample.made == 0 and sample.reused == 8, sample
+    return sample

@@ -6,9 +6,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from nbdist.data.base import Data
+
 
 @dataclass(slots=True)
-class ArrayData:
+class ArrayData(Data):
     """Train and validation arrays, indexed along their first axis.
 
     Every rank builds its own copy (from a file, a package, a generator) so nothing is
@@ -44,3 +46,6 @@ class ArrayData:
 
     def val_batch(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return self.x_val[indices], self.y_val[indices]
+
+    def val_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.x_val, self.y_val

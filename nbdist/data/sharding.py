@@ -5,11 +5,13 @@ MPI. Each epoch is a fresh permutation of the whole training set cut into
 `shards x batches_per_epoch` nearly equal batches: every sample is seen exactly once
 per epoch, every shard gets the same number of batches (synchronous modes step in
 lock-step), and at a given step the shards' batch sizes differ by at most one.
+FilePlan keeps these promises for samples stored in files, read a piece at a time.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -52,3 +54,89 @@ class ShardPlan:
 def split_evenly(indices: np.ndarray, parts: int, part: int) -> np.ndarray:
     """`part` of `parts` nearly equal pieces of `indices` (processes of one worker, val shards)."""
     return np.array_split(indices, parts)[part]
+
+
+class Piece(NamedTuple):
+    """Rows [start, stop) of file number `file`: what a worker reads in one go."""
+
+    file: int
+    start: int
+    stop: int
+
+    def covers(self, file: int, lo: int, hi: int) -> bool:
+        return self.file == file and self.start <= lo and hi <= self.stop
+
+
+class FilePlan(ShardPlan):
+    """A ShardPlan for samples stored in files, which are read a piece at a time.
+
+    Drawing samples anywhere, as ShardPlan does, would make every worker read every file
+    every epoch. Instead the files are concatenated in an order fixed by the seed and
+    cut into `shards` stretches of equal size (+-1 sample; a file on a boundary is
+    shared by two shards): a worker reads the same files every epoch, so a node-local
+    cache copy is read again rather than copied again. Each epoch a shard visits its
+    pieces in a new order, in windows of `mix` pieces whose samples are shuffled
+    together, so batches mix files while only the window in use (and the next one,
+    prefetched) is in memory. Batches are indices into the concatenation of the files in
+    their given order (`offsets`).
+
+    `on_epoch(windows)` is called by `epoch()` with the shard's windows for that epoch,
+    followed by the first window of the next: the reader's prefetch schedule.
+    """
+
+    __slots__ = ("offsets", "mix", "pieces", "on_epoch")
+
+    def __init__(self, sizes: Sequence[int], shards: int, batch_size: int, seed: int = 0, *, mix: int = 2,
+                 on_epoch: Callable[[list[list[Piece]]], None] | None = None):
+        if mix < 1:
+            raise ValueError(f"files mixed per window must be at least 1, got {mix}")
+        sizes = np.asarray(sizes, np.int64)
+        super().__init__(int(sizes.sum()), shards, batch_size, seed)
+        self.offsets = np.concatenate([[0], np.cumsum(sizes)])
+        self.mix = int(mix)
+        self.on_epoch = on_epoch
+        order = np.random.default_rng([self.seed, _FILE_ORDER]).permutation(len(sizes))
+        starts = np.cumsum(sizes[order]) - sizes[order]  # where each file begins in that order
+        q, r = divmod(self.n_samples, self.shards)
+        bounds = [s * q + min(s, r) for s in range(self.shards + 1)]
+        self.pieces: list[list[Piece]] = []
+        for lo, hi in zip(bounds, bounds[1:]):
+            mine = []
+            for file, begin in zip(order, starts):
+                a, b = max(lo, begin), min(hi, begin + sizes[file])
+                if a < b:
+                    mine.append(Piece(int(file), int(a - begin), int(b - begin)))
+            self.pieces.append(mine)
+
+    def windows(self, epoch: int, shard: int) -> list[list[Piece]]:
+        """The shard's pieces in this epoch's order, grouped `mix` at a time."""
+        pieces = self.pieces[shard]
+        order = np.random.default_rng([self.seed, epoch, shard]).permutation(len(pieces))
+        ordered = [pieces[i] for i in order]
+        return [ordered[i : i + self.mix] for i in range(0, len(ordered), self.mix)]
+
+    def shard_order(self, epoch: int, shard: int) -> np.ndarray:
+        """Every sample of the shard once, window after window, shuffled within each."""
+        rng = np.random.default_rng([self.seed, epoch, shard, _WITHIN_WINDOW])
+        parts = []
+        for window in self.windows(epoch, shard):
+            rows = np.concatenate([np.arange(self.offsets[p.file] + p.start, self.offsets[p.file] + p.stop)
+                                   for p in window])
+            parts.append(rng.permutation(rows))
+        return np.concatenate(parts)
+
+    def _batches(self, epoch: int) -> list[np.ndarray]:
+        # Step-major like ShardPlan's (batch k of every shard side by side), so epoch()
+        # and step_sizes() read it the same way; sizes at a step differ by at most one.
+        per_shard = [np.array_split(self.shard_order(epoch, s), self.batches_per_epoch)
+                     for s in range(self.shards)]
+        return [per_shard[s][k] for k in range(self.batches_per_epoch) for s in range(self.shards)]
+
+    def epoch(self, epoch: int, shard: int) -> list[np.ndarray]:
+        if self.on_epoch is not None:
+            self.on_epoch(self.windows(epoch, shard) + self.windows(epoch + 1, shard)[:1])
+        return super().epoch(epoch, shard)
+
+
+# Stream keys of the plan's random generators, apart from the epochs' own streams.
+_FILE_ORDER, _WITHIN_WINDOW = 1 << 20, 1 << 21

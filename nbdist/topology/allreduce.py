@@ -21,7 +21,7 @@ from mpi4py import MPI
 
 from nbdist.algorithms import allreduce_sgd
 from nbdist.backends.base import BatchStats
-from nbdist.data.sharding import ShardPlan, split_evenly
+from nbdist.data.sharding import split_evenly
 from nbdist.errors import TrainingError
 from nbdist.topology.waiting import wait_all
 from nbdist.train.context import RankContext
@@ -62,7 +62,7 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
     params, grads, model_state = backend.params, backend.grads, backend.state
     opt = backend.make_optimizer(ctx.worker_optimizer)
     reducer = GradientReducer(comm, backend, max(1, int(ctx.options.bucket_mb * 2**20 / 4)))
-    plan = ShardPlan(ctx.data.n_train, size, ctx.options.batch_size, ctx.options.seed)
+    plan = ctx.data.plan(size, ctx.options.batch_size, ctx.options.seed)
     val_indices = split_evenly(np.arange(ctx.data.n_val), size, rank)
 
     history: list[dict] = []

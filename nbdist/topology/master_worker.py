@@ -30,7 +30,7 @@ from mpi4py import MPI
 
 from nbdist.algorithms.base import Update
 from nbdist.backends.base import BatchStats
-from nbdist.data.sharding import ShardPlan, split_evenly
+from nbdist.data.sharding import split_evenly
 from nbdist.errors import TrainingError
 from nbdist.topology import messages as m
 from nbdist.topology.waiting import wait, wait_all, wait_some
@@ -138,7 +138,7 @@ class _Master:
             # the stop decision falls at the same step in every run (exact resume).
             t0 = time.perf_counter()
             _average_state(self)
-            val = ctx.backend.evaluate(ctx.data.x_val, ctx.data.y_val)
+            val = ctx.backend.evaluate(*ctx.data.val_arrays())
             self.phases["validate"] += time.perf_counter() - t0
             _finish_epoch(self, epoch, tally, seconds, val)
         else:
@@ -223,7 +223,7 @@ def _open(me: _Master, clients: list[Client]) -> None:
     me.center = ctx.backend.params
     me.rule_state = ctx.algorithm.new_master_state(me.center.size)
     me.opt = ctx.backend.make_optimizer(ctx.master_optimizer) if ctx.master_optimizer else None
-    me.validator = BackgroundValidator(ctx.make_replica, ctx.data.x_val, ctx.data.y_val)
+    me.validator = BackgroundValidator(ctx.make_replica, *ctx.data.val_arrays())
     me.clients = clients
     me.states = np.zeros((len(clients), ctx.backend.state.size), np.float32)
 
@@ -474,7 +474,7 @@ def run_worker(ctx: RankContext) -> None:
     # One shard per worker of the whole run, sub-masters' workers included: an epoch is
     # one pass over the data however the workers are grouped.
     workers, masters = ctx.layout.workers, max(ctx.layout.masters, 1)
-    plan = ShardPlan(ctx.data.n_train, masters * workers, ctx.options.batch_size, ctx.options.seed)
+    plan = ctx.data.plan(masters * workers, ctx.options.batch_size, ctx.options.seed)
     shard = role.master * workers + role.worker
     who = f"worker {role.worker}" + (f" of master {role.master}" if masters > 1 else "")
 

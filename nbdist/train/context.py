@@ -19,7 +19,7 @@ import numpy as np
 from nbdist.algorithms import Algorithm, make_algorithm
 from nbdist.backends import Backend, backend_for
 from nbdist.backends.base import ModelError
-from nbdist.data.arrays import ArrayData
+from nbdist.data.base import Data
 from nbdist.errors import OptionsError, UserError
 from nbdist.layout import Communicators, Layout, Role
 from nbdist.metrics.log import RecordSink, RunLog
@@ -47,7 +47,7 @@ class RankContext:
     role: Role
     comms: Communicators
     backend: Backend
-    data: ArrayData
+    data: Data
     algorithm: Algorithm | None  # None in the allreduce topology
     sync_every: int
     worker_optimizer: Spec | None
@@ -135,17 +135,28 @@ def _resolve_rules(options: TrainOptions) -> tuple[Algorithm | None, int, Spec |
     return algorithm, sync_every, worker, master
 
 
-def _probe(backend: Backend, data: ArrayData, source: str) -> None:
+def _probe(backend: Backend, data: Data, source: str) -> None:
     """One tiny forward pass, so a model that cannot take the data fails here, clearly."""
+    x, y = data.train_batch(np.arange(min(2, data.n_train)))
     try:
-        backend.evaluate(data.x_train[:2], data.y_train[:2])
+        backend.evaluate(x, y)
     except UserError:
         raise
     except Exception as exc:
         raise ModelError(
-            f"{source}: the model cannot take the data (features {tuple(data.x_train.shape[1:])}, "
-            f"labels {data.y_train.dtype}): {type(exc).__name__}: {exc}"
+            f"{source}: the model cannot take the data (features {tuple(x.shape[1:])}, "
+            f"labels {y.dtype}): {type(exc).__name__}: {exc}"
         ) from None
+
+
+def _make_data(options: TrainOptions, definition: ModelDefinition) -> Data:
+    """--train/--val files when given (they replace the model's load_data), else the model's."""
+    if not options.train:
+        return definition.make_data()
+    from nbdist.data.files import HDF5Data
+
+    return HDF5Data(options.train, options.val, keys=[k.strip() for k in options.data_keys.split(",")],
+                    cache_dir=options.cache_dir)
 
 
 def _run_name(options: TrainOptions) -> str:
@@ -168,6 +179,7 @@ def prepare(
     import torch
 
     error: BaseException | None = None
+    data: Data | None = None
     try:
         options.validate()
         layout = Layout.for_world(
@@ -192,7 +204,7 @@ def prepare(
         for spec in (worker_opt, master_opt):
             if spec is not None:
                 backend.check_optimizer(spec)
-        data = definition.make_data()
+        data = _make_data(options, definition)
         _probe(backend, data, definition.source)
         # Dropout differs per rank after this point; weights do not.
         torch.manual_seed(options.seed * 100003 + role.rank)
@@ -200,7 +212,12 @@ def prepare(
         error = exc
     except Exception as exc:  # a bug or a user-code failure: keep it visible, named
         error = UserError(f"setup failed: {type(exc).__name__}: {exc}")
-    agree(comm, error)
+    try:
+        agree(comm, error)
+    except UserError:
+        if data is not None:
+            data.close()  # its cache copies and reading thread
+        raise
 
     comms = layout.split(comm)
     run_comm = comms.run

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from nbdist.backends.base import ModelError
-from nbdist.data.arrays import ArrayData
+from nbdist.data.base import Data
 
 __all__ = ["ModelDefinition", "load_model_file", "definition_from_namespace"]
 
@@ -24,18 +24,18 @@ class ModelDefinition:
     build_model: Callable[[], Any]
     loss: Any = None
     metric: Any = "accuracy"
-    data: Callable[[], ArrayData] | ArrayData | None = None
+    data: Callable[[], Data] | Data | None = None
     source: str = "<python>"
 
-    def make_data(self) -> ArrayData:
+    def make_data(self) -> Data:
         if self.data is None:
             from nbdist.datasets import digits
 
             return digits()
         data = self.data() if callable(self.data) else self.data
-        if not isinstance(data, ArrayData):
+        if not isinstance(data, Data):
             raise ModelError(
-                f"{self.source}: data must be an nbdist.data.ArrayData (or a function returning "
+                f"{self.source}: data must be an nbdist.data.ArrayData or HDF5Data (or a function returning "
                 f"one), got {type(data).__name__}"
             )
         return data

@@ -54,6 +54,7 @@ def run_rank(options: TrainOptions, definition: ModelDefinition | Callable[[], M
         if ctx.store_path is not None:
             _close_run_in_store(ctx, result, failure)
         ctx.comms.free()
+        ctx.data.close()
 
 
 def _train_in_role(ctx: RankContext) -> RunResult | None:
