@@ -28,16 +28,6 @@ CELL_FILENAME = "<distnn cell>"
 LIVE_PREFIX = "nbdist-records-"  # keys of the record batches published to the client
 
 
-class Abandoned(BaseException):
-    """Raised on a rank by SIGUSR2: another rank failed where the others cannot hear of
-    it (they wait for its next message), and the client gave up on the job. A
-    BaseException, so that no `except Exception` in user code holds the rank back."""
-
-
-def _abandon(signum: int, frame: object) -> None:
-    raise Abandoned()
-
-
 @dataclass(slots=True)
 class EngineOutcome:
     rank: int
@@ -105,6 +95,7 @@ def run_training(options: dict[str, Any], *, cell: str | None = None,
 
     from nbdist.metrics.publish import DataPublisher
     from nbdist.options import TrainOptions
+    from nbdist.topology import waiting
     from nbdist.train.definition import ModelDefinition, load_model_file
     from nbdist.train.runner import run_rank
     from nbdist.train.stopping import StopFlag
@@ -121,20 +112,32 @@ def run_training(options: dict[str, Any], *, cell: str | None = None,
     stop = StopFlag()
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)}
     stop.install()
-    signal.signal(signal.SIGUSR2, _abandon)
+
+    def give_up(signum: int, frame: object) -> None:
+        # SIGUSR2: another rank failed where this one cannot hear of it, and the client
+        # gave up on the job. Only flags here: the training loop stops at its next step
+        # boundary, and a wait for the failed rank raises Abandoned from inside its own
+        # polling loop. (An exception raised from this handler could land in the middle
+        # of zmq or ipykernel code, and leave a lock held that the engine's reply needs.)
+        stop.request("abandoned: another rank failed")
+        waiting.abandon()
+
+    waiting.forget_abandon()
+    signal.signal(signal.SIGUSR2, give_up)
     publisher = DataPublisher(LIVE_PREFIX) if live else None
     try:
         # The notebook records the run in the store (the Job), not the engines.
         result = run_rank(opts, definition, MPI.COMM_WORLD, stop, sink=publisher, record=False)
         return EngineOutcome(rank, result=result)
-    except Abandoned:
+    except waiting.Abandoned:
         return EngineOutcome(rank, error="abandoned: another rank failed", abandoned=True)
     except UserError as exc:
         return EngineOutcome(rank, error=str(exc), user_error=True)
     except Exception as exc:  # noqa: BLE001 - reported to the client, named by rank
         return EngineOutcome(rank, error=f"{type(exc).__name__}: {exc}", detail=traceback.format_exc())
     finally:
-        signal.signal(signal.SIGUSR2, lambda *_: None)  # a late SIGUSR2 must not raise here
+        signal.signal(signal.SIGUSR2, lambda *_: None)  # a late SIGUSR2 is for this job only
+        waiting.forget_abandon()
         for sig, handler in previous.items():
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
         if publisher is not None:

@@ -71,7 +71,7 @@ from nbdist.topology.master_worker import (
     _share_initial_weights,
     _worker_clients,
 )
-from nbdist.topology.waiting import wait_all
+from nbdist.topology.waiting import wait, wait_all
 from nbdist.train.context import RankContext
 from nbdist.train.progress import EpochTally
 from nbdist.train.state import load_rank_state, save_rank_state
@@ -180,7 +180,8 @@ class SubMaster(_Master):
         out.state[:] = self.ctx.backend.state
         replies = [self.uplink.Irecv(self.top_reply, source=0, tag=m.TAG_REPLY_HEADER),
                    self.uplink.Irecv(self.incoming, source=0, tag=m.TAG_REPLY)]
-        self.uplink.Send(out.buffer if kind == m.UPDATE else out.buffer[: m.HEADER_FLOATS], dest=0, tag=m.TAG_UPDATE)
+        wait(self.uplink.Isend(out.buffer if kind == m.UPDATE else out.buffer[: m.HEADER_FLOATS], dest=0,
+                               tag=m.TAG_UPDATE))
         if kind == m.ERROR:
             self.uplink.send(self.error, dest=0, tag=m.TAG_ERROR_TEXT)
         wait_all(replies)
@@ -201,7 +202,7 @@ class SubMaster(_Master):
         self._fill_header(m.DONE, 0, self.next_epoch, BatchStats())
         if self.stop_acked:
             self.out.header[m.CHECKPOINT] = m.label_code(self.stop_label)
-        self.uplink.Send(self.out.buffer[: m.HEADER_FLOATS], dest=0, tag=m.TAG_UPDATE)
+        wait(self.uplink.Isend(self.out.buffer[: m.HEADER_FLOATS], dest=0, tag=m.TAG_UPDATE))
 
     def _fill_header(self, kind: float, flags: int, epoch: int, train: BatchStats) -> None:
         header = self.out.header

@@ -362,8 +362,10 @@ def _reply(me: _Master, i: int, kind: float, payload: np.ndarray) -> None:
     header[m.KIND] = kind
     header[m.VERSION] = me.version
     header[m.CHECKPOINT] = m.label_code(me.stop_label) if kind == m.STOP else m.NO_CHECKPOINT
-    client.comm.Send(header, dest=client.peer, tag=m.TAG_REPLY_HEADER)
-    client.comm.Send(payload, dest=client.peer, tag=m.TAG_REPLY)
+    # Sent without blocking inside MPI: a client that vanished mid-exchange (it failed, or
+    # the job abandoned it) must not hold the master in a Send that never completes.
+    wait_all([client.comm.Isend(header, dest=client.peer, tag=m.TAG_REPLY_HEADER),
+              client.comm.Isend(payload, dest=client.peer, tag=m.TAG_REPLY)])
     me.requests[i] = client.post()
     me.phases["reply"] += time.perf_counter() - t0
 
@@ -510,8 +512,10 @@ def run_worker(ctx: RankContext) -> None:
         out.header[m.CHECKPOINT] = pending_ack
         out.state[:] = model_state
         t0 = time.perf_counter()
-        # DONE and ERROR carry only the header.
-        block.Send(out.buffer if kind == m.UPDATE else out.buffer[: m.HEADER_FLOATS], dest=0, tag=m.TAG_UPDATE)
+        # DONE and ERROR carry only the header. Polled, not blocking: a master that is gone
+        # (the job abandoned it) must not hold this rank in a Send.
+        message = out.buffer if kind == m.UPDATE else out.buffer[: m.HEADER_FLOATS]
+        wait(block.Isend(message, dest=0, tag=m.TAG_UPDATE))
         window.send += time.perf_counter() - t0
 
     def exchange(epoch: int, flags: int) -> float:

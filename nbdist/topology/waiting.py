@@ -21,13 +21,35 @@ from typing import Sequence
 
 from mpi4py import MPI
 
-__all__ = ["wait", "wait_all", "wait_some", "wait_until"]
+__all__ = ["wait", "wait_all", "wait_some", "wait_until", "Abandoned", "abandon", "forget_abandon"]
 
 SPIN_SECONDS = 2e-4
 FIRST_SLEEP = 5e-5
 LONGEST_SLEEP = 2e-4
 
 _yield = getattr(os, "sched_yield", lambda: time.sleep(0))
+
+
+class Abandoned(BaseException):
+    """Raised in a rank's wait after `abandon()`: a peer it waits for failed where no
+    message can say so, and the job gave up. A BaseException, so that no `except
+    Exception` in user code holds the rank back."""
+
+
+_abandoned = False
+
+
+def abandon() -> None:
+    """Make every wait of this process give up (safe to call from a signal handler: it
+    only sets a flag; the wait raises Abandoned from its own loop, at a point where no
+    library is half-way through anything)."""
+    global _abandoned
+    _abandoned = True
+
+
+def forget_abandon() -> None:
+    global _abandoned
+    _abandoned = False
 
 
 class _Backoff:
@@ -38,6 +60,8 @@ class _Backoff:
         self.delay = 0.0
 
     def pause(self) -> None:
+        if _abandoned:
+            raise Abandoned()
         if time.perf_counter() < self.spin_until:
             _yield()  # oversubscribed, another rank runs; otherwise this returns at once
             return
