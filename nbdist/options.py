@@ -55,15 +55,19 @@ class TrainOptions:
     resume: str | None = _opt(None, "run directory to resume from its last checkpoint")
     runs_dir: str = _opt("runs", "where run directories are created")
     run_name: str | None = _opt(None, "name of the run directory (default: time, algorithm, topology)")
-    threads: int = _opt(1, "torch threads per rank")
+    threads: int = _opt(1, "framework threads per rank (torch, TensorFlow)")
     bucket_mb: float = _opt(2.0, "allreduce bucket size in MB (gradients reduced while backward runs)")
     quiet: bool = _opt(False, "print only the final summary")
+    gan: bool = _opt(False, "train a GAN: the model file or cell defines generator and discriminator (or "
+                            "build_generator() and build_discriminator()) and latent_dim; easgd (default) or adag, "
+                            "worker optimizer rmsprop by default")
+    d_steps: int = _opt(1, "GAN: discriminator steps per generator step")
 
     # -- validation -----------------------------------------------------------------
     def validate(self) -> "TrainOptions":
         if self.topology not in TOPOLOGIES:
             raise OptionsError(f"unknown topology {self.topology!r}; choose one of: {', '.join(TOPOLOGIES)}")
-        positive = ("epochs", "batch_size", "masters", "procs_per_worker", "validate_every", "threads")
+        positive = ("epochs", "batch_size", "masters", "procs_per_worker", "validate_every", "threads", "d_steps")
         for name in positive:
             if int(getattr(self, name)) < 1:
                 raise OptionsError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")

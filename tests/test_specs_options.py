@@ -183,7 +183,7 @@ def test_argparse_round_trip_of_every_field():
                    worker_optimizer="sgd(lr=0.2)", master_optimizer="adam", seed=5, validate_every=2,
                    early_stopping=3, monitor="val_acc", min_delta=0.01, target="val_loss < 0.2",
                    checkpoint_every=1, resume="runs/x", runs_dir="elsewhere", run_name="r1", threads=2,
-                   bucket_mb=4.0, quiet=True)
+                   bucket_mb=4.0, quiet=True, gan=True, d_steps=2)
     assert set(changed) == {f.name for f in dataclasses.fields(TrainOptions)}
     opts = TrainOptions(**changed)
     argv = []

@@ -38,10 +38,15 @@ from rank_main import run_or_abort  # noqa: E402
 
 
 def train(comm: MPI.Intracomm, steps: int, unequal: bool) -> TorchBackend:
-    rank, size = comm.Get_rank(), comm.Get_size()
-    x, y = common.make_arrays()
     backend = TorchBackend(common.initial_model(), nn.CrossEntropyLoss(), "accuracy")
     comm.Bcast(backend.params, root=0)  # as run_allreduce does (a no-op here: same seed)
+    return allreduce_steps(comm, backend, steps, unequal)
+
+
+def allreduce_steps(comm: MPI.Intracomm, backend, steps: int, unequal: bool):
+    """`steps` of nbdist's allreduce path for `backend` (any framework's) on the fixed data."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    x, y = common.make_arrays()
     reducer = GradientReducer(comm, backend, common.BUCKET_FLOATS)
     assert len(reducer.buckets) >= 3, reducer.buckets
     opt = backend.make_optimizer(parse_spec(common.OPTIMIZER))
