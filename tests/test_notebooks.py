@@ -3,6 +3,7 @@ each starting its own local cluster of MPI engines; and binder's set-up for them
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -50,6 +51,13 @@ def test_tutorial_executes_top_to_bottom(path, tmp_path):
         assert "all four trainings reached at least 90% validation accuracy" in text
         assert len(list((tmp_path / "runs").glob("*/final/model.safetensors"))) == 4
         assert "cluster stopped" in text  # the notebook leaves no engines behind
+    if path.stem == "03_gan":
+        assert "the trained generator's digits are closer to the real ones" in text
+        runs = list((tmp_path / "runs").glob("*-master-worker-easgd"))
+        assert len(runs) == 1 and (runs[0] / "final" / "model.safetensors").exists()
+        options = json.loads((runs[0] / "options.json").read_text())
+        assert options["gan"] and options["workers"] == 3
+        assert "cluster stopped" in text
 
 
 def test_binder_postbuild_loads_the_extension_in_new_kernels(tmp_path):
