@@ -60,7 +60,7 @@ class TrainOptions:
     quiet: bool = _opt(False, "print only the final summary")
     gan: bool = _opt(False, "train a GAN: the model file or cell defines generator and discriminator (or "
                             "build_generator() and build_discriminator()) and latent_dim; easgd (default) or adag, "
-                            "worker optimizer rmsprop by default")
+                            "worker optimizer rmsprop and --monitor val_mmd by default")
     d_steps: int = _opt(1, "GAN: discriminator steps per generator step")
 
     # -- validation -----------------------------------------------------------------

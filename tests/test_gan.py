@@ -22,6 +22,16 @@ from nbdist.train.definition import definition_from_namespace
 LATENT, FEATURES = 4, 6
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Tiny models: with two intra-op threads spinning against each other on a busy
+    # two-core box, these steps ran 30 times slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def make_gan(d_steps: int = 1, sigmoid: bool = False, seed: int = 0) -> GanModel:
     torch.manual_seed(seed)
     generator = nn.Sequential(nn.Linear(LATENT, 8), nn.ReLU(), nn.Linear(8, FEATURES))
@@ -188,9 +198,12 @@ def test_options_that_cannot_train_a_gan_are_one_error(changes, message):
         _check_gan(TrainOptions(gan=True, **changes))
 
 
-def test_gan_defaults_are_easgd_with_rmsprop_and_adag_is_allowed():
+def test_gan_defaults_are_easgd_with_rmsprop_watching_val_mmd_and_adag_is_allowed():
     options = _check_gan(TrainOptions(gan=True))
-    assert (options.algorithm, options.worker_optimizer) == ("easgd", "rmsprop(lr=0.001)")
-    options = _check_gan(TrainOptions(gan=True, algorithm="adag", worker_optimizer="adam(lr=1e-4)"))
-    assert (options.algorithm, options.worker_optimizer) == ("adag", "adam(lr=1e-4)")
+    assert (options.algorithm, options.worker_optimizer, options.monitor) == ("easgd", "rmsprop(lr=0.001)", "val_mmd")
+    options = _check_gan(TrainOptions(gan=True, algorithm="adag", worker_optimizer="adam(lr=1e-4)",
+                                      monitor="val_d_fake"))
+    assert (options.algorithm, options.worker_optimizer, options.monitor) == ("adag", "adam(lr=1e-4)", "val_d_fake")
     assert _check_gan(TrainOptions()) == TrainOptions()
+    with pytest.raises(OptionsError, match="--d-steps applies to GANs: add --gan"):
+        _check_gan(TrainOptions(d_steps=2))

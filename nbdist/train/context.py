@@ -99,6 +99,8 @@ def _describe(error: BaseException) -> str:
 def _check_gan(options: TrainOptions) -> TrainOptions:
     """A GAN's defaults, or one error for a combination that cannot train one."""
     if not options.gan:
+        if options.d_steps != 1:
+            raise OptionsError("--d-steps applies to GANs: add --gan")
         return options
     if options.topology == "allreduce" or options.procs_per_worker > 1:
         raise OptionsError(
@@ -113,8 +115,12 @@ def _check_gan(options: TrainOptions) -> TrainOptions:
             f"discriminator together); {algorithm.name} sends gradients, which would leave the "
             f"discriminator untrained"
         )
+    # A GAN's val_loss is its discriminator's, which says little about the samples:
+    # early stopping and targets watch the samples' distance to the data unless told.
+    monitor = "val_mmd" if options.monitor == TrainOptions.monitor else options.monitor
     return options.replace(algorithm=options.algorithm or DEFAULT_GAN_ALGORITHM,
-                           worker_optimizer=options.worker_optimizer or DEFAULT_GAN_WORKER_OPTIMIZER)
+                           worker_optimizer=options.worker_optimizer or DEFAULT_GAN_WORKER_OPTIMIZER,
+                           monitor=monitor)
 
 
 def _resolve_rules(options: TrainOptions) -> tuple[Algorithm | None, int, Spec | None, Spec | None]:

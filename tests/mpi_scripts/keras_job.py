@@ -4,7 +4,7 @@ seconds per rank, a digits run well under that.
 Usage: mpiexec -n 4 python tests/mpi_scripts/keras_job.py OUT_DIR SPEC.json
 
 1. Equivalences, two at once on two pairs of ranks:
-   ranks 0-1  nbdist's allreduce path (allreduce_equivalence.py's steps with a
+   ranks 0-1  nbdist's allreduce path (equivalence_common.allreduce_steps with a
               KerasBackend: several buckets, sample shares, the flat Keras optimiser), equal
               and unequal batches; rank 0
               writes OUT_DIR/allreduce-<layout>.safetensors and, from plain Keras on the
@@ -14,9 +14,12 @@ Usage: mpiexec -n 4 python tests/mpi_scripts/keras_job.py OUT_DIR SPEC.json
               over the same batches, OUT_DIR/<name>-reference.safetensors.
 2. SPEC["runs"] (argv lists after `train`) on all ranks through nbdist.cli.main, as
    train_many.py does (same markers).
-3. Rank 0, for each GAN run in SPEC["gans"] ({run directory: model file}): samples of
-   the untrained generator and of the trained one (its final weights loaded as the
+3. Rank 0, for each Keras GAN run in SPEC["gans"] ({run directory: model file}): samples
+   of the untrained generator and of the trained one (its final weights loaded as the
    README says), for the same noise: OUT_DIR/<run name>-samples.npz.
+
+No run here uses PyTorch, so the job never imports it (notebooks/03_gan.ipynb, executed
+by test_notebooks.py, trains the PyTorch GAN under the same conditions and checks it).
 """
 
 from __future__ import annotations
@@ -34,7 +37,6 @@ from mpi4py import MPI  # noqa: E402
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
 import equivalence_common as common  # noqa: E402
-from allreduce_equivalence import allreduce_steps  # noqa: E402
 import keras_common  # noqa: E402
 import nbdist  # noqa: E402
 from nbdist.backends import configure_frameworks  # noqa: E402
@@ -54,7 +56,7 @@ def allreduce(comm: MPI.Intracomm, out: Path) -> None:
     x, y = common.make_arrays()
     for layout in ("equal", "unequal"):
         backend = KerasBackend(keras_common.initial_model(), sample=x[:2])
-        allreduce_steps(comm, backend, STEPS, layout == "unequal")
+        common.allreduce_steps(comm, backend, STEPS, layout == "unequal")
         if comm.Get_rank() == 0:
             save_file(backend.named_arrays(), str(out / f"allreduce-{layout}.safetensors"))
             batches = common.global_batches(STEPS, comm.Get_size(), layout == "unequal")
@@ -79,26 +81,8 @@ def downpour(comm: MPI.Intracomm, out: Path, runs: dict[str, str]) -> None:
             print(f"OK {name}", flush=True)
 
 
-def _sample(generator, z: np.ndarray) -> np.ndarray:
-    if isinstance(generator, keras.Model):
-        return np.asarray(generator(z, training=False))
-    import torch
-
-    generator.eval()
-    with torch.no_grad():
-        return generator(torch.from_numpy(z)).numpy()
-
-
-def _load_generator(generator, weights: dict[str, np.ndarray]) -> None:
-    """The README's recipe for a GAN's final/model.safetensors."""
-    if isinstance(generator, keras.Model):
-        generator.set_weights([weights[k] for k in sorted(weights) if k.startswith("generator/")])
-        return
-    import torch
-
-    prefix = "generator."
-    generator.load_state_dict({k[len(prefix):]: torch.from_numpy(v) for k, v in weights.items()
-                               if k.startswith(prefix)})
+def _sample(generator: keras.Model, z: np.ndarray) -> np.ndarray:
+    return np.asarray(generator(z, training=False))
 
 
 def gan_samples(run_dir: Path, model_file: str, out: Path) -> None:
@@ -108,7 +92,9 @@ def gan_samples(run_dir: Path, model_file: str, out: Path) -> None:
     gan = definition.make_gan(1)
     z = np.random.default_rng(GAN_NOISE_SEED).standard_normal((GAN_SAMPLES, gan.latent_dim), dtype=np.float32)
     before = _sample(gan.generator, z)
-    _load_generator(gan.generator, load_file(str(run_dir / "final" / "model.safetensors")))
+    # The README's recipe for a Keras GAN's final/model.safetensors.
+    weights = load_file(str(run_dir / "final" / "model.safetensors"))
+    gan.generator.set_weights([weights[k] for k in sorted(weights) if k.startswith("generator/")])
     np.savez(out / f"{run_dir.name}-samples.npz", before=before, after=_sample(gan.generator, z))
     print(f"OK samples {run_dir.name}", flush=True)
 
