@@ -342,19 +342,18 @@ def named_arrays(flat: FlatVariables, models: list[keras.Model], params: np.ndar
 
         model.set_weights([arrays[k] for k in sorted(arrays) if k.startswith(prefix)])
     """
-    sources = {"params": params, "state": state}
-    offsets = {"params": 0, "state": 0}
-    where: dict[int, tuple[str, int]] = {}
+    values: dict[int, np.ndarray] = {}
+    offsets = {"params": 0, "state": 0, "others": 0}
     for _, kind, v in flat.paths(prefixes):
-        if kind in sources:
-            where[id(v)] = (kind, offsets[kind])
-            offsets[kind] += int(np.prod(v.shape))
-    out: dict[str, np.ndarray] = {}
-    for prefix, model in zip(prefixes, models):
-        for i, v in enumerate(model.weights):
-            kind, start = where[id(v)]
-            out[f"{prefix}{i:04d}/{v.path}"] = sources[kind][start : start + int(np.prod(v.shape))].reshape(v.shape).copy()
-    return out
+        start = offsets[kind]
+        if kind == "others":  # one array per variable
+            values[id(v)], offsets[kind] = flat.others[start], start + 1
+            continue
+        size = int(np.prod(v.shape))
+        source = params if kind == "params" else state
+        values[id(v)], offsets[kind] = source[start : start + size].reshape(v.shape), start + size
+    return {f"{prefix}{i:04d}/{v.path}": np.array(values[id(v)])
+            for prefix, model in zip(prefixes, models) for i, v in enumerate(model.weights)}
 
 
 # -- the compiled loss and metric ---------------------------------------------------------
