@@ -10,7 +10,8 @@ import numpy as np
 import tensorflow as tf
 
 from nbdist.backends.base import ModelError
-from nbdist.backends.keras import FlatVariables, KerasBackend, Traced, build_models, call_kwargs, check_model
+from nbdist.backends.keras import (FlatVariables, KerasBackend, Traced, aligned_zeros, build_models, call_kwargs,
+                                   check_model)
 from nbdist.gan.model import GanModel
 from nbdist.gan.training import GanTraining
 
@@ -35,7 +36,7 @@ class KerasGanBackend(GanTraining, KerasBackend):
         if not n_g or not n_d:
             raise ModelError("the generator and the discriminator both need trainable parameters")
         self.params, self.state = self._flat.params, self._flat.state
-        self.grads = np.zeros_like(self.params)
+        self.grads = aligned_zeros(self.params.size)
         self.g_part, self.d_part = slice(0, n_g), slice(n_g, n_g + n_d)
         self._models, self._prefixes = [self.generator, self.discriminator], ["generator/", "discriminator/"]
         self._buckets, self._on_ready = [], None
