@@ -30,9 +30,10 @@ def train(model: "Callable[[], Any] | str | Path", *, data: Any = None, loss: An
     Job at once (`block=True` waits for it); `model`, `loss` and `data` are then sent to
     every engine, which builds its own model and loads its own data.
 
-    `model` is a function that builds a fresh torch.nn.Module or the path of a model
-    file. `data` is a function returning an ArrayData (default: digits); under mpiexec it
-    may also be the ArrayData itself. Keywords are the command-line options with
+    `model` is a function that builds a fresh torch.nn.Module or keras.Model (with
+    gan=True: an nbdist.gan.GanModel), or the path of a model file. `data` is a function
+    returning an ArrayData (default: digits); under mpiexec it may also be the ArrayData
+    itself. Keywords are the command-line options with
     underscores: `train(build, topology="allreduce", epochs=5, worker_optimizer="adam(lr=1e-3)")`.
     """
     opts = _options(options)

@@ -57,7 +57,7 @@ class TrainOptions:
     store: str | None = _opt(None, "run store (SQLite) the run is recorded in, for the dashboard "
                                    "(default: RUNS_DIR/nbdist.db; 'off' records nothing)")
     run_name: str | None = _opt(None, "name of the run directory (default: time, algorithm, topology)")
-    threads: int = _opt(1, "torch threads per rank")
+    threads: int = _opt(1, "framework threads per rank (torch, TensorFlow)")
     bucket_mb: float = _opt(2.0, "allreduce bucket size in MB (gradients reduced while backward runs)")
     quiet: bool = _opt(False, "print only the final summary")
     # -- data in files (instead of the model's load_data) --------------------------------
@@ -67,12 +67,16 @@ class TrainOptions:
     cache_dir: str | None = _opt(None, "node-local directory each rank copies the files it reads into "
                                        "(removed at the end), e.g. /tmp/nbdist-cache")
     data_keys: str = _opt("features,labels", "names of the features and labels datasets in the HDF5 files")
+    gan: bool = _opt(False, "train a GAN: the model file or cell defines generator and discriminator (or "
+                            "build_generator() and build_discriminator()) and latent_dim; easgd (default) or adag, "
+                            "worker optimizer rmsprop and --monitor val_mmd by default")
+    d_steps: int = _opt(1, "GAN: discriminator steps per generator step")
 
     # -- validation -----------------------------------------------------------------
     def validate(self) -> "TrainOptions":
         if self.topology not in TOPOLOGIES:
             raise OptionsError(f"unknown topology {self.topology!r}; choose one of: {', '.join(TOPOLOGIES)}")
-        positive = ("epochs", "batch_size", "masters", "procs_per_worker", "validate_every", "threads")
+        positive = ("epochs", "batch_size", "masters", "procs_per_worker", "validate_every", "threads", "d_steps")
         for name in positive:
             if int(getattr(self, name)) < 1:
                 raise OptionsError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")

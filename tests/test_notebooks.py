@@ -3,6 +3,7 @@ each starting its own local cluster of MPI engines; and binder's set-up for them
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -80,6 +81,13 @@ def test_tutorial_executes_top_to_bottom(path, tmp_path, request):
                 assert set(remade) == set(first)
                 for key in first:
                     np.testing.assert_array_equal(remade[key][:], first[key][:], err_msg=f"{name}: {key}")
+    if path.stem == "03_gan":
+        assert "the trained generator's digits are closer to the real ones" in text
+        runs = list((tmp_path / "runs").glob("*-master-worker-easgd"))
+        assert len(runs) == 1 and (runs[0] / "final" / "model.safetensors").exists()
+        options = json.loads((runs[0] / "options.json").read_text())
+        assert options["gan"] and options["workers"] == 3
+        assert "cluster stopped" in text
 
 
 def test_binder_postbuild_loads_the_extension_in_new_kernels(tmp_path):

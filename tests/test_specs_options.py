@@ -184,7 +184,7 @@ def test_argparse_round_trip_of_every_field():
                    early_stopping=3, monitor="val_acc", min_delta=0.01, target="val_loss < 0.2",
                    checkpoint_every=1, resume="runs/x", runs_dir="elsewhere", store="runs/other.db", run_name="r1",
                    threads=2, bucket_mb=4.0, quiet=True, train="t_*.h5", val="v.h5", cache_dir="/tmp/c",
-                   data_keys="x,y")
+                   data_keys="x,y", gan=True, d_steps=2)
     assert set(changed) == {f.name for f in dataclasses.fields(TrainOptions)}
     opts = TrainOptions(**changed)
     argv = []

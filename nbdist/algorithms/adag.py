@@ -31,6 +31,7 @@ class ADAGWorker(RuleState):
 
 class ADAG(Algorithm):
     name = "adag"
+    sends_weights = True
     default_sync_every = 4
 
     def __init__(self) -> None:

@@ -61,6 +61,10 @@ class Algorithm(ABC):
     default_sync_every: ClassVar[int] = 1
     uses_worker_optimizer: ClassVar[bool] = True
     uses_master_optimizer: ClassVar[bool] = False
+    # What a worker sends is made from its weights (the weights, or their displacement),
+    # not from its gradients: whatever moved the weights between syncs reaches the centre
+    # (a GAN's discriminator steps, taken inside the gradient computation, do).
+    sends_weights: ClassVar[bool] = False
 
     def __init__(self, **params: Any):
         self.params = params

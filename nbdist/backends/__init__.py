@@ -5,26 +5,23 @@ from __future__ import annotations
 from typing import Any
 
 from nbdist.backends.base import Backend, BatchStats, FlatOptimizer, ModelError
+from nbdist.backends.frameworks import FRAMEWORKS, Framework, configure_frameworks, framework_of
 
-__all__ = ["Backend", "BatchStats", "FlatOptimizer", "ModelError", "backend_for"]
-
-
-def backend_for(model: Any, loss: Any = None, metric: Any = "accuracy") -> Backend:
-    """The backend for `model`'s framework, chosen from its type."""
-    module = type(model).__module__.split(".")[0]
-    if module == "torch" or _is_torch_module(model):
-        from nbdist.backends.torch import TorchBackend
-
-        return TorchBackend(model, loss, metric)
-    raise ModelError(
-        f"the model is a {type(model).__module__}.{type(model).__name__}; nbdist trains "
-        f"torch.nn.Module models"
-    )
+__all__ = ["Backend", "BatchStats", "FlatOptimizer", "ModelError", "Framework", "FRAMEWORKS",
+           "backend_for", "configure_frameworks", "framework_of"]
 
 
-def _is_torch_module(model: Any) -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return isinstance(model, torch.nn.Module)
+def backend_for(model: Any, loss: Any = None, metric: Any = "accuracy", *, sample: Any = None) -> Backend:
+    """The backend for `model`'s framework, chosen from its type. `model` may also be a
+    GanModel (a generator and a discriminator of one framework). `sample`: a few input
+    rows, for frameworks that build a model's weights on its first call (Keras)."""
+    from nbdist.gan.model import GanModel
+
+    if isinstance(model, GanModel):
+        framework = framework_of(model.generator)
+        other = framework_of(model.discriminator)
+        if other is not framework:
+            raise ModelError(f"the generator is a {framework.name} model and the discriminator a "
+                             f"{other.name} model: both must come from one framework")
+        return framework.gan_backend(model, sample)
+    return framework_of(model).backend(model, loss, metric, sample)

@@ -1,9 +1,10 @@
 """The Backend protocol: one model replica seen as flat float32 buffers.
 
 Algorithms and topologies only ever see `params`, `grads` and `state` as 1-D float32
-numpy arrays that alias the framework's own memory, so an MPI send of `params` is a
-send of the model itself. A framework (PyTorch now, Keras later) implements this class;
-nothing above it knows which one runs.
+numpy arrays, so an MPI send of `params` is a send of the model itself (PyTorch: views
+of the model's own memory; Keras: the buffer the model is run from). A framework
+implements this class and a `Framework` (frameworks.py); nothing above them knows which
+one runs.
 """
 
 from __future__ import annotations
@@ -106,3 +107,13 @@ class Backend(ABC):
 
     @abstractmethod
     def set_rng_state(self, arrays: dict[str, np.ndarray]) -> None: ...
+
+    @abstractmethod
+    def reseed(self, seed: int) -> None:
+        """Seed this replica's randomness from now on (dropout, a GAN's noise), e.g. with a
+        per-rank seed once every replica holds the same initial weights."""
+
+    def train_extras(self) -> dict[str, float]:
+        """Means of extra training metrics over the batches since the last call (a GAN's
+        losses and discriminator outputs); the topologies add them to their train records."""
+        return {}

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from nbdist.backends.base import Backend, BatchStats, FlatOptimizer, ModelError
-from nbdist.specs import Spec, SpecError, check_kwargs, unknown_name
+from nbdist.backends.frameworks import TORCH, unknown_optimizer
+from nbdist.specs import Spec, SpecError, check_kwargs
 
 __all__ = ["TorchBackend", "TorchFlatOptimizer", "torch_optimizers"]
 
@@ -224,7 +225,7 @@ class TorchBackend(Backend):
     def check_optimizer(self, spec: Spec) -> None:
         known = torch_optimizers()
         if spec.name not in known:
-            raise unknown_name("PyTorch optimizer", spec.name, list(known))
+            raise unknown_optimizer(TORCH, spec.name, list(known))
         check_kwargs(f"optimizer {spec.name!r}", known[spec.name].__init__, spec.kwargs, skip=2)
 
     def make_optimizer(self, spec: Spec, params: np.ndarray | None = None) -> TorchFlatOptimizer:
@@ -242,3 +243,6 @@ class TorchBackend(Backend):
     def set_rng_state(self, arrays: dict[str, np.ndarray]) -> None:
         if "torch_cpu" in arrays:
             torch.set_rng_state(torch.from_numpy(np.array(arrays["torch_cpu"], dtype=np.uint8)))
+
+    def reseed(self, seed: int) -> None:
+        torch.manual_seed(seed)

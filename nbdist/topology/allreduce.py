@@ -175,4 +175,4 @@ def _report(ctx: RankContext, stats: BatchStats, phases: dict, since: float, epo
     ctx.log.emit("train", {"samples": stats.n, "samples_per_s": stats.n / elapsed if elapsed else 0.0,
                            "loss": stats.loss, ctx.backend.metric_name or "metric": stats.metric,
                            "compute_s": phases["compute"], "wait_s": phases["wait"],
-                           "update_s": phases["update"]}, step=step, epoch=epoch)
+                           "update_s": phases["update"], **ctx.backend.train_extras()}, step=step, epoch=epoch)

@@ -547,7 +547,7 @@ def run_worker(ctx: RankContext) -> None:
         ctx.log.emit("train", {"samples": stats.n, "samples_per_s": stats.n / elapsed if elapsed else 0.0,
                                "loss": stats.loss, backend.metric_name or "metric": stats.metric,
                                "compute_s": window.compute, "send_s": window.send, "wait_s": window.wait,
-                               "version": version}, step=step, epoch=epoch)
+                               "version": version, **backend.train_extras()}, step=step, epoch=epoch)
         window.report, window.compute, window.send, window.wait = BatchStats(), 0.0, 0.0, 0.0
         window.since = time.monotonic()
 

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import numpy as np
 
 from nbdist.algorithms import Algorithm, make_algorithm
-from nbdist.backends import Backend, backend_for
+from nbdist.backends import Backend, backend_for, configure_frameworks
 from nbdist.backends.base import ModelError
 from nbdist.data.base import Data
 from nbdist.errors import OptionsError, UserError
@@ -38,6 +38,13 @@ __all__ = ["RankContext", "prepare", "agree"]
 DEFAULT_WORKER_OPTIMIZER = "sgd(lr=0.1, momentum=0.9)"
 DEFAULT_MASTER_OPTIMIZER = "sgd(lr=0.1)"
 ALLREDUCE_RULES = ("sgd", "allreduce")
+# GANs: EASGD with RMSprop workers, as the 3D calorimeter GAN was trained (see
+# gan/training.py for why only rules whose workers send their weights apply).
+DEFAULT_GAN_ALGORITHM = "easgd"
+DEFAULT_GAN_WORKER_OPTIMIZER = "rmsprop(lr=0.001)"
+# Input rows a backend may look at when it is built (Keras builds weights on a first
+# call; a GAN fixes its MMD kernel's width from them).
+SAMPLE_ROWS = 256
 
 
 @dataclass
@@ -90,6 +97,33 @@ def _describe(error: BaseException) -> str:
     if isinstance(error, UserError):
         return str(error)
     return f"{type(error).__name__}: {error}"
+
+
+def _check_gan(options: TrainOptions) -> TrainOptions:
+    """A GAN's defaults, or one error for a combination that cannot train one."""
+    if not options.gan:
+        if options.d_steps != 1:
+            raise OptionsError("--d-steps applies to GANs: add --gan")
+        return options
+    if options.topology == "allreduce" or options.procs_per_worker > 1:
+        raise OptionsError(
+            "--gan trains on the master-worker topology with one process per worker: a GAN step "
+            "takes discriminator steps before the generator's gradient, which one gradient reduction "
+            f"cannot carry (drop {'--topology allreduce' if options.topology == 'allreduce' else '--procs-per-worker'})"
+        )
+    algorithm = make_algorithm(parse_spec(options.algorithm or DEFAULT_GAN_ALGORITHM, what="--algorithm"))
+    if not algorithm.sends_weights:
+        raise OptionsError(
+            f"--gan trains with easgd or adag, whose workers send their weights (generator and "
+            f"discriminator together); {algorithm.name} sends gradients, which would leave the "
+            f"discriminator untrained"
+        )
+    # A GAN's val_loss is its discriminator's, which says little about the samples:
+    # early stopping and targets watch the samples' distance to the data unless told.
+    monitor = "val_mmd" if options.monitor == TrainOptions.monitor else options.monitor
+    return options.replace(algorithm=options.algorithm or DEFAULT_GAN_ALGORITHM,
+                           worker_optimizer=options.worker_optimizer or DEFAULT_GAN_WORKER_OPTIMIZER,
+                           monitor=monitor)
 
 
 def _resolve_rules(options: TrainOptions) -> tuple[Algorithm | None, int, Spec | None, Spec | None]:
@@ -176,12 +210,10 @@ def prepare(
 
     `record`: the run leader feeds the run store (batch runs); a notebook job passes
     False, because the notebook's collector records it."""
-    import torch
-
     error: BaseException | None = None
     data: Data | None = None
     try:
-        options.validate()
+        options = _check_gan(options.validate())
         layout = Layout.for_world(
             comm.Get_size(), workers=options.workers, masters=options.masters,
             procs_per_worker=options.procs_per_worker, topology=options.topology,
@@ -194,20 +226,21 @@ def prepare(
             # then pulls the centre exactly as far as one master with all the workers would.
             algorithm.bind(layout.workers * layout.masters)
         resume_from = _find_resume(options, layout)
-        torch.set_num_threads(options.threads)
-        # Same seed on every rank: identical initial replicas even before the first sync.
-        torch.manual_seed(options.seed)
+        configure_frameworks(options.threads, options.seed)
         definition = definition() if callable(definition) else definition
-        model = definition.make_model()
-        backend = backend_for(model, definition.loss, definition.metric)
-        make_replica = _replica_factory(definition)
+        # Again for the frameworks the user's code imported: the same seed on every rank
+        # gives identical initial replicas even before the first sync.
+        configure_frameworks(options.threads, options.seed)
+        data = _make_data(options, definition)
+        sample, _ = data.train_batch(np.arange(min(SAMPLE_ROWS, data.n_train)))
+        make_replica = _replica_factory(definition, options, sample)
+        backend = make_replica()
         for spec in (worker_opt, master_opt):
             if spec is not None:
                 backend.check_optimizer(spec)
-        data = _make_data(options, definition)
         _probe(backend, data, definition.source)
-        # Dropout differs per rank after this point; weights do not.
-        torch.manual_seed(options.seed * 100003 + role.rank)
+        # Dropout (and a GAN's noise) differs per rank after this point; weights do not.
+        backend.reseed(options.seed * 100003 + role.rank)
     except UserError as exc:
         error = exc
     except Exception as exc:  # a bug or a user-code failure: keep it visible, named
@@ -256,9 +289,10 @@ def prepare(
     )
 
 
-def _replica_factory(definition: ModelDefinition) -> Callable[[], Backend]:
+def _replica_factory(definition: ModelDefinition, options: TrainOptions, sample: Any) -> Callable[[], Backend]:
     def make() -> Backend:
-        return backend_for(definition.make_model(), definition.loss, definition.metric)
+        model = definition.make_gan(options.d_steps) if options.gan else definition.make_model()
+        return backend_for(model, definition.loss, definition.metric, sample=sample)
 
     return make
 

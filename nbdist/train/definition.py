@@ -2,7 +2,8 @@
 
 From a file (`--model examples/digits_mlp.py`) or from Python objects (the API and the
 notebook cell). Every rank runs the file or the factory itself, so each builds its own
-model and its own data; nothing is pickled between processes.
+model and its own data; nothing is pickled between processes. A GAN (`--gan`) is a
+generator and a discriminator factory and the latent size instead of one model.
 """
 
 from __future__ import annotations
@@ -15,17 +16,21 @@ from typing import Any, Callable
 
 from nbdist.backends.base import ModelError
 from nbdist.data.base import Data
+from nbdist.gan.model import GanModel
 
 __all__ = ["ModelDefinition", "load_model_file", "definition_from_namespace"]
 
 
 @dataclass(slots=True)
 class ModelDefinition:
-    build_model: Callable[[], Any]
+    build_model: Callable[[], Any] | None
     loss: Any = None
     metric: Any = "accuracy"
     data: Callable[[], Data] | Data | None = None
     source: str = "<python>"
+    build_generator: Callable[[], Any] | None = None
+    build_discriminator: Callable[[], Any] | None = None
+    latent_dim: int | None = None
 
     def make_data(self) -> Data:
         if self.data is None:
@@ -41,10 +46,37 @@ class ModelDefinition:
         return data
 
     def make_model(self) -> Any:
-        try:
-            return self.build_model()
-        except Exception as exc:  # the user's code: report it as theirs, where it failed
-            raise ModelError(f"{self.source}: build_model() failed: {_short(exc)}") from exc
+        if self.build_model is None:
+            raise ModelError(f"{self.source} defines a generator and a discriminator but no model: "
+                             f"train them with --gan")
+        return _call(self.build_model, f"{self.source}: build_model()")
+
+    def make_gan(self, d_steps: int) -> GanModel:
+        """The generator and discriminator (or a GanModel that build_model() returns)."""
+        if self.build_generator is None and self.build_discriminator is None and self.build_model is not None:
+            built = self.make_model()
+            if isinstance(built, GanModel):
+                built.d_steps = d_steps
+                return built
+            raise ModelError(f"--gan: {self.source} defines a model but no generator and discriminator")
+        missing = [name for name, build in (("generator", self.build_generator),
+                                            ("discriminator", self.build_discriminator)) if build is None]
+        if missing:
+            raise ModelError(f"--gan: {self.source} defines no {' and no '.join(missing)}: define "
+                             f"`generator` and `discriminator` (or build_generator() and build_discriminator())")
+        if self.latent_dim is None:
+            raise ModelError(f"--gan: {self.source} defines no latent_dim (the size of the generator's "
+                             f"input noise), e.g. latent_dim = 16")
+        generator = _call(self.build_generator, f"{self.source}: build_generator()")
+        discriminator = _call(self.build_discriminator, f"{self.source}: build_discriminator()")
+        return GanModel(generator, discriminator, int(self.latent_dim), d_steps)
+
+
+def _call(build: Callable[[], Any], what: str) -> Any:
+    try:
+        return build()
+    except Exception as exc:  # the user's code: report it as theirs, where it failed
+        raise ModelError(f"{what} failed: {_short(exc)}") from exc
 
 
 def _short(exc: BaseException) -> str:
@@ -70,17 +102,26 @@ def load_model_file(path: str | Path) -> ModelDefinition:
     return definition_from_namespace(namespace, f"model file {file}")
 
 
+def _builder(namespace: dict[str, Any], name: str) -> Callable[[], Any] | None:
+    """build_<name>() or a ready-made object called <name>."""
+    build = namespace.get(f"build_{name}")
+    if build is None and name in namespace:
+        ready = namespace[name]
+        build = lambda: ready  # noqa: E731 - a ready-made model object
+    return build if callable(build) else None
+
+
 def definition_from_namespace(namespace: dict[str, Any], source: str) -> ModelDefinition:
     """build_model (or a ready `model`), loss, metric and load_data (or `data`) from the
-    names a model file or a notebook cell defined."""
-    build = namespace.get("build_model")
-    if build is None and "model" in namespace:
-        model = namespace["model"]
-        build = lambda: model  # noqa: E731 - a ready-made model object
-    if not callable(build):
+    names a model file or a notebook cell defined; for a GAN, build_generator and
+    build_discriminator (or ready `generator` and `discriminator`) and latent_dim."""
+    build = _builder(namespace, "model")
+    generator, discriminator = _builder(namespace, "generator"), _builder(namespace, "discriminator")
+    if build is None and generator is None and discriminator is None:
         raise ModelError(
             f"{source} defines no build_model() function (or `model` object); "
-            f"add e.g.  def build_model(): return torch.nn.Sequential(...)"
+            f"add e.g.  def build_model(): return torch.nn.Sequential(...)  (a GAN: generator, "
+            f"discriminator and latent_dim, trained with --gan)"
         )
     data = namespace.get("load_data", namespace.get("data"))
     return ModelDefinition(
@@ -89,4 +130,7 @@ def definition_from_namespace(namespace: dict[str, Any], source: str) -> ModelDe
         metric=namespace.get("metric", "accuracy"),
         data=data,
         source=source,
+        build_generator=generator,
+        build_discriminator=discriminator,
+        latent_dim=namespace.get("latent_dim"),
     )

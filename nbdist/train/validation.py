@@ -2,8 +2,8 @@
 
 An asynchronous master that validated inline would leave every worker that reports
 during validation waiting for its reply. Instead the master copies the centre (one
-memcpy) into a second replica of the model and evaluates it on a thread; torch releases
-the GIL inside its kernels, so the serving loop goes on. The result is picked up at the
+memcpy) into a second replica of the model and evaluates it on a thread; torch and
+TensorFlow release the GIL inside their kernels, so the serving loop goes on. The result is picked up at the
 next loop turn. (Synchronous masters validate inline, after sending the round's replies,
 while the workers compute: that keeps stop decisions at the same step in every run.)
 """

@@ -4,8 +4,9 @@ Usage: mpiexec -n N python tests/mpi_scripts/allreduce_equivalence.py OUT_DIR ST
 
 For each of two batch layouts (`equal`: 4 samples per rank; `unequal`: sizes differ by
 one between ranks), every rank builds the same model (same seed), wraps it in a
-TorchBackend, reduces its gradients with `GradientReducer` (one Iallreduce per bucket,
-started from inside backward; a small bucket cap gives several buckets), weights its
+TorchBackend and takes equivalence_common.allreduce_steps: it reduces its gradients with
+`GradientReducer` (one Iallreduce per bucket, started from inside backward; a small
+bucket cap gives several buckets), weights its
 gradient by `allreduce_sgd.sample_share` and steps the backend's flat optimiser, as
 `nbdist.topology.allreduce.run_allreduce` does. This runs over all N ranks and then,
 when N > 2, again over pairs of ranks (COMM_WORLD split in two-rank communicators), so
@@ -30,37 +31,14 @@ from safetensors.numpy import save_file  # noqa: E402
 from torch import nn  # noqa: E402
 
 import equivalence_common as common  # noqa: E402
-from nbdist.algorithms import allreduce_sgd  # noqa: E402
 from nbdist.backends.torch import TorchBackend  # noqa: E402
-from nbdist.specs import parse_spec  # noqa: E402
-from nbdist.topology.allreduce import GradientReducer  # noqa: E402
 from rank_main import run_or_abort  # noqa: E402
 
 
 def train(comm: MPI.Intracomm, steps: int, unequal: bool) -> TorchBackend:
-    rank, size = comm.Get_rank(), comm.Get_size()
-    x, y = common.make_arrays()
     backend = TorchBackend(common.initial_model(), nn.CrossEntropyLoss(), "accuracy")
     comm.Bcast(backend.params, root=0)  # as run_allreduce does (a no-op here: same seed)
-    reducer = GradientReducer(comm, backend, common.BUCKET_FLOATS)
-    assert len(reducer.buckets) >= 3, reducer.buckets
-    opt = backend.make_optimizer(parse_spec(common.OPTIMIZER))
-    trailer = np.zeros(4, np.float32)
-    for batch in common.global_batches(steps, size, unequal):
-        parts = np.array_split(batch, size)
-        sizes = np.array([len(p) for p in parts])
-        assert (sizes.max() - sizes.min()) == (1 if unequal else 0), sizes
-        mine = parts[rank]
-        stats = backend.compute_gradients(x[mine], y[mine], scale=allreduce_sgd.sample_share(sizes, rank))
-        trailer[:] = (stats.n, stats.loss_sum, stats.metric_sum, 0.0)
-        reducer.finish(trailer)
-        assert int(trailer[0]) == len(batch), (trailer, len(batch))
-        allreduce_sgd.apply(opt, backend.grads)
-    # The replicas must not drift apart: every rank holds exactly rank 0's weights.
-    everyone = np.empty((size, backend.params.size), np.float32)
-    comm.Allgather(backend.params, everyone)
-    assert all(np.array_equal(everyone[0], row) for row in everyone), "replicas differ"
-    return backend
+    return common.allreduce_steps(comm, backend, steps, unequal)
 
 
 def main() -> None:

@@ -2,14 +2,19 @@
 fixed data, the optimiser and the global batches of each step.
 
 The MPI scripts and the single-process references in the test import this same file, so
-"same init, same batches, same optimiser" holds by construction.
+"same init, same batches, same optimiser" holds by construction. The Keras equivalences
+(keras_common.py) use its data, batches and allreduce steps: torch is imported only by
+the functions that build torch models, so a Keras job never starts it.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
-from torch import nn
+
+if TYPE_CHECKING:
+    from torch import nn
 
 SEED = 7
 N_FEATURES, N_CLASSES = 10, 3
@@ -21,6 +26,8 @@ BUCKET_FLOATS = 40
 
 
 def build_model() -> nn.Module:
+    from torch import nn
+
     return nn.Sequential(
         nn.Linear(N_FEATURES, 16), nn.Tanh(),
         nn.Linear(16, 12), nn.Tanh(),
@@ -29,6 +36,8 @@ def build_model() -> nn.Module:
 
 
 def initial_model(seed: int = SEED) -> nn.Module:
+    import torch
+
     torch.manual_seed(seed)
     return build_model()
 
@@ -74,6 +83,9 @@ def rank_part(batch: np.ndarray, ranks: int, rank: int) -> np.ndarray:
 
 def reference_weights(steps: int, ranks: int, unequal: bool) -> dict[str, np.ndarray]:
     """One process, plain torch: each step on the whole (concatenated) global batch."""
+    import torch
+    from torch import nn
+
     x, y = make_arrays()
     model = initial_model()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
@@ -83,3 +95,36 @@ def reference_weights(steps: int, ranks: int, unequal: bool) -> dict[str, np.nda
         loss_fn(model(torch.from_numpy(x[batch])), torch.from_numpy(y[batch])).backward()
         opt.step()
     return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def allreduce_steps(comm, backend, steps: int, unequal: bool):
+    """`steps` of nbdist's allreduce path for `backend` (of any framework) on the fixed
+    data, as run_allreduce takes them: gradients reduced by GradientReducer (several
+    buckets), weighted by each rank's sample share, the backend's flat optimiser. Checks
+    that the replicas stay bit-identical; returns the backend."""
+    from nbdist.algorithms import allreduce_sgd
+    from nbdist.specs import parse_spec
+    from nbdist.topology.allreduce import GradientReducer
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    x, y = make_arrays()
+    reducer = GradientReducer(comm, backend, BUCKET_FLOATS)
+    assert len(reducer.buckets) >= 3, reducer.buckets
+    opt = backend.make_optimizer(parse_spec(OPTIMIZER))
+    trailer = np.zeros(4, np.float32)
+    for batch in global_batches(steps, size, unequal):
+        parts = np.array_split(batch, size)
+        sizes = np.array([len(p) for p in parts])
+        assert (sizes.max() - sizes.min()) == (1 if unequal else 0), sizes
+        mine = parts[rank]
+        stats = backend.compute_gradients(x[mine], y[mine], scale=allreduce_sgd.sample_share(sizes, rank))
+        trailer[:] = (stats.n, stats.loss_sum, stats.metric_sum, 0.0)
+        reducer.finish(trailer)
+        assert int(trailer[0]) == len(batch), (trailer, len(batch))
+        allreduce_sgd.apply(opt, backend.grads)
+    # The replicas must not drift apart: every rank holds exactly rank 0's weights.
+    everyone = np.empty((size, backend.params.size), np.float32)
+    comm.Allgather(backend.params, everyone)
+    assert all(np.array_equal(everyone[0], row) for row in everyone), "replicas differ"
+    return backend
+

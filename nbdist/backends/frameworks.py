@@ -1,0 +1,170 @@
+"""The frameworks nbdist trains with, known without importing them.
+
+A `Framework` recognises its models by type, sets its threads and seeds, and builds the
+`Backend` of a model (or of a GAN). It imports its framework only once the user's code
+has: a PyTorch run never pays TensorFlow's start-up (seconds per rank), nor a Keras run
+PyTorch's. The list is looked up once, at the edge (`framework_of`), and the rest of
+nbdist talks to the Backend it returns.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+from nbdist.backends.base import Backend, ModelError
+from nbdist.specs import SpecError, unknown_name
+
+__all__ = ["Framework", "FRAMEWORKS", "TORCH", "KERAS", "framework_of", "configure_frameworks", "unknown_optimizer"]
+
+
+class Framework(ABC):
+    name: ClassVar[str]  # as users say it: "PyTorch", "Keras"
+    module: ClassVar[str]  # the top-level module whose presence means the user's code uses it
+    optimizers_module: ClassVar[str]  # where its optimisers live, for messages
+    # Its optimisers' names as of the pinned version, for messages about another
+    # framework's model only (importing a framework to word an error costs seconds); the
+    # backends read the live list (tests/test_backend_keras.py checks the two agree).
+    optimizer_hints: ClassVar[frozenset[str]]
+
+    def imported(self) -> bool:
+        return self.module in sys.modules
+
+    @abstractmethod
+    def owns(self, model: Any) -> bool:
+        """Whether `model` is one of this framework's models (False when not imported)."""
+
+    def prepare_environment(self, threads: int) -> None:
+        """Before the user's code runs: what the framework reads when it starts."""
+
+    @abstractmethod
+    def configure(self, threads: int, seed: int) -> None:
+        """Threads per rank and the seed of every generator the weights are drawn from."""
+
+    @abstractmethod
+    def backend(self, model: Any, loss: Any, metric: Any, sample: Any) -> Backend: ...
+
+    @abstractmethod
+    def gan_backend(self, gan: Any, sample: Any) -> Backend: ...
+
+    @abstractmethod
+    def optimizer_names(self) -> list[str]: ...
+
+
+class TorchFramework(Framework):
+    name, module, optimizers_module = "PyTorch", "torch", "torch.optim"
+    optimizer_hints = frozenset({"adadelta", "adafactor", "adagrad", "adam", "adamax", "adamw", "asgd", "muon",
+                                 "nadam", "radam", "rmsprop", "rprop", "sgd"})
+
+    def owns(self, model: Any) -> bool:
+        torch = sys.modules.get("torch")
+        return torch is not None and isinstance(model, torch.nn.Module)
+
+    def configure(self, threads: int, seed: int) -> None:
+        import torch
+
+        torch.set_num_threads(threads)
+        torch.manual_seed(seed)
+
+    def backend(self, model: Any, loss: Any, metric: Any, sample: Any) -> Backend:
+        from nbdist.backends.torch import TorchBackend
+
+        return TorchBackend(model, loss, metric)
+
+    def gan_backend(self, gan: Any, sample: Any) -> Backend:
+        from nbdist.backends.torch_gan import TorchGanBackend
+
+        return TorchGanBackend(gan)
+
+    def optimizer_names(self) -> list[str]:
+        from nbdist.backends.torch import torch_optimizers
+
+        return list(torch_optimizers())
+
+
+class KerasFramework(Framework):
+    """Keras 3 on TensorFlow (tf.keras is the same package from TensorFlow 2.16 on)."""
+
+    name, module, optimizers_module = "Keras", "keras", "keras.optimizers"
+    optimizer_hints = frozenset({"adadelta", "adafactor", "adagrad", "adam", "adamax", "adamw", "ftrl", "lamb",
+                                 "lion", "muon", "nadam", "rmsprop", "schedulefreeadamw", "sgd"})
+
+    def owns(self, model: Any) -> bool:
+        keras = sys.modules.get("keras")
+        return keras is not None and isinstance(model, keras.layers.Layer)
+
+    def prepare_environment(self, threads: int) -> None:
+        if "tensorflow" in sys.modules:
+            return
+        # TensorFlow sizes its thread pools once, when it starts, from these variables;
+        # a model built at the top of a cell starts it before configure() could run.
+        os.environ["TF_NUM_INTRAOP_THREADS"] = str(threads)
+        os.environ["TF_NUM_INTEROP_THREADS"] = "1"
+        # One start-up banner per rank says nothing; TF_CPP_MIN_LOG_LEVEL=0 brings it back.
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+    def configure(self, threads: int, seed: int) -> None:
+        import keras
+        import tensorflow as tf
+
+        try:
+            tf.config.threading.set_intra_op_parallelism_threads(threads)
+            tf.config.threading.set_inter_op_parallelism_threads(1)
+        except RuntimeError:
+            pass  # TensorFlow has started: prepare_environment() sized its pools
+        # Python's and numpy's generators too: Keras draws initialiser seeds from them.
+        keras.utils.set_random_seed(seed)
+
+    def backend(self, model: Any, loss: Any, metric: Any, sample: Any) -> Backend:
+        from nbdist.backends.keras import KerasBackend
+
+        return KerasBackend(model, loss, metric, sample=sample)
+
+    def gan_backend(self, gan: Any, sample: Any) -> Backend:
+        from nbdist.backends.keras_gan import KerasGanBackend
+
+        return KerasGanBackend(gan, sample=sample)
+
+    def optimizer_names(self) -> list[str]:
+        from nbdist.backends.keras import keras_optimizers
+
+        return list(keras_optimizers())
+
+
+TORCH, KERAS = TorchFramework(), KerasFramework()
+FRAMEWORKS: tuple[Framework, ...] = (TORCH, KERAS)
+
+
+def framework_of(model: Any) -> Framework:
+    for framework in FRAMEWORKS:
+        if framework.owns(model):
+            return framework
+    kind = f"{type(model).__module__}.{type(model).__qualname__}"
+    if type(model).__module__.split(".")[0] == "tf_keras":
+        raise ModelError(f"the model is a Keras 2 model ({kind}); nbdist trains Keras 3 models: "
+                         f"import keras (Keras 3), not tf_keras")
+    raise ModelError(f"the model is a {kind}; nbdist trains torch.nn.Module and keras.Model models")
+
+
+def configure_frameworks(threads: int, seed: int) -> None:
+    """Threads and seed for every framework the user's code has imported so far, and the
+    environment of those it imports later. Called before and after the user's code runs."""
+    for framework in FRAMEWORKS:
+        framework.prepare_environment(threads)
+        if framework.imported():
+            framework.configure(threads, seed)
+
+
+def unknown_optimizer(framework: Framework, name: str, known: list[str]) -> SpecError:
+    """The error for an optimiser `framework` does not have, saying so when another
+    framework does (a torch name given for a Keras model, or the reverse)."""
+    for other in FRAMEWORKS:
+        if other is not framework and name in other.optimizer_hints:
+            return SpecError(
+                f"{name!r} is a {other.name} optimizer ({other.optimizers_module}), but the model is "
+                f"a {framework.name} model: choose one of {framework.optimizers_module}: "
+                f"{', '.join(sorted(known))}"
+            )
+    return unknown_name(f"{framework.name} optimizer", name, known)
