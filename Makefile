@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-EXTRAS := mpi,torch,notebook,test
+EXTRAS := mpi,torch,notebook,hpo,test
 
 .PHONY: demo test install clean bench
 
