@@ -28,6 +28,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/allreduce_vs_ddp.py
 	$(BIN)/python bench/master_throughput.py
 	$(BIN)/python bench/overhead.py
+	$(BIN)/python bench/hpo_parallel.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -44,7 +44,8 @@ def test_skopt_dimensions_and_dicts_are_accepted():
                   SkCategorical(["adam", "sgd", "rmsprop"], name="optimizer")]
     assert as_space(skopt_list) == expected
     assert as_space(dict(zip(["lr", "hidden", "optimizer"], skopt_list))) == expected
-    assert as_space({"lr": "log(1e-4,1e-1)", "hidden": Integer(16, 256), "optimizer": "cat(adam,sgd,rmsprop)"}) == expected
+    mixed = {"lr": "log(1e-4,1e-1)", "hidden": Integer(16, 256), "optimizer": "cat(adam,sgd,rmsprop)"}
+    assert as_space(mixed) == expected
     assert as_space(expected) is expected
     # and back to skopt, for the bayes searcher
     back = expected.to_skopt()
@@ -111,7 +112,8 @@ HELP = "e.g. 'lr=log(1e-4,1e-1) hidden=int(16,256) optimizer=cat(adam,sgd,rmspro
     ("lr=log(a,1e-1)", "'lr=log(a,1e-1)': 'a' is not a number; write log(low,high) for a log-uniform real, 0 < low"),
     ("lr=log(0,1e-1)", "'lr=log(0,1e-1)': a log-uniform prior needs low > 0, got low=0.0; "
                        "write log(low,high) for a log-uniform real, 0 < low"),
-    ("x=real(1,0)", "'x=real(1,0)': low must be below high, got low=1.0, high=0.0; write real(low,high) for a uniform real"),
+    ("x=real(1,0)", "'x=real(1,0)': low must be below high, got low=1.0, high=0.0; "
+                    "write real(low,high) for a uniform real"),
     ("x=real(0,)", "'x=real(0,)': an argument is empty; write real(low,high) for a uniform real"),
     ("n=int(1.5,4)", "'n=int(1.5,4)': low must be an integer, got 1.5; "
                      "write int(low,high) for integers from low to high included"),

@@ -106,7 +106,8 @@ class EvolutionSearcher(Searcher):
         self._keys = [self.space.key(m, coerced=True) for m in self.members]
 
     @classmethod
-    def create(cls, space: Any, *, direction: str, seed: int, trials: int | None, **options: Any) -> "EvolutionSearcher":
+    def create(cls, space: Any, *, direction: str, seed: int, trials: int | None,
+               **options: Any) -> "EvolutionSearcher":
         # A study asks for a number of trials: unless told, evolve as many generations as
         # that budget allows (each generation evaluates `population` points).
         if trials is not None and "generations" not in options:
@@ -155,15 +156,15 @@ class EvolutionSearcher(Searcher):
         losses = [self.loss(f) for f in self.foms]
         order = sorted(range(self.population), key=lambda i: losses[i])  # stable: ties keep their order
         elite = order[:elite_count(self.population)]
+        keep = not self.reevaluate_elite
         members = [dict(self.members[i]) for i in elite]
-        foms: list[float | None] = [self.foms[i] for i in elite]
+        foms: list[float | None] = [self.foms[i] if keep else None for i in elite]
         while len(members) < self.population:
             a, b = tournament(losses, rng), tournament(losses, rng)
             if losses[b] < losses[a]:  # A is the fitter parent (the first one on a tie)
                 a, b = b, a
             members.append(self._child(self.members[a], self.members[b], g, rng))
             foms.append(None)
-        keep = not self.reevaluate_elite
         self.members, self.foms = members, foms
         self.asked = [keep and i < len(elite) for i in range(self.population)]
         self.done = list(self.asked)
@@ -176,9 +177,10 @@ class EvolutionSearcher(Searcher):
             if isinstance(dim, Categorical):
                 value = parent_a[name]
                 r1, r2 = rng.random(), rng.random()
-                if len(dim.categories) > 1 and r2 < mutation_fraction(r1, g, self.generations):
-                    keep = dim.index(value)
-                    value = dim.categories[(keep + 1 + int(rng.integers(len(dim.categories) - 1))) % len(dim.categories)]
+                count = len(dim.categories)
+                if count > 1 and r2 < mutation_fraction(r1, g, self.generations):
+                    # one of the other categories, uniformly
+                    value = dim.categories[(dim.index(value) + 1 + int(rng.integers(count - 1))) % count]
                 child[name] = value
                 continue
             low, high = dim.search_bounds

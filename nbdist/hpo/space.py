@@ -363,7 +363,8 @@ def as_space(space: Any) -> Space:
         for dim in space:
             name = getattr(dim, "name", None)
             if not name:
-                raise SpaceError(f"{dim!r} has no name; give skopt dimensions a name=..., or pass a dict name -> dimension")
+                raise SpaceError(f"{dim!r} has no name; give skopt dimensions a name=..., "
+                                 f"or pass a dict name -> dimension")
             if name in dims:
                 raise SpaceError(f"parameter {name!r} is given twice")
             dims[name] = _dimension(name, dim)
