@@ -13,7 +13,7 @@ import pytest
 
 from nbdist.errors import UserError
 from nbdist.hpo import (SEARCHERS, BayesSearcher, EvolutionSearcher, GridSearcher, RandomSearcher, SearcherError,
-                        make_searcher, parse_space, restore_searcher)
+                        make_searcher, restore_searcher)
 from nbdist.hpo.evolution import crossover, elite_count, mutation, mutation_fraction, tournament
 from nbdist.hpo.functions import BRANIN_SPACE, branin
 from nbdist.specs import SpecError

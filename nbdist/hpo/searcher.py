@@ -75,7 +75,7 @@ class Searcher(ABC):
         try:
             key = self.space.key(params)
         except ValueError as exc:
-            raise SearcherError(f"cannot tell {dict(params)!r}: {exc}") from None
+            raise SearcherError(f"cannot tell {params!r}: {exc}") from None
         if key not in self._pending_keys:
             raise SearcherError(f"cannot tell {dict(params)!r}: it was not asked, or was told already")
         index = self._pending_keys.index(key)
