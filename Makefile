@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-EXTRAS := mpi,torch,tensorflow,notebook,dashboard,hep,test
+EXTRAS := mpi,torch,tensorflow,notebook,dashboard,hpo,hep,test
 
 .PHONY: demo test install clean bench
 
@@ -30,6 +30,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/overhead.py
 	$(BIN)/python bench/dashboard_overhead.py
 	$(BIN)/python bench/keras_overhead.py
+	$(BIN)/python bench/hpo_parallel.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

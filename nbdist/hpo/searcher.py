@@ -1,0 +1,211 @@
+"""The one interface every searcher offers: ask for points, tell their figure of merit.
+
+    searcher = make_searcher("bayes", "lr=log(1e-4,1e-1) hidden=int(16,256)", seed=1)
+    points = searcher.ask(2)                 # one point per free group of ranks
+    searcher.tell(points[1], 0.31)           # results in any order, as trials end
+    searcher.tell(points[0], None)           # a failed trial (NaN or inf count as failed too)
+    blob = json.dumps(searcher.state())      # persist; restore_searcher(json.loads(blob))
+                                             # continues exactly as this one would
+
+A point is a dict of plain Python values (float, int, a category). `ask(n)` may give fewer
+than n points: an evolution waits for the last members of a generation to be told before
+it breeds the next, and grid runs out; `exhausted` says that no point will ever come again.
+
+Randomness never lives in a generator object that would have to be saved: each searcher
+draws from `rng(...)`, a generator made afresh from the seed and a counter of what it is
+drawing (the k-th random point, the g-th generation), so a searcher's state is its
+counters and its history, all JSON, and a restored searcher draws exactly what the
+original would have.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from numbers import Real as RealNumber
+from typing import Any, ClassVar, Mapping
+
+import numpy as np
+
+from nbdist.errors import UserError
+from nbdist.hpo.space import Space, as_space
+from nbdist.specs import Spec, SpecError, check_kwargs, parse_spec, unknown_name
+
+__all__ = ["Searcher", "SearcherError", "DIRECTIONS", "SEARCHERS", "register", "make_searcher", "restore_searcher"]
+
+DIRECTIONS = ("minimize", "maximize")
+STATE_VERSION = 1
+
+
+class SearcherError(UserError, ValueError):
+    pass
+
+
+class Searcher(ABC):
+    """Subclasses give `name`, `_propose(n)` and, when they keep more than the history,
+    `_extra_state()` / `_load_extra_state()`; the base class keeps the history: the points
+    asked and not yet told (`pending`), and those told with their figure of merit (`told`)."""
+
+    name: ClassVar[str]
+
+    def __init__(self, space: Any, *, direction: str = "minimize", seed: int = 0):
+        if direction not in DIRECTIONS:
+            raise SearcherError(f"direction must be 'minimize' or 'maximize', got {direction!r}")
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise SearcherError(f"seed must be a non-negative integer, got {seed!r}")
+        self.space: Space = as_space(space)
+        self.direction = direction
+        self.seed = int(seed)
+        self.pending: list[dict] = []  # asked, not told yet, in the order asked
+        self._pending_keys: list[str] = []  # space.key of each pending point
+        self.told: list[tuple[dict, float | None]] = []  # in the order told; None = failed
+
+    # -- what the runner calls --------------------------------------------------------
+    def ask(self, n: int = 1) -> list[dict]:
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise SearcherError(f"ask(n) needs a positive integer n, got {n!r}")
+        points = [self.space.coerce(p) for p in self._propose(int(n))]
+        self.pending.extend(points)
+        self._pending_keys.extend(self.space.key(p, coerced=True) for p in points)
+        return [dict(p) for p in points]
+
+    def tell(self, params: Mapping[str, Any], fom: float | None) -> None:
+        """Record the figure of merit of a point asked earlier; None, NaN or an infinity
+        marks a failed trial."""
+        try:
+            key = self.space.key(params)
+        except ValueError as exc:
+            raise SearcherError(f"cannot tell {params!r}: {exc}") from None
+        if key not in self._pending_keys:
+            raise SearcherError(f"cannot tell {dict(params)!r}: it was not asked, or was told already")
+        index = self._pending_keys.index(key)
+        if fom is not None and (isinstance(fom, bool) or not isinstance(fom, RealNumber)):
+            raise SearcherError(f"the figure of merit must be a number or None (failed), got {fom!r}")
+        value = float(fom) if fom is not None and math.isfinite(fom) else None
+        point = self.pending.pop(index)
+        del self._pending_keys[index]
+        self.told.append((point, value))
+        self._on_told(point, value)
+
+    @property
+    def exhausted(self) -> bool:
+        """True when `ask` will never give another point."""
+        return False
+
+    @property
+    def planned(self) -> int | None:
+        """How many points the searcher gives in all, when that is fixed (grid, evolution)."""
+        return None
+
+    @property
+    def generation(self) -> int | None:
+        """The generation that the points of the last `ask` belong to (None: no generations)."""
+        return None
+
+    @property
+    def best(self) -> tuple[dict, float] | None:
+        """(params, fom) of the best point told so far, or None."""
+        done = [(p, f) for p, f in self.told if f is not None]
+        if not done:
+            return None
+        p, f = min(done, key=lambda pf: self.loss(pf[1]))
+        return dict(p), f
+
+    def loss(self, fom: float | None) -> float:
+        """The figure of merit as a value to minimise; a failure is +inf."""
+        if fom is None:
+            return math.inf
+        return fom if self.direction == "minimize" else -fom
+
+    def rng(self, *stream: int) -> np.random.Generator:
+        """A generator determined by the seed and `stream` (e.g. (RANDOM_POINT, k))."""
+        return np.random.default_rng([self.seed, *stream])
+
+    # -- persistence ------------------------------------------------------------------
+    def options(self) -> dict:
+        """The constructor's keyword options (besides space, direction, seed)."""
+        return {}
+
+    def state(self) -> dict:
+        return {
+            "searcher": self.name,
+            "version": STATE_VERSION,
+            "space": self.space.to_json(),
+            "direction": self.direction,
+            "seed": self.seed,
+            "options": self.options(),
+            "pending": [dict(p) for p in self.pending],
+            "told": [[dict(p), f] for p, f in self.told],
+            "extra": self._extra_state(),
+        }
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> "Searcher":
+        if state.get("version") != STATE_VERSION or state.get("searcher") != cls.name:
+            raise SearcherError(
+                f"this is not a {cls.name} searcher state of version {STATE_VERSION} "
+                f"(searcher {state.get('searcher')!r}, version {state.get('version')!r})")
+        searcher = cls(Space.from_json(state["space"]), direction=state["direction"], seed=state["seed"],
+                       **state["options"])
+        searcher.pending = [searcher.space.coerce(p) for p in state["pending"]]
+        searcher._pending_keys = [searcher.space.key(p, coerced=True) for p in searcher.pending]
+        searcher.told = [(searcher.space.coerce(p), None if f is None else float(f)) for p, f in state["told"]]
+        searcher._load_extra_state(state["extra"])
+        return searcher
+
+    # -- what subclasses give ---------------------------------------------------------
+    @abstractmethod
+    def _propose(self, n: int) -> list[dict]:
+        """Up to n new points (they join `pending` when returned)."""
+
+    def _on_told(self, point: dict, fom: float | None) -> None:
+        """Called after a point moved from `pending` to `told`."""
+
+    def _extra_state(self) -> dict:
+        return {}
+
+    def _load_extra_state(self, extra: Mapping[str, Any]) -> None:
+        pass
+
+    @classmethod
+    def create(cls, space: Any, *, direction: str, seed: int, trials: int | None, **options: Any) -> "Searcher":
+        """Build from a study's settings; `trials` is the study's budget, which a searcher
+        whose plan depends on it (evolution's generations) may use."""
+        return cls(space, direction=direction, seed=seed, **options)
+
+    def __repr__(self) -> str:
+        opts = "".join(f", {k}={v!r}" for k, v in self.options().items())
+        return f"{type(self).__name__}({str(self.space)!r}, direction={self.direction!r}, seed={self.seed}{opts})"
+
+
+SEARCHERS: dict[str, type[Searcher]] = {}
+
+
+def register(cls: type[Searcher]) -> type[Searcher]:
+    SEARCHERS[cls.name] = cls
+    return cls
+
+
+def make_searcher(spec: "str | Spec | Mapping[str, Any]", space: Any, *, direction: str = "minimize",
+                  seed: int = 0, trials: int | None = None) -> Searcher:
+    """`spec` names the searcher, with options: `"bayes"`, `"evolution(population=20)"`."""
+    spec = parse_spec(spec, what="searcher")
+    cls = SEARCHERS.get(spec.name)
+    if cls is None:
+        raise unknown_name("searcher", spec.name, list(SEARCHERS))
+    check_kwargs(f"searcher {spec.name!r}", cls.__init__, spec.kwargs, skip=2)
+    kwargs = {"direction": direction, "seed": seed, **spec.kwargs}
+    try:
+        return cls.create(space, trials=trials, **kwargs)
+    except UserError:
+        raise
+    except (ValueError, TypeError) as exc:
+        raise SpecError(f"searcher {spec}: {exc}") from None
+
+
+def restore_searcher(state: Mapping[str, Any]) -> Searcher:
+    """The searcher that `state()` described, continuing exactly where it was."""
+    cls = SEARCHERS.get(state.get("searcher"))  # type: ignore[arg-type]
+    if cls is None:
+        raise unknown_name("searcher", str(state.get("searcher")), list(SEARCHERS))
+    return cls.from_state(state)
