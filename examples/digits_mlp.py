@@ -1,6 +1,11 @@
 """A small MLP on scikit-learn's digits (8x8 images flattened to 64 features).
 
     mpiexec -n 4 python -m nbdist train --model examples/digits_mlp.py --algorithm easgd
+    mpiexec -n 9 python -m nbdist study --model examples/digits_mlp.py --groups 2 --folds 2 --workers 1 \
+        --space "lr=log(1e-3,0.5) hidden=int(8,128) optimizer=cat(sgd,adam)" --trials 12
+
+In a study, build_model gets the trial's parameters (here `hidden`; `lr` and `optimizer`
+set the optimiser); trained on its own, the defaults.
 """
 
 from torch import nn
@@ -8,11 +13,12 @@ from torch import nn
 import nbdist.datasets
 
 
-def build_model():
+def build_model(params=None):
+    hidden = int((params or {}).get("hidden", 64))
     return nn.Sequential(
-        nn.Linear(64, 64),
+        nn.Linear(64, hidden),
         nn.ReLU(),
-        nn.Linear(64, 10),
+        nn.Linear(hidden, 10),
     )
 
 

@@ -1,12 +1,13 @@
 """nbdist: distributed training and hyper-parameter optimisation on MPI, from Jupyter."""
 
 from nbdist import data, datasets  # nbdist.datasets.digits() after a plain `import nbdist`
-from nbdist.api import train
+from nbdist.api import study, train
 from nbdist.cluster import Cluster
 from nbdist.layout import Layout
-from nbdist.options import TrainOptions
+from nbdist.options import StudyOptions, TrainOptions
 
-__all__ = ["train", "Cluster", "Layout", "TrainOptions", "data", "datasets", "load_ipython_extension"]
+__all__ = ["train", "study", "Study", "Cluster", "Layout", "TrainOptions", "StudyOptions", "data", "datasets",
+           "load_ipython_extension"]
 __version__ = "0.1.0"
 
 
@@ -14,3 +15,11 @@ def load_ipython_extension(shell):  # noqa: ANN001 - IPython's hook: %load_ext n
     from nbdist.magics import load_ipython_extension as load
 
     load(shell)
+
+
+def __getattr__(name: str):  # noqa: ANN202 - nbdist.Study without importing the notebook layer up front
+    if name == "Study":
+        from nbdist.hpo.notebook import Study
+
+        return Study
+    raise AttributeError(f"module 'nbdist' has no attribute {name!r}")

@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import os
+from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from nbdist.errors import OptionsError
-from nbdist.options import TrainOptions
+from nbdist.options import STUDY_SKIPS, StudyOptions, TrainOptions
+from nbdist.store import RunStore, store_path
 from nbdist.train.definition import ModelDefinition, load_model_file
 from nbdist.train.progress import RunResult
 
 if TYPE_CHECKING:
     from nbdist.cluster import Cluster
+    from nbdist.hpo.notebook import Study
+    from nbdist.hpo.runner import StudyResult
     from nbdist.job import Job
 
-__all__ = ["train", "submit"]
+__all__ = ["train", "submit", "study", "submit_study"]
 
 
 def train(model: "Callable[[], Any] | str | Path", *, data: Any = None, loss: Any = None,
@@ -62,14 +66,11 @@ def _absolute(patterns: str) -> str:
     return ",".join(os.path.abspath(os.path.expanduser(p.strip())) for p in patterns.split(",") if p.strip())
 
 
-def submit(cluster: "Cluster", options: TrainOptions, *, cell: str | None = None, model: Any = None,
-           loss: Any = None, metric: Any = "accuracy", data: Any = None, block: bool = False,
-           show_progress: bool = True) -> "Job":
-    """Start a training on every engine of `cluster`; the magics and train() end here."""
-    from nbdist import engine
+def _for_the_engines(options: TrainOptions, *, cell: str | None, model: Any,
+                     data: Any) -> tuple[TrainOptions, Any]:
+    """The options and the model as the engines need them: paths made absolute from the
+    notebook's directory (the engines may run elsewhere), a model file named once."""
     from nbdist.data.base import Data
-    from nbdist.job import Job
-    from nbdist.store import RunStore, store_path
 
     if data is not None and isinstance(data, Data):
         raise OptionsError("with a cluster, pass data as a function that loads it (each engine "
@@ -84,7 +85,6 @@ def submit(cluster: "Cluster", options: TrainOptions, *, cell: str | None = None
     if isinstance(model, str):
         model = str(Path(model).resolve())
         options = options.replace(model=model)
-    # Paths as the notebook sees them: the engines may run in another directory.
     options = options.replace(runs_dir=str(Path(options.runs_dir).resolve()))
     if store_path(options.store, options.runs_dir) is not None and options.store is not None:
         options = options.replace(store=str(Path(options.store).resolve()))
@@ -93,18 +93,92 @@ def submit(cluster: "Cluster", options: TrainOptions, *, cell: str | None = None
     for name in ("train", "val", "cache_dir"):
         if getattr(options, name):
             options = options.replace(**{name: _absolute(getattr(options, name))})
-    cluster.check_alive()
-    # Checked here, before any engine is busy, with the rules the ranks apply.
+    return options, model
+
+
+def _store_for(options: TrainOptions) -> str | None:
+    """The run store the job is recorded in; one that cannot be used is an error now, in the cell."""
+    database = store_path(options.store, options.runs_dir)
+    if database is not None:
+        RunStore(database).close()
+    return database
+
+
+def submit(cluster: "Cluster", options: TrainOptions, *, cell: str | None = None, model: Any = None,
+           loss: Any = None, metric: Any = "accuracy", data: Any = None, block: bool = False,
+           show_progress: bool = True) -> "Job":
+    """Start a training on every engine of `cluster`; the magics and train() end here."""
+    from nbdist import engine
+    from nbdist.job import Job
     from nbdist.layout import Layout
 
+    options, model = _for_the_engines(options, cell=cell, model=model, data=data)
+    cluster.check_alive()
+    # Checked here, before any engine is busy, with the rules the ranks apply.
     options.validate()
     layout = Layout.for_world(cluster.n, workers=options.workers, masters=options.masters,
                               procs_per_worker=options.procs_per_worker, topology=options.topology)
-    database = store_path(options.store, options.runs_dir)
-    if database is not None:
-        RunStore(database).close()  # a store that cannot be used is an error now, in the cell
+    database = _store_for(options)
     async_result = cluster.view.apply_async(
         engine.run_training, options.to_dict(), cell=cell, model=model, loss=loss, metric=metric, data=data,
     )
     job = Job(cluster, async_result, options, layout=layout.to_dict(), store=database, show_progress=show_progress)
     return job.wait() if block else job
+
+
+def study(model: "Callable[..., Any] | str | Path | None" = None, *, data: Any = None, loss: Any = None,
+          metric: Any = "accuracy", comm: Any = None, cluster: "Cluster | None" = None, block: bool = False,
+          show_progress: bool = True, **options: Any) -> "Study | StudyResult | None":
+    """A hyper-parameter study: a searcher proposes parameters, groups of ranks train them.
+
+    `model` is a function `build_model(params)` (or a model file defining it); the
+    parameters also set the training options they name, and `optimizer`/`lr` the
+    optimiser (nbdist.hpo.trial). Keywords are the options of `python -m nbdist study`:
+    `study(build, space="lr=log(1e-4,1e-1) hidden=int(16,256)", searcher="evolution",
+    trials=20, groups=2, folds=3, workers=2, epochs=5)`.
+
+    From a notebook, `cluster=` runs the trials on its engines (groups x folds x ranks of
+    a run) and returns a Study at once (`block=True` waits). Under mpiexec, every rank
+    calls this; rank 0 coordinates and gets the StudyResult, the others None.
+    """
+    study_options, train_options = _study_options(options)
+    if cluster is not None:
+        from nbdist.hpo.notebook import Study
+
+        train_options, model = _for_the_engines(train_options, cell=None, model=model, data=data)
+        handle = Study(cluster, study_options, train_options, store=_store_for(train_options),
+                       what=dict(model=model, loss=loss, metric=metric, data=data), show_progress=show_progress)
+        return handle.wait() if block else handle
+    from nbdist.hpo.batch import run_study
+
+    if isinstance(model, (str, Path)):
+        train_options = train_options.replace(model=str(model))
+        definition: Callable[[], ModelDefinition] = lambda: load_model_file(model)  # noqa: E731
+    else:
+        built = ModelDefinition(build_model=model, loss=loss, metric=metric, data=data,
+                                source=getattr(model, "__name__", "model"))
+        definition = lambda: built  # noqa: E731
+    return run_study(study_options, train_options, definition, comm)
+
+
+def submit_study(cluster: "Cluster", study_options: StudyOptions, train_options: TrainOptions, *, cell: str,
+                 show_progress: bool = True) -> "Study":
+    """A study whose model is a notebook cell (the %%distnn study magic)."""
+    from nbdist.hpo.notebook import Study
+
+    train_options, _ = _for_the_engines(train_options, cell=cell, model=None, data=None)
+    return Study(cluster, study_options, train_options, store=_store_for(train_options), what=dict(cell=cell),
+                 show_progress=show_progress)
+
+
+def _study_options(options: dict[str, Any]) -> tuple[StudyOptions, TrainOptions]:
+    from nbdist.hpo.runner import resolve_options
+
+    study_names = {f.name for f in fields(StudyOptions)}
+    train_names = {f.name for f in fields(TrainOptions)} - set(STUDY_SKIPS)
+    unknown = sorted(set(options) - study_names - train_names)
+    if unknown:
+        raise OptionsError(f"unknown option(s) for a study: {', '.join(unknown)}")
+    study, train = resolve_options({k: v for k, v in options.items() if k in study_names},
+                                   {k: v for k, v in options.items() if k in train_names})
+    return study.validate(), train.validate()

@@ -1,6 +1,7 @@
 """`python -m nbdist ...`: the batch command line, with the same options as the magics.
 
     mpiexec -n 4 python -m nbdist train --model examples/digits_mlp.py --algorithm easgd
+    mpiexec -n 9 python -m nbdist study --model examples/digits_mlp.py --space "lr=log(1e-3,0.3)" --groups 2 --folds 2
     python -m nbdist layout --workers 4 --masters 2
     python -m nbdist dashboard --store runs/nbdist.db        # live, on localhost
     python -m nbdist store import runs/<run>                 # a run directory into the store
@@ -18,7 +19,7 @@ import sys
 import traceback
 
 from nbdist.errors import UserError
-from nbdist.options import add_arguments, options_from_args
+from nbdist.options import add_arguments, add_study_arguments, options_from_args, study_options_from_args
 
 __all__ = ["main", "build_parser"]
 
@@ -31,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     # None, so that a resumed run's saved options are not overridden).
     train = sub.add_parser("train", help="train a model under mpiexec/srun")
     add_arguments(train)
+
+    study = sub.add_parser("study", help="a hyper-parameter study under mpiexec/srun (rank 0 coordinates)")
+    add_study_arguments(study)
 
     board = sub.add_parser("dashboard", help="serve the live dashboard of a run store (or export one run)")
     board.add_argument("--store", default="runs/nbdist.db", help="the run store (default: runs/nbdist.db)")
@@ -111,6 +115,24 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _study(args: argparse.Namespace) -> int:
+    from nbdist.hpo.batch import run_study
+    from nbdist.hpo.runner import resolve_options
+    from nbdist.train.definition import load_model_file
+
+    study, train = resolve_options(*study_options_from_args(args))
+    if not train.model:
+        raise UserError("--model is required: a Python file that defines build_model(params)")
+    result = run_study(study, train, lambda: load_model_file(train.model))
+    if result is not None:
+        print(f"nbdist: study {result.study}: {result.reason} in {result.seconds:.1f}s", flush=True)
+        if result.best_params is not None:
+            print(f"nbdist: best {study.objective} {result.best_fom:.4f} with {result.best_params}", flush=True)
+        if result.store:
+            print(f"nbdist: trials in {result.store}: python -m nbdist dashboard --store {result.store}", flush=True)
+    return 0
+
+
 def _layout(args: argparse.Namespace) -> int:
     from nbdist.layout import Layout
 
@@ -162,7 +184,7 @@ def _datasets(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"train": _train, "layout": _layout, "dashboard": _dashboard, "store": _store, "datasets": _datasets}
+COMMANDS = {"train": _train, "study": _study, "layout": _layout, "dashboard": _dashboard, "store": _store, "datasets": _datasets}
 
 
 def main(argv: list[str] | None = None) -> int:

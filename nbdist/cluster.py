@@ -259,11 +259,15 @@ class Cluster:
     def engine_of(self, rank: int) -> int:
         return self.info[rank].engine_id
 
-    def signal(self, signum: int = signal.SIGUSR1) -> None:
-        """Send a signal to every rank (mpiexec forwards it)."""
+    def signal(self, signum: int = signal.SIGUSR1, engines: list[int] | None = None) -> None:
+        """Send a signal to every rank (mpiexec forwards it), or to some engines only
+        (through each engine's nanny, which signals it even while it runs a task)."""
         if self._ipp is None:
             raise ClusterError("the cluster is not running")
-        self._ipp.signal_engines_sync(signum)
+        if engines is None:
+            self._ipp.signal_engines_sync(signum)
+        else:
+            self.client.send_signal(signum, targets=list(engines), block=True)
 
     def check_alive(self) -> None:
         if not self.running:

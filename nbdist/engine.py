@@ -21,8 +21,8 @@ from typing import Any, Callable
 from nbdist.backends.base import ModelError
 from nbdist.errors import UserError
 
-__all__ = ["EngineOutcome", "describe_engine", "install_idle_stop_handler", "run_training",
-           "CELL_FILENAME", "LIVE_PREFIX"]
+__all__ = ["EngineOutcome", "describe_engine", "install_idle_stop_handler", "run_training", "open_study",
+           "close_study", "run_trial", "CELL_FILENAME", "LIVE_PREFIX"]
 
 CELL_FILENAME = "<distnn cell>"
 LIVE_PREFIX = "nbdist-records-"  # keys of the record batches published to the client
@@ -87,28 +87,29 @@ def _where(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}{line}"
 
 
-def run_training(options: dict[str, Any], *, cell: str | None = None,
-                 model: Callable[[], Any] | str | None = None, loss: Any = None,
-                 metric: Any = "accuracy", data: Any = None, live: bool = True) -> EngineOutcome:
-    """One rank's part of a notebook job: collective over COMM_WORLD."""
+def _definition(cell: str | None, model: Callable[..., Any] | str | None, loss: Any, metric: Any,
+                data: Any) -> Any:
+    """What the job trains, built on this engine: the cell's names, a model file, or functions."""
+    from nbdist.train.definition import ModelDefinition, load_model_file
+
+    if cell is not None:
+        return lambda: definition_from_cell(cell)
+    if isinstance(model, str):
+        return lambda: load_model_file(model)
+    return ModelDefinition(build_model=model, loss=loss, metric=metric, data=data,
+                           source=getattr(model, "__name__", "model"))
+
+
+def _as_outcome(work: Callable[[Any, Any], Any], live: bool) -> EngineOutcome:
+    """Run `work(stop, sink)` on this rank with the job's signals in place; whatever
+    happens becomes this rank's one outcome (never an exception into ipyparallel)."""
     from mpi4py import MPI
 
     from nbdist.metrics.publish import DataPublisher
-    from nbdist.options import TrainOptions
     from nbdist.topology import waiting
-    from nbdist.train.definition import ModelDefinition, load_model_file
-    from nbdist.train.runner import run_rank
     from nbdist.train.stopping import StopFlag
 
     rank = MPI.COMM_WORLD.Get_rank()
-    opts = TrainOptions.from_dict(options)
-    if cell is not None:
-        definition: Any = lambda: definition_from_cell(cell)  # noqa: E731
-    elif isinstance(model, str):
-        definition = lambda: load_model_file(model)  # noqa: E731
-    else:
-        definition = ModelDefinition(build_model=model, loss=loss, metric=metric, data=data,
-                                     source=getattr(model, "__name__", "model"))
     stop = StopFlag()
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)}
     stop.install()
@@ -126,9 +127,7 @@ def run_training(options: dict[str, Any], *, cell: str | None = None,
     signal.signal(signal.SIGUSR2, give_up)
     publisher = DataPublisher(LIVE_PREFIX) if live else None
     try:
-        # The notebook records the run in the store (the Job), not the engines.
-        result = run_rank(opts, definition, MPI.COMM_WORLD, stop, sink=publisher, record=False)
-        return EngineOutcome(rank, result=result)
+        return EngineOutcome(rank, result=work(stop, publisher))
     except waiting.Abandoned:
         return EngineOutcome(rank, error="abandoned: another rank failed", abandoned=True)
     except UserError as exc:
@@ -142,3 +141,58 @@ def run_training(options: dict[str, Any], *, cell: str | None = None,
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
         if publisher is not None:
             publisher.close()
+
+
+def run_training(options: dict[str, Any], *, cell: str | None = None,
+                 model: Callable[[], Any] | str | None = None, loss: Any = None,
+                 metric: Any = "accuracy", data: Any = None, live: bool = True) -> EngineOutcome:
+    """One rank's part of a notebook job: collective over COMM_WORLD."""
+    from mpi4py import MPI
+
+    from nbdist.options import TrainOptions
+    from nbdist.train.runner import run_rank
+
+    opts = TrainOptions.from_dict(options)
+    definition = _definition(cell, model, loss, metric, data)
+    # The notebook records the run in the store (the Job), not the engines.
+    return _as_outcome(lambda stop, sink: run_rank(opts, definition, MPI.COMM_WORLD, stop, sink=sink, record=False),
+                       live)
+
+
+# The communicators of the studies open on this engine: split once when the study starts
+# (collective over every engine), used by each trial the engine's group trains.
+_STUDIES: dict[str, Any] = {}
+
+
+def open_study(study: str, layout: dict[str, Any]) -> None:
+    from mpi4py import MPI
+
+    from nbdist.layout import Layout
+
+    close_study(study)
+    _STUDIES[study] = Layout.from_dict(layout).split(MPI.COMM_WORLD)
+
+
+def close_study(study: str) -> None:
+    comms = _STUDIES.pop(study, None)
+    if comms is not None:
+        comms.free()
+
+
+def run_trial(study: str, number: int, params: dict[str, Any], train: dict[str, Any], options: dict[str, Any], *,
+              cell: str | None = None, model: Callable[..., Any] | str | None = None, loss: Any = None,
+              metric: Any = "accuracy", data: Any = None, live: bool = True) -> EngineOutcome:
+    """One rank's part of a study's trial: collective over this engine's group (its fold
+    runs in parallel). The outcome's result is a FoldOutcome on each fold's leader."""
+    from nbdist.hpo.ranks import train_fold
+    from nbdist.options import StudyOptions, TrainOptions
+
+    comms = _STUDIES.get(study)
+    if comms is None:
+        from mpi4py import MPI
+
+        return EngineOutcome(MPI.COMM_WORLD.Get_rank(), error=f"study {study!r} is not open on this engine")
+    definition = _definition(cell, model, loss, metric, data)
+    train_options, study_options = TrainOptions.from_dict(train), StudyOptions.from_dict(options)
+    return _as_outcome(lambda stop, sink: train_fold(study, number, params, train_options, study_options, definition,
+                                                     comms.run, comms.role.fold, stop, sink=sink, record=False), live)

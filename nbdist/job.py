@@ -25,6 +25,7 @@ from nbdist.errors import TrainingError
 from nbdist.metrics.collect import LiveRecords
 from nbdist.options import TrainOptions
 from nbdist.store import RunFeed
+from nbdist.train.progress import stopped_on_request
 
 __all__ = ["Job", "JobError"]
 
@@ -44,15 +45,22 @@ class JobError(TrainingError):
 
 
 class Job:
+    """`engines`: the engine ids the job runs on when not the whole cluster (a study's
+    trial on one group): stops and give-ups are then signalled to those engines only.
+    `study`: the study a trial job's runs belong to, for the store."""
+
     def __init__(self, cluster: Any, async_result: Any, options: TrainOptions, *, layout: dict[str, Any],
-                 store: str | None = None, show_progress: bool = True):
+                 store: str | None = None, show_progress: bool = True, engines: list[int] | None = None,
+                 study: str | None = None):
         self.cluster = cluster
         self.options = options
         self.layout = layout
         self.store = store  # the run store file this job is recorded in (None: not recorded)
+        self.engines = engines
+        self.study = study
         self._result = async_result
         self.live = LiveRecords(async_result, LIVE_PREFIX)
-        self._feed: RunFeed | None = None
+        self._feeds: dict[str, RunFeed] = {}  # run id -> its feed (a trial job trains one run per fold)
         self._stored = 0  # records already written to the store
         self.store_error: str | None = None
         self.started = time.time()
@@ -80,7 +88,7 @@ class Job:
         if self._error is not None:
             return "failed"
         result = self.result
-        return "stopped" if result is not None and result.stop_reason.startswith("stopped") else "completed"
+        return "stopped" if result is not None and stopped_on_request(result.stop_reason) else "completed"
 
     @property
     def result(self) -> Any:
@@ -95,6 +103,11 @@ class Job:
     @property
     def error(self) -> JobError | None:
         return self._error
+
+    @property
+    def outcomes(self) -> list[EngineOutcome]:
+        """Each rank's outcome, in rank order, once the job is done (empty before)."""
+        return list(self._outcomes or [])
 
     @property
     def run_id(self) -> str | None:
@@ -156,7 +169,7 @@ class Job:
         when checkpointing is on) and wait for them."""
         if not self.done:
             self._stop_requested = True
-            self.cluster.signal(signal.SIGUSR1)
+            self._signal(signal.SIGUSR1)
             if not self._done.wait(timeout):
                 raise TimeoutError(f"the ranks did not stop within {timeout} s")
         return self
@@ -196,36 +209,44 @@ class Job:
             if self._progress:
                 self._progress.update(final=True)
 
+    def _signal(self, signum: int) -> None:
+        self.cluster.signal(signum, engines=self.engines)
+
     def _record_in_store(self, final: bool = False) -> None:
-        """New records into the store; at the end, how the run ended. A store that fails
-        is reported on the job and never stops the training."""
+        """New records into the store, each run's to its own row; at the end, how each
+        run ended. A store that fails is reported on the job and never stops the training."""
         if self.store is None or self.store_error is not None:
             return
         records = self.live.records
         try:
-            if self._feed is None and records:
-                run_dir = Path(self.options.resume or Path(self.options.runs_dir) / records[0]["run"])
-                self._feed = RunFeed(self.store, records[0]["run"], run_dir, options=self.options.to_dict(),
-                                     layout=self.layout)
-            if self._feed is None:
-                return
             new, self._stored = records[self._stored:], len(records)
-            self._feed.add(new)
+            by_run: dict[str, list[dict[str, Any]]] = {}
+            for record in new:
+                by_run.setdefault(record["run"], []).append(record)
+            for run_id, batch in by_run.items():
+                if run_id not in self._feeds:
+                    run_dir = Path(self.options.resume or Path(self.options.runs_dir) / run_id)
+                    self._feeds[run_id] = RunFeed(self.store, run_id, run_dir, options=self.options.to_dict(),
+                                                  layout=self.layout, study=self.study, trial=batch[0]["trial"])
+                self._feeds[run_id].add(batch)
             if final:
-                self._feed.end(*self._ending())
+                for run_id, feed in self._feeds.items():
+                    feed.end(*self._ending(run_id))
         except Exception as exc:  # noqa: BLE001 - the training matters more than its record
             self.store_error = f"{type(exc).__name__}: {exc}"
             print(f"nbdist: the run store {self.store} failed, the job goes on unrecorded: {self.store_error}",
                   flush=True)
 
-    def _ending(self) -> tuple[str, str | None, dict[str, Any] | None]:
+    def _ending(self, run_id: str) -> tuple[str, str | None, dict[str, Any] | None]:
         if self._error is not None:
             return "failed", str(self._error), None
-        result = next((o.result for o in self._outcomes or [] if o.result is not None), None)
+        result = next((o.result for o in self._outcomes or []
+                       if o.result is not None and getattr(o.result, "run_id", None) == run_id), None)
         if result is None:
             return "failed", "the job ended without a result", None
-        stopped = result.stop_reason.startswith("stopped")
-        return ("stopped" if stopped else "completed"), result.stop_reason, result.final
+        if getattr(result, "error", None):
+            return "failed", result.error, None
+        return ("stopped" if stopped_on_request(result.stop_reason) else "completed"), result.stop_reason, result.final
 
     def _finished_outcomes(self) -> list[EngineOutcome]:
         outcomes = []
@@ -245,7 +266,7 @@ class Job:
             # A rank failed outside the paths the core reports on: the others are waiting
             # for its next message and would wait forever.
             self._abandon_sent = True
-            self.cluster.signal(signal.SIGUSR2)
+            self._signal(signal.SIGUSR2)
 
     def _finish(self) -> None:
         outcomes: list[EngineOutcome] = []

@@ -12,13 +12,14 @@ magic, the command line and `nbdist.train(...)` take the same names.
 from __future__ import annotations
 
 import argparse
+import shlex
 from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
-from IPython.core.magic_arguments import ArgDecorator, MagicArgumentParser, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import ArgDecorator, MagicArgumentParser, magic_arguments
 
-from nbdist.options import add_arguments, options_from_args
+from nbdist.options import STUDY_SKIPS, add_arguments, add_study_arguments, options_from_args, study_options_from_args
 
 __all__ = ["DistnnMagics", "load_ipython_extension"]
 
@@ -27,7 +28,7 @@ class _commands(ArgDecorator):
     """The sub-commands of %distnn, built on the train options' own parser."""
 
     def add_to_parser(self, parser: MagicArgumentParser, group: Any) -> None:
-        sub = parser.add_subparsers(dest="command", metavar="{cluster,train,last,stop}",
+        sub = parser.add_subparsers(dest="command", metavar="{cluster,train,study,last,stop}",
                                     parser_class=MagicArgumentParser)
         cluster = sub.add_parser("cluster", help="start, stop or describe the MPI engines")
         actions = cluster.add_subparsers(dest="action", parser_class=MagicArgumentParser)
@@ -49,6 +50,13 @@ class _commands(ArgDecorator):
         train.add_argument("--dashboard", action="store_true",
                            help="show the live dashboard (throughput, staleness, loss, timeline) under the cell")
 
+        study = sub.add_parser("study", help="a hyper-parameter study; the cell defines build_model(params)")
+        add_study_arguments(study)
+        study.add_argument("--block", action="store_true", help="wait for the study to end")
+        study.add_argument("--no-progress", action="store_true", help="no live lines under the cell")
+        study.add_argument("--dashboard", action="store_true",
+                           help="show the study's live dashboard (population, trials, best so far) under the cell")
+
         sub.add_parser("last", help="the last job started from a cell")
         sub.add_parser("stop", help="stop the last job on every rank")
         _commands.subparsers = sub
@@ -59,6 +67,29 @@ def _full_help(parser: MagicArgumentParser) -> str:
     for name, child in _commands.subparsers.choices.items():
         parts.append(f"\n%distnn {name}\n" + child.format_help())
     return "\n".join(parts)
+
+
+def _cell_or_model(cell: str | None, model_file: str | None, command: str, defines: str) -> str | None:
+    """The cell body (None when empty); exactly one of it and --model must give the model."""
+    if cell is None or not cell.strip():
+        if not model_file:
+            raise UsageError(f"%distnn {command} needs a cell body that defines {defines} "
+                             f"(%%distnn {command} ...) or --model FILE.py")
+        return None
+    if model_file:
+        raise UsageError("give the model either as the cell body or as --model, not both")
+    return cell
+
+
+def _parse(parser: MagicArgumentParser, line: str) -> argparse.Namespace:
+    """The line split as a shell would: quotes group words and are removed, so that
+    --space "lr=log(1e-4,1e-1) hidden=int(16,256)" is one value (IPython's own splitting
+    keeps the quotes)."""
+    try:
+        argv = shlex.split(line)
+    except ValueError as exc:
+        raise UsageError(f"cannot read the options: {exc} (a quote without its pair?)") from None
+    return parser.parse_args(argv)
 
 
 @magics_class
@@ -72,10 +103,10 @@ class DistnnMagics(Magics):
     @line_cell_magic
     def distnn(self, line: str, cell: str | None = None) -> Any:
         """Distributed training on an MPI cluster of ipyparallel engines."""
-        args = parse_argstring(self.distnn, line)
+        args = _parse(self.distnn.parser, line)
         if args.command is None:
-            raise UsageError("say what to do: %distnn cluster start | train | last | stop  (%distnn? for help)")
-        if cell is not None and args.command != "train" and cell.strip():
+            raise UsageError("say what to do: %distnn cluster start | train | study | last | stop  (%distnn? for help)")
+        if cell is not None and args.command not in ("train", "study") and cell.strip():
             raise UsageError(f"%%distnn {args.command} takes no cell body; use %distnn {args.command}")
         # A UserError raised from here shows as its one line (UserError._render_traceback_).
         return getattr(self, f"_{args.command}")(args, cell)
@@ -118,22 +149,38 @@ class DistnnMagics(Magics):
         from nbdist.cluster import current_cluster
 
         options = options_from_args(args)
-        if cell is None or not cell.strip():
-            cell = None
-            if not options.model:
-                raise UsageError("%distnn train needs a cell body that defines the model "
-                                 "(%%distnn train ...) or --model FILE.py")
-        elif options.model:
-            raise UsageError("give the model either as the cell body or as --model, not both")
-        job = submit(current_cluster(), options, cell=cell, block=False, show_progress=not args.no_progress)
-        self.last_job = job
+        cell = _cell_or_model(cell, options.model, "train", "the model")
+        return self._started(submit(current_cluster(), options, cell=cell, block=False,
+                                    show_progress=not args.no_progress), args)
+
+    def _study(self, args: argparse.Namespace, cell: str | None) -> Any:
+        from nbdist.api import study, submit_study
+        from nbdist.cluster import current_cluster
+
+        from nbdist.hpo.runner import resolve_options
+
+        study_options, train_options = resolve_options(*study_options_from_args(args))
+        cell = _cell_or_model(cell, train_options.model, "study", "build_model(params)")
+        if cell is None:
+            options = {**study_options.to_dict(), **{k: v for k, v in train_options.to_dict().items()
+                                                      if k not in STUDY_SKIPS}}
+            handle = study(train_options.model, cluster=current_cluster(), show_progress=not args.no_progress,
+                           **options)
+        else:
+            handle = submit_study(current_cluster(), study_options, train_options, cell=cell,
+                                  show_progress=not args.no_progress)
+        return self._started(handle, args)
+
+    def _started(self, handle: Any, args: argparse.Namespace) -> Any:
+        """A job or a study just started from a cell: remembered, shown, waited for as asked."""
+        self.last_job = handle
         if args.dashboard:
             from IPython.display import display
 
-            display(job.dashboard())
+            display(handle.dashboard())
         if args.block:
-            job.wait()
-        return job
+            handle.wait()
+        return handle
 
     def _last(self, args: argparse.Namespace, cell: str | None) -> Any:
         if self.last_job is None:

@@ -17,7 +17,8 @@ from typing import Any
 
 from nbdist.errors import OptionsError
 
-__all__ = ["TrainOptions", "add_arguments", "options_from_args", "Target", "parse_target"]
+__all__ = ["TrainOptions", "StudyOptions", "add_arguments", "add_study_arguments", "options_from_args",
+           "study_options_from_args", "Target", "parse_target"]
 
 TOPOLOGIES = ("master-worker", "allreduce")
 
@@ -123,9 +124,10 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def add_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
-    """Add every TrainOptions field to `parser` as --kebab-case flags."""
-    for f in fields(TrainOptions):
+def add_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = (),
+                  config: type | None = None) -> None:
+    """Add every field of `config` (TrainOptions by default) to `parser` as --kebab-case flags."""
+    for f in fields(config or TrainOptions):
         if f.name in skip:
             continue
         meta = dict(f.metadata)
@@ -148,6 +150,87 @@ def options_from_args(args: argparse.Namespace, base: TrainOptions | None = None
     given = {f.name: getattr(args, f.name) for f in fields(TrainOptions)
              if getattr(args, f.name, None) is not None}
     return (base or TrainOptions()).replace(**given)
+
+
+# -- hyper-parameter studies ----------------------------------------------------------
+DIRECTIONS = ("minimize", "maximize")
+
+
+@dataclass
+class StudyOptions:
+    """A study's own options; each trial trains with the TrainOptions given beside them
+    (the parameters named like TrainOptions fields override those per trial)."""
+
+    space: str | None = _opt(None, "the search space, e.g. \"lr=log(1e-4,1e-1) hidden=int(16,256) "
+                                   "optimizer=cat(adam,sgd,rmsprop)\"; kinds: real/uniform, log, int, logint, cat")
+    searcher: str = _opt("bayes", "bayes (Gaussian process), evolution(population=20), random or grid")
+    trials: int = _opt(20, "trials in all (the study's budget)")
+    groups: int = _opt(1, "trials trained at once, each on its own group of ranks")
+    folds: int = _opt(1, "K-fold cross-validation: folds per trial, trained in parallel, fom = their mean")
+    objective: str = _opt("val_loss", "the figure of merit: a validation metric at the trial's last epoch")
+    direction: str | None = _opt(None, "minimize or maximize the objective (default: maximize accuracies and "
+                                       "AUCs, minimize the rest)", choices=DIRECTIONS)
+    goal: str | None = _opt(None, "stop the study when a trial reaches this, e.g. 'val_acc > 0.98'")
+    prune: bool = _opt(False, "median pruner: stop a trial that is worse than the median of earlier trials at "
+                              "the same epoch")
+    prune_warmup: int = _opt(3, "trials that must have finished before the pruner stops any")
+    study_name: str | None = _opt(None, "the study's name in the run store (default: time and searcher)")
+    resume_study: str | None = _opt(None, "a study to continue (its name): unfinished trials are trained again, "
+                                          "finished ones are kept")
+
+    def validate(self) -> "StudyOptions":
+        if not self.space and not self.resume_study:
+            raise OptionsError("a study needs --space, e.g. --space \"lr=log(1e-4,1e-1) hidden=int(16,256)\"")
+        for name in ("trials", "groups", "folds"):
+            if int(getattr(self, name)) < 1:
+                raise OptionsError(f"{flag(name)} must be at least 1, got {getattr(self, name)}")
+        if self.prune_warmup < 1:
+            raise OptionsError(f"--prune-warmup must be at least 1, got {self.prune_warmup}")
+        if self.direction is not None and self.direction not in DIRECTIONS:
+            raise OptionsError(f"--direction must be minimize or maximize, got {self.direction!r}")
+        if self.goal is not None:
+            parse_target(self.goal)
+        return self
+
+    @property
+    def resolved_direction(self) -> str:
+        if self.direction:
+            return self.direction
+        name = self.objective.lower()
+        return "maximize" if "acc" in name or name.endswith("auc") else "minimize"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "StudyOptions":
+        unknown = sorted(set(values) - {f.name for f in fields(cls)})
+        if unknown:
+            raise OptionsError(f"unknown study option(s): {', '.join(unknown)}")
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> "StudyOptions":
+        return dataclasses.replace(self, **changes)
+
+
+# What a study's trials cannot take from the command line: each trial's run has its own
+# directory and name, and a study resumes with --resume-study.
+STUDY_SKIPS = ("resume", "run_name")
+
+
+def add_study_arguments(parser: argparse.ArgumentParser) -> None:
+    """The study's options, then every training option a trial uses."""
+    add_arguments(parser, config=StudyOptions)
+    add_arguments(parser, skip=STUDY_SKIPS)
+
+
+def study_options_from_args(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The study options and the training options given on the command line (only those
+    given: a resumed study keeps its saved ones for the rest; nbdist.hpo.resolve_options)."""
+    study = {f.name: getattr(args, f.name) for f in fields(StudyOptions) if getattr(args, f.name, None) is not None}
+    train = {f.name: getattr(args, f.name) for f in fields(TrainOptions)
+             if f.name not in STUDY_SKIPS and getattr(args, f.name, None) is not None}
+    return study, train
 
 
 # -- target conditions --------------------------------------------------------------

@@ -202,6 +202,39 @@ def test_the_jobs_dashboard_fills_while_it_trains(cluster, shell, tmp_path, caps
         job.stop(timeout=30)
 
 
+STUDY_CELL = """
+import torch.nn as nn
+
+def build_model(params):
+    hidden = params["hidden"]
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10))
+"""
+
+
+def test_a_study_from_a_cell_trains_its_trials_on_two_groups_at_once(cluster, shell, tmp_path):
+    study = shell.run_cell_magic(
+        "distnn", f'study --space "lr=log(3e-3,0.5) hidden=int(8,64)" --searcher random --trials 4 --groups 2 '
+                  f'--workers 1 --epochs 2 --block {_opts(tmp_path)}', STUDY_CELL)
+    assert study.status == "completed", study
+    trials = study.trials
+    assert list(trials["trial"]) == [0, 1, 2, 3] and set(trials["state"]) == {"complete"}
+    best = trials.loc[trials["fom"].idxmin()]
+    assert study.best_params == {"lr": best["lr"], "hidden": best["hidden"]} and study.best_fom == best["fom"]
+    assert shell.run_line_magic("distnn", "last") is study
+    from nbdist.store import RunStore
+
+    with RunStore(tmp_path / "nbdist.db") as store:
+        assert [t.state for t in store.trials(study.name)] == ["complete"] * 4
+        assert {t.group for t in store.trials(study.name)} == {0, 1}
+        # The notebook recorded each trial's run, whole, tagged with its trial.
+        runs = store.runs(study=study.name)
+        assert sorted(r.trial for r in runs) == [0, 1, 2, 3] and {r.status for r in runs} == {"completed"}
+        for run in runs:
+            assert run.final["val_loss"] == trials.set_index("trial").loc[run.trial, "fom"]
+            records, _ = store.records(run.id)
+            assert {r["rank"] for r in records} in ({0, 1}, {2, 3}) and {r["trial"] for r in records} == {run.trial}
+
+
 def test_error_in_the_cell_on_one_rank_is_one_error_naming_it(cluster, shell, tmp_path):
     cell = MODEL_CELL + (
         "from mpi4py import MPI\n"

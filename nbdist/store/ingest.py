@@ -62,10 +62,10 @@ class RunFeed:
     the store, so a store that cannot be used is an error before any training."""
 
     def __init__(self, store_path: Path | str, run_id: str, run_dir: Path | str, *, options: dict[str, Any],
-                 layout: dict[str, Any]):
+                 layout: dict[str, Any], study: str | None = None, trial: int | None = None):
         self.run_id, self.run_dir = run_id, Path(run_dir).resolve()
         self.store = RunStore(store_path)
-        self.store.begin_run(run_id, run_dir=self.run_dir, options=options, layout=layout)
+        self.store.begin_run(run_id, run_dir=self.run_dir, options=options, layout=layout, study=study, trial=trial)
 
     def add(self, records: list[dict[str, Any]]) -> None:
         self.store.add_records(records)
@@ -82,10 +82,11 @@ class RunRecorder:
     into the store while it trains."""
 
     def __init__(self, store_path: Path | str, run_id: str, run_dir: Path, *, options: dict[str, Any],
-                 layout: dict[str, Any], every: float = RECORD_EVERY):
+                 layout: dict[str, Any], study: str | None = None, trial: int | None = None,
+                 every: float = RECORD_EVERY):
         self.every = every
         self.follower = LogFollower(run_dir)
-        self.feed = RunFeed(store_path, run_id, run_dir, options=options, layout=layout)
+        self.feed = RunFeed(store_path, run_id, run_dir, options=options, layout=layout, study=study, trial=trial)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="nbdist-run-recorder", daemon=True)
         self._thread.start()
@@ -126,6 +127,8 @@ def import_run(store: RunStore, run_dir: Path | str) -> tuple[str, int]:
 
 def _outcome(run_dir: Path, records: list[dict[str, Any]]) -> tuple[str, str | None, dict[str, Any] | None]:
     """How a run ended, from what it left: its summary, else its ranks' last words."""
+    from nbdist.train.progress import stopped_on_request
+
     summary = run_dir / "summary.json"
     ends = [r["values"] for r in records if r["kind"] == "run"]
     failed = [v for v in ends if v.get("status") == "failed"]
@@ -133,6 +136,6 @@ def _outcome(run_dir: Path, records: list[dict[str, Any]]) -> tuple[str, str | N
         return "failed", failed[0].get("error"), None
     if summary.exists():
         data = json.loads(summary.read_text())
-        stopped = data["stop_reason"].startswith("stopped")
+        stopped = stopped_on_request(data["stop_reason"])
         return ("stopped" if stopped else "completed"), data["stop_reason"], data.get("final")
     return "killed", "the run left no summary: it was killed before it ended", None

@@ -30,7 +30,7 @@ from nbdist.train.checkpoint import CheckpointError, Checkpoints
 from nbdist.train.definition import ModelDefinition
 from nbdist.train.stopping import EarlyStopping, StopFlag
 
-__all__ = ["RankContext", "prepare", "agree"]
+__all__ = ["RankContext", "TrialTag", "prepare", "agree"]
 
 # Workers explore with momentum; a Downpour master gets none by default, because
 # asynchronous updates already act as momentum (Hermans & Louppe, 2018) and the two
@@ -45,6 +45,14 @@ DEFAULT_GAN_WORKER_OPTIMIZER = "rmsprop(lr=0.001)"
 # Input rows a backend may look at when it is built (Keras builds weights on a first
 # call; a GAN fixes its MMD kernel's width from them).
 SAMPLE_ROWS = 256
+
+
+@dataclass(frozen=True, slots=True)
+class TrialTag:
+    """The study and trial a run trains for."""
+
+    study: str
+    number: int
 
 
 @dataclass
@@ -205,11 +213,13 @@ def prepare(
     stop: StopFlag,
     sink: "RecordSink | None" = None,
     record: bool = True,
+    trial: "TrialTag | None" = None,
 ) -> RankContext:
     """Collective over `comm`: build this rank's context or raise one UserError everywhere.
 
     `record`: the run leader feeds the run store (batch runs); a notebook job passes
-    False, because the notebook's collector records it."""
+    False, because the notebook's collector records it. `trial`: the study and trial
+    number a study's run belongs to (its records and its row in the store say so)."""
     error: BaseException | None = None
     data: Data | None = None
     try:
@@ -270,12 +280,13 @@ def prepare(
     database = store_path(options.store, options.runs_dir) if record else None
     if is_leader and database is not None:
         try:
-            recorder = RunRecorder(database, run_id, run_dir, options=options.to_dict(), layout=layout.to_dict())
+            recorder = RunRecorder(database, run_id, run_dir, options=options.to_dict(), layout=layout.to_dict(),
+                                   study=trial.study if trial else None, trial=trial.number if trial else None)
         except UserError as exc:
             error = exc
     if database is not None:
         agree(run_comm, error)
-    log = RunLog(run_dir, run_id, comm.Get_rank(), role.kind, sink=sink)
+    log = RunLog(run_dir, run_id, comm.Get_rank(), role.kind, sink=sink, trial=trial.number if trial else None)
     early = EarlyStopping(
         options.monitor, options.early_stopping, options.min_delta,
         parse_target(options.target) if options.target else None,

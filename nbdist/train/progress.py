@@ -15,7 +15,7 @@ from nbdist.backends.base import BatchStats
 from nbdist.errors import TrainingError
 from nbdist.train.stopping import StopDecision
 
-__all__ = ["EpochTally", "epoch_metrics", "format_epoch", "RunResult", "write_final"]
+__all__ = ["EpochTally", "epoch_metrics", "format_epoch", "RunResult", "write_final", "stopped_on_request"]
 
 
 @dataclass(slots=True)
@@ -79,6 +79,12 @@ def format_epoch(m: dict[str, Any], epochs: int) -> str:
     return "  ".join(parts)
 
 
+def stopped_on_request(reason: str) -> bool:
+    """A run that ended before its epochs because it was asked to (a stop signal, the
+    study's pruner, a job giving up), not by a rule of its own (early stopping, target)."""
+    return reason.startswith(("stopped", "pruned", "abandoned"))
+
+
 @dataclass(slots=True)
 class RunResult:
     run_dir: Path
@@ -90,6 +96,10 @@ class RunResult:
     @property
     def weights_path(self) -> Path:
         return self.run_dir / "final" / "model.safetensors"
+
+    @property
+    def run_id(self) -> str:
+        return self.run_dir.name
 
 
 def write_final(run_dir: Path, named_arrays: dict[str, Any], history: list[dict[str, Any]],

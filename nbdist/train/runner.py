@@ -8,9 +8,9 @@ from typing import Any, Callable
 from nbdist.errors import UserError
 from nbdist.metrics.log import RecordSink
 from nbdist.options import TrainOptions
-from nbdist.train.context import RankContext, prepare
+from nbdist.train.context import RankContext, TrialTag, prepare
 from nbdist.train.definition import ModelDefinition
-from nbdist.train.progress import RunResult
+from nbdist.train.progress import RunResult, stopped_on_request
 from nbdist.train.stopping import StopFlag
 
 __all__ = ["run_rank"]
@@ -25,11 +25,12 @@ LAST_RECORDS_WAIT_AFTER_FAILURE = 2.0
 
 def run_rank(options: TrainOptions, definition: ModelDefinition | Callable[[], ModelDefinition],
              comm: Any = None, stop: StopFlag | None = None,
-             sink: RecordSink | None = None, record: bool = True) -> RunResult | None:
+             sink: RecordSink | None = None, record: bool = True, trial: TrialTag | None = None) -> RunResult | None:
     """Collective over `comm` (default COMM_WORLD). Returns the RunResult on the run's
     leader (the top master, or rank 0 of an allreduce run), None elsewhere. `sink`
     also receives every batch of this rank's metric records (the notebook's live view);
-    `record=False` leaves the run store to the caller (the notebook's collector)."""
+    `record=False` leaves the run store to the caller (the notebook's collector); `trial`
+    tags the run as a study's trial."""
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD if comm is None else comm
@@ -37,7 +38,7 @@ def run_rank(options: TrainOptions, definition: ModelDefinition | Callable[[], M
         stop = StopFlag()
         if threading.current_thread() is threading.main_thread():
             stop.install()
-    ctx = prepare(options, definition, comm, stop, sink, record)
+    ctx = prepare(options, definition, comm, stop, sink, record, trial)
     ctx.say(f"nbdist: {ctx.layout.describe()}, {ctx.options.topology}"
             + (f", {ctx.algorithm!r}" if ctx.algorithm else ", synchronous sgd")
             + (", synchronous" if options.synchronous and ctx.algorithm else "")
@@ -88,7 +89,7 @@ def _close_run_in_store(ctx: RankContext, result: RunResult | None, failure: Bas
     if failure is not None:
         status, reason, final = "failed", _describe_failure(failure), None
     elif result is not None:
-        status = "stopped" if result.stop_reason.startswith("stopped") else "completed"
+        status = "stopped" if stopped_on_request(result.stop_reason) else "completed"
         reason, final = result.stop_reason, result.final
     else:  # the leader always has the result of a run that ended well
         status, reason, final = "failed", "the run leader ended without a result", None

@@ -1,0 +1,86 @@
+"""`python -m nbdist study` under mpiexec/srun: rank 0 coordinates, the other ranks train.
+
+    mpiexec -n 9 python -m nbdist study --model examples/digits_mlp.py --space "lr=log(1e-3,0.3)" \\
+        --searcher evolution --trials 12 --groups 2 --folds 2 --workers 1
+
+The rank count must be 1 + groups x folds x (ranks of one training run); a wrong count
+is an error that says which counts fit (nbdist.layout).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from nbdist.errors import UserError
+from nbdist.hpo.runner import StudyResult, StudyRunner
+from nbdist.hpo.space import parse_space
+from nbdist.hpo.trial import TrialError
+from nbdist.options import StudyOptions, TrainOptions
+from nbdist.store import store_path
+from nbdist.train.definition import ModelDefinition
+from nbdist.train.stopping import StopFlag
+
+__all__ = ["run_study", "check_study"]
+
+
+def check_study(study: StudyOptions, train: TrainOptions) -> None:
+    """What can be wrong before any rank trains (every rank checks the same)."""
+    study.validate()
+    train.validate()
+    if study.space:
+        parse_space(study.space)
+    if study.folds > 1 and train.train:
+        raise TrialError(f"K-fold cross-validation (--folds {study.folds}) needs data in memory; with --train "
+                         f"files, use --folds 1")
+    if study.resume_study and store_path(train.store, train.runs_dir) is None:
+        raise TrialError("--resume-study needs the run store the study was recorded in (not --store off)")
+
+
+def run_study(study: StudyOptions, train: TrainOptions, definition: Callable[[], ModelDefinition],
+              comm: Any = None, say: Callable[[str], None] = print) -> StudyResult | None:
+    """Collective over `comm` (default COMM_WORLD): the StudyResult on rank 0, None elsewhere."""
+    from mpi4py import MPI
+
+    from nbdist.layout import Layout
+    from nbdist.topology.study import MPIGroups, serve_group
+    from nbdist.train.context import agree
+
+    comm = MPI.COMM_WORLD if comm is None else comm
+    check_study(study, train)
+    layout = Layout.for_world(comm.Get_size(), workers=train.workers, masters=train.masters,
+                              procs_per_worker=train.procs_per_worker, topology=train.topology,
+                              groups=study.groups, folds=study.folds, coordinator=True)
+    stop = StopFlag()
+    stop.install()
+    runner, error = None, None
+    if comm.Get_rank() == 0:
+        try:  # the searcher, the store and a resumed study's state: the coordinator's
+            runner = StudyRunner(study, train, MPIGroups(comm, layout), store_path(train.store, train.runs_dir), say)
+        except UserError as exc:
+            error = exc
+    agree(comm, error)
+    name = comm.bcast(runner.name if runner else None, root=0)
+    comms = layout.split(comm)
+    try:
+        if runner is None:
+            serve_group(comm, comms, layout, name, study, train, definition, stop)
+            return None
+        say(f"nbdist: study {name}: {layout.describe()}; {study.searcher}, {study.trials} trials, "
+            f"{study.objective} ({study.resolved_direction})")
+        _stop_on_signal(stop, runner)
+        return runner.run()
+    finally:
+        comms.free()
+
+
+def _stop_on_signal(stop: StopFlag, runner: StudyRunner) -> None:
+    """SIGUSR1/SIGTERM on the coordinator: stop the running trials, end the study
+    (unfinished trials are trained again by --resume-study)."""
+    import signal
+
+    def handler(signum: int, _frame: object) -> None:
+        stop.request(f"stopped by {signal.Signals(signum).name}")
+        runner.stop(stop.reason)
+
+    for sig in (signal.SIGUSR1, signal.SIGTERM):
+        signal.signal(sig, handler)

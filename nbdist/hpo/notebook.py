@@ -1,0 +1,270 @@
+"""A study from a notebook: the kernel coordinates, the cluster's engines form the groups.
+
+    study = nbdist.study(build_model, space="lr=log(1e-4,1e-1) hidden=int(16,256)", cluster=cluster,
+                         searcher="bayes", trials=20, groups=2, folds=2, workers=1)
+    study.trials          # a DataFrame, growing while it runs
+    study.wait(); study.best_params
+    study.dashboard()     # the population as it evolves, live
+
+The engines split into their groups' and folds' communicators once (engine.open_study);
+each trial is then a job on its group's engines only (a `Job` with those engines), so
+the groups train different trials at the same time, each streaming its records to the
+notebook, and a prune or a failure is signalled to that group alone.
+"""
+
+from __future__ import annotations
+
+import html
+import threading
+import time
+from typing import Any
+
+from nbdist.hpo.ranks import fold_of_run
+from nbdist.hpo.runner import (EpochReport, FoldOutcome, StudyResult, StudyRunner, TrialExecutor, TrialFinished,
+                               new_study_name)
+from nbdist.hpo.trial import Trial, trial_options
+from nbdist.layout import Layout
+from nbdist.options import StudyOptions, TrainOptions
+
+__all__ = ["EngineGroups", "Study"]
+
+
+class EngineGroups(TrialExecutor):
+    def __init__(self, cluster: Any, layout: Layout, study: str, train: TrainOptions, options: StudyOptions,
+                 store: str | None, what: dict[str, Any]):
+        from nbdist import engine
+
+        self.cluster, self.layout, self.study = cluster, layout, study
+        self.train, self.options, self.store, self.what = train, options, store, what
+        self.groups = layout.groups
+        self.engines = [[cluster.engine_of(r) for f in range(layout.folds) for r in layout.fold_ranks(g, f)]
+                        for g in range(layout.groups)]
+        self.run_layout = Layout.for_world(layout.ranks_per_run, workers=train.workers, masters=train.masters,
+                                           procs_per_worker=train.procs_per_worker, topology=train.topology).to_dict()
+        self.jobs: dict[int, tuple[Any, Trial, int]] = {}  # group -> (job, trial, records read)
+        cluster.view.apply_sync(engine.open_study, study, layout.to_dict())
+
+    def start(self, group: int, trial: Trial) -> None:
+        from nbdist import engine
+        from nbdist.job import Job
+
+        view = self.cluster.client[self.engines[group]]
+        result = view.apply_async(engine.run_trial, self.study, trial.number, trial.params, self.train.to_dict(),
+                                  self.options.to_dict(), **self.what)
+        job = Job(self.cluster, result, trial_options(self.train, trial.params), layout=self.run_layout,
+                  store=self.store, show_progress=False, engines=self.engines[group], study=self.study)
+        self.jobs[group] = (job, trial, 0)
+
+    def poll(self, timeout: float) -> list[EpochReport | TrialFinished]:
+        deadline = time.monotonic() + timeout
+        while True:
+            events: list[EpochReport | TrialFinished] = []
+            for group, (job, trial, read) in list(self.jobs.items()):
+                records = job.records
+                for record in records[read:]:
+                    tagged = fold_of_run(record["run"]) if record["kind"] == "epoch" else None
+                    if tagged is not None:
+                        events.append(EpochReport(trial.number, tagged[1], record["epoch"], record["values"]))
+                self.jobs[group] = (job, trial, len(records))
+                if job.done:
+                    del self.jobs[group]
+                    events.append(TrialFinished(trial.number, self._folds(group, job)))
+            if events or time.monotonic() > deadline:
+                return events
+            time.sleep(0.05)
+
+    def _folds(self, group: int, job: Any) -> dict[int, FoldOutcome]:
+        """Each fold's outcome from its ranks': the leader's result, the first error of any."""
+        folds = {f: FoldOutcome() for f in range(self.layout.folds)}
+        for outcome in job.outcomes:
+            role = self.layout.role(outcome.rank) if outcome.rank >= 0 else None
+            if role is None or role.fold is None:
+                continue
+            fold = folds[role.fold]
+            result = outcome.result
+            if isinstance(result, FoldOutcome) and result.final is not None:
+                error = fold.error
+                folds[role.fold] = fold = result
+                fold.error = error or result.error
+            error = outcome.error if not outcome.abandoned else None
+            error = error or (result.error if isinstance(result, FoldOutcome) else None)
+            if error and not fold.error:
+                fold.error = error
+        if job.error is not None:
+            for fold in folds.values():
+                fold.error = fold.error or str(job.error)
+        return folds
+
+    def prune(self, group: int) -> None:
+        import signal
+
+        if group in self.jobs:
+            self.cluster.signal(signal.SIGUSR1, engines=self.engines[group])
+
+    def close(self) -> None:
+        from nbdist import engine
+
+        for group, (job, _, _) in list(self.jobs.items()):
+            job.stop()
+        self.jobs.clear()
+        self.cluster.view.apply_sync(engine.close_study, self.study)
+
+
+class Study:
+    """A study running on a notebook's cluster; the coordinator runs on a thread of the kernel."""
+
+    def __init__(self, cluster: Any, options: StudyOptions, train: TrainOptions, *, what: dict[str, Any],
+                 store: str | None, show_progress: bool = True):
+        from nbdist.hpo.batch import check_study
+
+        check_study(options, train)
+        cluster.check_alive()
+        self.options, self.train, self.store = options, train, store
+        self.layout = Layout.for_world(cluster.n, workers=train.workers, masters=train.masters,
+                                       procs_per_worker=train.procs_per_worker, topology=train.topology,
+                                       groups=options.groups, folds=options.folds)
+        self.lines: list[str] = []
+        self._display: _Lines | None = None
+        self.name = options.resume_study or new_study_name(options)
+        if not options.resume_study:
+            options = self.options = options.replace(study_name=self.name)
+        executor = EngineGroups(cluster, self.layout, self.name, train, options, store, what)
+        try:
+            self.runner = StudyRunner(options, train, executor, store, self._say)
+        except BaseException:
+            executor.close()
+            raise
+        self.started = time.time()
+        self._result: StudyResult | None = None
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+        self._display = _Lines.under_the_cell(self) if show_progress else None
+        self._thread = threading.Thread(target=self._run, name="nbdist-study", daemon=True)
+        self._thread.start()
+
+    def _say(self, line: str) -> None:
+        self.lines.append(line)
+        if self._display is not None:
+            self._display.update()
+        else:
+            print(line, flush=True)
+
+    def _run(self) -> None:
+        try:
+            self._result = self.runner.run()
+        except BaseException as exc:  # noqa: BLE001 - reported by wait()/result
+            self._error = exc
+        finally:
+            self._done.set()
+            if self._display is not None:
+                self._display.update()
+
+    # -- state ---------------------------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def status(self) -> str:
+        if not self.done:
+            return "stopping" if self.runner.stopping else "running"
+        if self._error is not None:
+            return "failed"
+        return "stopped" if self.runner.stopping else "completed"
+
+    @property
+    def result(self) -> StudyResult | None:
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    @property
+    def trials(self) -> Any:
+        """Every finished trial: its parameters, figure of merit (mean over folds), its
+        spread over the folds, state (complete, pruned, failed) and generation."""
+        import pandas as pd
+
+        rows = [{"trial": r["number"], **r["params"], "fom": r["fom"], "fom_std": r["fom_std"], "state": r["state"],
+                 "generation": r["generation"], "error": r["error"]} for r in list(self.runner.results)]
+        frame = pd.DataFrame(rows)
+        return frame.sort_values("trial").reset_index(drop=True) if not frame.empty else frame
+
+    @property
+    def best_params(self) -> dict[str, Any] | None:
+        best = self.runner.best()
+        return best[2] if best else None
+
+    @property
+    def best_fom(self) -> float | None:
+        best = self.runner.best()
+        return best[1] if best else None
+
+    # -- control -------------------------------------------------------------------------
+    def wait(self, timeout: float | None = None) -> "Study":
+        """Until the study ends (KeyboardInterrupt stops it; --resume-study continues it)."""
+        try:
+            if not self._done.wait(timeout):
+                raise TimeoutError(f"the study is still {self.status} after {timeout} s")
+        except KeyboardInterrupt:
+            self.stop()
+            print(f"nbdist: interrupted; study {self.name} stopped (continue it with --resume-study {self.name})")
+            return self
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def stop(self, timeout: float = 60.0) -> "Study":
+        """Stop the running trials at their next step boundary and end the study."""
+        self.runner.stop("stopped")
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"the study did not stop within {timeout} s")
+        return self
+
+    def dashboard(self, period_ms: int = 1000) -> Any:
+        """The study's live dashboard: its population, trials and best so far."""
+        from nbdist.dashboard import dashboard
+
+        if self.store is None:
+            raise ValueError("the study is not recorded in a run store (--store off): it has no dashboard")
+        return dashboard(self.store, study=self.name, period_ms=period_ms).servable()
+
+    def __repr__(self) -> str:
+        best = f", best {self.options.objective} {self.best_fom:.4g}" if self.best_fom is not None else ""
+        return f"<nbdist.Study {self.name} {self.status}: {len(self.runner.results)}/{self.options.trials} trials{best}>"
+
+    def _repr_html_(self) -> str:
+        return f"<code>{html.escape(repr(self))}</code>"
+
+
+class _Lines:
+    """The study's lines under the cell, updated as trials end (in a kernel; a terminal
+    gets them printed as they come)."""
+
+    def __init__(self, study: Study, handle: Any):
+        self.study, self.handle = study, handle
+
+    @classmethod
+    def under_the_cell(cls, study: Study) -> "_Lines | None":
+        try:
+            from IPython import get_ipython
+            from IPython.display import display
+        except ImportError:
+            return None
+        shell = get_ipython()
+        if shell is None or type(shell).__name__ != "ZMQInteractiveShell":
+            return None
+        lines = cls(study, None)
+        lines.handle = display(lines, display_id=True)
+        return lines
+
+    def update(self) -> None:
+        self.handle.update(self)
+
+    def __repr__(self) -> str:
+        return "\n".join([repr(self.study), *self.study.lines[-12:]])
+
+
+def study_on_cluster(cluster: Any, options: StudyOptions, train: TrainOptions, *, store: str | None,
+                     show_progress: bool = True, **what: Any) -> Study:
+    return Study(cluster, options, train, what=what, store=store, show_progress=show_progress)
+

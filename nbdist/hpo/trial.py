@@ -1,0 +1,136 @@
+"""One trial: its parameters applied to a training run, its folds, its figure of merit.
+
+A trial's parameters reach the training three ways:
+- every parameter goes to the model's builders that take an argument:
+  `def build_model(params): ... params["hidden"] ...` (build_generator and
+  build_discriminator likewise; a builder without an argument ignores them);
+- a parameter named like a training option sets it for the trial (`batch_size`,
+  `epochs`, `sync_every`, `algorithm`, `worker_optimizer`, ...);
+- `optimizer` and `lr` set the optimiser that trains: the workers' (allreduce, EASGD,
+  ADAG, Downpour with local steps), or the master's for Downpour pushing every batch;
+  either alone keeps the other from the options' optimiser.
+
+K-fold cross-validation splits the training set into `folds` parts, stratified by label
+for classification; fold f validates on part f and trains on the rest. The validation
+set the data came with is left for the user's final evaluation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from nbdist.errors import UserError
+from nbdist.options import TrainOptions
+from nbdist.specs import parse_spec
+
+__all__ = ["Trial", "TrialError", "trial_options", "with_params", "fold_split", "fold_fom", "run_name"]
+
+OPTIMIZER_PARAMS = ("optimizer", "lr")
+
+
+class TrialError(UserError):
+    """A study's settings that cannot make a trial (the message says which)."""
+
+
+@dataclass(slots=True)
+class Trial:
+    number: int
+    params: dict[str, Any]
+    generation: int | None = None
+    group: int | None = None
+    started: float | None = None
+    # Per epoch, per fold: the objective as the trial went (the pruner's evidence).
+    curve: dict[int, dict[int, float]] = field(default_factory=dict)
+    pruned_at: int | None = None  # the epoch at which the pruner stopped it
+
+
+def run_name(study: str, number: int, fold: int) -> str:
+    return f"{study}-trial{number:04d}-fold{fold}"
+
+
+def trial_options(options: TrainOptions, params: dict[str, Any]) -> TrainOptions:
+    """The training options of one trial: `options` with the parameters that name them."""
+    names = {f.name for f in dataclasses.fields(TrainOptions)}
+    changes = {k: v for k, v in params.items() if k in names}
+    if any(k in params for k in OPTIMIZER_PARAMS):
+        target = _optimizer_option(options.replace(**changes))
+        current = getattr(options.replace(**changes), target) or _default_optimizer(target)
+        spec = parse_spec(current, what=f"--{target.replace('_', '-')}")
+        name = str(params.get("optimizer", spec.name))
+        kwargs = {} if name != spec.name else dict(spec.kwargs)  # another optimiser: its own defaults
+        if "lr" in params:
+            kwargs["lr"] = float(params["lr"])
+        args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+        changes[target] = f"{name}({args})"
+    return options.replace(**changes)
+
+
+def _optimizer_option(options: TrainOptions) -> str:
+    """Which optimiser trains: Downpour pushing every batch steps on the master only."""
+    algorithm = (options.algorithm or ("sgd" if options.topology == "allreduce" else "downpour")).split("(")[0]
+    sync_every = options.sync_every or 1
+    if options.topology == "master-worker" and algorithm == "downpour" and sync_every == 1:
+        return "master_optimizer"
+    return "worker_optimizer"
+
+
+def _default_optimizer(option: str) -> str:
+    from nbdist.train.context import DEFAULT_MASTER_OPTIMIZER, DEFAULT_WORKER_OPTIMIZER
+
+    return DEFAULT_MASTER_OPTIMIZER if option == "master_optimizer" else DEFAULT_WORKER_OPTIMIZER
+
+
+def with_params(build: Callable[..., Any] | None, params: dict[str, Any]) -> Callable[[], Any] | None:
+    """A no-argument builder that passes `params` to `build` when it takes an argument."""
+    if build is None:
+        return None
+    try:
+        takes = len(inspect.signature(build).parameters) > 0
+    except (TypeError, ValueError):  # a builtin or a class without a signature
+        takes = False
+    return (lambda: build(params)) if takes else build
+
+
+def fold_split(data: Any, fold: int, folds: int, seed: int) -> Any:
+    """Fold `fold` of `folds` over the training set: train on the other parts, validate on this one."""
+    from nbdist.data.arrays import ArrayData
+
+    if folds == 1:
+        return data
+    if not isinstance(data, ArrayData):
+        raise TrialError(f"K-fold cross-validation (--folds {folds}) needs data in memory (load_data() returning "
+                         f"an ArrayData); with --train files, use --folds 1")
+    y = data.y_train
+    classes = np.issubdtype(y.dtype, np.integer) and y.ndim == 1
+    if classes:
+        from sklearn.model_selection import StratifiedKFold
+
+        splitter: Any = StratifiedKFold(n_splits=folds, shuffle=True, random_state=seed)
+    else:
+        from sklearn.model_selection import KFold
+
+        splitter = KFold(n_splits=folds, shuffle=True, random_state=seed)
+    try:
+        train, val = list(splitter.split(data.x_train, y if classes else None))[fold]
+    except ValueError as exc:
+        raise TrialError(f"cannot split {data.n_train} training samples into {folds} folds: {exc}") from None
+    return ArrayData(data.x_train[train], y[train], data.x_train[val], y[val],
+                     name=f"{data.name} fold {fold + 1}/{folds}", num_classes=data.num_classes)
+
+
+def fold_fom(final: dict[str, Any], objective: str) -> float:
+    """The objective in a fold run's final metrics (a missing or non-finite one fails the fold)."""
+    if objective not in final:
+        known = ", ".join(sorted(k for k in final if k.startswith(("val_", "train_")))) or "none"
+        raise TrialError(f"the objective {objective!r} is not a metric of the runs (they have: {known}); "
+                         f"choose one with --objective")
+    value = final[objective]
+    if value is None or not math.isfinite(float(value)):
+        raise TrialError(f"the objective {objective} is {value}")
+    return float(value)

@@ -1,0 +1,189 @@
+"""A study under mpiexec: rank 0 coordinates, the other ranks form N_G groups of N_F fold
+runs each (the layout of ARCHITECTURE.md, section 2), and every group trains one trial at
+a time.
+
+    coordinator (rank 0)                      group g (its first rank leads)
+      TRIAL (number, params)  ------------->  bcast to the group; each fold run trains
+      <-------------  EPOCH (number, fold, epoch, metrics)   from each fold's leader
+      PRUNE number  ----------------------->  to the group's fold leaders: stop the run
+      <-------------  DONE (number, outcome per fold)        from the group leader
+      STOP  ------------------------------->  the study is over: the ranks return
+
+These are small pickled messages, a few per epoch: the training itself moves its
+weights and gradients as buffers inside each fold run, as any run does. A fold leader
+reports its epochs and reads prune requests from its metric log's flushes (a RecordSink),
+so the training loops carry no study code. Every wait polls (waiting.py), so a signal
+always gets through.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+from mpi4py import MPI
+
+from nbdist.hpo.ranks import train_fold
+from nbdist.hpo.runner import EpochReport, FoldOutcome, TrialExecutor, TrialFinished
+from nbdist.hpo.trial import Trial
+from nbdist.layout import Communicators, Layout
+from nbdist.options import StudyOptions, TrainOptions
+from nbdist.topology.waiting import wait
+from nbdist.train.definition import ModelDefinition
+from nbdist.train.stopping import StopFlag
+
+__all__ = ["MPIGroups", "serve_group"]
+
+TAG_TRIAL, TAG_EPOCH, TAG_PRUNE, TAG_DONE = 301, 302, 303, 304
+
+
+class MPIGroups(TrialExecutor):
+    """The coordinator's view of the groups: who leads each, what each is training."""
+
+    def __init__(self, world: MPI.Intracomm, layout: Layout):
+        self.world = world
+        self.groups = layout.groups
+        self.leaders = [layout.fold_ranks(g, 0)[0] for g in range(layout.groups)]
+        self.fold_leaders = [[layout.fold_ranks(g, f)[0] for f in range(layout.folds)] for g in range(layout.groups)]
+        self.running: dict[int, int] = {}  # group -> trial number
+        self._sends: list[MPI.Request] = []
+
+    def _send(self, message: Any, dest: int, tag: int) -> None:
+        self._sends = [r for r in self._sends if not r.Test()]
+        self._sends.append(self.world.isend(message, dest=dest, tag=tag))
+
+    def start(self, group: int, trial: Trial) -> None:
+        self.running[group] = trial.number
+        self._send(("trial", trial.number, trial.params), self.leaders[group], TAG_TRIAL)
+
+    def prune(self, group: int) -> None:
+        number = self.running.get(group)
+        for rank in self.fold_leaders[group]:
+            self._send(number, rank, TAG_PRUNE)
+
+    def poll(self, timeout: float) -> list[EpochReport | TrialFinished]:
+        deadline = time.monotonic() + timeout
+        events: list[EpochReport | TrialFinished] = []
+        status = MPI.Status()
+        while True:
+            while self.world.iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=status):
+                tag, source = status.Get_tag(), status.Get_source()
+                message = self.world.recv(source=source, tag=tag)
+                if tag == TAG_EPOCH:
+                    events.append(EpochReport(*message))
+                elif tag == TAG_DONE:
+                    number, folds = message
+                    self.running = {g: n for g, n in self.running.items() if n != number}
+                    events.append(TrialFinished(number, folds))
+            if events or time.monotonic() > deadline:
+                return events
+            time.sleep(0.005)
+
+    def close(self) -> None:
+        for leader in self.leaders:
+            self._send(("stop",), leader, TAG_TRIAL)
+        for request in self._sends:
+            wait(request)
+
+
+class _Reporter:
+    """A fold leader's metric sink during a trial: its epochs to the coordinator, and
+    the coordinator's prune request into the run's stop flag."""
+
+    def __init__(self, world: MPI.Intracomm, number: int, fold: int, stop: StopFlag):
+        self.world, self.number, self.fold, self.stop = world, number, fold, stop
+        self.sends: list[MPI.Request] = []
+
+    def __call__(self, batch: list[dict[str, Any]]) -> None:
+        for record in batch:
+            if record["kind"] == "epoch":
+                report = (self.number, self.fold, record["epoch"], record["values"])
+                self.sends.append(self.world.isend(report, dest=0, tag=TAG_EPOCH))
+        self.sends = [r for r in self.sends if not r.Test()]
+        while self.world.iprobe(source=0, tag=TAG_PRUNE):
+            if self.world.recv(source=0, tag=TAG_PRUNE) == self.number:
+                self.stop.request("pruned: worse than the median of earlier trials")
+
+    def finish(self) -> None:
+        for request in self.sends:
+            wait(request)
+
+
+def _receive(world: MPI.Intracomm, tag: int) -> Any:
+    """A pickled message from the coordinator, waited for without blocking inside MPI."""
+    request = world.irecv(source=0, tag=tag)
+    while True:
+        done, message = request.test()
+        if done:
+            return message
+        time.sleep(0.01)
+
+
+def serve_group(world: MPI.Intracomm, comms: Communicators, layout: Layout, study: str, options: StudyOptions,
+                train: TrainOptions, definition: Callable[[], ModelDefinition], stop: StopFlag) -> None:
+    """A non-coordinator rank: train the trials the coordinator hands this rank's group,
+    until it says stop. Collective over the group."""
+    role = comms.role
+    group, fold = comms.group, role.fold
+    fold_leader = comms.run.Get_rank() == 0
+    while True:
+        message = _receive(world, TAG_TRIAL) if group.Get_rank() == 0 else None
+        message = group.bcast(message, root=0)
+        if message[0] == "stop":
+            return
+        _, number, params = message
+        trial_stop = StopFlag()
+        if stop.requested:
+            trial_stop.request(stop.reason)
+        reporter = _Reporter(world, number, fold, trial_stop) if fold_leader else None
+        _forward(stop, trial_stop)
+        try:
+            outcome = train_fold(study, number, params, train, options, definition, comms.run, fold, trial_stop,
+                                 sink=reporter)
+        except Exception:  # a crash on one rank: the others wait for it in MPI, nothing can tell them
+            sys.stderr.write(f"nbdist: rank {role.rank} failed in trial {number}:\n{traceback.format_exc()}")
+            sys.stderr.flush()
+            world.Abort(1)
+            return
+        finally:
+            _forward(stop, None)
+        if reporter is not None:
+            reporter.finish()
+        outcomes = group.gather((fold, fold_leader, outcome), root=0)
+        if group.Get_rank() == 0:
+            folds = _merge(outcomes, layout.folds)
+            request = world.isend((number, folds), dest=0, tag=TAG_DONE)
+            wait(request)
+
+
+def _merge(outcomes: list[tuple[int, bool, FoldOutcome]], folds: int) -> dict[int, FoldOutcome]:
+    """One outcome per fold: its leader's result, with the first error any of its ranks saw."""
+    merged = {f: FoldOutcome() for f in range(folds)}
+    for fold, leader, outcome in outcomes:
+        if leader:
+            error = merged[fold].error
+            merged[fold] = outcome
+            merged[fold].error = error or outcome.error
+        elif outcome.error and not merged[fold].error:
+            merged[fold].error = outcome.error
+    return merged
+
+
+_forwarded: list[StopFlag | None] = [None]
+
+
+def _forward(study_stop: StopFlag, trial_stop: StopFlag | None) -> None:
+    """While a trial trains, the study's stop signal (SIGUSR1/SIGTERM) stops it too."""
+    _forwarded[0] = trial_stop
+
+    def handler(signum: int, _frame: object) -> None:
+        reason = f"stopped by {signal.Signals(signum).name}"
+        study_stop.request(reason)
+        if _forwarded[0] is not None:
+            _forwarded[0].request(reason)
+
+    for sig in (signal.SIGUSR1, signal.SIGTERM):
+        signal.signal(sig, handler)
