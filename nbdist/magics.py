@@ -81,6 +81,15 @@ def _cell_or_model(cell: str | None, model_file: str | None, command: str, defin
     return cell
 
 
+def _continued(line: str, cell: str | None) -> tuple[str, str | None]:
+    """`%%distnn study --trials 40 \\` goes on on the cell's next line, as in a shell
+    (IPython hands a cell magic only its first line)."""
+    while cell is not None and line.rstrip().endswith("\\"):
+        more, _, rest = cell.partition("\n")
+        line, cell = line.rstrip()[:-1] + " " + more.strip(), rest
+    return line, cell
+
+
 def _parse(parser: MagicArgumentParser, line: str) -> argparse.Namespace:
     """The line split as a shell would: quotes group words and are removed, so that
     --space "lr=log(1e-4,1e-1) hidden=int(16,256)" is one value (IPython's own splitting
@@ -103,6 +112,7 @@ class DistnnMagics(Magics):
     @line_cell_magic
     def distnn(self, line: str, cell: str | None = None) -> Any:
         """Distributed training on an MPI cluster of ipyparallel engines."""
+        line, cell = _continued(line, cell)
         args = _parse(self.distnn.parser, line)
         if args.command is None:
             raise UsageError("say what to do: %distnn cluster start | train | study | last | stop  (%distnn? for help)")

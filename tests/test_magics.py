@@ -212,9 +212,12 @@ def build_model(params):
 
 
 def test_a_study_from_a_cell_trains_its_trials_on_two_groups_at_once(cluster, shell, tmp_path):
-    study = shell.run_cell_magic(
-        "distnn", f'study --space "lr=log(3e-3,0.5) hidden=int(8,64)" --searcher random --trials 4 --groups 2 '
-                  f'--workers 1 --epochs 2 --block {_opts(tmp_path)}', STUDY_CELL)
+    # The options go on over the cell's first lines, continued with a backslash as in a shell.
+    result = shell.run_cell(f'%%distnn study --space "lr=log(3e-3,0.5) hidden=int(8,64)" --searcher random \\\n'
+                            f'    --trials 4 --groups 2 --workers 1 --epochs 2 \\\n'
+                            f'    --block {_opts(tmp_path)}\n{STUDY_CELL}')
+    assert result.error_in_exec is None, result.error_in_exec
+    study = result.result
     assert study.status == "completed", study
     trials = study.trials
     assert list(trials["trial"]) == [0, 1, 2, 3] and set(trials["state"]) == {"complete"}
