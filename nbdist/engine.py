@@ -67,9 +67,10 @@ def _user_namespace() -> dict[str, Any]:
 
 def definition_from_cell(source: str) -> Any:
     """Run the cell's source in this engine's namespace; collect what it defined."""
-    from nbdist.train.definition import definition_from_namespace
+    from nbdist.train.definition import definition_from_namespace, prefer_fresh
 
     namespace = _user_namespace()
+    before = dict(namespace)
     try:
         code = compile(source, CELL_FILENAME, "exec")
     except SyntaxError as exc:
@@ -78,7 +79,9 @@ def definition_from_cell(source: str) -> Any:
         exec(code, namespace)  # noqa: S102 - the user's own cell, on the user's own engines
     except Exception as exc:
         raise ModelError(f"the cell failed: {_where(exc)}") from exc
-    return definition_from_namespace(namespace, "the cell")
+    # An earlier cell may have left e.g. a build_model(params) on this engine; what this
+    # cell defines (a ready `model`, say) must win over it.
+    return definition_from_namespace(prefer_fresh(namespace, before), "the cell")
 
 
 def _where(exc: BaseException) -> str:

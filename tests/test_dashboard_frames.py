@@ -73,3 +73,14 @@ def test_epochs_carry_samples_seen_and_time():
                          _rec("epoch", 0, 14.0, epoch=2, samples=1000, val_loss=0.3, val_acc=0.9)])
     assert out.epochs[["epoch", "t", "samples_seen", "val_acc"]].values.tolist() == [[1, 2.0, 1000, 0.8],
                                                                                     [2, 4.0, 2000, 0.9]]
+
+
+def test_a_gans_records_feed_its_own_view():
+    frames = RunFrames("master-worker", t0=0.0)
+    out = frames.ingest([_rec("train", 1, 1.0, samples=32, samples_per_s=10.0, loss=0.7, d_loss=0.7, g_loss=1.2,
+                              d_real=0.6, d_fake=0.3, mmd=0.2)])
+    assert out.gan[["samples_seen", "d_loss", "g_loss", "d_real", "d_fake"]].values.tolist() == [
+        [32, 0.7, 1.2, 0.6, 0.3]]
+    # A model's metric is what the record has besides the known keys, not a GAN's numbers.
+    assert frames.metric_name == "mmd"
+    assert RunFrames().ingest([_rec("train", 1, 1.0, samples=1, samples_per_s=1.0, loss=0.1, acc=0.5)]).gan is None

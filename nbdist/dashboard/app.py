@@ -52,10 +52,16 @@ class _RunView:
         ranks = list(range(int(info.layout.get("n_ranks", 0))))
         workers = _worker_ranks(info.layout) or ranks
         self.frames = RunFrames(info.topology, info.started)
-        self.plots = RunPlots(ranks, workers)
+        # The first records name the model's metric (accuracy, a GAN's MMD, a user's own),
+        # which the second row of plots follows.
+        first = self.source.poll()
+        frames = self.frames.ingest(first)
+        metric = self.frames.metric_name or ("mmd" if info.options.get("gan") else "acc")
+        self.plots = RunPlots(ranks, workers, metric=metric)
         self.header = pn.pane.Markdown("", sizing_mode="stretch_width", name="nbdist-header")
         self.latest: dict[str, Any] = {}
         self.records = 0
+        self._show(first, frames)
         p, bokeh = self.plots, pn.pane.Bokeh
         self.panel = pn.Column(
             self.header,
@@ -69,14 +75,17 @@ class _RunView:
                    *([bokeh(p.gan_figure)] if info.options.get("gan") else [])),
         )
 
-    def tick(self) -> int:
-        records = self.source.poll()
+    def _show(self, records: list[dict[str, Any]], frames: Any) -> None:
         if records:
             self.records += len(records)
-            frames = self.frames.ingest(records)
             self.plots.send(frames)
             if frames.epochs is not None:
                 self.latest = frames.epochs.iloc[-1].to_dict()
+
+    def tick(self) -> int:
+        records = self.source.poll()
+        if records:
+            self._show(records, self.frames.ingest(records))
         info = self.source.info() or self.info
         self.info = info
         self.header.object = self._header(info)

@@ -18,7 +18,11 @@ from nbdist.backends.base import ModelError
 from nbdist.data.base import Data
 from nbdist.gan.model import GanModel
 
-__all__ = ["ModelDefinition", "load_model_file", "definition_from_namespace"]
+__all__ = ["ModelDefinition", "load_model_file", "definition_from_namespace", "prefer_fresh"]
+
+# Names that stand in for one another: a cell that defines one of them replaces the others.
+_ALTERNATIVES = (("build_model", "model"), ("build_generator", "generator"),
+                 ("build_discriminator", "discriminator"), ("load_data", "data"))
 
 
 @dataclass(slots=True)
@@ -109,6 +113,18 @@ def _builder(namespace: dict[str, Any], name: str) -> Callable[[], Any] | None:
         ready = namespace[name]
         build = lambda: ready  # noqa: E731 - a ready-made model object
     return build if callable(build) else None
+
+
+def prefer_fresh(namespace: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    """The namespace after a cell ran, without the stale alternatives of what the cell
+    itself defined (a `build_model` left by an earlier cell when this one set `model`)."""
+    fresh = {name for name, value in namespace.items() if name not in before or before[name] is not value}
+    view = dict(namespace)
+    for group in _ALTERNATIVES:
+        if fresh & set(group):
+            for name in set(group) - fresh:
+                view.pop(name, None)
+    return view
 
 
 def definition_from_namespace(namespace: dict[str, Any], source: str) -> ModelDefinition:
