@@ -116,6 +116,10 @@ def test_live_dashboard_of_a_training_run_in_chromium(tmp_path, browser):
     try:
         server = Server(["dashboard", "--store", str(store), "--port", "0"])
         page = browser.new_page(viewport={"width": 1150, "height": 2000})
+        # A model sent to the browser out of order shows up here ("reference ... isn't
+        # known"), and the plots it belongs to are never drawn.
+        page_errors: list[str] = []
+        page.on("pageerror", lambda error: page_errors.append(str(error)))
         page.goto(server.url, timeout=120_000)
         # The plots of the run appear (the dashboard may have started before the run).
         counts = _wait(lambda: (c := _counts(page)) and all(v for v in c.values()) and c, 120,
@@ -133,6 +137,7 @@ def test_live_dashboard_of_a_training_run_in_chromium(tmp_path, browser):
         train.send_signal(signal.SIGUSR1)  # mpiexec forwards it: every rank stops at a step boundary
         train.communicate(timeout=120)
         _wait(lambda: "stopped" in _header(page), 60, "the page never showed the run as stopped")
+        assert not page_errors, page_errors
         page.close()
     finally:
         if train.poll() is None:

@@ -122,6 +122,7 @@ class Dashboard:
         self.study_body = pn.Column()
         self.controls = pn.Row()
         self._callback: Any = None
+        self._started = False
         self._choices_read = time.monotonic()
         self._store = RunStore(self.store_path) if self.store_path is not None else None
         if self._store is not None:
@@ -235,11 +236,22 @@ class Dashboard:
 
     def start(self) -> "Dashboard":
         """Poll the source while the page is shown (in this notebook or served session)."""
-        if self.live and self._callback is None:
-            self._callback = pn.state.add_periodic_callback(self.tick, period=self.period_ms)
-            if pn.state.curdoc is not None and pn.state.curdoc.session_context is not None:
-                pn.state.on_session_destroyed(lambda _context: self.close())
+        if not self.live or self._started:
+            return self
+        self._started = True
+        served = pn.state.curdoc is not None and pn.state.curdoc.session_context is not None
+        if served:
+            pn.state.on_session_destroyed(lambda _context: self.close())
+            # Poll only once the browser has drawn the page: a job's view is built by a
+            # poll, and models added between the page's HTML and its websocket never
+            # reach the browser ("reference ... isn't known"), which then draws nothing.
+            pn.state.onload(self._poll_periodically)
+        else:
+            self._poll_periodically()
         return self
+
+    def _poll_periodically(self) -> None:
+        self._callback = pn.state.add_periodic_callback(self.tick, period=self.period_ms)
 
     def servable(self) -> Any:
         """The page, live, marked for `panel serve` (and shown as is in a notebook)."""
