@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from nbdist.errors import OptionsError
 from nbdist.options import STUDY_SKIPS, StudyOptions, TrainOptions
 from nbdist.store import RunStore, store_path
-from nbdist.train.definition import ModelDefinition, load_model_file
+from nbdist.train.definition import definition_of
 from nbdist.train.progress import RunResult
 
 if TYPE_CHECKING:
@@ -46,12 +46,8 @@ def train(model: "Callable[[], Any] | str | Path", *, data: Any = None, loss: An
     from nbdist.train.runner import run_rank
 
     if isinstance(model, (str, Path)):
-        definition: ModelDefinition | Callable[[], ModelDefinition] = lambda: load_model_file(model)  # noqa: E731
         opts = opts.replace(model=str(model))
-    else:
-        definition = ModelDefinition(build_model=model, loss=loss, metric=metric, data=data,
-                                     source=getattr(model, "__name__", "model"))
-    return run_rank(opts, definition, comm)
+    return run_rank(opts, definition_of(model, loss=loss, metric=metric, data=data), comm)
 
 
 def _options(options: dict[str, Any]) -> TrainOptions:
@@ -153,12 +149,7 @@ def study(model: "Callable[..., Any] | str | Path | None" = None, *, data: Any =
 
     if isinstance(model, (str, Path)):
         train_options = train_options.replace(model=str(model))
-        definition: Callable[[], ModelDefinition] = lambda: load_model_file(model)  # noqa: E731
-    else:
-        built = ModelDefinition(build_model=model, loss=loss, metric=metric, data=data,
-                                source=getattr(model, "__name__", "model"))
-        definition = lambda: built  # noqa: E731
-    return run_study(study_options, train_options, definition, comm)
+    return run_study(study_options, train_options, definition_of(model, loss=loss, metric=metric, data=data), comm)
 
 
 def submit_study(cluster: "Cluster", study_options: StudyOptions, train_options: TrainOptions, *, cell: str,

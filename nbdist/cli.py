@@ -98,13 +98,13 @@ def _world_rank() -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from nbdist.train.definition import load_model_file
+    from nbdist.train.definition import definition_of
     from nbdist.train.runner import run_rank
 
     options = options_from_args(args)
     if not options.model:
         raise UserError("--model is required: a Python file that defines build_model()")
-    result = run_rank(options, lambda: load_model_file(options.model))
+    result = run_rank(options, definition_of(options.model))
     if result is not None:
         final = result.final
         shown = "  ".join(f"{k} {v:.4f}" for k, v in final.items() if k.startswith("val_"))
@@ -118,12 +118,12 @@ def _train(args: argparse.Namespace) -> int:
 def _study(args: argparse.Namespace) -> int:
     from nbdist.hpo.batch import run_study
     from nbdist.hpo.runner import resolve_options
-    from nbdist.train.definition import load_model_file
+    from nbdist.train.definition import definition_of
 
     study, train = resolve_options(*study_options_from_args(args))
     if not train.model:
         raise UserError("--model is required: a Python file that defines build_model(params)")
-    result = run_study(study, train, lambda: load_model_file(train.model))
+    result = run_study(study, train, definition_of(train.model))
     if result is not None:
         print(f"nbdist: study {result.study}: {result.reason} in {result.seconds:.1f}s", flush=True)
         if result.best_params is not None:

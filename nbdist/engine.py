@@ -93,14 +93,11 @@ def _where(exc: BaseException) -> str:
 def _definition(cell: str | None, model: Callable[..., Any] | str | None, loss: Any, metric: Any,
                 data: Any) -> Any:
     """What the job trains, built on this engine: the cell's names, a model file, or functions."""
-    from nbdist.train.definition import ModelDefinition, load_model_file
+    from nbdist.train.definition import definition_of
 
     if cell is not None:
         return lambda: definition_from_cell(cell)
-    if isinstance(model, str):
-        return lambda: load_model_file(model)
-    return ModelDefinition(build_model=model, loss=loss, metric=metric, data=data,
-                           source=getattr(model, "__name__", "model"))
+    return definition_of(model, loss=loss, metric=metric, data=data)
 
 
 def _as_outcome(work: Callable[[Any, Any], Any], live: bool) -> EngineOutcome:

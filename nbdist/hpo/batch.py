@@ -36,7 +36,7 @@ def check_study(study: StudyOptions, train: TrainOptions) -> None:
         raise TrialError("--resume-study needs the run store the study was recorded in (not --store off)")
 
 
-def run_study(study: StudyOptions, train: TrainOptions, definition: Callable[[], ModelDefinition],
+def run_study(study: StudyOptions, train: TrainOptions, definition: ModelDefinition | Callable[[], ModelDefinition],
               comm: Any = None, say: Callable[[str], None] = print) -> StudyResult | None:
     """Collective over `comm` (default COMM_WORLD): the StudyResult on rank 0, None elsewhere."""
     from mpi4py import MPI

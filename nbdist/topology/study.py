@@ -123,7 +123,8 @@ def _receive(world: MPI.Intracomm, tag: int) -> Any:
 
 
 def serve_group(world: MPI.Intracomm, comms: Communicators, layout: Layout, study: str, options: StudyOptions,
-                train: TrainOptions, definition: Callable[[], ModelDefinition], stop: StopFlag) -> None:
+                train: TrainOptions, definition: ModelDefinition | Callable[[], ModelDefinition],
+                stop: StopFlag) -> None:
     """A non-coordinator rank: train the trials the coordinator hands this rank's group,
     until it says stop. Collective over the group."""
     role = comms.role

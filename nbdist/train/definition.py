@@ -18,7 +18,7 @@ from nbdist.backends.base import ModelError
 from nbdist.data.base import Data
 from nbdist.gan.model import GanModel
 
-__all__ = ["ModelDefinition", "load_model_file", "definition_from_namespace", "prefer_fresh"]
+__all__ = ["ModelDefinition", "definition_of", "load_model_file", "definition_from_namespace", "prefer_fresh"]
 
 # Names that stand in for one another: a cell that defines one of them replaces the others.
 _ALTERNATIVES = (("build_model", "model"), ("build_generator", "generator"),
@@ -87,6 +87,16 @@ def _short(exc: BaseException) -> str:
     frames = traceback.extract_tb(exc.__traceback__)
     where = f" ({Path(frames[-1].filename).name}, line {frames[-1].lineno})" if frames else ""
     return f"{type(exc).__name__}: {exc}{where}"
+
+
+def definition_of(model: Callable[..., Any] | str | Path | None, *, loss: Any = None, metric: Any = "accuracy",
+                  data: Any = None) -> ModelDefinition | Callable[[], ModelDefinition]:
+    """What a run trains, from `model` as the Python API takes it: the path of a model file
+    (read where the run trains, on each rank) or a function that builds the model."""
+    if isinstance(model, (str, Path)):
+        return lambda: load_model_file(model)
+    return ModelDefinition(build_model=model, loss=loss, metric=metric, data=data,
+                           source=getattr(model, "__name__", "model"))
 
 
 def load_model_file(path: str | Path) -> ModelDefinition:
