@@ -52,8 +52,16 @@ class TrainOptions:
     monitor: str = _opt("val_loss", "metric watched by early stopping: val_loss, val_acc, ...")
     min_delta: float = _opt(0.0, "smallest change of --monitor that counts as an improvement")
     target: str | None = _opt(None, "stop when a condition holds, e.g. 'val_acc > 0.97'")
-    checkpoint_every: int = _opt(0, "write a checkpoint every N epochs (one is always written at the end)")
+    checkpoint_every: int = _opt(1, "write a checkpoint every N epochs (0: only at the end; one is always "
+                                    "written at the end and when the run is stopped)")
+    keep_checkpoints: int = _opt(3, "checkpoints kept on disk, newest first (older ones are deleted); at least 2, "
+                                    "so that a damaged latest checkpoint falls back to the one before")
     resume: str | None = _opt(None, "run directory to resume from its last checkpoint")
+    max_restarts: int = _opt(0, "after a rank fails (allreduce, synchronous runs, a master), restart from the last "
+                                "checkpoint up to N times, on the surviving ranks")
+    peer_timeout: float | None = _opt(None, "seconds a rank may go without a message from a peer it waits for "
+                                            "before that peer counts as frozen (default: from the measured step "
+                                            "time, at least 60)")
     runs_dir: str = _opt("runs", "where run directories are created")
     store: str | None = _opt(None, "run store (SQLite) the run is recorded in, for the dashboard "
                                    "(default: RUNS_DIR/nbdist.db; 'off' records nothing)")
@@ -87,6 +95,13 @@ class TrainOptions:
                 raise OptionsError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
         if self.checkpoint_every < 0:
             raise OptionsError("--checkpoint-every must be 0 (only at the end) or more")
+        if self.keep_checkpoints < 2:
+            raise OptionsError(f"--keep-checkpoints must be at least 2 (the previous checkpoint is the fallback "
+                               f"when the latest is damaged), got {self.keep_checkpoints}")
+        if self.max_restarts < 0:
+            raise OptionsError(f"--max-restarts must be 0 or more, got {self.max_restarts}")
+        if self.peer_timeout is not None and not self.peer_timeout > 0:
+            raise OptionsError(f"--peer-timeout must be a number of seconds above 0, got {self.peer_timeout}")
         if self.target is not None:
             parse_target(self.target)
         self._validate_files()
@@ -136,7 +151,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()
             parser.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, default=None,
                                 help=helptext)
             continue
-        kind = {"int": int, "int | None": int, "float": float}.get(str(f.type), str)
+        kind = {"int": int, "int | None": int, "float": float, "float | None": float}.get(str(f.type), str)
         parser.add_argument(flag(f.name), type=kind, default=None, help=f"{helptext} (default: {f.default})", **meta)
 
 
