@@ -1,5 +1,6 @@
 """`python -m nbdist ...`: the batch command line, with the same options as the magics.
 
+    python -m nbdist launch -n 4 train --model examples/digits_mlp.py --algorithm easgd
     mpiexec -n 4 python -m nbdist train --model examples/digits_mlp.py --algorithm easgd
     mpiexec -n 9 python -m nbdist study --model examples/digits_mlp.py --space "lr=log(1e-3,0.3)" --groups 2 --folds 2
     python -m nbdist layout --workers 4 --masters 2
@@ -20,6 +21,7 @@ import traceback
 
 from nbdist.errors import UserError
 from nbdist.options import add_arguments, add_study_arguments, options_from_args, study_options_from_args
+from nbdist.transport.faults import RunFailure
 
 __all__ = ["main", "build_parser"]
 
@@ -35,6 +37,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     study = sub.add_parser("study", help="a hyper-parameter study under mpiexec/srun (rank 0 coordinates)")
     add_study_arguments(study)
+
+    launch = sub.add_parser(
+        "launch", help="run train, study or datasets on N MPI ranks of this environment's mpiexec, surviving "
+                       "dead ranks (MPI fault tolerance) and stopping gracefully on SIGTERM/SIGUSR1/Ctrl-C",
+        description="Like `mpiexec -n N python -m nbdist COMMAND ...`, with Open MPI's settings for fault "
+                    "tolerance and, on one node, shared memory only; SIGTERM, SIGUSR1 (SLURM's --signal) and Ctrl-C "
+                    "stop every rank at a step boundary with a final checkpoint, and the job exits 0.")
+    launch.add_argument("-n", "--ranks", type=int, required=True, help="number of MPI ranks")
+    launch.add_argument("--hosts", default=None, help="hosts and slots for mpiexec --host, e.g. node1:4,node2:4")
+    launch.add_argument("--hostfile", default=None, help="a hostfile for mpiexec --hostfile")
+    launch.add_argument("--interface", default=None,
+                        help="network interface between nodes (e.g. ib0); one node uses shared memory only")
+    launch.add_argument("--stop-grace", type=float, default=None,
+                        help="seconds a stopping run may take for its final checkpoint before it is killed "
+                             "(default: 600)")
+    launch.add_argument("launched", nargs=argparse.REMAINDER, metavar="COMMAND ...",
+                        help="train, study or datasets and its options")
 
     board = sub.add_parser("dashboard", help="serve the live dashboard of a run store (or export one run)")
     board.add_argument("--store", default="runs/nbdist.db", help="the run store (default: runs/nbdist.db)")
@@ -133,6 +152,22 @@ def _study(args: argparse.Namespace) -> int:
     return 0
 
 
+LAUNCHABLE = ("train", "study", "datasets")
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from nbdist.launch import STOP_GRACE, launch
+
+    if not args.launched or args.launched[0] not in LAUNCHABLE:
+        given = f" (got {args.launched[0]!r})" if args.launched else ""
+        raise UserError(f"launch runs one of: {', '.join(LAUNCHABLE)}{given}, e.g. python -m nbdist launch -n 4 "
+                        f"train --model examples/digits_mlp.py")
+    if args.ranks < 1:
+        raise UserError(f"-n must be at least 1, got {args.ranks}")
+    return launch(args.ranks, args.launched, hosts=args.hosts, hostfile=args.hostfile, interface=args.interface,
+                  stop_grace=STOP_GRACE if args.stop_grace is None else args.stop_grace)
+
+
 def _layout(args: argparse.Namespace) -> int:
     from nbdist.layout import Layout
 
@@ -184,13 +219,18 @@ def _datasets(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"train": _train, "study": _study, "layout": _layout, "dashboard": _dashboard, "store": _store, "datasets": _datasets}
+COMMANDS = {"train": _train, "study": _study, "launch": _launch, "layout": _layout, "dashboard": _dashboard, "store": _store, "datasets": _datasets}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)
+    except RunFailure as exc:
+        # Every rank of the run raises it; the one that recorded it first says it.
+        if _reports(exc):
+            print(f"nbdist: error: {exc}", file=sys.stderr, flush=True)
+        return 1
     except UserError as exc:
         if _world_rank() == 0:
             print(f"nbdist: error: {exc}", file=sys.stderr, flush=True)
@@ -199,18 +239,24 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception:  # a bug or a failure inside user code while training
         rank = _world_rank()
+        # The run's other ranks were told over its control channel and end on their own.
         sys.stderr.write(f"nbdist: rank {rank} failed:\n{traceback.format_exc()}")
         sys.stderr.flush()
-        _abort_others()
         return 1
 
 
-def _abort_others() -> None:
-    """One rank failed mid-run: the others may be waiting for it inside MPI."""
+def _reports(failure: RunFailure) -> bool:
+    """Whether this rank is the one to print `failure`: the first to record it in the run
+    directory, or, before there is one, the lowest rank that did not fail."""
+    if hasattr(failure, "reported_here"):
+        return bool(failure.reported_here)
+    if getattr(failure, "run_dir", None) is not None:
+        return False
     try:
         from mpi4py import MPI
 
-        if MPI.Is_initialized() and MPI.COMM_WORLD.Get_size() > 1:
-            MPI.COMM_WORLD.Abort(1)
-    except Exception:  # noqa: BLE001
-        pass
+        size = MPI.COMM_WORLD.Get_size()
+    except Exception:  # noqa: BLE001 - no MPI: a single process
+        return True
+    alive = [r for r in range(size) if r not in failure.ranks]
+    return bool(alive) and _world_rank() == alive[0]

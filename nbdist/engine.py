@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 from nbdist.backends.base import ModelError
 from nbdist.errors import UserError
+from nbdist.transport.faults import RunFailure
 
 __all__ = ["EngineOutcome", "describe_engine", "install_idle_stop_handler", "run_training", "open_study",
            "close_study", "run_trial", "CELL_FILENAME", "LIVE_PREFIX"]
@@ -106,7 +107,7 @@ def _as_outcome(work: Callable[[Any, Any], Any], live: bool) -> EngineOutcome:
     from mpi4py import MPI
 
     from nbdist.metrics.publish import DataPublisher
-    from nbdist.topology import waiting
+    from nbdist.transport import waiting
     from nbdist.train.stopping import StopFlag
 
     rank = MPI.COMM_WORLD.Get_rank()
@@ -130,6 +131,9 @@ def _as_outcome(work: Callable[[Any, Any], Any], live: bool) -> EngineOutcome:
         return EngineOutcome(rank, result=work(stop, publisher))
     except waiting.Abandoned:
         return EngineOutcome(rank, error="abandoned: another rank failed", abandoned=True)
+    except RunFailure as exc:
+        # A rank that only heard of another's failure says nothing new (abandoned).
+        return EngineOutcome(rank, error=str(exc), user_error=True, abandoned=not exc.origin)
     except UserError as exc:
         return EngineOutcome(rank, error=str(exc), user_error=True)
     except Exception as exc:  # noqa: BLE001 - reported to the client, named by rank

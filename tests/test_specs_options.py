@@ -182,7 +182,8 @@ def test_argparse_round_trip_of_every_field():
                    masters=2, procs_per_worker=2, epochs=4, batch_size=16, sync_every=2,
                    worker_optimizer="sgd(lr=0.2)", master_optimizer="adam", seed=5, validate_every=2,
                    early_stopping=3, monitor="val_acc", min_delta=0.01, target="val_loss < 0.2",
-                   checkpoint_every=1, resume="runs/x", runs_dir="elsewhere", store="runs/other.db", run_name="r1",
+                   checkpoint_every=3, keep_checkpoints=5, resume="runs/x", max_restarts=2, peer_timeout=7.5,
+                   runs_dir="elsewhere", store="runs/other.db", run_name="r1",
                    threads=2, bucket_mb=4.0, quiet=True, train="t_*.h5", val="v.h5", cache_dir="/tmp/c",
                    data_keys="x,y", gan=True, d_steps=2)
     assert set(changed) == {f.name for f in dataclasses.fields(TrainOptions)}

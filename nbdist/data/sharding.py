@@ -45,6 +45,12 @@ class ShardPlan:
         # the shards' batch sizes are equal up to one sample.
         return self._batches(epoch)[shard :: self.shards]
 
+    def every_shard(self, epoch: int) -> list[list[np.ndarray]]:
+        """The batches of every shard in `epoch` (a worker taking over a dropped worker's
+        share reads them; unlike `epoch`, this schedules no reading ahead)."""
+        batches = self._batches(epoch)
+        return [batches[shard :: self.shards] for shard in range(self.shards)]
+
     def step_sizes(self, epoch: int) -> np.ndarray:
         """(batches_per_epoch, shards) array of batch sizes, for sample-weighted averages."""
         sizes = np.array([len(b) for b in self._batches(epoch)])

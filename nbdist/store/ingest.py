@@ -76,6 +76,10 @@ class RunFeed:
         self.store.end_run(self.run_id, status, reason, final)
         self.store.close()
 
+    def close(self) -> None:
+        """Stop writing without ending the run (it restarts, and goes on in this row)."""
+        self.store.close()
+
 
 class RunRecorder:
     """The run leader's thread that moves a batch run's records from its ranks' logs
@@ -102,6 +106,14 @@ class RunRecorder:
         self._thread.join()
         self.feed.add(self.follower.poll())
         self.feed.end(status, reason, final)
+
+    def pause(self) -> None:
+        """The run restarts after a failure (its new leader records it from then on):
+        the records so far, and the run left running."""
+        self._stop.set()
+        self._thread.join()
+        self.feed.add(self.follower.poll())
+        self.feed.close()
 
 
 def import_run(store: RunStore, run_dir: Path | str) -> tuple[str, int]:

@@ -10,6 +10,11 @@ on the same gradient, so the replicas stay bit-identical.
 A four-number trailer (samples, loss sum, metric sum, stop requests) is reduced with
 the gradient: the global training loss costs no extra message, and a stop requested on
 any rank (signal) stops every rank at the same step.
+
+Every rank waits for every other at each step, so a rank that dies or freezes ends the
+run: the reduction fails (MPI's fault tolerance reports the dead rank) or runs past the
+peer timeout (a roll call names the frozen one). With --max-restarts the survivors then
+go on from the last checkpoint on fewer ranks (train/runner.py).
 """
 
 from __future__ import annotations
@@ -23,10 +28,10 @@ from nbdist.algorithms import allreduce_sgd
 from nbdist.backends.base import BatchStats
 from nbdist.data.sharding import split_evenly
 from nbdist.errors import TrainingError
-from nbdist.topology.waiting import wait_all
 from nbdist.train.context import RankContext
 from nbdist.train.progress import EpochTally, RunResult, epoch_metrics, format_epoch, write_final
 from nbdist.train.state import load_rank_state, save_rank_state
+from nbdist.transport.waiting import wait_all
 
 __all__ = ["run_allreduce", "GradientReducer"]
 
@@ -34,14 +39,18 @@ REPORT_EVERY = 0.5
 
 
 class GradientReducer:
-    """Starts one in-place Iallreduce per gradient bucket from inside backward."""
+    """Starts one in-place Iallreduce per gradient bucket from inside backward.
 
-    __slots__ = ("comm", "grads", "buckets", "requests")
+    `finish_wait(requests)` waits for the last ones (default: waiting.wait_all; a run
+    passes its polled collectives' wait, with the run's deadline and failure naming)."""
 
-    def __init__(self, comm: MPI.Intracomm, backend, bucket_floats: int):
+    __slots__ = ("comm", "grads", "buckets", "requests", "finish_wait")
+
+    def __init__(self, comm: MPI.Intracomm, backend, bucket_floats: int, finish_wait=None):
         self.comm = comm
         self.grads = backend.grads
         self.requests: list[MPI.Request] = []
+        self.finish_wait = finish_wait or wait_all
         self.buckets = backend.bucket_hooks(bucket_floats, self._bucket_ready)
 
     def _bucket_ready(self, index: int) -> None:
@@ -51,8 +60,10 @@ class GradientReducer:
 
     def finish(self, trailer: np.ndarray) -> None:
         self.requests.append(self.comm.Iallreduce(MPI.IN_PLACE, trailer, op=MPI.SUM))
-        wait_all(self.requests)
-        self.requests.clear()
+        try:
+            self.finish_wait(self.requests)
+        finally:
+            self.requests.clear()
 
 
 def run_allreduce(ctx: RankContext) -> RunResult | None:
@@ -61,7 +72,9 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
     backend = ctx.backend
     params, grads, model_state = backend.params, backend.grads, backend.state
     opt = backend.make_optimizer(ctx.worker_optimizer)
-    reducer = GradientReducer(comm, backend, max(1, int(ctx.options.bucket_mb * 2**20 / 4)))
+    collectives = ctx.peers.collectives
+    reducer = GradientReducer(comm, backend, max(1, int(ctx.options.bucket_mb * 2**20 / 4)),
+                              lambda requests: collectives.wait_all(comm, requests, "the gradient allreduce"))
     plan = ctx.data.plan(size, ctx.options.batch_size, ctx.options.seed)
     val_indices = split_evenly(np.arange(ctx.data.n_val), size, rank)
 
@@ -74,8 +87,8 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
         history = list(extra.get("history", []))
         ctx.say(f"resumed from {ctx.resume_from} at epoch {start_epoch + 1}")
     else:
-        comm.Bcast(params, root=0)
-        comm.Bcast(model_state, root=0)
+        collectives.bcast(comm, params)
+        collectives.bcast(comm, model_state)
 
     trailer = np.zeros(4, np.float32)
     started = time.time()
@@ -87,10 +100,12 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
     def save(label: str, epoch: int, step: int) -> None:
         save_rank_state(ctx, label, opt, None, {"epoch": epoch, "step": step,
                                                 "early": ctx.early.to_json(), "history": history})
-        comm.Barrier()  # every rank's file is on disk before the directory is committed
+        # Every rank's file is on disk before the directory is committed.
+        collectives.barrier(comm, f"checkpoint {label}")
         if rank == 0:
             ctx.checkpoints.commit(label, {"label": label, "layout": ctx.layout.to_dict(),
-                                           "options": ctx.options.to_dict(), "time": time.time()})
+                                           "options": ctx.options.to_dict(), "world_ranks": ctx.world_ranks,
+                                           "time": time.time()})
 
     epoch = start_epoch
     for epoch in range(start_epoch, ctx.options.epochs):
@@ -107,6 +122,7 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
             trailer[:] = (stats.n, stats.loss_sum, stats.metric_sum, float(ctx.stop.requested))
             reducer.finish(trailer)
             t2 = time.perf_counter()
+            ctx.peers.pace.heard()
             if not np.isfinite(trailer[1]):
                 raise TrainingError(
                     f"the loss became NaN at epoch {epoch + 1}, batch {step + 1}: lower the learning "
@@ -130,7 +146,6 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
                 break
         if stop_reason:
             break
-        tally.ended = size
         val = None
         if (epoch + 1) % ctx.options.validate_every == 0 or epoch + 1 == ctx.options.epochs:
             val = _validate(ctx, comm, val_indices, size)
@@ -159,14 +174,15 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
 def _validate(ctx: RankContext, comm: MPI.Intracomm, indices: np.ndarray, size: int) -> BatchStats:
     """Each rank evaluates its slice of the validation set; the sums are added up."""
     state = ctx.backend.state
+    collectives = ctx.peers.collectives
     if state.size:
         # BatchNorm statistics differ per rank (each saw its own batches): use their mean.
-        comm.Allreduce(MPI.IN_PLACE, state, op=MPI.SUM)
+        collectives.allreduce(comm, state, "the validation")
         state /= np.float32(size)
     x, y = ctx.data.val_batch(indices)
     local = ctx.backend.evaluate(x, y) if len(indices) else BatchStats()
     sums = np.array([local.loss_sum, local.metric_sum, local.n], np.float64)
-    comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
+    collectives.allreduce(comm, sums, "the validation")
     return BatchStats(float(sums[0]), float(sums[1]), int(sums[2]))
 
 

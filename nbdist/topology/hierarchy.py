@@ -4,7 +4,7 @@ With one master, every worker's every update crosses the same rank. With N_M mas
 top master serves its own N_W workers plus N_M - 1 sub-masters, and each sub-master
 serves N_W workers: the communication load is spread, at the cost of some staleness.
 
-A sub-master is an ordinary master for its workers (master_worker's serving loop, the
+A sub-master is an ordinary master for its workers (master.py's serving loop, the
 algorithm's `master_apply` and master optimiser on its OWN copy of the centre) and is
 itself a client of the top master on the `masters` communicator (top master = rank 0).
 After each round's worth of updates (N_W when asynchronous, every round when
@@ -35,9 +35,19 @@ workers'), VERSION = the top version of the last pull. Its header forwards
                error naming the worker), the sub-master stops its other workers;
   DONE         once all its workers are DONE (after an ERROR too, so that the top master
                leaves only when no rank of the run still writes into its directory);
-  EPOCHS_ACKED every epoch checkpoint up to there is complete below it (its workers' files
-               and its own), cumulative because several can complete between two pushes;
-               CHECKPOINT in DONE acknowledges the stop checkpoint.
+  EPOCHS_ACKED synchronous: every epoch checkpoint up to there is complete below it (its
+               workers' files and its own), cumulative because several can complete
+               between two pushes; CHECKPOINT in DONE acknowledges the stop checkpoint;
+  CHECKPOINT   asynchronous: the snapshot the top master asked for is complete below it.
+
+Asynchronous snapshots go down the tree: the top master answers a sub-master's push with
+SNAPSHOT instead of taking it; the sub-master saves its share (its centre still holds the
+delta the top did not take, so a resume pushes it again), then takes the same snapshot of
+its own workers, and acknowledges it in a later push once they all saved theirs.
+
+A worker under a sub-master that dies or freezes in an asynchronous run is dropped by the
+sub-master, as by any master; a sub-master that dies or freezes ends the run (its workers'
+updates can no longer reach the centre).
 
 A STOP reply carries the top master's stop label: the sub-master answers STOP with that
 label to its workers as they report, waits until they are all DONE, writes its own share
@@ -57,24 +67,26 @@ from typing import Any
 import numpy as np
 
 from nbdist.backends.base import BatchStats
-from nbdist.topology import messages as m
-from nbdist.topology.master_worker import (
+from nbdist.topology.master import (
     SUB_MASTER,
     Client,
-    _average_state,
-    _commit_ready_checkpoints,
-    _Master,
-    _open,
-    _open_tallies,
-    _restore_tallies,
-    _serve,
-    _share_initial_weights,
-    _worker_clients,
+    Master,
+    average_state,
+    commit_ready_checkpoints,
+    open_master,
+    open_tallies,
+    restore_tallies,
+    serve,
+    share_initial_weights,
+    worker_clients,
 )
-from nbdist.topology.waiting import wait, wait_all
 from nbdist.train.context import RankContext
 from nbdist.train.progress import EpochTally
 from nbdist.train.state import load_rank_state, save_rank_state
+from nbdist.transport import messages as m
+from nbdist.transport.deadlines import Silence
+from nbdist.transport.faults import RankLost, RankSilent
+from nbdist.transport.waiting import CommFailure, WaitTimeout, wait, wait_all
 
 __all__ = ["run_sub_master", "sub_master_clients", "merge_delta"]
 
@@ -90,12 +102,12 @@ def sub_master_clients(ctx: RankContext) -> list[Client]:
     masters = [r for r in layout.fold_ranks(role.group, role.fold) if layout.role(r).kind == "master"]
     n, s = ctx.backend.params.size, ctx.backend.state.size
     return [Client(ctx.comms.masters, j, SUB_MASTER, rank, m.Message(n, s), merge=merge_delta,
-                   weight=layout.workers)
+                   weight=layout.workers, silence=Silence(ctx.options.peer_timeout))
             for j, rank in enumerate(masters) if j > 0]
 
 
 @dataclass
-class SubMaster(_Master):
+class SubMaster(Master):
     """A master of its own workers that asks the top master instead of deciding (stops),
     pushes instead of validating (epochs) and acknowledges instead of committing."""
 
@@ -108,8 +120,11 @@ class SubMaster(_Master):
     error_sent: bool = False
     epochs_acked: int = 0
     stop_acked: bool = False
+    snapshot_ack: float = m.NO_CHECKPOINT  # the top's snapshot, complete below: acknowledged at the next push
     out: m.Message | None = None
     top_reply: np.ndarray = field(default_factory=m.new_header)
+    top: Silence | None = None  # the top master's replies
+    top_rank: int = 0  # its world rank
 
     def request_stop(self, reason: str) -> None:
         # Only the top master decides: ask it at the next push (made at once, see below).
@@ -135,8 +150,8 @@ class SubMaster(_Master):
         if not pushes and (self.unpushed >= every or self.stop_wanted):
             pushes = [(0, self.next_epoch, None)]
         for k, (flags, epoch, tally) in enumerate(pushes):
-            if self._push(m.UPDATE, flags, epoch, tally) == m.STOP:
-                # The top master dropped this push and takes no more.
+            if self._push(m.UPDATE, flags, epoch, tally) in (m.STOP, m.SNAPSHOT):
+                # The top master did not take this push (and, told STOP, takes no more).
                 self._reopen(finished[k:] if flags else finished)
                 return
 
@@ -151,13 +166,17 @@ class SubMaster(_Master):
             return
         # Its tally went up with the push; validating and reporting are the top master's.
         # Written after that push, so the checkpoint holds the merged centre (exact resume).
-        if self.ctx.checkpoint_due(epoch + 1):
+        # Asynchronous checkpoints are the top master's snapshots (see _push).
+        if self.ctx.checkpoint_due(epoch + 1) and self.ctx.options.synchronous:
             self.save(m.label_of(epoch + 1))
 
+    def take_snapshot(self, label: str) -> None:
+        """Only the top master decides snapshots; a sub-master passes them down (_push)."""
+
     def save(self, label: str) -> None:
-        _average_state(self)
+        average_state(self)
         extra = {"version": self.version, "next_epoch": self.next_epoch, "pulled_version": self.pulled_version,
-                 **_open_tallies(self, label)}
+                 "members": self.members.to_json(), **open_tallies(self, label)}
         save_rank_state(self.ctx, label, self.opt, self.rule_state, extra, {"pulled": self.pulled})
         self.master_wrote.add(label)
 
@@ -165,6 +184,8 @@ class SubMaster(_Master):
         # Complete below this rank: acknowledge it to the top master, which commits.
         if label == self.stop_label:
             self.stop_acked = True
+        elif label == self.snapshot:
+            self.snapshot_ack = m.label_code(label)
         else:
             self.epochs_acked = max(self.epochs_acked, int(m.label_code(label)))
 
@@ -176,20 +197,27 @@ class SubMaster(_Master):
         train = tally.train if tally is not None else BatchStats()
         self._fill_header(kind, flags | (m.STOP_REQUEST if self.stop_wanted else 0), epoch, train)
         np.subtract(self.center, self.pulled, out=out.payload)
-        _average_state(self)
+        average_state(self)
         out.state[:] = self.ctx.backend.state
         replies = [self.uplink.Irecv(self.top_reply, source=0, tag=m.TAG_REPLY_HEADER),
                    self.uplink.Irecv(self.incoming, source=0, tag=m.TAG_REPLY)]
-        wait(self.uplink.Isend(out.buffer if kind == m.UPDATE else out.buffer[: m.HEADER_FLOATS], dest=0,
-                               tag=m.TAG_UPDATE))
+        self._await_top([self.uplink.Isend(out.buffer if kind == m.UPDATE else out.buffer[: m.HEADER_FLOATS],
+                                           dest=0, tag=m.TAG_UPDATE)])
+        self.snapshot_ack = m.NO_CHECKPOINT  # delivered
         if kind == m.ERROR:
-            self.uplink.send(self.error, dest=0, tag=m.TAG_ERROR_TEXT)
-        wait_all(replies)
+            self._await_top([self.uplink.isend(self.error, dest=0, tag=m.TAG_ERROR_TEXT)])
+        self._await_top(replies)
         self.phases["uplink"] += time.perf_counter() - t0
         if self.top_reply[m.KIND] == m.STOP:
             self.stopping = "stopped by the top master"
             self.stop_label = m.label_of(self.top_reply[m.CHECKPOINT])
             return m.STOP
+        if self.top_reply[m.KIND] == m.SNAPSHOT:
+            # The top did not take this push: its delta stays in the centre for the next.
+            # This rank's share now, its workers' at their next updates (Master._read_messages).
+            self.snapshot, self.snapshot_told = m.label_of(self.top_reply[m.CHECKPOINT]), set()
+            self.save(self.snapshot)
+            return m.SNAPSHOT
         self.center[:] = self.incoming
         self.pulled[:] = self.incoming
         self.pulled_version = int(self.top_reply[m.VERSION])
@@ -198,11 +226,25 @@ class SubMaster(_Master):
         self.unpushed = 0
         return m.CONTINUE
 
+    def _await_top(self, requests: list) -> None:
+        """Wait for the top master, which may have died or frozen: then the run is over."""
+        top_rank = self.top_rank
+        name = self.ctx.peers.directory.describe(top_rank)
+        try:
+            wait_all(requests, timeout=self.top.limit)
+        except CommFailure:
+            raise RankLost(f"the top master, {name}, died: the run cannot go on", ranks=[top_rank],
+                           restartable=True) from None
+        except WaitTimeout as exc:
+            raise RankSilent(f"the top master, {name}, did not answer for {exc.seconds:.0f} s (the peer "
+                             f"timeout): the run cannot go on", ranks=[top_rank]) from None
+        self.top.heard()
+
     def send_done(self) -> None:
         self._fill_header(m.DONE, 0, self.next_epoch, BatchStats())
         if self.stop_acked:
             self.out.header[m.CHECKPOINT] = m.label_code(self.stop_label)
-        wait(self.uplink.Isend(self.out.buffer[: m.HEADER_FLOATS], dest=0, tag=m.TAG_UPDATE))
+        self._await_top([self.uplink.Isend(self.out.buffer[: m.HEADER_FLOATS], dest=0, tag=m.TAG_UPDATE)])
 
     def _fill_header(self, kind: float, flags: int, epoch: int, train: BatchStats) -> None:
         header = self.out.header
@@ -213,13 +255,17 @@ class SubMaster(_Master):
         header[m.LOSS_SUM] = train.loss_sum
         header[m.METRIC_SUM] = train.metric_sum
         header[m.FLAGS] = flags
-        header[m.CHECKPOINT] = m.NO_CHECKPOINT
+        header[m.CHECKPOINT] = self.snapshot_ack
         header[m.EPOCHS_ACKED] = self.epochs_acked
 
 
 def run_sub_master(ctx: RankContext) -> None:
-    me = SubMaster(ctx, uplink=ctx.comms.masters)
-    _open(me, _worker_clients(ctx))
+    layout, role = ctx.layout, ctx.role
+    top_rank = next(r for r in layout.fold_ranks(role.group, role.fold)
+                    if layout.role(r).kind == "master" and layout.role(r).master == 0)
+    me = SubMaster(ctx, uplink=ctx.comms.masters, top=Silence(ctx.options.peer_timeout), top_rank=top_rank,
+                   top_reply=m.new_header(layout.workers))
+    open_master(me, worker_clients(ctx))
     n, s = me.center.size, ctx.backend.state.size
     me.pulled, me.incoming, me.out = np.empty(n, np.float32), np.empty(n, np.float32), m.Message(n, s)
     me.phases["uplink"] = 0.0
@@ -228,17 +274,17 @@ def run_sub_master(ctx: RankContext) -> None:
         me.version, me.next_epoch = int(extra["version"]), int(extra["next_epoch"])
         me.pulled_version = int(extra["pulled_version"])
         me.epochs_acked = me.next_epoch  # the checkpoint resumed from was committed
-        _restore_tallies(me, extra)
+        restore_tallies(me, extra)
     else:
-        _share_initial_weights(ctx)
+        share_initial_weights(ctx)
         me.pulled[:] = me.center
-    _serve(me)
+    serve(me)
 
     # Every worker has said DONE (or failed); as at the top master, the stop checkpoint
     # is acknowledged only when every worker stopped on the same STOP.
     if me.stopping and not me.error:
         me.save(me.stop_label)
-        _commit_ready_checkpoints(me)
+        commit_ready_checkpoints(me)
     me.send_done()
     ctx.log.emit("phase", dict(me.phases), step=me.version, epoch=me.next_epoch)
     if me.error:

@@ -31,7 +31,7 @@ from nbdist.hpo.runner import EpochReport, FoldOutcome, TrialExecutor, TrialFini
 from nbdist.hpo.trial import Trial
 from nbdist.layout import Communicators, Layout
 from nbdist.options import StudyOptions, TrainOptions
-from nbdist.topology.waiting import wait
+from nbdist.transport.waiting import wait
 from nbdist.train.definition import ModelDefinition
 from nbdist.train.stopping import StopFlag
 

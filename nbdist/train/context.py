@@ -29,8 +29,10 @@ from nbdist.store import RunRecorder, store_path
 from nbdist.train.checkpoint import CheckpointError, Checkpoints
 from nbdist.train.definition import ModelDefinition
 from nbdist.train.stopping import EarlyStopping, StopFlag
+from nbdist.transport.collectives import Collectives
+from nbdist.transport.peers import SETUP_TIMEOUT, Peers
 
-__all__ = ["RankContext", "TrialTag", "prepare", "agree"]
+__all__ = ["RankContext", "TrialTag", "prepare", "agree", "master_share"]
 
 # Workers explore with momentum; a Downpour master gets none by default, because
 # asynchronous updates already act as momentum (Hermans & Louppe, 2018) and the two
@@ -76,21 +78,40 @@ class RankContext:
     early: EarlyStopping
     is_leader: bool  # prints progress and writes run-level files
     make_replica: Callable[[], Backend]  # another copy of the model (background validation)
+    peers: Peers  # the other ranks: who they are, how long to wait for them, how to tell them
     store_path: str | None = None  # the run store this run is recorded in by its leader (every rank knows)
     recorder: RunRecorder | None = None  # the leader's feed of the run store (batch runs)
+    resume_rank: int | None = None  # whose share of resume_from this rank loads (None: nothing of its own)
+    relayout: bool = False  # restarted on other ranks: positions and tallies start at an epoch boundary
+
+    @property
+    def world_ranks(self) -> list[int]:
+        """The COMM_WORLD rank of each rank of the run, in run order (checkpoints record
+        it, so that a restart on fewer ranks can find each role's share)."""
+        return [info.world_rank for info in self.peers.directory.infos.values()]
 
     def say(self, text: str) -> None:
         if self.is_leader and not self.options.quiet:
             print(text, flush=True)
+
+    def warn(self, text: str) -> None:
+        """What the user must hear of even with --quiet (a rank lost, a checkpoint skipped)."""
+        import sys
+
+        print(text, file=sys.stderr, flush=True)
 
     def checkpoint_due(self, epochs_done: int) -> bool:
         every = self.options.checkpoint_every
         return epochs_done == self.options.epochs or (every > 0 and epochs_done % every == 0)
 
 
-def agree(comm: Any, error: BaseException | None) -> None:
-    """Collective: raise the same UserError on every rank when any rank failed setup."""
-    messages = comm.allgather(None if error is None else _describe(error))
+def agree(comm: Any, error: BaseException | None, collectives: Collectives | None = None) -> None:
+    """Collective: raise the same UserError on every rank when any rank failed setup.
+
+    Polled, with a deadline (SETUP_TIMEOUT): a rank that never gets here is named (with
+    `collectives` that can call the roll) instead of leaving the others waiting."""
+    collectives = collectives or Collectives(lambda: SETUP_TIMEOUT)
+    messages = collectives.allgather(comm, None if error is None else _describe(error), "the end of set-up")
     failed = [(rank, msg) for rank, msg in enumerate(messages) if msg is not None]
     if not failed:
         return
@@ -214,14 +235,18 @@ def prepare(
     sink: "RecordSink | None" = None,
     record: bool = True,
     trial: "TrialTag | None" = None,
+    restart_of: Path | None = None,
 ) -> RankContext:
     """Collective over `comm`: build this rank's context or raise one UserError everywhere.
 
     `record`: the run leader feeds the run store (batch runs); a notebook job passes
     False, because the notebook's collector records it. `trial`: the study and trial
-    number a study's run belongs to (its records and its row in the store say so)."""
+    number a study's run belongs to (its records and its row in the store say so).
+    `restart_of`: the run directory of a run that lost ranks: it goes on there, from its
+    last checkpoint (if any), on the ranks of `comm`, laid out anew."""
     error: BaseException | None = None
     data: Data | None = None
+    peers = Peers(comm, options.peer_timeout)
     try:
         options = _check_gan(options.validate())
         layout = Layout.for_world(
@@ -235,7 +260,7 @@ def prepare(
             # sub-master's merged push: a synchronous round of EASGD under sub-masters
             # then pulls the centre exactly as far as one master with all the workers would.
             algorithm.bind(layout.workers * layout.masters)
-        resume_from = _find_resume(options, layout)
+        resume_from = _find_resume(options, layout) if restart_of is None else Checkpoints(restart_of).latest()
         configure_frameworks(options.threads, options.seed)
         definition = definition() if callable(definition) else definition
         # Again for the frameworks the user's code imported: the same seed on every rank
@@ -256,16 +281,18 @@ def prepare(
     except Exception as exc:  # a bug or a user-code failure: keep it visible, named
         error = UserError(f"setup failed: {type(exc).__name__}: {exc}")
     try:
-        agree(comm, error)
-    except UserError:
+        agree(comm, error, peers.collectives)
+    except BaseException:
         if data is not None:
             data.close()  # its cache copies and reading thread
+        peers.close()
         raise
 
     comms = layout.split(comm)
+    peers.meet(comm, _role_name(role))
     run_comm = comms.run
     is_leader = run_comm.Get_rank() == 0
-    run_dir = Path(options.resume) if resume_from is not None else None
+    run_dir = restart_of or (Path(options.resume) if resume_from is not None else None)
     if run_dir is None:
         name = None
         if is_leader:
@@ -275,6 +302,8 @@ def prepare(
         run_dir = Path(run_comm.bcast(name, root=0))
     if is_leader:
         _write_run_files(run_dir, options, layout)
+    resume_rank, relayout = (_resume_rank(resume_from, layout, role, comm, restart_of is not None)
+                             if resume_from is not None else (None, False))
     run_id = run_dir.name
     recorder, error = None, None
     database = store_path(options.store, options.runs_dir) if record else None
@@ -285,7 +314,7 @@ def prepare(
         except UserError as exc:
             error = exc
     if database is not None:
-        agree(run_comm, error)
+        agree(run_comm, error, peers.collectives)
     log = RunLog(run_dir, run_id, comm.Get_rank(), role.kind, sink=sink, trial=trial.number if trial else None)
     early = EarlyStopping(
         options.monitor, options.early_stopping, options.min_delta,
@@ -296,8 +325,58 @@ def prepare(
         algorithm=algorithm, sync_every=sync_every, worker_optimizer=worker_opt,
         master_optimizer=master_opt, run_dir=run_dir, run_id=run_id, log=log, stop=stop,
         checkpoints=Checkpoints(run_dir), resume_from=resume_from, early=early, is_leader=is_leader,
-        make_replica=make_replica, store_path=database, recorder=recorder,
+        make_replica=make_replica, peers=peers, store_path=database, recorder=recorder,
+        resume_rank=resume_rank, relayout=relayout,
     )
+
+
+def _resume_rank(path: Path, layout: Layout, role: Role, comm: Any, restart: bool) -> tuple[int | None, bool]:
+    """(the rank whose share of checkpoint `path` this rank resumes from, whether the run
+    was laid out anew). A resume keeps its layout: every rank reads its own share. A
+    restart on fewer ranks maps roles: a master reads its predecessor's share (the
+    centre), any other rank its own if it had the same role, else nothing (None: it
+    starts from the centre)."""
+    if not restart:
+        return comm.Get_rank(), False
+    from mpi4py import MPI
+
+    meta = Checkpoints.read_meta(path)
+    old_world = list(meta.get("world_ranks", []))
+    old_layout = Layout.from_dict(meta["layout"]) if meta.get("layout") else None
+    if old_layout is None or (old_layout == layout and old_world == _world_ranks(comm)):
+        return comm.Get_rank(), False
+    me = MPI.COMM_WORLD.Get_rank()
+    old_rank = old_world.index(me) if me in old_world else None
+    if role.kind == "master":
+        return master_share(path, role.master), True
+    if old_rank is not None and old_layout.role(old_rank).kind == role.kind:
+        return old_rank, True
+    return None, True
+
+
+def master_share(path: Path, master: int) -> int:
+    """The rank whose share of checkpoint `path` holds master `master`'s centre."""
+    layout = Layout.from_dict(Checkpoints.read_meta(path)["layout"])
+    return next(r for r in range(layout.n_ranks) if layout.role(r).kind == "master" and layout.role(r).master == master)
+
+
+def _world_ranks(comm: Any) -> list[int]:
+    from mpi4py import MPI
+
+    group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+    try:
+        return list(MPI.Group.Translate_ranks(group, list(range(group.Get_size())), world))
+    finally:
+        group.Free()
+        world.Free()
+
+
+def _role_name(role: Role) -> str:
+    if role.kind == "worker":
+        boss = f" of master {role.master}" if role.master else ""
+        proc = f", process {role.proc}" if role.proc else ""
+        return f"worker {role.worker}{boss}{proc}"
+    return f"{role.kind} {role.master}" if role.kind == "master" else role.kind
 
 
 def _replica_factory(definition: ModelDefinition, options: TrainOptions, sample: Any) -> Callable[[], Backend]:

@@ -23,7 +23,7 @@ class EpochTally:
     """Sums over one epoch's training updates (from every worker)."""
 
     train: BatchStats = field(default_factory=BatchStats)
-    ended: int = 0  # workers that finished this epoch
+    ended: set = field(default_factory=set)  # the master's clients that finished this epoch
     updates: int = 0
     staleness_sum: int = 0
     staleness_max: int = 0
@@ -36,12 +36,13 @@ class EpochTally:
 
     def to_json(self) -> list:
         t = self.train
-        return [t.loss_sum, t.metric_sum, t.n, self.ended, self.updates, self.staleness_sum, self.staleness_max]
+        return [t.loss_sum, t.metric_sum, t.n, sorted(self.ended), self.updates, self.staleness_sum,
+                self.staleness_max]
 
     @classmethod
     def from_json(cls, values: list) -> "EpochTally":
         loss_sum, metric_sum, n, ended, updates, staleness_sum, staleness_max = values
-        return cls(BatchStats(float(loss_sum), float(metric_sum), int(n)), int(ended), int(updates),
+        return cls(BatchStats(float(loss_sum), float(metric_sum), int(n)), {int(c) for c in ended}, int(updates),
                    int(staleness_sum), int(staleness_max))
 
 

@@ -1,19 +1,38 @@
-"""One rank's whole run: set up, train in its role, return the result (on the leader)."""
+"""One rank's whole run: set up, train in its role, return the result (on the leader).
+
+No rank may leave while others wait for it. A rank that cannot go on (an error in its
+code, a peer it found dead or frozen) tells every other rank over the run's control
+channel before it raises, and every wait of the others watches that channel: the whole
+run ends within moments, with the message of the rank that failed first. The first rank
+to record the failure in the run directory (`failure.json`) is the one that reports it.
+
+When a rank died or froze (and was removed) and the user allowed restarts
+(`--max-restarts N`), the survivors do not end: they agree on who is left (MPI's fault
+tolerance, `Comm.Shrink`), lay the run out again on fewer ranks where the layout allows
+it, and continue from the last checkpoint, in the same run directory and the same row of
+the run store.
+"""
 
 from __future__ import annotations
 
+import json
+import os
 import threading
+from pathlib import Path
 from typing import Any, Callable
 
 from nbdist.errors import UserError
 from nbdist.metrics.log import RecordSink
 from nbdist.options import TrainOptions
+from nbdist.train.checkpoint import Checkpoints
 from nbdist.train.context import RankContext, TrialTag, prepare
 from nbdist.train.definition import ModelDefinition
 from nbdist.train.progress import RunResult, stopped_on_request
 from nbdist.train.stopping import StopFlag
+from nbdist.transport.faults import RunFailure, survivors, ulfm_enabled
+from nbdist.transport.waiting import Abandoned, watch_with
 
-__all__ = ["run_rank"]
+__all__ = ["run_rank", "FAILURE_FILE"]
 
 
 # How long the run leader waits for the other ranks' last records before it closes the
@@ -21,6 +40,7 @@ __all__ = ["run_rank"]
 # short after a failure (some ranks may never get there).
 LAST_RECORDS_WAIT = 60.0
 LAST_RECORDS_WAIT_AFTER_FAILURE = 2.0
+FAILURE_FILE = "failure.json"
 
 
 def run_rank(options: TrainOptions, definition: ModelDefinition | Callable[[], ModelDefinition],
@@ -38,24 +58,122 @@ def run_rank(options: TrainOptions, definition: ModelDefinition | Callable[[], M
         stop = StopFlag()
         if threading.current_thread() is threading.main_thread():
             stop.install()
-    ctx = prepare(options, definition, comm, stop, sink, record, trial)
-    ctx.say(f"nbdist: {ctx.layout.describe()}, {ctx.options.topology}"
-            + (f", {ctx.algorithm!r}" if ctx.algorithm else ", synchronous sgd")
-            + (", synchronous" if options.synchronous and ctx.algorithm else "")
-            + f"; run directory {ctx.run_dir}")
+    restart_of: Path | None = None
+    for attempt in range(options.max_restarts + 1):
+        try:
+            return _run_once(options, definition, comm, stop, sink, record, trial, restart_of, attempt)
+        except RunFailure as failure:
+            if not _restartable(failure, options, attempt):
+                raise
+            restart_of = failure.run_dir
+            comm = survivors(comm)
+            # The same run on fewer ranks: let the layout fill them again.
+            options = options.replace(workers=None)
+    raise AssertionError("unreachable")  # the last attempt returns or raises
+
+
+def _restartable(failure: RunFailure, options: TrainOptions, attempt: int) -> bool:
+    return (failure.restartable and attempt < options.max_restarts and ulfm_enabled()
+            and getattr(failure, "run_dir", None) is not None)
+
+
+def _run_once(options: TrainOptions, definition: ModelDefinition | Callable[[], ModelDefinition], comm: Any,
+              stop: StopFlag, sink: RecordSink | None, record: bool, trial: TrialTag | None,
+              restart_of: Path | None, attempt: int) -> RunResult | None:
+    ctx = prepare(options, definition, comm, stop, sink, record, trial, restart_of=restart_of)
+    if restart_of is None:
+        ctx.say(f"nbdist: {ctx.layout.describe()}, {ctx.options.topology}"
+                + (f", {ctx.algorithm!r}" if ctx.algorithm else ", synchronous sgd")
+                + (", synchronous" if options.synchronous and ctx.algorithm else "")
+                + f"; run directory {ctx.run_dir}")
+    else:
+        ctx.say(f"nbdist: restart {attempt} of {options.max_restarts} on {comm.Get_size()} ranks "
+                f"({ctx.layout.describe()}), from "
+                + (f"{ctx.resume_from.name}" if ctx.resume_from is not None else "the start"))
+        ctx.log.emit("restart", {"attempt": attempt, "ranks": comm.Get_size(), "layout": ctx.layout.describe(),
+                                 "checkpoint": ctx.resume_from.name if ctx.resume_from is not None else None})
     result: RunResult | None = None
     failure: BaseException | None = None
     try:
-        result = _train_in_role(ctx)
+        with watch_with(ctx.peers.control.check):
+            result = _train_in_role(ctx)
         return result
-    except BaseException as exc:
+    except RunFailure as exc:
+        failure = exc
+        exc.run_dir = ctx.run_dir
+        if exc.origin:
+            ctx.peers.control.tell_all(exc)
+        _record_failure(ctx, exc, options, attempt)
+        raise
+    except (Abandoned, KeyboardInterrupt) as exc:
         failure = exc
         raise
+    except BaseException as exc:
+        # This rank's own failure (its code, its data, a bug): the others must not wait
+        # for it. They hear it as this rank's message; the CLI shows its traceback here.
+        failure = exc
+        told = RunFailure(f"{ctx.peers.directory.describe(ctx.comms.world.Get_rank())} failed: "
+                          f"{type(exc).__name__}: {exc}" if not isinstance(exc, UserError) else str(exc))
+        ctx.peers.control.tell_all(told)
+        _record_failure(ctx, told, options, attempt)
+        exc.reported_here = getattr(told, "reported_here", False)
+        raise
     finally:
+        restarting = isinstance(failure, RunFailure) and _restartable(failure, options, attempt)
         if ctx.store_path is not None:
-            _close_run_in_store(ctx, result, failure)
-        ctx.comms.free()
+            _close_run_in_store(ctx, result, failure, restarting)
+        ctx.peers.close()
+        if failure is None:
+            # After a failure they stay: a nonblocking collective that failed may still be
+            # referenced by MPI's progress engine, which must not find them freed.
+            ctx.comms.free()
         ctx.data.close()
+
+
+def _record_failure(ctx: RankContext, failure: RunFailure, options: TrainOptions, attempt: int) -> None:
+    """The first rank to get here writes failure.json and reports the failure (the CLI
+    prints it); the message says what to do next."""
+    if not failure.origin:
+        return
+    hint = _what_next(ctx, failure, options, attempt)
+    if hint and hint not in str(failure):
+        failure.args = (f"{failure}; {hint}",)
+    path = ctx.run_dir / FAILURE_FILE
+    info = {"message": str(failure), "ranks": list(failure.ranks), "restartable": failure.restartable,
+            "reported_by": ctx.peers.directory.describe(ctx.comms.world.Get_rank()), "time": failure.at,
+            "attempt": attempt}
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        if _same_attempt(path, attempt):
+            return
+        fd = os.open(path, os.O_WRONLY | os.O_TRUNC)
+    except OSError:
+        failure.reported_here = True  # no run directory to arbitrate in: say it here
+        return
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        json.dump(info, fh, indent=1)
+    failure.reported_here = True
+
+
+def _same_attempt(path: Path, attempt: int) -> bool:
+    try:
+        return json.loads(path.read_text(encoding="utf-8")).get("attempt") == attempt
+    except (OSError, ValueError):
+        return True
+
+
+def _what_next(ctx: RankContext, failure: RunFailure, options: TrainOptions, attempt: int) -> str:
+    latest = Checkpoints(ctx.run_dir).latest()
+    if failure.restartable and attempt < options.max_restarts and not ulfm_enabled():
+        return ("restarts need MPI fault tolerance: start the run with python -m nbdist launch, or with "
+                "mpiexec --with-ft ulfm")
+    if latest is None:
+        return "no checkpoint was written yet: run it again (--checkpoint-every 1 checkpoints every epoch)"
+    resume = f"its last checkpoint is {latest.name}: continue with --resume {ctx.run_dir}"
+    if failure.restartable and options.max_restarts == 0:
+        resume += " (or add --max-restarts 1 to restart automatically on the surviving ranks)"
+    return resume
 
 
 def _train_in_role(ctx: RankContext) -> RunResult | None:
@@ -63,7 +181,8 @@ def _train_in_role(ctx: RankContext) -> RunResult | None:
         from nbdist.topology.allreduce import run_allreduce
 
         return run_allreduce(ctx)
-    from nbdist.topology.master_worker import run_master, run_worker
+    from nbdist.topology.master import run_master
+    from nbdist.topology.worker import run_worker
 
     if ctx.role.is_sub_master:
         from nbdist.topology.hierarchy import run_sub_master
@@ -76,15 +195,19 @@ def _train_in_role(ctx: RankContext) -> RunResult | None:
     return None
 
 
-def _close_run_in_store(ctx: RankContext, result: RunResult | None, failure: BaseException | None) -> None:
+def _close_run_in_store(ctx: RankContext, result: RunResult | None, failure: BaseException | None,
+                        restarting: bool) -> None:
     """Every rank has closed its log when it gets here; the leader waits for the others
-    (without blocking inside MPI), records what they wrote last, and ends the run."""
-    from nbdist.topology.waiting import wait_until
-
+    (without blocking inside MPI), records what they wrote last, and ends the run (or,
+    restarting, leaves it open for the restart to go on in)."""
     ctx.log.close()
-    arrived = ctx.comms.run.Ibarrier()
-    wait_until(arrived, LAST_RECORDS_WAIT_AFTER_FAILURE if failure else LAST_RECORDS_WAIT)
+    control = ctx.peers.control
     if ctx.recorder is None:
+        control.say_ended()
+        return
+    control.await_ends(LAST_RECORDS_WAIT_AFTER_FAILURE if failure else LAST_RECORDS_WAIT)
+    if restarting:
+        ctx.recorder.pause()
         return
     if failure is not None:
         status, reason, final = "failed", _describe_failure(failure), None

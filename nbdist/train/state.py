@@ -32,9 +32,12 @@ def save_rank_state(ctx: Any, label: str, opt: FlatOptimizer | None, rule_state:
 def load_rank_state(ctx: Any, path: Path, opt: FlatOptimizer | None,
                     rule_state: RuleState | None, own: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
     """Restore this rank from checkpoint `path` (and the `own` arrays, in place); returns
-    the rank's saved scalars."""
+    the rank's saved scalars. The share read is `ctx.resume_rank`'s: this rank's own, or
+    after a restart on fewer ranks the one its role maps to (train/context.py)."""
     backend = ctx.backend
-    arrays, meta = ctx.checkpoints.read_rank(path, ctx.comms.world.Get_rank())
+    if ctx.resume_rank is None:
+        raise CheckpointError(f"checkpoint {path} has no state for rank {ctx.comms.world.Get_rank()}")
+    arrays, meta = ctx.checkpoints.read_rank(path, ctx.resume_rank)
     model = arrays.get("model", {})
     if model.get("params") is None or model["params"].shape != backend.params.shape:
         raise CheckpointError(

@@ -16,8 +16,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from nbdist.topology import master_worker as mw  # noqa: E402
-from nbdist.topology import messages as m  # noqa: E402
+from nbdist.topology import master as mw  # noqa: E402
+from nbdist.transport import messages as m  # noqa: E402
 from train_many import run_all  # noqa: E402
 
 RUN = "stop-at-sub-epoch-end"

@@ -5,6 +5,10 @@ one `Send`. The header is 9 float64 slots viewed over the first 18 floats (float
 versions and sample counts exactly). Replies travel as a header message followed by
 the payload array itself, so the master sends its centre without copying it. A
 sub-master speaks the same format to the top master (topology/hierarchy.py).
+
+A reply header carries, after the 9 slots, one slot per worker of the master: 1.0 for the
+workers that share the data of epoch `reply[EPOCH]` (the epoch after the one the worker's
+message ended; topology/membership.py), 0.0 for those dropped.
 """
 
 from __future__ import annotations
@@ -18,10 +22,13 @@ HEADER_FLOATS = 18  # 9 float64 slots
 # acks can complete several at once; 0 = none).
 KIND, VERSION, EPOCH, SAMPLES, LOSS_SUM, METRIC_SUM, FLAGS, CHECKPOINT, EPOCHS_ACKED = range(9)
 
-# worker -> master kinds
-UPDATE, DONE, ERROR = 1.0, 2.0, 3.0
-# master -> worker kinds
-CONTINUE, STOP = 1.0, 2.0
+# worker -> master kinds. LOST: the worker cannot go on (one of its processes died) but
+# the run can, without it (asynchronous rules).
+UPDATE, DONE, ERROR, LOST = 1.0, 2.0, 3.0, 4.0
+# master -> worker kinds. SNAPSHOT: the update was not applied; save this rank's share of
+# checkpoint CHECKPOINT, then send it again. DROPPED: the master went on without this
+# worker (it was silent too long); it must leave.
+CONTINUE, STOP, SNAPSHOT, DROPPED = 1.0, 2.0, 3.0, 4.0
 
 # flags (bit field)
 EPOCH_END = 1
@@ -60,5 +67,11 @@ class Message:
         return bool(int(self.header[FLAGS]) & flag)
 
 
-def new_header() -> np.ndarray:
-    return np.zeros(HEADER_FLOATS // 2, dtype=np.float64)
+def new_header(workers: int = 0) -> np.ndarray:
+    """A header; a reply header has one more slot per worker (their membership)."""
+    return np.zeros(HEADER_FLOATS // 2 + workers, dtype=np.float64)
+
+
+def members_in(reply: np.ndarray) -> tuple[int, ...]:
+    """The workers a reply header names as sharing the data of epoch reply[EPOCH]."""
+    return tuple(int(w) for w in np.flatnonzero(reply[HEADER_FLOATS // 2:]))

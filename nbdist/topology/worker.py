@@ -1,0 +1,334 @@
+"""A worker of the master/worker topology: train on its shard, exchange with its master.
+
+Each batch's gradient goes to the rule (`worker_step`: a local optimiser step, or an
+accumulation); when the rule says so, the worker's leader sends its message to the master
+and waits for the reply. A worker spanning several processes (N_P > 1) allreduces its
+gradient over its own communicator; its leader alone talks to the master and broadcasts
+the reply.
+
+The reply says how to go on: CONTINUE (apply it), STOP (save this rank's share of the
+stop checkpoint and leave), SNAPSHOT (save this rank's share of an asynchronous checkpoint,
+then send the same message again), DROPPED (the master went on without this worker: it
+was silent too long). A reply that ends an epoch also names the workers that share the
+next epoch's data (membership.py).
+
+A master that died, or that stays silent longer than the peer timeout, ends the run:
+RankLost / RankSilent, which the run's other ranks hear of over the control channel.
+When one process of a multi-process worker is lost in an asynchronous run, the worker
+leaves (the master is told LOST) and the run goes on without it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from nbdist.backends.base import BatchStats
+from nbdist.data.sharding import split_evenly
+from nbdist.topology.membership import batches_for
+from nbdist.train.checkpoint import CheckpointError, Checkpoints
+from nbdist.train.context import RankContext, master_share
+from nbdist.train.state import load_rank_state, save_rank_state
+from nbdist.transport import messages as m
+from nbdist.transport.deadlines import Silence
+from nbdist.transport.faults import RankLost, RankSilent, RunFailure
+from nbdist.transport.waiting import CommFailure, WaitTimeout, wait, wait_all
+
+__all__ = ["run_worker"]
+
+REPORT_EVERY = 0.5  # seconds between a worker's throughput/phase records
+
+
+@dataclass
+class _Window:
+    """What a worker did since it last reported (metrics) or synced (header sums)."""
+
+    sync: BatchStats = field(default_factory=BatchStats)
+    report: BatchStats = field(default_factory=BatchStats)
+    compute: float = 0.0
+    send: float = 0.0
+    wait: float = 0.0
+    since: float = field(default_factory=time.monotonic)
+
+
+class _Leave(Exception):
+    """This worker is done with the run early: stopped, dropped or lost (the run goes on)."""
+
+
+class Worker:
+    def __init__(self, ctx: RankContext):
+        self.ctx = ctx
+        role, backend = ctx.role, ctx.backend
+        self.block, self.wcomm = ctx.comms.block, ctx.comms.worker
+        self.leader, self.procs = role.is_leader, self.wcomm.Get_size()
+        self.params, self.grads, self.model_state = backend.params, backend.grads, backend.state
+        n, s = self.params.size, self.model_state.size
+        self.opt = backend.make_optimizer(ctx.worker_optimizer) if ctx.worker_optimizer else None
+        self.rule_state = ctx.algorithm.new_worker_state(n, ctx.sync_every)
+        # One shard per worker of the whole run, sub-masters' workers included: an epoch is
+        # one pass over the data however the workers are grouped.
+        self.workers, masters = ctx.layout.workers, max(ctx.layout.masters, 1)
+        self.plan = ctx.data.plan(masters * self.workers, ctx.options.batch_size, ctx.options.seed)
+        self.first_shard = role.master * self.workers
+        self.members: tuple[int, ...] = tuple(range(self.workers))
+        self.version = 0
+        self.out = m.Message(n, s)
+        self.reply_header = m.new_header(self.workers)
+        self.reply_payload = np.empty(n, np.float32)
+        self.window = _Window()
+        self.pending_ack = m.NO_CHECKPOINT
+        self.totals = np.zeros(3, np.float64)
+        self.master = Silence(ctx.options.peer_timeout)  # the master's replies
+        self.master_rank = next(r for r in ctx.layout.fold_ranks(role.group, role.fold)
+                                if ctx.layout.role(r).kind == "master" and ctx.layout.role(r).master == role.master)
+
+    # -- the loop ---------------------------------------------------------------------
+    def run(self) -> None:
+        ctx = self.ctx
+        start_epoch, start_step = self._start()
+        try:
+            for epoch in range(start_epoch, ctx.options.epochs):
+                batches = self._batches(epoch)
+                first = start_step if epoch == start_epoch else 0
+                for step in range(first, len(batches)):
+                    self._train_step(epoch, step, batches[step], last=step == len(batches) - 1)
+                if ctx.checkpoint_due(epoch + 1) and ctx.options.synchronous:
+                    label = m.label_of(epoch + 1)
+                    self._save(label, epoch + 1, 0)
+                    self.pending_ack = m.label_code(label)
+            self._report(ctx.options.epochs, 0)
+            if self.leader:
+                self._send(m.DONE, ctx.options.epochs, 0)
+        except _Leave:
+            pass
+        except RunFailure as failure:
+            if not self._leave_lost(failure):
+                raise
+        finally:
+            ctx.log.close()
+
+    def _start(self) -> tuple[int, int]:
+        """(epoch, step) to start from: a resume's saved position, or the master's weights."""
+        ctx = self.ctx
+        if ctx.resume_from is None:
+            if self.leader:
+                ctx.peers.collectives.bcast(self.block, self.params)
+                ctx.peers.collectives.bcast(self.block, self.model_state)
+            if self.procs > 1:
+                ctx.peers.collectives.bcast(self.wcomm, self.params, "the worker's first weights")
+                ctx.peers.collectives.bcast(self.wcomm, self.model_state, "the worker's first weights")
+            ctx.algorithm.worker_start(self.rule_state, self.params)
+            return 0, 0
+        try:
+            extra = load_rank_state(ctx, ctx.resume_from, self.opt, self.rule_state)
+        except CheckpointError:
+            return self._start_without_state()
+        self.version = int(extra["version"])
+        if ctx.relayout:
+            # Restarted on other ranks: the shards are new, so every worker starts the
+            # master's current epoch from its first batch.
+            _, master = Checkpoints.read_rank(ctx.resume_from, master_share(ctx.resume_from, ctx.role.master))
+            return int(master["next_epoch"]), 0
+        if extra.get("members") is not None:
+            self.members = tuple(int(w) for w in extra["members"])
+        return int(extra["epoch"]), int(extra["step"])
+
+    def _start_without_state(self) -> tuple[int, int]:
+        """Resumed from an asynchronous checkpoint that holds nothing of this worker: it had
+        finished (then it says DONE at once), or it had been dropped (then it starts again
+        from the centre, at the first epoch whose data it owns)."""
+        ctx = self.ctx
+        meta = Checkpoints.read_meta(ctx.resume_from)
+        if not ctx.relayout and ctx.comms.world.Get_rank() in meta.get("finished", []):
+            return ctx.options.epochs, 0
+        arrays, master = Checkpoints.read_rank(ctx.resume_from, master_share(ctx.resume_from, ctx.role.master))
+        if ctx.relayout:
+            fixed: dict[int, tuple[int, ...]] = {}
+        else:
+            fixed = {int(e): tuple(w) for e, w in master.get("members", {}).items()}
+        self.params[:] = arrays["model"]["params"]
+        self.model_state[:] = arrays["model"].get("state", self.model_state)
+        self.version = int(master["version"])
+        ctx.algorithm.worker_start(self.rule_state, self.params)
+        mine = [e for e, members in sorted(fixed.items()) if ctx.role.worker in members]
+        start = mine[0] if mine else max([int(master["next_epoch"]), *(e + 1 for e in fixed)])
+        if start in fixed:
+            self.members = fixed[start]
+        return start, 0
+
+    def _batches(self, epoch: int) -> list[np.ndarray]:
+        me = self.ctx.role.worker
+        if len(self.members) == self.workers:
+            return self.plan.epoch(epoch, self.first_shard + me)
+        shards = self.plan.every_shard(epoch)[self.first_shard: self.first_shard + self.workers]
+        return batches_for(shards, me, self.members)
+
+    def _train_step(self, epoch: int, step: int, indices: np.ndarray, last: bool) -> None:
+        ctx, window = self.ctx, self.window
+        procs, role = self.procs, ctx.role
+        mine = split_evenly(indices, procs, role.proc) if procs > 1 else indices
+        x, y = ctx.data.train_batch(mine)
+        t0 = time.perf_counter()
+        stats = ctx.backend.compute_gradients(x, y, scale=len(mine) / len(indices))
+        if procs > 1:
+            collectives = ctx.peers.collectives
+            collectives.allreduce(self.wcomm, self.grads, "the worker's gradient allreduce")
+            self.totals[:] = (stats.loss_sum, stats.metric_sum, stats.n)
+            collectives.allreduce(self.wcomm, self.totals, "the worker's gradient allreduce")
+            stats = BatchStats(self.totals[0], self.totals[1], int(self.totals[2]))
+        if not np.isfinite(stats.loss_sum):
+            self._fail(f"the loss became {stats.loss_sum / max(stats.n, 1)} on {self._who()} at epoch {epoch + 1}, "
+                       f"batch {step + 1}: lower the learning rate or check the data")
+        window.sync.add(stats)
+        window.report.add(stats)
+        sync_now = ctx.algorithm.worker_step(self.rule_state, self.params, self.grads, self.opt) or last
+        window.compute += time.perf_counter() - t0
+        ctx.peers.pace.heard()
+        if sync_now:
+            flags = (m.EPOCH_END if last else 0) | (m.STOP_REQUEST if ctx.stop.requested else 0)
+            self._exchange(epoch, step, flags)
+        if time.monotonic() - window.since >= REPORT_EVERY:
+            self._report(epoch, step)
+
+    # -- talking to the master ----------------------------------------------------------
+    def _exchange(self, epoch: int, step: int, flags: int) -> None:
+        """Send this window's update, wait for the reply, act on it."""
+        ctx = self.ctx
+        ctx.algorithm.worker_message(self.rule_state, self.params, self.out.payload)
+        while True:
+            kind = self._round_trip(epoch, flags)
+            if kind != m.SNAPSHOT:
+                break
+            # Not applied: save the state from before this update, then send it again.
+            label = m.label_of(float(self.reply_header[m.CHECKPOINT]))
+            self._save(label, epoch, step)
+            self.pending_ack = m.label_code(label)
+        self.window.sync = BatchStats()
+        if kind == m.STOP:
+            # The master discarded this window: resume redoes it.
+            stop_code = float(self.reply_header[m.CHECKPOINT])
+            self._save(m.label_of(stop_code), epoch, step)
+            self.pending_ack = stop_code
+            if self.leader:
+                self._send(m.DONE, epoch, 0)
+            self._report(epoch, step)
+            raise _Leave()
+        if kind == m.DROPPED:
+            ctx.log.emit("run", {"status": "dropped", "reason": "the master went on without this worker"})
+            raise _Leave()
+        ctx.algorithm.worker_reply(self.rule_state, self.params, self.reply_payload)
+        self.version = int(self.reply_header[m.VERSION])
+        if flags & m.EPOCH_END:
+            self.members = m.members_in(self.reply_header)
+
+    def _round_trip(self, epoch: int, flags: int) -> float:
+        """Leader: send, await the reply; every process of the worker gets the reply."""
+        ctx, block = self.ctx, self.block
+        if self.leader:
+            header_req = block.Irecv(self.reply_header, source=0, tag=m.TAG_REPLY_HEADER)
+            payload_req = block.Irecv(self.reply_payload, source=0, tag=m.TAG_REPLY)
+            self._send(m.UPDATE, epoch, flags)
+            self.pending_ack = m.NO_CHECKPOINT
+            t0 = time.perf_counter()
+            self._await_master([header_req, payload_req])
+            self.window.wait += time.perf_counter() - t0
+        if self.procs > 1:
+            what = "the master's reply to the worker's processes"
+            ctx.peers.collectives.bcast(self.wcomm, self.reply_header, what)
+            ctx.peers.collectives.bcast(self.wcomm, self.reply_payload, what)
+        return float(self.reply_header[m.KIND])
+
+    def _send(self, kind: float, epoch: int, flags: int) -> None:
+        """Leader only: one message to the master (header | payload | state)."""
+        out, window = self.out, self.window
+        out.header[m.KIND] = kind
+        out.header[m.VERSION] = self.version
+        out.header[m.EPOCH] = epoch
+        out.header[m.SAMPLES] = window.sync.n
+        out.header[m.LOSS_SUM] = window.sync.loss_sum
+        out.header[m.METRIC_SUM] = window.sync.metric_sum
+        out.header[m.FLAGS] = flags
+        out.header[m.CHECKPOINT] = self.pending_ack
+        out.state[:] = self.model_state
+        t0 = time.perf_counter()
+        # DONE, ERROR and LOST carry only the header. Polled, not blocking: a master that is
+        # gone must not hold this rank in a Send.
+        message = out.buffer if kind == m.UPDATE else out.buffer[: m.HEADER_FLOATS]
+        self._await_master([self.block.Isend(message, dest=0, tag=m.TAG_UPDATE)])
+        window.send += time.perf_counter() - t0
+
+    def _await_master(self, requests: list) -> None:
+        try:
+            wait_all(requests, timeout=self.master.limit)
+        except CommFailure:
+            raise RankLost(f"the master, {self._master_name()}, died: the run cannot go on",
+                           ranks=[self.master_rank], restartable=True) from None
+        except WaitTimeout as exc:
+            raise RankSilent(f"the master, {self._master_name()}, did not answer {self._who()} for "
+                             f"{exc.seconds:.0f} s (the peer timeout): the run cannot go on",
+                             ranks=[self.master_rank]) from None
+        self.master.heard()
+
+    def _master_name(self) -> str:
+        return self.ctx.peers.directory.describe(self.master_rank)
+
+    def _who(self) -> str:
+        return self.ctx.peers.directory.describe(self.ctx.comms.world.Get_rank())
+
+    # -- leaving early ------------------------------------------------------------------
+    def _fail(self, text: str) -> None:
+        """This worker cannot go on, and neither can the run: tell the master, end here."""
+        ctx = self.ctx
+        if self.leader:
+            self._send_text(m.ERROR, text)
+        ctx.log.emit("run", {"status": "failed", "error": text})
+        raise _Leave()
+
+    def _leave_lost(self, failure: RunFailure) -> bool:
+        """A process of this worker was lost in an asynchronous run: the worker leaves and
+        the run goes on without it (the master drops it). False when the run cannot go on."""
+        ctx = self.ctx
+        if (ctx.options.synchronous or self.procs == 1 or not failure.origin or not failure.ranks
+                or self.master_rank in failure.ranks):
+            return False
+        if self.leader:
+            try:
+                self._send_text(m.LOST, f"lost a process: {failure}")
+            except RunFailure:
+                return False
+        ctx.log.emit("run", {"status": "lost", "error": str(failure)})
+        return True
+
+    def _send_text(self, kind: float, text: str) -> None:
+        self._send(kind, 0, 0)
+        request = self.block.isend(text, dest=0, tag=m.TAG_ERROR_TEXT)
+        try:
+            wait(request, timeout=self.master.limit)
+        except (CommFailure, WaitTimeout):
+            pass  # the master is gone: the others hear of this rank's failure anyway
+
+    # -- bookkeeping --------------------------------------------------------------------
+    def _report(self, epoch: int, step: int) -> None:
+        ctx, window = self.ctx, self.window
+        elapsed = time.monotonic() - window.since
+        stats = window.report
+        ctx.log.emit("train", {"samples": stats.n, "samples_per_s": stats.n / elapsed if elapsed else 0.0,
+                               "loss": stats.loss, ctx.backend.metric_name or "metric": stats.metric,
+                               "compute_s": window.compute, "send_s": window.send, "wait_s": window.wait,
+                               "version": self.version, **ctx.backend.train_extras()}, step=step, epoch=epoch)
+        window.report, window.compute, window.send, window.wait = BatchStats(), 0.0, 0.0, 0.0
+        window.since = time.monotonic()
+
+    def _save(self, label: str, epoch: int, step: int) -> None:
+        save_rank_state(self.ctx, label, self.opt, self.rule_state,
+                        {"version": self.version, "epoch": epoch, "step": step, "members": list(self.members)})
+        if self.procs > 1:
+            # The leader acknowledges for all the worker's processes.
+            self.ctx.peers.collectives.barrier(self.wcomm, "the worker's checkpoint")
+
+
+def run_worker(ctx: RankContext) -> None:
+    Worker(ctx).run()

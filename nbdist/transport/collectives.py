@@ -1,0 +1,78 @@
+"""Collectives that never wait forever: nonblocking MPI operations, polled with a deadline.
+
+The blocking forms (`Bcast`, `Allreduce`, `Barrier`, `allgather`) would hold a rank
+inside MPI for as long as the slowest member takes, and forever when a member froze. Each
+function here starts the nonblocking form and waits for it with waiting.wait, which
+watches the run's control channel and a deadline. A failure becomes a RunFailure naming
+the ranks MPI knows to have died (RankLost), or, past the deadline, the ranks that did not
+answer a roll call on the control channel (RankSilent; see control.py).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable
+
+import numpy as np
+from mpi4py import MPI
+
+from nbdist.transport.faults import RankLost, RankSilent, RunFailure, failed_ranks
+from nbdist.transport.waiting import CommFailure, WaitTimeout, wait_all
+
+__all__ = ["Collectives"]
+
+# Longest text of one rank in a polled allgather (set-up errors, host names).
+OBJECT_BYTES = 4096
+
+
+class Collectives:
+    """The polled collectives of one rank: `timeout()` gives the current deadline,
+    `missing(what)` finds and names the ranks that did not reach a collective (a roll
+    call), `describe(ranks)` names ranks for messages."""
+
+    def __init__(self, timeout: Callable[[], float], missing: Callable[[Any, str], RunFailure] | None = None,
+                 describe: Callable[[list[int]], str] | None = None, run: Any = None):
+        self.timeout = timeout
+        self.missing = missing
+        self.describe = describe or (lambda ranks: ", ".join(f"rank {r}" for r in ranks))
+        self.run = run  # the run's communicator: failed ranks are named by their rank in it
+
+    def wait(self, comm: Any, request: MPI.Request, what: str) -> None:
+        self.wait_all(comm, [request], what)
+
+    def wait_all(self, comm: Any, requests: list[MPI.Request], what: str) -> None:
+        try:
+            wait_all(requests, timeout=self.timeout())
+        except CommFailure:
+            ranks = failed_ranks(comm, self.run if self.run is not None else comm)
+            raise RankLost(f"{self.describe(ranks)} died during {what}" if ranks else
+                           f"a rank failed during {what}", ranks=ranks, restartable=bool(ranks)) from None
+        except WaitTimeout as exc:
+            if self.missing is not None:
+                raise self.missing(comm, what) from None
+            raise RankSilent(f"a rank did not reach {what} within {exc.seconds:.0f} s") from None
+
+    def bcast(self, comm: Any, array: np.ndarray, what: str = "the initial broadcast", root: int = 0) -> None:
+        self.wait(comm, comm.Ibcast(array, root=root), what)
+
+    def allreduce(self, comm: Any, array: np.ndarray, what: str, op: Any = MPI.SUM) -> None:
+        self.wait(comm, comm.Iallreduce(MPI.IN_PLACE, array, op=op), what)
+
+    def barrier(self, comm: Any, what: str) -> None:
+        self.wait(comm, comm.Ibarrier(), what)
+
+    def allgather(self, comm: Any, value: Any, what: str) -> list[Any]:
+        """Small JSON-able values from every rank (set-up verdicts, host names)."""
+        data = json.dumps(value).encode()
+        if len(data) > OBJECT_BYTES - 4:
+            data = json.dumps(str(value)[: OBJECT_BYTES // 2]).encode()
+        mine = np.zeros(OBJECT_BYTES, np.uint8)
+        mine[:4] = np.frombuffer(np.uint32(len(data)).tobytes(), np.uint8)
+        mine[4: 4 + len(data)] = np.frombuffer(data, np.uint8)
+        every = np.zeros((comm.Get_size(), OBJECT_BYTES), np.uint8)
+        self.wait(comm, comm.Iallgather(mine, every), what)
+        out = []
+        for row in every:
+            size = int(np.frombuffer(row[:4].tobytes(), np.uint32)[0])
+            out.append(json.loads(row[4: 4 + size].tobytes().decode()))
+        return out

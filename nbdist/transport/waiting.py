@@ -1,0 +1,212 @@
+"""Waiting on MPI requests without blocking inside MPI, and never forever.
+
+A rank blocked in MPI_Wait runs no Python signal handler (a stop request would not get
+through), burns the core another rank needs when oversubscribed, and never learns that
+the peer it waits for died or froze. So every wait here polls `Test` back to back for a
+short while (replies usually come within microseconds), yielding the core between polls,
+then polls between short sleeps that give the core away; and while it polls it watches
+
+- a deadline: `timeout` seconds without completion raise `WaitTimeout` (the caller
+  knows whom it waited for and turns that into a RankSilent naming the peer);
+- MPI's own failure reports: with fault tolerance on (ULFM, see faults.py) a request
+  whose peer died completes with an error, raised here as `CommFailure`;
+- the process's `Watch`: the flag a notebook's give-up sets (`abandon()`) and the run's
+  control channel, on which another rank says that the run cannot go on.
+
+The sleeps stay short because a sleeping rank stalls its partner, not only itself: a
+large message is a rendezvous, so the peer's blocking `Send` (and every round of an
+`Iallreduce`) waits until this rank polls again. Sleeps that grew to 2 ms cost the
+master/worker exchange several milliseconds per update (a worker's compute share went
+from 0.82 to 0.90 of its step time with the 0.2 ms cap, bench/overhead.py); polling
+every 0.2 ms costs about 6% of a core while a rank waits long.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable, Sequence
+
+from mpi4py import MPI
+
+__all__ = ["wait", "wait_all", "wait_some", "wait_until", "test_each", "receive_object", "WaitTimeout", "CommFailure",
+           "Abandoned", "abandon", "forget_abandon", "watch_with", "FOREVER"]
+
+SPIN_SECONDS = 2e-4
+FIRST_SLEEP = 5e-5
+LONGEST_SLEEP = 2e-4
+# How often a wait looks at the watch (the control channel's probe costs a microsecond).
+WATCH_EVERY = 5e-3
+FOREVER = None  # no deadline: only for waits whose peer is watched otherwise (see callers)
+
+_yield = getattr(os, "sched_yield", lambda: time.sleep(0))
+
+
+class Abandoned(BaseException):
+    """Raised in a rank's wait after `abandon()`: a peer it waits for failed where no
+    message can say so, and the job gave up. A BaseException, so that no `except
+    Exception` in user code holds the rank back."""
+
+
+class WaitTimeout(Exception):
+    """A wait ran past its deadline; `seconds` is how long it waited."""
+
+    def __init__(self, seconds: float):
+        super().__init__(f"no completion within {seconds:.1f} s")
+        self.seconds = seconds
+
+
+class CommFailure(Exception):
+    """MPI reported that a request cannot complete: its peer failed (ULFM's
+    MPI_ERR_PROC_FAILED) or its communicator was revoked. `error_class` is MPI's."""
+
+    def __init__(self, error: MPI.Exception):
+        super().__init__(str(error))
+        self.error_class = error.Get_error_class()
+
+
+_abandoned = False
+# The run's control channel check (set while a run trains; see control.py), called every
+# WATCH_EVERY seconds by every wait of this process.
+_watch: Callable[[], None] | None = None
+
+
+def abandon() -> None:
+    """Make every wait of this process give up (safe to call from a signal handler: it
+    only sets a flag; the wait raises Abandoned from its own loop, at a point where no
+    library is half-way through anything)."""
+    global _abandoned
+    _abandoned = True
+
+
+def forget_abandon() -> None:
+    global _abandoned
+    _abandoned = False
+
+
+class watch_with:
+    """`with watch_with(check):` every wait inside also calls `check()` now and then
+    (it raises to end the wait: another rank's failure, say). Restores the previous
+    watch on exit, so nested runs (a study's trial in a group) keep theirs."""
+
+    def __init__(self, check: Callable[[], None] | None):
+        self.check, self.previous = check, None
+
+    def __enter__(self) -> "watch_with":
+        global _watch
+        self.previous, _watch = _watch, self.check
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        global _watch
+        _watch = self.previous
+
+
+class _Backoff:
+    __slots__ = ("spin_until", "delay", "deadline", "started", "next_watch")
+
+    def __init__(self, timeout: float | None):
+        now = time.perf_counter()
+        self.started = now
+        self.spin_until = now + SPIN_SECONDS
+        self.delay = 0.0
+        self.deadline = None if timeout is None else now + timeout
+        self.next_watch = now + WATCH_EVERY
+
+    def pause(self) -> None:
+        if _abandoned:
+            raise Abandoned()
+        now = time.perf_counter()
+        if now >= self.next_watch:
+            self.next_watch = now + WATCH_EVERY
+            if _watch is not None:
+                _watch()
+            if self.deadline is not None and now > self.deadline:
+                raise WaitTimeout(now - self.started)
+        if now < self.spin_until:
+            _yield()  # oversubscribed, another rank runs; otherwise this returns at once
+            return
+        self.delay = min(self.delay * 2 or FIRST_SLEEP, LONGEST_SLEEP)
+        time.sleep(self.delay)
+
+
+def wait(request: MPI.Request, *, timeout: float | None = FOREVER) -> None:
+    wait_all([request], timeout=timeout)
+
+
+def wait_all(requests: Sequence[MPI.Request], *, timeout: float | None = FOREVER) -> None:
+    backoff = _Backoff(timeout)
+    while True:
+        try:
+            if MPI.Request.Testall(requests):
+                return
+        except MPI.Exception as exc:
+            raise CommFailure(exc) from None
+        try:
+            backoff.pause()
+        except WaitTimeout:
+            # A process that was suspended (SIGSTOP) finds its deadline long passed when
+            # it wakes up, while what it waited for may have arrived meanwhile: look once
+            # more before giving up.
+            if MPI.Request.Testall(requests):
+                return
+            raise
+
+
+def test_each(requests: Sequence[MPI.Request]) -> tuple[list[int], list[tuple[int, CommFailure]]]:
+    """Test every request on its own: (indices that completed, (index, failure) of those
+    that failed). Unlike Testsome, a failed request does not hide the ones that completed
+    with it (mpi4py raises Testsome's MPI_ERR_IN_STATUS and drops the rest)."""
+    done, failed = [], []
+    for i, request in enumerate(requests):
+        if request == MPI.REQUEST_NULL:
+            continue
+        try:
+            if request.Test():
+                done.append(i)
+        except MPI.Exception as exc:
+            failed.append((i, CommFailure(exc)))
+    return done, failed
+
+
+def wait_some(requests: list[MPI.Request], *, timeout: float | None = FOREVER
+              ) -> tuple[list[int], list[tuple[int, CommFailure]]]:
+    """(completed indices, failed (index, failure)) once at least one request completed
+    or failed; ([], []) when every request is null or `timeout` seconds passed first."""
+    backoff = _Backoff(None)
+    deadline = None if timeout is None else time.perf_counter() + timeout
+    while True:
+        if all(r == MPI.REQUEST_NULL for r in requests):
+            return [], []
+        done, failed = test_each(requests)
+        if done or failed:
+            return done, failed
+        if deadline is not None and time.perf_counter() > deadline:
+            return [], []
+        backoff.pause()
+
+
+def wait_until(request: MPI.Request, timeout: float) -> bool:
+    """Wait at most `timeout` seconds; False if the request is still pending (it is
+    left as it is: the caller goes on without it). A failed request counts as done."""
+    try:
+        wait(request, timeout=timeout)
+    except WaitTimeout:
+        return False
+    except CommFailure:
+        return True
+    return True
+
+
+def receive_object(comm: MPI.Comm, source: int, tag: int, *, timeout: float | None = FOREVER) -> object:
+    """A small pickled message (an error's text, a study's control message), waited for
+    with a matched probe: nothing blocks inside MPI, and the receive never guesses a size."""
+    backoff = _Backoff(timeout)
+    while True:
+        try:
+            message = comm.improbe(source=source, tag=tag)
+        except MPI.Exception as exc:
+            raise CommFailure(exc) from None
+        if message is not None:
+            return message.recv()
+        backoff.pause()
