@@ -105,6 +105,10 @@ class TrainOptions:
             raise OptionsError(f"--max-restarts must be 0 or more, got {self.max_restarts}")
         if self.peer_timeout is not None and not self.peer_timeout > 0:
             raise OptionsError(f"--peer-timeout must be a number of seconds above 0, got {self.peer_timeout}")
+        name = self.run_name
+        if name is not None and (Path(name).name != name or name in ("", ".", "..")):
+            raise OptionsError(f"--run-name {name!r}: a directory name inside --runs-dir, without '/'; "
+                               f"give the parent directory with --runs-dir")
         if not self.bucket_mb > 0:
             raise OptionsError(f"--bucket-mb must be above 0, got {self.bucket_mb}")
         if self.min_delta < 0:
@@ -258,6 +262,9 @@ class StudyOptions:
             raise OptionsError(f"--direction must be minimize or maximize, got {self.direction!r}")
         if self.goal is not None:
             parse_target(self.goal)
+        if self.study_name is not None and "/" in self.study_name:
+            raise OptionsError(f"--study-name {self.study_name!r}: its trials' run directories are named after it; "
+                               f"give a name without '/'")
         return self
 
     @property

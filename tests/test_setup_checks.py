@@ -158,6 +158,7 @@ def test_resume_from_a_notebook_is_checked_in_the_kernel(tmp_path):
     ({"algorithm": 3}, "--algorithm must be a string or None, got 3"),
     ({"bucket_mb": 0}, "--bucket-mb must be above 0, got 0"),
     ({"min_delta": -0.1}, "--min-delta must be 0 or more"),
+    ({"run_name": "exp/1"}, "--run-name 'exp/1': a directory name inside --runs-dir, without '/'"),
 ])
 def test_option_values_of_the_wrong_kind_from_python(changes, message):
     with pytest.raises(OptionsError) as err:
@@ -166,3 +167,5 @@ def test_option_values_of_the_wrong_kind_from_python(changes, message):
     TrainOptions(workers=np.int64(2), min_delta=0, bucket_mb=1).validate()  # numpy's counts, ints for floats
     with pytest.raises(OptionsError, match="--trials must be a whole number, got '20'"):
         StudyOptions(space="lr=log(1e-3,1)", trials="20").validate()
+    with pytest.raises(OptionsError, match="--study-name 'a/b': its trials' run directories are named after it"):
+        StudyOptions(space="lr=log(1e-3,1)", study_name="a/b").validate()
