@@ -250,8 +250,6 @@ def prepare(
             # then pulls the centre exactly as far as one master with all the workers would.
             algorithm.bind(layout.workers * layout.masters)
         resume_from = _find_resume(options, layout)
-        if comm.Get_rank() == 0:  # the run leader, who writes the run directory
-            _check_run_dir_writable(options)
         configure_frameworks(options.threads, options.seed)
         definition = definition() if callable(definition) else definition
         # Again for the frameworks the user's code imported: the same seed on every rank
@@ -267,6 +265,8 @@ def prepare(
                 backend.check_optimizer(spec)
         _probe(backend, data, definition.source)
         check_metric_names(options, trial, reported_metrics(backend.metric_name, staleness=algorithm is not None))
+        if comm.Get_rank() == 0:  # the run leader, who writes the run directory (last: it may create --runs-dir)
+            _check_run_dir_writable(options)
         # Dropout (and a GAN's noise) differs per rank after this point; weights do not.
         backend.reseed(options.seed * 100003 + role.rank)
     except UserError as exc:
