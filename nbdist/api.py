@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from nbdist.errors import OptionsError
-from nbdist.options import STUDY_SKIPS, StudyOptions, TrainOptions
+from nbdist.options import STUDY_SKIPS, StudyOptions, TrainOptions, saved_run_options
 from nbdist.store import RunStore, store_path
 from nbdist.train.definition import definition_of
 from nbdist.train.progress import RunResult
@@ -85,6 +85,7 @@ def _for_the_engines(options: TrainOptions, *, cell: str | None, model: Any,
     if store_path(options.store, options.runs_dir) is not None and options.store is not None:
         options = options.replace(store=str(Path(options.store).resolve()))
     if options.resume:
+        saved_run_options(options.resume)  # a missing or wrong directory is an error now, in the cell
         options = options.replace(resume=str(Path(options.resume).resolve()))
     for name in ("train", "val", "cache_dir"):
         if getattr(options, name):

@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="pages allowed to connect, e.g. the JupyterHub host behind a proxy ('*': any)")
     board.add_argument("--export", default=None, metavar="FILE.html",
                        help="write the run's dashboard to one HTML file instead of serving")
+    board.add_argument("--create", action="store_true",
+                       help="start an empty store when --store does not exist yet (before the first run)")
 
     store = sub.add_parser("store", help="the run store: import run directories")
     store_sub = store.add_subparsers(dest="action", required=True)
@@ -183,19 +185,25 @@ def _layout(args: argparse.Namespace) -> int:
 
 def _dashboard(args: argparse.Namespace) -> int:
     from nbdist.dashboard import export_html, serve
+    from nbdist.dashboard.serve import existing_store
 
     if args.export:
+        existing_store(args.store)
         path = export_html(args.store, args.export, run=args.run)
         print(f"nbdist: dashboard written to {path}")
         return 0
     serve(args.store, address=args.address, port=args.port, prefix=args.prefix, token=args.token, run=args.run,
-          allow_origin=args.allow_websocket_origin)
+          allow_origin=args.allow_websocket_origin, create=args.create)
     return 0
 
 
 def _store(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from nbdist.store import RunStore, import_run
 
+    if not Path(args.store).exists():  # importing into a new store is fine; a silent new one is not
+        print(f"nbdist: creating the run store {args.store}", flush=True)
     with RunStore(args.store) as store:
         for run_dir in args.run_dirs:
             run_id, added = import_run(store, run_dir)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
+import numbers
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -18,7 +20,7 @@ from typing import Any
 from nbdist.errors import OptionsError
 
 __all__ = ["TrainOptions", "StudyOptions", "add_arguments", "add_study_arguments", "options_from_args",
-           "study_options_from_args", "Target", "parse_target"]
+           "saved_run_options", "study_options_from_args", "Target", "parse_target"]
 
 TOPOLOGIES = ("master-worker", "allreduce")
 
@@ -83,6 +85,7 @@ class TrainOptions:
 
     # -- validation -----------------------------------------------------------------
     def validate(self) -> "TrainOptions":
+        check_types(self)
         if self.topology not in TOPOLOGIES:
             raise OptionsError(f"unknown topology {self.topology!r}; choose one of: {', '.join(TOPOLOGIES)}")
         positive = ("epochs", "batch_size", "masters", "procs_per_worker", "validate_every", "threads", "d_steps")
@@ -102,6 +105,15 @@ class TrainOptions:
             raise OptionsError(f"--max-restarts must be 0 or more, got {self.max_restarts}")
         if self.peer_timeout is not None and not self.peer_timeout > 0:
             raise OptionsError(f"--peer-timeout must be a number of seconds above 0, got {self.peer_timeout}")
+        name = self.run_name
+        if name is not None and (Path(name).name != name or name in ("", ".", "..")):
+            raise OptionsError(f"--run-name {name!r}: a directory name inside --runs-dir, without '/'; "
+                               f"give the parent directory with --runs-dir")
+        if not self.bucket_mb > 0:
+            raise OptionsError(f"--bucket-mb must be above 0, got {self.bucket_mb}")
+        if self.min_delta < 0:
+            raise OptionsError(f"--min-delta must be 0 or more (an improvement by at least this much), "
+                               f"got {self.min_delta}")
         if self.target is not None:
             parse_target(self.target)
         self._validate_files()
@@ -147,24 +159,68 @@ def add_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()
             continue
         meta = dict(f.metadata)
         helptext = meta.pop("help")
-        if f.type in ("bool", bool):
+        kind, _ = field_kind(f)
+        if kind is bool:
             parser.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, default=None,
                                 help=helptext)
             continue
-        kind = {"int": int, "int | None": int, "float": float, "float | None": float}.get(str(f.type), str)
         parser.add_argument(flag(f.name), type=kind, default=None, help=f"{helptext} (default: {f.default})", **meta)
+
+
+_KINDS = {"int": (int, "a whole number"), "float": (float, "a number"), "str": (str, "a string"),
+          "bool": (bool, "True or False")}
+
+
+def field_kind(f: dataclasses.Field) -> tuple[type, bool]:
+    """An option's value type and whether it may be None, from its annotation ('int | None')."""
+    text = str(f.type)
+    return _KINDS[text.removesuffix(" | None")][0], text.endswith(" | None")
+
+
+def check_types(config: Any) -> None:
+    """Each option of a TrainOptions or StudyOptions holds its kind of value: from Python
+    (nbdist.train(..., epochs="5")) a wrong one would fail deep inside the run."""
+    for f in fields(config):
+        kind, optional = field_kind(f)
+        value = getattr(config, f.name)
+        if value is None and optional:
+            continue
+        if kind is bool:
+            fits = isinstance(value, bool)
+        elif kind is str:
+            fits = isinstance(value, str)
+        else:  # numbers, not flags; numpy's count too
+            fits = (isinstance(value, numbers.Integral if kind is int else numbers.Real)
+                    and not isinstance(value, bool) and math.isfinite(value))
+        if not fits:
+            name = _KINDS[str(f.type).removesuffix(" | None")][1]
+            raise OptionsError(f"{flag(f.name)} must be {name}{' or None' if optional else ''}, got {value!r}")
 
 
 def options_from_args(args: argparse.Namespace, base: TrainOptions | None = None) -> TrainOptions:
     """Options given on the command line over `base`: by default the saved options of
     the run named by --resume, else the defaults."""
     if base is None and getattr(args, "resume", None):
-        saved = Path(args.resume) / "options.json"
-        if saved.exists():
-            base = TrainOptions.from_dict(json.loads(saved.read_text()))
+        base = saved_run_options(args.resume)
     given = {f.name: getattr(args, f.name) for f in fields(TrainOptions)
              if getattr(args, f.name, None) is not None}
     return (base or TrainOptions()).replace(**given)
+
+
+def saved_run_options(run_dir: str | Path) -> TrainOptions:
+    """The options a run directory was trained with (what --resume continues), or one
+    error saying why `run_dir` is not a run directory."""
+    saved = Path(run_dir) / "options.json"
+    if not saved.parent.is_dir():
+        problem = "no such directory" if not saved.parent.exists() else "a file, not a directory"
+        raise OptionsError(f"--resume {run_dir}: {problem}; give a run directory (the one a run printed as "
+                           f"'results in RUNS_DIR/<run>')")
+    try:
+        return TrainOptions.from_dict(json.loads(saved.read_text()))
+    except FileNotFoundError:
+        raise OptionsError(f"--resume {run_dir}: not a run directory (no options.json in it)") from None
+    except (OSError, ValueError, TypeError) as exc:
+        raise OptionsError(f"--resume {run_dir}: its options.json cannot be read ({exc})") from None
 
 
 # -- hyper-parameter studies ----------------------------------------------------------
@@ -194,6 +250,7 @@ class StudyOptions:
                                           "finished ones are kept")
 
     def validate(self) -> "StudyOptions":
+        check_types(self)
         if not self.space and not self.resume_study:
             raise OptionsError("a study needs --space, e.g. --space \"lr=log(1e-4,1e-1) hidden=int(16,256)\"")
         for name in ("trials", "groups", "folds"):
@@ -205,6 +262,9 @@ class StudyOptions:
             raise OptionsError(f"--direction must be minimize or maximize, got {self.direction!r}")
         if self.goal is not None:
             parse_target(self.goal)
+        if self.study_name is not None and "/" in self.study_name:
+            raise OptionsError(f"--study-name {self.study_name!r}: its trials' run directories are named after it; "
+                               f"give a name without '/'")
         return self
 
     @property

@@ -11,12 +11,14 @@ from __future__ import annotations
 import ast
 import difflib
 import inspect
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from nbdist.errors import UserError
 
-__all__ = ["Spec", "SpecError", "parse_spec", "check_kwargs", "unknown_name"]
+__all__ = ["Spec", "SpecError", "ValueRange", "parse_spec", "check_kwargs", "unknown_name", "did_you_mean",
+           "check_value_kinds"]
 
 
 class SpecError(UserError, ValueError):
@@ -81,10 +83,49 @@ def parse_spec(text: "str | Spec | Mapping[str, Any]", *, what: str = "option") 
     )
 
 
-def unknown_name(what: str, name: str, known: list[str]) -> SpecError:
+def did_you_mean(name: str, known: list[str]) -> str:
+    """' (did you mean 'x'?)' for the closest of `known`, or '' when none is close."""
     close = difflib.get_close_matches(name, known, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return SpecError(f"unknown {what} {name!r}{hint}; choose one of: {', '.join(sorted(known))}")
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def unknown_name(what: str, name: str, known: list[str]) -> SpecError:
+    return SpecError(f"unknown {what} {name!r}{did_you_mean(name, known)}; choose one of: {', '.join(sorted(known))}")
+
+
+@dataclass(frozen=True, slots=True)
+class ValueRange:
+    """Where a numeric argument of a spec may lie: ValueRange(0, 1, high_open=True) is [0, 1).
+
+    Checked when a rule or an optimiser is built during set-up, so that a value out of
+    range is one error naming the range, not a diverging run or a traceback mid-training."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def __str__(self) -> str:
+        if self.low is not None and self.high is not None:
+            return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+        if self.low is not None:
+            return f"{'>' if self.low_open else '>='} {self.low:g}"
+        if self.high is not None:
+            return f"{'<' if self.high_open else '<='} {self.high:g}"
+        return "a finite number"
+
+    def contains(self, value: float) -> bool:
+        above = self.low is None or (value > self.low if self.low_open else value >= self.low)
+        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
+        return above and below
+
+    def check(self, what: str, name: str, value: Any) -> None:
+        """Raise SpecError unless `value` is a finite number in this range."""
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or not math.isfinite(value):
+            raise SpecError(f"{what}: {name} must be a number {self}, got {value!r}")
+        if not self.contains(value):
+            raise SpecError(f"{what}: {name} must be {self}, got {value!r}")
 
 
 def check_kwargs(what: str, func: Callable[..., Any], kwargs: Mapping[str, Any], *, skip: int = 0) -> None:
@@ -97,3 +138,17 @@ def check_kwargs(what: str, func: Callable[..., Any], kwargs: Mapping[str, Any],
     if bad:
         takes = f"it takes: {', '.join(accepted)}" if accepted else "it takes no parameters"
         raise SpecError(f"{what} takes no parameter {', '.join(map(repr, bad))}; {takes}")
+
+
+def check_value_kinds(what: str, func: Callable[..., Any], kwargs: Mapping[str, Any]) -> None:
+    """Reject a value of another kind than its parameter's default: a string where the
+    default is a number (`lr='fast'`), anything but True/False where it is a flag.
+    Frameworks fail on these with a comparison error that names neither."""
+    params = inspect.signature(func).parameters
+    for name, value in kwargs.items():
+        default = params[name].default if name in params else inspect.Parameter.empty
+        if isinstance(default, bool):
+            if not isinstance(value, bool):
+                raise SpecError(f"{what}: {name} must be True or False, got {value!r}")
+        elif isinstance(default, (int, float)) and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise SpecError(f"{what}: {name} must be a number, got {value!r}")

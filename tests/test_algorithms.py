@@ -307,6 +307,22 @@ def test_easgd_rejects_bad_parameters(kwargs):
         make_algorithm(Spec("easgd", kwargs))
 
 
+@pytest.mark.parametrize("spec, message", [
+    ("easgd(elastic_force=-1)", "easgd: elastic_force must be >= 0, got -1"),
+    ("easgd(elastic_lr='fast')", "easgd: elastic_lr must be a number >= 0, got 'fast'"),
+    ("easgd(elastic_momentum=1.0)", "easgd: elastic_momentum must be in [0, 1), got 1.0"),
+    ("gem(lr=-1)", "gem: lr must be > 0, got -1"),
+    ("gem(momentum=1.5)", "gem: momentum must be in [0, 1), got 1.5"),
+    ("gem(kappa=0)", "gem: kappa must be > 0, got 0"),
+    ("gem(epsilon=0)", "gem: epsilon must be > 0, got 0"),
+    ("gem(lr=1e999)", "gem: lr must be a number > 0, got inf"),
+])
+def test_rule_arguments_out_of_range_name_the_range(spec, message):
+    with pytest.raises(SpecError) as err:
+        make_algorithm(parse_spec(spec))
+    assert str(err.value) == message
+
+
 # ----------------------------------------------------------------------------- GEM
 def gem_reference(lr, momentum, kappa, eps, pi_max, grads, pulls):
     """pi and the update by the formula, in float64. pulls[t] is the centre held at message t."""

@@ -161,6 +161,24 @@ def test_optimizers_by_name_with_torch_spelling_of_lr():
         backend.check_optimizer(parse_spec("sgd(momentun=0.9)"))
 
 
+def test_keras_optimizer_values_are_checked_as_torch_checks_them():
+    x, _ = data()
+    backend = backend_for(mlp(), sample=x)
+    before = backend.params.copy()
+    for spec, message in [
+        ("sgd(lr=-1.0)", "optimizer sgd(lr=-1.0): lr must be >= 0, got -1.0"),
+        ("sgd(lr='fast')", "optimizer sgd(lr='fast'): lr must be a number >= 0, got 'fast'"),
+        ("adam(beta_1=1.5)", "optimizer adam(beta_1=1.5): beta_1 must be in [0, 1), got 1.5"),
+        ("rmsprop(rho=2)", "optimizer rmsprop(rho=2): rho must be in [0, 1], got 2"),
+        ("sgd(momentum=1.5)", "optimizer sgd(momentum=1.5): `momentum` must be a float between [0, 1]"),
+    ]:
+        with pytest.raises(SpecError) as err:
+            backend.check_optimizer(parse_spec(spec))
+        assert str(err.value).startswith(message)
+    backend.check_optimizer(parse_spec("sgd(lr=1)"))  # an int learning rate is a float to Keras too
+    np.testing.assert_array_equal(backend.params, before)
+
+
 def test_a_torch_optimizer_for_a_keras_model_is_one_clear_message():
     backend = backend_for(mlp(), sample=data()[0])
     with pytest.raises(SpecError) as info:

@@ -269,6 +269,24 @@ def test_optimizer_bad_kwarg_and_bad_value_are_clear():
         backend.make_optimizer(parse_spec("adam(lr=0.1, betas=(1.5, 0.9))"))
 
 
+@pytest.mark.parametrize("spec, message", [
+    ("sgd(lr=-1.0)", "optimizer sgd(lr=-1.0): Invalid learning rate: -1.0"),
+    ("sgd(lr='fast')", "optimizer sgd(lr='fast'): lr must be a number, got 'fast'"),
+    ("adam(betas=(1.5, 0.9))", "optimizer adam(betas=(1.5, 0.9)): Invalid beta parameter at index 0: 1.5"),
+    ("adam(amsgrad='yes')", "optimizer adam(amsgrad='yes'): amsgrad must be True or False, got 'yes'"),
+    # torch takes alpha=2, and its first step is a square root of a negative number.
+    ("rmsprop(alpha=2)", "optimizer rmsprop(alpha=2): one step from zero weights with a unit gradient gives nan"),
+])
+def test_check_optimizer_builds_and_steps_it_on_a_scratch_buffer(spec, message):
+    backend = TorchBackend(mlp())
+    before = backend.params.copy()
+    with pytest.raises(SpecError) as err:
+        backend.check_optimizer(parse_spec(spec))
+    assert str(err.value).startswith(message)
+    backend.check_optimizer(parse_spec("adam(lr=0.01, betas=(0.8, 0.99))"))
+    np.testing.assert_array_equal(backend.params, before)  # the model's weights were not stepped
+
+
 def test_flat_optimizer_matches_per_parameter_optimizer():
     model = mlp()
     reference = copy.deepcopy(model)

@@ -9,7 +9,8 @@ A few cases run `python -m nbdist train` as its own job (exit status of the job,
 batch script sees it). The others, which all fail the same way, run one after the other
 in ONE job through `nbdist.cli.main` (tests/mpi_scripts/train_many.py), and each test
 reads its own run's part of the output and its exit status: starting Python, torch and
-MPI costs seconds per rank, a failing run costs nothing.
+MPI costs seconds per rank, a failing run costs nothing. Cases that need sub-masters
+(--masters 2) share a second job of four ranks.
 """
 
 from __future__ import annotations
@@ -121,7 +122,35 @@ MODEL_FILES = {
         def build_model():
             return nn.Sequential(nn.Linear(50, 10))  # digits have 64 features
     """,
+    "one_sample.py": """
+        from torch import nn
+
+        import nbdist.datasets
+        from nbdist.data.arrays import ArrayData
+
+        def build_model():
+            return nn.Sequential(nn.Linear(64, 10))
+
+        def load_data():
+            d = nbdist.datasets.digits()
+            return ArrayData(d.x_train[:1], d.y_train[:1], d.x_val, d.y_val)
+    """,
+    "no_val.py": """
+        from torch import nn
+
+        import nbdist.datasets
+        from nbdist.data.arrays import ArrayData
+
+        def build_model():
+            return nn.Sequential(nn.Linear(64, 10))
+
+        def load_data():
+            d = nbdist.datasets.digits()
+            return ArrayData(d.x_train, d.y_train, d.x_val[:0], d.y_val[:0])
+    """,
 }
+# What the digits runs report, as every metric-name error lists it.
+MASTER_WORKER_METRICS = "this run reports val_loss, val_acc, train_loss, train_acc, epoch, samples, seconds"
 
 # name -> (argv, text the one error line must hold, regular expression or None)
 CASES = {
@@ -144,6 +173,48 @@ CASES = {
                       ["lower the learning rate"], r"loss became nan"),
     "huge-lr-allreduce": (["--topology", "allreduce", "--worker-optimizer", "sgd(lr=1e30)"],
                           ["lower the learning rate"], r"loss became nan"),
+    # Optimisers are built on every rank during set-up, so that the role that steps one
+    # (a worker, the master) does not fail alone while the others wait for it.
+    "worker-optimizer-negative-lr": (["--algorithm", "easgd", "--worker-optimizer", "sgd(lr=-1.0)"],
+                                     ["optimizer sgd(lr=-1.0): Invalid learning rate: -1.0"], None),
+    "master-optimizer-negative-lr": (["--master-optimizer", "sgd(lr=-0.1)"],
+                                     ["optimizer sgd(lr=-0.1): Invalid learning rate: -0.1"], None),
+    "master-optimizer-string-lr-synchronous": (["--master-optimizer", "sgd(lr='fast')", "--synchronous"],
+                                               ["optimizer sgd(lr='fast'): lr must be a number, got 'fast'"], None),
+    "worker-optimizer-bad-betas-synchronous": (
+        ["--algorithm", "easgd", "--worker-optimizer", "adam(betas=(1.5, 0.9))", "--synchronous"],
+        ["optimizer adam(betas=(1.5, 0.9)): Invalid beta parameter at index 0: 1.5"], None),
+    "allreduce-optimizer-negative-lr": (["--topology", "allreduce", "--worker-optimizer", "sgd(lr=-1.0)"],
+                                        ["Invalid learning rate: -1.0"], None),
+    "rule-argument-out-of-range": (["--algorithm", "gem(momentum=1.5)"],
+                                   ["gem: momentum must be in [0, 1), got 1.5"], None),
+    "monitor-typo": (["--monitor", "val_lsos", "--early-stopping", "2"],
+                     ["--monitor val_lsos: ", MASTER_WORKER_METRICS, "(did you mean 'val_loss'?)"], None),
+    "target-typo": (["--target", "val_acu > 0.5"],
+                    ["--target 'val_acu > 0.5': ", MASTER_WORKER_METRICS, "(did you mean 'val_acc'?)"], None),
+    "allreduce-reports-no-staleness": (["--topology", "allreduce", "--target", "staleness_mean < 2"],
+                                       ["this run reports val_loss, val_acc, train_loss, train_acc, epoch, samples, "
+                                        "seconds, samples_per_s"], None),
+    "study-objective-typo": (["study", "--space", "lr=log(1e-3,0.3)", "--trials", "4", "--objective", "val_acu",
+                              "--topology", "allreduce"],
+                             ["--objective val_acu: this run reports val_loss, val_acc, train_loss",
+                              "(did you mean 'val_acc'?)"], None),
+    "resume-missing-directory": (["--resume", "{tmp}/no_such_run"], ["no_such_run: no such directory"], None),
+    "resume-not-a-run-directory": (["--resume", "{tmp}"], ["not a run directory (no options.json in it)"], None),
+    "runs-dir-under-a-file": (["--runs-dir", "{tmp}/a_file/runs"],
+                              ["--runs-dir {tmp}/a_file/runs: {tmp}/a_file is a file, not a directory"], None),
+    "fewer-samples-than-workers": (["--model", "{tmp}/one_sample.py", "--topology", "allreduce"],
+                                   ["too few training samples for 2 workers: 1 with --batch-size 32",
+                                    "use at most 1 worker"], None),
+    "empty-validation-set": (["--model", "{tmp}/no_val.py"], ["the validation set is empty"], None),
+}
+
+# name -> the same, for a job of 4 ranks: a top master, a sub-master, a worker under each.
+SUB_MASTER_CASES = {
+    "sub-masters-worker-optimizer": (["--masters", "2", "--algorithm", "easgd", "--worker-optimizer", "sgd(lr=-1.0)"],
+                                     ["optimizer sgd(lr=-1.0): Invalid learning rate: -1.0"], None),
+    "sub-masters-master-optimizer": (["--masters", "2", "--master-optimizer", "adam(betas=(1.5, 0.9))"],
+                                     ["optimizer adam(betas=(1.5, 0.9)): Invalid beta parameter"], None),
 }
 
 
@@ -170,24 +241,22 @@ def _cut(text: str, count: int) -> tuple[list[str], list[int]]:
     return parts, codes
 
 
-@pytest.fixture(scope="module")
-def batched(tmp_path_factory):
-    """Every CASES run, in order, in one `mpiexec -n 2` job."""
+def _run_batch(tmp: Path, cases: dict, ranks: int) -> dict[str, Part]:
+    """Every run of `cases`, in order, in one `mpiexec -n ranks` job."""
     from conftest import run_mpi
 
-    tmp = tmp_path_factory.mktemp("bad")
-    for name, source in MODEL_FILES.items():
-        model_file(tmp, name, source)
-    names = list(CASES)
+    names = list(cases)
     argvs = []
     for name in names:
-        argv = [a.replace("{tmp}", str(tmp)) for a in CASES[name][0]]
+        argv = [a.replace("{tmp}", str(tmp)) for a in cases[name][0]]
         if "--model" not in argv:
-            argv = ["--model", MLP, *argv]
-        argvs.append([*argv, "--epochs", "3", "--runs-dir", str(tmp / "runs"), "--quiet"])
-    spec = tmp / "runs.json"
+            argv = [*argv, "--model", MLP]
+        if "--runs-dir" not in argv:
+            argv += ["--runs-dir", str(tmp / "runs")]
+        argvs.append([*argv, "--epochs", "3", "--quiet"])
+    spec = tmp / f"runs-{ranks}.json"
     spec.write_text(json.dumps(argvs))
-    done = run_mpi(2, [str(ROOT / "tests" / "mpi_scripts" / "train_many.py"), str(spec)], timeout=240)
+    done = run_mpi(ranks, [str(ROOT / "tests" / "mpi_scripts" / "train_many.py"), str(spec)], timeout=240)
     assert "Traceback" not in done.output, done.output
     outs, codes = _cut(done.stdout, len(names))
     errs, codes_err = _cut(done.stderr, len(names))
@@ -195,8 +264,51 @@ def batched(tmp_path_factory):
     return {name: Part(codes[i], outs[i], errs[i]) for i, name in enumerate(names)}
 
 
+@pytest.fixture(scope="module")
+def batch_dir(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bad")
+    for name, source in MODEL_FILES.items():
+        model_file(tmp, name, source)
+    (tmp / "a_file").write_text("not a directory")
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def batched(batch_dir):
+    return _run_batch(batch_dir, CASES, 2)
+
+
+@pytest.fixture(scope="module")
+def batched_sub_masters(batch_dir):
+    return _run_batch(batch_dir, SUB_MASTER_CASES, 4)
+
+
+def _needles(needles: list[str], tmp: Path) -> list[str]:
+    return [n.replace("{tmp}", str(tmp)) for n in needles]
+
+
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("name", list(CASES))
-def test_bad_input(batched, name):
+def test_bad_input(batched, batch_dir, name):
     _, needles, pattern = CASES[name]
-    assert_one_clear_error(batched[name], *needles, pattern=pattern)
+    assert_one_clear_error(batched[name], *_needles(needles, batch_dir), pattern=pattern)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", list(SUB_MASTER_CASES))
+def test_bad_input_with_sub_masters(batched_sub_masters, batch_dir, name):
+    _, needles, pattern = SUB_MASTER_CASES[name]
+    assert_one_clear_error(batched_sub_masters[name], *_needles(needles, batch_dir), pattern=pattern)
+
+
+def test_a_typo_in_a_studys_objective_ends_it_before_any_trial(batched, batch_dir):
+    """One error and no trial lines: the study did not train its trials to mark them failed."""
+    part = batched["study-objective-typo"]
+    assert "nbdist: trial" not in part.output, part.output
+    from nbdist.store import RunStore
+
+    with RunStore(batch_dir / "runs" / "nbdist.db") as store:
+        [study] = store.studies()
+        assert study["status"] == "failed"
+        # The trial that found the typo stays unfinished: the study resumed with the fix trains it.
+        assert [t.state for t in store.trials(study["id"])] == ["running"]

@@ -59,3 +59,47 @@ def test_demo_runs_every_setup_and_says_where_results_are(pyrun, tmp_path):
         assert summary["final"]["val_acc"] > 0.5
         # Each run's dashboard, as one HTML file, next to its results.
         assert "nbdist-throughput" in open(f"{run_dir}/dashboard.html").read()
+
+
+# ------------------------------------------------------------------- dashboard input
+def _error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.startswith("nbdist: error: ")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def test_a_mistyped_store_is_an_error_not_a_new_empty_store(tmp_path, capsys):
+    from nbdist.cli import main
+
+    typo = tmp_path / "runs" / "nbdist.bd"
+    for extra in ([], ["--export", str(tmp_path / "run.html")]):
+        assert main(["dashboard", "--store", str(typo), *extra]) == 2
+        line = _error_line(capsys)
+        assert f"--store {typo}: no such run store" in line and "runs/nbdist.db by default" in line
+        assert "--create" in line
+    assert not typo.exists() and not (tmp_path / "run.html").exists()
+    # A directory that holds a store: the store is named.
+    from nbdist.store import RunStore
+
+    RunStore(tmp_path / "runs" / "nbdist.db").close()
+    assert main(["dashboard", "--store", str(tmp_path / "runs")]) == 2
+    assert f"(it holds one: --store {tmp_path / 'runs' / 'nbdist.db'})" in _error_line(capsys)
+
+
+@pytest.mark.timeout(120)
+def test_a_dashboard_port_in_use_says_so_and_suggests_port_0(tmp_path, capsys):
+    import socket
+
+    from nbdist.cli import main
+    from nbdist.store import RunStore
+
+    RunStore(tmp_path / "nbdist.db").close()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["dashboard", "--store", str(tmp_path / "nbdist.db"), "--port", str(port)]) == 2
+    line = _error_line(capsys)
+    assert f"port {port} on 127.0.0.1 is in use" in line and "--port 0 for any free port" in line

@@ -154,6 +154,16 @@ def test_a_cache_directory_that_existed_is_kept_and_emptied(files, tmp_path):
 
 
 # -- errors ----------------------------------------------------------------------------
+def test_a_cache_directory_that_cannot_be_made_is_one_error(files, tmp_path):
+    from nbdist.data.cache import CacheError
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    for root in (blocker, blocker / "cache"):
+        with pytest.raises(CacheError, match=rf"^--cache-dir '{root}' cannot be used: Not a directory$"):
+            HDF5Data(files["train"], files["val"], cache_dir=root)
+
+
 def test_a_missing_file_or_a_glob_that_matches_nothing(files):
     with pytest.raises(DataError, match=r"^--train: file '.*/shared/train_9\.h5' not found$"):
         HDF5Data(str(files["dir"] / "train_9.h5"), files["val"])

@@ -291,6 +291,19 @@ def test_bad_input_on_the_engines_is_one_error(cluster, shell, tmp_path):
     assert "nosuch" in str(caught.value) and "rank" not in str(caught.value)
 
 
+def test_bad_optimizer_arguments_are_one_error_in_the_cell_and_the_next_cell_trains(cluster, shell, tmp_path):
+    # The workers' optimiser is built on every rank during set-up: the job fails whole, at
+    # once, instead of the workers failing alone while the master waits for them.
+    job = shell.run_cell_magic("distnn", f'train --algorithm easgd --worker-optimizer "sgd(lr=-1.0)" '
+                                         f'{_opts(tmp_path)}', MODEL_CELL)
+    with pytest.raises(UserError) as caught:
+        job.wait(timeout=60)
+    assert str(caught.value) == "optimizer sgd(lr=-1.0): Invalid learning rate: -1.0"
+    assert job.status == "failed"
+    assert shell.run_cell_magic("distnn", f"train --epochs 1 --block {_opts(tmp_path)}",
+                                MODEL_CELL).status == "completed"
+
+
 def test_bad_magic_options_print_the_usage_error(cluster, shell, capsys):
     for line, expected in [
         ("train --epochs ten", "argument --epochs: invalid int value: 'ten'"),

@@ -22,8 +22,12 @@ from typing import Any, ClassVar, Sequence
 import numpy as np
 
 from nbdist.backends.base import FlatOptimizer
+from nbdist.specs import ValueRange
 
-__all__ = ["Algorithm", "RuleState", "Update"]
+__all__ = ["Algorithm", "RuleState", "Update", "MOMENTUM"]
+
+# The momentum of a rule's velocity: at 1 or above it never decays and the run diverges.
+MOMENTUM = ValueRange(0.0, 1.0, high_open=True)
 
 
 class RuleState:

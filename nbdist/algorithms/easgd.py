@@ -22,8 +22,12 @@ from typing import Sequence
 
 import numpy as np
 
-from nbdist.algorithms.base import Algorithm, RuleState, Update
+from nbdist.algorithms.base import MOMENTUM, Algorithm, RuleState, Update
 from nbdist.backends.base import FlatOptimizer
+from nbdist.specs import ValueRange
+
+# A negative force or rate pushes workers away from the centre.
+AT_LEAST_ZERO = ValueRange(0.0)
 
 
 @dataclass(slots=True)
@@ -44,10 +48,10 @@ class EASGD(Algorithm):
 
     def __init__(self, elastic_force: float | None = None, elastic_lr: float = 1.0,
                  elastic_momentum: float = 0.0):
-        if not 0.0 <= elastic_momentum < 1.0:
-            raise ValueError(f"easgd: elastic_momentum must be in [0, 1), got {elastic_momentum}")
-        if (elastic_force is not None and elastic_force < 0) or elastic_lr < 0:
-            raise ValueError("easgd: elastic_force and elastic_lr must be >= 0")
+        if elastic_force is not None:
+            AT_LEAST_ZERO.check("easgd", "elastic_force", elastic_force)
+        AT_LEAST_ZERO.check("easgd", "elastic_lr", elastic_lr)
+        MOMENTUM.check("easgd", "elastic_momentum", elastic_momentum)
         super().__init__(
             elastic_force=elastic_force, elastic_lr=elastic_lr, elastic_momentum=elastic_momentum
         )

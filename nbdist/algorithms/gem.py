@@ -21,8 +21,13 @@ from typing import Sequence
 
 import numpy as np
 
-from nbdist.algorithms.base import Algorithm, RuleState, Update
+from nbdist.algorithms.base import MOMENTUM, Algorithm, RuleState, Update
 from nbdist.backends.base import FlatOptimizer
+from nbdist.specs import ValueRange
+
+# epsilon > 0 keeps pi finite where a gradient is zero.
+ABOVE_ZERO = ValueRange(0.0, low_open=True)
+RANGES = {"lr": ABOVE_ZERO, "momentum": MOMENTUM, "kappa": ABOVE_ZERO, "epsilon": ABOVE_ZERO, "pi_max": ABOVE_ZERO}
 
 
 @dataclass(slots=True)
@@ -42,9 +47,9 @@ class GEM(Algorithm):
 
     def __init__(self, lr: float = 0.05, momentum: float = 0.9, kappa: float = 1.0,
                  epsilon: float = 1e-12, pi_max: float = 5.0):
-        if lr <= 0 or not 0.0 <= momentum < 1.0 or kappa <= 0:
-            raise ValueError("gem: lr and kappa must be > 0 and momentum in [0, 1)")
         super().__init__(lr=lr, momentum=momentum, kappa=kappa, epsilon=epsilon, pi_max=pi_max)
+        for name, allowed in RANGES.items():
+            allowed.check("gem", name, self.params[name])
         self.lr, self.momentum, self.kappa = np.float32(lr), np.float32(momentum), np.float32(kappa)
         self.epsilon, self.pi_max = np.float32(epsilon), np.float32(pi_max)
 

@@ -16,9 +16,13 @@ from typing import Any, Callable
 import numpy as np
 
 from nbdist.errors import UserError
-from nbdist.specs import Spec
+from nbdist.specs import Spec, SpecError
 
-__all__ = ["Backend", "FlatOptimizer", "BatchStats", "ModelError"]
+__all__ = ["Backend", "FlatOptimizer", "BatchStats", "ModelError", "step_on_scratch"]
+
+# Floats of the buffer an optimiser is tried on during set-up: the checks of its
+# arguments' values do not depend on the model's size.
+SCRATCH_SIZE = 8
 
 
 class ModelError(UserError, ValueError):
@@ -90,7 +94,8 @@ class Backend(ABC):
 
     @abstractmethod
     def check_optimizer(self, spec: Spec) -> None:
-        """Raise SpecError when `spec` names no optimiser of this framework, or bad arguments."""
+        """Raise SpecError when `spec` names no optimiser of this framework, or arguments it
+        does not take, or values it cannot step with (built once on a scratch buffer)."""
 
     @abstractmethod
     def bucket_hooks(self, cap: int, on_ready: Callable[[int], None]) -> list[tuple[int, int]]:
@@ -117,3 +122,22 @@ class Backend(ABC):
         """Means of extra training metrics over the batches since the last call (a GAN's
         losses and discriminator outputs); the topologies add them to their train records."""
         return {}
+
+
+def step_on_scratch(spec: Spec, make: Callable[[np.ndarray], FlatOptimizer], scratch: np.ndarray) -> None:
+    """Build the optimiser of `spec` over `scratch` and step it once with a unit gradient.
+
+    Run during set-up, on every rank: a value the framework rejects (a negative learning
+    rate, betas outside [0, 1), a string for a number) fails here, as one error, instead
+    of in the one role that builds the optimiser while the others wait for it."""
+    scratch[:] = 0.0
+    optimizer = make(scratch)
+    try:
+        optimizer.step(np.ones_like(scratch))
+    except UserError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the framework's own words name the argument
+        raise SpecError(f"optimizer {spec}: {type(exc).__name__}: {exc}") from None
+    if not np.all(np.isfinite(scratch)):
+        raise SpecError(f"optimizer {spec}: one step from zero weights with a unit gradient gives "
+                        f"{scratch[~np.isfinite(scratch)][0]}: check the values of its arguments")

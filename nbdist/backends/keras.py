@@ -25,9 +25,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from nbdist.backends.base import Backend, BatchStats, FlatOptimizer, ModelError
+from nbdist.backends.base import SCRATCH_SIZE, Backend, BatchStats, FlatOptimizer, ModelError, step_on_scratch
 from nbdist.backends.frameworks import KERAS, unknown_optimizer
-from nbdist.specs import Spec, SpecError
+from nbdist.specs import Spec, SpecError, ValueRange
 
 __all__ = ["KerasBackend", "KerasFlatOptimizer", "keras_optimizers", "FlatVariables", "Traced", "aligned_zeros"]
 
@@ -47,13 +47,29 @@ def keras_optimizers() -> dict[str, type]:
     return found
 
 
+# Keras checks few of its optimisers' values (SGD's momentum, the types): these are the
+# ranges PyTorch enforces for the same arguments, so that sgd(lr=-1) or adam(beta_1=1.5)
+# is an error with either framework instead of a run that diverges.
+_UNIT = ValueRange(0.0, 1.0, high_open=True)
+_AT_LEAST_ZERO = ValueRange(0.0)
+_VALUE_RANGES = {"learning_rate": _AT_LEAST_ZERO, "beta_1": _UNIT, "beta_2": _UNIT, "rho": ValueRange(0.0, 1.0),
+                 "epsilon": _AT_LEAST_ZERO, "weight_decay": _AT_LEAST_ZERO,
+                 "initial_accumulator_value": _AT_LEAST_ZERO}
+
+
 def _make_keras_optimizer(spec: Spec) -> keras.optimizers.Optimizer:
     known = keras_optimizers()
     if spec.name not in known:
         raise unknown_optimizer(KERAS, spec.name, list(known))
     # nbdist's specs say lr (PyTorch's name, and the default worker optimiser's); Keras
-    # calls it learning_rate.
-    kwargs = {("learning_rate" if k == "lr" else k): v for k, v in spec.kwargs.items()}
+    # calls it learning_rate, and takes only a float there (lr=1 is one too).
+    kwargs = {}
+    for given, value in spec.kwargs.items():
+        name = "learning_rate" if given == "lr" else given
+        if name in _VALUE_RANGES:
+            _VALUE_RANGES[name].check(f"optimizer {spec}", given, value)
+            value = float(value)
+        kwargs[name] = value
     try:
         return known[spec.name](**kwargs)
     except (TypeError, ValueError) as exc:
@@ -347,7 +363,7 @@ class KerasBackend(Backend):
 
     # -- optimisers -------------------------------------------------------------------
     def check_optimizer(self, spec: Spec) -> None:
-        _make_keras_optimizer(spec)
+        step_on_scratch(spec, lambda scratch: KerasFlatOptimizer(spec, scratch), aligned_zeros(SCRATCH_SIZE))
 
     def make_optimizer(self, spec: Spec, params: np.ndarray | None = None) -> KerasFlatOptimizer:
         return KerasFlatOptimizer(spec, self.params if params is None else params)

@@ -16,9 +16,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from nbdist.backends.base import Backend, BatchStats, FlatOptimizer, ModelError
+from nbdist.backends.base import SCRATCH_SIZE, Backend, BatchStats, FlatOptimizer, ModelError, step_on_scratch
 from nbdist.backends.frameworks import TORCH, unknown_optimizer
-from nbdist.specs import Spec, SpecError, check_kwargs
+from nbdist.specs import Spec, SpecError, check_kwargs, check_value_kinds
 
 __all__ = ["TorchBackend", "TorchFlatOptimizer", "torch_optimizers"]
 
@@ -34,6 +34,16 @@ def torch_optimizers() -> dict[str, type[torch.optim.Optimizer]]:
             if value is not torch.optim.Optimizer and name not in _UNSUITABLE:
                 found[name] = value
     return found
+
+
+def _optimizer_class(spec: Spec) -> type[torch.optim.Optimizer]:
+    """The torch.optim class `spec` names, once its argument names are checked."""
+    known = torch_optimizers()
+    if spec.name not in known:
+        raise unknown_optimizer(TORCH, spec.name, list(known))
+    check_kwargs(f"optimizer {spec.name!r}", known[spec.name].__init__, spec.kwargs, skip=2)
+    check_value_kinds(f"optimizer {spec}", known[spec.name].__init__, spec.kwargs)
+    return known[spec.name]
 
 
 def _accepts(cls: type, name: str) -> bool:
@@ -223,15 +233,13 @@ class TorchBackend(Backend):
 
     # -- optimisers -------------------------------------------------------------------
     def check_optimizer(self, spec: Spec) -> None:
-        known = torch_optimizers()
-        if spec.name not in known:
-            raise unknown_optimizer(TORCH, spec.name, list(known))
-        check_kwargs(f"optimizer {spec.name!r}", known[spec.name].__init__, spec.kwargs, skip=2)
+        cls = _optimizer_class(spec)
+        step_on_scratch(spec, lambda scratch: TorchFlatOptimizer(cls, spec, scratch),
+                        np.zeros(SCRATCH_SIZE, np.float32))
 
     def make_optimizer(self, spec: Spec, params: np.ndarray | None = None) -> TorchFlatOptimizer:
-        self.check_optimizer(spec)
         target = self.params if params is None else params
-        return TorchFlatOptimizer(torch_optimizers()[spec.name], spec, target)
+        return TorchFlatOptimizer(_optimizer_class(spec), spec, target)
 
     # -- state ------------------------------------------------------------------------
     def named_arrays(self) -> dict[str, np.ndarray]:

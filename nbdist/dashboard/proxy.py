@@ -23,7 +23,9 @@ def server_process() -> dict[str, Any]:
         # The hub authenticates; the server itself listens on localhost only, and takes
         # websocket connections from pages of the hub's host (which it cannot know).
         "command": [sys.executable, "-m", "nbdist", "dashboard", "--store", store, "--port", "{port}",
-                    "--prefix", "{base_url}" + PROXY_NAME, "--allow-websocket-origin", "*"],
+                    "--prefix", "{base_url}" + PROXY_NAME, "--allow-websocket-origin", "*",
+                    # Opened before the first run, it shows the runs to come.
+                    "--create"],
         "absolute_url": True,
         "timeout": 60,
         "launcher_entry": {"title": "nbdist dashboard", "path_info": f"{PROXY_NAME}/nbdist"},

@@ -11,6 +11,7 @@ jupyter-server-proxy entry instead (nbdist.dashboard.proxy): the hub authenticat
 
 from __future__ import annotations
 
+import errno
 import hmac
 import ipaddress
 import secrets
@@ -22,10 +23,32 @@ from bokeh.server.auth_provider import AuthProvider
 from tornado.web import RequestHandler
 from tornado.websocket import WebSocketHandler
 
-__all__ = ["serve", "TokenAuth", "is_loopback", "free_port", "APP_PATH"]
+from nbdist.errors import UserError
+
+__all__ = ["serve", "existing_store", "DashboardError", "TokenAuth", "is_loopback", "free_port", "APP_PATH"]
 
 APP_PATH = "nbdist"
 COOKIE = "nbdist-dashboard-token"
+
+
+class DashboardError(UserError):
+    pass
+
+
+def existing_store(store: str | Path) -> Path:
+    """`store` when it is a run store file; else one error naming it and where runs put
+    theirs (a mistyped path would otherwise show a new, empty store)."""
+    from nbdist.store import STORE_FILE
+
+    path = Path(store)
+    if path.is_dir():
+        inside = " (it holds one: --store " + str(path / STORE_FILE) + ")" if (path / STORE_FILE).is_file() else ""
+        raise DashboardError(f"--store {store} is a directory, not a run store file{inside}")
+    if not path.exists():
+        raise DashboardError(f"--store {store}: no such run store; runs record in RUNS_DIR/{STORE_FILE} "
+                             f"(runs/{STORE_FILE} by default) or in the --store they were given "
+                             f"(add --create to start the dashboard before the first run)")
+    return path
 
 
 def is_loopback(address: str) -> bool:
@@ -76,28 +99,33 @@ class TokenAuth(AuthProvider):
 
 def serve(store: str | Path, *, address: str = "127.0.0.1", port: int = 5006, prefix: str = "",
           token: str | None = None, run: str | None = None, allow_origin: list[str] | None = None,
-          show: bool = False) -> Any:
-    """Serve the dashboard of `store` until interrupted. Returns when the server stops."""
+          show: bool = False, create: bool = False) -> Any:
+    """Serve the dashboard of `store` until interrupted. Returns when the server stops.
+    `create`: start an empty store when there is none (the dashboard of runs to come)."""
     import panel as pn
 
     from nbdist.dashboard.app import dashboard
     from nbdist.store import RunStore
 
-    # An unreadable store is an error now, not on every page; a new one is created, so
-    # that the dashboard can be started before the first run.
+    if not create:
+        existing_store(store)
+    # An unreadable store is an error now, not on every page.
     with RunStore(store) as opened:
         empty = not opened.runs()
     if token is None and not is_loopback(address):
         token = secrets.token_urlsafe(24)
-    if port == 0:
-        port = free_port(address)
     options: dict[str, Any] = {}
     if token is not None:
         options["auth_provider"] = TokenAuth(token)
-    # Panel adds what the factory returns to each session's page: return the page, not .servable().
-    server = pn.serve({APP_PATH: lambda: dashboard(store, run=run).start().page}, address=address, port=port,
-                      prefix=prefix, show=False, start=False, title="nbdist dashboard",
-                      websocket_origin=allow_origin or _origins(address, port), **options)
+    try:
+        if port == 0:
+            port = free_port(address)
+        # Panel adds what the factory returns to each session's page: return the page, not .servable().
+        server = pn.serve({APP_PATH: lambda: dashboard(store, run=run).start().page}, address=address, port=port,
+                          prefix=prefix, show=False, start=False, title="nbdist dashboard",
+                          websocket_origin=allow_origin or _origins(address, port), **options)
+    except OSError as exc:
+        raise _cannot_listen(exc, address, port) from None
     server.start()
     host = socket.gethostname() if address in ("0.0.0.0", "::") else address
     url = f"http://{host}:{server.port}{prefix.rstrip('/')}/{APP_PATH}" + (f"?token={token}" if token else "")
@@ -111,6 +139,14 @@ def serve(store: str | Path, *, address: str = "127.0.0.1", port: int = 5006, pr
     finally:
         server.stop()
     return server
+
+
+def _cannot_listen(exc: OSError, address: str, port: int) -> DashboardError:
+    if exc.errno == errno.EADDRINUSE:
+        return DashboardError(f"port {port} on {address} is in use (another dashboard?): choose another with "
+                              f"--port, or --port 0 for any free port")
+    return DashboardError(f"cannot listen on {address} port {port}: {exc.strerror or exc}; --address takes an "
+                          f"interface of this machine: 127.0.0.1 (the default), or 0.0.0.0 for all")
 
 
 def free_port(address: str) -> int:

@@ -90,6 +90,7 @@ class EngineGroups(TrialExecutor):
             error = error or (result.error if isinstance(result, FoldOutcome) else None)
             if error and not fold.error:
                 fold.error = error
+                fold.ends_study = isinstance(result, FoldOutcome) and result.ends_study
         if job.error is not None:
             for fold in folds.values():
                 fold.error = fold.error or str(job.error)

@@ -12,10 +12,10 @@ from typing import Any, Callable
 
 from nbdist.errors import UserError
 from nbdist.hpo.runner import FoldOutcome
-from nbdist.hpo.trial import fold_split, run_name, trial_options, with_params
+from nbdist.hpo.trial import fold_split, run_name, trial_options, watched_metrics, with_params
 from nbdist.metrics.log import RecordSink
 from nbdist.options import StudyOptions, TrainOptions
-from nbdist.train.context import TrialTag
+from nbdist.train.context import MetricNameError, TrialTag
 from nbdist.train.definition import ModelDefinition
 from nbdist.train.stopping import StopFlag
 
@@ -58,7 +58,10 @@ def train_fold(study: str, number: int, params: dict[str, Any], train: TrainOpti
 
     try:
         run_options = trial_options(train, params).replace(run_name=run_name(study, number, fold), quiet=True)
-        result = run_rank(run_options, build, comm, stop, sink, record, TrialTag(study, number))
+        result = run_rank(run_options, build, comm, stop, sink, record,
+                          TrialTag(study, number, watched_metrics(options)))
+    except MetricNameError as exc:  # every trial would fail the same way
+        return FoldOutcome(error=str(exc), ends_study=True)
     except UserError as exc:
         return FoldOutcome(error=str(exc))
     if result is None:

@@ -57,6 +57,7 @@ class FoldOutcome:
     error: str | None = None
     stop_reason: str = ""
     run_id: str | None = None
+    ends_study: bool = False  # the error is in the study's settings: every trial would fail with it
 
 
 @dataclass(slots=True)
@@ -155,6 +156,7 @@ class StudyRunner:
     def __post_init__(self) -> None:
         self.study.validate()
         self.stopping = ""  # set by stop(): the loop stops the running trials and ends
+        self.failure: StudyError | None = None  # what ended the study before its trials could train
         self.name = self.study.resume_study or new_study_name(self.study)
         self.maximize = self.study.resolved_direction == "maximize"
         self.goal = parse_target(self.study.goal) if self.study.goal else None
@@ -273,7 +275,10 @@ class StudyRunner:
         finally:
             self.executor.close()
             if self.store is not None:
-                self.store.end_study(self.name, "completed" if reason and not self.stopping else "interrupted")
+                status = "completed" if reason and not self.stopping else "interrupted"
+                self.store.end_study(self.name, "failed" if self.failure else status)
+        if self.failure is not None:
+            raise self.failure
         return self._result(reason, time.time() - started)
 
     def stop(self, reason: str = "stopped") -> None:
@@ -330,6 +335,14 @@ class StudyRunner:
         trial = slot.trial
         if self.stopping:
             return  # interrupted, not finished: its row stays "running", a resume trains it again
+        fatal = next((o.error for o in event.folds.values() if o.ends_study and o.error), None)
+        if fatal is not None:
+            # A mistake in the study's own settings (an --objective its runs do not report):
+            # one error now, not every trial trained and marked failed. The trial stays
+            # unfinished, so that the study resumed with the fix trains it.
+            self.failure = StudyError(fatal)
+            self.stop(fatal)
+            return
         errors: dict[int, str] = {}
         foms: dict[int, float] = {}
         for fold, outcome in event.folds.items():

@@ -26,10 +26,11 @@ from typing import Any, Callable
 import numpy as np
 
 from nbdist.errors import UserError
-from nbdist.options import TrainOptions
+from nbdist.options import StudyOptions, TrainOptions, parse_target
 from nbdist.specs import parse_spec
 
-__all__ = ["Trial", "TrialError", "trial_options", "with_params", "fold_split", "fold_fom", "run_name"]
+__all__ = ["Trial", "TrialError", "trial_options", "with_params", "fold_split", "fold_fom", "run_name",
+           "watched_metrics"]
 
 OPTIMIZER_PARAMS = ("optimizer", "lr")
 
@@ -52,6 +53,15 @@ class Trial:
 
 def run_name(study: str, number: int, fold: int) -> str:
     return f"{study}-trial{number:04d}-fold{fold}"
+
+
+def watched_metrics(options: StudyOptions) -> tuple[tuple[str, str], ...]:
+    """The metrics the study reads from its runs, with the options that name them: each
+    run checks during set-up that it reports them (nbdist.train.context)."""
+    watched = [(f"--objective {options.objective}", options.objective)]
+    if options.goal:
+        watched.append((f"--goal {options.goal!r}", parse_target(options.goal).metric))
+    return tuple(watched)
 
 
 def trial_options(options: TrainOptions, params: dict[str, Any]) -> TrainOptions:

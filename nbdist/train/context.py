@@ -9,6 +9,7 @@ one rank.
 from __future__ import annotations
 
 import json
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,20 +20,23 @@ import numpy as np
 from nbdist.algorithms import Algorithm, make_algorithm
 from nbdist.backends import Backend, backend_for, configure_frameworks
 from nbdist.backends.base import ModelError
-from nbdist.data.base import Data
+from nbdist.data.base import Data, DataError
+from nbdist.data.sharding import ShardPlan
 from nbdist.errors import OptionsError, UserError
 from nbdist.layout import Communicators, Layout, Role
 from nbdist.metrics.log import RecordSink, RunLog
 from nbdist.options import TrainOptions, parse_target
-from nbdist.specs import Spec, parse_spec
+from nbdist.specs import Spec, did_you_mean, parse_spec
 from nbdist.store import RunRecorder, store_path
 from nbdist.train.checkpoint import CheckpointError, Checkpoints
 from nbdist.train.definition import ModelDefinition
+from nbdist.train.progress import reported_metrics
 from nbdist.train.stopping import EarlyStopping, StopFlag
 from nbdist.transport.collectives import Collectives
 from nbdist.transport.peers import SETUP_TIMEOUT, Peers
 
-__all__ = ["RankContext", "TrialTag", "prepare", "agree", "master_share"]
+__all__ = ["RankContext", "TrialTag", "MetricNameError", "prepare", "agree", "check_metric_names", "check_data_size",
+           "master_share"]
 
 # Workers explore with momentum; a Downpour master gets none by default, because
 # asynchronous updates already act as momentum (Hermans & Louppe, 2018) and the two
@@ -49,12 +53,19 @@ DEFAULT_GAN_WORKER_OPTIMIZER = "rmsprop(lr=0.001)"
 SAMPLE_ROWS = 256
 
 
+class MetricNameError(OptionsError):
+    """A metric named by an option (--monitor, --target, a study's --objective) that the
+    run does not report: the same mistake for every run with these options."""
+
+
 @dataclass(frozen=True, slots=True)
 class TrialTag:
-    """The study and trial a run trains for."""
+    """The study and trial a run trains for. `watched`: the metrics the study reads from
+    the run's epochs, each with the option that names it, e.g. (("--objective val_acc", "val_acc"),)."""
 
     study: str
     number: int
+    watched: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass
@@ -106,26 +117,40 @@ class RankContext:
 
 
 def agree(comm: Any, error: BaseException | None, collectives: Collectives | None = None) -> None:
-    """Collective: raise the same UserError on every rank when any rank failed setup.
+    """Collective: raise the same UserError on every rank when any rank failed setup (of
+    the first failed rank's class, so that a caller can tell kinds of mistakes apart).
 
     Polled, with a deadline (SETUP_TIMEOUT): a rank that never gets here is named (with
     `collectives` that can call the roll) instead of leaving the others waiting."""
     collectives = collectives or Collectives(lambda: SETUP_TIMEOUT)
     messages = collectives.allgather(comm, None if error is None else _describe(error), "the end of set-up")
-    failed = [(rank, msg) for rank, msg in enumerate(messages) if msg is not None]
+    failed = [(rank, tuple(msg)) for rank, msg in enumerate(messages) if msg is not None]
     if not failed:
         return
-    texts = {msg for _, msg in failed}
-    rank, msg = failed[0]
+    texts = {msg for _, (_, msg) in failed}
+    rank, (kind, msg) = failed[0]
     if len(failed) < len(messages) and len(texts) == 1:
         msg = f"{msg} (on rank{'s' if len(failed) > 1 else ''} {', '.join(str(r) for r, _ in failed)})"
-    raise UserError(msg)
+    raise _error_class(kind)(msg)
 
 
-def _describe(error: BaseException) -> str:
+def _describe(error: BaseException) -> tuple[str, str]:
+    """The error's class (by name) and message, as every rank can rebuild it: nbdist's own
+    classes travel, a class from the user's code would not exist on every rank."""
     if isinstance(error, UserError):
-        return str(error)
-    return f"{type(error).__name__}: {error}"
+        kind = type(error) if type(error).__module__.startswith("nbdist.") else UserError
+        return f"{kind.__module__}:{kind.__qualname__}", str(error)
+    return f"{UserError.__module__}:{UserError.__qualname__}", f"{type(error).__name__}: {error}"
+
+
+def _error_class(name: str) -> type[UserError]:
+    import importlib
+
+    module, _, qualname = name.partition(":")
+    kind: Any = importlib.import_module(module) if module.startswith("nbdist.") else None
+    for part in qualname.split(".") if kind is not None else ():
+        kind = getattr(kind, part, None)
+    return kind if isinstance(kind, type) and issubclass(kind, UserError) else UserError
 
 
 def _check_gan(options: TrainOptions) -> TrainOptions:
@@ -267,6 +292,7 @@ def prepare(
         # gives identical initial replicas even before the first sync.
         configure_frameworks(options.threads, options.seed)
         data = _make_data(options, definition)
+        check_data_size(data, layout, options)
         sample, _ = data.train_batch(np.arange(min(SAMPLE_ROWS, data.n_train)))
         make_replica = _replica_factory(definition, options, sample)
         backend = make_replica()
@@ -274,6 +300,9 @@ def prepare(
             if spec is not None:
                 backend.check_optimizer(spec)
         _probe(backend, data, definition.source)
+        check_metric_names(options, trial, reported_metrics(backend.metric_name, staleness=algorithm is not None))
+        if comm.Get_rank() == 0:  # the run leader, who writes the run directory (last: it may create --runs-dir)
+            _check_run_dir_writable(options)
         # Dropout (and a GAN's noise) differs per rank after this point; weights do not.
         backend.reseed(options.seed * 100003 + role.rank)
     except UserError as exc:
@@ -377,6 +406,73 @@ def _role_name(role: Role) -> str:
         proc = f", process {role.proc}" if role.proc else ""
         return f"worker {role.worker}{boss}{proc}"
     return f"{role.kind} {role.master}" if role.kind == "master" else role.kind
+
+
+def check_metric_names(options: TrainOptions, trial: TrialTag | None, reported: list[str]) -> None:
+    """Every metric an option names is one the run reports, or one error listing those."""
+    named = [(f"--monitor {options.monitor}", options.monitor)]
+    if options.target:
+        named.append((f"--target {options.target!r}", parse_target(options.target).metric))
+    named += trial.watched if trial else ()
+    for given, name in named:
+        if name not in reported:
+            raise MetricNameError(f"{given}: this run reports {', '.join(reported)}{did_you_mean(name, reported)}")
+
+
+def check_data_size(data: Data, layout: Layout, options: TrainOptions) -> None:
+    """Samples for every worker's batches at every step (as the topologies' ShardPlan
+    cuts them), and some to validate on."""
+    for count, which, flag in ((data.n_train, "training", "--train"), (data.n_val, "validation", "--val")):
+        if count == 0:
+            raise DataError(f"the {which} set is empty ({data.n_train} training and {data.n_val} validation "
+                            f"samples): give the model's data {which} samples, or {flag} files that hold some")
+    # Each worker takes its own shard (master-worker); in allreduce, every rank does.
+    shards = layout.workers * layout.masters if layout.masters else layout.n_ranks
+    # A master-worker worker of several processes splits each of its batches between them.
+    procs = layout.procs_per_worker if layout.masters else 1
+    try:
+        plan = ShardPlan(data.n_train, shards, options.batch_size, options.seed)
+        smallest = data.n_train // (shards * plan.batches_per_epoch)
+    except ValueError:
+        smallest = 0
+    if smallest < procs:
+        raise DataError(_too_few_samples(data.n_train, shards, procs, options.batch_size))
+
+
+def _too_few_samples(samples: int, shards: int, procs: int, batch_size: int) -> str:
+    """What to change when `samples` cannot give each of `shards` workers (of `procs`
+    processes each) at least one sample per process at every step."""
+    each = f"at least {procs} samples (one per process)" if procs > 1 else "a batch"
+    if samples < shards * procs:
+        most = samples // procs
+        fix = f"use at most {most} worker{'s' if most > 1 else ''}" if most else "use fewer processes per worker"
+        fix += ", or give more training samples"
+    else:  # one batch per worker per epoch always fits: batches of ceil(samples / shards)
+        fix = f"use --batch-size {-(-samples // shards)} or more, or fewer workers"
+    return (f"too few training samples for {shards} workers: {samples} with --batch-size {batch_size} leave a "
+            f"worker without {each} at some step; {fix}")
+
+
+def _check_run_dir_writable(options: TrainOptions) -> None:
+    if options.resume:
+        _check_writable(Path(options.resume), "--resume")
+    else:
+        _check_writable(Path(options.runs_dir), "--runs-dir")
+
+
+def _check_writable(path: Path, flag: str) -> None:
+    """Create `path` and a file in it, as the run leader will; one clear error if it cannot
+    (a read-only file system, no permission, a file where the directory should be)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except (FileExistsError, NotADirectoryError):
+        in_the_way = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), path)
+        raise OptionsError(f"{flag} {path}: {in_the_way} is a file, not a directory; give a directory") from None
+    except OSError as exc:
+        raise OptionsError(f"{flag} {path}: cannot write there ({exc.strerror or exc}); give a directory "
+                           f"you can write to") from None
 
 
 def _replica_factory(definition: ModelDefinition, options: TrainOptions, sample: Any) -> Callable[[], Backend]:

@@ -15,7 +15,8 @@ from nbdist.backends.base import BatchStats
 from nbdist.errors import TrainingError
 from nbdist.train.stopping import StopDecision
 
-__all__ = ["EpochTally", "epoch_metrics", "format_epoch", "RunResult", "write_final", "stopped_on_request"]
+__all__ = ["EpochTally", "epoch_metrics", "reported_metrics", "format_epoch", "RunResult", "write_final",
+           "stopped_on_request"]
 
 
 @dataclass(slots=True)
@@ -54,6 +55,9 @@ def epoch_metrics(epoch: int, tally: EpochTally, val: BatchStats | None, seconds
     if metric_name:
         m[f"train_{metric_name}"] = tally.train.metric
     if val is not None:
+        if not val.n:
+            raise TrainingError(f"the validation set is empty (epoch {epoch + 1} validated on 0 samples): "
+                                f"give the model's data validation samples, or --val files that hold some")
         m["val_loss"] = val.loss
         if metric_name:
             m[f"val_{metric_name}"] = val.metric
@@ -66,6 +70,17 @@ def epoch_metrics(epoch: int, tally: EpochTally, val: BatchStats | None, seconds
         m["staleness_mean"] = tally.staleness_sum / tally.updates
         m["staleness_max"] = tally.staleness_max
     return m
+
+
+def reported_metrics(metric_name: str | None, *, staleness: bool) -> list[str]:
+    """The names of the epoch metrics a run reports (what --monitor, --target and a
+    study's --objective may name): those `epoch_metrics` writes, validation first.
+    `staleness`: the run has a master, which counts how stale each update was."""
+    tally = EpochTally(BatchStats(1.0, 1.0, 1))
+    if staleness:
+        tally.add_staleness(0)
+    names = list(epoch_metrics(0, tally, BatchStats(1.0, 1.0, 1), 1.0, metric_name))
+    return sorted(names, key=lambda name: (not name.startswith("val_"), not name.startswith("train_")))
 
 
 def format_epoch(m: dict[str, Any], epochs: int) -> str:

@@ -2,8 +2,8 @@
 
 Usage: mpiexec -n N python tests/mpi_scripts/train_many.py RUNS.json
 
-RUNS.json holds a list of argv lists (what follows `python -m nbdist train`). Each is
-handed to `nbdist.cli.main`, the very function behind `python -m nbdist`, so the runs go
+RUNS.json holds a list of argv lists (what follows `python -m nbdist train`, or a whole
+`study ...` command line). Each is handed to `nbdist.cli.main`, the very function behind `python -m nbdist`, so the runs go
 through the real option parsing, layout, topologies and files. Starting Python, torch
 and MPI costs seconds per rank on a small box while a digits run trains in well under a
 second, so one job for a batch of runs keeps the integration tests affordable.
@@ -33,7 +33,7 @@ def run_all(path: str) -> int:
     world = MPI.COMM_WORLD
     worst = 0
     for i, argv in enumerate(runs):
-        rc = nbdist_main(["train", *argv])
+        rc = nbdist_main(argv if argv[:1] == ["study"] else ["train", *argv])
         worst = max(worst, rc)
         world.Barrier()
         if world.Get_rank() == 0:
