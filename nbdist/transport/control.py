@@ -137,7 +137,7 @@ class ControlChannel:
             pass
 
     def close(self) -> None:
-        """Let the messages this rank sent leave (briefly), then free the channel."""
+        """Let the messages this rank sent leave (briefly); the channel stays (see below)."""
         deadline = time.monotonic() + LINGER_SECONDS
         pending = list(self.sends)
         while pending and time.monotonic() < deadline:
@@ -152,7 +152,7 @@ class ControlChannel:
             except MPI.Exception:
                 pass
         self.sends = []
-        try:
-            self.comm.Free()
-        except MPI.Exception:
-            pass
+        # The channel is not freed: a message from a rank that gave up may still arrive
+        # for it, and Open MPI with fault tolerance on then never completes MPI_Finalize
+        # (its finalizing barrier waits forever) when the channel was freed before. One
+        # communicator handle per run is what this costs.
