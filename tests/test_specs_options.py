@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import dataclasses
 
 import pytest
@@ -176,13 +177,16 @@ def test_argparse_round_trip():
     assert merged == TrainOptions(epochs=2, seed=4, synchronous=True)
 
 
-def test_argparse_round_trip_of_every_field():
+def test_argparse_round_trip_of_every_field(tmp_path):
     """Options with every field off its default survive options -> argv -> options."""
+    run = tmp_path / "x"  # --resume reads the run's saved options: a real run directory
+    run.mkdir()
+    (run / "options.json").write_text(json.dumps(TrainOptions().to_dict()))
     changed = dict(model="m.py", topology="allreduce", algorithm="gem(lr=0.1)", synchronous=True, workers=3,
                    masters=2, procs_per_worker=2, epochs=4, batch_size=16, sync_every=2,
                    worker_optimizer="sgd(lr=0.2)", master_optimizer="adam", seed=5, validate_every=2,
                    early_stopping=3, monitor="val_acc", min_delta=0.01, target="val_loss < 0.2",
-                   checkpoint_every=3, keep_checkpoints=5, resume="runs/x", max_restarts=2, peer_timeout=7.5,
+                   checkpoint_every=3, keep_checkpoints=5, resume=str(run), max_restarts=2, peer_timeout=7.5,
                    runs_dir="elsewhere", store="runs/other.db", run_name="r1",
                    threads=2, bucket_mb=4.0, quiet=True, train="t_*.h5", val="v.h5", cache_dir="/tmp/c",
                    data_keys="x,y", gan=True, d_steps=2)
