@@ -13,22 +13,46 @@ that quote the engines' own output when they die at start. On a batch system,
 
 Each engine gets a SIGUSR1 handler at start: `Job.stop()` signals mpiexec, which
 forwards SIGUSR1 to every rank, and an idle engine must not die of it.
+
+The cluster knows its engines' health (nbdist.liveness): `status()` lists the dead ones,
+`check_alive()` (before every job) fails at once naming them, and `heal()` (also what
+`start()` does on a cluster with dead engines) replaces them: an MPI engine set is one
+`mpiexec` job, so the whole set is stopped and a new one started on the same controller.
+A cluster started here is taken down with the process that started it, even by kill -9
+(nbdist.watchdog). The controller listens on 127.0.0.1 unless `interface=` or `ip=` names
+where engines on other nodes reach it.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib.util
 import os
 import signal
+import socket
+import time
 from dataclasses import dataclass
 from typing import Any
 
+import psutil
+
+from nbdist import watchdog
 from nbdist.errors import UserError
 from nbdist.launch import MPIExecNotFound, find_mpiexec, mpi_env
+from nbdist.liveness import DeadEngine, Liveness, process_gone
 
-__all__ = ["Cluster", "ClusterError", "EngineInfo", "current_cluster"]
+__all__ = ["Cluster", "ClusterError", "DeadEngine", "EngineInfo", "current_cluster", "HEAL_HINT"]
 
 ENGINE_KINDS = ("mpi", "slurm")
+LOOPBACK = "127.0.0.1"
+HEAL_HINT = ("heal the cluster with  %distnn cluster start  (in Python: cluster.heal()), "
+             "which restarts its engines")
+# How long a stopped engine set's engines get to unregister before the new set starts
+# (they then get their ranks as engine ids again).
+UNREGISTER_SECONDS = 10.0
+# How long attach() waits for engines that are not registered yet before calling them dead.
+ATTACH_SETTLE_SECONDS = 5.0
+SIGNAL_SECONDS = 5.0
 
 _current: "Cluster | None" = None
 
@@ -44,6 +68,7 @@ class EngineInfo:
     size: int
     host: str
     pid: int
+    uuid: str = ""  # the controller's name for this engine process (ids are reused after a restart)
 
 
 def _launcher_exited(engine_set: Any) -> bool:
@@ -67,16 +92,36 @@ def current_cluster() -> "Cluster":
     return _current
 
 
+def interface_address(interface: str) -> str:
+    """The IPv4 address of a network interface (eth0, ib0, ...), for the controller to listen on."""
+    interfaces = psutil.net_if_addrs()
+    if interface not in interfaces:
+        raise ClusterError(f"no network interface {interface!r} on this host; choose one of: "
+                           f"{', '.join(sorted(interfaces))}")
+    for address in interfaces[interface]:
+        if address.family == socket.AF_INET:
+            return address.address
+    raise ClusterError(f"network interface {interface!r} has no IPv4 address; choose another of: "
+                       f"{', '.join(sorted(interfaces))}")
+
+
 class Cluster:
-    """Start, use and stop ipyparallel MPI engines; also a context manager."""
+    """Start, use and stop ipyparallel MPI engines; also a context manager.
+
+    The controller listens on 127.0.0.1: engines on this host and the notebook reach it,
+    other hosts do not. For engines on several nodes, `interface="ib0"` (the address of
+    that interface) or `ip="10.1.2.3"` say where it listens and where engines connect."""
 
     def __init__(self, n: int = 4, *, engines: str = "mpi", mpiexec: str | None = None,
                  mpi_args: list[str] | tuple[str, ...] = (), start_timeout: float = 120.0,
-                 cluster_id: str | None = None, profile: str | None = None, **ipp_options: Any):
+                 cluster_id: str | None = None, profile: str | None = None, interface: str | None = None,
+                 ip: str | None = None, **ipp_options: Any):
         if int(n) < 1:
             raise ClusterError(f"a cluster needs at least 1 engine, got n={n}")
         if engines not in ENGINE_KINDS:
             raise ClusterError(f"unknown engine launcher {engines!r}; choose one of: {', '.join(ENGINE_KINDS)}")
+        if interface and ip:
+            raise ClusterError("give the controller's network interface or its ip address, not both")
         self.n = int(n)
         self.engines = engines
         self.mpiexec = mpiexec
@@ -84,12 +129,16 @@ class Cluster:
         self.start_timeout = float(start_timeout)
         self.cluster_id = cluster_id
         self.profile = profile
+        self.interface = interface
+        self.ip = ip or (interface_address(interface) if interface else LOOPBACK)
         self.ipp_options = ipp_options
         self._ipp: Any = None
         self.owned = True  # started here; an attached cluster's engines belong to whoever started them
         self.client: Any = None
         self.view: Any = None  # a DirectView on every engine, in rank order
         self.info: list[EngineInfo] = []
+        self._health = Liveness()
+        self._watchdogs: dict[str, Any] = {}  # what it watches ("controller", an engine set id) -> its Popen
 
     # -- life cycle ---------------------------------------------------------------------
     @property
@@ -97,8 +146,11 @@ class Cluster:
         return self.client is not None
 
     def start(self) -> "Cluster":
+        """Start the cluster; on a running one with dead engines, replace them (heal)."""
         global _current
         if self.running:
+            if self.broken():
+                print(f"nbdist: {self.heal()}", flush=True)
             return self
         if importlib.util.find_spec("ipyparallel") is None:
             raise ClusterError("ipyparallel is not installed: pip install 'nbdist[notebook]'")
@@ -106,6 +158,40 @@ class Cluster:
             raise ClusterError("mpi4py is not installed in this Python: the engines need it "
                                "(pip install mpi4py, built against your MPI)")
         import ipyparallel as ipp
+
+        config = self._launcher_config()
+        # The controller's address, on the command line so that a profile's config cannot
+        # widen it: every socket it opens listens there, and the engines connect there.
+        kwargs: dict[str, Any] = {"engines": self.engines, "n": self.n, "config": config,
+                                  "log_level": 40, "controller_ip": self.ip, **self.ipp_options}
+        if self.cluster_id:
+            kwargs["cluster_id"] = self.cluster_id
+        if self.profile:
+            kwargs["profile"] = self.profile
+        self._ipp = ipp.Cluster(**kwargs)
+        try:
+            self._ipp.start_controller_sync()
+            self._watch("controller", self._ipp.controller, remove=self._ipp.cluster_file)
+            engine_set = self._ipp.start_engines_sync(self.n)
+            self._watch(engine_set, self._ipp.engines[engine_set])
+            client = self._ipp.connect_client_sync()
+            client._registration_callbacks.append(self._on_registration_event)
+            self._wait_for_engines(client)
+        except ClusterError:
+            self._teardown()
+            raise
+        except Exception as exc:  # ipyparallel's own failure: say it with the engines' output
+            output = self._engine_output()
+            self._teardown()
+            raise ClusterError(f"the cluster did not start: {type(exc).__name__}: {exc}"
+                               + (f"\nengine output:\n{output}" if output else "")) from None
+        self.client = client
+        self._map_ranks(client.ids)
+        _current = self
+        return self
+
+    def _launcher_config(self) -> Any:
+        """ipyparallel's launcher settings: this environment's mpiexec and what it needs."""
         from traitlets.config import Config
 
         config = Config()
@@ -121,34 +207,14 @@ class Cluster:
             # Only what mpi_env() adds: the launcher merges it over os.environ.
             added = {k: v for k, v in mpi_env().items() if os.environ.get(k) != v}
             config.MPIEngineSetLauncher.environment = added
-        kwargs: dict[str, Any] = {"engines": self.engines, "n": self.n, "config": config,
-                                  "log_level": 40, **self.ipp_options}
-        if self.cluster_id:
-            kwargs["cluster_id"] = self.cluster_id
-        if self.profile:
-            kwargs["profile"] = self.profile
-        self._ipp = ipp.Cluster(**kwargs)
-        try:
-            self._ipp.start_cluster_sync()
-            client = self._ipp.connect_client_sync()
-            self._wait_for_engines(client)
-        except ClusterError:
-            self._teardown()
-            raise
-        except Exception as exc:  # ipyparallel's own failure: say it with the engines' output
-            output = self._engine_output()
-            self._teardown()
-            raise ClusterError(f"the cluster did not start: {type(exc).__name__}: {exc}"
-                               + (f"\nengine output:\n{output}" if output else "")) from None
-        self.client = client
-        self._map_ranks()
-        _current = self
-        return self
+        return config
 
     @classmethod
     def attach(cls, cluster_id: str = "", profile: str | None = None) -> "Cluster":
         """Use MPI engines started elsewhere: `ipcluster start --engines=mpi -n 8`, another
-        notebook, or JupyterHub's cluster panel. stop() then only disconnects."""
+        notebook, or JupyterHub's cluster panel. stop() then only disconnects. Dead engines
+        are replaced by a new engine set started from here with this environment's mpiexec
+        (it is recorded in the cluster's file, so its owner stops it with the rest)."""
         global _current
         import ipyparallel as ipp
 
@@ -166,31 +232,73 @@ class Cluster:
         cluster._ipp, cluster.owned = ipp_cluster, False
         try:
             cluster.client = ipp_cluster.connect_client_sync()
-            cluster._wait_for_engines(cluster.client)
+            cluster.client._registration_callbacks.append(cluster._on_registration_event)
+            missing = cluster._settle(n)
         except Exception as exc:
             cluster.stop()
             if isinstance(exc, ClusterError):
                 raise
             raise ClusterError(f"could not connect to cluster {cluster_id!r}: {type(exc).__name__}: {exc}") from None
-        cluster._map_ranks()
         _current = cluster
+        if missing or cluster.broken():
+            if not ipp_cluster.engines:
+                cluster.stop()
+                raise ClusterError(
+                    f"cluster {cluster_id!r} has dead engines ({missing or 'see its status'}) that were not "
+                    f"started by ipyparallel's Cluster (mpiexec ipengine by hand?), so they cannot be restarted "
+                    f"from here: restart them where they were started, then attach again")
+            print(f"nbdist: {cluster.heal(missing=missing)}", flush=True)
         return cluster
 
-    def _wait_for_engines(self, client: Any) -> None:
-        import time
+    def _settle(self, n: int) -> str:
+        """Map the registered engines of an attached cluster; '' or what is missing."""
+        deadline = time.monotonic() + min(self.start_timeout, ATTACH_SETTLE_SECONDS)
+        while len(self.client.ids) < n and time.monotonic() < deadline and not self._engines_exited():
+            time.sleep(0.1)
+        if not self.client.ids:
+            return f"none of its {n} engines is registered"
+        self._map_ranks(self.client.ids, size=n or None)
+        ranks = sorted(set(range(self.info[0].size)) - {i.rank for i in self.info})
+        if not ranks:
+            return ""
+        return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} had no engine registered"
 
+    def _on_registration_event(self, event: dict[str, Any]) -> None:
+        self._health.on_registration_event(event)
+
+    def _watch(self, key: str, launcher: Any, remove: str | None = None) -> None:
+        """Start a watchdog that takes this launcher's processes down when the cluster's
+        owner dies: this process for a cluster started here; for engines started here for
+        an attached cluster, its controller (whoever stops that cluster stops them too)."""
+        process = getattr(launcher, "process", None)
+        owner = psutil.Process() if self.owned else getattr(self._ipp.controller, "process", None)
+        if isinstance(process, psutil.Process) and isinstance(owner, psutil.Process):
+            self._watchdogs[key] = watchdog.start(owner, [process], remove=remove)
+        # Otherwise not a local process (a batch job step): the batch system ends it.
+
+    def _unwatch(self, key: str) -> None:
+        dog = self._watchdogs.pop(key, None)
+        if dog is not None:
+            dog.kill()
+            dog.wait()
+
+    def _wait_for_engines(self, client: Any, exclude: frozenset[str] = frozenset()) -> list[int]:
+        """The ids of `self.n` engines registered (none of the `exclude`d uuids), once they are."""
         deadline = time.monotonic() + self.start_timeout
-        while len(client.ids) < self.n:
+        while True:
+            ids = [eid for eid, uuid in dict(client._engines).items() if uuid not in exclude]
+            if len(ids) >= self.n:
+                return sorted(ids)
             if self._engines_exited():
                 output = self._engine_output()
                 raise ClusterError(
-                    f"the engines exited while starting ({len(client.ids)} of {self.n} registered)"
+                    f"the engines exited while starting ({len(ids)} of {self.n} registered)"
                     + (f"; their output:\n{output}" if output else "; they printed nothing")
                 )
             if time.monotonic() > deadline:
                 output = self._engine_output()
                 raise ClusterError(
-                    f"only {len(client.ids)} of {self.n} engines registered within "
+                    f"only {len(ids)} of {self.n} engines registered within "
                     f"{self.start_timeout:.0f} s" + (f"; engine output:\n{output}" if output else "")
                 )
             time.sleep(0.1)
@@ -198,6 +306,10 @@ class Cluster:
     def _engines_exited(self) -> bool:
         sets = list(getattr(self._ipp, "engines", {}).values())
         return bool(sets) and all(_launcher_exited(s) for s in sets)
+
+    def _controller_exited(self) -> bool:
+        controller = getattr(self._ipp, "controller", None)
+        return controller is not None and _launcher_exited(controller)
 
     def _engine_output(self) -> str:
         texts = []
@@ -209,14 +321,15 @@ class Cluster:
         text = "\n".join(t for t in texts if t)
         return "\n".join(text.splitlines()[-40:])
 
-    def _map_ranks(self) -> None:
+    def _map_ranks(self, ids: list[int], size: int | None = None) -> None:
         from nbdist import engine
 
-        view = self.client[:]
+        view = self.client[list(ids)]
         replies = view.apply_sync(engine.describe_engine)
-        infos = [EngineInfo(engine_id=eid, **reply) for eid, reply in zip(view.targets, replies)]
+        uuids = dict(self.client._engines)
+        infos = [EngineInfo(engine_id=eid, uuid=uuids.get(eid, ""), **reply) for eid, reply in zip(view.targets, replies)]
         sizes = {i.size for i in infos}
-        if sizes != {len(infos)}:
+        if sizes != {size or len(infos)}:
             self.stop()
             raise ClusterError(
                 f"the {len(infos)} engines are not one MPI job (they report world sizes "
@@ -225,6 +338,57 @@ class Cluster:
         self.info = sorted(infos, key=lambda i: i.rank)
         self.view = self.client[[i.engine_id for i in self.info]]
         self.view.apply_sync(engine.install_idle_stop_handler)
+
+    def heal(self, n: int | None = None, *, missing: str = "") -> str:
+        """Replace dead engines, and say what happened in one line. An MPI engine set is one
+        mpiexec job whose survivors cannot take a new rank in: the set is stopped and a new
+        one of `n` engines (default: as many as before) starts on the same controller. A
+        controller that is gone takes a new start of the whole cluster (ours only)."""
+        if not self.running:
+            raise ClusterError("the cluster is not running: start it with  %distnn cluster start -n 4")
+        n = self.n if n is None else int(n)
+        if n < 1:
+            raise ClusterError(f"a cluster needs at least 1 engine, got n={n}")
+        if self._controller_exited():
+            if not self.owned:
+                raise ClusterError(f"the controller of cluster {self.id} has exited, and it was started elsewhere: "
+                                   f"%distnn cluster stop, then start a cluster with  %distnn cluster start -n {n}")
+            self._teardown()
+            self.n = n
+            self.start()
+            return f"the controller had exited; started the cluster again with {n} engines"
+        dead = self.dead_engines()
+        if not dead and not missing and n == self.n:
+            return f"all {self.n} engines are alive"
+        self._restart_engines(n)
+        said = [missing] if missing else []
+        said += [f"rank {d.rank} (engine {d.engine_id}) was dead: {d.why}" for d in dead]
+        return "; ".join(said + [f"restarted {n} engines"]) if said else f"restarted {n} engines"
+
+    def _restart_engines(self, n: int) -> None:
+        old = frozenset(dict(self.client._engines).values()) | {i.uuid for i in self.info}
+        stragglers = [i for i in self.info if not process_gone(i.host, i.pid)]
+        for key in list(self._ipp.engines):
+            self._unwatch(key)
+            try:
+                self._ipp.stop_engines_sync(key)
+            except Exception:  # noqa: BLE001 - its mpiexec is gone already
+                self._ipp.engines.pop(key, None)
+        # Engines that did not go with their mpiexec (stopped with kill -STOP, orphaned).
+        local = [psutil.Process(i.pid) for i in stragglers if not process_gone(i.host, i.pid)]
+        watchdog.take_down(local, grace=1.0)
+        deadline = time.monotonic() + UNREGISTER_SECONDS
+        while old & set(dict(self.client._engines).values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.n, self.info, self.view = n, [], None
+        self._health = Liveness(self._health.ping_seconds)
+        if not self.owned:
+            # An attached cluster's file does not keep how its engines were launched: the
+            # new set starts with this environment's mpiexec (and no extra mpiexec arguments).
+            self._ipp.update_config(self._launcher_config())
+        engine_set = self._ipp.start_engines_sync(n)
+        self._watch(engine_set, self._ipp.engines[engine_set])
+        self._map_ranks(self._wait_for_engines(self.client, exclude=old))
 
     def stop(self) -> None:
         """Stop the engines and the controller (an attached cluster: disconnect only)."""
@@ -244,7 +408,14 @@ class Cluster:
                 self._ipp.stop_cluster_sync()
             except Exception:  # noqa: BLE001 - already gone
                 pass
+        if self.owned:
+            for key in list(self._watchdogs):
+                self._unwatch(key)
+        # An attached cluster's watchdogs go on: they end the engines started here for it
+        # with its controller, which outlives this client.
+        self._watchdogs.clear()
         self.client, self.view, self._ipp, self.info = None, None, None, []
+        self._health = Liveness(self._health.ping_seconds)
 
     def __enter__(self) -> "Cluster":
         return self.start()
@@ -261,37 +432,74 @@ class Cluster:
 
     def signal(self, signum: int = signal.SIGUSR1, engines: list[int] | None = None) -> None:
         """Send a signal to every rank (mpiexec forwards it), or to some engines only
-        (through each engine's nanny, which signals it even while it runs a task)."""
+        (through each engine's nanny, which signals it even while it runs a task). Dead
+        engines are left out; so is mpiexec once one of its ranks is dead."""
         if self._ipp is None:
             raise ClusterError("the cluster is not running")
-        if engines is None:
+        dead = {d.engine_id for d in self.dead_engines(ping=False)}
+        if engines is None and not dead:
             self._ipp.signal_engines_sync(signum)
-        else:
-            self.client.send_signal(signum, targets=list(engines), block=True)
+            return
+        targets = [e for e in (engines if engines is not None else [i.engine_id for i in self.info]) if e not in dead]
+        if targets:
+            sent = self.client.send_signal(signum, targets=targets, block=False)
+            # A nanny that does not answer must not hold the caller.
+            concurrent.futures.wait([sent], timeout=SIGNAL_SECONDS)
 
-    def check_alive(self) -> None:
+    def dead_engines(self, *, ping: bool = True, engines: list[int] | None = None) -> list[DeadEngine]:
+        """The dead engines (all, or those of `engines`), the first to die first. With
+        `ping`, idle engines are pinged: those silent for PING_SECONDS count as dead."""
+        if not self.running:
+            return []
+        chosen = [i for i in self.info if engines is None or i.engine_id in engines]
+        return self._health.dead(self.client, chosen, ping=ping)
+
+    def mark_stuck(self, engines: list[int], why: str) -> None:
+        """A job gave up on these engines: they count as dead until the cluster is healed."""
+        self._health.mark_stuck([i for i in self.info if i.engine_id in engines], why)
+
+    def broken(self) -> bool:
+        """The controller has exited or an engine is dead: heal() (or start()) replaces them."""
+        return self._controller_exited() or bool(self.dead_engines())
+
+    def check_alive(self, engines: list[int] | None = None) -> None:
+        """Fail at once, naming the dead engines and saying how to heal, unless every
+        engine (or every one of `engines`) is alive. Jobs and studies call it first."""
         if not self.running:
             raise ClusterError("the cluster is not running: start it again with  %distnn cluster start")
-        if self._engines_exited() or len(self.client.ids) < self.n:
-            output = self._engine_output()
-            raise ClusterError(
-                f"{self.n - len(self.client.ids)} of {self.n} engines are gone; restart the cluster "
-                f"(%distnn cluster stop, then start)" + (f"\nengine output:\n{output}" if output else "")
-            )
+        if self._controller_exited():
+            raise ClusterError(f"the cluster's controller has exited; {HEAL_HINT}")
+        dead = self.dead_engines(engines=engines)
+        if dead:
+            raise ClusterError(f"{len(dead)} of {self.n} engines {'is' if len(dead) == 1 else 'are'} dead: "
+                               + "; ".join(map(str, dead[:4])) + ("; ..." if len(dead) > 4 else "")
+                               + f"; {HEAL_HINT}")
 
     @property
     def id(self) -> str:
         return self._ipp.cluster_id if self._ipp is not None else (self.cluster_id or "")
 
     def status(self, layout: Any = None) -> str:
-        """Engines, ranks and hosts, and the rank layout a run would use."""
+        """Engines, ranks, hosts and whether each is alive, and the rank layout a run would use."""
         if not self.running:
             return "nbdist cluster: not running"
         lines = [f"nbdist cluster: {self.n} MPI engines ({self.engines}{'' if self.owned else ', attached'}), "
-                 f"cluster id {self.id}, profile {self._ipp.profile_dir}"]
-        lines.append(f"  {'rank':>4}  {'engine':>6}  {'host':<20} pid")
+                 f"cluster id {self.id}, profile {self._ipp.profile_dir}, controller on {self.ip}"]
+        if self._controller_exited():
+            return "\n".join(lines + [f"the controller has exited; {HEAL_HINT}"])
+        dead = {d.engine_id: d for d in self.dead_engines()}
+        lines.append(f"  {'rank':>4}  {'engine':>6}  {'host':<20} {'pid':<8} state")
         for i in self.info:
-            lines.append(f"  {i.rank:>4}  {i.engine_id:>6}  {i.host:<20} {i.pid}")
+            if i.engine_id in dead:
+                state = f"dead: {dead[i.engine_id].why}"
+            else:
+                state = "busy" if self._health.busy(self.client, i) else "alive"
+            lines.append(f"  {i.rank:>4}  {i.engine_id:>6}  {i.host:<20} {i.pid:<8} {state}")
+        if dead:
+            ranks = sorted(d.rank for d in dead.values())
+            lines.append(f"{len(dead)} of {self.n} engines dead (rank{'s' if len(ranks) > 1 else ''} "
+                         f"{', '.join(map(str, ranks))}): {HEAL_HINT}")
+            return "\n".join(lines)
         if layout is None:
             from nbdist.layout import Layout
 

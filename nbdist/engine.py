@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -37,6 +38,12 @@ class EngineOutcome:
     user_error: bool = False  # bad input (no traceback needed) vs a failure
     detail: str = ""  # the traceback of an unexpected failure
     abandoned: bool = False  # stopped because another rank failed
+    failed_at: float | None = None  # time.time() of the failure: the job's error leads with the first
+
+    def __post_init__(self) -> None:
+        # An outcome with an error is made where the error was caught: that is its time.
+        if self.error and self.failed_at is None:
+            self.failed_at = time.time()
 
 
 def describe_engine() -> dict[str, Any]:

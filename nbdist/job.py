@@ -7,8 +7,11 @@
 
 A monitor thread on the client polls the records the ranks stream in, records them in
 the run store (the notebook is a notebook job's one store writer), keeps the progress
-line under the cell up to date, and watches for a rank that failed while the others
-still train (they are then asked to stop, so a failure never leaves a hang).
+line under the cell up to date, and watches for a rank that failed, or an engine that
+died, while the others still train. Nothing waits forever: after a failure (or a stop
+request that the ranks did not follow in time) the ranks are told to give up (SIGUSR2);
+ranks still running `ABANDON_SECONDS` later are left behind, the job fails naming them,
+and the cluster counts them as dead until it is healed (`%distnn cluster start`).
 """
 
 from __future__ import annotations
@@ -20,8 +23,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nbdist.cluster import HEAL_HINT
 from nbdist.engine import LIVE_PREFIX, EngineOutcome
 from nbdist.errors import TrainingError
+from nbdist.liveness import DeadEngine
 from nbdist.metrics.collect import LiveRecords
 from nbdist.options import TrainOptions
 from nbdist.store import RunFeed
@@ -34,6 +39,12 @@ POLL_SECONDS = 0.25
 # the failures it sees, a NaN loss, a worker's error, to the other ranks) before the
 # client makes them give up with SIGUSR2.
 FAILURE_GRACE_SECONDS = 3.0
+# After SIGUSR2, how long the ranks get before the job leaves them behind: a rank that
+# still runs then is blocked where no signal reaches it (a blocking MPI call, the model's
+# own code), and only a restart of its engine frees it.
+ABANDON_SECONDS = 10.0
+# How much later than the MPI peers of a dead engine the client may hear of its death.
+DEATH_NOTICE_SECONDS = 1.0
 
 
 class JobError(TrainingError):
@@ -66,8 +77,14 @@ class Job:
         self.started = time.time()
         self.ended: float | None = None
         self._stop_requested = False
-        self._failure_noticed: float | None = None
-        self._abandon_sent = False
+        # The rank of each of the job's engines, in the order of the result's children.
+        self._engine_ids = list(engines) if engines is not None else [i.engine_id for i in cluster.info]
+        self._ranks = [cluster.rank_of(e) for e in self._engine_ids]
+        self._abandon_at: float | None = None  # monotonic time to send SIGUSR2, once there is a reason
+        self._abandon_why = ""  # the stop request that the ranks did not follow in time, if that is why
+        self._abandoned_at: float | None = None
+        self._abandon_seconds = ABANDON_SECONDS
+        self._gave_up = False
         self._outcomes: list[EngineOutcome] | None = None
         self._error: JobError | None = None
         self._done = threading.Event()
@@ -151,27 +168,42 @@ class Job:
     # -- control ----------------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> "Job":
         """Block until the job ends (KeyboardInterrupt stops it). Raises JobError if it
-        failed, TimeoutError if `timeout` seconds pass first."""
+        failed, TimeoutError if `timeout` seconds pass first. A failed rank or a dead
+        engine ends the job within FAILURE_GRACE_SECONDS + ABANDON_SECONDS."""
         try:
             if not self._done.wait(timeout):
                 raise TimeoutError(f"the job is still {self.status} after {timeout} s")
         except KeyboardInterrupt:
-            self.stop()
-            print(f"nbdist: interrupted; the job {self.status}"
-                  + (f": {self.result.stop_reason}" if self.status == "stopped" else ""), flush=True)
+            try:
+                self.stop()
+            finally:
+                print(f"nbdist: interrupted; the job {self.status}"
+                      + (f": {self.result.stop_reason}" if self.status == "stopped" else ""), flush=True)
             return self
         if self._error is not None:
             raise self._error
         return self
 
-    def stop(self, timeout: float = 30.0) -> "Job":
+    def stop(self, timeout: float = 30.0, abandon_timeout: float = ABANDON_SECONDS) -> "Job":
         """Ask every rank to stop at its next step boundary (a final checkpoint is written
-        when checkpointing is on) and wait for them."""
+        when checkpointing is on) and wait for them. Ranks still running after `timeout`
+        seconds are told to give up (SIGUSR2, no checkpoint), and those still running
+        `abandon_timeout` seconds later are left behind: then the job fails, its error
+        names them and says that the cluster needs a restart, and stop() raises it. It
+        never waits much longer than the two timeouts together."""
         if not self.done:
-            self._stop_requested = True
-            self._signal(signal.SIGUSR1)
-            if not self._done.wait(timeout):
-                raise TimeoutError(f"the ranks did not stop within {timeout} s")
+            if not self._stop_requested:
+                self._stop_requested = True
+                self._signal(signal.SIGUSR1)
+            self._abandon_seconds = abandon_timeout
+            self._abandon_by(time.monotonic() + timeout,
+                             f"did not stop within {timeout:g} s of the stop request (SIGUSR1)")
+            # The monitor thread ends the job by then, whatever the ranks do.
+            if not self._done.wait(timeout + abandon_timeout + 10 * POLL_SECONDS + 5.0):
+                raise JobError(f"the job did not end within {timeout + abandon_timeout:g} s of the stop request; "
+                               f"{HEAL_HINT}")
+        if self._error is not None and self._abandon_why:
+            raise self._error
         return self
 
     def __repr__(self) -> str:
@@ -188,16 +220,18 @@ class Job:
     # -- monitor thread ---------------------------------------------------------------
     def _watch(self) -> None:
         try:
-            while not self._result.ready():
+            while not self._result.ready() and not self._gave_up:
                 self.live.poll()
                 self._record_in_store()
-                self._check_partial_failure()
+                self._escalate()
                 if self._progress:
                     self._progress.update()
                 time.sleep(POLL_SECONDS)
-            # The records travel on another channel than the result: wait until the
-            # engines' last published batches are in, so history ends with the last epoch.
-            self._result.wait_for_output(10)
+            if not self._gave_up and not self.cluster.dead_engines(ping=False, engines=self._engine_ids):
+                # The records travel on another channel than the result: wait until the
+                # engines' last published batches are in, so history ends with the last epoch
+                # (a dead engine sends nothing more).
+                self._result.wait_for_output(10)
             self._finish()
         except Exception as exc:  # noqa: BLE001 - never die silently: the job reports it
             self._error = self._error or JobError(f"the job's monitor failed: {type(exc).__name__}: {exc}")
@@ -210,7 +244,41 @@ class Job:
                 self._progress.update(final=True)
 
     def _signal(self, signum: int) -> None:
-        self.cluster.signal(signum, engines=self.engines)
+        try:
+            self.cluster.signal(signum, engines=self.engines)
+        except Exception as exc:  # noqa: BLE001 - the escalation goes on without this signal
+            print(f"nbdist: could not signal the job's ranks ({signal.Signals(signum).name}): "
+                  f"{type(exc).__name__}: {exc}", flush=True)
+
+    def _abandon_by(self, when: float, why: str = "") -> None:
+        """SIGUSR2 at `when` (monotonic) unless the job has ended or an earlier one is due."""
+        if self._abandon_at is None or when < self._abandon_at:
+            self._abandon_at = when
+            self._abandon_why = why
+
+    def _escalate(self) -> None:
+        """A failed rank or a dead engine: the others get FAILURE_GRACE_SECONDS to end on
+        their own, then SIGUSR2 (give up), then ABANDON_SECONDS before the job leaves them."""
+        now = time.monotonic()
+        if self._abandon_at is None and self._failed():
+            # A rank failed outside the paths the core reports on, or its engine died:
+            # the others may be waiting for its next message, forever.
+            self._abandon_by(now + FAILURE_GRACE_SECONDS)
+        if self._abandon_at is not None and self._abandoned_at is None and now >= self._abandon_at:
+            self._abandoned_at = now
+            self._signal(signal.SIGUSR2)
+        if self._abandoned_at is not None and now >= self._abandoned_at + self._abandon_seconds:
+            self._gave_up = True
+
+    def _failed(self) -> bool:
+        if self.cluster.dead_engines(ping=False, engines=self._engine_ids):
+            return True
+        for child in self._result._children:
+            if child.done():
+                value = child.exception() or _unwrap(child.result())
+                if not isinstance(value, EngineOutcome) or value.error:
+                    return True
+        return False
 
     def _record_in_store(self, final: bool = False) -> None:
         """New records into the store, each run's to its own row; at the end, how each
@@ -248,40 +316,47 @@ class Job:
             return "failed", result.error, None
         return ("stopped" if stopped_on_request(result.stop_reason) else "completed"), result.stop_reason, result.final
 
-    def _finished_outcomes(self) -> list[EngineOutcome]:
-        outcomes = []
-        for child in getattr(self._result, "_children", []):
-            if child.done() and child.exception() is None:
-                outcomes.append(_unwrap(child.result()))
-        return outcomes
-
-    def _check_partial_failure(self) -> None:
-        failed = [o for o in self._finished_outcomes() if not isinstance(o, EngineOutcome) or o.error]
-        if not failed or self._abandon_sent:
-            return
-        now = time.monotonic()
-        if self._failure_noticed is None:
-            self._failure_noticed = now
-        elif now - self._failure_noticed > FAILURE_GRACE_SECONDS:
-            # A rank failed outside the paths the core reports on: the others are waiting
-            # for its next message and would wait forever.
-            self._abandon_sent = True
-            self._signal(signal.SIGUSR2)
-
     def _finish(self) -> None:
+        lost = {d.engine_id: d for d in self.cluster.dead_engines(ping=False, engines=self._engine_ids)}
         outcomes: list[EngineOutcome] = []
-        for rank, child in enumerate(self._result._children):
-            value = child.exception() or _unwrap(child.result())
-            if not isinstance(value, EngineOutcome):
+        dead: dict[int, DeadEngine] = {}
+        stuck: list[int] = []
+        for index, child in enumerate(self._result._children):
+            rank, engine_id = self._ranks[index], self._engine_ids[index]
+            value = (child.exception() or _unwrap(child.result())) if child.done() else None
+            if isinstance(value, EngineOutcome):
+                pass
+            elif engine_id in lost:
+                dead[rank] = lost[engine_id]
+                value = EngineOutcome(rank, error=f"died: {lost[engine_id].why}", failed_at=lost[engine_id].since)
+            elif not child.done():
+                stuck.append(engine_id)
+                value = EngineOutcome(rank, error="still running")
+            else:
                 # Raised outside run_training: the call never reached the rank's code
                 # (e.g. a function the engine cannot unpickle).
                 value = EngineOutcome(rank, error=_remote_text(value))
             outcomes.append(value)
         self._outcomes = outcomes
+        stuck_ranks = [self._ranks[self._engine_ids.index(e)] for e in stuck]
+        if stuck:
+            self.cluster.mark_stuck(stuck, f"still running a job {self._abandon_seconds:g} s after being told to "
+                                           f"give up (SIGUSR2)")
         # The ranks that gave up because of another's failure say nothing new.
-        errors = [o for o in outcomes if o.error and not o.abandoned] or [o for o in outcomes if o.error]
-        if errors:
-            self._error = _one_error(errors, len(outcomes))
+        errors = [o for o in outcomes if o.error and not o.abandoned and o.rank not in stuck_ranks]
+        gave_up = any(o.abandoned for o in outcomes)
+        if not errors and not stuck_ranks and not gave_up:
+            return
+        first = _one_error(errors, len(outcomes), dead) if errors else None
+        said = [str(first) if first is not None else f"the ranks {self._abandon_why or 'were told to give up'}"]
+        if stuck_ranks:
+            said.append(f"{_ranks(stuck_ranks)} still running {self._abandon_seconds:g} s after being told to give "
+                        f"up (SIGUSR2): blocked in MPI or in the model's code")
+        elif first is None:
+            said.append("they gave up (SIGUSR2), without a final checkpoint; the cluster is ready for the next job")
+        if stuck_ranks or dead:
+            said.append(HEAL_HINT)
+        self._error = JobError("; ".join(said), first.detail if first is not None else "")
 
 
 def _unwrap(value: Any) -> Any:
@@ -296,23 +371,43 @@ def _remote_text(value: Any) -> str:
     return f"{type(value).__name__}: {value}"
 
 
-def _one_error(errors: list[EngineOutcome], ranks_in_job: int) -> JobError:
-    """One message for the user: the same error from every rank is said once; different
-    ones are said per rank, first the ranks with their own failure."""
-    texts: dict[str, list[int]] = {}
-    for o in errors:
-        texts.setdefault(o.error, []).append(o.rank)
-    detail = next((o.detail for o in errors if o.detail), "")
-    hint = "; its traceback: job.error.detail" if detail else ""
-    if len(texts) == 1:
-        (text, ranks), = texts.items()
-        if "rank" not in text and not errors[0].user_error:
+def _when(outcome: EngineOutcome) -> float:
+    return outcome.failed_at if outcome.failed_at is not None else float("inf")
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, sorted(ranks)))}"
+
+
+def _one_error(errors: list[EngineOutcome], ranks_in_job: int, dead: dict[int, DeadEngine] | None = None) -> JobError:
+    """One message for the user, led by the failure that came first: the same error from
+    several ranks is said once; a rank whose engine died is named with its host and pid
+    (those that died with it after it, once); later, different failures follow."""
+    dead = dead or {}
+    parts: list[tuple[float, str]] = []
+    died = sorted((o for o in errors if o.rank in dead), key=_when)
+    if died:
+        first = dead[died[0].rank]
+        text = f"rank {first.rank} (engine {first.engine_id} on {first.host}, pid {first.pid}) died: {first.why}"
+        if len(died) > 1:
+            text += f"; {_ranks([o.rank for o in died[1:]])} died with it"
+        # The client hears of a death through the controller, after the peers' MPI calls
+        # already failed on it: those errors are its consequences, not earlier failures.
+        parts.append((_when(died[0]) - DEATH_NOTICE_SECONDS, text))
+    by_text: dict[str, list[EngineOutcome]] = {}
+    for o in sorted((o for o in errors if o.rank not in dead), key=_when):
+        by_text.setdefault(o.error, []).append(o)
+    for text, group in by_text.items():
+        ranks = [o.rank for o in group]
+        if "rank" not in text and not group[0].user_error:
             # User errors were agreed by all ranks and already say where; name the rest.
-            where = "every rank" if len(ranks) == ranks_in_job else f"rank{'s' if len(ranks) > 1 else ''} " + ", ".join(map(str, ranks))
-            text = f"{text} (on {where})"
-        return JobError(text + hint, detail)
-    parts = [f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {t}" for t, r in texts.items()]
-    return JobError("; ".join(parts[:3]) + hint, detail)
+            text = f"{text} (on {'every rank' if len(ranks) == ranks_in_job else _ranks(ranks)})"
+        parts.append((_when(group[0]), text))
+    parts.sort(key=lambda part: part[0])
+    lead, *later = [text for _, text in parts]
+    detail = next((o.detail for o in sorted(errors, key=_when) if o.detail), "")
+    hint = "; its traceback: job.error.detail" if detail else ""
+    return JobError(lead + (f"; then {'; '.join(later[:2])}" if later else "") + hint, detail)
 
 
 class _Progress:

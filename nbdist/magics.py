@@ -32,12 +32,19 @@ class _commands(ArgDecorator):
                                     parser_class=MagicArgumentParser)
         cluster = sub.add_parser("cluster", help="start, stop or describe the MPI engines")
         actions = cluster.add_subparsers(dest="action", parser_class=MagicArgumentParser)
-        start = actions.add_parser("start", help="start MPI engines (or reuse the running cluster)")
+        start = actions.add_parser("start", help="start MPI engines (or reuse the running cluster, "
+                                                 "replacing its engines if any is dead)")
         start.add_argument("-n", type=int, default=4, help="number of engines (MPI ranks)")
         start.add_argument("--engines", default="mpi", choices=("mpi", "slurm"),
                            help="launcher: mpiexec here, or srun on a SLURM allocation")
         start.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the engines")
-        attach = actions.add_parser("attach", help="use engines started elsewhere (ipcluster, another notebook)")
+        where = start.add_mutually_exclusive_group()
+        where.add_argument("--interface", default=None,
+                           help="network interface the controller listens on, for engines on other nodes "
+                                "(default: 127.0.0.1 only)")
+        where.add_argument("--ip", default=None, help="address the controller listens on (instead of --interface)")
+        attach = actions.add_parser("attach", help="use engines started elsewhere (ipcluster, another notebook); "
+                                                   "dead engines are replaced")
         attach.add_argument("--cluster-id", default="", help="the cluster's id (ipcluster list)")
         attach.add_argument("--profile", default=None, help="the IPython profile it was started with")
         actions.add_parser("stop", help="stop the engines (an attached cluster: disconnect)")
@@ -129,13 +136,10 @@ class DistnnMagics(Magics):
         running = clusters._current if clusters._current is not None and clusters._current.running else None
         if args.action == "start":
             if running is not None:
-                if running.n == args.n and running.engines == args.engines:
-                    print(f"nbdist: reusing the running cluster ({running.n} engines)")
-                    return running
-                raise UsageError(f"a cluster of {running.n} {running.engines} engines is running; "
-                                 f"%distnn cluster stop first")
+                return self._restart(running, args)
             print(f"nbdist: starting {args.n} MPI engines ...", flush=True)
-            started = clusters.Cluster(n=args.n, engines=args.engines, start_timeout=args.timeout).start()
+            started = clusters.Cluster(n=args.n, engines=args.engines, start_timeout=args.timeout,
+                                       interface=args.interface, ip=args.ip).start()
             print(started.status())
             return started
         if args.action == "attach":
@@ -153,6 +157,23 @@ class DistnnMagics(Magics):
             return None
         print(running.status() if running is not None else "nbdist cluster: not running")
         return None
+
+    @staticmethod
+    def _restart(running: Any, args: argparse.Namespace) -> Any:
+        """`cluster start` on a running cluster: reuse it, or replace its dead engines."""
+        if running.engines != args.engines:
+            raise UsageError(f"a cluster of {running.n} {running.engines} engines is running; "
+                             f"%distnn cluster stop first")
+        healthy = not running.broken()
+        if healthy and running.n == args.n:
+            print(f"nbdist: reusing the running cluster ({running.n} engines)")
+            return running
+        if healthy:
+            raise UsageError(f"a cluster of {running.n} {running.engines} engines is running; "
+                             f"%distnn cluster stop first")
+        print(f"nbdist: {running.heal(n=args.n)}", flush=True)
+        print(running.status())
+        return running
 
     def _train(self, args: argparse.Namespace, cell: str | None) -> Any:
         from nbdist.api import submit

@@ -47,6 +47,20 @@ class BatchedRuns:
         return json.loads((self.run(name) / "summary.json").read_text())
 
 
+def listening(processes) -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket these processes listen on (psutil)."""
+    import psutil
+
+    found = set()
+    for process in processes:
+        try:
+            connections = process.net_connections(kind="inet")
+        except psutil.Error:
+            continue
+        found |= {(c.laddr.ip, c.laddr.port) for c in connections if c.status == psutil.CONN_LISTEN}
+    return found
+
+
 def run_mpi(n: int, argv: list[str], *, timeout: float = 120, cwd: Path | None = None) -> Completed:
     """Run `mpiexec -n n python <argv>`; a run that outlives `timeout` fails the test."""
     cmd = mpiexec_command(n, argv)

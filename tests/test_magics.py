@@ -252,11 +252,12 @@ def test_error_in_the_cell_on_one_rank_is_one_error_naming_it(cluster, shell, tm
     assert caught.value._render_traceback_() == [f"JobError: {message}"]
 
 
-FLAKY_CELL = """
+FAILING_CELL = """
+import pathlib, time
 import torch.nn as nn
 from mpi4py import MPI
 
-class Flaky(nn.Module):
+class Failing(nn.Module):
     def __init__(self):
         super().__init__()
         self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
@@ -264,13 +265,14 @@ class Flaky(nn.Module):
 
     def forward(self, x):
         self.calls += 1
-        if MPI.COMM_WORLD.Get_rank() == 2 and self.training and self.calls > 20:
-            raise RuntimeError("illegal memory access")
+        if MPI.COMM_WORLD.Get_rank() == {rank} and self.training and self.calls > 20:
+            {failure}
         return self.net(x)
 
 def build_model():
-    return Flaky()
+    return Failing()
 """
+FLAKY_CELL = FAILING_CELL.format(rank=2, failure='raise RuntimeError("illegal memory access")')
 
 
 @pytest.mark.parametrize("topology", ["master-worker", "allreduce"])
@@ -370,3 +372,103 @@ def test_attach_to_a_running_cluster(cluster, tmp_path):
     assert cluster.running and len(cluster.client.ids) == 4  # disconnecting left the engines up
     with pytest.raises(clusters.ClusterError, match="no running cluster with id 'nosuch'"):
         clusters.Cluster.attach(cluster_id="nosuch")
+
+
+def test_the_controller_listens_on_loopback_only(cluster):
+    import psutil
+
+    from conftest import listening
+
+    controller = cluster._ipp.controller.process
+    sockets = listening([controller, *controller.children(recursive=True)])
+    assert sockets and {ip for ip, _ in sockets} == {"127.0.0.1"}, sockets
+    # The engines reach it there (and their nannies listen on loopback too).
+    ports = {port for _, port in sockets}
+    for info in cluster.info:
+        engine = psutil.Process(info.pid)
+        to_controller = {c.raddr.ip for c in engine.net_connections(kind="inet") if c.raddr and c.raddr.port in ports}
+        assert to_controller == {"127.0.0.1"}, (info, to_controller)
+        nannies = [p for p in engine.children() if "ipyparallel.engine.nanny" in " ".join(p.cmdline())]
+        assert nannies and {ip for ip, _ in listening(nannies)} <= {"127.0.0.1"}
+
+
+def test_the_controller_listens_where_the_user_says():
+    from nbdist.cluster import Cluster, ClusterError, interface_address
+
+    assert interface_address("lo") == "127.0.0.1"
+    assert Cluster(n=2, interface="lo").ip == "127.0.0.1" and Cluster(n=2, ip="10.1.2.3").ip == "10.1.2.3"
+    with pytest.raises(ClusterError, match=r"no network interface 'ib7' on this host; choose one of: .*\blo\b"):
+        Cluster(n=2, interface="ib7")
+    with pytest.raises(ClusterError, match="not both"):
+        Cluster(n=2, interface="lo", ip="127.0.0.1")
+
+
+# -- tests that break the cluster (and heal it): keep them last ---------------------------
+def test_a_dead_engine_ends_the_job_is_reported_and_start_replaces_it(cluster, shell, tmp_path, capsys):
+    from nbdist.cluster import ClusterError
+
+    job = shell.run_cell_magic("distnn", f"train --epochs 5000 --no-progress {_opts(tmp_path)}", MODEL_CELL)
+    _wait_for_records(job)
+    victim = cluster.info[2]
+    os.kill(victim.pid, signal.SIGKILL)
+    with pytest.raises(JobError) as caught:
+        job.wait(60)
+    # Led by the rank that died (not by those that failed or died after it), with its host.
+    message = str(caught.value)
+    assert message.startswith(f"rank 2 (engine {victim.engine_id} on {victim.host}, pid {victim.pid}) died: "
+                              f"its process is gone"), message
+    assert message.endswith("heal the cluster with  %distnn cluster start  (in Python: cluster.heal()), "
+                            "which restarts its engines")
+    capsys.readouterr()
+    shell.run_line_magic("distnn", "cluster status")
+    status = capsys.readouterr().out
+    assert f"     2  {victim.engine_id:>6}  {victim.host:<20} {victim.pid:<8} dead: its process is gone" in status
+    with pytest.raises(ClusterError, match=rf"rank 2 \(engine {victim.engine_id} on {victim.host}, pid {victim.pid}\): "
+                                           rf"its process is gone.*%distnn cluster start"):
+        shell.run_cell_magic("distnn", f"train --epochs 1 --block {_opts(tmp_path)}", MODEL_CELL)
+    assert shell.run_line_magic("distnn", "cluster start -n 4") is cluster
+    out = capsys.readouterr().out
+    assert f"rank 2 (engine {victim.engine_id}) was dead: its process is gone" in out
+    assert "; restarted 4 engines" in out and "dead" not in out.split("restarted 4 engines")[1]
+    assert shell.run_cell_magic("distnn", f"train --epochs 1 --block {_opts(tmp_path)}",
+                                MODEL_CELL).status == "completed"
+
+
+def test_ranks_that_ignore_a_stop_are_left_behind_and_heal_replaces_them(cluster, shell, tmp_path, capsys):
+    import psutil
+
+    from nbdist.cluster import ClusterError
+
+    marker = tmp_path / "rank-1-stuck"
+    # Rank 1 hangs inside its forward pass, where neither stop signal gets it out.
+    cell = FAILING_CELL.format(rank=1, failure=f"pathlib.Path({str(marker)!r}).touch(); time.sleep(3600)")
+    job = shell.run_cell_magic("distnn", f"train --epochs 5000 --no-progress {_opts(tmp_path)}", cell)
+    deadline = time.monotonic() + 120
+    while not marker.exists():
+        assert not job.done, job
+        assert time.monotonic() < deadline, "rank 1 never reached its hang"
+        time.sleep(0.1)
+    stuck = cluster.info[1]
+    # stop() ends within its two timeouts, whatever the ranks do, and says what is left.
+    with pytest.raises(JobError) as caught:
+        job.stop(timeout=2, abandon_timeout=2)
+    assert job.done and job.status == "failed"
+    assert str(caught.value) == (
+        "the ranks did not stop within 2 s of the stop request (SIGUSR1); rank 1 still running 2 s after being "
+        "told to give up (SIGUSR2): blocked in MPI or in the model's code; heal the cluster with  "
+        "%distnn cluster start  (in Python: cluster.heal()), which restarts its engines")
+    capsys.readouterr()
+    shell.run_line_magic("distnn", "cluster status")
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.startswith("     ")}
+    assert "dead: stuck: still running a job 2 s after being told to give up" in rows["1"]
+    assert all(rows[r].rstrip().endswith("alive") for r in ("0", "2", "3")), rows
+    # The next job fails at once, naming the engine and the cure.
+    with pytest.raises(ClusterError, match=rf"^1 of 4 engines is dead: rank 1 \(engine {stuck.engine_id} on "
+                                           rf"{stuck.host}, pid {stuck.pid}\): stuck: .*%distnn cluster start"):
+        shell.run_cell_magic("distnn", f"train --epochs 1 --block {_opts(tmp_path)}", MODEL_CELL)
+    # Healing takes the stuck engine down with its engine set (the test above trains on a
+    # healed cluster).
+    said = cluster.heal()
+    assert said.startswith(f"rank 1 (engine {stuck.engine_id}) was dead: stuck: ") and said.endswith("restarted 4 engines")
+    assert not psutil.pid_exists(stuck.pid)
+    assert sorted(i.rank for i in cluster.info) == [0, 1, 2, 3] and not cluster.dead_engines()

@@ -23,10 +23,13 @@ from nbdist.hpo.ranks import fold_of_run
 from nbdist.hpo.runner import (EpochReport, FoldOutcome, StudyResult, StudyRunner, TrialExecutor, TrialFinished,
                                new_study_name)
 from nbdist.hpo.trial import Trial, trial_options
+from nbdist.job import JobError
 from nbdist.layout import Layout
 from nbdist.options import StudyOptions, TrainOptions
 
 __all__ = ["EngineGroups", "Study"]
+
+CLOSE_SECONDS = 30.0
 
 
 class EngineGroups(TrialExecutor):
@@ -48,6 +51,9 @@ class EngineGroups(TrialExecutor):
         from nbdist import engine
         from nbdist.job import Job
 
+        # A dead engine ends the study at once (the trial stays to train on --resume-study),
+        # instead of failing every trial given to its group.
+        self.cluster.check_alive(engines=self.engines[group])
         view = self.cluster.client[self.engines[group]]
         result = view.apply_async(engine.run_trial, self.study, trial.number, trial.params, self.train.to_dict(),
                                   self.options.to_dict(), **self.what)
@@ -106,9 +112,16 @@ class EngineGroups(TrialExecutor):
         from nbdist import engine
 
         for group, (job, _, _) in list(self.jobs.items()):
-            job.stop()
+            try:
+                job.stop()
+            except JobError as exc:  # ranks left behind: the cluster now counts them as dead
+                print(f"nbdist: trial on group {group}: {exc}", flush=True)
         self.jobs.clear()
-        self.cluster.view.apply_sync(engine.close_study, self.study)
+        dead = {d.engine_id for d in self.cluster.dead_engines(ping=False)}
+        live = [i.engine_id for i in self.cluster.info if i.engine_id not in dead]
+        if live:
+            # Bounded: the study's end must not hang on an engine that cannot answer.
+            self.cluster.client[live].apply_async(engine.close_study, self.study).wait(CLOSE_SECONDS)
 
 
 class Study:
