@@ -86,7 +86,8 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
 
     def save(label: str, epoch: int, step: int) -> None:
         save_rank_state(ctx, label, opt, None, {"epoch": epoch, "step": step,
-                                                "early": ctx.early.to_json(), "history": history})
+                                                "early": ctx.early.to_json(), "history": history},
+                        same_as=ctx.layout.fold_ranks(ctx.role.group, ctx.role.fold)[0])
         comm.Barrier()  # every rank's file is on disk before the directory is committed
         if rank == 0:
             ctx.checkpoints.commit(label, {"label": label, "layout": ctx.layout.to_dict(),

@@ -552,7 +552,8 @@ def run_worker(ctx: RankContext) -> None:
         window.since = time.monotonic()
 
     def save(label: str, epoch: int, step: int) -> None:
-        save_rank_state(ctx, label, opt, rule_state, {"version": version, "epoch": epoch, "step": step})
+        save_rank_state(ctx, label, opt, rule_state, {"version": version, "epoch": epoch, "step": step},
+                        same_as=role.rank - role.proc)
         if procs > 1:
             wcomm.Barrier()  # the leader acknowledges for all the worker's processes
 

@@ -9,6 +9,7 @@ one rank.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -235,7 +236,7 @@ def prepare(
             # sub-master's merged push: a synchronous round of EASGD under sub-masters
             # then pulls the centre exactly as far as one master with all the workers would.
             algorithm.bind(layout.workers * layout.masters)
-        resume_from = _find_resume(options, layout)
+        resume_from, damaged = _find_resume(options, layout)
         configure_frameworks(options.threads, options.seed)
         definition = definition() if callable(definition) else definition
         # Again for the frameworks the user's code imported: the same seed on every rank
@@ -275,6 +276,8 @@ def prepare(
         run_dir = Path(run_comm.bcast(name, root=0))
     if is_leader:
         _write_run_files(run_dir, options, layout)
+        for problem in damaged:  # every rank found the same: one says so
+            print(f"nbdist: warning: {problem}; resuming from {resume_from.name}", file=sys.stderr, flush=True)
     run_id = run_dir.name
     recorder, error = None, None
     database = store_path(options.store, options.runs_dir) if record else None
@@ -295,7 +298,8 @@ def prepare(
         options=options, layout=layout, role=role, comms=comms, backend=backend, data=data,
         algorithm=algorithm, sync_every=sync_every, worker_optimizer=worker_opt,
         master_optimizer=master_opt, run_dir=run_dir, run_id=run_id, log=log, stop=stop,
-        checkpoints=Checkpoints(run_dir), resume_from=resume_from, early=early, is_leader=is_leader,
+        checkpoints=Checkpoints(run_dir, keep=options.keep_checkpoints),
+        resume_from=resume_from, early=early, is_leader=is_leader,
         make_replica=make_replica, store_path=database, recorder=recorder,
     )
 
@@ -308,13 +312,18 @@ def _replica_factory(definition: ModelDefinition, options: TrainOptions, sample:
     return make
 
 
-def _find_resume(options: TrainOptions, layout: Layout) -> Path | None:
+def _find_resume(options: TrainOptions, layout: Layout) -> tuple[Path | None, list[str]]:
+    """The checkpoint to resume from and the damaged ones passed over (one line each).
+    Every rank verifies the same files, so every rank picks the same checkpoint."""
     if not options.resume:
-        return None
+        return None, []
     run_dir = Path(options.resume)
     if not (run_dir / "options.json").exists():
         raise CheckpointError(f"--resume {options.resume}: not a run directory (no options.json)")
-    latest = Checkpoints(run_dir).latest()
+    latest, damaged = Checkpoints(run_dir).latest_intact()
+    if latest is None and damaged:
+        raise CheckpointError(f"--resume {options.resume}: no intact checkpoint is left ({'; '.join(damaged)}); "
+                              f"start the run afresh without --resume")
     if latest is None:
         raise CheckpointError(f"--resume {options.resume}: the run has no complete checkpoint")
     saved = Checkpoints.read_meta(latest).get("layout", {})
@@ -323,7 +332,7 @@ def _find_resume(options: TrainOptions, layout: Layout) -> Path | None:
             f"--resume {options.resume}: the checkpoint was written by {saved.get('describe')}, "
             f"this run is {layout.describe()}; resume with the same number of ranks and layout"
         )
-    return latest
+    return latest, damaged
 
 
 def _fresh_dir(root: Path, name: str) -> Path:
