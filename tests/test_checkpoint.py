@@ -1,5 +1,6 @@
 """Atomic, durable, verified checkpoints (write per rank, commit, LATEST, fallback to the
-newest intact one, pruning, shared copies), and the stopping decisions."""
+newest intact one, pruning, shared copies), the run's history file, and the stopping
+decisions."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from nbdist.layout import Layout
 from nbdist.options import TrainOptions, parse_target
 from nbdist.train.checkpoint import CheckpointError, Checkpoints, flatten_arrays, unflatten_arrays
 from nbdist.train.context import _find_resume
+from nbdist.train.history import HistoryFile
 from nbdist.train.state import IDENTICAL_ON_TWINS
 from nbdist.train.stopping import EarlyStopping, StopFlag
 
@@ -362,6 +364,42 @@ def test_a_rank_sharing_a_copy_reads_the_owners_weights_and_its_own_rng(tmp_path
     assert Checkpoints.damage(path) == "rank-00000.safetensors is missing"
     with pytest.raises(CheckpointError, match="the state of rank 1 cannot be read"):
         Checkpoints.read_rank(path, 1)
+
+
+# --------------------------------------------------------------------------- history
+def test_history_is_stored_once_and_a_resume_reads_the_checkpoints_share(tmp_path, capsys):
+    records = [{"epoch": i, "val_loss": 1.0 / i} for i in range(1, 6)]
+    leader, other = HistoryFile(tmp_path, writer=True), HistoryFile(tmp_path, writer=False)
+    file = tmp_path / "history.jsonl"
+
+    def on_disk() -> list[dict]:
+        return [json.loads(line) for line in file.read_text().splitlines()]
+
+    assert leader.checkpoint(records[:2]) == {"history_entries": 2}
+    assert other.checkpoint(records[:2]) == {"history_entries": 2}  # the leader alone writes
+    assert leader.checkpoint(records[:2]) == {"history_entries": 2}
+    assert leader.checkpoint(records) == {"history_entries": 5}
+    assert on_disk() == records  # each record once
+    # Resumed from the checkpoint that held 3 records: epochs 4 and 5 are trained again.
+    resumed, reader = HistoryFile(tmp_path, writer=True), HistoryFile(tmp_path, writer=False)
+    assert resumed.resume({"history_entries": 3}) == records[:3]
+    assert on_disk() == records[:3]
+    assert reader.resume({"history_entries": 3}) == records[:3]
+    again = records[:3] + [{"epoch": 4, "val_loss": 0.2}]
+    assert resumed.checkpoint(again) == {"history_entries": 4}
+    assert on_disk() == again
+    # A checkpoint from before history.jsonl holds its history itself.
+    legacy = HistoryFile(tmp_path / "legacy", writer=True)
+    (tmp_path / "legacy").mkdir()
+    assert legacy.resume({"history": records[:2], "epoch": 2}) == records[:2]
+    assert [json.loads(line) for line in (tmp_path / "legacy" / "history.jsonl").read_text().splitlines()] \
+        == records[:2]
+    # A damaged file: the records before the damage, and one warning.
+    file.write_text(file.read_text()[:-40])  # into the third line
+    capsys.readouterr()
+    assert HistoryFile(tmp_path, writer=True).resume({"history_entries": 4}) == records[:2]
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{file} holds 2 intact epoch records, the checkpoint includes 4" in err
 
 
 # ----------------------------------------------------------------------------- stopping

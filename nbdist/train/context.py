@@ -29,6 +29,7 @@ from nbdist.specs import Spec, parse_spec
 from nbdist.store import RunRecorder, store_path
 from nbdist.train.checkpoint import CheckpointError, Checkpoints
 from nbdist.train.definition import ModelDefinition
+from nbdist.train.history import HistoryFile
 from nbdist.train.stopping import EarlyStopping, StopFlag
 
 __all__ = ["RankContext", "TrialTag", "prepare", "agree"]
@@ -73,6 +74,7 @@ class RankContext:
     log: RunLog
     stop: StopFlag
     checkpoints: Checkpoints
+    history_file: HistoryFile  # the run's epoch records, which checkpoints refer to
     resume_from: Path | None
     early: EarlyStopping
     is_leader: bool  # prints progress and writes run-level files
@@ -299,7 +301,8 @@ def prepare(
         algorithm=algorithm, sync_every=sync_every, worker_optimizer=worker_opt,
         master_optimizer=master_opt, run_dir=run_dir, run_id=run_id, log=log, stop=stop,
         checkpoints=Checkpoints(run_dir, keep=options.keep_checkpoints),
-        resume_from=resume_from, early=early, is_leader=is_leader,
+        history_file=HistoryFile(run_dir, writer=is_leader), resume_from=resume_from, early=early,
+        is_leader=is_leader,
         make_replica=make_replica, store_path=database, recorder=recorder,
     )
 
