@@ -1,16 +1,26 @@
-"""Atomic checkpoints (write per rank, commit, LATEST) and the stopping decisions."""
+"""Atomic, durable, verified checkpoints (write per rank, commit, LATEST, fallback to the
+newest intact one, pruning, shared copies), the run's history file, and the stopping
+decisions."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
+from safetensors.numpy import load_file, save_file
 
 from nbdist.algorithms import EASGD, GEM
-from nbdist.options import parse_target
+from nbdist.layout import Layout
+from nbdist.options import TrainOptions, parse_target
 from nbdist.train.checkpoint import CheckpointError, Checkpoints, flatten_arrays, unflatten_arrays
+from nbdist.train.context import _find_resume
+from nbdist.train.history import HistoryFile
+from nbdist.train.state import IDENTICAL_ON_TWINS
 from nbdist.train.stopping import EarlyStopping, StopFlag
 
 
@@ -48,7 +58,8 @@ def test_write_commit_latest_read(tmp_path):
     assert final == tmp_path / "checkpoints" / "epoch-0001"
     assert ckpt.latest() == final
     assert not (tmp_path / "checkpoints" / ".tmp-epoch-0001").exists()
-    assert Checkpoints.read_meta(final) == {"label": "epoch-0001", "version": 12}
+    meta = Checkpoints.read_meta(final)
+    assert (meta["label"], meta["version"], meta["sequence"]) == ("epoch-0001", 12, 1)
     for rank in (0, 1):
         arrays, meta = Checkpoints.read_rank(final, rank)
         expected = rank_arrays(rank + len("epoch-0001"))
@@ -116,7 +127,7 @@ def test_second_commit_moves_latest(tmp_path):
     second = ckpt.commit("epoch-0002", {"n": 2})
     assert ckpt.latest() == second != first
     assert first.is_dir()  # the earlier one stays
-    assert Checkpoints.read_meta(ckpt.latest()) == {"n": 2}
+    assert Checkpoints.read_meta(ckpt.latest())["n"] == 2
     # Re-committing a label replaces it.
     ckpt.write_rank("epoch-0001", 0, {"model": {"params": np.ones(2, np.float32)}}, {"again": True})
     again = ckpt.commit("epoch-0001", {"n": 3})
@@ -133,6 +144,262 @@ def test_flatten_round_trip():
     flat = flatten_arrays(groups)
     assert set(flat) == {"opt/exp_avg", "model/params"}
     assert_same(groups, unflatten_arrays(flat))
+
+
+# ------------------------------------------------------------------ durable writes
+def test_every_file_is_durable_before_the_checkpoint_is_renamed_and_latest_moves(tmp_path, monkeypatch):
+    """fsync of each file, then of its directory, before the rename; the parent directory
+    after the rename and after LATEST moved; pruning only after that."""
+    ckpt = Checkpoints(tmp_path, keep=2)
+    for label in ("epoch-0001", "epoch-0002"):
+        write_all(ckpt, label)
+        ckpt.commit(label, {"label": label})
+    events: list[tuple] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        real_replace(src, dst)
+        events.append(("rename", str(src), str(dst)))
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    write_all(ckpt, "epoch-0003")
+    final = ckpt.commit("epoch-0003", {"label": "epoch-0003"})
+    monkeypatch.undo()
+
+    root = str((tmp_path / "checkpoints").resolve())
+    tmp = f"{root}/.tmp-epoch-0003"
+
+    def index(*event) -> int:
+        assert event in events, (event, events)
+        return events.index(event)
+
+    moved = index("rename", tmp, f"{root}/epoch-0003")
+    for name in sorted(p.name for p in final.iterdir()):
+        if name.endswith(".json"):  # written as NAME.tmp, fsynced, renamed
+            synced, renamed = index("fsync", f"{tmp}/{name}.tmp"), index("rename", f"{tmp}/{name}.tmp", f"{tmp}/{name}")
+            assert synced < renamed < moved, name
+        else:
+            assert index("fsync", f"{tmp}/{name}") < moved, name
+    last_file = max(i for i, e in enumerate(events[:moved]) if e[0] == "rename")
+    assert any(e == ("fsync", tmp) for e in events[last_file:moved]), "the directory was not fsynced after its files"
+    latest = index("rename", f"{root}/LATEST.json.tmp", f"{root}/LATEST.json")
+    assert ("fsync", root) in events[moved:latest], "the checkpoints directory was not fsynced after the rename"
+    assert index("fsync", f"{root}/LATEST.json.tmp") < latest
+    pruned = index("rename", f"{root}/epoch-0001", f"{root}/.old-epoch-0001")
+    assert ("fsync", root) in events[latest:pruned], "LATEST's rename was not fsynced before pruning"
+    assert not (tmp_path / "checkpoints" / "epoch-0001").exists()
+    assert not list((tmp_path / "checkpoints").glob(".*"))
+
+
+def test_meta_lists_every_file_with_its_size_and_sha256(tmp_path):
+    ckpt = Checkpoints(tmp_path)
+    write_all(ckpt, "epoch-0001", ranks=(0, 1, 2))
+    final = ckpt.commit("epoch-0001", {"label": "epoch-0001"})
+    files = Checkpoints.read_meta(final)["files"]
+    assert set(files) == {p.name for p in final.iterdir()} - {"meta.json"}
+    assert len(files) == 6
+    for name, recorded in files.items():
+        data = (final / name).read_bytes()
+        assert recorded == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}, name
+    for rank in range(3):  # complete files: they load
+        assert set(load_file(str(final / f"rank-{rank:05d}.safetensors"))) >= {"model/params", "rng/torch_cpu"}
+
+
+# ------------------------------------------------------- damaged checkpoints, fallback
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) - 5] ^= 0xFF  # inside the last array: the file still parses
+    path.write_bytes(bytes(data))
+
+
+DAMAGE = {
+    "truncated": (lambda d: _truncate(d / "rank-00001.safetensors"), "rank-00001.safetensors is truncated ("),
+    "deleted": (lambda d: (d / "rank-00000.safetensors").unlink(), "rank-00000.safetensors is missing"),
+    "corrupt": (lambda d: _flip_a_byte(d / "rank-00000.safetensors"), "rank-00000.safetensors is corrupt"),
+    "rank json": (lambda d: (d / "rank-00001.json").write_text("{"), "rank-00001.json is truncated (1 of "),
+    "meta json": (lambda d: (d / "meta.json").write_text('{"label": '), "meta.json is not valid JSON"),
+    "no meta": (lambda d: (d / "meta.json").unlink(), "meta.json is missing"),
+}
+
+
+def _three_checkpoints(run: Path, **kw) -> Checkpoints:
+    ckpt = Checkpoints(run, **kw)
+    for label in ("epoch-0001", "epoch-0002", "epoch-0003"):
+        write_all(ckpt, label)
+        ckpt.commit(label, {"label": label})
+    return ckpt
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, damage):
+    ckpt = _three_checkpoints(tmp_path)
+    damaged = tmp_path / "checkpoints" / "epoch-0003"
+    assert ckpt.latest_intact() == (damaged, [])
+    spoil, what = DAMAGE[damage]
+    spoil(damaged)
+    path, problems = ckpt.latest_intact()
+    assert path == tmp_path / "checkpoints" / "epoch-0002"
+    assert len(problems) == 1 and "\n" not in problems[0]
+    assert problems[0].startswith(f"checkpoint {damaged} is damaged: {what}"), problems
+    if damage == "truncated":
+        # Read anyway: one clear error, not safetensors' own.
+        with pytest.raises(CheckpointError, match=r"the state of rank 1 cannot be read"):
+            Checkpoints.read_rank(damaged, 1)
+
+
+def test_resume_names_the_damaged_checkpoint_and_uses_the_previous(tmp_path):
+    (tmp_path / "options.json").write_text("{}")
+    _three_checkpoints(tmp_path)
+    _truncate(tmp_path / "checkpoints" / "epoch-0003" / "rank-00000.safetensors")
+    (tmp_path / "checkpoints" / "epoch-0003" / "rank-00001.json").unlink()
+    path, problems = _find_resume(TrainOptions(resume=str(tmp_path)), Layout(workers=1))
+    assert path == tmp_path / "checkpoints" / "epoch-0002"
+    assert problems == [f"checkpoint {tmp_path / 'checkpoints' / 'epoch-0003'} is damaged: rank-00000.safetensors "
+                        f"is truncated (364 of 728 bytes) (and 1 more damaged file)"]
+
+
+def test_no_intact_checkpoint_left_is_one_clear_error(tmp_path):
+    (tmp_path / "options.json").write_text("{}")
+    _three_checkpoints(tmp_path)
+    for label in ("epoch-0001", "epoch-0002", "epoch-0003"):
+        _flip_a_byte(tmp_path / "checkpoints" / label / "rank-00001.safetensors")
+    with pytest.raises(CheckpointError) as info:
+        _find_resume(TrainOptions(resume=str(tmp_path)), Layout(workers=1))
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(f"--resume {tmp_path}: no intact checkpoint is left (checkpoint ")
+    for label in ("epoch-0001", "epoch-0002", "epoch-0003"):
+        assert f"{tmp_path / 'checkpoints' / label} is damaged: rank-00001.safetensors is corrupt" in message
+    assert message.endswith("start the run afresh without --resume")
+
+
+def test_an_unreadable_latest_pointer_falls_back_to_commit_order(tmp_path):
+    ckpt = _three_checkpoints(tmp_path)
+    (tmp_path / "checkpoints" / "LATEST.json").write_text("{")
+    assert ckpt.latest() is None
+    assert ckpt.latest_intact() == (tmp_path / "checkpoints" / "epoch-0003", [])
+
+
+def test_checkpoints_written_before_digests_still_resume_and_are_checked(tmp_path):
+    """meta.json without a file list (an older nbdist): a file that does not parse is damage."""
+    root = tmp_path / "checkpoints"
+    for label in ("epoch-0001", "epoch-0002"):
+        (root / label).mkdir(parents=True)
+        for rank in (0, 1):
+            save_file(flatten_arrays(rank_arrays(rank)), str(root / label / f"rank-{rank:05d}.safetensors"))
+            (root / label / f"rank-{rank:05d}.json").write_text(json.dumps({"rank": rank, "history": []}))
+        (root / label / "meta.json").write_text(json.dumps({"label": label, "time": 1.0}))
+    (root / "LATEST.json").write_text(json.dumps({"label": "epoch-0002"}))
+    ckpt = Checkpoints(tmp_path)
+    assert ckpt.latest_intact() == (root / "epoch-0002", [])
+    _truncate(root / "epoch-0002" / "rank-00001.safetensors")
+    (root / "epoch-0002" / "rank-00000.json").unlink()
+    path, problems = ckpt.latest_intact()
+    assert path == root / "epoch-0001"
+    assert problems == [f"checkpoint {root / 'epoch-0002'} is damaged: rank-00000.json is missing "
+                        f"(and 1 more damaged file)"]
+    arrays, meta = Checkpoints.read_rank(path, 1)
+    assert_same(rank_arrays(1), arrays)
+    with pytest.raises(CheckpointError, match="the state of rank 1 cannot be read"):
+        Checkpoints.read_rank(root / "epoch-0002", 1)
+    # The next commit numbers itself after them; pruning takes them first.
+    write_all(ckpt, "epoch-0003")
+    ckpt.keep = 2
+    assert Checkpoints.read_meta(ckpt.commit("epoch-0003", {}))["sequence"] == 1
+    assert sorted(p.name for p in root.iterdir()) == ["LATEST.json", "epoch-0002", "epoch-0003"]
+
+
+# --------------------------------------------------------------------------- pruning
+def test_keep_n_prunes_the_oldest_in_commit_order_never_latest(tmp_path):
+    ckpt = Checkpoints(tmp_path, keep=2)
+    root = tmp_path / "checkpoints"
+    # A stopped run resumed: its stop label sorts after the epochs committed later.
+    order = ["stopped-0000000042", "epoch-0001", "epoch-0002", "epoch-0003"]
+    for n, label in enumerate(order, start=1):
+        write_all(ckpt, label)
+        path = ckpt.commit(label, {"label": label})
+        assert Checkpoints.read_meta(path)["sequence"] == n
+        assert ckpt.latest() == path
+        kept = sorted(p.name for p in root.iterdir() if p.is_dir())
+        assert kept == sorted(order[max(0, n - 2): n]), kept
+    # Re-committing an older label makes it the newest.
+    write_all(ckpt, "epoch-0002")
+    ckpt.commit("epoch-0002", {"label": "again"})
+    assert sorted(p.name for p in root.iterdir()) == ["LATEST.json", "epoch-0002", "epoch-0003"]
+    assert Checkpoints.read_meta(root / "epoch-0002")["sequence"] == 5
+    # Without `keep` (a rank that never commits, the tests above) nothing is deleted.
+    assert len(_three_checkpoints(tmp_path / "all")._committed()) == 3
+
+
+# --------------------------------------------------------------------- shared copies
+def test_a_rank_sharing_a_copy_reads_the_owners_weights_and_its_own_rng(tmp_path):
+    ckpt = Checkpoints(tmp_path)
+    owner = rank_arrays(0)
+    owner["model"]["state"] = np.arange(3, dtype=np.float32)
+    twin = {"model": {"params": owner["model"]["params"].copy(), "state": np.full(3, 7, np.float32)},
+            "opt": {k: v.copy() for k, v in owner["opt"].items()},
+            "rule": {k: v.copy() for k, v in owner["rule"].items()},
+            "rng": rank_arrays(1)["rng"], "own": {"pulled": np.ones(4, np.float32)}}
+    ckpt.write_rank("e", 0, owner, {"rank": 0}, same_as=0, shared=IDENTICAL_ON_TWINS)  # itself: writes all
+    ckpt.write_rank("e", 1, twin, {"rank": 1}, same_as=0, shared=IDENTICAL_ON_TWINS)
+    path = ckpt.commit("e", {})
+    assert set(load_file(str(path / "rank-00001.safetensors"))) == {"model/state", "rng/torch_cpu", "own/pulled"}
+    assert (path / "rank-00001.safetensors").stat().st_size < (path / "rank-00000.safetensors").stat().st_size / 2
+    arrays, meta = Checkpoints.read_rank(path, 1)
+    assert_same(twin, arrays)
+    assert meta == {"rank": 1}
+    arrays, meta = Checkpoints.read_rank(path, 0)
+    assert_same(owner, arrays)
+    # The owner's file is part of the twin's state: its loss is the checkpoint's.
+    (path / "rank-00000.safetensors").unlink()
+    assert Checkpoints.damage(path) == "rank-00000.safetensors is missing"
+    with pytest.raises(CheckpointError, match="the state of rank 1 cannot be read"):
+        Checkpoints.read_rank(path, 1)
+
+
+# --------------------------------------------------------------------------- history
+def test_history_is_stored_once_and_a_resume_reads_the_checkpoints_share(tmp_path, capsys):
+    records = [{"epoch": i, "val_loss": 1.0 / i} for i in range(1, 6)]
+    leader, other = HistoryFile(tmp_path, writer=True), HistoryFile(tmp_path, writer=False)
+    file = tmp_path / "history.jsonl"
+
+    def on_disk() -> list[dict]:
+        return [json.loads(line) for line in file.read_text().splitlines()]
+
+    assert leader.checkpoint(records[:2]) == {"history_entries": 2}
+    assert other.checkpoint(records[:2]) == {"history_entries": 2}  # the leader alone writes
+    assert leader.checkpoint(records[:2]) == {"history_entries": 2}
+    assert leader.checkpoint(records) == {"history_entries": 5}
+    assert on_disk() == records  # each record once
+    # Resumed from the checkpoint that held 3 records: epochs 4 and 5 are trained again.
+    resumed, reader = HistoryFile(tmp_path, writer=True), HistoryFile(tmp_path, writer=False)
+    assert resumed.resume({"history_entries": 3}) == records[:3]
+    assert on_disk() == records[:3]
+    assert reader.resume({"history_entries": 3}) == records[:3]
+    again = records[:3] + [{"epoch": 4, "val_loss": 0.2}]
+    assert resumed.checkpoint(again) == {"history_entries": 4}
+    assert on_disk() == again
+    # A checkpoint from before history.jsonl holds its history itself.
+    legacy = HistoryFile(tmp_path / "legacy", writer=True)
+    (tmp_path / "legacy").mkdir()
+    assert legacy.resume({"history": records[:2], "epoch": 2}) == records[:2]
+    assert [json.loads(line) for line in (tmp_path / "legacy" / "history.jsonl").read_text().splitlines()] \
+        == records[:2]
+    # A damaged file: the records before the damage, and one warning.
+    file.write_text(file.read_text()[:-40])  # into the third line
+    capsys.readouterr()
+    assert HistoryFile(tmp_path, writer=True).resume({"history_entries": 4}) == records[:2]
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{file} holds 2 intact epoch records, the checkpoint includes 4" in err
 
 
 # ----------------------------------------------------------------------------- stopping

@@ -27,6 +27,7 @@ from safetensors.numpy import load_file
 from conftest import BatchedRuns
 from nbdist.launch import mpi_env, mpiexec_command
 from nbdist.metrics import read_log
+from nbdist.train.checkpoint import Checkpoints
 
 pytestmark = pytest.mark.mpi
 
@@ -104,6 +105,11 @@ for _name, _argv in RESUME_CONFIGS.items():
     # resumed later (see `resumed`).
     EXTRA_RUNS[RESUME_RANKS][f"{_name}-A"] = ["--model", MLP, "--epochs", "4", "--checkpoint-every", "1", *_argv]
     EXTRA_RUNS[RESUME_RANKS][f"{_name}-B"] = ["--model", MLP, "--epochs", "2", *_argv]
+# Like allreduce-B, but its latest checkpoint is truncated before the resume.
+EXTRA_RUNS[RESUME_RANKS]["allreduce-C"] = EXTRA_RUNS[RESUME_RANKS]["allreduce-B"]
+TRUNCATED = "checkpoints/epoch-0002/rank-00000.safetensors"
+# Allreduce ranks keep rank 0's copy of the weights and optimiser state (world rank -> owner).
+ALLREDUCE_TWINS = {3: {1: 0, 2: 0}, 4: {1: 0, 2: 0, 3: 0}}
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +168,8 @@ def test_procs_per_worker_two(batches):
     # Each worker's two processes log their own throughput.
     train_ranks = {r["rank"] for r in read_log(run, "train")}
     assert train_ranks == {1, 2, 3, 4}
+    # The second process of each worker keeps its leader's copy of the weights.
+    _check_checkpoint_dir(run / "checkpoints" / f"epoch-{EPOCHS:04d}", 5, {2: 1, 4: 3})
 
 
 # ------------------------------------------------------------------------ staleness
@@ -232,6 +240,9 @@ def resumed(batches):
     first = batches[RESUME_RANKS]
     second = {f"{name}-B": ["--resume", str(first.runs_dir / f"{name}-B"), "--epochs", "4"]
               for name in RESUME_CONFIGS}
+    truncated = first.run("allreduce-C") / TRUNCATED
+    truncated.write_bytes(truncated.read_bytes()[:100])
+    second["allreduce-C"] = ["--resume", str(first.runs_dir / "allreduce-C"), "--epochs", "4"]
     # --runs-dir/--run-name are ignored by a resume (it continues in its own directory).
     done, codes = _run_batch(RESUME_RANKS, second, first.runs_dir / "unused", timeout=300, quiet=False)
     return first, Batch(done, codes, first.runs_dir)
@@ -239,11 +250,8 @@ def resumed(batches):
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", list(RESUME_CONFIGS))
-def test_resume_continues_exactly(resumed, name):
-    first, second = resumed
-    a = first.run(f"{name}-A")
-    second.run(f"{name}-B")  # the resume itself succeeded
-    b = first.runs_dir / f"{name}-B"
+def _assert_same_run(a: Path, b: Path) -> None:
+    """Run b, stopped and resumed, ended where the straight run a did."""
     weights_a = load_file(str(a / "final" / "model.safetensors"))
     weights_b = load_file(str(b / "final" / "model.safetensors"))
     assert set(weights_a) == set(weights_b)
@@ -258,6 +266,18 @@ def test_resume_continues_exactly(resumed, name):
     np.testing.assert_allclose([h["val_loss"] for h in summary_b["history"]],
                                [h["val_loss"] for h in summary_a["history"]], rtol=1e-6)
     assert summary_b["stop_reason"] == "completed 4 epochs"
+    # The history each checkpoint refers to, stored once: each epoch once.
+    assert [json.loads(line) for line in (b / "history.jsonl").read_text().splitlines()] == summary_b["history"]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", list(RESUME_CONFIGS))
+def test_resume_continues_exactly(resumed, name):
+    first, second = resumed
+    a = first.run(f"{name}-A")
+    second.run(f"{name}-B")  # the resume itself succeeded
+    b = first.runs_dir / f"{name}-B"
+    _assert_same_run(a, b)
     # The resume says where it picked up.
     assert re.search(rf"resumed from \S*/{name}-B/checkpoints/epoch-0002 at epoch 3\b", second.done.stdout), \
         second.done.stdout
@@ -268,17 +288,46 @@ def test_resume_continues_exactly(resumed, name):
     assert latest["label"] == "epoch-0004"
 
 
-def _check_checkpoint_dir(path: Path, ranks: int) -> None:
+@pytest.mark.timeout(900)
+def test_resume_falls_back_from_a_truncated_checkpoint(resumed):
+    first, second = resumed
+    second.run("allreduce-C")
+    c = first.runs_dir / "allreduce-C"
+    damaged = c / "checkpoints" / "epoch-0002"
+    output = second.done.output
+    warnings = [line for line in output.splitlines() if "damaged" in line]
+    assert len(warnings) == 1, output  # one line, from one rank
+    assert re.fullmatch(rf"nbdist: warning: checkpoint {re.escape(str(damaged))} is damaged: rank-00000.safetensors "
+                        rf"is truncated \(100 of \d+ bytes\); resuming from epoch-0001", warnings[0]), warnings
+    assert "Traceback" not in output
+    assert re.search(r"resumed from \S*/allreduce-C/checkpoints/epoch-0001 at epoch 2\b", second.done.stdout), output
+    _assert_same_run(first.run("allreduce-A"), c)
+    assert Checkpoints(c).latest_intact() == (c / "checkpoints" / "epoch-0004", [])
+
+
+def _check_checkpoint_dir(path: Path, ranks: int, twins: dict[int, int] | None = None) -> None:
+    """A committed checkpoint of `ranks` ranks, intact; `twins` (rank -> owner): the ranks
+    that hold the owner's copy of the weights and write only their own arrays."""
     meta = json.loads((path / "meta.json").read_text())
     assert meta["label"] == path.name
     files = sorted(p.name for p in path.iterdir())
     # Safetensors and JSON only: nothing that needs pickle to load.
     assert all(f.endswith((".safetensors", ".json")) for f in files), files
+    assert sorted(meta["files"]) == [f for f in files if f != "meta.json"]
+    assert Checkpoints.damage(path) is None
+    twins = twins or {}
     for rank in range(ranks):
-        arrays = load_file(str(path / f"rank-{rank:05d}.safetensors"))
-        assert "model/params" in arrays and arrays["model/params"].dtype == np.float32
-        rank_meta = json.loads((path / f"rank-{rank:05d}.json").read_text())
-        assert rank_meta["rank"] == rank
+        arrays, rank_meta = Checkpoints.read_rank(path, rank)
+        assert arrays["model"]["params"].dtype == np.float32
+        assert rank_meta["rank"] == rank and "history" not in rank_meta
+        stored = load_file(str(path / f"rank-{rank:05d}.safetensors"))
+        assert "rng/torch_cpu" in stored
+        if rank in twins:
+            owner = load_file(str(path / f"rank-{twins[rank]:05d}.safetensors"))
+            assert "model/params" not in stored
+            np.testing.assert_array_equal(arrays["model"]["params"], owner["model/params"])
+        else:
+            assert "model/params" in stored
 
 
 @pytest.mark.timeout(900)
@@ -287,11 +336,13 @@ def test_checkpoint_every_epoch(resumed, name):
     first, _ = resumed
     root = first.run(f"{name}-A") / "checkpoints"
     labels = sorted(p.name for p in root.iterdir() if p.is_dir())
-    assert labels == ["epoch-0001", "epoch-0002", "epoch-0003", "epoch-0004"], labels
-    assert not list(root.glob(".tmp-*")), "an uncommitted checkpoint directory was left behind"
+    # --keep-checkpoints 3 (the default) deleted the first.
+    assert labels == ["epoch-0002", "epoch-0003", "epoch-0004"], labels
+    assert not list(root.glob(".*")), "an uncommitted or deleted checkpoint directory was left behind"
     assert json.loads((root / "LATEST.json").read_text())["label"] == "epoch-0004"
+    twins = ALLREDUCE_TWINS[RESUME_RANKS] if name == "allreduce" else None
     for label in labels:
-        _check_checkpoint_dir(root / label, RESUME_RANKS)
+        _check_checkpoint_dir(root / label, RESUME_RANKS, twins)
     # The last epoch checkpoint holds the weights that were written out as final (the
     # centre on the master, the replica on rank 0 of allreduce).
     final = load_file(str(first.run(f"{name}-A") / "final" / "model.safetensors"))
@@ -346,7 +397,7 @@ def test_sigusr1_stops_every_rank_and_checkpoints(tmp_path, topology, mpirun):
     root = run_dir / "checkpoints"
     latest = json.loads((root / "LATEST.json").read_text())["label"]
     assert latest.startswith("stopped-"), latest
-    _check_checkpoint_dir(root / latest, ranks)
+    _check_checkpoint_dir(root / latest, ranks, ALLREDUCE_TWINS[ranks] if topology == "allreduce" else None)
     assert not list(root.glob(".tmp-*"))
     # Every rank logged that the run stopped.
     statuses = {r["rank"]: r["values"].get("status") for r in read_log(run_dir, "run")}

@@ -84,7 +84,7 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
         extra = load_rank_state(ctx, ctx.resume_from, opt, None)
         start_epoch, start_step = int(extra["epoch"]), int(extra["step"])
         ctx.early.load_json(extra.get("early", {}))
-        history = list(extra.get("history", []))
+        history = ctx.history_file.resume(extra)
         ctx.say(f"resumed from {ctx.resume_from} at epoch {start_epoch + 1}")
     else:
         collectives.bcast(comm, params)
@@ -98,8 +98,9 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
     since = time.monotonic()
 
     def save(label: str, epoch: int, step: int) -> None:
-        save_rank_state(ctx, label, opt, None, {"epoch": epoch, "step": step,
-                                                "early": ctx.early.to_json(), "history": history})
+        save_rank_state(ctx, label, opt, None, {"epoch": epoch, "step": step, "early": ctx.early.to_json(),
+                                                **ctx.history_file.checkpoint(history)},
+                        same_as=ctx.layout.fold_ranks(ctx.role.group, ctx.role.fold)[0])
         # Every rank's file is on disk before the directory is committed.
         collectives.barrier(comm, f"checkpoint {label}")
         if rank == 0:

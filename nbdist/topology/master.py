@@ -236,7 +236,8 @@ class Master:
         ctx = self.ctx
         average_state(self)
         extra = {"version": self.version, "next_epoch": self.next_epoch, "early": ctx.early.to_json(),
-                 "history": self.history, "members": self.members.to_json(), **open_tallies(self, label)}
+                 **ctx.history_file.checkpoint(self.history), "members": self.members.to_json(),
+                 **open_tallies(self, label)}
         save_rank_state(ctx, label, self.opt, self.rule_state, extra)
         self.master_wrote.add(label)
 
@@ -292,7 +293,7 @@ def run_master(ctx: RankContext) -> RunResult:
         extra = load_rank_state(ctx, ctx.resume_from, me.opt, me.rule_state)
         me.version, me.next_epoch = int(extra["version"]), int(extra["next_epoch"])
         ctx.early.load_json(extra.get("early", {}))
-        me.history = list(extra.get("history", []))
+        me.history = ctx.history_file.resume(extra)
         if not ctx.relayout:  # on other ranks, every worker starts the epoch again
             restore_tallies(me, extra)
         ctx.say(f"resumed from {ctx.resume_from} at epoch {me.next_epoch + 1}, version {me.version}")

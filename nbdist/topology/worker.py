@@ -323,8 +323,10 @@ class Worker:
         window.since = time.monotonic()
 
     def _save(self, label: str, epoch: int, step: int) -> None:
+        role = self.ctx.role
         save_rank_state(self.ctx, label, self.opt, self.rule_state,
-                        {"version": self.version, "epoch": epoch, "step": step, "members": list(self.members)})
+                        {"version": self.version, "epoch": epoch, "step": step, "members": list(self.members)},
+                        same_as=role.rank - role.proc)
         if self.procs > 1:
             # The leader acknowledges for all the worker's processes.
             self.ctx.peers.collectives.barrier(self.wcomm, "the worker's checkpoint")

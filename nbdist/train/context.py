@@ -9,6 +9,7 @@ one rank.
 from __future__ import annotations
 
 import json
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from nbdist.specs import Spec, did_you_mean, parse_spec
 from nbdist.store import RunRecorder, store_path
 from nbdist.train.checkpoint import CheckpointError, Checkpoints
 from nbdist.train.definition import ModelDefinition
+from nbdist.train.history import HistoryFile
 from nbdist.train.progress import reported_metrics
 from nbdist.train.stopping import EarlyStopping, StopFlag
 from nbdist.transport.collectives import Collectives
@@ -85,6 +87,7 @@ class RankContext:
     log: RunLog
     stop: StopFlag
     checkpoints: Checkpoints
+    history_file: HistoryFile  # the run's epoch records, which checkpoints refer to
     resume_from: Path | None
     early: EarlyStopping
     is_leader: bool  # prints progress and writes run-level files
@@ -285,7 +288,8 @@ def prepare(
             # sub-master's merged push: a synchronous round of EASGD under sub-masters
             # then pulls the centre exactly as far as one master with all the workers would.
             algorithm.bind(layout.workers * layout.masters)
-        resume_from = _find_resume(options, layout) if restart_of is None else Checkpoints(restart_of).latest()
+        resume_from, damaged = (_find_resume(options, layout) if restart_of is None
+                                else Checkpoints(restart_of).latest_intact())
         configure_frameworks(options.threads, options.seed)
         definition = definition() if callable(definition) else definition
         # Again for the frameworks the user's code imported: the same seed on every rank
@@ -331,6 +335,9 @@ def prepare(
         run_dir = Path(run_comm.bcast(name, root=0))
     if is_leader:
         _write_run_files(run_dir, options, layout)
+        for problem in damaged:  # every rank found the same: one says so
+            where = f"resuming from {resume_from.name}" if resume_from is not None else "starting afresh"
+            print(f"nbdist: warning: {problem}; {where}", file=sys.stderr, flush=True)
     resume_rank, relayout = (_resume_rank(resume_from, layout, role, comm, restart_of is not None)
                              if resume_from is not None else (None, False))
     run_id = run_dir.name
@@ -353,8 +360,9 @@ def prepare(
         options=options, layout=layout, role=role, comms=comms, backend=backend, data=data,
         algorithm=algorithm, sync_every=sync_every, worker_optimizer=worker_opt,
         master_optimizer=master_opt, run_dir=run_dir, run_id=run_id, log=log, stop=stop,
-        checkpoints=Checkpoints(run_dir), resume_from=resume_from, early=early, is_leader=is_leader,
-        make_replica=make_replica, peers=peers, store_path=database, recorder=recorder,
+        checkpoints=Checkpoints(run_dir, keep=options.keep_checkpoints),
+        history_file=HistoryFile(run_dir, writer=is_leader), resume_from=resume_from, early=early,
+        is_leader=is_leader, make_replica=make_replica, peers=peers, store_path=database, recorder=recorder,
         resume_rank=resume_rank, relayout=relayout,
     )
 
@@ -483,13 +491,18 @@ def _replica_factory(definition: ModelDefinition, options: TrainOptions, sample:
     return make
 
 
-def _find_resume(options: TrainOptions, layout: Layout) -> Path | None:
+def _find_resume(options: TrainOptions, layout: Layout) -> tuple[Path | None, list[str]]:
+    """The checkpoint to resume from and the damaged ones passed over (one line each).
+    Every rank verifies the same files, so every rank picks the same checkpoint."""
     if not options.resume:
-        return None
+        return None, []
     run_dir = Path(options.resume)
     if not (run_dir / "options.json").exists():
         raise CheckpointError(f"--resume {options.resume}: not a run directory (no options.json)")
-    latest = Checkpoints(run_dir).latest()
+    latest, damaged = Checkpoints(run_dir).latest_intact()
+    if latest is None and damaged:
+        raise CheckpointError(f"--resume {options.resume}: no intact checkpoint is left ({'; '.join(damaged)}); "
+                              f"start the run afresh without --resume")
     if latest is None:
         raise CheckpointError(f"--resume {options.resume}: the run has no complete checkpoint")
     saved = Checkpoints.read_meta(latest).get("layout", {})
@@ -498,7 +511,7 @@ def _find_resume(options: TrainOptions, layout: Layout) -> Path | None:
             f"--resume {options.resume}: the checkpoint was written by {saved.get('describe')}, "
             f"this run is {layout.describe()}; resume with the same number of ranks and layout"
         )
-    return latest
+    return latest, damaged
 
 
 def _fresh_dir(root: Path, name: str) -> Path:

@@ -13,10 +13,20 @@ from nbdist.train.checkpoint import CheckpointError
 
 __all__ = ["save_rank_state", "load_rank_state"]
 
+# What ranks that step the same optimiser on the same reduced gradient hold bit for bit.
+# Not the model state: BatchNorm statistics come from each rank's own batches and are
+# averaged only at validation. Nor the RNG, which differs per rank by design.
+IDENTICAL_ON_TWINS = ("model/params", "opt", "rule")
+
 
 def save_rank_state(ctx: Any, label: str, opt: FlatOptimizer | None, rule_state: RuleState | None,
-                    extra: dict[str, Any], own: dict[str, np.ndarray] | None = None) -> None:
-    """`own`: arrays only this kind of rank has (a sub-master's last pulled centre)."""
+                    extra: dict[str, Any], own: dict[str, np.ndarray] | None = None,
+                    same_as: int | None = None) -> None:
+    """`own`: arrays only this kind of rank has (a sub-master's last pulled centre).
+    `same_as`: the world rank that holds this rank's weights, optimiser and rule state
+    bit for bit (an allreduce run's rank 0, a worker's leader process); this rank then
+    writes only the rest and reads those from that rank's file (passing its own rank is
+    the same as None)."""
     backend = ctx.backend
     arrays = {
         "model": {"params": backend.params, "state": backend.state},
@@ -26,7 +36,8 @@ def save_rank_state(ctx: Any, label: str, opt: FlatOptimizer | None, rule_state:
         "own": own or {},
     }
     meta = {"rank": ctx.role.rank, "role": ctx.role.kind, **extra}
-    ctx.checkpoints.write_rank(label, ctx.comms.world.Get_rank(), arrays, meta)
+    ctx.checkpoints.write_rank(label, ctx.comms.world.Get_rank(), arrays, meta, same_as=same_as,
+                               shared=IDENTICAL_ON_TWINS)
 
 
 def load_rank_state(ctx: Any, path: Path, opt: FlatOptimizer | None,
