@@ -95,7 +95,11 @@ class Worker:
                 first = start_step if epoch == start_epoch else 0
                 for step in range(first, len(batches)):
                     self._train_step(epoch, step, batches[step], last=step == len(batches) - 1)
-                if ctx.checkpoint_due(epoch + 1) and ctx.options.synchronous:
+                # Synchronous workers write their share of every due epoch checkpoint at its
+                # end; asynchronous ones when the master asks (SNAPSHOT), and at their own end,
+                # since the master's last snapshot comes when they may have finished already.
+                last = epoch + 1 == ctx.options.epochs
+                if ctx.checkpoint_due(epoch + 1) and (ctx.options.synchronous or last):
                     label = m.label_of(epoch + 1)
                     self._save(label, epoch + 1, 0)
                     self.pending_ack = m.label_code(label)
@@ -142,9 +146,16 @@ class Worker:
         from the centre, at the first epoch whose data it owns)."""
         ctx = self.ctx
         meta = Checkpoints.read_meta(ctx.resume_from)
-        if not ctx.relayout and ctx.comms.world.Get_rank() in meta.get("finished", []):
-            return ctx.options.epochs, 0
         arrays, master = Checkpoints.read_rank(ctx.resume_from, master_share(ctx.resume_from, ctx.role.master))
+        if not ctx.relayout and ctx.comms.world.Get_rank() in meta.get("finished", []):
+            # It had trained every epoch of the run as it was then; a resume that extends
+            # the run has it go on from the centre.
+            done = int(meta.get("options", {}).get("epochs", ctx.options.epochs))
+            if done >= ctx.options.epochs:
+                return ctx.options.epochs, 0
+            self.params[:] = arrays["model"]["params"]
+            ctx.algorithm.worker_start(self.rule_state, self.params)
+            return done, 0
         if ctx.relayout:
             fixed: dict[int, tuple[int, ...]] = {}
         else:
