@@ -38,7 +38,7 @@ import psutil
 
 from nbdist import watchdog
 from nbdist.errors import UserError
-from nbdist.launch import MPIExecNotFound, find_mpiexec, mpi_env
+from nbdist.launch import ULFM_ARGS, MPIExecNotFound, find_mpiexec, mpi_env
 from nbdist.liveness import DeadEngine, Liveness, process_gone
 
 __all__ = ["Cluster", "ClusterError", "DeadEngine", "EngineInfo", "current_cluster", "HEAL_HINT"]
@@ -203,7 +203,9 @@ class Cluster:
             if not os.access(command, os.X_OK):
                 raise ClusterError(f"mpiexec {command!r} does not exist or is not executable")
             config.MPILauncher.mpi_cmd = [command]
-            config.MPILauncher.mpi_args = self.mpi_args
+            # Fault tolerance on: a dead engine leaves the others running (and a job on
+            # them ends with one error naming it, or restarts on the survivors).
+            config.MPILauncher.mpi_args = [*ULFM_ARGS, *self.mpi_args]
             # Only what mpi_env() adds: the launcher merges it over os.environ.
             added = {k: v for k, v in mpi_env().items() if os.environ.get(k) != v}
             config.MPIEngineSetLauncher.environment = added

@@ -23,13 +23,14 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
-from nbdist.transport.faults import ULFM_ENV
+from nbdist.transport.faults import ULFM_ARGS, ULFM_ENV
 
-__all__ = ["mpi_env", "find_mpiexec", "mpiexec_command", "MPIExecNotFound", "launch", "STOP_GRACE"]
+__all__ = ["mpi_env", "find_mpiexec", "mpiexec_command", "MPIExecNotFound", "launch", "STOP_GRACE", "ULFM_ARGS"]
 
 # How long a stopping job may take (its final checkpoint) before the launcher kills it.
 STOP_GRACE = 600.0
@@ -91,8 +92,9 @@ def find_mpiexec() -> str:
 
 
 def mpiexec_command(n: int, argv: list[str], *, python: str | None = None, mpi_args: Sequence[str] = ()) -> list[str]:
-    """`mpiexec -n N python -m ...`-style command line for `argv` (a python argv)."""
-    return [find_mpiexec(), "-n", str(int(n)), *mpi_args, python or sys.executable, *argv]
+    """`mpiexec -n N python -m ...`-style command line for `argv` (a python argv), with
+    fault tolerance on (ULFM: a rank that dies does not take the job down)."""
+    return [find_mpiexec(), "-n", str(int(n)), *ULFM_ARGS, *mpi_args, python or sys.executable, *argv]
 
 
 def _in_slurm_allocation() -> bool:
@@ -119,7 +121,10 @@ def launch(n: int, argv: list[str], *, hosts: str | None = None, hostfile: str |
         mpi_args += ["--bind-to", "none"]
     command = mpiexec_command(n, ["-m", "nbdist", *argv], mpi_args=mpi_args)
     job = subprocess.Popen(command, env=mpi_env(local=local, interface=interface), preexec_fn=_block_stop_signals,
-                           start_new_session=True)
+                           start_new_session=True, stderr=subprocess.PIPE)
+    forwarder = threading.Thread(target=_forward_stderr, args=(job.stderr,), name="nbdist-launch-stderr",
+                                 daemon=True)
+    forwarder.start()
     stopping: list[float] = []
 
     def stop(signum: int, _frame: object) -> None:
@@ -136,7 +141,9 @@ def launch(n: int, argv: list[str], *, hosts: str | None = None, hostfile: str |
     try:
         while True:
             try:
-                return job.wait(timeout=0.2)
+                status = job.wait(timeout=0.2)
+                forwarder.join(timeout=5)  # the job's last words
+                return status
             except subprocess.TimeoutExpired:
                 if stopping and time.monotonic() - stopping[0] > stop_grace:
                     print(f"nbdist: the run did not stop within {stop_grace:.0f} s; killing it", file=sys.stderr,
@@ -145,6 +152,27 @@ def launch(n: int, argv: list[str], *, hosts: str | None = None, hostfile: str |
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+# Open MPI's nonblocking collectives print this, unconditionally, on every survivor of a
+# failed rank; the failure itself is reported once, by nbdist.
+_MPI_NOISE = (b"NBC_Progress: an error ",)
+
+
+def _forward_stderr(stream: Any) -> None:
+    """The job's standard error, less Open MPI's repeated notes about a failure that nbdist
+    reports itself."""
+    skip_blank = False
+    for line in iter(stream.readline, b""):
+        if line.startswith(_MPI_NOISE):
+            skip_blank = True
+            continue
+        if skip_blank and not line.strip():
+            skip_blank = False
+            continue
+        skip_blank = False
+        sys.stderr.buffer.write(line)
+        sys.stderr.buffer.flush()
 
 
 def _kill(job: subprocess.Popen) -> None:

@@ -24,10 +24,6 @@ from conftest import ROOT, listening  # noqa: E402
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(300)]
 
-FAULT_TOLERANT = {"PRTE_MCA_state_base_recoverable": "1", "PRTE_MCA_state_base_notify_errors": "1",
-                  "OMPI_MCA_mpi_ft_enable": "1"}
-
-
 class Kernel:
     """A kernel that runs cells and hands back what they printed, or their error."""
 
@@ -71,7 +67,7 @@ def _an_interface() -> tuple[str, str]:
 def kernel(tmp_path_factory):
     # ipykernel's own kernel spec: this interpreter, `python -m ipykernel_launcher`.
     manager = jupyter_client.KernelManager(kernel_name="python3")
-    env = {**os.environ, **FAULT_TOLERANT, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     manager.start_kernel(env=env, cwd=str(tmp_path_factory.mktemp("kernel")))
     client = manager.client()
     client.start_channels()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 from pathlib import Path
 from typing import Any, Callable
@@ -67,6 +68,9 @@ def run_rank(options: TrainOptions, definition: ModelDefinition | Callable[[], M
                 raise
             restart_of = failure.run_dir
             comm = survivors(comm)
+            if comm.Get_rank() == 0:
+                print(f"nbdist: {failure}: restarting on the {comm.Get_size()} ranks left (restart {attempt + 1} of "
+                      f"{options.max_restarts})", file=sys.stderr, flush=True)
             # The same run on fewer ranks: let the layout fill them again.
             options = options.replace(workers=None)
     raise AssertionError("unreachable")  # the last attempt returns or raises
@@ -103,7 +107,8 @@ def _run_once(options: TrainOptions, definition: ModelDefinition | Callable[[], 
         exc.run_dir = ctx.run_dir
         if exc.origin:
             ctx.peers.control.tell_all(exc)
-        _record_failure(ctx, exc, options, attempt)
+        if not _restartable(exc, options, attempt):
+            _record_failure(ctx, exc, options, attempt)
         raise
     except (Abandoned, KeyboardInterrupt) as exc:
         failure = exc

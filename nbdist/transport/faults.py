@@ -25,15 +25,16 @@ from typing import Any, Sequence
 from nbdist.errors import TrainingError
 
 __all__ = ["RunFailure", "RankLost", "RankSilent", "RunAborted", "RankInfo", "RankDirectory", "ulfm_enabled",
-           "failed_ranks", "is_rank_failure", "kill_frozen", "survivors", "ULFM_ENV"]
+           "failed_ranks", "is_rank_failure", "kill_frozen", "survivors", "ULFM_ENV", "ULFM_ARGS"]
 
-# What `mpiexec --with-ft ulfm` sets, as environment variables, so that launchers that
-# build the command line themselves (ipyparallel's) get it too: the runtime keeps the
-# job alive when a process dies and tells the survivors; the MPI library reports it.
+# How nbdist's launchers switch fault tolerance on: mpiexec's own flag (it also makes the
+# MPI library report failures, OMPI_MCA_mpi_ft_enable in the ranks' environment, which in
+# a process started without mpiexec only prints a broken help message), and what the
+# runtime needs to keep the job alive when a process dies and tell the survivors.
+ULFM_ARGS = ("--with-ft", "ulfm")
 ULFM_ENV = {
     "PRTE_MCA_state_base_recoverable": "1",
     "PRTE_MCA_state_base_notify_errors": "1",
-    "OMPI_MCA_mpi_ft_enable": "1",
     # Failures are expected now: the transport's peer-error warnings would only repeat them.
     "OMPI_MCA_btl_base_warn_peer_error": "0",
 }

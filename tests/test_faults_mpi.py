@@ -1,0 +1,170 @@
+"""Rank failures under a real `python -m nbdist launch` (mpiexec with MPI fault tolerance on):
+the run goes on without a dead or frozen asynchronous worker, an allreduce run restarts on
+the survivors from its checkpoint, and SIGTERM stops a 10M-parameter run with a final
+checkpoint that a resume continues from.
+
+Failures are injected from outside, as a user or the batch system would: SIGKILL, SIGSTOP
+and SIGTERM to the processes of the job, found by their MPI rank in their environment.
+Every wait has a deadline; a run that hangs fails its test through it.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from nbdist.launch import mpi_env
+from nbdist.metrics import read_log
+
+pytestmark = pytest.mark.mpi
+
+ROOT = Path(__file__).resolve().parent.parent
+MLP = str(ROOT / "examples" / "digits_mlp.py")
+BIG_MLP = str(ROOT / "tests" / "models" / "big_mlp.py")
+
+
+class Launched:
+    """`python -m nbdist launch -n N train ...` in the background, its output in a file."""
+
+    def __init__(self, tmp_path: Path, ranks: int, *args: str):
+        self.log_path = tmp_path / "output.txt"
+        self.log = open(self.log_path, "w+")
+        self.proc = subprocess.Popen([sys.executable, "-m", "nbdist", "launch", "-n", str(ranks), "train", *args],
+                                     cwd=ROOT, env=mpi_env(), stdout=self.log, stderr=subprocess.STDOUT)
+
+    @property
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def rank(self, rank: int) -> psutil.Process:
+        """The process of MPI rank `rank` (its environment says which it is)."""
+        for child in psutil.Process(self.proc.pid).children(recursive=True):
+            try:
+                if child.environ().get("OMPI_COMM_WORLD_RANK") == str(rank) and "nbdist" in " ".join(child.cmdline()):
+                    return child
+            except psutil.Error:
+                continue
+        raise AssertionError(f"no process of rank {rank}:\n{self.output}")
+
+    def processes(self) -> list[psutil.Process]:
+        try:
+            return psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.Error:
+            return []
+
+    def wait_for(self, condition, what: str, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert self.proc.poll() is None, f"the job ended before {what}:\n{self.output}"
+            assert time.monotonic() < deadline, f"no {what} within {timeout} s:\n{self.output}"
+            time.sleep(0.1)
+
+    def finish(self, timeout: float = 180) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for child in self.processes():
+                child.kill()
+            self.proc.kill()
+            pytest.fail(f"the job hung for {timeout} s:\n{self.output}")
+        finally:
+            self.log.close()
+
+
+def _epochs_logged(run_dir: Path) -> int:
+    path = run_dir / "metrics" / "rank-00000.jsonl"
+    if not path.exists():
+        return 0
+    return path.read_text(errors="replace").count('"kind":"epoch"')
+
+
+@pytest.mark.timeout(400)
+def test_a_dead_and_a_frozen_asynchronous_worker_are_dropped_and_the_run_completes(tmp_path):
+    run = tmp_path / "run"
+    job = Launched(tmp_path, 5, "--model", MLP, "--algorithm", "easgd", "--epochs", "500", "--batch-size", "16",
+                   "--peer-timeout", "2", "--runs-dir", str(tmp_path), "--run-name", "run", "--quiet")
+    job.wait_for(lambda: _epochs_logged(run) >= 5, "fifth epoch")
+    dead, frozen = job.rank(2), job.rank(3)
+    dead.kill()
+    frozen.suspend()
+    try:
+        job.wait_for(lambda: "rank 3 (worker 2, host" in job.output, "message about the frozen worker")
+    finally:
+        frozen.resume()  # it wakes up into a run that went on without it
+    assert job.finish() == 0, job.output
+    out = job.output
+    assert "rank 2 (worker 1, host" in out and "died; the run goes on with" in out, out
+    assert "the run goes on with 2 workers" in out, out
+    assert "Traceback" not in out and "NBC_Progress" not in out, out
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["stop_reason"] == "completed 500 epochs"
+    ended = [r["values"] for r in read_log(run, "run")]
+    master_end = next(v for v in ended if "dropped" in v)
+    assert sorted(d["rank"] for d in master_end["dropped"]) == [2, 3], master_end
+    # The frozen worker, once awake, was told it had been dropped, and left.
+    assert {r["rank"]: r["values"]["status"] for r in read_log(run, "run")}[3] == "dropped"
+    # From the epoch after the drops, the two workers left share the whole training set.
+    history = summary["history"]
+    assert history[-1]["samples"] == 1437 and history[-1]["workers"] == 2, history[-1]
+    lost = sum(h.get("samples_lost", 0) for h in history)
+    assert lost == master_end["samples_lost"], (lost, master_end)
+    assert not job.processes(), "a process of the job was left behind"
+
+
+@pytest.mark.timeout(400)
+def test_an_allreduce_rank_killed_with_max_restarts_restarts_on_the_survivors(tmp_path):
+    run = tmp_path / "run"
+    job = Launched(tmp_path, 4, "--model", MLP, "--topology", "allreduce", "--epochs", "150", "--batch-size", "8",
+                   "--max-restarts", "1", "--peer-timeout", "5", "--runs-dir", str(tmp_path), "--run-name", "run",
+                   "--quiet")
+    job.wait_for(lambda: _epochs_logged(run) >= 3, "third epoch")
+    job.rank(2).kill()
+    assert job.finish() == 0, job.output
+    out = job.output
+    assert "rank 2 (worker 2, host" in out and "restarting on the 3 ranks left (restart 1 of 1)" in out, out
+    assert "Traceback" not in out and "NBC_Progress" not in out, out
+    restarts = [r["values"] for r in read_log(run, "restart") if r["rank"] == 0]
+    assert len(restarts) == 1 and restarts[0]["ranks"] == 3, restarts
+    resumed_from = int(restarts[0]["checkpoint"].split("-")[1])
+    assert resumed_from >= 2
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["stop_reason"] == "completed 150 epochs"
+    # One run, its history whole: the epochs after the checkpoint were trained again.
+    assert [h["epoch"] for h in summary["history"]] == list(range(1, 151))
+    assert summary["final"]["val_acc"] > 0.9
+    assert not job.processes()
+
+
+@pytest.mark.timeout(400)
+def test_sigterm_stops_a_10m_parameter_run_with_a_final_checkpoint_that_resumes(tmp_path):
+    run = tmp_path / "run"
+    job = Launched(tmp_path, 3, "--model", BIG_MLP, "--algorithm", "easgd", "--epochs", "100", "--runs-dir",
+                   str(tmp_path), "--run-name", "run")
+    job.wait_for(lambda: _epochs_logged(run) >= 1, "first epoch")
+    job.proc.send_signal(signal.SIGTERM)  # what SLURM and PBS send before the time limit
+    assert job.finish() == 0, job.output
+    latest = json.loads((run / "checkpoints" / "LATEST.json").read_text())["label"]
+    assert latest.startswith("stopped-"), latest
+    meta = json.loads((run / "checkpoints" / latest / "meta.json").read_text())
+    assert meta["layout"]["n_ranks"] == 3
+    sizes = sum(p.stat().st_size for p in (run / "checkpoints" / latest).glob("*.safetensors"))
+    assert sizes > 3 * 10_000_000 * 4, sizes  # the centre and both workers' 10.2M weights
+    summary = json.loads((run / "summary.json").read_text())
+    stopped_at = summary["epochs_run"]
+    assert summary["stop_reason"].startswith("stopped") and stopped_at < 100
+
+    again = subprocess.run([sys.executable, "-m", "nbdist", "launch", "-n", "3", "train", "--resume", str(run),
+                            "--epochs", str(stopped_at + 1)], cwd=ROOT, env=mpi_env(), capture_output=True,
+                           text=True, timeout=300)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"resumed from {run}/checkpoints/{latest}" in again.stdout, again.stdout
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["stop_reason"] == f"completed {stopped_at + 1} epochs"
+    assert [h["epoch"] for h in summary["history"]] == list(range(1, stopped_at + 2))
