@@ -64,12 +64,12 @@ def protocol_worker(ctx, epochs: int, steps: int) -> None:
     """Only the wire protocol of run_worker: send a precomputed gradient, await the reply."""
     block = ctx.comms.block
     params, state = ctx.backend.params, ctx.backend.state
-    block.Bcast(params, root=0)
-    block.Bcast(state, root=0)
+    wait(block.Ibcast(params, root=0))  # as the master sends them: nonblocking
+    wait(block.Ibcast(state, root=0))
     n, s = params.size, state.size
     out = m.Message(n, s)
     out.payload[:] = np.random.default_rng(ctx.role.rank).standard_normal(n, dtype=np.float32) * 1e-3
-    reply_header, reply_payload = m.new_header(), np.empty(n, np.float32)
+    reply_header, reply_payload = m.new_header(ctx.layout.workers), np.empty(n, np.float32)
     version = 0
     for epoch in range(epochs):
         for step in range(steps):
@@ -81,8 +81,8 @@ def protocol_worker(ctx, epochs: int, steps: int) -> None:
             wait(header_req)
             wait(payload_req)
             version = int(reply_header[m.VERSION])
-            if reply_header[m.KIND] == m.STOP:
-                raise SystemExit("the master said stop")
+            if reply_header[m.KIND] != m.CONTINUE:
+                raise SystemExit(f"the master answered {reply_header[m.KIND]} (not CONTINUE)")
     # DONE, acknowledging the final checkpoint the master wrote.
     out.header[: m.CHECKPOINT + 1] = (m.DONE, version, epochs, 0, 0.0, 0.0, 0, m.label_code(f"epoch-{epochs:04d}"))
     block.Send(out.buffer[: m.HEADER_FLOATS], dest=0, tag=m.TAG_UPDATE)
@@ -95,7 +95,7 @@ def measure(comm, params: int, optimizer: str, updates: int, workers: str, runs:
     steps = max(2, updates // epochs)
     options = TrainOptions(topology="master-worker", algorithm="downpour", workers=n_workers,
                            epochs=epochs, batch_size=1, sync_every=1, master_optimizer=optimizer,
-                           validate_every=10**6, runs_dir=runs,
+                           validate_every=10**6, runs_dir=runs, checkpoint_every=0,
                            quiet=True)
     ctx = prepare(options, definition(params, n_workers * steps), comm, StopFlag())
     assert ctx.backend.params.size == params

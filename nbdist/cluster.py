@@ -69,6 +69,7 @@ class EngineInfo:
     host: str
     pid: int
     uuid: str = ""  # the controller's name for this engine process (ids are reused after a restart)
+    fault_tolerant: bool = False  # MPI fault tolerance on: the others live on when it dies
 
 
 def _launcher_exited(engine_set: Any) -> bool:

@@ -49,9 +49,11 @@ class EngineOutcome:
 def describe_engine() -> dict[str, Any]:
     from mpi4py import MPI
 
+    from nbdist.transport.faults import ulfm_enabled
+
     world = MPI.COMM_WORLD
     return {"rank": world.Get_rank(), "size": world.Get_size(), "host": socket.gethostname(),
-            "pid": os.getpid()}
+            "pid": os.getpid(), "fault_tolerant": ulfm_enabled()}
 
 
 def install_idle_stop_handler() -> None:

@@ -87,6 +87,7 @@ class Job:
         self._gave_up = False
         self._outcomes: list[EngineOutcome] | None = None
         self._error: JobError | None = None
+        self.warning = ""  # what went wrong in a job that still ended well (ranks lost, a restart)
         self._done = threading.Event()
         self._progress = _Progress(self) if show_progress else None
         self._monitor = threading.Thread(target=self._watch, name="nbdist-job-monitor", daemon=True)
@@ -271,10 +272,14 @@ class Job:
             self._gave_up = True
 
     def _failed(self) -> bool:
-        if self.cluster.dead_engines(ping=False, engines=self._engine_ids):
+        # With MPI fault tolerance on, the ranks left learn of a dead rank themselves and go
+        # on without it, restart or end with one error, each within its deadlines: a dead
+        # engine is theirs to handle. Without, they would wait for it forever.
+        dead = {d.engine_id for d in self.cluster.dead_engines(ping=False, engines=self._engine_ids)}
+        if dead and not all(i.fault_tolerant for i in self.cluster.info):
             return True
-        for child in self._result._children:
-            if child.done():
+        for child, engine_id in zip(self._result._children, self._engine_ids):
+            if child.done() and engine_id not in dead:
                 value = child.exception() or _unwrap(child.result())
                 if not isinstance(value, EngineOutcome) or value.error:
                     return True
@@ -346,6 +351,14 @@ class Job:
         errors = [o for o in outcomes if o.error and not o.abandoned and o.rank not in stuck_ranks]
         gave_up = any(o.abandoned for o in outcomes)
         if not errors and not stuck_ranks and not gave_up:
+            return
+        if dead and not stuck_ranks and any(o.result is not None for o in outcomes) and \
+                all(o.rank in dead for o in errors):
+            # The run went on without them (an asynchronous master dropped them, or the
+            # ranks left restarted from the last checkpoint) and ended well.
+            self.warning = (f"{_one_error(errors, len(outcomes), dead)}; the run went on without "
+                            f"{_ranks(sorted(dead))} and ended well; {HEAL_HINT}")
+            print(f"nbdist: {self.warning}", flush=True)
             return
         first = _one_error(errors, len(outcomes), dead) if errors else None
         said = [str(first) if first is not None else f"the ranks {self._abandon_why or 'were told to give up'}"]

@@ -404,21 +404,29 @@ def test_the_controller_listens_where_the_user_says():
 
 
 # -- tests that break the cluster (and heal it): keep them last ---------------------------
-def test_a_dead_engine_ends_the_job_is_reported_and_start_replaces_it(cluster, shell, tmp_path, capsys):
+def test_a_dead_engine_is_survived_with_a_restart_reported_and_start_replaces_it(cluster, shell, tmp_path, capsys):
     from nbdist.cluster import ClusterError
 
-    job = shell.run_cell_magic("distnn", f"train --epochs 5000 --no-progress {_opts(tmp_path)}", MODEL_CELL)
-    _wait_for_records(job)
+    # Allreduce cannot go on without a rank: with --max-restarts the ranks left restart
+    # from the last checkpoint on their own (a job that cannot: test_cluster_faults.py).
+    job = shell.run_cell_magic("distnn", f"train --topology allreduce --epochs 60 --batch-size 8 --max-restarts 1 "
+                                         f"--peer-timeout 5 --no-progress {_opts(tmp_path)}", MODEL_CELL)
+    deadline = time.monotonic() + 120
+    while sum(r["kind"] == "epoch" for r in job.records) < 2:  # a checkpoint to restart from
+        assert not job.done and time.monotonic() < deadline, job
+        time.sleep(0.1)
     victim = cluster.info[2]
     os.kill(victim.pid, signal.SIGKILL)
-    with pytest.raises(JobError) as caught:
-        job.wait(60)
-    # Led by the rank that died (not by those that failed or died after it), with its host.
-    message = str(caught.value)
-    assert message.startswith(f"rank 2 (engine {victim.engine_id} on {victim.host}, pid {victim.pid}) died: "
-                              f"its process is gone"), message
-    assert message.endswith("heal the cluster with  %distnn cluster start  (in Python: cluster.heal()), "
-                            "which restarts its engines")
+    job.wait(180)
+    assert job.status == "completed", job
+    assert job.result.final["val_acc"] > 0.9 and len(job.epochs) == 60, job.epochs
+    restarts = [r["values"] for r in job.records if r["kind"] == "restart" and r["rank"] == 0]
+    assert len(restarts) == 1 and restarts[0]["ranks"] == 3, restarts
+    # Said once, led by the rank that died, with its host, and how to heal the cluster.
+    assert job.warning.startswith(f"rank 2 (engine {victim.engine_id} on {victim.host}, pid {victim.pid}) died: "
+                                  f"its process is gone; the run went on without rank 2 and ended well"), job.warning
+    assert job.warning.endswith("heal the cluster with  %distnn cluster start  (in Python: cluster.heal()), "
+                                "which restarts its engines")
     capsys.readouterr()
     shell.run_line_magic("distnn", "cluster status")
     status = capsys.readouterr().out
