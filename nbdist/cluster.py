@@ -207,8 +207,12 @@ class Cluster:
             # Fault tolerance on: a dead engine leaves the others running (and a job on
             # them ends with one error naming it, or restarts on the survivors).
             config.MPILauncher.mpi_args = [*ULFM_ARGS, *self.mpi_args]
-            # Only what mpi_env() adds: the launcher merges it over os.environ.
-            added = {k: v for k, v in mpi_env().items() if os.environ.get(k) != v}
+            # Only what mpi_env() adds: the launcher merges it over os.environ. Engines on
+            # this node only (no --host/--hostfile among the mpiexec arguments) talk
+            # through shared memory and open no MPI port; across nodes, over `interface`.
+            several_nodes = any(a.startswith(("--host", "-host", "--hostfile", "-hostfile")) for a in self.mpi_args)
+            env = mpi_env(local=not several_nodes, interface=self.interface)
+            added = {k: v for k, v in env.items() if os.environ.get(k) != v}
             config.MPIEngineSetLauncher.environment = added
         return config
 

@@ -84,3 +84,21 @@ def test_a_gans_records_feed_its_own_view():
     # A model's metric is what the record has besides the known keys, not a GAN's numbers.
     assert frames.metric_name == "mmd"
     assert RunFrames().ingest([_rec("train", 1, 1.0, samples=1, samples_per_s=1.0, loss=0.1, acc=0.5)]).gan is None
+
+
+def test_dropped_workers_and_restarts_are_events_and_leave_the_total_throughput():
+    frames = RunFrames("master-worker", t0=100.0)
+    frames.ingest([_rec("train", 1, 101.0, samples=64, samples_per_s=100.0, loss=2.0, acc=0.1),
+                   _rec("train", 2, 101.5, samples=32, samples_per_s=50.0, loss=1.0, acc=0.2)])
+    fault = _rec("fault", 0, 103.0, role="master", rank=2, worker=1, cause="died", workers_left=1, host="node7")
+    fault["values"]["role"] = "worker"  # the dropped client's role (the record's own is the master's)
+    lost = frames.ingest([fault,
+                          _rec("restart", 0, 104.0, attempt=1, ranks=3, layout="3 ranks: 3 workers",
+                               checkpoint="epoch-0004"),
+                          _rec("restart", 1, 104.0, attempt=1, ranks=3, layout="3 ranks: 3 workers",
+                               checkpoint="epoch-0004")])
+    assert [text for _, text in lost.events] == [
+        "rank 2 (worker 1, host node7) died: dropped, 1 workers go on",
+        "restart 1 on 3 ranks (3 ranks: 3 workers), from checkpoint epoch-0004"]
+    after = frames.ingest([_rec("train", 1, 105.0, samples=64, samples_per_s=90.0, loss=0.5, acc=0.5)])
+    assert after.total_throughput["samples_per_s"].tolist() == [90.0]  # rank 2 no longer counted

@@ -105,6 +105,7 @@ def test_a_dead_and_a_frozen_asynchronous_worker_are_dropped_and_the_run_complet
     assert "Traceback" not in out and "NBC_Progress" not in out, out
     summary = json.loads((run / "summary.json").read_text())
     assert summary["stop_reason"] == "completed 500 epochs"
+    assert sorted(d["rank"] for d in summary["dropped"]) == [2, 3], summary["dropped"]
     ended = [r["values"] for r in read_log(run, "run")]
     master_end = next(v for v in ended if "dropped" in v)
     assert sorted(d["rank"] for d in master_end["dropped"]) == [2, 3], master_end
@@ -135,7 +136,7 @@ def test_an_allreduce_rank_killed_with_max_restarts_restarts_on_the_survivors(tm
     resumed_from = int(restarts[0]["checkpoint"].split("-")[1])
     assert resumed_from >= 2
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["stop_reason"] == "completed 150 epochs"
+    assert summary["stop_reason"] == "completed 150 epochs" and summary["restarts"] == 1
     # One run, its history whole: the epochs after the checkpoint were trained again.
     assert [h["epoch"] for h in summary["history"]] == list(range(1, 151))
     assert summary["final"]["val_acc"] > 0.9

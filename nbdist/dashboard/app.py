@@ -59,12 +59,15 @@ class _RunView:
         metric = self.frames.metric_name or ("mmd" if info.options.get("gan") else "acc")
         self.plots = RunPlots(ranks, workers, metric=metric)
         self.header = pn.pane.Markdown("", sizing_mode="stretch_width", name="nbdist-header")
+        self.events = pn.pane.Markdown("", sizing_mode="stretch_width", name="nbdist-events")
+        self.event_lines: list[str] = []
         self.latest: dict[str, Any] = {}
         self.records = 0
         self._show(first, frames)
         p, bokeh = self.plots, pn.pane.Bokeh
         self.panel = pn.Column(
             self.header,
+            self.events,
             pn.Tabs(("by samples seen", pn.Row(bokeh(p.loss["samples_seen"]), bokeh(p.accuracy["samples_seen"]))),
                     ("by wall time", pn.Row(bokeh(p.loss["t"]), bokeh(p.accuracy["t"])))),
             pn.Row(bokeh(p.throughput.figure), bokeh(p.total_figure)),
@@ -79,6 +82,9 @@ class _RunView:
         if records:
             self.records += len(records)
             self.plots.send(frames)
+            if frames.events:
+                self.event_lines += [f"- {t:.0f} s: {text}" for t, text in frames.events]
+                self.events.object = "**Ranks lost, restarts**\n\n" + "\n".join(self.event_lines)
             if frames.epochs is not None:
                 self.latest = frames.epochs.iloc[-1].to_dict()
 

@@ -54,9 +54,10 @@ class Frames:
     resources: dict[int, pd.DataFrame] = field(default_factory=dict)  # t, cpu_percent, rss_mb
     gan: pd.DataFrame | None = None  # t, samples_seen, d_loss, g_loss, d_real, d_fake (GAN runs)
     ended: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> its 'run' record values
+    events: list[tuple[float, str]] = field(default_factory=list)  # t, what happened (ranks lost, restarts)
 
     def empty(self) -> bool:
-        return not (self.throughput or self.staleness or self.resources or self.ended) and all(
+        return not (self.throughput or self.staleness or self.resources or self.ended or self.events) and all(
             v is None for v in (self.total_throughput, self.staleness_counts, self.train_loss, self.epochs,
                                 self.timeline, self.gan))
 
@@ -95,11 +96,28 @@ class RunFrames:
         self._resources(by_kind["resources"], out)
         for r in by_kind["run"]:
             out.ended[r["rank"]] = r["values"]
+        self._events(by_kind["fault"], by_kind["restart"], out)
         if out.timeline is not None:
             out.timeline = out.timeline.sort_values("x0", kind="stable").reset_index(drop=True)
         return out
 
     # -- per view ---------------------------------------------------------------------
+    def _events(self, faults: list[dict[str, Any]], restarts: list[dict[str, Any]], out: Frames) -> None:
+        """Workers dropped and restarts, in words; a dropped worker's throughput leaves the total."""
+        for r in faults:
+            v = r["values"]
+            self._rate.pop(v.get("rank"), None)
+            where = f", host {v['host']}" if v.get("host") else ""
+            out.events.append((self._t(r["time"]), f"rank {v.get('rank')} ({v.get('role')} {v.get('worker')}{where}) "
+                                                    f"{v.get('cause')}: dropped, {v.get('workers_left')} workers go on"))
+        for r in restarts:
+            v = r["values"]
+            if r["rank"] == 0:  # every rank of the restart says so; one line
+                start = f"from checkpoint {v['checkpoint']}" if v.get("checkpoint") else "from the start"
+                out.events.append((self._t(r["time"]), f"restart {v.get('attempt')} on {v.get('ranks')} ranks "
+                                                        f"({v.get('layout')}), {start}"))
+        out.events.sort()
+
     def _train(self, records: list[dict[str, Any]], out: Frames) -> None:
         if not records:
             return

@@ -165,11 +165,12 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
 
     _report(ctx, report, phases, since, epoch, 0)
     reason = stop_reason or f"completed {ctx.options.epochs} epochs"
-    ctx.log.emit("run", {"status": "stopped" if stop_reason else "completed", "reason": reason})
+    faults = {"restarts": ctx.attempt} if ctx.attempt else {}
+    ctx.log.emit("run", {"status": "stopped" if stop_reason else "completed", "reason": reason, **faults})
     ctx.log.close()
     if rank != 0:
         return None
-    return write_final(ctx.run_dir, backend.named_arrays(), history, reason, time.time() - started)
+    return write_final(ctx.run_dir, backend.named_arrays(), history, reason, time.time() - started, faults)
 
 
 def _validate(ctx: RankContext, comm: MPI.Intracomm, indices: np.ndarray, size: int) -> BatchStats:

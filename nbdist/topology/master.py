@@ -315,11 +315,11 @@ def run_master(ctx: RankContext) -> RunResult:
         ctx.log.close()
         raise TrainingError(me.error)
     reason = me.stopping or f"completed {ctx.options.epochs} epochs"
-    ctx.log.emit("run", {"status": "stopped" if me.stopping else "completed", "reason": reason,
-                         **_losses(me)})
+    faults = {**_losses(me), **({"restarts": ctx.attempt} if ctx.attempt else {})}
+    ctx.log.emit("run", {"status": "stopped" if me.stopping else "completed", "reason": reason, **faults})
     ctx.log.close()
     average_state(me)
-    result = write_final(ctx.run_dir, ctx.backend.named_arrays(), me.history, reason, time.time() - started)
+    result = write_final(ctx.run_dir, ctx.backend.named_arrays(), me.history, reason, time.time() - started, faults)
     _remove_dropped(me)
     return result
 

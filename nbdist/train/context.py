@@ -95,6 +95,7 @@ class RankContext:
     peers: Peers  # the other ranks: who they are, how long to wait for them, how to tell them
     store_path: str | None = None  # the run store this run is recorded in by its leader (every rank knows)
     recorder: RunRecorder | None = None  # the leader's feed of the run store (batch runs)
+    attempt: int = 0  # restarts of the run so far (--max-restarts)
     resume_rank: int | None = None  # whose share of resume_from this rank loads (None: nothing of its own)
     relayout: bool = False  # restarted on other ranks: positions and tallies start at an epoch boundary
 

@@ -13,7 +13,6 @@ from safetensors.numpy import save_file
 
 from nbdist.backends.base import BatchStats
 from nbdist.errors import TrainingError
-from nbdist.train.stopping import StopDecision
 
 __all__ = ["EpochTally", "epoch_metrics", "reported_metrics", "format_epoch", "RunResult", "write_final",
            "stopped_on_request"]
@@ -119,8 +118,9 @@ class RunResult:
 
 
 def write_final(run_dir: Path, named_arrays: dict[str, Any], history: list[dict[str, Any]],
-                stop_reason: str, seconds: float, decision: StopDecision | None = None) -> RunResult:
-    """Final weights (safetensors, loadable with load_state_dict) and summary.json."""
+                stop_reason: str, seconds: float, faults: dict[str, Any] | None = None) -> RunResult:
+    """Final weights (safetensors, loadable with load_state_dict) and summary.json.
+    `faults`: what the run lost on its way (dropped workers, samples, restarts), if anything."""
     final_dir = run_dir / "final"
     final_dir.mkdir(parents=True, exist_ok=True)
     tmp = final_dir / "model.safetensors.tmp"
@@ -128,7 +128,7 @@ def write_final(run_dir: Path, named_arrays: dict[str, Any], history: list[dict[
     tmp.replace(final_dir / "model.safetensors")
     final = dict(history[-1]) if history else {}
     summary = {"stop_reason": stop_reason, "seconds": seconds, "epochs_run": len(history),
-               "final": final, "history": history}
+               "final": final, **(faults or {}), "history": history}
     with open(run_dir / "summary.json", "w", encoding="utf-8") as fh:
         json.dump(summary, fh, indent=1, default=lambda v: None)
     return RunResult(run_dir, history, stop_reason, seconds, final)

@@ -85,6 +85,7 @@ def _run_once(options: TrainOptions, definition: ModelDefinition | Callable[[], 
               stop: StopFlag, sink: RecordSink | None, record: bool, trial: TrialTag | None,
               restart_of: Path | None, attempt: int) -> RunResult | None:
     ctx = prepare(options, definition, comm, stop, sink, record, trial, restart_of=restart_of)
+    ctx.attempt = attempt
     if restart_of is None:
         ctx.say(f"nbdist: {ctx.layout.describe()}, {ctx.options.topology}"
                 + (f", {ctx.algorithm!r}" if ctx.algorithm else ", synchronous sgd")
