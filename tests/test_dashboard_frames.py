@@ -90,8 +90,9 @@ def test_dropped_workers_and_restarts_are_events_and_leave_the_total_throughput(
     frames = RunFrames("master-worker", t0=100.0)
     frames.ingest([_rec("train", 1, 101.0, samples=64, samples_per_s=100.0, loss=2.0, acc=0.1),
                    _rec("train", 2, 101.5, samples=32, samples_per_s=50.0, loss=1.0, acc=0.2)])
-    fault = _rec("fault", 0, 103.0, role="master", rank=2, worker=1, cause="died", workers_left=1, host="node7")
-    fault["values"]["role"] = "worker"  # the dropped client's role (the record's own is the master's)
+    # The master's record of its worker 1 (rank 2): values name the dropped rank and its role.
+    fault = _rec("fault", 0, 103.0, role="master", worker=1, cause="died", workers_left=1, host="node7")
+    fault["values"].update(rank=2, role="worker")
     lost = frames.ingest([fault,
                           _rec("restart", 0, 104.0, attempt=1, ranks=3, layout="3 ranks: 3 workers",
                                checkpoint="epoch-0004"),
