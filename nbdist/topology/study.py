@@ -13,7 +13,13 @@ These are small pickled messages, a few per epoch: the training itself moves its
 weights and gradients as buffers inside each fold run, as any run does. A fold leader
 reports its epochs and reads prune requests from its metric log's flushes (a RecordSink),
 so the training loops carry no study code. Every wait polls (waiting.py), so a signal
-always gets through.
+always gets through, and has a deadline (STUDY_WAIT).
+
+A trial that fails on one rank (its code, its data) is that trial's failure: the fold's
+other ranks hear of it over their run's control channel, and the study goes on. A rank
+that dies (MPI's fault tolerance reports it) takes its group's collectives down: the
+coordinator names it, tells the other groups to stop and ends the study with one error;
+`--resume-study` continues it.
 """
 
 from __future__ import annotations
@@ -31,13 +37,18 @@ from nbdist.hpo.runner import EpochReport, FoldOutcome, TrialExecutor, TrialFini
 from nbdist.hpo.trial import Trial
 from nbdist.layout import Communicators, Layout
 from nbdist.options import StudyOptions, TrainOptions
-from nbdist.transport.waiting import wait
 from nbdist.train.definition import ModelDefinition
 from nbdist.train.stopping import StopFlag
+from nbdist.transport.collectives import Collectives
+from nbdist.transport.faults import RankLost, failed_ranks
+from nbdist.transport.waiting import CommFailure, receive_object, wait
 
 __all__ = ["MPIGroups", "serve_group"]
 
 TAG_TRIAL, TAG_EPOCH, TAG_PRUNE, TAG_DONE = 301, 302, 303, 304
+# How long a group waits for the coordinator's next message, and its ranks for each other
+# between trials (the coordinator's searcher may take a while; a frozen one must not).
+STUDY_WAIT = 600.0
 
 
 class MPIGroups(TrialExecutor):
@@ -50,6 +61,8 @@ class MPIGroups(TrialExecutor):
         self.fold_leaders = [[layout.fold_ranks(g, f)[0] for f in range(layout.folds)] for g in range(layout.groups)]
         self.running: dict[int, int] = {}  # group -> trial number
         self._sends: list[MPI.Request] = []
+        self._group_ranks = [{r for f in range(layout.folds) for r in layout.fold_ranks(g, f)}
+                             for g in range(layout.groups)]
 
     def _send(self, message: Any, dest: int, tag: int) -> None:
         self._sends = [r for r in self._sends if not r.Test()]
@@ -69,7 +82,7 @@ class MPIGroups(TrialExecutor):
         events: list[EpochReport | TrialFinished] = []
         status = MPI.Status()
         while True:
-            while self.world.iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=status):
+            while self._probe(status):
                 tag, source = status.Get_tag(), status.Get_source()
                 message = self.world.recv(source=source, tag=tag)
                 if tag == TAG_EPOCH:
@@ -82,11 +95,37 @@ class MPIGroups(TrialExecutor):
                 return events
             time.sleep(0.005)
 
+    def _probe(self, status: MPI.Status) -> bool:
+        """Whether a message is in; a rank that died (ULFM fails wildcard probes until it is
+        acknowledged) ends the study: its group cannot finish its trial."""
+        try:
+            return self.world.iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=status)
+        except MPI.Exception:
+            dead = failed_ranks(self.world, self.world)
+            groups = sorted({g for g, ranks in enumerate(self._group_ranks) for r in dead if r in ranks})
+            try:
+                self.world.Ack_failed()
+            except (MPI.Exception, AttributeError):
+                pass
+            if not groups:
+                return False
+            self.running = {g: n for g, n in self.running.items() if g not in groups}
+            self.close()
+            raise RankLost(f"rank{'s' if len(dead) > 1 else ''} {', '.join(map(str, dead))} of group "
+                           f"{', '.join(map(str, groups))} died: the study cannot go on; continue it with "
+                           f"--resume-study", ranks=dead) from None
+
     def close(self) -> None:
         for leader in self.leaders:
-            self._send(("stop",), leader, TAG_TRIAL)
+            try:
+                self._send(("stop",), leader, TAG_TRIAL)
+            except MPI.Exception:
+                pass  # that group's leader is gone
         for request in self._sends:
-            wait(request)
+            try:
+                wait(request, timeout=STUDY_WAIT)
+            except Exception:  # noqa: BLE001 - a group that never takes it is no reason to hang
+                pass
 
 
 class _Reporter:
@@ -109,17 +148,16 @@ class _Reporter:
 
     def finish(self) -> None:
         for request in self.sends:
-            wait(request)
+            wait(request, timeout=STUDY_WAIT)
 
 
 def _receive(world: MPI.Intracomm, tag: int) -> Any:
     """A pickled message from the coordinator, waited for without blocking inside MPI."""
-    request = world.irecv(source=0, tag=tag)
-    while True:
-        done, message = request.test()
-        if done:
-            return message
-        time.sleep(0.01)
+    try:
+        return receive_object(world, 0, tag, timeout=STUDY_WAIT)
+    except CommFailure:
+        raise RankLost("the study's coordinator (rank 0) died: the study cannot go on; continue it with "
+                       "--resume-study", ranks=[0]) from None
 
 
 def serve_group(world: MPI.Intracomm, comms: Communicators, layout: Layout, study: str, options: StudyOptions,
@@ -130,9 +168,10 @@ def serve_group(world: MPI.Intracomm, comms: Communicators, layout: Layout, stud
     role = comms.role
     group, fold = comms.group, role.fold
     fold_leader = comms.run.Get_rank() == 0
+    collectives = Collectives(lambda: STUDY_WAIT)
     while True:
         message = _receive(world, TAG_TRIAL) if group.Get_rank() == 0 else None
-        message = group.bcast(message, root=0)
+        message = collectives.allgather(group, message, "the study's next trial")[0]
         if message[0] == "stop":
             return
         _, number, params = message
@@ -144,20 +183,21 @@ def serve_group(world: MPI.Intracomm, comms: Communicators, layout: Layout, stud
         try:
             outcome = train_fold(study, number, params, train, options, definition, comms.run, fold, trial_stop,
                                  sink=reporter)
-        except Exception:  # a crash on one rank: the others wait for it in MPI, nothing can tell them
+        except Exception as exc:  # this rank's own failure: the fold's others were told (control channel)
             sys.stderr.write(f"nbdist: rank {role.rank} failed in trial {number}:\n{traceback.format_exc()}")
             sys.stderr.flush()
-            world.Abort(1)
-            return
+            outcome = FoldOutcome(error=f"rank {role.rank} failed: {type(exc).__name__}: {exc}")
         finally:
             _forward(stop, None)
         if reporter is not None:
             reporter.finish()
-        outcomes = group.gather((fold, fold_leader, outcome), root=0)
+        row = [fold, fold_leader, {"final": outcome.final, "stop_reason": outcome.stop_reason,
+                                   "run_id": outcome.run_id, "error": outcome.error, "ends_study": outcome.ends_study}]
+        outcomes = collectives.allgather(group, row, f"the end of trial {number}")
         if group.Get_rank() == 0:
-            folds = _merge(outcomes, layout.folds)
+            folds = _merge([(f, leader, FoldOutcome(**values)) for f, leader, values in outcomes], layout.folds)
             request = world.isend((number, folds), dest=0, tag=TAG_DONE)
-            wait(request)
+            wait(request, timeout=STUDY_WAIT)
 
 
 def _merge(outcomes: list[tuple[int, bool, FoldOutcome]], folds: int) -> dict[int, FoldOutcome]:
