@@ -163,7 +163,9 @@ def run_case(case: Case, workdir: Path) -> Outcome:
         if restarts and restarts[0].get("checkpoint"):
             failed_at = max(json.loads(line)["epoch"] for line in (run / "metrics" / "rank-00000.jsonl").open()
                             if '"kind":"epoch"' in line and json.loads(line)["time"] < _restart_time(run))
-            out.epochs_redone = failed_at - int(restarts[0]["checkpoint"].split("-")[1])
+            # Epochs the run had ended before the failure that its checkpoint did not hold
+            # (an asynchronous master's last epoch record may trail its snapshot: at least 0).
+            out.epochs_redone = max(0, failed_at - int(restarts[0]["checkpoint"].split("-")[1]))
     errors = [line for line in text.splitlines() if line.startswith("nbdist: error:")]
     out.clear_error = (job.returncode != 0 and len(errors) == 1 and "Traceback" not in text
                        and out.seconds_to_end <= ERROR_WITHIN)

@@ -1,5 +1,3 @@
-import sys
+from nbdist.cli import run
 
-from nbdist.cli import main
-
-sys.exit(main())
+run()

@@ -21,9 +21,9 @@ import traceback
 
 from nbdist.errors import UserError
 from nbdist.options import add_arguments, add_study_arguments, options_from_args, study_options_from_args
-from nbdist.transport.faults import RunFailure
+from nbdist.transport.faults import RunFailure, failure_seen
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "run", "build_parser"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -251,6 +251,23 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"nbdist: rank {rank} failed:\n{traceback.format_exc()}")
         sys.stderr.flush()
         return 1
+
+
+def run() -> None:
+    """`python -m nbdist` and the `nbdist` command: main(), then exit with its status.
+
+    After a failure, or after a run lost ranks on its way, the process leaves without
+    MPI_Finalize: with MPI fault tolerance on, finalizing can wait forever on a rank that
+    died or was removed (and there is nothing left to finalize for: the run's files are
+    written and closed, its messages sent)."""
+    import os
+
+    status = main()
+    if status or failure_seen():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)
 
 
 def _reports(failure: RunFailure) -> bool:
