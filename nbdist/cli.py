@@ -21,7 +21,7 @@ import traceback
 
 from nbdist.errors import UserError
 from nbdist.options import add_arguments, add_study_arguments, options_from_args, study_options_from_args
-from nbdist.transport.faults import RunFailure, failure_seen
+from nbdist.transport.faults import RunFailure, ulfm_enabled
 
 __all__ = ["main", "run", "build_parser"]
 
@@ -256,14 +256,15 @@ def main(argv: list[str] | None = None) -> int:
 def run() -> None:
     """`python -m nbdist` and the `nbdist` command: main(), then exit with its status.
 
-    After a failure, or after a run lost ranks on its way, the process leaves without
-    MPI_Finalize: with MPI fault tolerance on, finalizing can wait forever on a rank that
-    died or was removed (and there is nothing left to finalize for: the run's files are
-    written and closed, its messages sent)."""
+    With MPI fault tolerance on, every rank leaves without MPI_Finalize: after a rank died
+    or was removed, finalizing can wait forever for it (1 job in 6 did, here), and it
+    must be all ranks or none (a rank that finalizes waits for one that did not). There
+    is nothing left to finalize for: the run's files are written and closed, and its last
+    messages were received (the run leader waits for every rank's end)."""
     import os
 
     status = main()
-    if status or failure_seen():
+    if ulfm_enabled():
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(status)

@@ -59,7 +59,7 @@ from nbdist.train.state import load_rank_state, save_rank_state
 from nbdist.train.validation import BackgroundValidator
 from nbdist.transport import messages as m
 from nbdist.transport.deadlines import Silence
-from nbdist.transport.faults import RankLost, RankSilent, kill_frozen, note_failure
+from nbdist.transport.faults import RankLost, RankSilent, kill_frozen
 from nbdist.transport.waiting import CommFailure, WaitTimeout, receive_object, wait_all, wait_some
 
 __all__ = ["Master", "Client", "run_master", "worker_clients", "share_initial_weights", "open_master", "serve",
@@ -264,7 +264,6 @@ class Master:
             raise failure(f"{what}: the run cannot go on ({why})", ranks=[client.world_rank], restartable=gone)
         # A frozen worker is left as it is: if it wakes up, its next update is answered
         # DROPPED and it leaves (the run's end removes it if it never does).
-        note_failure()
         self.dropped[i] = cause
         self.active.discard(i)
         self.snapshot_told.discard(i)

@@ -25,8 +25,7 @@ from typing import Any, Sequence
 from nbdist.errors import TrainingError
 
 __all__ = ["RunFailure", "RankLost", "RankSilent", "RunAborted", "RankInfo", "RankDirectory", "ulfm_enabled",
-           "failed_ranks", "is_rank_failure", "kill_frozen", "survivors", "ULFM_ENV", "ULFM_ARGS", "note_failure",
-           "failure_seen"]
+           "failed_ranks", "is_rank_failure", "kill_frozen", "survivors", "ULFM_ENV", "ULFM_ARGS"]
 
 # How nbdist's launchers switch fault tolerance on: mpiexec's own flag (it also makes the
 # MPI library report failures, OMPI_MCA_mpi_ft_enable in the ranks' environment, which in
@@ -89,19 +88,6 @@ class RankDirectory:
         return ", ".join(self.describe(r) for r in ranks) if ranks else "a rank"
 
 
-_failure_seen = False
-
-
-def note_failure() -> None:
-    """This process saw a rank fail (and went on, or is about to end)."""
-    global _failure_seen
-    _failure_seen = True
-
-
-def failure_seen() -> bool:
-    return _failure_seen
-
-
 class RunFailure(TrainingError):
     """The run cannot go on as it is: a rank died, froze or failed.
 
@@ -117,7 +103,6 @@ class RunFailure(TrainingError):
         self.ranks = tuple(int(r) for r in ranks)
         self.restartable = restartable
         self.at = time.time()
-        note_failure()
 
 
 class RankLost(RunFailure):
