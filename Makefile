@@ -31,6 +31,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/dashboard_overhead.py
 	$(BIN)/python bench/keras_overhead.py
 	$(BIN)/python bench/hpo_parallel.py
+	$(BIN)/python bench/faults.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -86,7 +86,7 @@ from nbdist.train.state import load_rank_state, save_rank_state
 from nbdist.transport import messages as m
 from nbdist.transport.deadlines import Silence
 from nbdist.transport.faults import RankLost, RankSilent
-from nbdist.transport.waiting import CommFailure, WaitTimeout, wait, wait_all
+from nbdist.transport.waiting import CommFailure, WaitTimeout, wait_all
 
 __all__ = ["run_sub_master", "sub_master_clients", "merge_delta"]
 
