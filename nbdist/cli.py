@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 import traceback
 
 from nbdist.errors import UserError
@@ -24,6 +25,9 @@ from nbdist.options import add_arguments, add_study_arguments, options_from_args
 from nbdist.transport.faults import RunFailure, ulfm_enabled
 
 __all__ = ["main", "run", "build_parser"]
+
+# How long a rank leaving without MPI_Finalize gives mpiexec to forward its last output.
+LAST_WORDS_SECONDS = 0.5
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -267,6 +271,9 @@ def run() -> None:
     if ulfm_enabled():
         sys.stdout.flush()
         sys.stderr.flush()
+        # mpiexec forwards what a rank wrote as it reads it; a rank that leaves at once can
+        # take its last line (the error it reports) with it.
+        time.sleep(LAST_WORDS_SECONDS)
         os._exit(status)
     sys.exit(status)
 
