@@ -114,7 +114,7 @@ def test_live_dashboard_of_a_training_run_in_chromium(tmp_path, browser):
         start_new_session=True)
     server = None
     try:
-        server = Server(["dashboard", "--store", str(store), "--port", "0"])
+        server = Server(["dashboard", "--store", str(store), "--create", "--port", "0"])  # before the run made it
         page = browser.new_page(viewport={"width": 1150, "height": 2000})
         # A model sent to the browser out of order shows up here ("reference ... isn't
         # known"), and the plots it belongs to are never drawn.
