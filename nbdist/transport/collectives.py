@@ -2,7 +2,7 @@
 
 The blocking forms (`Bcast`, `Allreduce`, `Barrier`, `allgather`) would hold a rank
 inside MPI for as long as the slowest member takes, and forever when a member froze. Each
-function here starts the nonblocking form and waits for it with waiting.wait, which
+function here starts the nonblocking form and waits for it with waiting.wait_all, which
 watches the run's control channel and a deadline. A failure becomes a RunFailure naming
 the ranks MPI knows to have died (RankLost), or, past the deadline, the ranks that did not
 answer a roll call on the control channel (RankSilent; see control.py).
