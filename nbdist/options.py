@@ -23,6 +23,9 @@ __all__ = ["TrainOptions", "StudyOptions", "add_arguments", "add_study_arguments
            "saved_run_options", "study_options_from_args", "Target", "parse_target"]
 
 TOPOLOGIES = ("master-worker", "allreduce")
+# What --momentum-correction takes (nbdist.train.asynchrony applies it; the options stay
+# free of the training package).
+MOMENTUM_CORRECTIONS = ("auto", "off")
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
@@ -48,6 +51,10 @@ class TrainOptions:
     sync_every: int | None = _opt(None, "batches between a worker's exchanges with its master (default per algorithm)")
     worker_optimizer: str | None = _opt(None, "worker optimizer, e.g. sgd(lr=0.05, momentum=0.9) or adam(lr=1e-3)")
     master_optimizer: str | None = _opt(None, "master optimizer (downpour), e.g. sgd(lr=0.05) or adam(lr=1e-3)")
+    momentum_correction: str = _opt(
+        "auto", "auto: an asynchronous master's momentum is lowered by the 1 - 1/workers that asynchrony adds "
+        "(Mitliagkas et al. 2016); off: kept as given (a total of 1 or more gets a warning)",
+        choices=MOMENTUM_CORRECTIONS)
     seed: int = _opt(0, "seed for weights, shuffling and dropout")
     validate_every: int = _opt(1, "validate every N epochs")
     early_stopping: int | None = _opt(None, "stop after N validations without improvement of --monitor")
@@ -88,6 +95,9 @@ class TrainOptions:
         check_types(self)
         if self.topology not in TOPOLOGIES:
             raise OptionsError(f"unknown topology {self.topology!r}; choose one of: {', '.join(TOPOLOGIES)}")
+        if self.momentum_correction not in MOMENTUM_CORRECTIONS:
+            raise OptionsError(f"unknown --momentum-correction {self.momentum_correction!r}; choose one of: "
+                               f"{', '.join(MOMENTUM_CORRECTIONS)}")
         positive = ("epochs", "batch_size", "masters", "procs_per_worker", "validate_every", "threads", "d_steps")
         for name in positive:
             if int(getattr(self, name)) < 1:

@@ -29,6 +29,7 @@ from nbdist.metrics.log import RecordSink, RunLog
 from nbdist.options import TrainOptions, parse_target
 from nbdist.specs import Spec, did_you_mean, parse_spec
 from nbdist.store import RunRecorder, store_path
+from nbdist.train.asynchrony import master_momentum
 from nbdist.train.checkpoint import CheckpointError, Checkpoints
 from nbdist.train.definition import ModelDefinition
 from nbdist.train.history import HistoryFile
@@ -289,6 +290,9 @@ def prepare(
             # sub-master's merged push: a synchronous round of EASGD under sub-masters
             # then pulls the centre exactly as far as one master with all the workers would.
             algorithm.bind(layout.workers * layout.masters)
+        asynchrony = master_momentum(master_opt, layout.workers * layout.masters, options.synchronous,
+                                     options.momentum_correction)
+        master_opt = asynchrony.spec if asynchrony is not None else None
         resume_from, damaged = (_find_resume(options, layout) if restart_of is None
                                 else Checkpoints(restart_of).latest_intact())
         configure_frameworks(options.threads, options.seed)
@@ -336,6 +340,11 @@ def prepare(
         run_dir = Path(run_comm.bcast(name, root=0))
     if is_leader:
         _write_run_files(run_dir, options, layout)
+        if asynchrony is not None and asynchrony.note:
+            if asynchrony.warning:
+                print(f"nbdist: warning: {asynchrony.note}", file=sys.stderr, flush=True)
+            elif not options.quiet:
+                print(f"nbdist: note: {asynchrony.note}", flush=True)
         for problem in damaged:  # every rank found the same: one says so
             where = f"resuming from {resume_from.name}" if resume_from is not None else "starting afresh"
             print(f"nbdist: warning: {problem}; {where}", file=sys.stderr, flush=True)

@@ -1,0 +1,248 @@
+"""Does 8-worker training learn as well as 1 worker? (a script, not a test)
+
+On Pythia 8 top-vs-QCD jet images (4,800 training and 1,200 validation jets, generated
+once and cached), `examples/jet_cnn.py` is trained by every algorithm with its defaults,
+batch 32 per worker, for 12 epochs, with 1 and with 8 workers, over several seeds. Per
+algorithm the table gives:
+
+- the best validation accuracy with 1 and with 8 workers (mean over seeds of each run's
+  best) and the gap in points;
+- the samples an 8-worker run needs to reach 98% of the 1-worker best, divided by what a
+  1-worker run needs (means over seeds; a run that never gets there counts with all its
+  samples and the ratio is shown as ">= x");
+- the runs that collapsed: a validation at chance level (accuracy <= 0.51 on the
+  balanced validation set: the model answers one class for every jet).
+
+Samples are counted over all workers, so 8 workers at batch 32 see as many samples per
+epoch as 1 worker does: the samples ratio is the price of parallelism in data, not time.
+
+Then the digits table: asynchronous Downpour whose master runs momentum SGD, against GEM,
+at 4, 8 and 16 workers (`examples/digits_cnn.py`, 20 epochs), the GEM paper's point:
+asynchrony adds momentum of its own, and momentum on top of it diverges; with the
+momentum as given and as nbdist corrects it by default (nbdist/train/asynchrony.py).
+
+Usage: python bench/convergence.py [--quick] [--seeds 10] [--algorithms gem,adag]
+       [--no-digits] [--no-jets]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import ROOT, header, table  # noqa: E402
+
+JET_MODEL = str(ROOT / "examples" / "jet_cnn.py")
+DIGITS_MODEL = str(ROOT / "examples" / "digits_cnn.py")
+JETS = {"signal": "top", "events": 6000, "files": 6}
+ALGORITHMS = ["downpour", "easgd", "gem", "adag", "allreduce"]
+COLLAPSED_AT = 0.51  # validation accuracy of a constant answer on balanced classes is 0.5
+REACH = 0.98  # of the 1-worker best
+GAP_AIM, SAMPLES_AIM = 1.0, 1.5
+RUN_DEADLINE = 900.0
+
+
+@dataclass
+class Run:
+    algorithm: str
+    workers: int
+    seed: int
+    # (cumulative training samples, validation accuracy), in the order validated
+    curve: list[tuple[int, float]] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def best(self) -> float:
+        return max((acc for _, acc in self.curve), default=float("nan"))
+
+    @property
+    def samples(self) -> int:
+        return self.curve[-1][0] if self.curve else 0
+
+    @property
+    def collapsed(self) -> bool:
+        return bool(self.error) or any(acc <= COLLAPSED_AT for _, acc in self.curve)
+
+    def samples_to(self, accuracy: float) -> int | None:
+        return next((samples for samples, acc in self.curve if acc >= accuracy), None)
+
+
+def jet_sample(cache: Path) -> tuple[str, str]:
+    """The training and validation file globs, generated on first use."""
+    out = cache / f"jets-{JETS['signal']}-{JETS['events']}-{JETS['files']}"
+    if not (out / "done").exists():
+        print(f"   generating the jet sample in {out} (once; a few minutes)", flush=True)
+        subprocess.run([sys.executable, "-m", "nbdist", "datasets", "jet-images", "--out", str(out),
+                        "--signal", JETS["signal"], "--events", str(JETS["events"]),
+                        "--files", str(JETS["files"]), "--overwrite"],
+                       check=True, stdout=subprocess.DEVNULL)
+        (out / "done").write_text("ok\n")
+    return str(out / "train_*.h5"), str(out / "val_*.h5")
+
+
+def train(algorithm: str, workers: int, seed: int, extra: list[str], runs_dir: Path) -> Run:
+    """One run through nbdist's launcher; its validation curve from summary.json."""
+    run = Run(algorithm, workers, seed)
+    name = f"{algorithm}-{workers}w-s{seed}-{len(list(runs_dir.iterdir()))}"
+    if algorithm == "allreduce":
+        ranks, rule = workers, ["--topology", "allreduce"]
+    else:
+        ranks, rule = workers + 1, ["--algorithm", algorithm]
+    argv = [sys.executable, "-m", "nbdist", "launch", "-n", str(ranks), "train", *rule, "--seed", str(seed),
+            "--runs-dir", str(runs_dir), "--run-name", name, "--quiet", "--checkpoint-every", "0", *extra]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=RUN_DEADLINE)
+    except subprocess.TimeoutExpired:
+        run.error = f"no end within {RUN_DEADLINE:.0f} s"
+        return run
+    if done.returncode != 0:
+        lines = [ln for ln in done.stderr.splitlines() if "error" in ln.lower()] or done.stderr.splitlines()[-1:]
+        run.error = lines[0] if lines else f"exit {done.returncode}"
+    summary = runs_dir / name / "summary.json"
+    if summary.exists():
+        run.curve = validation_curve(json.loads(summary.read_text()))
+    return run
+
+
+def validation_curve(summary: dict) -> list[tuple[int, float]]:
+    """(cumulative samples, val_acc) per validation: the finer per-sample validations
+    when the run made them, else one point per epoch."""
+    finer = summary.get("validations") or []
+    if finer:
+        return [(int(v["samples"]), float(v["val_acc"])) for v in finer if "val_acc" in v]
+    curve, samples = [], 0
+    for epoch in summary.get("history", []):
+        samples += int(epoch.get("samples", 0))
+        if "val_acc" in epoch:
+            curve.append((samples, float(epoch["val_acc"])))
+    return curve
+
+
+def say(run: Run, seconds: float) -> None:
+    state = f"error: {run.error}" if run.error else f"best {run.best:.3f}" + (" COLLAPSED" if run.collapsed else "")
+    print(f"   {run.algorithm:9s} {run.workers:2d} workers seed {run.seed}: {state} ({seconds:.0f} s)", flush=True)
+
+
+# ----------------------------------------------------------------------------- jets
+def jets(args: argparse.Namespace, runs_dir: Path) -> bool:
+    train_glob, val_glob = jet_sample(Path(args.cache).expanduser())
+    extra = ["--model", JET_MODEL, "--train", train_glob, "--val", val_glob, "--epochs", str(args.epochs),
+             "--batch-size", "32", *args.extra]
+    if args.validate_every_samples:
+        extra += ["--validate-every-samples", str(args.validate_every_samples)]
+    seeds = range(args.seeds)
+    rows, met = [], True
+    for algorithm in args.algorithms:
+        runs: dict[int, list[Run]] = {}
+        for workers in (1, args.workers):
+            runs[workers] = []
+            for seed in seeds:
+                t0 = time.perf_counter()
+                runs[workers].append(train(algorithm, workers, seed, extra, runs_dir))
+                say(runs[workers][-1], time.perf_counter() - t0)
+        row, ok = summarise(algorithm, runs[1], runs[args.workers])
+        rows.append(row)
+        met &= ok
+    print()
+    print(f"== jets: best val acc and samples to {REACH:.0%} of the 1-worker best, 1 vs {args.workers} workers, "
+          f"{args.seeds} seeds, {args.epochs} epochs, batch 32 per worker")
+    table(rows, ["algorithm", "best, 1 w", f"best, {args.workers} w", "gap (points)",
+                 f"samples to {REACH:.0%}, {args.workers} w / 1 w", f"collapsed ({args.workers} w)",
+                 "collapsed (1 w)"])
+    print(f"aim gap <= {GAP_AIM:g} point, samples <= {SAMPLES_AIM:g}x, no collapse: "
+          f"{'met' if met else 'not met'}")
+    return met
+
+
+def summarise(algorithm: str, single: list[Run], many: list[Run]) -> tuple[list, bool]:
+    best1 = statistics.fmean(r.best for r in single if r.curve) if any(r.curve for r in single) else float("nan")
+    best_n = statistics.fmean(r.best for r in many if r.curve) if any(r.curve for r in many) else float("nan")
+    gap = 100.0 * (best1 - best_n)
+    goal = REACH * best1
+    ratio_text, ratio = "n/a", float("inf")
+    reached1 = [r.samples_to(goal) for r in single]
+    reached_n = [r.samples_to(goal) for r in many]
+    if all(s is not None for s in reached1) and reached1:
+        lower_bound = any(s is None for s in reached_n)
+        mean_n = statistics.fmean(s if s is not None else r.samples for s, r in zip(reached_n, many))
+        ratio = mean_n / statistics.fmean(reached1)
+        ratio_text = f"{'>= ' if lower_bound else ''}{ratio:.2f}x"
+        if lower_bound:
+            ratio = max(ratio, SAMPLES_AIM + 1e-9)
+    collapsed_n = sum(r.collapsed for r in many)
+    collapsed_1 = sum(r.collapsed for r in single)
+    ok = gap <= GAP_AIM and ratio <= SAMPLES_AIM and collapsed_n == 0
+    return [algorithm, best1, best_n, round(gap, 1), ratio_text, collapsed_n, collapsed_1], ok
+
+
+# ----------------------------------------------------------------------------- digits
+def digits(args: argparse.Namespace, runs_dir: Path) -> None:
+    momentum = ["--master-optimizer", "sgd(lr=0.05, momentum=0.9)"]
+    setups = {
+        "downpour, master momentum 0.9 as given (--momentum-correction off)":
+            ["downpour", *momentum, "--momentum-correction", "off"],
+        "downpour, master momentum 0.9 corrected (the default)": ["downpour", *momentum],
+        "gem (defaults)": ["gem"],
+    }
+    counts = [4, 8, 16]
+    rows = []
+    for label, (algorithm, *options) in setups.items():
+        row: list = [label]
+        for workers in counts:
+            finals = []
+            for seed in range(args.digits_seeds):
+                t0 = time.perf_counter()
+                run = train(algorithm, workers, seed,
+                            ["--model", DIGITS_MODEL, "--epochs", "20", *options, *args.extra], runs_dir)
+                say(run, time.perf_counter() - t0)
+                finals.append(run.curve[-1][1] if run.curve else float("nan"))
+            row.append(statistics.fmean(finals))
+        rows.append(row)
+    print()
+    print(f"== digits: final val acc after 20 epochs, asynchronous, {args.digits_seeds} seed(s)")
+    table(rows, ["set-up"] + [f"{n} workers" for n in counts])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="3 seeds instead of 10")
+    parser.add_argument("--seeds", type=int, default=None)
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--epochs", type=int, default=12)
+    parser.add_argument("--algorithms", default=",".join(ALGORITHMS))
+    parser.add_argument("--validate-every-samples", type=int, default=0,
+                        help="validate more often than each epoch (finer samples-to-accuracy)")
+    parser.add_argument("--digits-seeds", type=int, default=None)
+    parser.add_argument("--no-jets", action="store_true")
+    parser.add_argument("--no-digits", action="store_true")
+    parser.add_argument("--cache", default="~/.cache/nbdist/bench", help="where the jet sample is kept")
+    parser.add_argument("--extra", default="", help="more train options for every run, e.g. '--lr-scaling sqrt'")
+    args = parser.parse_args()
+    args.seeds = args.seeds or (3 if args.quick else 10)
+    args.digits_seeds = args.digits_seeds or (1 if args.quick else 3)
+    args.algorithms = [a for a in args.algorithms.split(",") if a]
+    args.extra = args.extra.split()
+    unknown = sorted(set(args.algorithms) - set(ALGORITHMS))
+    if unknown:
+        parser.error(f"unknown algorithm(s) {', '.join(unknown)}; choose from {', '.join(ALGORITHMS)}")
+    header("convergence: 1 worker against many, samples to accuracy, collapses")
+    print(f"   {time.strftime('%Y-%m-%d')}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="nbdist-convergence-") as tmp:
+        runs_dir = Path(tmp)
+        if not args.no_jets:
+            jets(args, runs_dir)
+        if not args.no_digits:
+            digits(args, runs_dir)
+
+
+if __name__ == "__main__":
+    main()
