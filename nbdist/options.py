@@ -39,8 +39,9 @@ class TrainOptions:
     algorithm: str | None = _opt(
         None,
         "update rule, optionally with parameters: downpour (default), easgd(elastic_force=0.9/workers, "
-        "elastic_lr=1.0, elastic_momentum=0.0), gem(lr=0.05, momentum=0.9, kappa=1.0), adag; "
-        "allreduce uses sgd",
+        "elastic_lr=1.0, elastic_momentum=0.0: momentum on the centre's elastic moves, not EAMSGD), "
+        "gem(lr=0.05, momentum=0.9, kappa=1.0), adag, dynsgd (adag's workers, updates scaled by "
+        "1/(1+staleness)); allreduce uses sgd",
     )
     synchronous: bool = _opt(False, "master waits for every worker before each update (master-worker)")
     workers: int | None = _opt(None, "workers per master (default: fill the MPI ranks)")
@@ -86,7 +87,7 @@ class TrainOptions:
                                        "(removed at the end), e.g. /tmp/nbdist-cache")
     data_keys: str = _opt("features,labels", "names of the features and labels datasets in the HDF5 files")
     gan: bool = _opt(False, "train a GAN: the model file or cell defines generator and discriminator (or "
-                            "build_generator() and build_discriminator()) and latent_dim; easgd (default) or adag, "
+                            "build_generator() and build_discriminator()) and latent_dim; easgd (default), adag or dynsgd, "
                             "worker optimizer rmsprop and --monitor val_mmd by default")
     d_steps: int = _opt(1, "GAN: discriminator steps per generator step")
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from nbdist.algorithms import ADAG, EASGD, GEM, Downpour, Update, make_algorithm
+from nbdist.algorithms import ADAG, EASGD, GEM, Downpour, DynSGD, Update, make_algorithm
 from nbdist.algorithms import allreduce_sgd
 from nbdist.algorithms.base import _NoState
 from nbdist.backends.torch import TorchBackend, TorchFlatOptimizer, torch_optimizers
@@ -367,7 +367,7 @@ def test_gem_rescaling_by_hand():
         assert_close(out, hand)
 
 
-def test_gem_averages_the_window_and_master_adds():
+def test_gem_averages_the_window():
     algo = GEM(lr=0.1, momentum=0.9, kappa=1.5)
     ga, gb = np.array([1.0, -2.0, 0.5], F32), np.array([3.0, 0.0, -0.5], F32)
     two = algo.new_worker_state(3, sync_every=2)
@@ -384,17 +384,9 @@ def test_gem_averages_the_window_and_master_adds():
     assert_close(out_two, out_one)
     assert_close(out_two, -1.5 * 0.1 * (ga + gb) / 2)  # no centre velocity: pi = kappa
 
-    center = np.array([1.0, 2.0, 3.0], F32)
-    payloads = [np.array([0.5, -1.0, 0.25], F32), np.array([1.0, 1.0, 1.0], F32)]
-    replies = algo.master_apply(algo.new_master_state(3), center,
-                                [Update(p.copy(), s, 4) for s, p in enumerate(payloads)], None)
-    assert_close(center, [2.5, 2.0, 4.25])
-    for r in replies:
-        np.testing.assert_array_equal(r, center)
-
 
 # ----------------------------------------------------------------------------- ADAG
-def test_adag_sends_normalised_displacement_and_master_discounts_staleness():
+def test_adag_worker_sends_the_displacement_normalised_by_the_window():
     algo = ADAG()
     n, lam, lr = 4, 3, 0.25
     pulled = np.array([1.0, -1.0, 0.5, 2.0], F32)
@@ -411,31 +403,148 @@ def test_adag_sends_normalised_displacement_and_master_discounts_staleness():
     algo.worker_message(state, params, out)
     assert_close(out, (local - pulled) / lam)
     assert state.count == 0
-
-    center = np.array([0.0, 1.0, 2.0, 3.0], F32)
-    start = center.copy()
-    algo.master_apply(algo.new_master_state(n), center, [Update(out.copy(), 0, 8)], None)
-    np.testing.assert_array_equal(center, start + out)  # staleness 0: unscaled
-    center2 = start.copy()
-    replies = algo.master_apply(algo.new_master_state(n), center2, [Update(out.copy(), 3, 8)], None)
-    assert_close(center2, start + out / 4)
-    np.testing.assert_array_equal(replies[0], center2)
-
-    algo.worker_reply(state, params, center2.copy())
-    np.testing.assert_array_equal(params, center2)
-    np.testing.assert_array_equal(state.pulled, center2)
+    reply = np.array([0.0, 1.0, 2.0, 3.0], F32)
+    algo.worker_reply(state, params, reply.copy())
+    np.testing.assert_array_equal(params, reply)
+    np.testing.assert_array_equal(state.pulled, reply)
 
 
-def test_adag_asynchronous_simulation_moves_centre_by_discounted_updates():
+def test_adag_asynchronous_simulation_adds_every_update_undiscounted():
     model = make_model()
     sim = Simulation(ADAG(), model, 2, worker_opt="sgd(lr=0.1)", sync_every=2)
     before = sim.center.copy()
     data = [make_batches(2, 5, seed=20 + i) for i in range(2)]
     sim.run(data)
-    # Each worker did two plain SGD steps from `before`; worker 1 was served second (staleness 1).
+    # Each worker did two plain SGD steps from `before`; worker 1 was served second
+    # (staleness 1), and ADAG adds its update all the same.
     moved = [(reference_run(model, "sgd(lr=0.1)", data[i]) - before) / 2 for i in range(2)]
     assert sim.stalenesses == [0, 1]
-    assert_close(sim.center, before + moved[0] + moved[1] / 2, rtol=1e-5, atol=1e-7)
+    assert_close(sim.center, before + moved[0] + moved[1], rtol=1e-5, atol=1e-7)
+
+
+# ----------------------------------------------------------------------------- the rules as published
+# Each master against its source's update, written out here in float64: one asynchronous
+# update that is STALE versions old, then a synchronous round of three updates with
+# different sample counts, which every rule averages, sample-weighted.
+C0 = np.array([0.5, -1.0, 2.0, 0.25])
+PAYLOADS = [np.array([0.2, -0.4, 0.1, 1.0]), np.array([-0.3, 0.5, 0.0, 0.6]), np.array([1.0, 0.25, -0.5, -0.2])]
+SAMPLES = [5, 7, 12]
+STALE = 3
+
+
+def master_round(algo, payloads, samples, staleness, opt_spec=None):
+    """(centre after master_apply from C0, replies); staleness is each update's."""
+    center = C0.astype(F32)
+    opt = TorchFlatOptimizer(torch.optim.SGD, parse_spec(opt_spec), center) if opt_spec else None
+    updates = [Update(np.array(p, F32), s, n) for p, s, n in zip(payloads, staleness, samples)]
+    replies = algo.master_apply(algo.new_master_state(C0.size), center, updates, opt)
+    return center, [np.array(r, copy=True) for r in replies]
+
+
+def sample_mean(vectors, samples):
+    return sum(n * v for n, v in zip(samples, vectors)) / sum(samples)
+
+
+@pytest.mark.parametrize("rule", [ADAG, DynSGD])
+def test_adag_and_dynsgd_as_published(rule):
+    # Hermans' ADAG (dist-keras ADAGParameterServer): centre += update, stale or not.
+    # DynSGD (Jiang et al. 2017; dist-keras DynSGDParameterServer): centre += update / (staleness + 1).
+    discount = 1.0 / (STALE + 1) if rule is DynSGD else 1.0
+    center, replies = master_round(rule(), PAYLOADS[:1], SAMPLES[:1], [STALE])
+    assert_close(center, C0 + discount * PAYLOADS[0])
+    np.testing.assert_array_equal(replies[0], center)
+    # A synchronous round (never stale): the sample-weighted mean, not the sum.
+    center, replies = master_round(rule(), PAYLOADS, SAMPLES, [0, 0, 0])
+    assert_close(center, C0 + sample_mean(PAYLOADS, SAMPLES))
+    for reply in replies:
+        np.testing.assert_array_equal(reply, center)
+
+
+def test_dynsgd_workers_are_adags():
+    adag, dyn = ADAG(), DynSGD()
+    assert dyn.name == "dynsgd" and dyn.sends_weights and dyn.default_sync_every == adag.default_sync_every
+    assert isinstance(make_algorithm(parse_spec("dynsgd")), DynSGD)
+
+
+def test_downpour_as_published():
+    # Dean et al.: the master's optimiser steps on the pushed gradient (here sgd, lr 0.1):
+    # centre -= lr * g. Synchronous: one step on the sample-weighted mean gradient.
+    lr = 0.1
+    center, _ = master_round(Downpour(), PAYLOADS[:1], SAMPLES[:1], [STALE], f"sgd(lr={lr})")
+    assert_close(center, C0 - lr * PAYLOADS[0])
+    center, replies = master_round(Downpour(), PAYLOADS, SAMPLES, [0, 0, 0], f"sgd(lr={lr})")
+    assert_close(center, C0 - lr * sample_mean(PAYLOADS, SAMPLES))
+
+
+def test_easgd_as_published():
+    # Zhang et al.: the worker sends x_i, the master replies alpha (x_i - centre) and adds it;
+    # a synchronous round adds sum_i alpha (x_i - centre) = beta (mean_i x_i - centre),
+    # beta = 3 alpha = 0.9 with the default alpha = 0.9 / workers (whatever the samples).
+    weights = [C0 + p for p in PAYLOADS]  # the workers' x_i
+    algo = EASGD()
+    algo.bind(3)
+    alpha = 0.9 / 3
+    center, replies = master_round(algo, weights[:1], SAMPLES[:1], [STALE])
+    assert_close(replies[0], alpha * (weights[0] - C0))
+    assert_close(center, C0 + alpha * (weights[0] - C0))
+    algo = EASGD()
+    algo.bind(3)
+    center, replies = master_round(algo, weights, SAMPLES, [0, 0, 0])
+    assert_close(center, C0 + sum(alpha * (x - C0) for x in weights))
+    assert_close(center, C0 + 0.9 * (np.mean(weights, axis=0) - C0))
+    for reply, x in zip(replies, weights):
+        assert_close(reply, alpha * (x - C0))
+
+
+def test_gem_as_published():
+    # Hermans & Louppe: each worker sends -pi * lr * g with
+    # pi = clip((kappa |v| - |c|) / (|lr g| + eps), 0, pi_max), v = momentum v + lr g,
+    # c the centre's move between its last two pulls; the master adds it (asynchronous)
+    # or the sample-weighted mean of the round's (synchronous).
+    lr, momentum, kappa, eps, pi_max = 0.1, 0.5, 2.0, 1e-12, 4.0
+    previous, now = C0 - np.array([0.05, -0.02, 0.0, 0.3]), C0
+    grads = [np.array([1.0, -2.0, 0.5, 3.0]), np.array([-0.5, 1.0, 2.0, 0.1]), np.array([0.2, 0.2, -1.0, -1.5])]
+    algo = GEM(lr=lr, momentum=momentum, kappa=kappa, epsilon=eps, pi_max=pi_max)
+    sent, expected, pis = [], [], []
+    for g in grads:
+        state = algo.new_worker_state(4, sync_every=1)
+        params = previous.astype(F32)
+        algo.worker_start(state, params)
+        algo.worker_reply(state, params, now.astype(F32))  # a second pull: the centre moved
+        assert algo.worker_step(state, params, g.astype(F32), None) is True
+        out = np.empty(4, F32)
+        algo.worker_message(state, params, out)
+        v = lr * g  # momentum * 0 + lr g
+        pi = np.clip((kappa * np.abs(v) - np.abs(now - previous)) / (np.abs(lr * g) + eps), 0.0, pi_max)
+        pis.append(pi)
+        expected.append(-pi * lr * g)
+        sent.append(out)
+        assert_close(out, expected[-1], rtol=1e-5, atol=1e-7)
+    # The rescaling is at work: pi is neither constant nor only at its bounds.
+    assert len({round(float(p), 6) for p in np.concatenate(pis)}) > 3
+    assert ((np.concatenate(pis) > 0) & (np.concatenate(pis) < pi_max)).any()
+    center, _ = master_round(algo, sent[:1], SAMPLES[:1], [STALE])
+    assert_close(center, C0 + expected[0], rtol=1e-5, atol=1e-6)
+    center, replies = master_round(algo, sent, SAMPLES, [0, 0, 0])
+    assert_close(center, C0 + sample_mean(expected, SAMPLES), rtol=1e-5, atol=1e-6)
+    for reply in replies:
+        np.testing.assert_array_equal(reply, center)
+
+
+@pytest.mark.parametrize("rule", [Downpour, EASGD, GEM, ADAG, DynSGD], ids=lambda r: r.name)
+def test_a_synchronous_round_of_equal_updates_moves_the_centre_as_one(rule):
+    """--synchronous does not multiply the step by the number of workers: a round of W
+    identical updates moves the centre exactly as one of them does."""
+    def move(count):
+        algo = rule()
+        algo.bind(count)
+        payload = (C0 + PAYLOADS[0]) if rule is EASGD else PAYLOADS[0]
+        spec = "sgd(lr=0.1)" if rule is Downpour else None
+        center, _ = master_round(algo, [payload] * count, [8] * count, [0] * count, spec)
+        return center - C0
+
+    assert np.abs(move(1)).max() > 0.01
+    assert_close(move(4), move(1), rtol=1e-5, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------- allreduce sgd
@@ -478,7 +587,7 @@ def _scramble(state, rng):
             setattr(state, name, int(rng.integers(2, 50)))
 
 
-@pytest.mark.parametrize("algo", [Downpour(), EASGD(), GEM(), ADAG()], ids=lambda a: a.name)
+@pytest.mark.parametrize("algo", [Downpour(), EASGD(), GEM(), ADAG(), DynSGD()], ids=lambda a: a.name)
 def test_rule_state_round_trips(algo):
     rng = np.random.default_rng(0)
     for make in (lambda: algo.new_worker_state(5, 3), lambda: algo.new_master_state(5)):
@@ -515,7 +624,7 @@ def test_make_algorithm_builds_each_rule():
 def test_make_algorithm_unknown_name_suggests():
     with pytest.raises(SpecError, match=r"did you mean 'easgd'") as err:
         make_algorithm(parse_spec("easdg"))
-    for name in ("downpour", "easgd", "gem", "adag"):
+    for name in ("downpour", "easgd", "gem", "adag", "dynsgd"):
         assert name in str(err.value)
 
 

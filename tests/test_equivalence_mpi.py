@@ -5,7 +5,10 @@
   buckets), sample shares and flat optimiser;
 - the same weights as PyTorch DistributedDataParallel on gloo;
 - Downpour with one worker and sync_every=1 == plain SGD on the same batch order;
-- EASGD with elastic_force=0 leaves the centre where it started.
+- EASGD with elastic_force=0 leaves the centre where it started;
+- a synchronous round of GEM, ADAG or DynSGD over 4 workers is one step on the
+  sample-weighted mean of their updates: with updates -lr * g_i (GEM with pi = 1, ADAG's
+  workers one plain SGD step), that is SGD on the concatenated batch, not W steps.
 
 The single-process references are plain torch in this process; the model, data, seed
 and batches come from tests/mpi_scripts/equivalence_common.py, which the MPI scripts use.
@@ -103,12 +106,24 @@ DOWNPOUR_RUNS = {
     "downpour-async-plain": dict(master_optimizer=f"sgd(lr={common.LR})"),
 }
 EASGD_RUNS = {"easgd-async": dict(), "easgd-sync": dict(synchronous=True)}
+# 1 master + 4 workers, synchronous, one batch per round. GEM's pi is pinned to 1 (pi_max 1,
+# kappa so large that the clip always bites, no proxy momentum), so each worker sends
+# -lr * g_i; ADAG's and DynSGD's workers take one plain SGD step and send the same.
+# 97 samples: the shards' batches differ by one sample, so the round's mean must be
+# sample-weighted to equal the concatenated batch.
+ROUND_WORKERS, ROUND_TRAIN = 4, 97
+ROUND_RUNS = {
+    "gem-sync": dict(algorithm=f"gem(lr={common.LR}, momentum=0.0, kappa=1e9, pi_max=1.0)"),
+    "adag-sync": dict(algorithm="adag", worker_optimizer=f"sgd(lr={common.LR})"),
+    "dynsgd-sync": dict(algorithm="dynsgd", worker_optimizer=f"sgd(lr={common.LR})"),
+}
 
 
 @pytest.fixture(scope="module")
 def api_runs(tmp_path_factory):
-    """One `mpiexec -n 3` job: the Downpour runs on 2 of the ranks (one master, one
-    worker, through nbdist.train(comm=...)), the EASGD runs on all 3 (two workers)."""
+    """One `mpiexec -n 5` job: the Downpour runs on 2 of the ranks (one master, one
+    worker, through nbdist.train(comm=...)), the EASGD runs on 3 (two workers), the
+    synchronous rounds on all 5 (four workers)."""
     from conftest import run_mpi
 
     runs_dir = tmp_path_factory.mktemp("api")
@@ -119,9 +134,12 @@ def api_runs(tmp_path_factory):
     runs += [dict(base, run_name=name, ranks=3, algorithm="easgd(elastic_force=0.0)",
                   worker_optimizer=common.OPTIMIZER, **extra)
              for name, extra in EASGD_RUNS.items()]
+    runs += [dict(base, run_name=name, ranks=1 + ROUND_WORKERS, n_train=ROUND_TRAIN, synchronous=True,
+                  sync_every=1, **extra)
+             for name, extra in ROUND_RUNS.items()]
     spec = runs_dir / "runs.json"
     spec.write_text(json.dumps(runs))
-    done = run_mpi(3, [str(SCRIPTS / "api_train.py"), str(spec)], timeout=240)
+    done = run_mpi(1 + ROUND_WORKERS, [str(SCRIPTS / "api_train.py"), str(spec)], timeout=300)
     assert done.returncode == 0, done.output
     assert done.stdout.count("OK ") == len(runs), done.output
     return runs_dir
@@ -171,3 +189,36 @@ def test_easgd_zero_elastic_force_leaves_the_centre_unchanged(api_runs, name):
     assert len({h["val_loss"] for h in history}) == 1, history
     # ...while the two workers, free of the centre, do learn.
     assert history[-1]["train_loss"] < history[0]["train_loss"] - 0.05, history
+
+
+def big_batch_sgd_weights(workers: int, n_train: int) -> dict[str, np.ndarray]:
+    """Single-process plain SGD, one step per round on the concatenation of the round's
+    batches of every worker (the shards nbdist's workers train on, in their order)."""
+    data = common.make_data(n_train)
+    x, y = torch.from_numpy(data.x_train), torch.from_numpy(data.y_train)
+    model = common.initial_model(API_SEED)
+    opt = torch.optim.SGD(model.parameters(), lr=common.LR)
+    loss_fn = nn.CrossEntropyLoss()
+    plan = ShardPlan(data.n_train, workers, API_BATCH, API_SEED)
+    for epoch in range(API_EPOCHS):
+        assert len(set(plan.step_sizes(epoch).ravel())) > 1  # unequal batches: weighting matters
+        shards = [plan.epoch(epoch, w) for w in range(workers)]
+        for step in range(plan.batches_per_epoch):
+            batch = np.concatenate([shard[step] for shard in shards])
+            opt.zero_grad()
+            loss_fn(model(x[batch]), y[batch]).backward()
+            opt.step()
+    return state_dict_arrays(model)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", list(ROUND_RUNS))
+def test_a_synchronous_round_is_one_step_on_the_mean(api_runs, name):
+    expected = big_batch_sgd_weights(ROUND_WORKERS, ROUND_TRAIN)
+    initial = state_dict_arrays(common.initial_model(API_SEED))
+    assert moved(expected, initial) > 0.05
+    got = load_file(str(api_runs / name / "final" / "model.safetensors"))
+    assert_weights_close(got, expected)
+    summary = json.loads((api_runs / name / "summary.json").read_text())
+    assert summary["epochs_run"] == API_EPOCHS
+    assert all(h["samples"] == ROUND_TRAIN for h in summary["history"])

@@ -295,32 +295,41 @@ def test_an_epoch_the_top_master_never_took_survives_stop_and_resume(job):
 
 
 # ------------------------------------------------------------------ the merge rule
-def test_a_synchronous_easgd_round_under_a_sub_master_equals_one_master():
-    """Without MPI: top master + sub-master (2 workers each, merged by delta) move the
-    centre exactly as one master with all 4 workers does, because the elastic force is
-    bound to every worker of the run."""
+@pytest.mark.parametrize("spec", ["easgd", "gem", "adag", "dynsgd", "downpour"])
+def test_a_synchronous_round_under_a_sub_master_equals_one_master(spec):
+    """Without MPI: top master + sub-master (2 workers each) move the centre exactly as
+    one master with all 4 workers does. Each applies the rule to its own workers from the
+    same centre; the top master merges the two steps with merge_master_steps, as
+    topology/master.py does: their mean for the averaging rules, their sum for EASGD,
+    whose elastic force is bound to every worker of the run."""
+    import torch
+
     from nbdist.algorithms import make_algorithm
     from nbdist.algorithms.base import Update
+    from nbdist.backends.torch import TorchFlatOptimizer
     from nbdist.specs import parse_spec
-    from nbdist.topology.hierarchy import merge_delta
 
     rng = np.random.default_rng(0)
     center = rng.standard_normal(50).astype(np.float32)
-    workers = [rng.standard_normal(50).astype(np.float32) for _ in range(4)]
+    payloads = [rng.standard_normal(50).astype(np.float32) for _ in range(4)]
 
-    def rule():
-        algorithm = make_algorithm(parse_spec("easgd"))
+    def master(start):
+        algorithm = make_algorithm(parse_spec(spec))
         algorithm.bind(4)
-        return algorithm, algorithm.new_master_state(50)
+        centre = start.copy()
+        opt = (TorchFlatOptimizer(torch.optim.SGD, parse_spec("sgd(lr=0.1)"), centre)
+               if algorithm.uses_master_optimizer else None)
+        return algorithm, algorithm.new_master_state(50), centre, opt
 
-    flat_rule, flat_state = rule()
-    flat = center.copy()
-    flat_rule.master_apply(flat_state, flat, [Update(w.copy(), 0, 32) for w in workers], None)
+    def apply(start, workers):
+        algorithm, state, centre, opt = master(start)
+        algorithm.master_apply(state, centre, [Update(payloads[w].copy(), 0, 32) for w in workers], opt)
+        return algorithm, centre
 
-    top_rule, top_state = rule()
-    sub_rule, sub_state = rule()
-    top, sub = center.copy(), center.copy()
-    sub_rule.master_apply(sub_state, sub, [Update(w.copy(), 0, 32) for w in workers[2:]], None)
-    top_rule.master_apply(top_state, top, [Update(w.copy(), 0, 32) for w in workers[:2]], None)
-    merge_delta(top, sub - center)
-    np.testing.assert_allclose(top, flat, rtol=1e-5, atol=1e-6)
+    _, flat = apply(center, [0, 1, 2, 3])
+    top_rule, top = apply(center, [0, 1])
+    _, sub = apply(center, [2, 3])
+    merged = center.copy()
+    top_rule.merge_master_steps(merged, [Update(top - center, 0, 2), Update(sub - center, 0, 2)])
+    assert np.abs(flat - center).max() > 0.05
+    np.testing.assert_allclose(merged, flat, rtol=1e-5, atol=1e-6)

@@ -279,7 +279,7 @@ def test_early_stopping(job, name):
 @pytest.mark.parametrize("name, needles", [
     ("keras-torch-optimizer", ["'rprop' is a PyTorch optimizer (torch.optim)", "the model is a Keras model",
                                "keras.optimizers", "rmsprop"]),
-    ("gan-downpour", ["--gan trains with easgd or adag", "downpour sends gradients"]),
+    ("gan-downpour", ["--gan trains with easgd, adag or dynsgd", "downpour sends gradients"]),
 ])
 def test_mixed_or_unsupported_input_is_one_clear_error(job, name, needles):
     assert job.codes[name] == 2

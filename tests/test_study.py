@@ -35,6 +35,35 @@ def test_parameters_set_the_options_they_name_and_the_optimiser_that_trains():
     assert trial_options(TrainOptions(algorithm="easgd"), {"optimizer": "rmsprop"}).worker_optimizer == "rmsprop()"
 
 
+def test_lr_and_momentum_reach_the_part_that_trains_with_them():
+    # GEM has no optimiser: its own lr and momentum, the rule's other arguments kept.
+    gem = trial_options(TrainOptions(algorithm="gem(kappa=2.0)"), {"lr": 0.02, "momentum": 0.8})
+    assert gem.algorithm == "gem(kappa=2.0, lr=0.02, momentum=0.8)"
+    assert gem.worker_optimizer is None and gem.master_optimizer is None
+    assert trial_options(TrainOptions(algorithm="gem"), {"lr": 0.01}).algorithm == "gem(lr=0.01)"
+    with pytest.raises(TrialError, match="'optimizer' does not apply to gem.*lr and momentum"):
+        trial_options(TrainOptions(algorithm="gem"), {"optimizer": "adam"})
+    # The workers' optimiser for the rules whose workers train (the options' or the default).
+    for rule in ("easgd", "adag", "dynsgd"):
+        opts = trial_options(TrainOptions(algorithm=rule), {"lr": 0.03, "momentum": 0.5})
+        assert opts.worker_optimizer == "sgd(lr=0.03, momentum=0.5)" and opts.algorithm == rule
+    # Downpour pushing every batch: the master's (default plain sgd), its momentum too.
+    downpour = trial_options(TrainOptions(), {"momentum": 0.9})
+    assert downpour.master_optimizer == "sgd(lr=0.1, momentum=0.9)" and downpour.worker_optimizer is None
+    local = trial_options(TrainOptions(sync_every=4), {"momentum": 0.9})
+    assert local.worker_optimizer is not None and "momentum=0.9" in local.worker_optimizer
+    assert local.master_optimizer is None
+    # An optimiser without momentum: the trial's run fails at set-up with one error naming both.
+    from nbdist.backends.torch import TorchBackend
+    from nbdist.specs import SpecError, parse_spec
+    from torch import nn
+
+    adam = trial_options(TrainOptions(algorithm="easgd", worker_optimizer="adam(lr=0.001)"), {"momentum": 0.9})
+    assert adam.worker_optimizer == "adam(lr=0.001, momentum=0.9)"
+    with pytest.raises(SpecError, match="optimizer 'adam' takes no parameter 'momentum'"):
+        TorchBackend(nn.Linear(2, 2)).make_optimizer(parse_spec(adam.worker_optimizer))
+
+
 def test_builders_get_the_parameters_when_they_take_them():
     params = {"hidden": 7}
     assert with_params(lambda p: p["hidden"] * 2, params)() == 14

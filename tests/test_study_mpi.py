@@ -76,7 +76,8 @@ def test_a_study_on_digits_with_groups_and_folds(mpirun, tmp_path):
 
 
 def test_a_killed_study_resumes_with_only_its_unfinished_trials(tmp_path):
-    argv = _study_argv(tmp_path, "--trials", "6", "--groups", "2", "--study-name", "killed")
+    # GEM: the space's lr is GEM's own (it has no optimiser), and its trials train.
+    argv = _study_argv(tmp_path, "--trials", "6", "--groups", "2", "--study-name", "killed", "--algorithm", "gem")
     job = subprocess.Popen(mpiexec_command(5, argv), cwd=ROOT, env=mpi_env(), stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
@@ -102,7 +103,8 @@ def test_a_killed_study_resumes_with_only_its_unfinished_trials(tmp_path):
         before = {t.number: t.state for t in store.trials("killed")}
     finished_before = {n for n, s in before.items() if s == "complete"}
 
-    resumed = subprocess.run(mpiexec_command(5, _study_argv(tmp_path, "--groups", "2", "--resume-study", "killed")),
+    resumed = subprocess.run(mpiexec_command(5, _study_argv(tmp_path, "--groups", "2", "--resume-study", "killed",
+                                                            "--algorithm", "gem")),
                              cwd=ROOT, env=mpi_env(), capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
     assert f"resuming study killed: {len(finished_before)} trials finished" in resumed.stdout, before
@@ -115,9 +117,13 @@ def test_a_killed_study_resumes_with_only_its_unfinished_trials(tmp_path):
             completed = [r for r in runs[t.number] if r.status == "completed"]
             # None trained twice to the end; the ones that were cut off left a killed run.
             assert len(completed) == 1, (t.number, [(r.id, r.status) for r in runs[t.number]])
+            assert completed[0].options["algorithm"] == f"gem(lr={float(t.params['lr'])!r})", completed[0].options
+            assert completed[0].options["worker_optimizer"] is None
+            assert t.fom is not None and t.fom < 2.3, t  # val_loss below chance (ln 10 = 2.30): it learnt
             if t.number in finished_before:
                 assert len(runs[t.number]) == 1
         # Whatever was cut off mid-training left a killed run (a trial cut off between its
         # runs' end and its record is recovered from those runs instead of trained again).
         killed = [r for rs in runs.values() for r in rs if r.status == "killed"]
         assert len(killed) + recovered >= 1
+        assert min(t.fom for t in trials) < 1.0, trials  # the larger lr learn digits well in 3 epochs

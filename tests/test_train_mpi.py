@@ -211,6 +211,35 @@ def test_asynchronous_updates_are_stale_and_every_worker_is_served(batches, name
     assert max(h["staleness_max"] for h in history) == max(staleness)
 
 
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", ["downpour", "gem", "easgd", "adag"])
+def test_staleness_is_counted_as_each_update_of_a_batch_is_applied(batches, name):
+    """The master applies the messages that one Testsome found ready one after the other,
+    each at its own version, and answers them after the batch: every reply carries the
+    version at the batch's end. So a worker's next update, computed from that reply,
+    says where the batch of its previous update ended (version - 1 - staleness when
+    staleness is counted as the update is applied). The update right after a worker's in
+    the same batch is applied one version later: it is at least 1 stale."""
+    updates = _updates(batches[5].run(name))
+    by_worker: dict[int, list[dict]] = {}
+    for u in updates:
+        by_worker.setdefault(u["source_rank"], []).append(u)
+    at_version = {u["version"]: u for u in updates}
+    batched = 0
+    for mine in by_worker.values():
+        # The first update of each worker was computed from the initial weights (version 0).
+        assert mine[0]["version"] - 1 - mine[0]["staleness"] == 0, mine[0]
+        for previous, update in zip(mine, mine[1:]):
+            batch_end = update["version"] - 1 - update["staleness"]
+            assert batch_end >= previous["version"], (previous, update)
+            if batch_end > previous["version"]:
+                batched += 1
+                second = at_version[previous["version"] + 1]
+                assert second["staleness"] >= 1, (previous, second)
+    # 4 workers on 5 ranks of a small box: the master often finds several messages ready.
+    assert batched > 0, "no batch of two or more updates in the whole run"
+
+
 # ---------------------------------------------------------------- stopping decisions
 @pytest.mark.timeout(900)
 def test_target_stops_the_run_early(batches):

@@ -5,15 +5,16 @@ from __future__ import annotations
 from nbdist.algorithms.adag import ADAG
 from nbdist.algorithms.base import Algorithm, RuleState, Update
 from nbdist.algorithms.downpour import Downpour
+from nbdist.algorithms.dynsgd import DynSGD
 from nbdist.algorithms.easgd import EASGD
 from nbdist.algorithms.gem import GEM
 from nbdist.specs import Spec, SpecError, check_kwargs, unknown_name
 
-__all__ = ["Algorithm", "RuleState", "Update", "Downpour", "EASGD", "GEM", "ADAG",
+__all__ = ["Algorithm", "RuleState", "Update", "Downpour", "EASGD", "GEM", "ADAG", "DynSGD",
            "MASTER_WORKER_ALGORITHMS", "make_algorithm"]
 
 MASTER_WORKER_ALGORITHMS: dict[str, type[Algorithm]] = {
-    cls.name: cls for cls in (Downpour, EASGD, GEM, ADAG)
+    cls.name: cls for cls in (Downpour, EASGD, GEM, ADAG, DynSGD)
 }
 
 

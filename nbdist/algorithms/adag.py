@@ -1,14 +1,22 @@
-"""ADAG: asynchronous distributed adaptive gradients (Hermans, "Distributed Deep Learning").
+"""ADAG: asynchronous distributed adaptive gradients (J. Hermans, "Distributed Deep
+Learning", master's thesis, Maastricht University 2017, chapter "Asynchronous Distributed
+Adaptive Gradient"). The update below is that of his reference implementation, dist-keras
+(github.com/cerndb/dist-keras): `ADAGWorker` in distkeras/workers.py sends
+`(W2 - W1) / communication_window`, and `ADAGParameterServer` in
+distkeras/parameter_servers.py does `center_variable + residual`. (The thesis draft in
+the project's reference reading names the chapter but leaves it empty.)
 
 Workers take `sync_every` (lambda) local steps with their own optimiser and send the
 accumulated displacement normalised by lambda (accumulated gradient normalisation), so
-the centre moves by an average step rather than lambda of them. The master scales each
-update by how stale it is:
+the centre moves by an average step rather than lambda of them. The master adds each
+update as it is:
 
     update   = (x_local - x_pulled) / lambda
-    centre  <- centre + update / (1 + staleness)
+    centre  <- centre + update
 
-Stale updates, computed from a centre many versions old, count for less.
+The normalisation is ADAG's whole answer to staleness: there is no 1/(1 + staleness)
+discount (that is DynSGD, nbdist.algorithms.dynsgd). A synchronous round adds the
+sample-weighted mean of its updates (one average step, not W of them).
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ from typing import Sequence
 
 import numpy as np
 
-from nbdist.algorithms.base import Algorithm, RuleState, Update
+from nbdist.algorithms.base import Algorithm, RuleState, Update, weighted_mean
 from nbdist.backends.base import FlatOptimizer
 
 
@@ -58,8 +66,5 @@ class ADAG(Algorithm):
         state.pulled[:] = reply
 
     def master_apply(self, state, center, updates: Sequence[Update], opt: FlatOptimizer | None):
-        for u in updates:
-            if u.staleness:
-                u.payload *= np.float32(1.0 / (1.0 + u.staleness))
-            center += u.payload
+        center += weighted_mean(updates)
         return [center] * len(updates)

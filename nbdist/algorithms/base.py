@@ -8,6 +8,11 @@ worker:  once, with the initial weights      `worker_start`
          when it is time to sync           `worker_message` (fill the payload to send)
          when the master's reply arrives   `worker_reply`   (apply it to the local weights)
 master:  on updates from workers           `master_apply`   (move the centre; say what to reply)
+top master, with sub-masters (--masters > 1): on the masters' steps  `merge_master_steps`
+
+A synchronous round averages its updates, sample-weighted (`weighted_mean`), whatever
+the rule: one round is one step on the mean, as one worker with the round's samples
+would take (EASGD's elastic round is that average too, see easgd.py).
 
 Optimisers are passed in as `FlatOptimizer` objects (the backend makes them), so the
 rules never name a framework.
@@ -24,7 +29,7 @@ import numpy as np
 from nbdist.backends.base import FlatOptimizer
 from nbdist.specs import ValueRange
 
-__all__ = ["Algorithm", "RuleState", "Update", "MOMENTUM"]
+__all__ = ["Algorithm", "RuleState", "Update", "MOMENTUM", "weighted_mean"]
 
 # The momentum of a rule's velocity: at 1 or above it never decays and the run diverges.
 MOMENTUM = ValueRange(0.0, 1.0, high_open=True)
@@ -56,8 +61,9 @@ class Update:
     """One worker's message as the master sees it."""
 
     payload: np.ndarray  # the worker_message array (the master may overwrite it)
-    staleness: int  # master version now - version the worker computed from
+    staleness: int  # master version when applied - version the worker computed from
     samples: int  # samples behind this update (weights synchronous averages)
+    version: int = 0  # the master version the worker computed from (staleness is set from it when applied)
 
 
 class Algorithm(ABC):
@@ -117,6 +123,15 @@ class Algorithm(ABC):
         """Fold `updates` into `center` (one update when asynchronous, one per worker
         when synchronous) and return, per update, the array to send back."""
 
+    def merge_master_steps(self, center: np.ndarray, steps: Sequence[Update]) -> None:
+        """The top master's rule for the masters' steps (topology/hierarchy.py): each
+        payload is one master's displacement of the centre, its rule applied to its own
+        workers' updates, and `samples` weighs it (the workers behind it). Asynchronous,
+        one step comes at a time and is added as it is (the sub-master already applied
+        the rule); a synchronous round's steps all start from the same centre, and their
+        weighted mean is the step of one master averaging every worker's update."""
+        center += weighted_mean(steps)
+
 
 @dataclass(slots=True)
 class _NoState(RuleState):
@@ -124,11 +139,15 @@ class _NoState(RuleState):
 
 
 def weighted_mean(updates: Sequence[Update]) -> np.ndarray:
-    """Sample-weighted mean of the payloads: equal to the gradient of the concatenated batch."""
+    """Sample-weighted mean of the payloads: for gradients, the gradient of the
+    concatenated batch. Updates that carry no samples count equally."""
     if len(updates) == 1:
         return updates[0].payload
-    total = sum(u.samples for u in updates)
-    out = updates[0].payload * np.float32(updates[0].samples / total)
-    for u in updates[1:]:
-        out += u.payload * np.float32(u.samples / total)
+    weights = [float(u.samples) for u in updates]
+    total = sum(weights)
+    if total <= 0:
+        weights, total = [1.0] * len(updates), float(len(updates))
+    out = updates[0].payload * np.float32(weights[0] / total)
+    for u, w in zip(updates[1:], weights[1:]):
+        out += u.payload * np.float32(w / total)
     return out

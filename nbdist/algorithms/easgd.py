@@ -1,4 +1,5 @@
-"""Elastic Averaging SGD (Zhang, Choromanska & LeCun, 2015).
+"""Elastic Averaging SGD (Zhang, Choromanska & LeCun, "Deep learning with Elastic Averaging
+SGD", NIPS 2015, arXiv:1412.6651).
 
 Workers train freely with their own optimiser and every `sync_every` steps are pulled
 towards the centre by an elastic force, while the centre is pulled towards them:
@@ -11,8 +12,25 @@ towards the centre by an elastic force, while the centre is pulled towards them:
 
 The worker sends its weights x_i; the master computes diff_i against the centre it
 holds *now* (so the elastic step never uses a stale centre), replies with diff_i, and
-moves the centre. Both elastic parameters act (NNLO accepted and ignored them); with
-elastic_force = 0 the centre never moves and the workers train independently.
+moves the centre. With elastic_momentum = 0 (the default) this is Zhang et al.'s
+asynchronous EASGD (their Algorithm 1) and, for a synchronous round, their synchronous
+EASGD (section 3). With elastic_force = 0 the centre never moves and the workers train
+independently.
+
+A synchronous round is already the average form that every rule's round takes
+(base.py): with alpha = 0.9 / W (beta = W * alpha = 0.9, Zhang et al.'s choice),
+
+    sum_i alpha * (x_i - centre) = beta * (mean_i x_i - centre),
+
+the centre moves 90% of the way to the workers' mean, whatever W. It is kept as the sum
+of the workers' elastic forces because each worker is pulled by its own alpha * (x_i -
+centre): the force is symmetric, and the round is exactly Zhang's.
+
+`elastic_momentum` is momentum on the centre's elastic moves (the velocity u above, a
+heavy ball on the centre), an nbdist addition. It is NOT Zhang et al.'s EAMSGD, whose
+momentum is Nesterov momentum on each worker's local gradient steps (their Algorithm 2):
+for that, give the workers a momentum optimiser, e.g.
+`--worker-optimizer "sgd(lr=0.01, momentum=0.9, nesterov=True)"`.
 """
 
 from __future__ import annotations
@@ -97,3 +115,9 @@ class EASGD(Algorithm):
             state.velocity += u.payload
         center += state.velocity
         return [u.payload for u in updates]
+
+    def merge_master_steps(self, center, steps: Sequence[Update]) -> None:
+        # alpha is bound to every worker of the run (bind), so each master's step is its
+        # workers' share of the elastic round: the round is their sum, not their mean.
+        for step in steps:
+            center += step.payload

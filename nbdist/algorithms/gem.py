@@ -11,7 +11,8 @@ that the kinetic energy of the central variable matches that of a proxy: momentu
     send    -pi_t * lr * g_t ;   master: centre += update
 
 The rescaling runs on the workers (they see the centre at every pull), which keeps
-the master's work to one addition per update.
+the master's work to one addition per update. GEM is an asynchronous rule; a synchronous
+round adds the sample-weighted mean of its W updates (one proxy step, not W of them).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
-from nbdist.algorithms.base import MOMENTUM, Algorithm, RuleState, Update
+from nbdist.algorithms.base import MOMENTUM, Algorithm, RuleState, Update, weighted_mean
 from nbdist.backends.base import FlatOptimizer
 from nbdist.specs import ValueRange
 
@@ -101,6 +102,5 @@ class GEM(Algorithm):
         params[:] = reply
 
     def master_apply(self, state, center, updates: Sequence[Update], opt: FlatOptimizer | None):
-        for u in updates:
-            center += u.payload
+        center += weighted_mean(updates)
         return [center] * len(updates)

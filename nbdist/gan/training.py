@@ -12,7 +12,7 @@ and the worker optimiser's `step`, called by the topology as for any model, move
 generator. The topology then synchronises the flat [generator | discriminator] buffer:
 both models together, after both trained on the batch. So the update rules that work
 for a GAN are those whose workers train with their own optimiser and send their weights
-(EASGD, ADAG); gradient-pushing rules would never move the discriminator.
+(EASGD, ADAG, DynSGD); gradient-pushing rules would never move the discriminator.
 
 Metrics: `loss` is the discriminator's loss and `metric` ("mmd") the MMD^2 between the
 real samples and as many generated ones (the validation set against fixed noise:
@@ -137,7 +137,7 @@ class GanTraining(Backend):
 
     def make_optimizer(self, spec: Spec, params: np.ndarray | None = None) -> FlatOptimizer:
         if params is not None and params is not self.params:
-            raise ModelError("a GAN trains with worker optimizers only (easgd, adag); its master takes none")
+            raise ModelError("a GAN trains with worker optimizers only (easgd, adag, dynsgd); its master takes none")
         generator = super().make_optimizer(spec, self.params[self.g_part])
         self._d_opt = super().make_optimizer(spec, self.params[self.d_part])
         return GanOptimizer(spec, generator, self._d_opt, self.g_part)

@@ -6,9 +6,13 @@ A trial's parameters reach the training three ways:
   build_discriminator likewise; a builder without an argument ignores them);
 - a parameter named like a training option sets it for the trial (`batch_size`,
   `epochs`, `sync_every`, `algorithm`, `worker_optimizer`, ...);
-- `optimizer` and `lr` set the optimiser that trains: the workers' (allreduce, EASGD,
-  ADAG, Downpour with local steps), or the master's for Downpour pushing every batch;
-  either alone keeps the other from the options' optimiser.
+- `optimizer`, `lr` and `momentum` go to the part that trains with them: the workers'
+  optimiser (allreduce, EASGD, ADAG, DynSGD, Downpour with local steps), the master's
+  for Downpour pushing every batch, and for GEM, which has no optimiser, its own `lr`
+  and `momentum` (`--algorithm "gem(lr=..., momentum=...)"`; an `optimizer` parameter
+  is an error there). What the study does not set keeps the options' value; another
+  optimiser starts from its own defaults. An optimiser without momentum (adam) given
+  `momentum` fails its trials with the optimiser's error, which names both.
 
 K-fold cross-validation splits the training set into `folds` parts, stratified by label
 for classification; fold f validates on part f and trains on the rest. The validation
@@ -25,6 +29,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from nbdist.algorithms import MASTER_WORKER_ALGORITHMS
 from nbdist.errors import UserError
 from nbdist.options import StudyOptions, TrainOptions, parse_target
 from nbdist.specs import parse_spec
@@ -32,7 +37,9 @@ from nbdist.specs import parse_spec
 __all__ = ["Trial", "TrialError", "trial_options", "with_params", "fold_split", "fold_fom", "run_name",
            "watched_metrics"]
 
-OPTIMIZER_PARAMS = ("optimizer", "lr")
+OPTIMIZER_PARAMS = ("optimizer", "lr", "momentum")
+# The numeric ones, passed as arguments of the optimiser (or of GEM).
+STEP_PARAMS = ("lr", "momentum")
 
 
 class TrialError(UserError):
@@ -69,23 +76,46 @@ def trial_options(options: TrainOptions, params: dict[str, Any]) -> TrainOptions
     names = {f.name for f in dataclasses.fields(TrainOptions)}
     changes = {k: v for k, v in params.items() if k in names}
     if any(k in params for k in OPTIMIZER_PARAMS):
-        target = _optimizer_option(options.replace(**changes))
-        current = getattr(options.replace(**changes), target) or _default_optimizer(target)
-        spec = parse_spec(current, what=f"--{target.replace('_', '-')}")
-        name = str(params.get("optimizer", spec.name))
-        kwargs = {} if name != spec.name else dict(spec.kwargs)  # another optimiser: its own defaults
-        if "lr" in params:
-            kwargs["lr"] = float(params["lr"])
-        args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
-        changes[target] = f"{name}({args})"
+        trial = options.replace(**changes)
+        target = _optimizer_option(trial)
+        if target == "algorithm":
+            changes[target] = _rule_with_params(str(trial.algorithm), params)
+        else:
+            current = getattr(trial, target) or _default_optimizer(target)
+            spec = parse_spec(current, what=f"--{target.replace('_', '-')}")
+            name = str(params.get("optimizer", spec.name))
+            kwargs = {} if name != spec.name else dict(spec.kwargs)  # another optimiser: its own defaults
+            changes[target] = _spec_text(name, kwargs, params)
     return options.replace(**changes)
 
 
+def _spec_text(name: str, kwargs: dict[str, Any], params: dict[str, Any]) -> str:
+    kwargs = {**kwargs, **{k: float(params[k]) for k in STEP_PARAMS if k in params}}
+    args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+    return f"{name}({args})"
+
+
+def _rule_with_params(algorithm: str, params: dict[str, Any]) -> str:
+    """GEM's own lr and momentum: it has no optimiser to take them."""
+    spec = parse_spec(algorithm, what="--algorithm")
+    if "optimizer" in params:
+        raise TrialError(f"the study's parameter 'optimizer' does not apply to {spec.name}: its workers take no "
+                         f"optimizer but step with its own lr and momentum; tune those (e.g. --space "
+                         f"\"lr=log(1e-3,1e-1) momentum=real(0.5,0.99)\")")
+    return _spec_text(spec.name, dict(spec.kwargs), params)
+
+
 def _optimizer_option(options: TrainOptions) -> str:
-    """Which optimiser trains: Downpour pushing every batch steps on the master only."""
-    algorithm = (options.algorithm or ("sgd" if options.topology == "allreduce" else "downpour")).split("(")[0]
-    sync_every = options.sync_every or 1
-    if options.topology == "master-worker" and algorithm == "downpour" and sync_every == 1:
+    """Which part trains with the optimiser parameters: a rule without optimisers (GEM)
+    itself, Downpour pushing every batch its master's optimiser, else the workers'."""
+    if options.topology != "master-worker":
+        return "worker_optimizer"
+    rule = MASTER_WORKER_ALGORITHMS.get(parse_spec(options.algorithm or "downpour", what="--algorithm").name)
+    if rule is None:  # the run's set-up names the valid ones
+        return "worker_optimizer"
+    if not (rule.uses_worker_optimizer or rule.uses_master_optimizer):
+        return "algorithm"
+    if rule.uses_master_optimizer and (options.sync_every or rule.default_sync_every) == 1:
         return "master_optimizer"
     return "worker_optimizer"
 

@@ -15,15 +15,18 @@ an error, it pushes the top master its displacement since it last pulled,
 
 waits for the reply (the top centre) and continues from it. The push comes before the
 round's replies, so its workers continue from the merged centre. The top master merges
-a delta as one update, `centre += delta` (whatever the rule: the sub-master already
-applied the rule to its workers' updates), with its staleness counted in top versions;
-synchronous, its round waits for its workers and every sub-master, so nothing is stale.
-
-A synchronous round thus moves the centre by the sum of the masters' steps from the same
-centre. For EASGD (and GEM, ADAG) that is exactly one master serving all the workers,
-because the elastic force is bound to every worker of the run (train/context.py); a
-Downpour master steps its own optimiser on its own workers' mean gradient, so the
-centre takes N_M such steps per round, as asynchronous Downpour applies every push.
+the masters' steps with the rule's `merge_master_steps` (algorithms/base.py), with each
+push's staleness counted in top versions. Asynchronous, a delta is added as it is
+(whatever the rule: the sub-master already applied the rule to its workers' updates).
+Synchronous, the top's round waits for its own workers and every sub-master, so nothing
+is stale, and every master's step starts from the same centre: the round moves the
+centre by their mean, weighted by the workers behind each (equal masters, equal
+weights), the top master's own step (its rule on its own workers) being one of them.
+As every master averages its own workers' updates, that is one master averaging all
+the workers' (GEM, ADAG, DynSGD; Downpour with a plain sgd master, and with momentum
+each master keeps its own velocity). EASGD's steps are summed instead: its elastic force
+is bound to every worker of the run (train/context.py), so each master's step is its
+workers' share of one elastic round, and the sum is exactly one master serving them all.
 
 Message, as a worker's: [header | delta | model state] (the state is the mean of its
 workers'), VERSION = the top version of the last pull. Its header forwards
@@ -88,12 +91,7 @@ from nbdist.transport.deadlines import Silence
 from nbdist.transport.faults import RankLost, RankSilent
 from nbdist.transport.waiting import CommFailure, WaitTimeout, wait_all
 
-__all__ = ["run_sub_master", "sub_master_clients", "merge_delta"]
-
-
-def merge_delta(center: np.ndarray, delta: np.ndarray) -> None:
-    """The top master's rule for a sub-master's push: its displacement, added as is."""
-    center += delta
+__all__ = ["run_sub_master", "sub_master_clients"]
 
 
 def sub_master_clients(ctx: RankContext) -> list[Client]:
@@ -101,8 +99,9 @@ def sub_master_clients(ctx: RankContext) -> list[Client]:
     layout, role = ctx.layout, ctx.role
     masters = [r for r in layout.fold_ranks(role.group, role.fold) if layout.role(r).kind == "master"]
     n, s = ctx.backend.params.size, ctx.backend.state.size
-    return [Client(ctx.comms.masters, j, SUB_MASTER, rank, m.Message(n, s), merge=merge_delta,
-                   weight=layout.workers, silence=Silence(ctx.options.peer_timeout))
+    return [Client(ctx.comms.masters, j, SUB_MASTER, rank, m.Message(n, s),
+                   merge=ctx.algorithm.merge_master_steps, weight=layout.workers,
+                   silence=Silence(ctx.options.peer_timeout))
             for j, rank in enumerate(masters) if j > 0]
 
 

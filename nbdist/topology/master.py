@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -86,7 +86,7 @@ class Client:
     kind: str  # WORKER or SUB_MASTER
     world_rank: int
     inbox: m.Message
-    merge: Callable[[np.ndarray, np.ndarray], None] | None = None
+    merge: Callable[[np.ndarray, Sequence[Update]], None] | None = None  # Algorithm.merge_master_steps
     weight: int = 1  # workers whose model state (BatchNorm statistics) its messages carry
     silence: Silence = field(default_factory=Silence)
 
@@ -488,8 +488,9 @@ def _read_messages(me: Master, ready: list[int]) -> list[tuple[int, Update]]:
             continue
         _tally(me, i, msg)
         me.states[i] = msg.state
-        staleness = me.version - int(msg.header[m.VERSION])
-        updates.append((i, Update(msg.payload, staleness, int(msg.header[m.SAMPLES]))))
+        # Staleness is set when the update is applied (_apply_updates), not now: the
+        # updates of one batch are applied one by one, each one version later.
+        updates.append((i, Update(msg.payload, 0, int(msg.header[m.SAMPLES]), int(msg.header[m.VERSION]))))
     return updates
 
 
@@ -530,15 +531,17 @@ def _apply_updates(me: Master, updates: list[tuple[int, Update]]) -> list[tuple[
         if not group:
             continue
         t0 = time.perf_counter()
+        for _, u in group:
+            u.staleness = me.version - u.version
         from_workers = [(i, u) for i, u in group if me.clients[i].merge is None]
+        from_masters = [(i, u) for i, u in group if me.clients[i].merge is not None]
+        start = me.center.copy() if from_workers and from_masters else None
         if from_workers:
             payloads = ctx.algorithm.master_apply(me.rule_state, me.center, [u for _, u in from_workers], me.opt)
             replies += [(i, payload) for (i, _), payload in zip(from_workers, payloads)]
-        for i, u in group:
-            merge = me.clients[i].merge
-            if merge is not None:
-                merge(me.center, u.payload)
-                replies.append((i, me.center))
+        if from_masters:
+            _merge_masters(me, start, len(from_workers), from_masters)
+            replies += [(i, me.center) for i, _ in from_masters]
         me.version += 1
         me.phases["update"] += time.perf_counter() - t0
         for i, u in group:
@@ -549,6 +552,17 @@ def _apply_updates(me: Master, updates: list[tuple[int, Update]]) -> list[tuple[
             ctx.log.emit("update", {**who, "source_rank": client.world_rank, "staleness": u.staleness,
                                     "version": me.version}, step=me.version, epoch=epoch)
     return replies
+
+
+def _merge_masters(me: Master, start: np.ndarray | None, own_workers: int, pushes: list[tuple[int, Update]]) -> None:
+    """Merge sub-masters' pushes (hierarchy.py) into the centre with their `merge` rule.
+    In a synchronous round this master's own workers moved the centre from `start`
+    too: that step is merged with the pushes as one master's among the others."""
+    steps = [Update(u.payload, u.staleness, me.clients[i].weight, u.version) for i, u in pushes]
+    if start is not None:
+        steps.insert(0, Update(me.center - start, 0, own_workers))
+        me.center[:] = start
+    me.clients[pushes[0][0]].merge(me.center, steps)
 
 
 def reply(me: Master, i: int, kind: float, payload: np.ndarray, *, label: str = "", repost: bool = True) -> None:

@@ -173,7 +173,7 @@ def _check_gan(options: TrainOptions) -> TrainOptions:
     algorithm = make_algorithm(parse_spec(options.algorithm or DEFAULT_GAN_ALGORITHM, what="--algorithm"))
     if not algorithm.sends_weights:
         raise OptionsError(
-            f"--gan trains with easgd or adag, whose workers send their weights (generator and "
+            f"--gan trains with easgd, adag or dynsgd, whose workers send their weights (generator and "
             f"discriminator together); {algorithm.name} sends gradients, which would leave the "
             f"discriminator untrained"
         )

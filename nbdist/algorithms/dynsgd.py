@@ -1,0 +1,38 @@
+"""DynSGD: staleness-dependent learning rate (Jiang, Cui, Zhang & Yu, "Heterogeneity-aware
+Distributed Parameter Servers", SIGMOD 2017); dist-keras implements it as
+`DynSGDParameterServer` (github.com/cerndb/dist-keras, distkeras/parameter_servers.py).
+
+The master scales each update by how stale it is, so that an update computed from a
+centre many versions old counts for less:
+
+    centre  <- centre + update / (1 + staleness)
+
+staleness being the number of updates the master applied between the worker's pull and
+this update. The workers are ADAG's (nbdist.algorithms.adag): `sync_every` local steps
+with their own optimiser, then the displacement since the pull normalised by the window,
+(x_local - x_pulled) / sync_every. (dist-keras' DynSGDWorker sends the displacement
+without dividing it; normalised, `--sync-every` does not change the step size, and
+DynSGD differs from ADAG in the discount alone.) A synchronous round is never stale: it
+adds the sample-weighted mean of its updates, as ADAG does.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from nbdist.algorithms.adag import ADAG
+from nbdist.algorithms.base import Update, weighted_mean
+from nbdist.backends.base import FlatOptimizer
+
+
+class DynSGD(ADAG):
+    name = "dynsgd"
+
+    def master_apply(self, state, center, updates: Sequence[Update], opt: FlatOptimizer | None):
+        for u in updates:
+            if u.staleness:
+                u.payload *= np.float32(1.0 / (1.0 + u.staleness))
+        center += weighted_mean(updates)
+        return [center] * len(updates)
