@@ -142,7 +142,8 @@ class Job:
     def history(self) -> Any:
         """Every metric record so far, one row each, as a pandas DataFrame (values flattened
         into columns): kind 'train' (per rank, a few per second), 'update' (the master's,
-        with staleness), 'epoch' (the run's, with validation), 'phase' and 'run'."""
+        with staleness), 'epoch' (the run's, with validation), 'val' (--validate-every-samples:
+        a validation after samples_seen samples), 'phase' and 'run'."""
         import pandas as pd
 
         rows = [{**{k: v for k, v in r.items() if k != "values"}, **r["values"]} for r in self.records]

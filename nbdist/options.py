@@ -58,6 +58,10 @@ class TrainOptions:
         choices=MOMENTUM_CORRECTIONS)
     seed: int = _opt(0, "seed for weights, shuffling and dropout")
     validate_every: int = _opt(1, "validate every N epochs")
+    validate_every_samples: int | None = _opt(
+        None, "also validate every N training samples (counted over all workers, at least --batch-size): "
+              "'val' records with samples_seen, for samples-to-accuracy finer than an epoch; early stopping, "
+              "--target and the summary keep to the epoch validations")
     early_stopping: int | None = _opt(None, "stop after N validations without improvement of --monitor")
     monitor: str = _opt("val_loss", "metric watched by early stopping: val_loss, val_acc, ...")
     min_delta: float = _opt(0.0, "smallest change of --monitor that counts as an improvement")
@@ -107,6 +111,9 @@ class TrainOptions:
             value = getattr(self, name)
             if value is not None and int(value) < 1:
                 raise OptionsError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        if self.validate_every_samples is not None and self.validate_every_samples < self.batch_size:
+            raise OptionsError(f"--validate-every-samples must be at least one batch (--batch-size "
+                               f"{self.batch_size}), got {self.validate_every_samples}")
         if self.checkpoint_every < 0:
             raise OptionsError("--checkpoint-every must be 0 (only at the end) or more")
         if self.keep_checkpoints < 2:

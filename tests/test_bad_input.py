@@ -199,6 +199,8 @@ CASES = {
                               "--topology", "allreduce"],
                              ["--objective val_acu: this run reports val_loss, val_acc, train_loss",
                               "(did you mean 'val_acc'?)"], None),
+    "validate-every-samples-below-a-batch": (["--validate-every-samples", "0"], [
+        "--validate-every-samples must be at least one batch (--batch-size 32), got 0"], None),
     "resume-missing-directory": (["--resume", "{tmp}/no_such_run"], ["no_such_run: no such directory"], None),
     "resume-not-a-run-directory": (["--resume", "{tmp}"], ["not a run directory (no options.json in it)"], None),
     "runs-dir-under-a-file": (["--runs-dir", "{tmp}/a_file/runs"],

@@ -39,7 +39,8 @@ COUNT_POINTS = """(name) => {
   const doc = Bokeh.documents[0]; if (!doc) return null;
   const figs = [...doc._all_models.values()].filter(m => m.name === name);
   if (figs.length !== 1) return null;
-  return figs[0].renderers.map(r => r.data_source ? r.data_source.get_length() : 0).reduce((a, b) => a + b, 0);
+  return figs[0].renderers.filter(r => !(r.name || "").endsWith("-reference"))  // a fixed line, not the run's
+    .map(r => r.data_source ? r.data_source.get_length() : 0).reduce((a, b) => a + b, 0);
 }"""
 
 

@@ -40,8 +40,10 @@ TOP_WORKERS, SUB_MASTER, SUB_WORKERS = {1, 2}, 3, {4, 5}
 ACCURACY = 0.90
 EPOCHS = 12
 MOMENTUM_MASTER = "sgd(lr=0.1, momentum=0.9)"
+EVERY_SAMPLES = 400
 ACCURACY_RUNS = {
-    "downpour": ["--algorithm", "downpour"],
+    # Also validates every N samples (test_the_top_master_validates_every_n_samples).
+    "downpour": ["--algorithm", "downpour", "--validate-every-samples", str(EVERY_SAMPLES)],
     "downpour-sync": ["--algorithm", "downpour", "--synchronous", "--master-optimizer", MOMENTUM_MASTER],
     "easgd": ["--algorithm", "easgd"],
     "easgd-sync": ["--algorithm", "easgd", "--synchronous"],
@@ -176,6 +178,25 @@ def test_sub_masters_learn_digits(job, name):
     else:
         assert [u["version"] for u in top] == list(range(1, len(top) + 1))
         assert min(u["staleness"] for u in top) >= 0
+
+
+@pytest.mark.timeout(900)
+def test_the_top_master_validates_every_n_samples(job):
+    """It counts its own workers' samples and those each sub-master's push merges (a
+    push's SAMPLES are the sub-master's epoch tally, sent only at its epoch's end)."""
+    run = job.run("downpour")
+    points = [r for r in read_log(run, "val")]
+    assert {r["rank"] for r in points} == {0}  # only the top master validates
+    seen = [r["values"]["samples_seen"] for r in points]
+    intervals = [s // EVERY_SAMPLES for s in seen]
+    assert intervals == sorted(set(intervals)) and intervals[0] >= 1, seen
+    import nbdist.datasets
+
+    total = EPOCHS * nbdist.datasets.digits().n_train
+    # Every sample of all four workers, each once: the sub-master's merged ones included.
+    assert job.summary("downpour")["history"][-1]["samples_seen"] == total
+    assert seen[-1] <= total
+    assert all(0.0 <= r["values"]["val_acc"] <= 1.0 for r in points)
 
 
 # -------------------------------------------------------------- resume, checkpoints

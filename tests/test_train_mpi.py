@@ -42,16 +42,21 @@ ACCURACY = 0.90
 EPOCHS = 12
 DIGITS_TRAIN = 1437  # nbdist.datasets.digits(): 80% of scikit-learn's 1797 images
 MOMENTUM_MASTER = "sgd(lr=0.1, momentum=0.9)"
+BATCH = 32  # the default --batch-size
+# Two of the accuracy runs also validate every N samples (test_validations_every_n_samples):
+# cheaper than runs of their own, and they show that it leaves training as it was.
+EVERY_SAMPLES = 400
+SAMPLED = ["--validate-every-samples", str(EVERY_SAMPLES)]
 ACCURACY_RUNS = {
     # Downpour's default master optimizer is plain sgd: asynchronous pushes already act as
     # momentum. A synchronous round is one big-batch step, which wants momentum back.
-    "downpour": ["--algorithm", "downpour"],
+    "downpour": ["--algorithm", "downpour", *SAMPLED],
     "downpour-sync": ["--algorithm", "downpour", "--synchronous", "--master-optimizer", MOMENTUM_MASTER],
     "easgd": ["--algorithm", "easgd"],
     "easgd-sync": ["--algorithm", "easgd", "--synchronous"],
     "gem": ["--algorithm", "gem(lr=0.05, momentum=0.9, kappa=1.0)"],
     "adag": ["--algorithm", "adag"],
-    "allreduce": ["--topology", "allreduce"],
+    "allreduce": ["--topology", "allreduce", *SAMPLED],
 }
 # Extra runs in the same jobs: {ranks: {name: argv after `train`}}.
 EXTRA_RUNS = {
@@ -170,6 +175,72 @@ def test_procs_per_worker_two(batches):
     assert train_ranks == {1, 2, 3, 4}
     # The second process of each worker keeps its leader's copy of the weights.
     _check_checkpoint_dir(run / "checkpoints" / f"epoch-{EPOCHS:04d}", 5, {2: 1, 4: 3})
+
+
+# ------------------------------------------------------------ validation every N samples
+def _sample_validations(run: Path) -> list[dict]:
+    return [r["values"] for r in read_log(run, "val")]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("n", [3, 5])
+def test_validations_every_n_samples_in_allreduce(batches, n):
+    """Every rank knows the global count at each step, so the validation falls at the step
+    that passes each multiple of N: within one step, BATCH samples per rank, after it."""
+    run = batches[n].run("allreduce")
+    points = _sample_validations(run)
+    total = EPOCHS * DIGITS_TRAIN
+    assert len(points) == total // EVERY_SAMPLES
+    for k, point in enumerate(points, start=1):
+        assert 0 <= point["samples_seen"] - k * EVERY_SAMPLES < BATCH * n, (k, point)
+    _check_values(points)
+    # The epoch records carry the samples seen so far, exact in a synchronous run.
+    history = batches[n].summary("allreduce")["history"]
+    assert [h["samples_seen"] for h in history] == [DIGITS_TRAIN * e for e in range(1, EPOCHS + 1)]
+    _check_curve(run, points, history)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("n", [3, 5])
+def test_validations_every_n_samples_at_an_asynchronous_master(batches, n):
+    """The master validates a copy of the centre in the background, each time the samples
+    of the updates it applied pass another multiple of N, at the end of that turn of its
+    loop (up to one update per worker: BATCH samples each with downpour). A mark passed while
+    the previous validation still runs is validated when that one ends, at the count then:
+    never two points in one interval of N, and none before its mark."""
+    run = batches[n].run("downpour")
+    points = _sample_validations(run)
+    total = EPOCHS * DIGITS_TRAIN
+    assert points, "no validation every N samples"
+    intervals = [p["samples_seen"] // EVERY_SAMPLES for p in points]
+    assert intervals == sorted(set(intervals)) and intervals[0] >= 1, intervals
+    assert points[-1]["samples_seen"] <= total
+    # Each is of the centre at the version it names, later versions for later points.
+    assert [p["version"] for p in points] == sorted({p["version"] for p in points})
+    _check_values(points)
+    history = batches[n].summary("downpour")["history"]
+    seen = [h["samples_seen"] for h in history]
+    assert seen == sorted(seen) and seen[-1] == total, seen
+    _check_curve(run, points, history)
+
+
+def _check_values(points: list[dict]) -> None:
+    assert all(np.isfinite(p["val_loss"]) and p["val_loss"] > 0 for p in points), points
+    assert all(0.0 <= p["val_acc"] <= 1.0 for p in points), points
+    assert max(p["val_acc"] for p in points) >= ACCURACY - 0.05, points  # it learns, and they show it
+
+
+def _check_curve(run: Path, points: list[dict], history: list[dict]) -> None:
+    """The reader merges both kinds of validation points by samples seen."""
+    from nbdist.metrics import samples_to_reach, validation_curve
+
+    curve = validation_curve(run)
+    samples = [s for s, _ in curve]
+    assert samples == sorted(set(samples))
+    assert {p["samples_seen"] for p in points} | {h["samples_seen"] for h in history} == set(samples)
+    reached = samples_to_reach(curve, 0.5)
+    assert reached is not None and reached <= history[-1]["samples_seen"]
+    assert all(v < 0.5 for s, v in curve if s < reached)
 
 
 # ------------------------------------------------------------------------ staleness
@@ -295,6 +366,8 @@ def _assert_same_run(a: Path, b: Path) -> None:
     np.testing.assert_allclose([h["val_loss"] for h in summary_b["history"]],
                                [h["val_loss"] for h in summary_a["history"]], rtol=1e-6)
     assert summary_b["stop_reason"] == "completed 4 epochs"
+    # The samples seen went on from the checkpoint's count (these runs are synchronous: exact).
+    assert [h["samples_seen"] for h in summary_b["history"]] == [h["samples_seen"] for h in summary_a["history"]]
     # The history each checkpoint refers to, stored once: each epoch once.
     assert [json.loads(line) for line in (b / "history.jsonl").read_text().splitlines()] == summary_b["history"]
 

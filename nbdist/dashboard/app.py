@@ -20,7 +20,7 @@ import panel as pn
 
 from nbdist.dashboard.frames import RunFrames
 from nbdist.dashboard.layout_view import layout_html
-from nbdist.dashboard.plots import RunPlots, phase_legend
+from nbdist.dashboard.plots import RunPlots, phase_legend, queue_model_staleness
 from nbdist.dashboard.sources import JobSource, RecordSource, RunInfo, StoreSource, run_choices
 from nbdist.dashboard.study_view import StudyPlots
 from nbdist.store import RunStore, StoreError
@@ -57,7 +57,9 @@ class _RunView:
         first = self.source.poll()
         frames = self.frames.ingest(first)
         metric = self.frames.metric_name or ("mmd" if info.options.get("gan") else "acc")
-        self.plots = RunPlots(ranks, workers, metric=metric)
+        self.plots = RunPlots(ranks, workers, metric=metric,
+                              staleness_reference=queue_model_staleness(info.layout, info.options),
+                              every_samples=info.options.get("validate_every_samples"))
         self.header = pn.pane.Markdown("", sizing_mode="stretch_width", name="nbdist-header")
         self.events = pn.pane.Markdown("", sizing_mode="stretch_width", name="nbdist-events")
         self.event_lines: list[str] = []

@@ -47,9 +47,11 @@ class Frames:
     throughput: dict[int, pd.DataFrame] = field(default_factory=dict)  # t, samples_per_s
     total_throughput: pd.DataFrame | None = None  # t, samples_per_s
     staleness: dict[int, pd.DataFrame] = field(default_factory=dict)  # t, staleness (mean), max
+    staleness_mean: pd.DataFrame | None = None  # t, staleness: the mean over every worker's updates
     staleness_counts: pd.DataFrame | None = None  # rank, staleness, count: the whole table, when it changed
     train_loss: pd.DataFrame | None = None  # t, samples_seen, loss, metric
     epochs: pd.DataFrame | None = None  # epoch, t, samples_seen, train_loss, val_loss, val_<metric>, ...
+    validations: pd.DataFrame | None = None  # t, samples_seen, val_loss, val_<metric>: --validate-every-samples
     timeline: pd.DataFrame | None = None  # x0, y0, x1, y1, rank, phase
     resources: dict[int, pd.DataFrame] = field(default_factory=dict)  # t, cpu_percent, rss_mb
     gan: pd.DataFrame | None = None  # t, samples_seen, d_loss, g_loss, d_real, d_fake (GAN runs)
@@ -58,8 +60,8 @@ class Frames:
 
     def empty(self) -> bool:
         return not (self.throughput or self.staleness or self.resources or self.ended or self.events) and all(
-            v is None for v in (self.total_throughput, self.staleness_counts, self.train_loss, self.epochs,
-                                self.timeline, self.gan))
+            v is None for v in (self.total_throughput, self.staleness_counts, self.staleness_mean, self.train_loss,
+                                self.epochs, self.validations, self.timeline, self.gan))
 
 
 GAN_KEYS = ("d_loss", "g_loss", "d_real", "d_fake")
@@ -93,6 +95,7 @@ class RunFrames:
         self._updates(by_kind["update"], out)
         self._masters(by_kind["phase"], out)
         self._epochs(by_kind["epoch"], out)
+        self._validations(by_kind["val"], out)
         self._resources(by_kind["resources"], out)
         for r in by_kind["run"]:
             out.ended[r["rank"]] = r["values"]
@@ -166,6 +169,10 @@ class RunFrames:
                                columns=["t", "staleness", "max"])
             for rank, pts in per_rank.items()
         }
+        every = [s for pts in per_rank.values() for _, s in pts]
+        if every:
+            last = max(pts[-1][0] for pts in per_rank.values())
+            out.staleness_mean = pd.DataFrame([(last, sum(every) / len(every))], columns=["t", "staleness"])
         out.staleness_counts = pd.DataFrame(
             [(rank, value, count) for (rank, value), count in sorted(self._staleness.items())],
             columns=["rank", "staleness", "count"])
@@ -210,9 +217,16 @@ class RunFrames:
         for r in records:
             v = dict(r["values"])
             self._epoch_samples += int(v.get("samples") or 0)
-            rows.append({**v, "t": self._t(r["time"]), "samples_seen": self._epoch_samples})
+            # Runs recorded before epoch records carried samples_seen: their epochs' sum.
+            rows.append({"samples_seen": self._epoch_samples, **v, "t": self._t(r["time"])})
         if rows:
             out.epochs = pd.DataFrame(rows)
+
+    def _validations(self, records: list[dict[str, Any]], out: Frames) -> None:
+        """Validations every N samples (--validate-every-samples), between the epochs'."""
+        rows = [{**r["values"], "t": self._t(r["time"])} for r in records]
+        if rows:
+            out.validations = pd.DataFrame(rows)
 
     def _resources(self, records: list[dict[str, Any]], out: Frames) -> None:
         rows: dict[int, list[tuple[float, float, float]]] = defaultdict(list)

@@ -17,13 +17,13 @@ from __future__ import annotations
 from typing import Any
 
 import pandas as pd
-from bokeh.models import ColumnDataSource, HoverTool, Legend
+from bokeh.models import ColumnDataSource, HoverTool, Legend, LegendItem
 from bokeh.palettes import Category10_10, Category20_20
 from bokeh.plotting import figure
 
 from nbdist.dashboard.frames import PHASES, Frames
 
-__all__ = ["RunPlots", "PHASE_COLORS", "MAX_RANK_LINES", "phase_legend"]
+__all__ = ["RunPlots", "PHASE_COLORS", "MAX_RANK_LINES", "phase_legend", "queue_model_staleness"]
 
 PHASE_COLORS = {"compute": "#2ca02c", "communicate": "#1f77b4", "wait": "#d62728"}
 MAX_RANK_LINES = 32  # beyond this a per-rank plot shows the first ranks only (and says so)
@@ -64,7 +64,8 @@ class _RankLines:
         for i, (rank, source) in enumerate(self.sources.items()):
             line = self.figure.line(x, y, source=source, color=_color(i), line_width=1.5)
             items.append((f"rank {rank}", [line]))
-        self.figure.add_layout(Legend(items=items, click_policy="hide", label_text_font_size="9pt"), "right")
+        self.legend = Legend(items=items, click_policy="hide", label_text_font_size="9pt")
+        self.figure.add_layout(self.legend, "right")
         self.figure.add_tools(HoverTool(tooltips=[(ylabel, f"@{y}{{0.[00]}}"), (xlabel, f"@{x}{{0.0}}")]))
 
     def send(self, frames: dict[int, pd.DataFrame]) -> None:
@@ -73,10 +74,27 @@ class _RankLines:
                 _stream(self.sources[rank], frame)
 
 
-class RunPlots:
-    """Every live plot of one run, and `send(frames)` to append new rows to them."""
+def queue_model_staleness(layout: dict[str, Any], options: dict[str, Any]) -> int | None:
+    """The staleness the simple queue model expects of a run's updates (Hermans & Louppe
+    2018, the GEM paper: with n asynchronous workers each update finds the n - 1 others'
+    applied since its worker read the centre): n - 1, n the workers of one master. None
+    where no update is stale by design: synchronous rounds, allreduce."""
+    sizes = layout.get("options", {})
+    if sizes.get("topology", "master-worker") != "master-worker" or options.get("synchronous"):
+        return None
+    workers = sizes.get("workers")
+    return int(workers) - 1 if workers else None
 
-    def __init__(self, ranks: list[int], worker_ranks: list[int], metric: str = "acc"):
+
+class RunPlots:
+    """Every live plot of one run, and `send(frames)` to append new rows to them.
+    `staleness_reference`: the queue model's expected staleness (queue_model_staleness),
+    drawn across the staleness plot. `every_samples`: the run's --validate-every-samples
+    (its validations between the epochs' are drawn as small points)."""
+
+    def __init__(self, ranks: list[int], worker_ranks: list[int], metric: str = "acc",
+                 staleness_reference: int | None = None, every_samples: int | None = None):
+        self.every_samples = every_samples
         self.metric = metric
         self.shown_ranks = ranks[:MAX_RANK_LINES]
         time_label = "wall time [s]"
@@ -88,6 +106,16 @@ class RunPlots:
 
         self.staleness = _RankLines("staleness", "Gradient staleness per worker", worker_ranks, "t", "staleness",
                                     time_label, "staleness (mean per point)", extra=("max",))
+        self.staleness_mean = ColumnDataSource({"t": [], "staleness": []})
+        mean = self.staleness.figure.line("t", "staleness", source=self.staleness_mean, color="black", line_width=2.5)
+        self.staleness.legend.items.insert(0, LegendItem(label="all workers", renderers=[mean]))
+        self.staleness_reference = staleness_reference
+        if staleness_reference is not None:
+            # A glyph, not an annotation: the plot's range then always takes it in.
+            reference = self.staleness.figure.hspan(y=[staleness_reference], line_color="black", line_width=1.5,
+                                                    line_dash="dashed", name="nbdist-staleness-reference")
+            self.staleness.legend.items.insert(1, LegendItem(
+                label=f"queue model: n-1 = {staleness_reference}", renderers=[reference]))
         self.staleness_ranks = [f"rank {r}" for r in worker_ranks[:MAX_RANK_LINES]]
         self.staleness_counts = ColumnDataSource({"staleness": [], **{r: [] for r in self.staleness_ranks}})
         self.staleness_figure = _figure("staleness-distribution", "Staleness distribution (updates per value)",
@@ -105,6 +133,7 @@ class RunPlots:
         self.epochs = ColumnDataSource({"epoch": [], "t": [], "samples_seen": [], "train_loss": [],
                                         "val_loss": [], val: []})
         self.compare = ColumnDataSource({"t": [], "samples_seen": [], "val_loss": [], val: []})
+        self.validations = ColumnDataSource({"t": [], "samples_seen": [], "val_loss": [], val: []})
         self.loss = {x: self._curves("loss", x) for x in ("samples_seen", "t")}
         self.accuracy = {x: self._curves(metric, x) for x in ("samples_seen", "t")}
 
@@ -137,6 +166,9 @@ class RunPlots:
         fig.line(x, live_y, source=self.train_loss, color="#1f77b4", alpha=0.5, legend_label=f"train {title}")
         fig.line(x, val, source=self.epochs, color="#ff7f0e", line_width=3, legend_label=f"validation {title}")
         points = fig.scatter(x, val, source=self.epochs, color="#ff7f0e", size=6)
+        labelled = {"legend_label": f"validation every {self.every_samples} samples"} if self.every_samples else {}
+        fig.scatter(x, val, source=self.validations, color="#ff7f0e", size=4, fill_alpha=0.3,
+                    name=f"nbdist-{name}-sampled", **labelled)
         fig.line(x, val, source=self.compare, color="gray", line_dash="dashed", legend_label="compared run")
         fig.add_tools(HoverTool(renderers=[points], tooltips=[("epoch", "@epoch"), (title, f"@{val}{{0.0000}}")]))
         fig.legend.location = "top_right" if what == "loss" else "bottom_right"
@@ -148,12 +180,16 @@ class RunPlots:
         if frames.total_throughput is not None:
             _stream(self.total, frames.total_throughput)
         self.staleness.send(frames.staleness)
+        if frames.staleness_mean is not None:
+            _stream(self.staleness_mean, frames.staleness_mean)
         if frames.staleness_counts is not None:
             self.staleness_counts.data = self._counts(frames.staleness_counts)
         if frames.train_loss is not None:
             _stream(self.train_loss, frames.train_loss)
         if frames.epochs is not None:
             _stream(self.epochs, self._epoch_columns(frames.epochs, self.epochs))
+        if frames.validations is not None:
+            _stream(self.validations, self._epoch_columns(frames.validations, self.validations))
         if frames.timeline is not None:
             timeline = frames.timeline[frames.timeline["rank"].isin(self.shown_ranks)]
             _stream(self.timeline, timeline.assign(color=timeline["phase"].map(PHASE_COLORS)),

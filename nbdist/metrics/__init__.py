@@ -1,6 +1,7 @@
 """Metric records, the per-run log written by each rank, and reading it back."""
 
+from nbdist.metrics.curve import samples_to_reach, validation_curve
 from nbdist.metrics.log import RunLog, read_log
 from nbdist.metrics.record import Record
 
-__all__ = ["Record", "RunLog", "read_log"]
+__all__ = ["Record", "RunLog", "read_log", "validation_curve", "samples_to_reach"]

@@ -29,8 +29,9 @@ from nbdist.backends.base import BatchStats
 from nbdist.data.sharding import split_evenly
 from nbdist.errors import TrainingError
 from nbdist.train.context import RankContext
-from nbdist.train.progress import EpochTally, RunResult, epoch_metrics, format_epoch, write_final
+from nbdist.train.progress import EpochTally, RunResult, epoch_metrics, format_epoch, sample_validation, write_final
 from nbdist.train.state import load_rank_state, save_rank_state
+from nbdist.train.validation import SampleMarks
 from nbdist.transport.waiting import wait_all
 
 __all__ = ["run_allreduce", "GradientReducer"]
@@ -80,17 +81,21 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
 
     history: list[dict] = []
     start_epoch, start_step = 0, 0
+    samples_seen = 0  # over all ranks, from the start of the run: every rank counts the same
     if ctx.resume_from is not None:
         extra = load_rank_state(ctx, ctx.resume_from, opt, None)
         start_epoch, start_step = int(extra["epoch"]), int(extra["step"])
         ctx.early.load_json(extra.get("early", {}))
         history = ctx.history_file.resume(extra)
+        samples_seen = int(extra.get("samples_seen", sum(h.get("samples", 0) for h in history)))
         ctx.say(f"resumed from {ctx.resume_from} at epoch {start_epoch + 1}")
     else:
         collectives.bcast(comm, params)
         collectives.bcast(comm, model_state)
 
     trailer = np.zeros(4, np.float32)
+    every = ctx.options.validate_every_samples
+    marks = SampleMarks(every, samples_seen) if every else None
     started = time.time()
     stop_reason = ""
     report = BatchStats()
@@ -99,6 +104,7 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
 
     def save(label: str, epoch: int, step: int) -> None:
         save_rank_state(ctx, label, opt, None, {"epoch": epoch, "step": step, "early": ctx.early.to_json(),
+                                                "samples_seen": samples_seen,
                                                 **ctx.history_file.checkpoint(history)},
                         same_as=ctx.layout.fold_ranks(ctx.role.group, ctx.role.fold)[0])
         # Every rank's file is on disk before the directory is committed.
@@ -136,6 +142,14 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
             phases["update"] += t3 - t2
             global_stats = BatchStats(float(trailer[1]), float(trailer[2]), int(trailer[0]))
             tally.train.add(global_stats)
+            samples_seen += global_stats.n
+            if marks is not None and marks.due(samples_seen):
+                # Every rank passes the mark at the same step (the trailer's global count).
+                marks.passed(samples_seen)
+                val = _validate(ctx, comm, val_indices, size)
+                if ctx.is_leader:
+                    ctx.log.emit("val", sample_validation(samples_seen, val, backend.metric_name),
+                                 step=epoch * len(batches) + step + 1, epoch=epoch)
             report.add(stats)
             if time.monotonic() - since >= REPORT_EVERY:
                 _report(ctx, report, phases, since, epoch, step)
@@ -150,7 +164,7 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
         val = None
         if (epoch + 1) % ctx.options.validate_every == 0 or epoch + 1 == ctx.options.epochs:
             val = _validate(ctx, comm, val_indices, size)
-        metrics = epoch_metrics(epoch, tally, val, time.time() - tally.started, backend.metric_name)
+        metrics = epoch_metrics(epoch, tally, val, time.time() - tally.started, backend.metric_name, samples_seen)
         history.append(metrics)
         if ctx.is_leader:
             # Every rank holds the same global metrics; one record per epoch, like a master's.

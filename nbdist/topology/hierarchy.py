@@ -115,6 +115,7 @@ class SubMaster(Master):
     incoming: np.ndarray | None = None  # the top master's reply (a STOP reply is no pull)
     pulled_version: int = 0  # the top master's version of `pulled`
     unpushed: int = 0  # updates applied since the last push
+    samples_pushed: int = 0  # samples_seen at the last push the top master took
     stop_wanted: str = ""
     error_sent: bool = False
     epochs_acked: int = 0
@@ -175,6 +176,7 @@ class SubMaster(Master):
     def save(self, label: str) -> None:
         average_state(self)
         extra = {"version": self.version, "next_epoch": self.next_epoch, "pulled_version": self.pulled_version,
+                 "unpushed_samples": self.samples_seen - self.samples_pushed,
                  "members": self.members.to_json(), **open_tallies(self, label)}
         save_rank_state(self.ctx, label, self.opt, self.rule_state, extra, {"pulled": self.pulled})
         self.master_wrote.add(label)
@@ -223,6 +225,7 @@ class SubMaster(Master):
         # The centre changed under the workers: what they computed before is one version staler.
         self.version += 1
         self.unpushed = 0
+        self.samples_pushed = self.samples_seen
         return m.CONTINUE
 
     def _await_top(self, requests: list) -> None:
@@ -256,6 +259,7 @@ class SubMaster(Master):
         header[m.FLAGS] = flags
         header[m.CHECKPOINT] = self.snapshot_ack
         header[m.EPOCHS_ACKED] = self.epochs_acked
+        header[m.MERGED_SAMPLES] = self.samples_seen - self.samples_pushed
 
 
 def run_sub_master(ctx: RankContext) -> None:
@@ -273,6 +277,7 @@ def run_sub_master(ctx: RankContext) -> None:
         me.version, me.next_epoch = int(extra["version"]), int(extra["next_epoch"])
         me.pulled_version = int(extra["pulled_version"])
         me.epochs_acked = me.next_epoch  # the checkpoint resumed from was committed
+        me.samples_seen = int(extra.get("unpushed_samples", 0))  # in the delta the checkpoint holds
         restore_tallies(me, extra)
     else:
         share_initial_weights(ctx)

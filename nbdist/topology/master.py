@@ -56,7 +56,7 @@ from nbdist.topology.membership import EpochMembers
 from nbdist.train.context import RankContext
 from nbdist.train.progress import EpochTally, RunResult, epoch_metrics, format_epoch, write_final
 from nbdist.train.state import load_rank_state, save_rank_state
-from nbdist.train.validation import BackgroundValidator
+from nbdist.train.validation import BackgroundValidator, SampledValidation
 from nbdist.transport import messages as m
 from nbdist.transport.deadlines import Silence
 from nbdist.transport.faults import RankLost, RankSilent, kill_frozen
@@ -149,6 +149,9 @@ class Master:
     failed: set = field(default_factory=set)
     epoch_clock: float = field(default_factory=time.time)  # when the previous epoch ended
     validator: BackgroundValidator | None = None
+    # Training samples in the centre: those of every update applied, over all clients.
+    samples_seen: int = 0
+    sampled: SampledValidation | None = None  # --validate-every-samples, at the top (or only) master
     phases: dict = field(default_factory=lambda: {"wait": 0.0, "update": 0.0, "reply": 0.0, "validate": 0.0})
 
     # -- decisions a sub-master takes differently ---------------------------------------
@@ -202,7 +205,7 @@ class Master:
         ctx = self.ctx
         label = m.label_of(epoch + 1) if ctx.checkpoint_due(epoch + 1) else None
         if not ((epoch + 1) % ctx.options.validate_every == 0 or epoch + 1 == ctx.options.epochs):
-            _finish_epoch(self, epoch, tally, seconds, None)
+            _finish_epoch(self, epoch, tally, seconds, None, self.samples_seen)
         elif ctx.options.synchronous:
             # Inline, after this round's replies went out: the workers compute meanwhile, and
             # the stop decision falls at the same step in every run (exact resume).
@@ -210,11 +213,11 @@ class Master:
             average_state(self)
             val = ctx.backend.evaluate(*ctx.data.val_arrays())
             self.phases["validate"] += time.perf_counter() - t0
-            _finish_epoch(self, epoch, tally, seconds, val)
+            _finish_epoch(self, epoch, tally, seconds, val, self.samples_seen)
         else:
             _collect_validation(self, block=True)  # one at a time, in epoch order
             average_state(self)
-            self.validator.start(ctx.backend.params, ctx.backend.state, (epoch, tally, seconds))
+            self.validator.start(ctx.backend.params, ctx.backend.state, (epoch, tally, seconds, self.samples_seen))
         if label:
             if ctx.options.synchronous:
                 self.save(label)
@@ -236,6 +239,7 @@ class Master:
         ctx = self.ctx
         average_state(self)
         extra = {"version": self.version, "next_epoch": self.next_epoch, "early": ctx.early.to_json(),
+                 "samples_seen": self.samples_seen,
                  **ctx.history_file.checkpoint(self.history), "members": self.members.to_json(),
                  **open_tallies(self, label)}
         save_rank_state(ctx, label, self.opt, self.rule_state, extra)
@@ -294,14 +298,21 @@ def run_master(ctx: RankContext) -> RunResult:
         me.version, me.next_epoch = int(extra["version"]), int(extra["next_epoch"])
         ctx.early.load_json(extra.get("early", {}))
         me.history = ctx.history_file.resume(extra)
+        me.samples_seen = int(extra.get("samples_seen", sum(h.get("samples", 0) for h in me.history)))
         if not ctx.relayout:  # on other ranks, every worker starts the epoch again
             restore_tallies(me, extra)
         ctx.say(f"resumed from {ctx.resume_from} at epoch {me.next_epoch + 1}, version {me.version}")
     else:
         share_initial_weights(ctx)
+    if ctx.options.validate_every_samples:
+        me.sampled = SampledValidation(ctx.options.validate_every_samples, me.samples_seen,
+                                       BackgroundValidator(ctx.make_replica, *ctx.data.val_arrays()),
+                                       ctx.backend.metric_name)
     started = serve(me)
 
     _collect_validation(me, block=True)
+    if me.sampled is not None:
+        me.sampled.collect(ctx.log, block=True)
     # Every client has said DONE (or failed, or was dropped). The stop checkpoint commits
     # only when every client stopped on the same STOP; otherwise the last epoch checkpoint
     # is the state.
@@ -404,6 +415,7 @@ def serve(me: Master) -> float:
         for epoch, tally, seconds in finished:
             me.end_epoch(epoch, tally, seconds)
         _collect_validation(me, block=False)
+        _validate_by_samples(me)
         if time.monotonic() - last_report >= REPORT_EVERY:
             ctx.log.emit("phase", dict(me.phases), step=me.version, epoch=me.next_epoch)
             last_report = time.monotonic()
@@ -628,6 +640,9 @@ def _check_replies(me: Master) -> None:
 
 def _tally(me: Master, i: int, msg: m.Message) -> None:
     epoch = int(msg.header[m.EPOCH])
+    # A sub-master's SAMPLES are its epoch's tally, sent when the epoch ends; what a push
+    # merges into the centre comes in MERGED_SAMPLES.
+    me.samples_seen += int(msg.header[m.MERGED_SAMPLES if me.clients[i].kind == SUB_MASTER else m.SAMPLES])
     tally = me.tallies.setdefault(epoch, EpochTally())
     tally.train.add(BatchStats(msg.header[m.LOSS_SUM], msg.header[m.METRIC_SUM], int(msg.header[m.SAMPLES])))
     if msg.has(m.EPOCH_END):
@@ -670,14 +685,27 @@ def _collect_validation(me: Master, block: bool) -> None:
     if block:
         me.phases["validate"] += time.perf_counter() - t0
     if done is not None:
-        (epoch, tally, seconds), val = done
-        _finish_epoch(me, epoch, tally, seconds, val)
+        (epoch, tally, seconds, seen), val = done
+        _finish_epoch(me, epoch, tally, seconds, val, seen)
 
 
-def _finish_epoch(me: Master, epoch: int, tally: EpochTally, seconds: float, val) -> None:
+def _validate_by_samples(me: Master) -> None:
+    """--validate-every-samples: record the validation that finished, start the next one
+    when a mark has passed. In the background, like an epoch's: workers are served meanwhile."""
+    sampled = me.sampled
+    if sampled is None:
+        return
+    sampled.collect(me.ctx.log)
+    if sampled.due(me.samples_seen) and not me.stopping:
+        average_state(me)
+        sampled.start(me.ctx.backend.params, me.ctx.backend.state, me.samples_seen, me.version, me.next_epoch)
+
+
+def _finish_epoch(me: Master, epoch: int, tally: EpochTally, seconds: float, val, seen: int) -> None:
+    """`seen`: the samples in the centre that was validated (at the epoch's end if it was not)."""
     ctx = me.ctx
     try:
-        metrics = epoch_metrics(epoch, tally, val, seconds, ctx.backend.metric_name)
+        metrics = epoch_metrics(epoch, tally, val, seconds, ctx.backend.metric_name, seen)
     except TrainingError as exc:
         me.error = me.error or str(exc)
         me.begin_stop("error")

@@ -14,7 +14,7 @@ from safetensors.numpy import save_file
 from nbdist.backends.base import BatchStats
 from nbdist.errors import TrainingError
 
-__all__ = ["EpochTally", "epoch_metrics", "reported_metrics", "format_epoch", "RunResult", "write_final",
+__all__ = ["EpochTally", "epoch_metrics", "validation_values", "sample_validation", "reported_metrics", "format_epoch", "RunResult", "write_final",
            "stopped_on_request"]
 
 
@@ -47,19 +47,22 @@ class EpochTally:
 
 
 def epoch_metrics(epoch: int, tally: EpochTally, val: BatchStats | None, seconds: float,
-                  metric_name: str | None) -> dict[str, Any]:
+                  metric_name: str | None, samples_seen: int | None = None) -> dict[str, Any]:
+    """One epoch's record. `samples_seen`: the training samples, over all workers and
+    from the start of the run, that the validated weights have learnt from (at the
+    epoch's end where it was not validated)."""
     m: dict[str, Any] = {"epoch": epoch + 1, "train_loss": tally.train.loss,
                          "samples": tally.train.n, "seconds": seconds,
                          "samples_per_s": tally.train.n / seconds if seconds > 0 else float("nan")}
     if metric_name:
         m[f"train_{metric_name}"] = tally.train.metric
+    if samples_seen is not None:
+        m["samples_seen"] = int(samples_seen)
     if val is not None:
         if not val.n:
             raise TrainingError(f"the validation set is empty (epoch {epoch + 1} validated on 0 samples): "
                                 f"give the model's data validation samples, or --val files that hold some")
-        m["val_loss"] = val.loss
-        if metric_name:
-            m[f"val_{metric_name}"] = val.metric
+        m.update(validation_values(val, metric_name))
         if not math.isfinite(val.loss):
             raise TrainingError(
                 f"the validation loss is {val.loss} after epoch {epoch + 1}: the weights diverged; "
@@ -69,6 +72,21 @@ def epoch_metrics(epoch: int, tally: EpochTally, val: BatchStats | None, seconds
         m["staleness_mean"] = tally.staleness_sum / tally.updates
         m["staleness_max"] = tally.staleness_max
     return m
+
+
+def validation_values(val: BatchStats, metric_name: str | None) -> dict[str, float]:
+    """val_loss and val_<metric> of one validation."""
+    values = {"val_loss": val.loss}
+    if metric_name:
+        values[f"val_{metric_name}"] = val.metric
+    return values
+
+
+def sample_validation(samples_seen: int, val: BatchStats, metric_name: str | None) -> dict[str, Any]:
+    """The values of a 'val' record (--validate-every-samples): the validation of the
+    weights after `samples_seen` training samples. Not checked for divergence: the
+    epoch's own validation decides that, as it decides early stopping and --target."""
+    return {"samples_seen": int(samples_seen), **validation_values(val, metric_name)}
 
 
 def reported_metrics(metric_name: str | None, *, staleness: bool) -> list[str]:

@@ -6,6 +6,12 @@ memcpy) into a second replica of the model and evaluates it on a thread; torch a
 TensorFlow release the GIL inside their kernels, so the serving loop goes on. The result is picked up at the
 next loop turn. (Synchronous masters validate inline, after sending the round's replies,
 while the workers compute: that keeps stop decisions at the same step in every run.)
+
+`--validate-every-samples N` adds validations between the epochs' ones, each time the
+training samples seen (over all workers) pass another multiple of N (`SampleMarks`).
+A master validates those on a replica of their own (`SampledValidation`), so that they
+never hold back an epoch's validation, nor the epoch's one them; allreduce ranks
+validate them together, at the step that passes the mark.
 """
 
 from __future__ import annotations
@@ -16,8 +22,10 @@ from typing import Any, Callable
 import numpy as np
 
 from nbdist.backends.base import Backend, BatchStats
+from nbdist.metrics.log import RunLog
+from nbdist.train.progress import sample_validation
 
-__all__ = ["BackgroundValidator"]
+__all__ = ["BackgroundValidator", "SampleMarks", "SampledValidation"]
 
 
 class BackgroundValidator:
@@ -60,3 +68,52 @@ class BackgroundValidator:
         if self._error is not None:
             raise self._error
         return self._pending, self._result
+
+
+class SampleMarks:
+    """Multiples of `every` training samples: `due(seen)` once `seen` has reached the
+    next one not yet validated. Passing several marks in one step (or while a master's
+    previous validation still runs) makes one validation, of the weights at `seen`."""
+
+    __slots__ = ("every", "next")
+
+    def __init__(self, every: int, seen: int = 0):
+        self.every = int(every)
+        self.next = 0
+        self.passed(seen)
+
+    def due(self, seen: int) -> bool:
+        return seen >= self.next
+
+    def passed(self, seen: int) -> None:
+        """The weights at `seen` samples are being validated: wait for the next multiple."""
+        self.next = (int(seen) // self.every + 1) * self.every
+
+
+class SampledValidation:
+    """A master's validations every N samples: on a replica of their own, in the
+    background, one at a time. A mark passed while the previous one still runs is
+    validated when it has finished, at the samples seen by then (the record says which)."""
+
+    __slots__ = ("marks", "validator", "metric_name")
+
+    def __init__(self, every: int, seen: int, validator: BackgroundValidator, metric_name: str | None):
+        self.marks = SampleMarks(every, seen)
+        self.validator = validator
+        self.metric_name = metric_name
+
+    def due(self, seen: int) -> bool:
+        """Whether to start a validation now (after `collect`)."""
+        return not self.validator.busy and self.marks.due(seen)
+
+    def start(self, params: np.ndarray, state: np.ndarray, seen: int, version: int, epoch: int) -> None:
+        self.marks.passed(seen)
+        self.validator.start(params, state, (seen, version, epoch))
+
+    def collect(self, log: RunLog, block: bool = False) -> None:
+        """Record the validation that has finished, if any, as a 'val' record."""
+        done = self.validator.poll(block)
+        if done is not None:
+            (seen, version, epoch), val = done
+            log.emit("val", {**sample_validation(seen, val, self.metric_name), "version": version},
+                     step=version, epoch=epoch)

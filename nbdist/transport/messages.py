@@ -1,12 +1,12 @@
 """The wire format between workers and masters: a small header in front of a flat payload.
 
 A worker's message is ONE float32 buffer, [header | payload | model state], sent with
-one `Send`. The header is 9 float64 slots viewed over the first 18 floats (float64 holds
+one `Send`. The header is 10 float64 slots viewed over the first 20 floats (float64 holds
 versions and sample counts exactly). Replies travel as a header message followed by
 the payload array itself, so the master sends its centre without copying it. A
 sub-master speaks the same format to the top master (topology/hierarchy.py).
 
-A reply header carries, after the 9 slots, one slot per worker of the master: 1.0 for the
+A reply header carries, after the 10 slots, one slot per worker of the master: 1.0 for the
 workers that share the data of epoch `reply[EPOCH]` (the epoch after the one the worker's
 message ended; topology/membership.py), 0.0 for those dropped.
 """
@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import numpy as np
 
-HEADER_FLOATS = 18  # 9 float64 slots
+HEADER_FLOATS = 20  # 10 float64 slots
 
 # slots. CHECKPOINT: one label acknowledged (or, in a STOP reply, the stop label).
 # EPOCHS_ACKED: every epoch checkpoint up to this epoch acknowledged (sub-masters, whose
-# acks can complete several at once; 0 = none).
-KIND, VERSION, EPOCH, SAMPLES, LOSS_SUM, METRIC_SUM, FLAGS, CHECKPOINT, EPOCHS_ACKED = range(9)
+# acks can complete several at once; 0 = none). MERGED_SAMPLES: the training samples of
+# the updates a sub-master's push merges (its SAMPLES are its epoch's, at the epoch's end).
+KIND, VERSION, EPOCH, SAMPLES, LOSS_SUM, METRIC_SUM, FLAGS, CHECKPOINT, EPOCHS_ACKED, MERGED_SAMPLES = range(10)
 
 # worker -> master kinds. LOST: the worker cannot go on (one of its processes died) but
 # the run can, without it (asynchronous rules).
