@@ -18,7 +18,7 @@ import numpy as np
 from nbdist.errors import UserError
 from nbdist.specs import Spec, SpecError
 
-__all__ = ["Backend", "FlatOptimizer", "BatchStats", "ModelError", "step_on_scratch"]
+__all__ = ["Backend", "FlatOptimizer", "LrSchedule", "BatchStats", "ModelError", "step_on_scratch"]
 
 # Floats of the buffer an optimiser is tried on during set-up: the checks of its
 # arguments' values do not depend on the model's size.
@@ -67,6 +67,28 @@ class FlatOptimizer(ABC):
     @abstractmethod
     def load_state_arrays(self, arrays: dict[str, np.ndarray]) -> None: ...
 
+    @property
+    @abstractmethod
+    def learning_rate(self) -> float:
+        """The learning rate the next step takes (the spec's, until set_learning_rate)."""
+
+    @abstractmethod
+    def set_learning_rate(self, lr: float) -> None:
+        """Step with `lr` from now on (warm-up, scaling, schedules: train/lr.py)."""
+
+
+class LrSchedule(ABC):
+    """A framework's learning-rate schedule (a torch.optim.lr_scheduler class, a Keras
+    schedule) seen as a function of the epoch: the lr of epoch `epoch` (0-based) for an
+    optimiser whose own lr is the `base_lr` it was made with. A function, not a stepped
+    object: its state is the epoch, which every checkpoint holds, so a resumed run gets
+    the same lr as an uninterrupted one."""
+
+    spec: Spec
+
+    @abstractmethod
+    def lr_at(self, epoch: int) -> float: ...
+
 
 class Backend(ABC):
     params: np.ndarray  # trainable weights, flat float32, aliasing the model
@@ -96,6 +118,24 @@ class Backend(ABC):
     def check_optimizer(self, spec: Spec) -> None:
         """Raise SpecError when `spec` names no optimiser of this framework, or arguments it
         does not take, or values it cannot step with (built once on a scratch buffer)."""
+
+    @abstractmethod
+    def make_lr_schedule(self, spec: Spec, base_lr: float) -> LrSchedule:
+        """The learning-rate schedule `spec` names (SpecError for an unknown name or argument)."""
+
+    def check_lr_schedule(self, spec: Spec, what: str) -> None:
+        """Raise SpecError when `spec` is no schedule this framework can run: built once,
+        for a few epochs, from a scratch lr (set-up, on every rank)."""
+        schedule = self.make_lr_schedule(spec, 0.1)
+        try:
+            lrs = [schedule.lr_at(epoch) for epoch in range(3)]
+        except UserError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the framework's own words name the argument
+            raise SpecError(f"{what} {spec}: {type(exc).__name__}: {exc}") from None
+        if not all(np.isfinite(lr) and lr >= 0 for lr in lrs):
+            raise SpecError(f"{what} {spec}: gives the learning rates {lrs} in its first epochs: check the "
+                            f"values of its arguments")
 
     @abstractmethod
     def bucket_hooks(self, cap: int, on_ready: Callable[[int], None]) -> list[tuple[int, int]]:
