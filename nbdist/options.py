@@ -23,6 +23,10 @@ __all__ = ["TrainOptions", "StudyOptions", "add_arguments", "add_study_arguments
            "saved_run_options", "study_options_from_args", "Target", "parse_target"]
 
 TOPOLOGIES = ("master-worker", "allreduce")
+# How the learning rate grows with the number of workers W (train/lr.py). One constant:
+# the convergence bench may change the default.
+LR_SCALINGS = ("none", "linear", "sqrt")
+DEFAULT_LR_SCALING = "none"
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
@@ -48,6 +52,26 @@ class TrainOptions:
     sync_every: int | None = _opt(None, "batches between a worker's exchanges with its master (default per algorithm)")
     worker_optimizer: str | None = _opt(None, "worker optimizer, e.g. sgd(lr=0.05, momentum=0.9) or adam(lr=1e-3)")
     master_optimizer: str | None = _opt(None, "master optimizer (downpour), e.g. sgd(lr=0.05) or adam(lr=1e-3)")
+    lr_scaling: str = _opt(
+        DEFAULT_LR_SCALING,
+        "none, linear or sqrt: multiply the learning rate by W or sqrt(W), W the number of workers, where one "
+        "step takes the combined gradient of all W (an effective batch W times --batch-size; Goyal et al. 2017): "
+        "the allreduce workers' optimizer, the master optimizer of --synchronous downpour, gem's lr with "
+        "--synchronous. Asynchronous updates and workers' local steps are not scaled: each comes from one "
+        "worker's batch, and the centre already receives W times as many of them")
+    warmup_epochs: float = _opt(
+        0.0,
+        "gradual warm-up over this many epochs (a fraction is fine): the lr rises linearly, step by step, to its "
+        "target, starting from the unscaled lr when --lr-scaling raises it (Goyal et al. 2017), else from a "
+        "tenth of it; for every optimizer and rule lr, asynchronous masters included")
+    worker_lr_schedule: str | None = _opt(
+        None,
+        "learning-rate schedule of the workers' optimizer (or of a rule's own lr, gem's), stepped per epoch: "
+        "a torch.optim.lr_scheduler class by name (Keras: a keras.optimizers.schedules class, its steps being "
+        "epochs), e.g. \"cosineannealinglr(T_max=20)\"; warm-up multiplies on top")
+    master_lr_schedule: str | None = _opt(
+        None, "learning-rate schedule of the master optimizer (downpour), e.g. \"steplr(step_size=5, gamma=0.5)\"; "
+              "like --worker-lr-schedule")
     seed: int = _opt(0, "seed for weights, shuffling and dropout")
     validate_every: int = _opt(1, "validate every N epochs")
     early_stopping: int | None = _opt(None, "stop after N validations without improvement of --monitor")
@@ -101,6 +125,10 @@ class TrainOptions:
         if self.keep_checkpoints < 2:
             raise OptionsError(f"--keep-checkpoints must be at least 2 (the previous checkpoint is the fallback "
                                f"when the latest is damaged), got {self.keep_checkpoints}")
+        if self.lr_scaling not in LR_SCALINGS:
+            raise OptionsError(f"--lr-scaling {self.lr_scaling!r}: choose one of {', '.join(LR_SCALINGS)}")
+        if self.warmup_epochs < 0:
+            raise OptionsError(f"--warmup-epochs must be 0 (no warm-up) or more, got {self.warmup_epochs}")
         if self.max_restarts < 0:
             raise OptionsError(f"--max-restarts must be 0 or more, got {self.max_restarts}")
         if self.peer_timeout is not None and not self.peer_timeout > 0:

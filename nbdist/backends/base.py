@@ -115,27 +115,29 @@ class Backend(ABC):
         """A named optimiser over `params` (default: this model's own weights)."""
 
     @abstractmethod
-    def check_optimizer(self, spec: Spec) -> None:
+    def check_optimizer(self, spec: Spec) -> float:
         """Raise SpecError when `spec` names no optimiser of this framework, or arguments it
-        does not take, or values it cannot step with (built once on a scratch buffer)."""
+        does not take, or values it cannot step with (built once on a scratch buffer).
+        Returns the learning rate it starts with (the spec's, or the framework's default)."""
 
     @abstractmethod
     def make_lr_schedule(self, spec: Spec, base_lr: float) -> LrSchedule:
         """The learning-rate schedule `spec` names (SpecError for an unknown name or argument)."""
 
-    def check_lr_schedule(self, spec: Spec, what: str) -> None:
-        """Raise SpecError when `spec` is no schedule this framework can run: built once,
-        for a few epochs, from a scratch lr (set-up, on every rank)."""
-        schedule = self.make_lr_schedule(spec, 0.1)
+    def checked_lr_schedule(self, spec: Spec, base_lr: float) -> LrSchedule:
+        """The schedule of `spec` for an optimiser whose lr is `base_lr`, run for its first
+        epochs (set-up, on every rank): SpecError for one this framework cannot run."""
+        schedule = self.make_lr_schedule(spec, base_lr)
         try:
             lrs = [schedule.lr_at(epoch) for epoch in range(3)]
         except UserError:
             raise
         except Exception as exc:  # noqa: BLE001 - the framework's own words name the argument
-            raise SpecError(f"{what} {spec}: {type(exc).__name__}: {exc}") from None
+            raise SpecError(f"learning-rate schedule {spec}: {type(exc).__name__}: {exc}") from None
         if not all(np.isfinite(lr) and lr >= 0 for lr in lrs):
-            raise SpecError(f"{what} {spec}: gives the learning rates {lrs} in its first epochs: check the "
-                            f"values of its arguments")
+            raise SpecError(f"learning-rate schedule {spec}: gives the learning rates {lrs} in its first epochs: "
+                            f"check the values of its arguments")
+        return schedule
 
     @abstractmethod
     def bucket_hooks(self, cap: int, on_ready: Callable[[int], None]) -> list[tuple[int, int]]:
@@ -164,14 +166,16 @@ class Backend(ABC):
         return {}
 
 
-def step_on_scratch(spec: Spec, make: Callable[[np.ndarray], FlatOptimizer], scratch: np.ndarray) -> None:
-    """Build the optimiser of `spec` over `scratch` and step it once with a unit gradient.
+def step_on_scratch(spec: Spec, make: Callable[[np.ndarray], FlatOptimizer], scratch: np.ndarray) -> float:
+    """Build the optimiser of `spec` over `scratch` and step it once with a unit gradient;
+    returns the learning rate it was built with.
 
     Run during set-up, on every rank: a value the framework rejects (a negative learning
     rate, betas outside [0, 1), a string for a number) fails here, as one error, instead
     of in the one role that builds the optimiser while the others wait for it."""
     scratch[:] = 0.0
     optimizer = make(scratch)
+    lr = optimizer.learning_rate
     try:
         optimizer.step(np.ones_like(scratch))
     except UserError:
@@ -181,3 +185,4 @@ def step_on_scratch(spec: Spec, make: Callable[[np.ndarray], FlatOptimizer], scr
     if not np.all(np.isfinite(scratch)):
         raise SpecError(f"optimizer {spec}: one step from zero weights with a unit gradient gives "
                         f"{scratch[~np.isfinite(scratch)][0]}: check the values of its arguments")
+    return lr

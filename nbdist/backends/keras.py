@@ -403,8 +403,8 @@ class KerasBackend(Backend):
         check_kwargs(f"learning-rate schedule {spec.name!r}", known[spec.name].__init__, spec.kwargs, skip=1)
         return KerasLrSchedule(known[spec.name], spec, base_lr)
 
-    def check_optimizer(self, spec: Spec) -> None:
-        step_on_scratch(spec, lambda scratch: KerasFlatOptimizer(spec, scratch), aligned_zeros(SCRATCH_SIZE))
+    def check_optimizer(self, spec: Spec) -> float:
+        return step_on_scratch(spec, lambda scratch: KerasFlatOptimizer(spec, scratch), aligned_zeros(SCRATCH_SIZE))
 
     def make_optimizer(self, spec: Spec, params: np.ndarray | None = None) -> KerasFlatOptimizer:
         return KerasFlatOptimizer(spec, self.params if params is None else params)

@@ -283,10 +283,10 @@ class TorchBackend(Backend):
         return hook
 
     # -- optimisers -------------------------------------------------------------------
-    def check_optimizer(self, spec: Spec) -> None:
+    def check_optimizer(self, spec: Spec) -> float:
         cls = _optimizer_class(spec)
-        step_on_scratch(spec, lambda scratch: TorchFlatOptimizer(cls, spec, scratch),
-                        np.zeros(SCRATCH_SIZE, np.float32))
+        return step_on_scratch(spec, lambda scratch: TorchFlatOptimizer(cls, spec, scratch),
+                               np.zeros(SCRATCH_SIZE, np.float32))
 
     def make_optimizer(self, spec: Spec, params: np.ndarray | None = None) -> TorchFlatOptimizer:
         target = self.params if params is None else params

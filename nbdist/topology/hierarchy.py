@@ -176,7 +176,7 @@ class SubMaster(Master):
     def save(self, label: str) -> None:
         average_state(self)
         extra = {"version": self.version, "next_epoch": self.next_epoch, "pulled_version": self.pulled_version,
-                 "members": self.members.to_json(), **open_tallies(self, label)}
+                 "members": self.members.to_json(), "lr": self.lr.to_json(), **open_tallies(self, label)}
         save_rank_state(self.ctx, label, self.opt, self.rule_state, extra, {"pulled": self.pulled})
         self.master_wrote.add(label)
 
@@ -273,6 +273,7 @@ def run_sub_master(ctx: RankContext) -> None:
         extra = load_rank_state(ctx, ctx.resume_from, me.opt, me.rule_state, {"pulled": me.pulled})
         me.version, me.next_epoch = int(extra["version"]), int(extra["next_epoch"])
         me.pulled_version = int(extra["pulled_version"])
+        me.lr.load_json(extra.get("lr", {}))
         me.epochs_acked = me.next_epoch  # the checkpoint resumed from was committed
         restore_tallies(me, extra)
     else:
