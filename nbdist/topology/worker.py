@@ -73,7 +73,8 @@ class Worker:
         self.workers, masters = ctx.layout.workers, max(ctx.layout.masters, 1)
         self.plan = ctx.data.plan(masters * self.workers, ctx.options.batch_size, ctx.options.seed)
         self.first_shard = role.master * self.workers
-        self.lr = WorkerLr(ctx.worker_lr, self.opt or rule_lr(ctx.algorithm), self.plan.batches_per_epoch)
+        taker = self.opt if self.opt is not None else rule_lr(ctx.algorithm)  # GEM steps with its own lr
+        self.lr = WorkerLr(ctx.worker_lr, taker, self.plan.batches_per_epoch)
         self.members: tuple[int, ...] = tuple(range(self.workers))
         self.version = 0
         self.out = m.Message(n, s)
