@@ -26,6 +26,10 @@ TOPOLOGIES = ("master-worker", "allreduce")
 # What --momentum-correction takes (nbdist.train.asynchrony applies it; the options stay
 # free of the training package).
 MOMENTUM_CORRECTIONS = ("auto", "off")
+# How the learning rate grows with the number of workers W (train/lr.py). One constant:
+# the convergence bench may change the default.
+LR_SCALINGS = ("none", "linear", "sqrt")
+DEFAULT_LR_SCALING = "none"
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
@@ -56,6 +60,26 @@ class TrainOptions:
         "auto", "auto: an asynchronous master's momentum is lowered by the 1 - 1/workers that asynchrony adds "
         "(Mitliagkas et al. 2016); off: kept as given (a total of 1 or more gets a warning)",
         choices=MOMENTUM_CORRECTIONS)
+    lr_scaling: str = _opt(
+        DEFAULT_LR_SCALING,
+        "none, linear or sqrt: multiply the learning rate by W or sqrt(W), W the number of workers, where one "
+        "step takes the combined gradient of all W (an effective batch W times --batch-size; Goyal et al. 2017): "
+        "the allreduce workers' optimizer, the master optimizer of --synchronous downpour, gem's lr with "
+        "--synchronous. Asynchronous updates and workers' local steps are not scaled: each comes from one "
+        "worker's batch, and the centre already receives W times as many of them")
+    warmup_epochs: float = _opt(
+        0.0,
+        "gradual warm-up over this many epochs (a fraction is fine): the lr rises linearly, step by step, to its "
+        "target, starting from the unscaled lr when --lr-scaling raises it (Goyal et al. 2017), else from a "
+        "tenth of it; for every optimizer and rule lr, asynchronous masters included")
+    worker_lr_schedule: str | None = _opt(
+        None,
+        "learning-rate schedule of the workers' optimizer (or of a rule's own lr, gem's), stepped per epoch: "
+        "a torch.optim.lr_scheduler class by name (Keras: a keras.optimizers.schedules class, its steps being "
+        "epochs), e.g. \"cosineannealinglr(T_max=20)\"; warm-up multiplies on top")
+    master_lr_schedule: str | None = _opt(
+        None, "learning-rate schedule of the master optimizer (downpour), e.g. \"steplr(step_size=5, gamma=0.5)\"; "
+              "like --worker-lr-schedule")
     seed: int = _opt(0, "seed for weights, shuffling and dropout")
     validate_every: int = _opt(1, "validate every N epochs")
     validate_every_samples: int | None = _opt(
@@ -119,6 +143,10 @@ class TrainOptions:
         if self.keep_checkpoints < 2:
             raise OptionsError(f"--keep-checkpoints must be at least 2 (the previous checkpoint is the fallback "
                                f"when the latest is damaged), got {self.keep_checkpoints}")
+        if self.lr_scaling not in LR_SCALINGS:
+            raise OptionsError(f"--lr-scaling {self.lr_scaling!r}: choose one of {', '.join(LR_SCALINGS)}")
+        if self.warmup_epochs < 0:
+            raise OptionsError(f"--warmup-epochs must be 0 (no warm-up) or more, got {self.warmup_epochs}")
         if self.max_restarts < 0:
             raise OptionsError(f"--max-restarts must be 0 or more, got {self.max_restarts}")
         if self.peer_timeout is not None and not self.peer_timeout > 0:

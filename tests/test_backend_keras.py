@@ -295,3 +295,28 @@ def test_a_torch_run_never_imports_tensorflow():
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_learning_rate_set_between_compiled_steps_and_schedules_by_name():
+    """Warm-up and schedules (train/lr.py) set the lr of a compiled optimiser step between
+    steps; Keras schedules are named like torch's, their steps being epochs."""
+    x, _ = data()
+    backend = backend_for(mlp(), sample=x)
+    assert backend.check_optimizer(parse_spec("sgd(learning_rate=0.3)")) == pytest.approx(0.3)
+    params = backend.params.copy()
+    opt = backend.make_optimizer(parse_spec("sgd(learning_rate=0.3)"), params)
+    moved = []
+    for lr in (0.3, 0.05):
+        opt.set_learning_rate(lr)
+        before = params.copy()
+        opt.step(np.ones_like(params))
+        moved.append(float(before[0] - params[0]))
+    assert moved == pytest.approx([0.3, 0.05], rel=1e-5)
+    assert opt.learning_rate == pytest.approx(0.05)
+    schedule = backend.checked_lr_schedule(parse_spec("ExponentialDecay(decay_steps=1, decay_rate=0.5)"), 0.2)
+    assert [schedule.lr_at(e) for e in range(3)] == pytest.approx([0.2, 0.1, 0.05])
+    with pytest.raises(SpecError, match=r"unknown Keras learning-rate schedule .* 'cosine' \(did you mean "
+                                        r"'cosinedecay'\?\); choose one of: cosinedecay, cosinedecayrestarts"):
+        backend.checked_lr_schedule(parse_spec("cosine"), 0.2)
+    with pytest.raises(SpecError, match="'cosinedecay' takes no parameter 'steps'; it takes: initial_learning_rate"):
+        backend.checked_lr_schedule(parse_spec("cosinedecay(steps=3)"), 0.2)

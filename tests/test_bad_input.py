@@ -209,6 +209,13 @@ CASES = {
                                    ["too few training samples for 2 workers: 1 with --batch-size 32",
                                     "use at most 1 worker"], None),
     "empty-validation-set": (["--model", "{tmp}/no_val.py"], ["the validation set is empty"], None),
+    "unknown-lr-schedule": (["--master-lr-schedule", "steplrr(step_size=2)"],
+                            ["--master-lr-schedule: unknown torch learning-rate schedule (torch.optim.lr_scheduler) "
+                             "'steplrr' (did you mean 'steplr'?); choose one of: constantlr, cosineannealinglr"], None),
+    "lr-schedule-bad-argument": (["--algorithm", "easgd", "--worker-lr-schedule", "cosineannealinglr(tmax=3)"],
+                                 ["--worker-lr-schedule: learning-rate schedule 'cosineannealinglr' takes no "
+                                  "parameter 'tmax'; it takes: T_max, eta_min"], None),
+    "bad-lr-scaling": (["--lr-scaling", "cubic"], ["--lr-scaling 'cubic': choose one of none, linear, sqrt"], None),
 }
 
 # name -> the same, for a job of 4 ranks: a top master, a sub-master, a worker under each.

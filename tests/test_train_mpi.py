@@ -103,6 +103,12 @@ RESUME_CONFIGS = {
     "downpour-sync": ["--algorithm", "downpour", "--synchronous", "--master-optimizer", MOMENTUM_MASTER],
     "easgd-sync": ["--algorithm", "easgd", "--synchronous"],
     "allreduce": ["--topology", "allreduce"],
+    # Warm-up past the resumed checkpoint, scaling and a schedule (see LR_CONFIGS).
+    "downpour-sync-lr": ["--algorithm", "downpour", "--synchronous", "--master-optimizer", MOMENTUM_MASTER,
+                         "--lr-scaling", "linear", "--warmup-epochs", "3",
+                         "--master-lr-schedule", "steplr(step_size=1, gamma=0.7)"],
+    "allreduce-lr": ["--topology", "allreduce", "--lr-scaling", "sqrt", "--warmup-epochs", "2.5",
+                     "--worker-lr-schedule", "CosineAnnealingLR(T_max=4)"],
 }
 RESUME_RANKS = 3
 for _name, _argv in RESUME_CONFIGS.items():
@@ -390,6 +396,35 @@ def test_resume_continues_exactly(resumed, name):
     assert latest["label"] == "epoch-0004"
 
 
+# The lr each epoch of those runs ends with, written out: with 3 ranks, 2 workers under a
+# master and 3 allreduce ranks. Warm-up starts at the unscaled lr and reaches the scaled
+# one after E epochs; the schedule (StepLR, cosine annealing) multiplies per epoch.
+def _downpour_lr(e: int) -> float:
+    return 0.1 * 0.7 ** e * 2 * (0.5 + 0.5 * min(1.0, (e + 1) / 3))
+
+
+def _allreduce_lr(e: int) -> float:
+    scale = 3 ** 0.5
+    return 0.1 * (1 + np.cos(np.pi * e / 4)) / 2 * scale * (1 / scale + (1 - 1 / scale) * min(1.0, (e + 1) / 2.5))
+
+
+LR_CONFIGS = {"downpour-sync-lr": ("master_lr", _downpour_lr), "allreduce-lr": ("worker_lr", _allreduce_lr)}
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", list(LR_CONFIGS))
+def test_the_recorded_lr_follows_warmup_scaling_and_schedule(resumed, name):
+    first, _ = resumed
+    key, expected = LR_CONFIGS[name]
+    for run in (f"{name}-A", f"{name}-B"):  # straight, and stopped after 2 epochs then resumed
+        records = list(read_log(first.runs_dir / run, "epoch"))
+        assert [r["epoch"] for r in records] == [1, 2, 3, 4]
+        np.testing.assert_allclose([r["values"][key] for r in records], [expected(e) for e in range(4)], rtol=1e-6,
+                                   err_msg=run)
+        # Downpour's workers (--sync-every 1) take no steps of their own.
+        assert "worker_lr" not in records[0]["values"] or key == "worker_lr"
+
+
 @pytest.mark.timeout(900)
 def test_resume_falls_back_from_a_truncated_checkpoint(resumed):
     first, second = resumed
@@ -442,7 +477,7 @@ def test_checkpoint_every_epoch(resumed, name):
     assert labels == ["epoch-0002", "epoch-0003", "epoch-0004"], labels
     assert not list(root.glob(".*")), "an uncommitted or deleted checkpoint directory was left behind"
     assert json.loads((root / "LATEST.json").read_text())["label"] == "epoch-0004"
-    twins = ALLREDUCE_TWINS[RESUME_RANKS] if name == "allreduce" else None
+    twins = ALLREDUCE_TWINS[RESUME_RANKS] if name.startswith("allreduce") else None
     for label in labels:
         _check_checkpoint_dir(root / label, RESUME_RANKS, twins)
     # The last epoch checkpoint holds the weights that were written out as final (the

@@ -54,6 +54,14 @@ class GEM(Algorithm):
         self.lr, self.momentum, self.kappa = np.float32(lr), np.float32(momentum), np.float32(kappa)
         self.epsilon, self.pi_max = np.float32(epsilon), np.float32(pi_max)
 
+    # -- its lr, driven by train/lr.py (scaling, warm-up, --worker-lr-schedule) ----------
+    @property
+    def learning_rate(self) -> float:
+        return float(self.lr)
+
+    def set_learning_rate(self, lr: float) -> None:
+        self.lr = np.float32(lr)
+
     def new_worker_state(self, n: int, sync_every: int) -> GEMWorker:
         z = lambda: np.zeros(n, np.float32)  # noqa: E731
         return GEMWorker(z(), z(), z(), z(), 0, sync_every, 0)

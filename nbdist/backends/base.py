@@ -18,7 +18,7 @@ import numpy as np
 from nbdist.errors import UserError
 from nbdist.specs import Spec, SpecError
 
-__all__ = ["Backend", "FlatOptimizer", "BatchStats", "ModelError", "step_on_scratch"]
+__all__ = ["Backend", "FlatOptimizer", "LrSchedule", "BatchStats", "ModelError", "step_on_scratch"]
 
 # Floats of the buffer an optimiser is tried on during set-up: the checks of its
 # arguments' values do not depend on the model's size.
@@ -67,6 +67,28 @@ class FlatOptimizer(ABC):
     @abstractmethod
     def load_state_arrays(self, arrays: dict[str, np.ndarray]) -> None: ...
 
+    @property
+    @abstractmethod
+    def learning_rate(self) -> float:
+        """The learning rate the next step takes (the spec's, until set_learning_rate)."""
+
+    @abstractmethod
+    def set_learning_rate(self, lr: float) -> None:
+        """Step with `lr` from now on (warm-up, scaling, schedules: train/lr.py)."""
+
+
+class LrSchedule(ABC):
+    """A framework's learning-rate schedule (a torch.optim.lr_scheduler class, a Keras
+    schedule) seen as a function of the epoch: the lr of epoch `epoch` (0-based) for an
+    optimiser whose own lr is the `base_lr` it was made with. A function, not a stepped
+    object: its state is the epoch, which every checkpoint holds, so a resumed run gets
+    the same lr as an uninterrupted one."""
+
+    spec: Spec
+
+    @abstractmethod
+    def lr_at(self, epoch: int) -> float: ...
+
 
 class Backend(ABC):
     params: np.ndarray  # trainable weights, flat float32, aliasing the model
@@ -93,9 +115,29 @@ class Backend(ABC):
         """A named optimiser over `params` (default: this model's own weights)."""
 
     @abstractmethod
-    def check_optimizer(self, spec: Spec) -> None:
+    def check_optimizer(self, spec: Spec) -> float:
         """Raise SpecError when `spec` names no optimiser of this framework, or arguments it
-        does not take, or values it cannot step with (built once on a scratch buffer)."""
+        does not take, or values it cannot step with (built once on a scratch buffer).
+        Returns the learning rate it starts with (the spec's, or the framework's default)."""
+
+    @abstractmethod
+    def make_lr_schedule(self, spec: Spec, base_lr: float) -> LrSchedule:
+        """The learning-rate schedule `spec` names (SpecError for an unknown name or argument)."""
+
+    def checked_lr_schedule(self, spec: Spec, base_lr: float) -> LrSchedule:
+        """The schedule of `spec` for an optimiser whose lr is `base_lr`, run for its first
+        epochs (set-up, on every rank): SpecError for one this framework cannot run."""
+        schedule = self.make_lr_schedule(spec, base_lr)
+        try:
+            lrs = [schedule.lr_at(epoch) for epoch in range(3)]
+        except UserError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the framework's own words name the argument
+            raise SpecError(f"learning-rate schedule {spec}: {type(exc).__name__}: {exc}") from None
+        if not all(np.isfinite(lr) and lr >= 0 for lr in lrs):
+            raise SpecError(f"learning-rate schedule {spec}: gives the learning rates {lrs} in its first epochs: "
+                            f"check the values of its arguments")
+        return schedule
 
     @abstractmethod
     def bucket_hooks(self, cap: int, on_ready: Callable[[int], None]) -> list[tuple[int, int]]:
@@ -124,14 +166,16 @@ class Backend(ABC):
         return {}
 
 
-def step_on_scratch(spec: Spec, make: Callable[[np.ndarray], FlatOptimizer], scratch: np.ndarray) -> None:
-    """Build the optimiser of `spec` over `scratch` and step it once with a unit gradient.
+def step_on_scratch(spec: Spec, make: Callable[[np.ndarray], FlatOptimizer], scratch: np.ndarray) -> float:
+    """Build the optimiser of `spec` over `scratch` and step it once with a unit gradient;
+    returns the learning rate it was built with.
 
     Run during set-up, on every rank: a value the framework rejects (a negative learning
     rate, betas outside [0, 1), a string for a number) fails here, as one error, instead
     of in the one role that builds the optimiser while the others wait for it."""
     scratch[:] = 0.0
     optimizer = make(scratch)
+    lr = optimizer.learning_rate
     try:
         optimizer.step(np.ones_like(scratch))
     except UserError:
@@ -141,3 +185,4 @@ def step_on_scratch(spec: Spec, make: Callable[[np.ndarray], FlatOptimizer], scr
     if not np.all(np.isfinite(scratch)):
         raise SpecError(f"optimizer {spec}: one step from zero weights with a unit gradient gives "
                         f"{scratch[~np.isfinite(scratch)][0]}: check the values of its arguments")
+    return lr

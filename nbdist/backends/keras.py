@@ -25,11 +25,12 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from nbdist.backends.base import SCRATCH_SIZE, Backend, BatchStats, FlatOptimizer, ModelError, step_on_scratch
+from nbdist.backends.base import (SCRATCH_SIZE, Backend, BatchStats, FlatOptimizer, LrSchedule, ModelError,
+                                  step_on_scratch)
 from nbdist.backends.frameworks import KERAS, unknown_optimizer
-from nbdist.specs import Spec, SpecError, ValueRange
+from nbdist.specs import Spec, SpecError, ValueRange, check_kwargs, unknown_name
 
-__all__ = ["KerasBackend", "KerasFlatOptimizer", "keras_optimizers", "FlatVariables", "Traced", "aligned_zeros"]
+__all__ = ["KerasBackend", "KerasFlatOptimizer", "KerasLrSchedule", "keras_optimizers", "keras_lr_schedules", "FlatVariables", "Traced", "aligned_zeros"]
 
 # Wrappers around another optimiser, not optimisers of their own.
 _UNSUITABLE = {"optimizer", "lossscaleoptimizer", "multioptimizer"}
@@ -98,6 +99,14 @@ class KerasFlatOptimizer(FlatOptimizer):
         self._opt.apply([grad], [self._var])
         return self._var.value.read_value()
 
+    @property
+    def learning_rate(self) -> float:
+        return float(np.asarray(self._opt.learning_rate))
+
+    def set_learning_rate(self, lr: float) -> None:
+        # A variable the compiled step reads: assigning it needs no retrace.
+        self._opt.learning_rate.assign(float(lr))
+
     def step(self, grad: np.ndarray) -> None:
         np.copyto(self._params, self._step(self._params, grad).numpy())
 
@@ -109,6 +118,31 @@ class KerasFlatOptimizer(FlatOptimizer):
             key = f"{i:02d}.{v.name}"
             if key in arrays:
                 v.assign(np.asarray(arrays[key]).reshape(v.shape))
+
+
+def keras_lr_schedules() -> dict[str, type]:
+    """keras.optimizers.schedules classes by lower-case name."""
+    base = keras.optimizers.schedules.LearningRateSchedule
+    return {value.__name__.lower(): value for value in vars(keras.optimizers.schedules).values()
+            if isinstance(value, type) and issubclass(value, base) and value is not base}
+
+
+class KerasLrSchedule(LrSchedule):
+    """A Keras schedule called with the epoch (its steps are epochs here: decay_steps=10
+    decays over 10 epochs); initial_learning_rate defaults to the optimiser's lr."""
+
+    def __init__(self, cls: type, spec: Spec, base_lr: float):
+        self.spec = spec
+        kwargs = dict(spec.kwargs)
+        if "initial_learning_rate" in inspect.signature(cls.__init__).parameters:
+            kwargs.setdefault("initial_learning_rate", float(base_lr))
+        try:
+            self._schedule = cls(**kwargs)
+        except (TypeError, ValueError) as exc:
+            raise SpecError(f"learning-rate schedule {spec}: {type(exc).__name__}: {exc}") from None
+
+    def lr_at(self, epoch: int) -> float:
+        return float(np.asarray(self._schedule(epoch)))
 
 
 # TensorFlow's kernels assume buffers aligned as Eigen aligns its own (and abort
@@ -362,8 +396,15 @@ class KerasBackend(Backend):
         return buckets
 
     # -- optimisers -------------------------------------------------------------------
-    def check_optimizer(self, spec: Spec) -> None:
-        step_on_scratch(spec, lambda scratch: KerasFlatOptimizer(spec, scratch), aligned_zeros(SCRATCH_SIZE))
+    def make_lr_schedule(self, spec: Spec, base_lr: float) -> KerasLrSchedule:
+        known = keras_lr_schedules()
+        if spec.name not in known:
+            raise unknown_name("Keras learning-rate schedule (keras.optimizers.schedules)", spec.name, list(known))
+        check_kwargs(f"learning-rate schedule {spec.name!r}", known[spec.name].__init__, spec.kwargs, skip=1)
+        return KerasLrSchedule(known[spec.name], spec, base_lr)
+
+    def check_optimizer(self, spec: Spec) -> float:
+        return step_on_scratch(spec, lambda scratch: KerasFlatOptimizer(spec, scratch), aligned_zeros(SCRATCH_SIZE))
 
     def make_optimizer(self, spec: Spec, params: np.ndarray | None = None) -> KerasFlatOptimizer:
         return KerasFlatOptimizer(spec, self.params if params is None else params)

@@ -10,17 +10,19 @@ out in reverse registration order (roughly the order autograd finishes them), so
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Any, Callable
 
 import numpy as np
 import torch
 from torch import nn
 
-from nbdist.backends.base import SCRATCH_SIZE, Backend, BatchStats, FlatOptimizer, ModelError, step_on_scratch
+from nbdist.backends.base import (SCRATCH_SIZE, Backend, BatchStats, FlatOptimizer, LrSchedule, ModelError,
+                                  step_on_scratch)
 from nbdist.backends.frameworks import TORCH, unknown_optimizer
-from nbdist.specs import Spec, SpecError, check_kwargs, check_value_kinds
+from nbdist.specs import Spec, SpecError, check_kwargs, check_value_kinds, unknown_name
 
-__all__ = ["TorchBackend", "TorchFlatOptimizer", "torch_optimizers"]
+__all__ = ["TorchBackend", "TorchFlatOptimizer", "TorchLrSchedule", "torch_optimizers", "torch_lr_schedules"]
 
 # Optimisers that need a closure or sparse gradients cannot step a flat dense buffer.
 _UNSUITABLE = {"lbfgs", "sparseadam"}
@@ -44,6 +46,47 @@ def _optimizer_class(spec: Spec) -> type[torch.optim.Optimizer]:
     check_kwargs(f"optimizer {spec.name!r}", known[spec.name].__init__, spec.kwargs, skip=2)
     check_value_kinds(f"optimizer {spec}", known[spec.name].__init__, spec.kwargs)
     return known[spec.name]
+
+
+# Schedulers an option string cannot build: they take functions (LambdaLR,
+# MultiplicativeLR) or other schedulers (SequentialLR, ChainedScheduler), or step on a
+# validation metric rather than by epoch (ReduceLROnPlateau).
+_UNNAMEABLE_SCHEDULES = {"lrscheduler", "_lrscheduler", "lambdalr", "multiplicativelr", "sequentiallr",
+                         "chainedscheduler", "reducelronplateau"}
+
+
+def torch_lr_schedules() -> dict[str, type]:
+    """torch.optim.lr_scheduler classes by lower-case name, those an option can name."""
+    base = torch.optim.lr_scheduler.LRScheduler
+    return {value.__name__.lower(): value for value in vars(torch.optim.lr_scheduler).values()
+            if isinstance(value, type) and issubclass(value, base)
+            and value.__name__.lower() not in _UNNAMEABLE_SCHEDULES}
+
+
+class TorchLrSchedule(LrSchedule):
+    """A torch scheduler run on a one-number SGD of its own, stepped once per epoch; the
+    lr it gives that optimiser is the lr of the epoch. (Only the lr is carried over:
+    CyclicLR's and OneCycleLR's momentum cycling stays on the scratch optimiser.)"""
+
+    def __init__(self, cls: type, spec: Spec, base_lr: float):
+        self.spec = spec
+        # Momentum, so that schedulers that cycle it (CyclicLR, OneCycleLR) can be built.
+        self._opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=base_lr, momentum=0.9)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                self._scheduler = cls(self._opt, **spec.kwargs)
+        except (TypeError, ValueError, KeyError, ZeroDivisionError) as exc:
+            raise SpecError(f"learning-rate schedule {spec}: {type(exc).__name__}: {exc}") from None
+        self._lrs = [float(self._opt.param_groups[0]["lr"])]
+
+    def lr_at(self, epoch: int) -> float:
+        while len(self._lrs) <= epoch:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "step() before optimizer.step()": nothing to step here
+                self._scheduler.step()
+            self._lrs.append(float(self._opt.param_groups[0]["lr"]))
+        return self._lrs[epoch]
 
 
 def _accepts(cls: type, name: str) -> bool:
@@ -72,6 +115,14 @@ class TorchFlatOptimizer(FlatOptimizer):
             self._opt = cls([self._param], **kwargs)
         except (TypeError, ValueError, RuntimeError) as exc:
             raise SpecError(f"optimizer {spec}: {exc}") from None
+
+    @property
+    def learning_rate(self) -> float:
+        return float(self._opt.param_groups[0]["lr"])
+
+    def set_learning_rate(self, lr: float) -> None:
+        for group in self._opt.param_groups:
+            group["lr"] = lr
 
     def step(self, grad: np.ndarray) -> None:
         self._param.grad = torch.from_numpy(grad)
@@ -232,14 +283,23 @@ class TorchBackend(Backend):
         return hook
 
     # -- optimisers -------------------------------------------------------------------
-    def check_optimizer(self, spec: Spec) -> None:
+    def check_optimizer(self, spec: Spec) -> float:
         cls = _optimizer_class(spec)
-        step_on_scratch(spec, lambda scratch: TorchFlatOptimizer(cls, spec, scratch),
-                        np.zeros(SCRATCH_SIZE, np.float32))
+        return step_on_scratch(spec, lambda scratch: TorchFlatOptimizer(cls, spec, scratch),
+                               np.zeros(SCRATCH_SIZE, np.float32))
 
     def make_optimizer(self, spec: Spec, params: np.ndarray | None = None) -> TorchFlatOptimizer:
         target = self.params if params is None else params
         return TorchFlatOptimizer(_optimizer_class(spec), spec, target)
+
+    def make_lr_schedule(self, spec: Spec, base_lr: float) -> TorchLrSchedule:
+        known = torch_lr_schedules()
+        if spec.name not in known:
+            raise unknown_name("torch learning-rate schedule (torch.optim.lr_scheduler)", spec.name, list(known))
+        init = known[spec.name].__init__
+        check_kwargs(f"learning-rate schedule {spec.name!r}", init, spec.kwargs, skip=2)
+        check_value_kinds(f"learning-rate schedule {spec}", init, spec.kwargs)
+        return TorchLrSchedule(known[spec.name], spec, base_lr)
 
     # -- state ------------------------------------------------------------------------
     def named_arrays(self) -> dict[str, np.ndarray]:

@@ -47,6 +47,15 @@ class GanOptimizer(FlatOptimizer):
         self.spec = spec
         self.generator, self.discriminator, self._g_part = generator, discriminator, g_part
 
+    @property
+    def learning_rate(self) -> float:
+        return self.generator.learning_rate
+
+    def set_learning_rate(self, lr: float) -> None:
+        # Warm-up and schedules move both models' rates (the spec gave them one lr).
+        self.generator.set_learning_rate(lr)
+        self.discriminator.set_learning_rate(lr)
+
     def step(self, grad: np.ndarray) -> None:
         # The discriminator's steps were taken in compute_gradients.
         self.generator.step(grad[self._g_part])

@@ -29,6 +29,7 @@ from nbdist.backends.base import BatchStats
 from nbdist.data.sharding import split_evenly
 from nbdist.errors import TrainingError
 from nbdist.train.context import RankContext
+from nbdist.train.lr import WorkerLr, lr_metrics
 from nbdist.train.progress import EpochTally, RunResult, epoch_metrics, format_epoch, sample_validation, write_final
 from nbdist.train.state import load_rank_state, save_rank_state
 from nbdist.train.validation import SampleMarks
@@ -77,6 +78,7 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
     reducer = GradientReducer(comm, backend, max(1, int(ctx.options.bucket_mb * 2**20 / 4)),
                               lambda requests: collectives.wait_all(comm, requests, "the gradient allreduce"))
     plan = ctx.data.plan(size, ctx.options.batch_size, ctx.options.seed)
+    lr = WorkerLr(ctx.worker_lr, opt, plan.batches_per_epoch)
     val_indices = split_evenly(np.arange(ctx.data.n_val), size, rank)
 
     history: list[dict] = []
@@ -135,6 +137,7 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
                     f"the loss became NaN at epoch {epoch + 1}, batch {step + 1}: lower the learning "
                     f"rate or check the data"
                 )
+            lr.before_step(epoch, step)
             allreduce_sgd.apply(opt, grads)
             t3 = time.perf_counter()
             phases["compute"] += t1 - t0
@@ -165,6 +168,7 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
         if (epoch + 1) % ctx.options.validate_every == 0 or epoch + 1 == ctx.options.epochs:
             val = _validate(ctx, comm, val_indices, size)
         metrics = epoch_metrics(epoch, tally, val, time.time() - tally.started, backend.metric_name, samples_seen)
+        metrics.update(lr_metrics(ctx.worker_lr, None, epoch))
         history.append(metrics)
         if ctx.is_leader:
             # Every rank holds the same global metrics; one record per epoch, like a master's.

@@ -177,7 +177,7 @@ class SubMaster(Master):
         average_state(self)
         extra = {"version": self.version, "next_epoch": self.next_epoch, "pulled_version": self.pulled_version,
                  "unpushed_samples": self.samples_seen - self.samples_pushed,
-                 "members": self.members.to_json(), **open_tallies(self, label)}
+                 "members": self.members.to_json(), "lr": self.lr.to_json(), **open_tallies(self, label)}
         save_rank_state(self.ctx, label, self.opt, self.rule_state, extra, {"pulled": self.pulled})
         self.master_wrote.add(label)
 
@@ -276,6 +276,7 @@ def run_sub_master(ctx: RankContext) -> None:
         extra = load_rank_state(ctx, ctx.resume_from, me.opt, me.rule_state, {"pulled": me.pulled})
         me.version, me.next_epoch = int(extra["version"]), int(extra["next_epoch"])
         me.pulled_version = int(extra["pulled_version"])
+        me.lr.load_json(extra.get("lr", {}))
         me.epochs_acked = me.next_epoch  # the checkpoint resumed from was committed
         me.samples_seen = int(extra.get("unpushed_samples", 0))  # in the delta the checkpoint holds
         restore_tallies(me, extra)

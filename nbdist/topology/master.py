@@ -54,6 +54,7 @@ from nbdist.backends.base import BatchStats
 from nbdist.errors import TrainingError
 from nbdist.topology.membership import EpochMembers
 from nbdist.train.context import RankContext
+from nbdist.train.lr import lr_metrics, master_lr_for
 from nbdist.train.progress import EpochTally, RunResult, epoch_metrics, format_epoch, write_final
 from nbdist.train.state import load_rank_state, save_rank_state
 from nbdist.train.validation import BackgroundValidator, SampledValidation
@@ -124,6 +125,7 @@ class Master:
     center: np.ndarray | None = None  # the backend's flat parameters
     rule_state: Any = None
     opt: Any = None
+    lr: Any = None  # sets opt's lr per update (train/lr.py MasterLr)
     requests: list = field(default_factory=list)  # one posted receive per client
     active: set = field(default_factory=set)  # clients still training: not DONE, failed or dropped
     dropped: dict = field(default_factory=dict)  # client -> why the run went on without it
@@ -241,7 +243,7 @@ class Master:
         extra = {"version": self.version, "next_epoch": self.next_epoch, "early": ctx.early.to_json(),
                  "samples_seen": self.samples_seen,
                  **ctx.history_file.checkpoint(self.history), "members": self.members.to_json(),
-                 **open_tallies(self, label)}
+                 "lr": self.lr.to_json(), **open_tallies(self, label)}
         save_rank_state(ctx, label, self.opt, self.rule_state, extra)
         self.master_wrote.add(label)
 
@@ -296,6 +298,7 @@ def run_master(ctx: RankContext) -> RunResult:
     if ctx.resume_from is not None:
         extra = load_rank_state(ctx, ctx.resume_from, me.opt, me.rule_state)
         me.version, me.next_epoch = int(extra["version"]), int(extra["next_epoch"])
+        me.lr.load_json(extra.get("lr", {}))
         ctx.early.load_json(extra.get("early", {}))
         me.history = ctx.history_file.resume(extra)
         me.samples_seen = int(extra.get("samples_seen", sum(h.get("samples", 0) for h in me.history)))
@@ -372,6 +375,7 @@ def open_master(me: Master, clients: list[Client]) -> None:
     me.center = ctx.backend.params
     me.rule_state = ctx.algorithm.new_master_state(me.center.size)
     me.opt = ctx.backend.make_optimizer(ctx.master_optimizer) if ctx.master_optimizer else None
+    me.lr = master_lr_for(ctx, me.opt)
     me.validator = BackgroundValidator(ctx.make_replica, *ctx.data.val_arrays())
     me.clients = clients
     me.states = np.zeros((len(clients), ctx.backend.state.size), np.float32)
@@ -549,6 +553,7 @@ def _apply_updates(me: Master, updates: list[tuple[int, Update]]) -> list[tuple[
         from_masters = [(i, u) for i, u in group if me.clients[i].merge is not None]
         start = me.center.copy() if from_workers and from_masters else None
         if from_workers:
+            me.lr.before_update(sum(u.samples for _, u in from_workers))
             payloads = ctx.algorithm.master_apply(me.rule_state, me.center, [u for _, u in from_workers], me.opt)
             replies += [(i, payload) for (i, _), payload in zip(from_workers, payloads)]
         if from_masters:
@@ -710,6 +715,7 @@ def _finish_epoch(me: Master, epoch: int, tally: EpochTally, seconds: float, val
         me.error = me.error or str(exc)
         me.begin_stop("error")
         return
+    metrics.update(lr_metrics(ctx.worker_lr, ctx.master_lr, epoch))
     if me.dropped:  # how many workers finished the epoch
         metrics["workers"] = sum(1 for i in tally.ended if me.clients[i].kind == WORKER)
     # What dropped workers cost the epoch (here or under a sub-master): the samples of a

@@ -30,6 +30,7 @@ from nbdist.data.sharding import split_evenly
 from nbdist.topology.membership import batches_for
 from nbdist.train.checkpoint import CheckpointError, Checkpoints
 from nbdist.train.context import RankContext, master_share
+from nbdist.train.lr import WorkerLr, rule_lr
 from nbdist.train.state import load_rank_state, save_rank_state
 from nbdist.transport import messages as m
 from nbdist.transport.deadlines import Silence
@@ -72,6 +73,8 @@ class Worker:
         self.workers, masters = ctx.layout.workers, max(ctx.layout.masters, 1)
         self.plan = ctx.data.plan(masters * self.workers, ctx.options.batch_size, ctx.options.seed)
         self.first_shard = role.master * self.workers
+        taker = self.opt if self.opt is not None else rule_lr(ctx.algorithm)  # GEM steps with its own lr
+        self.lr = WorkerLr(ctx.worker_lr, taker, self.plan.batches_per_epoch)
         self.members: tuple[int, ...] = tuple(range(self.workers))
         self.version = 0
         self.out = m.Message(n, s)
@@ -182,6 +185,7 @@ class Worker:
         mine = split_evenly(indices, procs, role.proc) if procs > 1 else indices
         x, y = ctx.data.train_batch(mine)
         t0 = time.perf_counter()
+        self.lr.before_step(epoch, step)
         stats = ctx.backend.compute_gradients(x, y, scale=len(mine) / len(indices))
         if procs > 1:
             collectives = ctx.peers.collectives

@@ -33,6 +33,7 @@ from nbdist.train.asynchrony import master_momentum
 from nbdist.train.checkpoint import CheckpointError, Checkpoints
 from nbdist.train.definition import ModelDefinition
 from nbdist.train.history import HistoryFile
+from nbdist.train.lr import LrPlan, plan_learning_rates
 from nbdist.train.progress import reported_metrics
 from nbdist.train.stopping import EarlyStopping, StopFlag
 from nbdist.transport.collectives import Collectives
@@ -99,6 +100,8 @@ class RankContext:
     attempt: int = 0  # restarts of the run so far (--max-restarts)
     resume_rank: int | None = None  # whose share of resume_from this rank loads (None: nothing of its own)
     relayout: bool = False  # restarted on other ranks: positions and tallies start at an epoch boundary
+    worker_lr: LrPlan | None = None  # the lr of workers' steps by position (train/lr.py); None: no such lr
+    master_lr: LrPlan | None = None  # the lr of the master optimiser's steps
 
     @property
     def world_ranks(self) -> list[int]:
@@ -305,9 +308,9 @@ def prepare(
         sample, _ = data.train_batch(np.arange(min(SAMPLE_ROWS, data.n_train)))
         make_replica = _replica_factory(definition, options, sample)
         backend = make_replica()
-        for spec in (worker_opt, master_opt):
-            if spec is not None:
-                backend.check_optimizer(spec)
+        starting_lrs = [backend.check_optimizer(spec) if spec is not None else None
+                        for spec in (worker_opt, master_opt)]
+        worker_lr, master_lr = plan_learning_rates(options, layout, algorithm, backend, *starting_lrs)
         _probe(backend, data, definition.source)
         check_metric_names(options, trial, reported_metrics(backend.metric_name, staleness=algorithm is not None))
         if comm.Get_rank() == 0:  # the run leader, who writes the run directory (last: it may create --runs-dir)
@@ -373,7 +376,7 @@ def prepare(
         checkpoints=Checkpoints(run_dir, keep=options.keep_checkpoints),
         history_file=HistoryFile(run_dir, writer=is_leader), resume_from=resume_from, early=early,
         is_leader=is_leader, make_replica=make_replica, peers=peers, store_path=database, recorder=recorder,
-        resume_rank=resume_rank, relayout=relayout,
+        resume_rank=resume_rank, relayout=relayout, worker_lr=worker_lr, master_lr=master_lr,
     )
 
 
