@@ -10,8 +10,9 @@ algorithm the table gives:
 - the samples an 8-worker run needs to reach 98% of the 1-worker best, divided by what a
   1-worker run needs (means over seeds; a run that never gets there counts with all its
   samples and the ratio is shown as ">= x");
-- the runs that collapsed: a validation at chance level (accuracy <= 0.51 on the
-  balanced validation set: the model answers one class for every jet).
+- the runs that collapsed: after having learned something (a validation accuracy of 0.6
+  or more), a validation back at chance level (<= 0.51 on the balanced validation set:
+  the model answers one class for every jet); a run that ended with an error counts too.
 
 Samples are counted over all workers, so 8 workers at batch 32 see as many samples per
 epoch as 1 worker does: the samples ratio is the price of parallelism in data, not time.
@@ -28,7 +29,6 @@ Usage: python bench/convergence.py [--quick] [--seeds 10] [--algorithms gem,adag
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -40,12 +40,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import ROOT, header, table  # noqa: E402
+from nbdist.metrics import samples_to_reach, validation_curve  # noqa: E402
 
 JET_MODEL = str(ROOT / "examples" / "jet_cnn.py")
 DIGITS_MODEL = str(ROOT / "examples" / "digits_cnn.py")
 JETS = {"signal": "top", "events": 6000, "files": 6}
 ALGORITHMS = ["downpour", "easgd", "gem", "adag", "allreduce"]
 COLLAPSED_AT = 0.51  # validation accuracy of a constant answer on balanced classes is 0.5
+LEARNED_AT = 0.6  # a curve above this has learned something it can lose
 REACH = 0.98  # of the 1-worker best
 GAP_AIM, SAMPLES_AIM = 1.0, 1.5
 RUN_DEADLINE = 900.0
@@ -70,10 +72,17 @@ class Run:
 
     @property
     def collapsed(self) -> bool:
-        return bool(self.error) or any(acc <= COLLAPSED_AT for _, acc in self.curve)
+        if self.error:
+            return True
+        learned = False
+        for _, acc in self.curve:
+            if learned and acc <= COLLAPSED_AT:
+                return True
+            learned = learned or acc >= LEARNED_AT
+        return False
 
     def samples_to(self, accuracy: float) -> int | None:
-        return next((samples for samples, acc in self.curve if acc >= accuracy), None)
+        return samples_to_reach(self.curve, accuracy)
 
 
 def jet_sample(cache: Path) -> tuple[str, str]:
@@ -90,7 +99,7 @@ def jet_sample(cache: Path) -> tuple[str, str]:
 
 
 def train(algorithm: str, workers: int, seed: int, extra: list[str], runs_dir: Path) -> Run:
-    """One run through nbdist's launcher; its validation curve from summary.json."""
+    """One run through nbdist's launcher; its validation curve from its metric log."""
     run = Run(algorithm, workers, seed)
     name = f"{algorithm}-{workers}w-s{seed}-{len(list(runs_dir.iterdir()))}"
     if algorithm == "allreduce":
@@ -107,24 +116,9 @@ def train(algorithm: str, workers: int, seed: int, extra: list[str], runs_dir: P
     if done.returncode != 0:
         lines = [ln for ln in done.stderr.splitlines() if "error" in ln.lower()] or done.stderr.splitlines()[-1:]
         run.error = lines[0] if lines else f"exit {done.returncode}"
-    summary = runs_dir / name / "summary.json"
-    if summary.exists():
-        run.curve = validation_curve(json.loads(summary.read_text()))
+    if (runs_dir / name / "metrics").is_dir():
+        run.curve = validation_curve(runs_dir / name, "val_acc")
     return run
-
-
-def validation_curve(summary: dict) -> list[tuple[int, float]]:
-    """(cumulative samples, val_acc) per validation: the finer per-sample validations
-    when the run made them, else one point per epoch."""
-    finer = summary.get("validations") or []
-    if finer:
-        return [(int(v["samples"]), float(v["val_acc"])) for v in finer if "val_acc" in v]
-    curve, samples = [], 0
-    for epoch in summary.get("history", []):
-        samples += int(epoch.get("samples", 0))
-        if "val_acc" in epoch:
-            curve.append((samples, float(epoch["val_acc"])))
-    return curve
 
 
 def say(run: Run, seconds: float) -> None:
@@ -219,8 +213,8 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--epochs", type=int, default=12)
     parser.add_argument("--algorithms", default=",".join(ALGORITHMS))
-    parser.add_argument("--validate-every-samples", type=int, default=0,
-                        help="validate more often than each epoch (finer samples-to-accuracy)")
+    parser.add_argument("--validate-every-samples", type=int, default=1200,
+                        help="validate every N samples as well as each epoch (finer samples-to-accuracy; 0: per epoch only)")
     parser.add_argument("--digits-seeds", type=int, default=None)
     parser.add_argument("--no-jets", action="store_true")
     parser.add_argument("--no-digits", action="store_true")

@@ -40,6 +40,7 @@ class ADAGWorker(RuleState):
 class ADAG(Algorithm):
     name = "adag"
     sends_weights = True
+    centre_takes_worker_steps = True
     default_sync_every = 4
 
     def __init__(self) -> None:

@@ -8,7 +8,9 @@ centre's velocity never decays and training diverges. Hermans and Louppe's GEM p
 (2018) reproduces it: Downpour with a momentum-0.9 master falls apart with more workers.
 
 So, for an asynchronous rule whose master steps with an optimiser (Downpour), the
-explicit momentum is lowered by the implicit one, as Mitliagkas et al. prescribe:
+explicit momentum is lowered by the implicit one, as Mitliagkas et al. prescribe; and
+likewise the workers' optimiser's where the centre takes the workers' local steps as they
+are (ADAG, DynSGD: a worker's displacement carries its momentum to the centre):
 
     implicit  = 1 - 1/W
     explicit <- max(0, explicit - implicit)
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 
 from nbdist.specs import Spec
 
-__all__ = ["implicit_momentum", "MasterMomentum", "master_momentum"]
+__all__ = ["implicit_momentum", "CorrectedMomentum", "corrected_momentum"]
 
 # The optimiser argument that is a heavy-ball momentum (torch's SGD and RMSprop, Keras'
 # SGD and RMSprop); Adam's beta1 averages gradients but its steps are normalised, and
@@ -39,35 +41,38 @@ def implicit_momentum(workers: int) -> float:
 
 
 @dataclass(frozen=True, slots=True)
-class MasterMomentum:
-    spec: Spec  # the master optimiser to build
+class CorrectedMomentum:
+    spec: Spec  # the optimiser to build
     note: str = ""  # what the user is told at the start (empty: nothing to say)
     warning: bool = False  # the note is a warning: the set-up is known to diverge
 
 
-def master_momentum(spec: Spec | None, workers: int, synchronous: bool, correction: str) -> MasterMomentum | None:
-    """The master optimiser `spec` with its momentum corrected for `workers`
-    asynchronous workers (or left, with a note when it will diverge)."""
+def corrected_momentum(spec: Spec | None, whose: str, workers: int, synchronous: bool,
+                       correction: str) -> CorrectedMomentum | None:
+    """The optimiser `spec` (`whose`: "master's" or "workers'") whose momentum reaches the
+    centre, with that momentum corrected for `workers` asynchronous workers (or left,
+    with a warning when the total reaches 1)."""
     if spec is None:
         return None
     explicit = float(spec.kwargs.get(MOMENTUM_ARGUMENT, 0.0) or 0.0)
     if synchronous or workers < 2 or explicit <= 0.0:
-        return MasterMomentum(spec)
+        return CorrectedMomentum(spec)
     implicit = implicit_momentum(workers)
     source = f"asynchrony with {workers} workers adds a momentum of its own, about 1 - 1/{workers} = {implicit:.2f}"
+    option = "--master-optimizer" if whose == "master's" else "--worker-optimizer"
     if correction == "off":
         if explicit + implicit < 1.0:
-            return MasterMomentum(spec)
-        return MasterMomentum(spec, (
-            f"{source} (Mitliagkas et al. 2016); with the master's momentum {explicit:g} the total "
+            return CorrectedMomentum(spec)
+        return CorrectedMomentum(spec, (
+            f"{source} (Mitliagkas et al. 2016); with the {whose} momentum {explicit:g} ({option}) the total "
             f"{explicit + implicit:.2f} is 1 or more, and training diverges: use --algorithm gem (made for "
-            f"this), --synchronous, a master momentum below {1.0 / workers:.2g}, or --momentum-correction auto"),
+            f"this), --synchronous, a momentum below {1.0 / workers:.2g}, or --momentum-correction auto"),
             warning=True)
     corrected = round(max(0.0, explicit - implicit), 6)
     kwargs = {**spec.kwargs, MOMENTUM_ARGUMENT: corrected}
     if corrected == 0.0 and spec.kwargs.get("nesterov"):
         kwargs["nesterov"] = False  # torch's Nesterov needs a momentum
-    return MasterMomentum(Spec(spec.name, kwargs), (
-        f"{source} (Mitliagkas et al. 2016): the master's momentum {explicit:g} is lowered to "
+    return CorrectedMomentum(Spec(spec.name, kwargs), (
+        f"{source} (Mitliagkas et al. 2016): the {whose} momentum {explicit:g} ({option}) is lowered to "
         f"{corrected:g} so that the total stays {max(explicit, implicit):.2f}; --momentum-correction "
         f"off keeps it as given"))

@@ -29,7 +29,7 @@ from nbdist.metrics.log import RecordSink, RunLog
 from nbdist.options import TrainOptions, parse_target
 from nbdist.specs import Spec, did_you_mean, parse_spec
 from nbdist.store import RunRecorder, store_path
-from nbdist.train.asynchrony import master_momentum
+from nbdist.train.asynchrony import corrected_momentum
 from nbdist.train.checkpoint import CheckpointError, Checkpoints
 from nbdist.train.definition import ModelDefinition
 from nbdist.train.history import HistoryFile
@@ -293,9 +293,17 @@ def prepare(
             # sub-master's merged push: a synchronous round of EASGD under sub-masters
             # then pulls the centre exactly as far as one master with all the workers would.
             algorithm.bind(layout.workers * layout.masters)
-        asynchrony = master_momentum(master_opt, layout.workers * layout.masters, options.synchronous,
-                                     options.momentum_correction)
-        master_opt = asynchrony.spec if asynchrony is not None else None
+        corrections = []
+        if algorithm is not None:
+            workers = layout.workers * layout.masters
+            master_fix = corrected_momentum(master_opt, "master's", workers, options.synchronous,
+                                            options.momentum_correction)
+            master_opt = master_fix.spec if master_fix is not None else None
+            worker_fix = (corrected_momentum(worker_opt, "workers'", workers, options.synchronous,
+                                             options.momentum_correction)
+                          if algorithm.centre_takes_worker_steps else None)
+            worker_opt = worker_fix.spec if worker_fix is not None else worker_opt
+            corrections = [fix for fix in (master_fix, worker_fix) if fix is not None and fix.note]
         resume_from, damaged = (_find_resume(options, layout) if restart_of is None
                                 else Checkpoints(restart_of).latest_intact())
         configure_frameworks(options.threads, options.seed)
@@ -343,11 +351,11 @@ def prepare(
         run_dir = Path(run_comm.bcast(name, root=0))
     if is_leader:
         _write_run_files(run_dir, options, layout)
-        if asynchrony is not None and asynchrony.note:
-            if asynchrony.warning:
-                print(f"nbdist: warning: {asynchrony.note}", file=sys.stderr, flush=True)
+        for fix in corrections:
+            if fix.warning:
+                print(f"nbdist: warning: {fix.note}", file=sys.stderr, flush=True)
             elif not options.quiet:
-                print(f"nbdist: note: {asynchrony.note}", flush=True)
+                print(f"nbdist: note: {fix.note}", flush=True)
         for problem in damaged:  # every rank found the same: one says so
             where = f"resuming from {resume_from.name}" if resume_from is not None else "starting afresh"
             print(f"nbdist: warning: {problem}; {where}", file=sys.stderr, flush=True)
