@@ -32,6 +32,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/keras_overhead.py
 	$(BIN)/python bench/hpo_parallel.py
 	$(BIN)/python bench/faults.py
+	$(BIN)/python bench/convergence.py --quick
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
