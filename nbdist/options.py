@@ -58,8 +58,7 @@ class TrainOptions:
     master_optimizer: str | None = _opt(None, "master optimizer (downpour), e.g. sgd(lr=0.05) or adam(lr=1e-3)")
     momentum_correction: str = _opt(
         "auto", "auto: an asynchronous master's momentum is lowered by the 1 - 1/workers that asynchrony adds "
-        "(Mitliagkas et al. 2016), and so are the workers' where the centre takes their steps as they are (adag, dynsgd); "
-        "off: kept as given (a total of 1 or more gets a warning)",
+        "(Mitliagkas et al. 2016); off: kept as given (a total of 1 or more gets a warning)",
         choices=MOMENTUM_CORRECTIONS)
     lr_scaling: str = _opt(
         DEFAULT_LR_SCALING,

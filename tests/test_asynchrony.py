@@ -5,7 +5,7 @@ import pytest
 from nbdist.errors import OptionsError
 from nbdist.options import TrainOptions
 from nbdist.specs import parse_spec
-from nbdist.train.asynchrony import corrected_momentum, implicit_momentum
+from nbdist.train.asynchrony import corrected_momentum, implicit_momentum, worker_momentum_warning
 
 
 def test_implicit_momentum_is_one_minus_one_over_workers():
@@ -16,13 +16,13 @@ def test_implicit_momentum_is_one_minus_one_over_workers():
 
 def test_auto_lowers_the_master_momentum_by_the_implicit_one():
     spec = parse_spec("sgd(lr=0.05, momentum=0.9)")
-    fixed = corrected_momentum(spec, "master's", 4, synchronous=False, correction="auto")
+    fixed = corrected_momentum(spec, 4, synchronous=False, correction="auto")
     assert fixed.spec.kwargs == {"lr": 0.05, "momentum": pytest.approx(0.15)}
     assert not fixed.warning
-    assert "the master's momentum 0.9 (--master-optimizer) is lowered to 0.15" in fixed.note
+    assert "the master's momentum 0.9 is lowered to 0.15" in fixed.note
     assert "1 - 1/4 = 0.75" in fixed.note
     # The total never reaches 1: at 16 workers 0.9 - 0.9375 is clipped at 0.
-    at16 = corrected_momentum(parse_spec("sgd(lr=0.05, momentum=0.9, nesterov=True)"), "workers'", 16, False, "auto")
+    at16 = corrected_momentum(parse_spec("sgd(lr=0.05, momentum=0.9, nesterov=True)"), 16, False, "auto")
     assert at16.spec.kwargs["momentum"] == 0.0 and at16.spec.kwargs["nesterov"] is False
 
 
@@ -34,17 +34,17 @@ def test_auto_lowers_the_master_momentum_by_the_implicit_one():
 ])
 def test_nothing_to_correct(workers, synchronous, text):
     spec = parse_spec(text)
-    kept = corrected_momentum(spec, "master's", workers, synchronous, "auto")
+    kept = corrected_momentum(spec, workers, synchronous, "auto")
     assert kept.spec == spec and kept.note == ""
 
 
 def test_off_keeps_the_momentum_and_warns_when_the_total_reaches_one():
     spec = parse_spec("sgd(lr=0.05, momentum=0.9)")
-    kept = corrected_momentum(spec, "master's", 8, False, "off")
+    kept = corrected_momentum(spec, 8, False, "off")
     assert kept.spec == spec and kept.warning
-    assert "the master's momentum 0.9 (--master-optimizer) the total 1.77 is 1 or more" in kept.note
+    assert "the master's momentum 0.9 the total 1.77 is 1 or more" in kept.note
     assert "diverges" in kept.note and "--algorithm gem" in kept.note
-    quiet = corrected_momentum(parse_spec("sgd(lr=0.05, momentum=0.2)"), "master's", 4, False, "off")  # 0.2 + 0.75 < 1
+    quiet = corrected_momentum(parse_spec("sgd(lr=0.05, momentum=0.2)"), 4, False, "off")  # 0.2 + 0.75 < 1
     assert quiet.note == "" and not quiet.warning
 
 
@@ -53,13 +53,17 @@ def test_an_unknown_correction_is_one_error_with_the_choices():
         TrainOptions(momentum_correction="yes").validate()
 
 
-def test_the_workers_momentum_is_corrected_where_the_centre_takes_their_steps():
-    """ADAG and DynSGD add a worker's displacement as it is; EASGD pulls, GEM rescales."""
+
+def test_many_adag_workers_with_momentum_get_a_warning_that_says_what_to_use():
     from nbdist.algorithms import make_algorithm
 
     takes = {name: make_algorithm(parse_spec(name)).centre_takes_worker_steps
              for name in ("adag", "dynsgd", "easgd", "gem", "downpour")}
     assert takes == {"adag": True, "dynsgd": True, "easgd": False, "gem": False, "downpour": False}
-    fixed = corrected_momentum(parse_spec("sgd(lr=0.1, momentum=0.9)"), "workers'", 8, False, "auto")
-    assert fixed.spec.kwargs["momentum"] == pytest.approx(0.025)
-    assert "the workers' momentum 0.9 (--worker-optimizer) is lowered to 0.025" in fixed.note
+    default = parse_spec("sgd(lr=0.1, momentum=0.9)")
+    text = worker_momentum_warning("adag", default, 8, synchronous=False)
+    assert "the centre can collapse" in text and "momentum below 0.12" in text
+    assert "--worker-optimizer 'sgd(lr=0.1, momentum=0.062)'" in text and "--algorithm gem" in text
+    assert worker_momentum_warning("adag", default, 4, False) == ""  # not seen to collapse at 4
+    assert worker_momentum_warning("adag", default, 8, True) == ""  # synchronous rounds
+    assert worker_momentum_warning("adag", parse_spec("sgd(lr=0.1, momentum=0.1)"), 8, False) == ""

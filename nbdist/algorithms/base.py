@@ -75,9 +75,9 @@ class Algorithm(ABC):
     # not from its gradients: whatever moved the weights between syncs reaches the centre
     # (a GAN's discriminator steps, taken inside the gradient computation, do).
     sends_weights: ClassVar[bool] = False
-    # The workers' local steps reach the centre as they are (their displacement is added,
-    # not pulled towards by a force, nor rescaled): the momentum of the workers' optimiser
-    # then acts on the centre like a master's would (train/asynchrony.py corrects it).
+    # The centre takes each worker's window displacement as it is (no elastic pull, no
+    # rescaling): the workers' momentum then reaches the centre, and with many workers
+    # its total with asynchrony's can make the centre collapse (train/asynchrony.py).
     centre_takes_worker_steps: ClassVar[bool] = False
 
     def __init__(self, **params: Any):

@@ -29,7 +29,7 @@ from nbdist.metrics.log import RecordSink, RunLog
 from nbdist.options import TrainOptions, parse_target
 from nbdist.specs import Spec, did_you_mean, parse_spec
 from nbdist.store import RunRecorder, store_path
-from nbdist.train.asynchrony import corrected_momentum
+from nbdist.train.asynchrony import CorrectedMomentum, corrected_momentum, worker_momentum_warning
 from nbdist.train.checkpoint import CheckpointError, Checkpoints
 from nbdist.train.definition import ModelDefinition
 from nbdist.train.history import HistoryFile
@@ -295,15 +295,14 @@ def prepare(
             algorithm.bind(layout.workers * layout.masters)
         corrections = []
         if algorithm is not None:
-            workers = layout.workers * layout.masters
-            master_fix = corrected_momentum(master_opt, "master's", workers, options.synchronous,
+            master_fix = corrected_momentum(master_opt, layout.workers * layout.masters, options.synchronous,
                                             options.momentum_correction)
             master_opt = master_fix.spec if master_fix is not None else None
-            worker_fix = (corrected_momentum(worker_opt, "workers'", workers, options.synchronous,
-                                             options.momentum_correction)
-                          if algorithm.centre_takes_worker_steps else None)
-            worker_opt = worker_fix.spec if worker_fix is not None else worker_opt
-            corrections = [fix for fix in (master_fix, worker_fix) if fix is not None and fix.note]
+            corrections = [master_fix] if master_fix is not None and master_fix.note else []
+            if algorithm.centre_takes_worker_steps:
+                warning = worker_momentum_warning(algorithm.name, worker_opt, layout.workers * layout.masters,
+                                                  options.synchronous)
+                corrections += [CorrectedMomentum(worker_opt, warning, warning=True)] if warning else []
         resume_from, damaged = (_find_resume(options, layout) if restart_of is None
                                 else Checkpoints(restart_of).latest_intact())
         configure_frameworks(options.threads, options.seed)

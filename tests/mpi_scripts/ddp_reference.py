@@ -51,10 +51,20 @@ def worker(rank: int, out_file: str, steps: int, port: int) -> None:
         dist.destroy_process_group()
 
 
+def finished_worker(rank: int, out_file: str, steps: int, port: int) -> None:
+    """`worker`, then leave without the interpreter's teardown: gloo's threads sometimes
+    end in std::terminate ("terminate called without an active exception") while C++
+    statics are destroyed, after the work was done and saved (1 run in many)."""
+    worker(rank, out_file, steps, port)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def main() -> int:
     out, steps, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=worker, args=(rank, out, steps, port)) for rank in range(WORLD)]
+    procs = [ctx.Process(target=finished_worker, args=(rank, out, steps, port)) for rank in range(WORLD)]
     for p in procs:
         p.start()
     for p in procs:
