@@ -128,6 +128,10 @@ def _run_once(options: TrainOptions, definition: ModelDefinition | Callable[[], 
         restarting = isinstance(failure, RunFailure) and _restartable(failure, options, attempt)
         if ctx.store_path is not None:
             _close_run_in_store(ctx, result, failure, restarting)
+        else:
+            # What this attempt recorded last (the epoch it finished before a rank died)
+            # reaches the log and the notebook before a restart goes on past it.
+            ctx.log.close()
         ctx.peers.close()
         if failure is None:
             # After a failure they stay: a nonblocking collective that failed may still be
