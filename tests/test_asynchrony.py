@@ -59,11 +59,11 @@ def test_many_adag_workers_with_momentum_get_a_warning_that_says_what_to_use():
 
     takes = {name: make_algorithm(parse_spec(name)).centre_takes_worker_steps
              for name in ("adag", "dynsgd", "easgd", "gem", "downpour")}
-    assert takes == {"adag": True, "dynsgd": True, "easgd": False, "gem": False, "downpour": False}
+    assert takes == {"adag": True, "dynsgd": False, "easgd": False, "gem": False, "downpour": False}
     default = parse_spec("sgd(lr=0.1, momentum=0.9)")
     text = worker_momentum_warning("adag", default, 8, synchronous=False)
     assert "the centre can collapse" in text and "momentum below 0.12" in text
-    assert "--worker-optimizer 'sgd(lr=0.1, momentum=0.062)'" in text and "--algorithm gem" in text
+    assert "--worker-optimizer 'sgd(lr=0.1, momentum=0.062)'" in text and "--algorithm dynsgd" in text
     assert worker_momentum_warning("adag", default, 4, False) == ""  # not seen to collapse at 4
     assert worker_momentum_warning("adag", default, 8, True) == ""  # synchronous rounds
     assert worker_momentum_warning("adag", parse_spec("sgd(lr=0.1, momentum=0.1)"), 8, False) == ""

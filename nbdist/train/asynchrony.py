@@ -84,8 +84,8 @@ def corrected_momentum(spec: Spec | None, workers: int, synchronous: bool, corre
 
 
 def worker_momentum_warning(algorithm: str, spec: Spec | None, workers: int, synchronous: bool) -> str:
-    """A warning for a rule whose centre takes the workers' steps as they are (ADAG,
-    DynSGD), run asynchronously by many workers whose optimiser has a momentum the
+    """A warning for a rule whose centre takes the workers' steps as they are (ADAG),
+    run asynchronously by many workers whose optimiser has a momentum the
     asynchrony's would take to 1 or more; empty when there is nothing to say."""
     if spec is None or synchronous or workers < COLLAPSE_SEEN_FROM:
         return ""
@@ -96,4 +96,5 @@ def worker_momentum_warning(algorithm: str, spec: Spec | None, workers: int, syn
     return (f"{algorithm} adds each worker's steps to the centre as they are, and asynchrony with {workers} workers "
             f"adds a momentum of about {implicit:.2f} to the workers' {explicit:g}: the centre can collapse (ADAG "
             f"at 8 workers did in 3 of 3 runs on jet images); give the workers a momentum below {1.0 / workers:.2g}, "
-            f"e.g. --worker-optimizer 'sgd(lr=0.1, momentum={round(1.0 / workers / 2, 3):g})', or use --algorithm gem")
+            f"e.g. --worker-optimizer 'sgd(lr=0.1, momentum={round(1.0 / workers / 2, 3):g})', or use --algorithm "
+            f"dynsgd (ADAG with a staleness discount: it did not collapse there) or gem")
