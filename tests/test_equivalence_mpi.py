@@ -145,16 +145,20 @@ def api_runs(tmp_path_factory):
     return runs_dir
 
 
-def plain_sgd_weights(momentum: float) -> dict[str, np.ndarray]:
-    """Single-process torch SGD over the batches one nbdist worker sees, in its order."""
-    data = common.make_data()
+def sgd_weights(*, workers: int = 1, n_train: int | None = None, momentum: float = 0.0) -> dict[str, np.ndarray]:
+    """Single-process torch SGD, one step per round on the concatenation of the round's
+    batches of every worker (the shards nbdist's workers train on, in their order); with
+    one worker, the batches that worker sees."""
+    data = common.make_data() if n_train is None else common.make_data(n_train)
     x, y = torch.from_numpy(data.x_train), torch.from_numpy(data.y_train)
     model = common.initial_model(API_SEED)
     opt = torch.optim.SGD(model.parameters(), lr=common.LR, momentum=momentum)
     loss_fn = nn.CrossEntropyLoss()
-    plan = ShardPlan(data.n_train, 1, API_BATCH, API_SEED)
+    plan = ShardPlan(data.n_train, workers, API_BATCH, API_SEED)
     for epoch in range(API_EPOCHS):
-        for batch in plan.epoch(epoch, 0):
+        shards = [plan.epoch(epoch, w) for w in range(workers)]
+        for step in range(plan.batches_per_epoch):
+            batch = np.concatenate([shard[step] for shard in shards])
             opt.zero_grad()
             loss_fn(model(x[batch]), y[batch]).backward()
             opt.step()
@@ -165,7 +169,7 @@ def plain_sgd_weights(momentum: float) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize("name", list(DOWNPOUR_RUNS))
 def test_downpour_one_worker_is_plain_sgd(api_runs, name):
     momentum = 0.0 if name.endswith("plain") else common.MOMENTUM
-    expected = plain_sgd_weights(momentum)
+    expected = sgd_weights(momentum=momentum)
     assert moved(expected, state_dict_arrays(common.initial_model(API_SEED))) > 0.1
     got = load_file(str(api_runs / name / "final" / "model.safetensors"))
     assert_weights_close(got, expected)
@@ -191,30 +195,13 @@ def test_easgd_zero_elastic_force_leaves_the_centre_unchanged(api_runs, name):
     assert history[-1]["train_loss"] < history[0]["train_loss"] - 0.05, history
 
 
-def big_batch_sgd_weights(workers: int, n_train: int) -> dict[str, np.ndarray]:
-    """Single-process plain SGD, one step per round on the concatenation of the round's
-    batches of every worker (the shards nbdist's workers train on, in their order)."""
-    data = common.make_data(n_train)
-    x, y = torch.from_numpy(data.x_train), torch.from_numpy(data.y_train)
-    model = common.initial_model(API_SEED)
-    opt = torch.optim.SGD(model.parameters(), lr=common.LR)
-    loss_fn = nn.CrossEntropyLoss()
-    plan = ShardPlan(data.n_train, workers, API_BATCH, API_SEED)
-    for epoch in range(API_EPOCHS):
-        assert len(set(plan.step_sizes(epoch).ravel())) > 1  # unequal batches: weighting matters
-        shards = [plan.epoch(epoch, w) for w in range(workers)]
-        for step in range(plan.batches_per_epoch):
-            batch = np.concatenate([shard[step] for shard in shards])
-            opt.zero_grad()
-            loss_fn(model(x[batch]), y[batch]).backward()
-            opt.step()
-    return state_dict_arrays(model)
-
-
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("name", list(ROUND_RUNS))
 def test_a_synchronous_round_is_one_step_on_the_mean(api_runs, name):
-    expected = big_batch_sgd_weights(ROUND_WORKERS, ROUND_TRAIN)
+    plan = ShardPlan(ROUND_TRAIN, ROUND_WORKERS, API_BATCH, API_SEED)
+    for epoch in range(API_EPOCHS):  # unequal batches: the weighting by samples matters
+        assert len(set(plan.step_sizes(epoch).ravel())) > 1
+    expected = sgd_weights(workers=ROUND_WORKERS, n_train=ROUND_TRAIN)
     initial = state_dict_arrays(common.initial_model(API_SEED))
     assert moved(expected, initial) > 0.05
     got = load_file(str(api_runs / name / "final" / "model.safetensors"))
