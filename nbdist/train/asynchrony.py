@@ -23,9 +23,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nbdist.algorithms import Algorithm
 from nbdist.specs import Spec
 
-__all__ = ["implicit_momentum", "CorrectedMomentum", "corrected_momentum", "worker_momentum_warning"]
+__all__ = ["implicit_momentum", "CorrectedMomentum", "corrected_momentum", "worker_momentum_warning", "Notice",
+           "optimisers_for_asynchrony"]
 
 # Workers from which a centre that takes their steps as they are (ADAG) was seen to
 # collapse with the workers' default momentum 0.9: every one of 3 seeds at 8 workers on
@@ -98,3 +100,21 @@ def worker_momentum_warning(algorithm: str, spec: Spec | None, workers: int, syn
             f"at 8 workers did in 3 of 3 runs on jet images); give the workers a momentum below {1.0 / workers:.2g}, "
             f"e.g. --worker-optimizer 'sgd(lr=0.1, momentum={round(1.0 / workers / 2, 3):g})', or use --algorithm "
             f"dynsgd (ADAG with a staleness discount: it did not collapse there) or gem")
+
+
+@dataclass(frozen=True, slots=True)
+class Notice:
+    text: str
+    warning: bool  # stderr, even with --quiet; else a note on stdout
+
+
+def optimisers_for_asynchrony(algorithm: Algorithm, master: Spec | None, worker: Spec | None, workers: int,
+                              synchronous: bool, correction: str) -> tuple[Spec | None, list[Notice]]:
+    """The master optimiser to build (its momentum corrected) and what the run leader
+    tells the user about the momentum of either optimiser."""
+    fixed = corrected_momentum(master, workers, synchronous, correction)
+    notices = [Notice(fixed.note, fixed.warning)] if fixed is not None and fixed.note else []
+    if algorithm.centre_takes_worker_steps:
+        warning = worker_momentum_warning(algorithm.name, worker, workers, synchronous)
+        notices += [Notice(warning, warning=True)] if warning else []
+    return (fixed.spec if fixed is not None else None), notices

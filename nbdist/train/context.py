@@ -29,11 +29,11 @@ from nbdist.metrics.log import RecordSink, RunLog
 from nbdist.options import TrainOptions, parse_target
 from nbdist.specs import Spec, did_you_mean, parse_spec
 from nbdist.store import RunRecorder, store_path
-from nbdist.train.asynchrony import CorrectedMomentum, corrected_momentum, worker_momentum_warning
+from nbdist.train.asynchrony import optimisers_for_asynchrony
 from nbdist.train.checkpoint import CheckpointError, Checkpoints
 from nbdist.train.definition import ModelDefinition
 from nbdist.train.history import HistoryFile
-from nbdist.train.lr import LrPlan, plan_learning_rates
+from nbdist.train.lr import LrPlan, combined_workers, plan_learning_rates
 from nbdist.train.progress import reported_metrics
 from nbdist.train.stopping import EarlyStopping, StopFlag
 from nbdist.transport.collectives import Collectives
@@ -288,21 +288,16 @@ def prepare(
         )
         role = layout.role(comm.Get_rank())
         algorithm, sync_every, worker_opt, master_opt = _resolve_rules(options)
+        notices = []
         if algorithm is not None:
             # Every worker of the run moves the one centre, through its master or a
             # sub-master's merged push: a synchronous round of EASGD under sub-masters
             # then pulls the centre exactly as far as one master with all the workers would.
-            algorithm.bind(layout.workers * layout.masters)
-        corrections = []
-        if algorithm is not None:
-            master_fix = corrected_momentum(master_opt, layout.workers * layout.masters, options.synchronous,
-                                            options.momentum_correction)
-            master_opt = master_fix.spec if master_fix is not None else None
-            corrections = [master_fix] if master_fix is not None and master_fix.note else []
-            if algorithm.centre_takes_worker_steps:
-                warning = worker_momentum_warning(algorithm.name, worker_opt, layout.workers * layout.masters,
-                                                  options.synchronous)
-                corrections += [CorrectedMomentum(worker_opt, warning, warning=True)] if warning else []
+            # Asynchronous, they all add to the momentum the centre moves with.
+            workers = combined_workers(layout)
+            algorithm.bind(workers)
+            master_opt, notices = optimisers_for_asynchrony(algorithm, master_opt, worker_opt, workers,
+                                                            options.synchronous, options.momentum_correction)
         resume_from, damaged = (_find_resume(options, layout) if restart_of is None
                                 else Checkpoints(restart_of).latest_intact())
         configure_frameworks(options.threads, options.seed)
@@ -350,11 +345,11 @@ def prepare(
         run_dir = Path(run_comm.bcast(name, root=0))
     if is_leader:
         _write_run_files(run_dir, options, layout)
-        for fix in corrections:
-            if fix.warning:
-                print(f"nbdist: warning: {fix.note}", file=sys.stderr, flush=True)
+        for notice in notices:
+            if notice.warning:
+                print(f"nbdist: warning: {notice.text}", file=sys.stderr, flush=True)
             elif not options.quiet:
-                print(f"nbdist: note: {fix.note}", flush=True)
+                print(f"nbdist: note: {notice.text}", flush=True)
         for problem in damaged:  # every rank found the same: one says so
             where = f"resuming from {resume_from.name}" if resume_from is not None else "starting afresh"
             print(f"nbdist: warning: {problem}; {where}", file=sys.stderr, flush=True)
