@@ -6,6 +6,7 @@ from nbdist.errors import OptionsError
 from nbdist.options import TrainOptions
 from nbdist.specs import parse_spec
 from nbdist.train.asynchrony import corrected_momentum, implicit_momentum, worker_momentum_warning
+from nbdist.train.context import DEFAULT_WORKER_OPTIMIZER
 
 
 def test_implicit_momentum_is_one_minus_one_over_workers():
@@ -60,10 +61,10 @@ def test_many_adag_workers_with_momentum_get_a_warning_that_says_what_to_use():
     takes = {name: make_algorithm(parse_spec(name)).centre_takes_worker_steps
              for name in ("adag", "dynsgd", "easgd", "gem", "downpour")}
     assert takes == {"adag": True, "dynsgd": False, "easgd": False, "gem": False, "downpour": False}
-    default = parse_spec("sgd(lr=0.1, momentum=0.9)")
+    default = parse_spec(DEFAULT_WORKER_OPTIMIZER)
     text = worker_momentum_warning("adag", default, 8, synchronous=False)
     assert "the centre can collapse" in text and "momentum below 0.12" in text
-    assert "--worker-optimizer 'sgd(lr=0.1, momentum=0.062)'" in text and "--algorithm dynsgd" in text
+    assert "--worker-optimizer 'sgd(lr=0.05, momentum=0.062)'" in text and "--algorithm dynsgd" in text
     assert worker_momentum_warning("adag", default, 4, False) == ""  # not seen to collapse at 4
     assert worker_momentum_warning("adag", default, 8, True) == ""  # synchronous rounds
     assert worker_momentum_warning("adag", parse_spec("sgd(lr=0.1, momentum=0.1)"), 8, False) == ""

@@ -31,7 +31,7 @@ __all__ = ["implicit_momentum", "CorrectedMomentum", "corrected_momentum", "work
 
 # Workers from which a centre that takes their steps as they are (ADAG) was seen to
 # collapse with the workers' default momentum 0.9: every one of 3 seeds at 8 workers on
-# the jet images, none at 4 on digits (bench/convergence.py).
+# the jet images, with lr 0.1 and with 0.05, none at 4 on digits (bench/convergence.py).
 COLLAPSE_SEEN_FROM = 8
 # The optimiser argument that is a heavy-ball momentum (torch's SGD and RMSprop, Keras'
 # SGD and RMSprop); Adam's beta1 averages gradients but its steps are normalised, and
@@ -98,7 +98,7 @@ def worker_momentum_warning(algorithm: str, spec: Spec | None, workers: int, syn
     return (f"{algorithm} adds each worker's steps to the centre as they are, and asynchrony with {workers} workers "
             f"adds a momentum of about {implicit:.2f} to the workers' {explicit:g}: the centre can collapse (ADAG "
             f"at 8 workers did in 3 of 3 runs on jet images); give the workers a momentum below {1.0 / workers:.2g}, "
-            f"e.g. --worker-optimizer 'sgd(lr=0.1, momentum={round(1.0 / workers / 2, 3):g})', or use --algorithm "
+            f"e.g. --worker-optimizer 'sgd(lr=0.05, momentum={round(1.0 / workers / 2, 3):g})', or use --algorithm "
             f"dynsgd (ADAG with a staleness discount: it did not collapse there) or gem")
 
 
