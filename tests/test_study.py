@@ -28,9 +28,9 @@ def test_parameters_set_the_options_they_name_and_the_optimiser_that_trains():
     # Another optimiser keeps none of the old one's arguments.
     assert trial_options(base, {"optimizer": "adam"}).worker_optimizer == "adam()"
     assert trial_options(base, {"optimizer": "adam", "lr": 0.001}).worker_optimizer == "adam(lr=0.001)"
-    # Downpour pushing every batch trains with the master's optimiser (its default's momentum kept).
+    # Downpour pushing every batch trains with the master's optimiser (default sgd(lr=0.1)).
     downpour = trial_options(TrainOptions(), {"lr": 0.3})
-    assert downpour.master_optimizer == "sgd(lr=0.3, momentum=0.9)" and downpour.worker_optimizer is None
+    assert downpour.master_optimizer == "sgd(lr=0.3)" and downpour.worker_optimizer is None
     # EASGD's workers train.
     assert trial_options(TrainOptions(algorithm="easgd"), {"optimizer": "rmsprop"}).worker_optimizer == "rmsprop()"
 
@@ -47,9 +47,9 @@ def test_lr_and_momentum_reach_the_part_that_trains_with_them():
     for rule in ("easgd", "adag", "dynsgd"):
         opts = trial_options(TrainOptions(algorithm=rule), {"lr": 0.03, "momentum": 0.5})
         assert opts.worker_optimizer == "sgd(lr=0.03, momentum=0.5)" and opts.algorithm == rule
-    # Downpour pushing every batch: the master's (the default's lr kept), its momentum too.
-    downpour = trial_options(TrainOptions(), {"momentum": 0.5})
-    assert downpour.master_optimizer == "sgd(lr=0.05, momentum=0.5)" and downpour.worker_optimizer is None
+    # Downpour pushing every batch: the master's (default plain sgd), its momentum too.
+    downpour = trial_options(TrainOptions(), {"momentum": 0.9})
+    assert downpour.master_optimizer == "sgd(lr=0.1, momentum=0.9)" and downpour.worker_optimizer is None
     local = trial_options(TrainOptions(sync_every=4), {"momentum": 0.9})
     assert local.worker_optimizer is not None and "momentum=0.9" in local.worker_optimizer
     assert local.master_optimizer is None

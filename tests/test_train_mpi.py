@@ -27,7 +27,9 @@ from safetensors.numpy import load_file
 from conftest import BatchedRuns
 from nbdist.launch import mpi_env, mpiexec_command
 from nbdist.metrics import read_log
+from nbdist.specs import parse_spec
 from nbdist.train.checkpoint import Checkpoints
+from nbdist.train.context import DEFAULT_WORKER_OPTIMIZER
 
 pytestmark = pytest.mark.mpi
 
@@ -405,7 +407,8 @@ def _downpour_lr(e: int) -> float:
 
 def _allreduce_lr(e: int) -> float:
     scale = 3 ** 0.5
-    return 0.1 * (1 + np.cos(np.pi * e / 4)) / 2 * scale * (1 / scale + (1 - 1 / scale) * min(1.0, (e + 1) / 2.5))
+    default_lr = parse_spec(DEFAULT_WORKER_OPTIMIZER).kwargs["lr"]  # allreduce-lr gives no optimiser
+    return default_lr * (1 + np.cos(np.pi * e / 4)) / 2 * scale * (1 / scale + (1 - 1 / scale) * min(1.0, (e + 1) / 2.5))
 
 
 LR_CONFIGS = {"downpour-sync-lr": ("master_lr", _downpour_lr), "allreduce-lr": ("worker_lr", _allreduce_lr)}
