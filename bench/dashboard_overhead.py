@@ -79,18 +79,19 @@ def with_dashboard(cluster, epochs: int, runs_dir: str, browser) -> tuple[float,
     from playwright.sync_api import Error as PlaywrightError
 
     from nbdist.dashboard import dashboard
+    from nbdist.dashboard.access import TokenAuth, dashboard_token
     from nbdist.dashboard.serve import free_port
 
     job = train(cluster, epochs, runs_dir)
     board = dashboard(job=job)
-    port = free_port("127.0.0.1")
+    port, token = free_port("127.0.0.1"), dashboard_token()
     server = pn.serve({"job": lambda: board.start().page}, port=port, address="127.0.0.1", show=False,
-                      threaded=True)
+                      threaded=True, auth_provider=TokenAuth(token))
     page = browser.new_page(viewport={"width": 1150, "height": 2000})
     deadline = time.monotonic() + 60
     while True:  # the server thread starts listening a moment later
         try:
-            page.goto(f"http://127.0.0.1:{port}/job", timeout=120_000)
+            page.goto(f"http://127.0.0.1:{port}/job?token={token}", timeout=120_000)
             break
         except PlaywrightError:
             if time.monotonic() > deadline:

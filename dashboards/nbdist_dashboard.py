@@ -1,8 +1,11 @@
 """The nbdist dashboard as a servable Panel app:
 
-    panel serve dashboards/nbdist_dashboard.py --args --store runs/nbdist.db [--run RUN]
+    panel serve dashboards/nbdist_dashboard.py --auth-module dashboards/token_auth.py \
+        --args --store runs/nbdist.db [--run RUN]
 
-(`python -m nbdist dashboard --store ...` does the same, on localhost, and prints the URL.)
+(`python -m nbdist dashboard --store ...` does the same, on localhost, and prints the URL
+with its token.) Without the auth module, Panel's server shows the runs to every user
+of the machine.
 In a notebook, `nbdist.dashboard.dashboard(store=...)` shows the same page inline.
 """
 

@@ -61,15 +61,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     board = sub.add_parser("dashboard", help="serve the live dashboard of a run store (or export one run)")
     board.add_argument("--store", default="runs/nbdist.db", help="the run store (default: runs/nbdist.db)")
-    board.add_argument("--address", default="127.0.0.1",
-                       help="interface to listen on (default: localhost only; any other needs the token)")
+    board.add_argument("--address", default=None, help="interface to listen on (default: localhost only)")
     board.add_argument("--port", type=int, default=5006, help="port (0: any free port)")
+    board.add_argument("--unix-socket", default=None, metavar="PATH",
+                       help="listen on this Unix socket instead of a TCP port (behind jupyter-server-proxy)")
     board.add_argument("--prefix", default="", help="URL prefix, e.g. behind a proxy")
-    board.add_argument("--token", default=None,
-                       help="token the browser must give (default: none on localhost, a random one otherwise)")
+    board.add_argument("--token-file", default=None, metavar="PATH",
+                       help="file holding the token every request must carry, readable only by you (default: "
+                            "$NBDIST_DASHBOARD_TOKEN, else a random one; the URL printed at start carries it)")
+    # Refused with its own message: a token on the command line is visible in `ps` (and
+    # without this, argparse would take --token for an abbreviation of --token-file).
+    board.add_argument("--token", dest="token_on_command_line", default=None, help=argparse.SUPPRESS)
     board.add_argument("--run", default=None, help="the run to show first (default: the newest)")
     board.add_argument("--allow-websocket-origin", action="append", default=None, metavar="HOST[:PORT]",
-                       help="pages allowed to connect, e.g. the JupyterHub host behind a proxy ('*': any)")
+                       help="hosts whose pages may open the websocket, e.g. a reverse proxy's "
+                            "(default: this server's own names)")
     board.add_argument("--export", default=None, metavar="FILE.html",
                        help="write the run's dashboard to one HTML file instead of serving")
     board.add_argument("--create", action="store_true",
@@ -189,14 +195,20 @@ def _layout(args: argparse.Namespace) -> int:
 
 def _dashboard(args: argparse.Namespace) -> int:
     from nbdist.dashboard import export_html, serve
+    from nbdist.dashboard.access import dashboard_token, token_on_command_line
     from nbdist.dashboard.serve import existing_store
 
+    if args.token_on_command_line is not None:
+        raise token_on_command_line()
     if args.export:
         existing_store(args.store)
         path = export_html(args.store, args.export, run=args.run)
         print(f"nbdist: dashboard written to {path}")
         return 0
-    serve(args.store, address=args.address, port=args.port, prefix=args.prefix, token=args.token, run=args.run,
+    if args.unix_socket is not None and args.address is not None:
+        raise UserError("--unix-socket and --address exclude each other: the server listens on one of them")
+    serve(args.store, address=args.address or "127.0.0.1", port=args.port, prefix=args.prefix,
+          token=dashboard_token(args.token_file), unix_socket=args.unix_socket, run=args.run,
           allow_origin=args.allow_websocket_origin, create=args.create)
     return 0
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -85,7 +86,9 @@ def _serve_dashboard(store: Path) -> subprocess.Popen | None:
 
     RunStore(store).close()  # exists before the server opens it
     log = store.parent / "dashboard.log"  # a file, not a pipe: nothing here reads the server's chatter
-    with open(log, "w") as out:
+    log.unlink(missing_ok=True)
+    # Yours alone: the URL it holds carries the dashboard's token.
+    with open(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as out:
         server = subprocess.Popen([sys.executable, "-m", "nbdist", "dashboard", "--store", str(store), "--port", "0"],
                                   stdout=out, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 120

@@ -88,6 +88,37 @@ def test_a_mistyped_store_is_an_error_not_a_new_empty_store(tmp_path, capsys):
     assert f"(it holds one: --store {tmp_path / 'runs' / 'nbdist.db'})" in _error_line(capsys)
 
 
+@pytest.mark.parametrize("given", [["--token", "seen-in-ps"], ["--token=seen-in-ps"]])
+def test_a_token_on_the_command_line_is_refused_with_where_to_put_it(tmp_path, capsys, given):
+    from nbdist.cli import main
+    from nbdist.store import RunStore
+
+    store = tmp_path / "nbdist.db"
+    RunStore(store).close()
+    for extra in ([], ["--export", str(tmp_path / "run.html")]):
+        assert main(["dashboard", "--store", str(store), *given, *extra]) == 2
+        line = _error_line(capsys)
+        assert "--token on the command line is visible to every user of this machine (ps)" in line
+        assert "NBDIST_DASHBOARD_TOKEN=" in line and "--token-file PATH, chmod 600" in line
+        # Not taken for an abbreviation of --token-file.
+        assert "seen-in-ps" not in line
+    assert not (tmp_path / "run.html").exists()
+
+
+def test_the_command_line_refuses_a_readable_token_file_before_serving(tmp_path, capsys):
+    from nbdist.cli import main
+    from nbdist.store import RunStore
+
+    store, token_file = tmp_path / "nbdist.db", tmp_path / "token"
+    RunStore(store).close()
+    token_file.write_text("seen-by-others")
+    token_file.chmod(0o644)
+    assert main(["dashboard", "--store", str(store), "--token-file", str(token_file)]) == 2
+    assert f"chmod 600 {token_file}" in _error_line(capsys)
+    assert main(["dashboard", "--store", str(store), "--unix-socket", str(tmp_path / "s"), "--address", "0.0.0.0"]) == 2
+    assert "--unix-socket and --address exclude each other" in _error_line(capsys)
+
+
 @pytest.mark.timeout(120)
 def test_a_dashboard_port_in_use_says_so_and_suggests_port_0(tmp_path, capsys):
     import socket

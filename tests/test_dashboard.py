@@ -1,20 +1,25 @@
 """The dashboard for real: served by `python -m nbdist dashboard` for a batch run that is
 training under mpiexec, loaded in headless Chromium (Debian's chromium, driven by
 Playwright), and asserted on what a person would see: the plots, points arriving while
-the page is open, the run's status. Also the token on public interfaces, the
-jupyter-server-proxy entry, the static export and the study view."""
+the page is open, the run's status. Also the token every server wants, the
+jupyter-server-proxy entry under a real Jupyter server, the static export and the study view."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import http.client
 import os
 import queue
 import re
 import signal
+import socket
+import stat
 import subprocess
 import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -27,7 +32,7 @@ from nbdist.dashboard.serve import free_port  # noqa: E402
 from nbdist.launch import mpi_env, mpiexec_command  # noqa: E402
 from nbdist.store import RunStore  # noqa: E402
 
-from conftest import ROOT  # noqa: E402
+from conftest import ROOT, listening  # noqa: E402
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(600)]
 
@@ -47,9 +52,10 @@ COUNT_POINTS = """(name) => {
 class Server:
     """A `python -m nbdist ...` server process and the URL it printed."""
 
-    def __init__(self, argv: list[str], timeout: float = 120):
+    def __init__(self, argv: list[str], timeout: float = 120, env: dict | None = None):
         self.proc = subprocess.Popen([sys.executable, "-m", "nbdist", *argv], cwd=ROOT, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                     env={**os.environ, **(env or {})})
         lines: queue.Queue = queue.Queue()
         threading.Thread(target=lambda: [lines.put(line) for line in self.proc.stdout], daemon=True).start()
         self.output, deadline = "", time.monotonic() + timeout
@@ -163,8 +169,8 @@ def test_live_dashboard_of_a_training_run_in_chromium(tmp_path, browser):
     page.close()
 
 
-def _get(url: str, cookie: str | None = None) -> tuple[int, str, str | None]:
-    request = urllib.request.Request(url, headers={"Cookie": cookie} if cookie else {})
+def _get(url: str, cookie: str | None = None, headers: dict | None = None) -> tuple[int, str, str | None]:
+    request = urllib.request.Request(url, headers={**({"Cookie": cookie} if cookie else {}), **(headers or {})})
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
             return response.status, response.read().decode(), response.headers.get("Set-Cookie")
@@ -172,47 +178,211 @@ def _get(url: str, cookie: str | None = None) -> tuple[int, str, str | None]:
         return error.code, error.read().decode(), None
 
 
-def test_a_public_interface_needs_the_token(tmp_path):
-    RunStore(tmp_path / "nbdist.db").close()
-    server = Server(["dashboard", "--store", str(tmp_path / "nbdist.db"), "--address", "0.0.0.0", "--port", "0"])
+def _unfollowed(url: str, headers: dict | None = None, unix_socket: str | None = None) -> tuple[int, dict, str]:
+    """One request, redirects not followed (on a Unix socket when given): its status,
+    headers and body (none after a 101)."""
+    parts = urllib.parse.urlsplit(url)
+    if unix_socket is None:
+        connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+    else:
+        connection = _UnixHTTPConnection(unix_socket)
     try:
-        assert "(no runs yet)" in server.output
-        token = re.search(r"\?token=(\S+)", server.url).group(1)
-        local = re.sub(r"//[^:/]+:", "//127.0.0.1:", server.url)
-        status, body, cookie = _get(local)
-        assert status == 200 and "Bokeh" in body and cookie.startswith("nbdist-dashboard-token=")
-        bare = local.split("?")[0]
+        connection.request("GET", parts.path + (f"?{parts.query}" if parts.query else ""), headers=headers or {})
+        response = connection.getresponse()
+        return response.status, dict(response.headers), "" if response.status == 101 else response.read().decode()
+    finally:
+        connection.close()
+
+
+def _handshake(url: str, headers: dict, unix_socket: str | None = None) -> int:
+    """The HTTP status a websocket handshake gets (101: the socket opened)."""
+    return _unfollowed(url, {"Connection": "Upgrade", "Upgrade": "websocket", "Sec-WebSocket-Version": "13",
+                             "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ==",
+                             "Sec-WebSocket-Protocol": "bokeh, token", **headers}, unix_socket)[0]
+
+
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, socket_path: str):
+        super().__init__("localhost", timeout=60)
+        self.socket_path = socket_path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(60)
+        self.sock.connect(self.socket_path)
+
+
+def _bokeh_session(page: str) -> str:
+    """The Bokeh session token a served page carries (what its websocket presents)."""
+    return re.search(r'"token":"([\w.-]+)"', page).group(1)
+
+
+def _first_bokeh_message(url: str, headers: dict, session: str) -> str | None:
+    """Open the dashboard's websocket as the page does and return the first message the
+    server sends (Bokeh's ACK): the socket works end to end, not just its handshake.
+    None: it was closed first."""
+    import asyncio
+
+    from tornado.httpclient import HTTPRequest
+    from tornado.websocket import websocket_connect
+
+    async def first() -> str:
+        request = HTTPRequest(url, headers=headers, connect_timeout=60, request_timeout=60)
+        connection = await websocket_connect(request, subprotocols=["bokeh", session])
+        try:
+            message = await asyncio.wait_for(connection.read_message(), 60)
+        finally:
+            connection.close()
+        return message.decode() if isinstance(message, bytes) else message
+
+    # In a thread of its own: Playwright's sync API keeps an event loop running in this one.
+    with concurrent.futures.ThreadPoolExecutor(1) as thread:
+        return thread.submit(lambda: asyncio.run(first())).result(timeout=180)
+
+
+def test_the_dashboard_needs_its_token_on_localhost_too(tmp_path):
+    RunStore(tmp_path / "nbdist.db").close()
+    server = Server(["dashboard", "--store", str(tmp_path / "nbdist.db"), "--port", "0"],
+                    env={"NBDIST_DASHBOARD_TOKEN": "from-the-environment"})
+    try:
+        assert "(no runs yet)" in server.output and "Launching server" not in server.output
+        assert server.url.startswith("http://127.0.0.1:") and server.url.endswith("/nbdist?token=from-the-environment")
+        bare, port = server.url.split("?")[0], urllib.parse.urlsplit(server.url).port
         status, body, _ = _get(bare)
-        assert status == 403 and "needs its token" in body and "Bokeh" not in body
+        assert status == 403 and "token required" in body and "Bokeh" not in body
         assert _get(bare + "?token=wrong")[0] == 403
-        assert _get(bare, cookie=f"nbdist-dashboard-token={token}")[0] == 200
+        status, body, cookie = _get(server.url)
+        # Its own cookie (cookies do not tell ports apart: not sent to another server's token check).
+        assert status == 200 and "Bokeh" in body and cookie.startswith(f"nbdist-dashboard-token-{port}=")
+        assert _get(bare, cookie=f"nbdist-dashboard-token-{port}=from-the-environment")[0] == 200
+        assert _get(bare, cookie="nbdist-dashboard-token=from-the-environment")[0] == 403
+        assert _get(bare, headers={"Authorization": "token from-the-environment"})[0] == 200
+        # Websockets: refused without the token (Bokeh's own session token is not enough).
+        socket_url, origin = bare + "/ws", {"Origin": f"http://127.0.0.1:{port}"}
+        assert _handshake(socket_url, origin) == 403
+        assert _handshake(socket_url, {**origin, "Cookie": f"nbdist-dashboard-token-{port}=wrong"}) == 403
+        assert _handshake(socket_url, {**origin, "Cookie": f"nbdist-dashboard-token-{port}=from-the-environment"}) == 101
+        # A page of another site may not use a visitor's cookie to read the runs.
+        assert _handshake(socket_url, {"Origin": "http://elsewhere.example",
+                                       "Cookie": f"nbdist-dashboard-token-{port}=from-the-environment"}) == 403
+    finally:
+        server.stop()
+
+    # A public interface, the token from a file only its owner reads.
+    token_file = tmp_path / "token"
+    token_file.write_text("from-the-file\n")
+    token_file.chmod(0o600)
+    server = Server(["dashboard", "--store", str(tmp_path / "nbdist.db"), "--address", "0.0.0.0", "--port", "0",
+                     "--token-file", str(token_file)], env={"NBDIST_DASHBOARD_TOKEN": "from-the-environment"})
+    try:
+        assert server.url.endswith("/nbdist?token=from-the-file")
+        local = re.sub(r"//[^:/]+:", "//127.0.0.1:", server.url)
+        assert _get(local)[0] == 200
+        assert _get(local.split("?")[0])[0] == 403
+        assert _get(local.split("?")[0] + "?token=from-the-environment")[0] == 403
     finally:
         server.stop()
 
 
-def test_the_jupyter_server_proxy_entry_serves_under_the_hub_prefix(tmp_path):
-    from nbdist.dashboard.proxy import PROXY_NAME, server_process
-
-    entry = server_process()
-    port, base_url = free_port("127.0.0.1"), "/user/alice/"
-    command = [part.replace("{port}", str(port)).replace("{base_url}", base_url) for part in entry["command"]]
-    env = dict(os.environ, NBDIST_STORE=str(tmp_path / "nbdist.db"))
+def test_panel_serve_with_the_token_auth_module_wants_the_token(tmp_path):
     RunStore(tmp_path / "nbdist.db").close()
-    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    port = free_port("127.0.0.1")
+    proc = subprocess.Popen([sys.executable, "-m", "panel", "serve", "dashboards/nbdist_dashboard.py", "--port",
+                             str(port), "--auth-module", "dashboards/token_auth.py", "--args", "--store",
+                             str(tmp_path / "nbdist.db")], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True, env={**os.environ, "NBDIST_DASHBOARD_TOKEN": "t0ken"})
     try:
-        url = f"http://127.0.0.1:{port}{base_url}{PROXY_NAME}/nbdist"
-        status = _wait(lambda: _get_or_none(url), 120, f"nothing answered at {url}")
-        assert status == 200
-        assert entry["launcher_entry"]["path_info"] == f"{PROXY_NAME}/nbdist"
+        url = f"http://127.0.0.1:{port}/nbdist_dashboard"
+        assert _wait(lambda: _get_or_none(url), 120, f"nothing answered at {url}") == 403
+        status, body, _ = _get(url + "?token=t0ken")
+        assert status == 200 and "Bokeh" in body
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
 
 
-def _get_or_none(url: str) -> int | None:
+JUPYTER_TOKEN = "the-jupyter-servers-own"
+
+
+def test_behind_jupyter_server_proxy_the_dashboard_works_and_opens_no_port(tmp_path):
+    """The jupyter-server-proxy entry under a real Jupyter server: the page and its
+    websocket work through the proxy URL; the dashboard listens on no TCP port, only on a
+    Unix socket its owner alone reaches, and even there it wants its token."""
+    import psutil
+
+    from nbdist.dashboard.proxy import PROXY_NAME
+
+    _needs("jupyter_server_proxy", "pip install jupyter-server-proxy==4.6.0 (in the notebook extra)")
+    RunStore(tmp_path / "nbdist.db").close()
+    port = free_port("127.0.0.1")
+    env = dict(os.environ, JUPYTER_TOKEN=JUPYTER_TOKEN, NBDIST_STORE=str(tmp_path / "nbdist.db"),
+               JUPYTER_CONFIG_DIR=str(tmp_path / "config"), JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    env.pop("NBDIST_DASHBOARD_TOKEN", None)
+    jupyter = subprocess.Popen([sys.executable, "-m", "jupyter_server", "--no-browser", "--allow-root",
+                                "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}", "--ServerApp.port_retries=0",
+                                f"--ServerApp.root_dir={tmp_path}"],
+                               cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
+    output: list[str] = []
+    threading.Thread(target=lambda: output.extend(jupyter.stdout), daemon=True).start()
+    base, hub = f"http://127.0.0.1:{port}", {"Authorization": f"token {JUPYTER_TOKEN}"}
     try:
-        return _get(url)[0]
+        _wait(lambda: _get_or_none(f"{base}/api/status", hub) == 200, 120,
+              "the Jupyter server did not answer")
+        page_url = f"{base}/{PROXY_NAME}/nbdist"
+        status, page, _ = _get(page_url, headers=hub)  # starts the dashboard (jupyter-server-proxy waits for it)
+        assert status == 200 and "Bokeh" in page and "<title>nbdist dashboard</title>" in page, (status, "".join(output))
+        # Jupyter's own authentication stands in front of it.
+        status, headers, _ = _unfollowed(page_url)
+        assert status == 302 and "/login" in headers["Location"], (status, headers)
+
+        # The page's websocket, through the proxy, from the page's own origin: Bokeh answers.
+        socket_url = f"ws://127.0.0.1:{port}/{PROXY_NAME}/nbdist/ws"
+        session = _bokeh_session(page)
+        assert "ACK" in _first_bokeh_message(socket_url, {**hub, "Origin": base}, session)
+        # From another site's page, the dashboard closes it. (Jupyter checks the origin
+        # itself unless, as here, the request carries Jupyter's token in a header, which a
+        # page of another site cannot add: then the proxy accepts the socket and passes it on.)
+        assert _first_bokeh_message(socket_url, {**hub, "Origin": "http://elsewhere.example"}, session) is None
+
+        servers = [p for p in psutil.Process(jupyter.pid).children(recursive=True)
+                   if "dashboard" in p.cmdline() and "nbdist" in p.cmdline()]
+        assert len(servers) == 1, [p.cmdline() for p in psutil.Process(jupyter.pid).children(recursive=True)]
+        dashboard = servers[0]
+        assert listening([dashboard]) == set(), "the dashboard listens on a TCP port"
+        command = dashboard.cmdline()
+        unix_socket = command[command.index("--unix-socket") + 1]
+        assert stat.S_IMODE(os.stat(os.path.dirname(unix_socket)).st_mode) == 0o700
+        assert "--token" not in command and not any(JUPYTER_TOKEN in part for part in command)
+        # On the socket itself: no token, no page; the token but another site's page: no websocket.
+        status, _, body = _unfollowed(page_url, unix_socket=unix_socket)
+        assert status == 403 and "token required" in body
+        token = dashboard.environ()["NBDIST_DASHBOARD_TOKEN"]
+        assert _handshake(f"http://127.0.0.1:{port}/{PROXY_NAME}/nbdist/ws",
+                          {"Authorization": f"token {token}", "Origin": "http://elsewhere.example"},
+                          unix_socket=unix_socket) == 403
+    finally:
+        os.killpg(jupyter.pid, signal.SIGTERM)
+        try:
+            jupyter.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(jupyter.pid, signal.SIGKILL)
+            jupyter.wait(timeout=30)
+
+
+def _needs(module: str, install: str) -> None:
+    try:
+        __import__(module)
+    except ImportError:
+        if os.environ.get("CI"):
+            pytest.fail(f"{module} is missing: {install}")
+        pytest.skip(f"{module} is not installed ({install})")
+
+
+def _get_or_none(url: str, headers: dict | None = None) -> int | None:
+    try:
+        return _get(url, headers=headers)[0]
     except (urllib.error.URLError, ConnectionError):
         return None
 

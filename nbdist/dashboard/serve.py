@@ -1,34 +1,28 @@
-"""Serving the dashboard: on localhost by default; on any other interface only with a token.
+"""Serving the dashboard, always behind its token (nbdist.dashboard.access says why and
+where the token comes from):
 
-    python -m nbdist dashboard --store runs/nbdist.db            # http://127.0.0.1:5006/nbdist
-    python -m nbdist dashboard --store ... --address 0.0.0.0     # prints a URL with ?token=...
+    python -m nbdist dashboard --store runs/nbdist.db     # http://127.0.0.1:5006/nbdist?token=...
+    python -m nbdist dashboard --store ... --address 0.0.0.0
+    python -m nbdist dashboard --store ... --unix-socket PATH --prefix /user/me/nbdist-dashboard
 
-A shared login node has other users: a server on a public interface must not show
-anyone's runs to anyone. With a token, the first request must carry `?token=...` (or
-the cookie that request sets); everything else gets 403. Behind JupyterHub, use the
-jupyter-server-proxy entry instead (nbdist.dashboard.proxy): the hub authenticates.
+On a Unix socket (what the jupyter-server-proxy entry uses, nbdist.dashboard.proxy) the
+server opens no TCP port at all: only its owner can connect to the socket, and the page
+is reached through the hub, which authenticates.
 """
 
 from __future__ import annotations
 
 import errno
-import hmac
-import ipaddress
-import secrets
 import socket
 from pathlib import Path
 from typing import Any
 
-from bokeh.server.auth_provider import AuthProvider
-from tornado.web import RequestHandler
-from tornado.websocket import WebSocketHandler
-
+from nbdist.dashboard.access import SameOriginWebsocket, TokenAuth, cookie_name, dashboard_token
 from nbdist.errors import UserError
 
-__all__ = ["serve", "existing_store", "DashboardError", "TokenAuth", "is_loopback", "free_port", "APP_PATH"]
+__all__ = ["serve", "existing_store", "DashboardError", "free_port", "APP_PATH"]
 
 APP_PATH = "nbdist"
-COOKIE = "nbdist-dashboard-token"
 
 
 class DashboardError(UserError):
@@ -51,56 +45,12 @@ def existing_store(store: str | Path) -> Path:
     return path
 
 
-def is_loopback(address: str) -> bool:
-    if address == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(address).is_loopback
-    except ValueError:
-        return False
-
-
-class _TokenRequired(RequestHandler):
-    def get(self) -> None:
-        self.set_status(403)
-        self.finish("<html><title>nbdist dashboard: token required</title><body><p>This nbdist dashboard needs "
-                    "its token: open the URL it printed when it started (ending in <code>?token=...</code>)."
-                    "</p></body></html>")
-
-
-class TokenAuth(AuthProvider):
-    """Lets in requests that carry the token (query argument, or the cookie it sets)."""
-
-    def __init__(self, token: str):
-        self.token = token
-        super().__init__()
-
-    @property
-    def get_user(self) -> Any:
-        def user(handler: RequestHandler) -> str | None:
-            cookie = handler.get_cookie(COOKIE)
-            given = cookie if isinstance(handler, WebSocketHandler) else handler.get_argument("token", cookie)
-            if not given or not hmac.compare_digest(given.encode(), self.token.encode()):
-                return None
-            if cookie != given and not isinstance(handler, WebSocketHandler):
-                handler.set_cookie(COOKIE, given, httponly=True, samesite="Strict")
-            return "nbdist"
-
-        return user
-
-    @property
-    def login_url(self) -> str:
-        return "/token-required"
-
-    @property
-    def login_handler(self) -> type[RequestHandler]:
-        return _TokenRequired
-
-
 def serve(store: str | Path, *, address: str = "127.0.0.1", port: int = 5006, prefix: str = "",
-          token: str | None = None, run: str | None = None, allow_origin: list[str] | None = None,
-          show: bool = False, create: bool = False) -> Any:
+          token: str | None = None, unix_socket: str | Path | None = None, run: str | None = None,
+          allow_origin: list[str] | None = None, show: bool = False, create: bool = False) -> Any:
     """Serve the dashboard of `store` until interrupted. Returns when the server stops.
+    `token`: what every request must carry (default: $NBDIST_DASHBOARD_TOKEN, else a
+    fresh random one). `unix_socket`: listen on this socket instead of `address`/`port`.
     `create`: start an empty store when there is none (the dashboard of runs to come)."""
     import panel as pn
 
@@ -112,26 +62,34 @@ def serve(store: str | Path, *, address: str = "127.0.0.1", port: int = 5006, pr
     # An unreadable store is an error now, not on every page.
     with RunStore(store) as opened:
         empty = not opened.runs()
-    if token is None and not is_loopback(address):
-        token = secrets.token_urlsafe(24)
-    options: dict[str, Any] = {}
-    if token is not None:
-        options["auth_provider"] = TokenAuth(token)
+    token = dashboard_token() if token is None else token
     try:
-        if port == 0:
-            port = free_port(address)
+        if unix_socket is not None:
+            listen: dict[str, Any] = {"unix_socket": str(unix_socket), "websocket_origin": allow_origin}
+        else:
+            port = free_port(address) if port == 0 else port
+            listen = {"address": address, "port": port, "websocket_origin": allow_origin or _origins(address, port)}
+        auth = TokenAuth(token, cookie=cookie_name(port if unix_socket is None else None),
+                         cookie_path=prefix.rstrip("/") + "/")
         # Panel adds what the factory returns to each session's page: return the page, not .servable().
-        server = pn.serve({APP_PATH: lambda: dashboard(store, run=run).start().page}, address=address, port=port,
-                          prefix=prefix, show=False, start=False, title="nbdist dashboard",
-                          websocket_origin=allow_origin or _origins(address, port), **options)
+        server = pn.serve({APP_PATH: lambda: dashboard(store, run=run).start().page}, prefix=prefix, show=False,
+                          start=False, verbose=False, title="nbdist dashboard", auth_provider=auth,
+                          **listen)
     except OSError as exc:
-        raise _cannot_listen(exc, address, port) from None
+        raise _cannot_listen(exc, address, port, unix_socket) from None
+    if unix_socket is not None and not allow_origin:
+        _same_origin_websockets(server)
     server.start()
-    host = socket.gethostname() if address in ("0.0.0.0", "::") else address
-    url = f"http://{host}:{server.port}{prefix.rstrip('/')}/{APP_PATH}" + (f"?token={token}" if token else "")
-    print(f"nbdist: dashboard of {store}{' (no runs yet)' if empty else ''} at {url}", flush=True)
-    if show:
-        server.show(f"/{APP_PATH}")
+    path = f"{prefix.rstrip('/')}/{APP_PATH}"
+    if unix_socket is not None:
+        # The token came from whoever started the server (the proxy adds it): not printed.
+        where = f"on the Unix socket {unix_socket}, path {path}"
+    else:
+        host = socket.gethostname() if address in ("0.0.0.0", "::") else address
+        where = f"at http://{host}:{server.port}{path}?token={token}"
+    print(f"nbdist: dashboard of {store}{' (no runs yet)' if empty else ''} {where}", flush=True)
+    if show and unix_socket is None:
+        server.show(f"/{APP_PATH}?token={token}")
     try:
         server.io_loop.start()
     except KeyboardInterrupt:
@@ -141,7 +99,21 @@ def serve(store: str | Path, *, address: str = "127.0.0.1", port: int = 5006, pr
     return server
 
 
-def _cannot_listen(exc: OSError, address: str, port: int) -> DashboardError:
+def _same_origin_websockets(server: Any) -> None:
+    """Behind a proxy the page's host (the hub's) is unknown here: Panel's websocket
+    handler is swapped for one that takes pages of the host it was reached at."""
+    from panel.io.server import WSHandler
+
+    rules = [rule for rule in server._tornado.wildcard_router.rules if rule.target is WSHandler]
+    if not rules:
+        raise RuntimeError("Panel's websocket route was not found: the dashboard's origin rule cannot be set")
+    for rule in rules:
+        rule.target = SameOriginWebsocket
+
+
+def _cannot_listen(exc: OSError, address: str, port: int, unix_socket: str | Path | None) -> DashboardError:
+    if unix_socket is not None:
+        return DashboardError(f"cannot listen on the Unix socket {unix_socket}: {exc.strerror or exc}")
     if exc.errno == errno.EADDRINUSE:
         return DashboardError(f"port {port} on {address} is in use (another dashboard?): choose another with "
                               f"--port, or --port 0 for any free port")

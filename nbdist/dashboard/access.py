@@ -1,0 +1,147 @@
+"""Who may read the dashboard: whoever has its token, on every interface, localhost too.
+
+A shared login node has other users, and all of them reach 127.0.0.1: a server that
+answers without a token shows everyone's runs (options, paths, host names, metrics) to
+everyone. So the server always asks for a token, as Jupyter does. It comes from
+
+    NBDIST_DASHBOARD_TOKEN=...            the environment (readable only by its owner), or
+    --token-file PATH                     a file only its owner can read (chmod 600), else
+    a fresh random one                    printed in the URL the server shows at start,
+
+and never from the command line: every user of the machine sees command lines in `ps`.
+
+A request carries it as `?token=...` (which sets a cookie for the pages and websockets
+that follow), as that cookie, or as the header `Authorization: token ...` (what the
+jupyter-server-proxy entry adds). Anything else gets 403, websockets included.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import secrets
+import stat
+from pathlib import Path
+from typing import Any
+
+from bokeh.server.auth_provider import AuthProvider
+from panel.io.server import WSHandler as PanelWSHandler
+from tornado.web import HTTPError, RequestHandler
+from tornado.websocket import WebSocketHandler
+
+from nbdist.errors import UserError
+
+__all__ = ["TOKEN_ENV", "TokenError", "TokenAuth", "dashboard_token", "token_on_command_line",
+           "SameOriginWebsocket", "cookie_name"]
+
+TOKEN_ENV = "NBDIST_DASHBOARD_TOKEN"
+
+
+class TokenError(UserError):
+    pass
+
+
+def dashboard_token(token_file: str | Path | None = None) -> str:
+    """The token from `token_file` when given, else from $NBDIST_DASHBOARD_TOKEN, else a
+    fresh random one."""
+    if token_file is not None:
+        return _read_token_file(Path(token_file))
+    if TOKEN_ENV in os.environ:
+        token = os.environ[TOKEN_ENV].strip()
+        if not token:
+            raise TokenError(f"{TOKEN_ENV} is set but empty: give it a token, or unset it for a random one")
+        return token
+    return secrets.token_urlsafe(24)
+
+
+def _read_token_file(path: Path) -> str:
+    try:
+        mode = path.stat().st_mode
+    except OSError as exc:
+        raise TokenError(f"--token-file {path}: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(mode):
+        raise TokenError(f"--token-file {path} is not a file")
+    # A token others can read (or replace) protects nothing.
+    if mode & 0o077:
+        raise TokenError(f"--token-file {path} can be read or written by other users (mode "
+                         f"{stat.filemode(mode)}): make it yours alone with chmod 600 {path}")
+    token = path.read_text().strip()
+    if not token:
+        raise TokenError(f"--token-file {path} is empty: write the token into it")
+    return token
+
+
+def token_on_command_line(option: str = "--token") -> TokenError:
+    """The error for a token given as a command-line argument."""
+    return TokenError(f"{option} on the command line is visible to every user of this machine (ps): choose a "
+                      f"new token and put it in the environment ({TOKEN_ENV}=...) or in a file only you can "
+                      f"read (--token-file PATH, chmod 600), or give neither for a random one")
+
+
+def cookie_name(port: int | None) -> str:
+    """Cookies do not tell ports apart: each server's cookie has its own name, so one
+    dashboard's token is not sent to another (another user's) on the same host."""
+    return "nbdist-dashboard-token" + (f"-{port}" if port else "")
+
+
+# The reason phrase of every 403 (tornado writes it into the page as well).
+REFUSED = "nbdist dashboard: token required; open the URL the server printed at start (it ends in ?token=...)"
+
+
+class _TokenRequired(RequestHandler):
+    """Bokeh wants a login page; nothing is sent to it (requests without the token are
+    refused where they arrive, see TokenAuth.get_user), but it answers 403 too."""
+
+    def get(self) -> None:
+        raise HTTPError(403, reason=REFUSED)
+
+
+class TokenAuth(AuthProvider):
+    """Lets in the requests that carry the token (query argument, the cookie it sets, or
+    an `Authorization: token ...` header) and answers every other one, page or websocket,
+    403 (not tornado's redirect to a login page: there is nothing to log in with)."""
+
+    def __init__(self, token: str, *, cookie: str = cookie_name(None), cookie_path: str = "/"):
+        self.token, self.cookie, self.cookie_path = token, cookie, cookie_path
+        super().__init__()
+
+    def given(self, handler: RequestHandler) -> tuple[str | None, bool]:
+        """The token the request gives, and whether it came as `?token=` (browsers cannot
+        add query arguments or headers to a websocket: those use the cookie)."""
+        scheme, _, value = handler.request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() == "token" and value:
+            return value.strip(), False
+        if not isinstance(handler, WebSocketHandler):
+            argument = handler.get_argument("token", None)
+            if argument is not None:
+                return argument, True
+        return handler.get_cookie(self.cookie), False
+
+    @property
+    def get_user(self) -> Any:
+        def user(handler: RequestHandler) -> str | None:
+            given, in_url = self.given(handler)
+            if not given or not hmac.compare_digest(given.encode(), self.token.encode()):
+                raise HTTPError(403, reason=REFUSED)
+            if in_url:
+                handler.set_cookie(self.cookie, given, path=self.cookie_path, httponly=True, samesite="Strict")
+            return "nbdist"
+
+        return user
+
+    @property
+    def login_url(self) -> str:
+        return "/token-required"
+
+    @property
+    def login_handler(self) -> type[RequestHandler]:
+        return _TokenRequired
+
+
+class SameOriginWebsocket(PanelWSHandler):
+    """Panel's websocket, taken only from pages of the host it is connected to (tornado's
+    own rule: Origin equals Host). Behind jupyter-server-proxy that host is the hub's,
+    which the server cannot know in advance, so it cannot be listed."""
+
+    def check_origin(self, origin: str) -> bool:
+        return WebSocketHandler.check_origin(self, origin)
