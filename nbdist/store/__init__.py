@@ -5,6 +5,7 @@ from pathlib import Path
 
 from nbdist.store.ingest import LogFollower, RunFeed, RunRecorder, import_run
 from nbdist.store.runstore import STALE_SECONDS, RunRow, RunStore, TrialRow
+from nbdist.store.dialects import is_url, mask_url, store_label
 from nbdist.store.schema import SCHEMA_VERSION, StoreError
 
 __all__ = ["RunStore", "RunRow", "TrialRow", "RunFeed", "RunRecorder", "LogFollower", "import_run", "StoreError",
