@@ -133,6 +133,17 @@ def test_bad_store_urls_name_the_problem_and_the_forms(url, problem):
         assert "a SQLite file path, sqlite:///PATH, or postgresql://USER@HOST:PORT/DATABASE" in message
 
 
+def test_the_command_line_says_what_is_wrong_with_a_store_in_one_line(tmp_path, pyrun, database):
+    bad = pyrun(["-m", "nbdist", "store", "import", str(tmp_path), "--store", "mysql://me:pw@db/nbdist"])
+    assert bad.returncode != 0 and "Traceback" not in bad.output
+    [line] = [line for line in bad.output.splitlines() if line.strip()]
+    assert "--store mysql://me:***@db/nbdist: unknown scheme 'mysql'" in line and "postgresql://USER@HOST" in line
+    # An empty database is no store: the dashboard says so (and not the password).
+    empty = pyrun(["-m", "nbdist", "dashboard", "--store", database, "--export", str(tmp_path / "x.html")])
+    assert empty.returncode != 0 and "Traceback" not in empty.output and PASSWORD not in empty.output
+    assert f"no run store at {database.replace(PASSWORD, '***')} (it has no nbdist tables yet)" in empty.output
+
+
 def test_a_sqlite_url_is_the_file(tmp_path):
     with RunStore(f"sqlite:///{tmp_path}/s.db") as store:
         store.begin_run("r", run_dir=None, options={}, layout={})
@@ -196,9 +207,11 @@ def test_an_orphaned_trial_is_claimed_by_one_job_only(database):
         assert [t.owner for t in two.trials("s")] == ["job-1"]
 
 
-def test_two_coordinators_share_one_study_and_run_every_trial_once(database):
+@pytest.mark.parametrize("kind", ["postgresql", "sqlite"])
+def test_two_coordinators_share_one_study_and_run_every_trial_once(kind, request, tmp_path):
     """Two studies' coordinators (threads here, each with its own connection) on one
     study: every trial number once, every point told once, both did trials."""
+    database = request.getfixturevalue("database") if kind == "postgresql" else str(tmp_path / "s.db")
     told: list[float] = []
 
     def objective(params):
@@ -240,8 +253,8 @@ def test_two_coordinators_share_one_study_and_run_every_trial_once(database):
     # Each reports the study as it stood when it ended; the one that ended last, all of it.
     last = max(results.values(), key=lambda r: len(r.trials))
     assert len(last.trials) == 30 and last.best_fom == min(t.fom for t in trials)
-    assert {r.reason for r in results.values()} <= {"30 trials done",
-                                                    "no trial left to start here: the study's other jobs train the rest"}
+    idle = "no trial left to start here: the study's other jobs train the rest"
+    assert {r.reason for r in results.values()} <= {"30 trials done", idle}
 
 
 # ------------------------------------------------------------------ two mpiexec jobs
