@@ -19,7 +19,7 @@ import postgres_server
 from conftest import ROOT
 from nbdist.hpo.inprocess import optimize
 from nbdist.launch import mpi_env
-from nbdist.store import SCHEMA_VERSION, RunStore, StoreError
+from nbdist.store import SCHEMA_VERSION, RunStore, StoreError, mask_url
 from nbdist.store.dialects import PostgresDialect, SQLiteDialect
 from nbdist.store.schema import _MIGRATIONS
 from postgres_server import PASSWORD
@@ -131,6 +131,14 @@ def test_bad_store_urls_name_the_problem_and_the_forms(url, problem):
         assert "postgresql://USER@HOST:PORT/DATABASE" in message
     elif "SQLite URL" not in problem:
         assert "a SQLite file path, sqlite:///PATH, or postgresql://USER@HOST:PORT/DATABASE" in message
+
+
+def test_a_password_is_masked_wherever_a_url_carries_it():
+    assert mask_url("postgresql://me:p%40ss@db:5432/nbdist") == "postgresql://me:***@db:5432/nbdist"
+    assert mask_url("postgresql://me@db/nbdist?password=zz&sslmode=require") == \
+        "postgresql://me@db/nbdist?password=***&sslmode=require"
+    assert mask_url("postgresql://me@db/nbdist") == "postgresql://me@db/nbdist"
+    assert mask_url("runs/nbdist.db") == "runs/nbdist.db"
 
 
 def test_the_command_line_says_what_is_wrong_with_a_store_in_one_line(tmp_path, pyrun, database):
