@@ -308,7 +308,8 @@ class Job:
                     feed.end(*self._ending(run_id))
         except Exception as exc:  # noqa: BLE001 - the training matters more than its record
             self.store_error = f"{type(exc).__name__}: {exc}"
-            print(f"nbdist: the run store {store_label(self.store)} failed, the job goes on unrecorded: {self.store_error}",
+            print(f"nbdist: the run store {store_label(self.store)} failed, the job goes on unrecorded: "
+                  f"{self.store_error}",
                   flush=True)
 
     def _ending(self, run_id: str) -> tuple[str, str | None, dict[str, Any] | None]:
