@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-EXTRAS := mpi,torch,tensorflow,notebook,dashboard,hpo,hep,test
+EXTRAS := mpi,torch,tensorflow,notebook,dashboard,hpo,hep,postgresql,test
 
 .PHONY: demo test install clean bench
 

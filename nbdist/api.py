@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from nbdist.errors import OptionsError
 from nbdist.options import STUDY_SKIPS, StudyOptions, TrainOptions, saved_run_options
-from nbdist.store import RunStore, store_path
+from nbdist.store import RunStore, is_url, store_path
 from nbdist.train.definition import definition_of
 from nbdist.train.progress import RunResult
 
@@ -82,7 +82,8 @@ def _for_the_engines(options: TrainOptions, *, cell: str | None, model: Any,
         model = str(Path(model).resolve())
         options = options.replace(model=model)
     options = options.replace(runs_dir=str(Path(options.runs_dir).resolve()))
-    if store_path(options.store, options.runs_dir) is not None and options.store is not None:
+    if store_path(options.store, options.runs_dir) is not None and options.store is not None \
+            and not is_url(options.store):
         options = options.replace(store=str(Path(options.store).resolve()))
     if options.resume:
         saved_run_options(options.resume)  # a missing or wrong directory is an error now, in the cell

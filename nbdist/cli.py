@@ -149,6 +149,7 @@ def _train(args: argparse.Namespace) -> int:
 def _study(args: argparse.Namespace) -> int:
     from nbdist.hpo.batch import run_study
     from nbdist.hpo.runner import resolve_options
+    from nbdist.store import store_label
     from nbdist.train.definition import definition_of
 
     study, train = resolve_options(*study_options_from_args(args))
@@ -160,7 +161,8 @@ def _study(args: argparse.Namespace) -> int:
         if result.best_params is not None:
             print(f"nbdist: best {study.objective} {result.best_fom:.4f} with {result.best_params}", flush=True)
         if result.store:
-            print(f"nbdist: trials in {result.store}: python -m nbdist dashboard --store {result.store}", flush=True)
+            store = store_label(result.store)
+            print(f"nbdist: trials in {store}: python -m nbdist dashboard --store {store}", flush=True)
     return 0
 
 
@@ -216,14 +218,14 @@ def _dashboard(args: argparse.Namespace) -> int:
 def _store(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from nbdist.store import RunStore, import_run
+    from nbdist.store import RunStore, import_run, is_url
 
-    if not Path(args.store).exists():  # importing into a new store is fine; a silent new one is not
+    if not is_url(args.store) and not Path(args.store).exists():  # a new store is fine; a silent new one is not
         print(f"nbdist: creating the run store {args.store}", flush=True)
     with RunStore(args.store) as store:
         for run_dir in args.run_dirs:
             run_id, added = import_run(store, run_dir)
-            print(f"nbdist: {run_id}: {store.run(run_id).status}, {added} new records in {args.store}")
+            print(f"nbdist: {run_id}: {store.run(run_id).status}, {added} new records in {store.label}")
     return 0
 
 

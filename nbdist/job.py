@@ -29,7 +29,7 @@ from nbdist.errors import TrainingError
 from nbdist.liveness import DeadEngine
 from nbdist.metrics.collect import LiveRecords
 from nbdist.options import TrainOptions
-from nbdist.store import RunFeed
+from nbdist.store import RunFeed, store_label
 from nbdist.train.progress import stopped_on_request
 
 __all__ = ["Job", "JobError"]
@@ -308,7 +308,8 @@ class Job:
                     feed.end(*self._ending(run_id))
         except Exception as exc:  # noqa: BLE001 - the training matters more than its record
             self.store_error = f"{type(exc).__name__}: {exc}"
-            print(f"nbdist: the run store {self.store} failed, the job goes on unrecorded: {self.store_error}",
+            print(f"nbdist: the run store {store_label(self.store)} failed, the job goes on unrecorded: "
+                  f"{self.store_error}",
                   flush=True)
 
     def _ending(self, run_id: str) -> tuple[str, str | None, dict[str, Any] | None]:

@@ -101,8 +101,9 @@ class TrainOptions:
                                             "before that peer counts as frozen (default: from the measured step "
                                             "time, at least 60)")
     runs_dir: str = _opt("runs", "where run directories are created")
-    store: str | None = _opt(None, "run store (SQLite) the run is recorded in, for the dashboard "
-                                   "(default: RUNS_DIR/nbdist.db; 'off' records nothing)")
+    store: str | None = _opt(None, "run store the run is recorded in, for the dashboard: a SQLite file or "
+                                   "postgresql://USER@HOST:PORT/DB (default: RUNS_DIR/nbdist.db; 'off' records "
+                                   "nothing)")
     run_name: str | None = _opt(None, "name of the run directory (default: time, algorithm, topology)")
     threads: int = _opt(1, "framework threads per rank (torch, TensorFlow)")
     bucket_mb: float = _opt(2.0, "allreduce bucket size in MB (gradients reduced while backward runs)")

@@ -72,8 +72,8 @@ def test_runs_whose_writer_vanished_are_marked_killed(tmp_path):
         store.begin_run("alive", run_dir=None, options={}, layout={})
         store.begin_run("gone", run_dir=None, options={}, layout={})
         store.begin_run("silent", run_dir=None, options={}, layout={})
-        store._conn.execute("UPDATE runs SET pid = ? WHERE id = 'gone'", (gone.pid,))
-        store._conn.execute("UPDATE runs SET host = 'node17', heartbeat = ? WHERE id = 'silent'", (time.time() - 3600,))
+        store._db.execute("UPDATE runs SET pid = ? WHERE id = 'gone'", (gone.pid,))
+        store._db.execute("UPDATE runs SET host = 'node17', heartbeat = ? WHERE id = 'silent'", (time.time() - 3600,))
         states = {r.id: r.status for r in store.runs()}
         assert states == {"alive": "running", "gone": "killed", "silent": "killed"}
         assert "killed" in store.run("gone").reason

@@ -23,7 +23,7 @@ from nbdist.dashboard.layout_view import layout_html
 from nbdist.dashboard.plots import RunPlots, phase_legend, queue_model_staleness
 from nbdist.dashboard.sources import JobSource, RecordSource, RunInfo, StoreSource, run_choices
 from nbdist.dashboard.study_view import StudyPlots
-from nbdist.store import RunStore, StoreError
+from nbdist.store import RunStore, StoreError, is_url
 
 __all__ = ["Dashboard", "dashboard"]
 
@@ -120,7 +120,7 @@ class Dashboard:
                  study: str | None = None, live: bool = True, period_ms: int = POLL_MS):
         if (store is None) == (job is None):
             raise ValueError("give the dashboard a store or a job")
-        self.store_path = Path(store) if store is not None else None
+        self.store_path = store if store is None or is_url(store) else Path(store)
         self.job = job
         self.live = live
         self.period_ms = period_ms
@@ -146,7 +146,7 @@ class Dashboard:
     def _build_pickers(self, run: str | None, study: str | None) -> None:
         choices = run_choices(self._store)
         if run is not None and run not in choices.values():
-            raise StoreError(f"no run {run!r} in the store {self.store_path}")
+            raise StoreError(f"no run {run!r} in the store {self._store.label}")
         self.run_picker = pn.widgets.Select(label="run", options=choices, value=run or next(iter(choices.values()), None),
                                             width=420)
         self.compare_picker = pn.widgets.Select(label="compare with", options={"(none)": "", **choices}, value="",
@@ -165,7 +165,7 @@ class Dashboard:
         if self.run_picker.value:
             self.open_run(self.run_picker.value)
         else:
-            self.body[:] = [pn.pane.Markdown(f"*no runs in {self.store_path} yet: they appear here when they start*")]
+            self.body[:] = [pn.pane.Markdown(f"*no runs in {self._store.label} yet: they appear here when they start*")]
 
     def open_run(self, run_id: str) -> None:
         source = StoreSource(self.store_path, run_id)

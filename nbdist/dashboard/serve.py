@@ -29,11 +29,14 @@ class DashboardError(UserError):
     pass
 
 
-def existing_store(store: str | Path) -> Path:
+def existing_store(store: str | Path) -> str | Path:
     """`store` when it is a run store file; else one error naming it and where runs put
     theirs (a mistyped path would otherwise show a new, empty store)."""
-    from nbdist.store import STORE_FILE
+    from nbdist.store import STORE_FILE, RunStore, is_url
 
+    if is_url(store):  # a database: it must hold a store already (no tables: an error naming it)
+        RunStore(store, create=False).close()
+        return store
     path = Path(store)
     if path.is_dir():
         inside = " (it holds one: --store " + str(path / STORE_FILE) + ")" if (path / STORE_FILE).is_file() else ""
@@ -55,7 +58,7 @@ def serve(store: str | Path, *, address: str = "127.0.0.1", port: int = 5006, pr
     import panel as pn
 
     from nbdist.dashboard.app import dashboard
-    from nbdist.store import RunStore
+    from nbdist.store import RunStore, store_label
 
     if not create:
         existing_store(store)
@@ -87,7 +90,7 @@ def serve(store: str | Path, *, address: str = "127.0.0.1", port: int = 5006, pr
     else:
         host = socket.gethostname() if address in ("0.0.0.0", "::") else address
         where = f"at http://{host}:{server.port}{path}?token={token}"
-    print(f"nbdist: dashboard of {store}{' (no runs yet)' if empty else ''} {where}", flush=True)
+    print(f"nbdist: dashboard of {store_label(store)}{' (no runs yet)' if empty else ''} {where}", flush=True)
     if show and unix_socket is None:
         server.show(f"/{APP_PATH}?token={token}")
     try:

@@ -37,13 +37,13 @@ class RecordSource(Protocol):
 
 
 class StoreSource:
-    """One run of a store file; each poll reads only the rows stored since the last one."""
+    """One run of a store (a file or a database); each poll reads only the rows stored
+    since the last one."""
 
     def __init__(self, store: str | Path, run_id: str, *, batch: int = 50_000):
-        self.path = Path(store)
         self.run_id = run_id
         self.batch = batch
-        self._store = RunStore(self.path, create=False)
+        self._store = RunStore(store, create=False)
         self._after = 0
 
     def info(self) -> RunInfo:

@@ -12,13 +12,25 @@ Persistence, so that a resumed study re-runs only what did not finish: the searc
 state is saved after every ask and every tell, and each trial's row as it starts and
 ends. The searcher's `pending` points are exactly the trials that were handed out and
 never told: a resumed study trains those again (under their old numbers) first.
+
+A study recorded in a store may be shared by several jobs (several SLURM jobs on one
+PostgreSQL store, or several processes on one SQLite file): the searcher then lives in
+the store, not in one coordinator. Every ask and every tell is made inside the study's
+lock (`RunStore.coordinate`): the coordinator loads the searcher's state, asks or tells,
+saves it, and writes the trial rows it hands out under its own job name, all in one
+transaction, so two jobs never get the same trial. A running trial whose job is gone
+(killed, or ended without finishing it) is taken over by the next coordinator that
+looks, once (`claim_trial`); `--resume-study` joins a study that other jobs still run.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import socket
 import statistics
 import time
+import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -28,12 +40,13 @@ from nbdist.hpo.pruning import MedianPruner
 from nbdist.hpo.searcher import Searcher, make_searcher, restore_searcher
 from nbdist.hpo.trial import Trial, TrialError, fold_fom
 from nbdist.options import StudyOptions, TrainOptions, parse_target
-from nbdist.store import RunStore, StoreError, store_path
+from nbdist.store import RunStore, store_path
 
 __all__ = ["TrialExecutor", "EpochReport", "TrialFinished", "FoldOutcome", "StudyRunner", "StudyResult",
            "StudyError", "new_study_name", "saved_options", "resolve_options"]
 
 POLL_SECONDS = 0.2
+HEARTBEAT_SECONDS = 5.0  # a shared study's coordinator says it is alive this often
 
 
 class StudyError(UserError):
@@ -161,6 +174,9 @@ class StudyRunner:
         self.maximize = self.study.resolved_direction == "maximize"
         self.goal = parse_target(self.study.goal) if self.study.goal else None
         self.store = RunStore(self.store_path) if self.store_path is not None else None
+        # This coordinator's name among the study's jobs: the trials it trains carry it.
+        self.job = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._beat = time.monotonic()
         self.results: list[dict[str, Any]] = []  # finished trials, in the order they finished
         self.requeue: list[Trial] = []  # trials to train again (a resumed study's unfinished ones)
         self.next_number = 0
@@ -176,49 +192,71 @@ class StudyRunner:
         self.searcher = make_searcher(self.study.searcher, self.study.space, direction=self.study.resolved_direction,
                                       seed=self.train.seed, trials=self.study.trials)
         if self.store is not None:
-            try:
-                self.store.study(self.name)
-            except StoreError:
-                pass
-            else:
-                raise StudyError(f"the store {self.store_path} has a study named {self.name!r} already: continue it "
-                                 f"with --resume-study {self.name}, or give another --study-name")
-            self.store.begin_study(self.name, searcher=self.study.searcher, space=str(self.searcher.space),
-                                   options={"study": self.study.to_dict(), "train": self.train.to_dict()},
-                                   objective=self.study.objective, direction=self.study.resolved_direction)
+            # One INSERT decides which of two jobs starting the same study at once creates it.
+            if not self.store.create_study(self.name, searcher=self.study.searcher, space=str(self.searcher.space),
+                                           options={"study": self.study.to_dict(), "train": self.train.to_dict()},
+                                           objective=self.study.objective, direction=self.study.resolved_direction):
+                raise StudyError(f"the store {self.store.label} has a study named {self.name!r} already: continue "
+                                 f"it (or join the jobs that run it) with --resume-study {self.name}, or give "
+                                 f"another --study-name")
+            self.store.join_study(self.name, self.job)
             self._save_state()
 
     def _resume(self) -> None:
         if self.store is None:
             raise StudyError("--resume-study needs the run store the study was recorded in (not --store off)")
-        saved = self.store.study(self.name)
-        state = saved.get("searcher_state") or {}
+        self.store.study(self.name)  # no such study: one error naming the store
+        self.store.reopen_study(self.name)
+        self.store.join_study(self.name, self.job)
+        with self.store.coordinate(self.name):
+            self._load_state()
+            rows = self.store.trials(self.name)
+            self._refresh_results(rows)
+            others = self.store.live_jobs(self.name) - {self.job}
+            # Points handed out and never recorded as trials (a store from before trial rows
+            # were written with the ask): trained under new numbers.
+            recorded = {self.searcher.space.key(t.params) for t in rows if t.state == "running"}
+            number = max((t.number for t in rows), default=-1) + 1
+            for params in self.searcher.pending:
+                if self.searcher.space.key(params) not in recorded:
+                    self.store.record_trial(self.name, number, params=dict(params), state="running", owner=self.job)
+                    self.requeue.append(Trial(number, dict(params), None))
+                    number += 1
+        adopted, recovered = self._adopt_orphans()
+        also = f"; {len(others)} other job(s) run it too" if others else ""
+        self.say(f"nbdist: resuming study {self.name}: {len(self.results)} trials finished, "
+                 f"{len(recovered)} recovered from their runs, {len(self.requeue)} to train again{also}")
+        for trial, finished in recovered:
+            self._on_finished(_Running(trial, group=None), finished)
+
+    def _load_state(self) -> None:
+        """The study's searcher and pruner as the store has them (inside its lock)."""
+        state = self.store.study(self.name).get("searcher_state") or {}
         if "searcher" not in state:
             raise StudyError(f"study {self.name!r} has no saved searcher state: it cannot be resumed")
         self.searcher = restore_searcher(state["searcher"])
         if self.pruner is not None:
             self.pruner.load_state(state.get("pruner", []))
-        rows = self.store.trials(self.name)
-        self.next_number = max((t.number for t in rows), default=-1) + 1
-        finished = {t.number for t in rows if t.state != "running"}
-        self.results = [self._row(t) for t in rows if t.number in finished]
-        running = {self.searcher.space.key(t.params): t for t in rows if t.state == "running"}
-        for params in self.searcher.pending:
-            row = running.get(self.searcher.space.key(params))
-            number = row.number if row is not None else self._new_number()
-            self.requeue.append(Trial(number, dict(params), row.generation if row else None))
-        self.store.begin_study(self.name, searcher=saved["searcher"], space=saved["space"], options=saved["options"],
-                               objective=saved["objective"], direction=saved["direction"])
-        # A trial whose every fold run ended well before the study was cut off is not
+
+    def _refresh_results(self, rows: list[Any]) -> None:
+        """The study's finished trials, whichever job trained them."""
+        reached = {r["number"] for r in self.results if r.get("goal_reached")}
+        self.results = [{**self._row(t), "goal_reached": t.number in reached} for t in rows if t.state != "running"]
+
+    def _adopt_orphans(self) -> tuple[list[Trial], list[tuple[Trial, TrialFinished]]]:
+        """Take over the running trials whose job is gone: those to train again join the
+        queue; those whose fold runs all completed are returned with their outcome."""
+        with self.store.coordinate(self.name):
+            live = self.store.live_jobs(self.name)
+            claimed = [Trial(t.number, t.params, t.generation) for t in self.store.trials(self.name)
+                       if t.state == "running" and t.owner not in live
+                       and self.store.claim_trial(self.name, t.number, self.job, t.owner)]
+        # A trial whose every fold run ended well before its job was cut off is not
         # trained again: its runs are in the store, with their final metrics.
-        recovered = [(t, self._recorded(t.number)) for t in self.requeue]
-        self.requeue = [t for t, finished in recovered if finished is None]
-        self.say(f"nbdist: resuming study {self.name}: {len(self.results)} trials finished, "
-                 f"{sum(f is not None for _, f in recovered)} recovered from their runs, "
-                 f"{len(self.requeue)} to train again")
-        for trial, finished in recovered:
-            if finished is not None:
-                self._on_finished(_Running(trial, group=None), finished)
+        outcomes = [(t, self._recorded(t.number)) for t in claimed]
+        adopted = [t for t, finished in outcomes if finished is None]
+        self.requeue += adopted
+        return adopted, [(t, f) for t, f in outcomes if f is not None]
 
     def _recorded(self, number: int) -> TrialFinished | None:
         """A trial's outcome from its fold runs in the store, when all of them completed."""
@@ -262,9 +300,9 @@ class StudyRunner:
                 if not reason:
                     self._fill(free, running)
                 if not running:
-                    reason = reason or ("the searcher has no more points" if self.searcher.exhausted
-                                        else f"{len(self.results)} trials done")
+                    reason = reason or self._stop_reason() or self._idle_reason()
                     break
+                self._heartbeat()
                 for event in self.executor.poll(POLL_SECONDS):
                     if isinstance(event, EpochReport):
                         self._on_epoch(event, running)
@@ -275,8 +313,11 @@ class StudyRunner:
         finally:
             self.executor.close()
             if self.store is not None:
-                status = "completed" if reason and not self.stopping else "interrupted"
-                self.store.end_study(self.name, "failed" if self.failure else status)
+                self.store.leave_study(self.name, self.job)
+                # The study goes on while another job runs it; the last one out ends it.
+                if not self.store.live_jobs(self.name):
+                    status = "completed" if reason and not self.stopping else "interrupted"
+                    self.store.end_study(self.name, "failed" if self.failure else status)
         if self.failure is not None:
             raise self.failure
         return self._result(reason, time.time() - started)
@@ -285,6 +326,18 @@ class StudyRunner:
         """From another thread: stop the running trials at their next step boundary and
         end the study; they stay unfinished, so that --resume-study trains them again."""
         self.stopping = reason
+
+    def _idle_reason(self) -> str:
+        if self.searcher.exhausted:
+            return "the searcher has no more points"
+        if self.store is not None and len(self.results) < self.study.trials:
+            return "no trial left to start here: the study's other jobs train the rest"
+        return f"{len(self.results)} trials done"
+
+    def _heartbeat(self) -> None:
+        if self.store is not None and time.monotonic() - self._beat > HEARTBEAT_SECONDS:
+            self._beat = time.monotonic()
+            self.store.study_heartbeat(self.name, self.job)
 
     def _stop_reason(self) -> str:
         if self.goal is not None and any(r.get("goal_reached") for r in self.results):
@@ -295,6 +348,9 @@ class StudyRunner:
 
     def _fill(self, free: list[int], running: dict[int, _Running]) -> None:
         """Hand out trials to the free groups, as many as the budget allows."""
+        if self.store is not None and free:
+            self._fill_shared(free, running)
+            return
         budget = self.study.trials - len(self.results) - len(running)
         while free and budget > 0:
             if self.requeue:
@@ -315,6 +371,38 @@ class StudyRunner:
                                         generation=trial.generation, group=group, started=trial.started)
             self.executor.start(group, trial)
             budget -= 1
+
+    def _fill_shared(self, free: list[int], running: dict[int, _Running]) -> None:
+        """`_fill` for a study in a store, which other jobs may share: the budget counts
+        every job's trials, and the points asked are recorded as this job's trials in the
+        same transaction that saves the searcher that gave them."""
+        _, recovered = self._adopt_orphans()
+        for trial, finished in recovered:
+            self._on_finished(_Running(trial, group=None), finished)
+        starts: list[tuple[int, Trial]] = []
+        with self.store.coordinate(self.name):
+            rows = self.store.trials(self.name)
+            self._refresh_results(rows)
+            if self._stop_reason():
+                return
+            while free and self.requeue:
+                starts.append((free.pop(0), self.requeue.pop(0)))
+            budget = self.study.trials - len(rows)
+            if free and budget > 0:
+                self._load_state()
+                points = self.searcher.ask(min(len(free), budget))
+                number = max((t.number for t in rows), default=-1) + 1
+                for offset, params in enumerate(points):
+                    starts.append((free.pop(0), Trial(number + offset, params, self.searcher.generation)))
+                self._save_state()
+            for group, trial in starts:
+                trial.group, trial.started = group, time.time()
+                self.store.record_trial(self.name, trial.number, params=trial.params, state="running",
+                                        generation=trial.generation, group=group, started=trial.started,
+                                        owner=self.job)
+        for group, trial in starts:
+            running[trial.number] = _Running(trial, group)
+            self.executor.start(group, trial)
 
     def _on_epoch(self, event: EpochReport, running: dict[int, _Running]) -> None:
         slot = running.get(event.number)
@@ -364,21 +452,36 @@ class StudyRunner:
         fom = statistics.fmean(values) if values else None
         fom_std = statistics.pstdev(values) if len(values) > 1 else (0.0 if values else None)
         error = None if state != "failed" else "; ".join(f"fold {f}: {e}" for f, e in sorted(errors.items()))
+        means = _mean_metrics([o.final for o in event.folds.values() if o.final]) if state == "complete" else {}
+        row = {"number": trial.number, "params": trial.params, "state": state, "fom": fom, "fom_std": fom_std,
+               "folds": [foms[f] for f in sorted(foms)], "generation": trial.generation, "error": error,
+               "goal_reached": bool(self.goal and means and self.goal.reached(means))}
+        if self.store is None:
+            self._tell(trial, state, fom)
+            self.results.append(row)
+        else:
+            with self.store.coordinate(self.name):
+                mine = next((t.owner for t in self.store.trials(self.name) if t.number == trial.number), None)
+                if mine != self.job:
+                    # Taken over while this job seemed gone (paused past its heartbeat): the
+                    # other job's result counts, this one is dropped, so it is told once.
+                    self.say(f"nbdist: trial {trial.number} was taken over by another job; this result is dropped")
+                    return
+                self._load_state()
+                self._tell(trial, state, fom)
+                self.store.record_trial(self.name, trial.number, params=trial.params, state=state, fom=fom,
+                                        fom_std=fom_std, folds=row["folds"], generation=trial.generation,
+                                        group=slot.group, error=error, started=trial.started, ended=time.time())
+                self.results.append(row)
+                self._refresh_results(self.store.trials(self.name))
+        self.say(self._line(row))
+
+    def _tell(self, trial: Trial, state: str, fom: float | None) -> None:
         self.searcher.tell(trial.params, fom)
         if state == "complete" and self.pruner is not None:
             self.pruner.finished({e: statistics.fmean(v.values()) for e, v in trial.curve.items()
                                   if len(v) == self.study.folds})
         self._save_state()
-        means = _mean_metrics([o.final for o in event.folds.values() if o.final]) if state == "complete" else {}
-        row = {"number": trial.number, "params": trial.params, "state": state, "fom": fom, "fom_std": fom_std,
-               "folds": [foms[f] for f in sorted(foms)], "generation": trial.generation, "error": error,
-               "goal_reached": bool(self.goal and means and self.goal.reached(means))}
-        self.results.append(row)
-        if self.store is not None:
-            self.store.record_trial(self.name, trial.number, params=trial.params, state=state, fom=fom,
-                                    fom_std=fom_std, folds=row["folds"], generation=trial.generation,
-                                    group=slot.group, error=error, started=trial.started, ended=time.time())
-        self.say(self._line(row))
 
     def _line(self, row: dict[str, Any]) -> str:
         params = ", ".join(f"{k}={_short(v)}" for k, v in row["params"].items())

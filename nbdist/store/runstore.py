@@ -1,10 +1,15 @@
-"""The run store: one SQLite file (WAL mode) with every run, its metric records, its
-checkpoints and, for studies, their trials.
+"""The run store: every run, its metric records, its checkpoints and, for studies, their
+trials, in one SQLite file (WAL mode) or one PostgreSQL database (nbdist.store.dialects).
 
 Exactly one writer feeds a run's records: the notebook's collector for a notebook job,
-the run leader's recorder thread for a batch run (topology ranks never touch SQLite).
-Readers (the dashboard, `job.history` of a past run) poll it while it is written: WAL
-lets them read without blocking the writer.
+the run leader's recorder thread for a batch run (topology ranks never touch the store).
+Readers (the dashboard, `job.history` of a past run) poll it while it is written: WAL,
+or PostgreSQL's snapshots, let them read without blocking the writer.
+
+A study may be shared by several jobs (coordinators): each joins it as a row of
+`study_jobs` with a heartbeat, and every change to the study's searcher and trials is
+made inside `coordinate(study)`, which holds the study's lock, so that two coordinators
+never hand out the same trial.
 
 A run whose writer vanished (the job was killed) stays "running" in the file; the next
 reader that opens the store marks it "killed" (same host: its writer process is gone;
@@ -16,14 +21,14 @@ from __future__ import annotations
 import json
 import os
 import socket
-import sqlite3
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from nbdist.store.schema import StoreError, prepare_schema
+from nbdist.store.dialects import Dialect, StoreError, mask_url, open_dialect
+from nbdist.store.schema import prepare_schema
 
 __all__ = ["RunStore", "RunRow", "TrialRow", "STALE_SECONDS", "RUN_STATES"]
 
@@ -63,10 +68,20 @@ class TrialRow:
     error: str | None
     started: float | None
     ended: float | None
+    owner: str | None = None  # the job (coordinator) that trains or trained it
 
 
 def _json(value: Any) -> str | None:
     return None if value is None else json.dumps(value, separators=(",", ":"), default=str)
+
+
+def _no_passwords(value: Any) -> Any:
+    """Options as stored: any URL in them (--store postgresql://...) without its password."""
+    if isinstance(value, dict):
+        return {k: _no_passwords(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_no_passwords(v) for v in value]
+    return mask_url(value) if isinstance(value, str) else value
 
 
 def _loads(text: str | None, empty: Any) -> Any:
@@ -84,31 +99,23 @@ def _process_alive(pid: int) -> bool:
 
 
 class RunStore:
-    """One connection to a store file; use one RunStore per thread."""
+    """One connection to a store (a file path, sqlite:///PATH or postgresql://...); use
+    one RunStore per thread."""
 
     def __init__(self, path: str | Path, *, create: bool = True):
-        self.path = Path(path)
-        if not create and not self.path.exists():
-            raise StoreError(f"no run store at {self.path}")
+        self._db: Dialect = open_dialect(path, create=create)
+        self.label = self._db.label  # the store as shown in messages (no password)
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._conn = sqlite3.connect(str(self.path), timeout=30.0, isolation_level=None,
-                                         check_same_thread=False)
-        except (OSError, sqlite3.Error) as exc:
-            raise StoreError(f"cannot open the run store {self.path}: {exc}") from None
-        try:
-            self._conn.execute("PRAGMA journal_mode=WAL")
-            self._conn.execute("PRAGMA synchronous=NORMAL")
-            prepare_schema(self._conn, str(self.path))
-        except sqlite3.DatabaseError as exc:
-            self._conn.close()
-            raise StoreError(f"{self.path} is not an nbdist run store ({exc})") from None
+            prepare_schema(self._db, create=create)
+        except self._db.errors as exc:
+            self._db.close()
+            raise StoreError(f"{self.label} is not an nbdist run store ({exc})") from None
         except StoreError:
-            self._conn.close()
+            self._db.close()
             raise
 
     def close(self) -> None:
-        self._conn.close()
+        self._db.close()
 
     def __enter__(self) -> "RunStore":
         return self
@@ -117,14 +124,9 @@ class RunStore:
         self.close()
 
     @contextmanager
-    def _write(self) -> Iterator[sqlite3.Connection]:
-        self._conn.execute("BEGIN IMMEDIATE")
-        try:
-            yield self._conn
-        except BaseException:
-            self._conn.execute("ROLLBACK")
-            raise
-        self._conn.execute("COMMIT")
+    def _write(self) -> Iterator[Dialect]:
+        with self._db.transaction():
+            yield self._db
 
     # -- runs: written by the run's one writer ----------------------------------------
     def begin_run(self, run_id: str, *, run_dir: str | Path | None, options: dict[str, Any],
@@ -140,7 +142,7 @@ class RunStore:
                    ON CONFLICT (id) DO UPDATE SET status = 'running', reason = NULL, ended = NULL,
                        options = excluded.options, heartbeat = excluded.heartbeat,
                        host = excluded.host, pid = excluded.pid""",
-                (run_id, kind, None if run_dir is None else str(run_dir), _json(options), _json(layout),
+                (run_id, kind, None if run_dir is None else str(run_dir), _json(_no_passwords(options)), _json(layout),
                  study, trial, now, now, socket.gethostname(), os.getpid()),
             )
 
@@ -166,23 +168,21 @@ class RunStore:
         rows = [tuple(r.get(c) for c in _RECORD_COLUMNS) + (_json(r["values"]),) for r in records]
         if not rows:
             return 0
-        with self._write() as conn:
-            before = conn.total_changes
-            conn.executemany(
-                'INSERT OR IGNORE INTO records (run, rank, seq, trial, role, kind, step, epoch, time, "values") '
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
-            return conn.total_changes - before
+        with self._write() as db:
+            return db.executemany(
+                'INSERT INTO records (run, rank, seq, trial, role, kind, step, epoch, time, "values") '
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING", rows)
 
     def add_checkpoint(self, run_id: str, label: str, path: str | Path, when: float | None = None) -> None:
         with self._write() as conn:
-            conn.execute("INSERT OR IGNORE INTO checkpoints (run, label, path, time) VALUES (?, ?, ?, ?)",
+            conn.execute("INSERT INTO checkpoints (run, label, path, time) VALUES (?, ?, ?, ?) ON CONFLICT DO NOTHING",
                          (run_id, label, str(path), when))
 
     # -- reading ----------------------------------------------------------------------
     def reap(self, stale_after: float = STALE_SECONDS) -> list[str]:
         """Mark runs whose writer is gone as killed; returns their ids."""
         here, now = socket.gethostname(), time.time()
-        rows = self._conn.execute("SELECT id, heartbeat, host, pid FROM runs WHERE status = 'running'").fetchall()
+        rows = self._db.execute("SELECT id, heartbeat, host, pid FROM runs WHERE status = 'running'").fetchall()
         dead = [run_id for run_id, beat, host, pid in rows
                 if (host == here and pid and not _process_alive(pid)) or (beat or 0) < now - stale_after]
         if dead:
@@ -206,13 +206,16 @@ class RunStore:
             args.append(study)
         if where:
             query += " WHERE " + " AND ".join(where)
-        return [self._run_row(r) for r in self._conn.execute(query + " ORDER BY started DESC", args)]
+        return [self._run_row(r) for r in self._db.execute(query + " ORDER BY started DESC", args)]
+
+    def run_ids(self) -> list[str]:
+        return [row[0] for row in self._db.execute("SELECT id FROM runs")]
 
     def run(self, run_id: str) -> RunRow:
         self.reap()
-        row = self._conn.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone()
+        row = self._db.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone()
         if row is None:
-            raise StoreError(f"no run {run_id!r} in the store {self.path}")
+            raise StoreError(f"no run {run_id!r} in the store {self.label}")
         return self._run_row(row)
 
     def _run_row(self, row: tuple) -> RunRow:
@@ -225,42 +228,61 @@ class RunStore:
                 limit: int | None = None) -> tuple[list[dict[str, Any]], int]:
         """The run's records stored after row `after`, in the order they were stored, and
         the row to ask after next time (poll with it to get only what is new)."""
-        query = ('SELECT rowid, run, rank, seq, trial, role, kind, step, epoch, time, "values" '
-                 "FROM records WHERE run = ? AND rowid > ?")
+        rowid = self._db.rowid
+        query = (f'SELECT {rowid}, run, rank, seq, trial, role, kind, step, epoch, time, "values" '
+                 f"FROM records WHERE run = ? AND {rowid} > ?")
         args: list[Any] = [run_id, after]
         if kinds is not None:
             kinds = list(kinds)
             query += f" AND kind IN ({','.join('?' * len(kinds))})"
             args += kinds
-        query += " ORDER BY rowid"
+        query += f" ORDER BY {rowid}"
         if limit is not None:
             query += f" LIMIT {int(limit)}"
         out, last = [], after
-        for rowid, run, rank, seq, trial, role, kind, step, epoch, when, values in self._conn.execute(query, args):
+        for rowid, run, rank, seq, trial, role, kind, step, epoch, when, values in self._db.execute(query, args):
             out.append({"run": run, "trial": trial, "rank": rank, "role": role, "kind": kind, "step": step,
                         "epoch": epoch, "time": when, "values": json.loads(values), "seq": seq})
             last = rowid
         return out, last
 
     def checkpoints(self, run_id: str) -> list[dict[str, Any]]:
-        rows = self._conn.execute("SELECT label, path, time FROM checkpoints WHERE run = ? ORDER BY label",
+        rows = self._db.execute("SELECT label, path, time FROM checkpoints WHERE run = ? ORDER BY label",
                                   (run_id,))
         return [{"label": label, "path": path, "time": when} for label, path, when in rows]
 
-    # -- studies and trials (the HPO issue writes them; the dashboard reads them) ------
-    def begin_study(self, study_id: str, *, searcher: str, space: Any, options: dict[str, Any],
-                    objective: str, direction: str) -> None:
+    # -- studies and trials (the coordinators write them; the dashboard reads them) ----
+    def create_study(self, study_id: str, *, searcher: str, space: Any, options: dict[str, Any],
+                     objective: str, direction: str) -> bool:
+        """A new study; False (and nothing written) when the store has one of that name."""
         now = time.time()
         with self._write() as conn:
-            conn.execute(
+            return conn.execute(
                 """INSERT INTO studies (id, status, searcher, space, options, objective, direction, started,
                                         heartbeat, host, pid)
-                   VALUES (?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?)
-                   ON CONFLICT (id) DO UPDATE SET status = 'running', ended = NULL,
-                       heartbeat = excluded.heartbeat, host = excluded.host, pid = excluded.pid""",
-                (study_id, searcher, _json(space), _json(options), objective, direction, now, now,
+                   VALUES (?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING""",
+                (study_id, searcher, _json(space), _json(_no_passwords(options)), objective, direction, now, now,
                  socket.gethostname(), os.getpid()),
-            )
+            ).rowcount == 1
+
+    def begin_study(self, study_id: str, **settings: Any) -> None:
+        """A new study, or one of that name running again."""
+        if not self.create_study(study_id, **settings):
+            self.reopen_study(study_id)
+
+    def reopen_study(self, study_id: str) -> None:
+        """A study continued (--resume-study): running again."""
+        with self._write() as conn:
+            conn.execute("UPDATE studies SET status = 'running', ended = NULL, heartbeat = ?, host = ?, pid = ? "
+                         "WHERE id = ?", (time.time(), socket.gethostname(), os.getpid(), study_id))
+
+    @contextmanager
+    def coordinate(self, study_id: str) -> Iterator["RunStore"]:
+        """A transaction holding the study's lock: what a coordinator reads and writes in it
+        (the searcher's state, trial rows) no other coordinator changes meanwhile."""
+        with self._write() as db:
+            db.lock_study(study_id)
+            yield self
 
     def save_searcher_state(self, study_id: str, state: Any) -> None:
         with self._write() as conn:
@@ -272,41 +294,75 @@ class RunStore:
             conn.execute("UPDATE studies SET status = ?, ended = ? WHERE id = ?", (status, time.time(), study_id))
 
     def study(self, study_id: str) -> dict[str, Any]:
-        cursor = self._conn.execute("SELECT * FROM studies WHERE id = ?", (study_id,))
+        cursor = self._db.execute("SELECT * FROM studies WHERE id = ?", (study_id,))
         row = cursor.fetchone()
         if row is None:
-            raise StoreError(f"no study {study_id!r} in the store {self.path}")
+            raise StoreError(f"no study {study_id!r} in the store {self.label}")
         study = dict(zip([d[0] for d in cursor.description], row))
         for key in ("space", "options", "searcher_state"):
             study[key] = _loads(study[key], None)
         return study
 
     def studies(self) -> list[dict[str, Any]]:
-        ids = [r[0] for r in self._conn.execute("SELECT id FROM studies ORDER BY started DESC")]
+        ids = [r[0] for r in self._db.execute("SELECT id FROM studies ORDER BY started DESC")]
         return [self.study(i) for i in ids]
+
+    # -- the jobs (coordinators) of a study ----------------------------------------------
+    def join_study(self, study_id: str, job: str) -> None:
+        now = time.time()
+        with self._write() as conn:
+            conn.execute("INSERT INTO study_jobs (study, job, host, pid, started, heartbeat) VALUES (?, ?, ?, ?, ?, ?) "
+                         "ON CONFLICT (study, job) DO UPDATE SET heartbeat = excluded.heartbeat, ended = NULL",
+                         (study_id, job, socket.gethostname(), os.getpid(), now, now))
+
+    def study_heartbeat(self, study_id: str, job: str) -> None:
+        with self._write() as conn:
+            conn.execute("UPDATE study_jobs SET heartbeat = ? WHERE study = ? AND job = ?",
+                         (time.time(), study_id, job))
+
+    def leave_study(self, study_id: str, job: str) -> None:
+        with self._write() as conn:
+            conn.execute("UPDATE study_jobs SET ended = ? WHERE study = ? AND job = ?", (time.time(), study_id, job))
+
+    def live_jobs(self, study_id: str, stale_after: float = STALE_SECONDS) -> set[str]:
+        """The study's jobs that have not ended and whose coordinator is alive (same host:
+        its process is there; any host: its heartbeat is recent)."""
+        here, now = socket.gethostname(), time.time()
+        rows = self._db.execute("SELECT job, host, pid, heartbeat FROM study_jobs WHERE study = ? AND ended IS NULL",
+                                (study_id,))
+        return {job for job, host, pid, beat in rows
+                if not (host == here and pid and not _process_alive(pid)) and (beat or 0) >= now - stale_after}
+
+    def claim_trial(self, study_id: str, number: int, job: str, previous: str | None) -> bool:
+        """Take over a running trial from `previous` (a job that is gone); False when
+        another job took it first."""
+        with self._write() as conn:
+            return conn.execute("UPDATE trials SET owner = ? WHERE study = ? AND number = ? AND state = 'running' "
+                                "AND COALESCE(owner, '') = ?",
+                                (job, study_id, int(number), previous or "")).rowcount == 1
 
     def record_trial(self, study_id: str, number: int, *, params: dict[str, Any], state: str,
                      fom: float | None = None, fom_std: float | None = None, folds: list[float] | None = None,
                      generation: int | None = None, group: int | None = None, error: str | None = None,
-                     started: float | None = None, ended: float | None = None) -> None:
+                     started: float | None = None, ended: float | None = None, owner: str | None = None) -> None:
         """Insert a trial or replace what is known of it (a running trial that completed)."""
         with self._write() as conn:
             conn.execute(
                 """INSERT INTO trials (study, number, params, state, fom, fom_std, folds, generation, grp,
-                                       error, started, ended)
-                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                                       error, started, ended, owner)
+                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
                    ON CONFLICT (study, number) DO UPDATE SET params = excluded.params,
                        state = excluded.state, fom = excluded.fom, fom_std = excluded.fom_std,
                        folds = excluded.folds, generation = excluded.generation, grp = excluded.grp,
                        error = excluded.error, started = COALESCE(trials.started, excluded.started),
-                       ended = excluded.ended""",
+                       ended = excluded.ended, owner = COALESCE(excluded.owner, trials.owner)""",
                 (study_id, int(number), _json(params), state, fom, fom_std, _json(folds or []), generation,
-                 group, error, started, ended),
+                 group, error, started, ended, owner),
             )
 
     def trials(self, study_id: str) -> list[TrialRow]:
-        rows = self._conn.execute(
-            "SELECT study, number, params, state, fom, fom_std, folds, generation, grp, error, started, ended "
+        rows = self._db.execute(
+            "SELECT study, number, params, state, fom, fom_std, folds, generation, grp, error, started, ended, owner "
             "FROM trials WHERE study = ? ORDER BY number", (study_id,))
-        return [TrialRow(s, n, json.loads(p), st, f, fs, _loads(fo, []), g, gr, e, t0, t1)
-                for s, n, p, st, f, fs, fo, g, gr, e, t0, t1 in rows]
+        return [TrialRow(s, n, json.loads(p), st, f, fs, _loads(fo, []), g, gr, e, t0, t1, o)
+                for s, n, p, st, f, fs, fo, g, gr, e, t0, t1, o in rows]

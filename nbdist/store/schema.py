@@ -1,29 +1,26 @@
 """The run store's tables, and the version check that guards them.
 
-The schema version lives in SQLite's `user_version`. A store written by a newer nbdist
-may hold tables or meanings this one does not know: it is refused with a clear error
-rather than misread. An older store is upgraded in place by the migrations below, each
-a list of statements, applied in one transaction.
+The schema version lives in the table `schema_version` (stores of version 1, SQLite only,
+kept it in SQLite's `user_version`, which is still kept in step). A store written by a
+newer nbdist may hold tables or meanings this one does not know: it is refused with a
+clear error rather than misread. An older store is upgraded in place by the migrations
+below, each a list of statements, applied in one transaction that one process at a time
+may run. The statements are written for both databases; `{real}`, `{big}`, `{record_id}`
+and `{records_key}` are filled in by the dialect.
 """
 
 from __future__ import annotations
 
-import sqlite3
-
-from nbdist.errors import UserError
+from nbdist.store.dialects import Dialect, StoreError
 
 __all__ = ["SCHEMA_VERSION", "StoreError", "prepare_schema"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
-class StoreError(UserError):
-    """The run store cannot be opened or used as asked; the message says why."""
-
-
-# Version 0 -> 1: the first schema. `records` keeps its implicit rowid, so a reader can
-# ask for "everything after the last row I saw" cheaply; (run, rank, seq) names a record
-# once, whoever writes it.
+# Version 0 -> 1: the first schema. `records` rows are numbered as stored (SQLite's
+# implicit rowid, PostgreSQL's id), so a reader can ask for "everything after the last
+# row I saw" cheaply; (run, rank, seq) names a record once, whoever writes it.
 _MIGRATIONS: list[list[str]] = [
     [
         """CREATE TABLE runs (
@@ -37,32 +34,33 @@ _MIGRATIONS: list[list[str]] = [
             final TEXT,
             study TEXT,
             trial INTEGER,
-            started REAL,
-            ended REAL,
-            heartbeat REAL,
+            started {real},
+            ended {real},
+            heartbeat {real},
             host TEXT,
-            pid INTEGER
+            pid {big}
         )""",
         """CREATE TABLE records (
+            {record_id}
             run TEXT NOT NULL,
             rank INTEGER NOT NULL,
-            seq INTEGER NOT NULL,
+            seq {big} NOT NULL,
             trial INTEGER,
             role TEXT,
             kind TEXT NOT NULL,
-            step INTEGER,
+            step {big},
             epoch INTEGER,
-            time REAL NOT NULL,
+            time {real} NOT NULL,
             "values" TEXT NOT NULL,
             UNIQUE (run, rank, seq)
         )""",
-        # Index entries sort by (run, rowid): "this run, after row N" is one range scan.
-        "CREATE INDEX records_by_run ON records (run)",
+        # Index entries sort by (run, row number): "this run, after row N" is one range scan.
+        "CREATE INDEX records_by_run ON records ({records_key})",
         """CREATE TABLE checkpoints (
             run TEXT NOT NULL,
             label TEXT NOT NULL,
             path TEXT NOT NULL,
-            time REAL,
+            time {real},
             PRIMARY KEY (run, label)
         )""",
         """CREATE TABLE studies (
@@ -74,52 +72,82 @@ _MIGRATIONS: list[list[str]] = [
             objective TEXT,
             direction TEXT,
             searcher_state TEXT,
-            started REAL,
-            ended REAL,
-            heartbeat REAL,
+            started {real},
+            ended {real},
+            heartbeat {real},
             host TEXT,
-            pid INTEGER
+            pid {big}
         )""",
         """CREATE TABLE trials (
             study TEXT NOT NULL,
             number INTEGER NOT NULL,
             params TEXT NOT NULL,
             state TEXT NOT NULL,
-            fom REAL,
-            fom_std REAL,
+            fom {real},
+            fom_std {real},
             folds TEXT,
             generation INTEGER,
             grp INTEGER,
             error TEXT,
-            started REAL,
-            ended REAL,
+            started {real},
+            ended {real},
             PRIMARY KEY (study, number)
+        )""",
+    ],
+    # Version 1 -> 2: a study shared by several jobs. Each coordinator is a row of
+    # `study_jobs` (its heartbeat says it is alive); a trial row names the job that
+    # trains it, so a trial of a job that died is taken over, once, by another.
+    [
+        "CREATE TABLE schema_version (version INTEGER NOT NULL)",
+        "ALTER TABLE trials ADD COLUMN owner TEXT",
+        """CREATE TABLE study_jobs (
+            study TEXT NOT NULL,
+            job TEXT NOT NULL,
+            host TEXT,
+            pid {big},
+            started {real},
+            heartbeat {real},
+            ended {real},
+            PRIMARY KEY (study, job)
         )""",
     ],
 ]
 assert len(_MIGRATIONS) == SCHEMA_VERSION
 
 
-def prepare_schema(conn: sqlite3.Connection, path: str) -> None:
+def schema_version(db: Dialect) -> int:
+    # SQLite keeps the version in user_version too: whichever says more is the truth.
+    legacy = db.legacy_version()
+    if db.has_table("schema_version"):
+        row = db.execute("SELECT version FROM schema_version").fetchone()
+        return max(legacy, 0 if row is None else int(row[0]))
+    return legacy
+
+
+def prepare_schema(db: Dialect, *, create: bool = True) -> None:
     """Create or upgrade the tables; refuse a store from a newer nbdist."""
-    version = conn.execute("PRAGMA user_version").fetchone()[0]
-    if version > SCHEMA_VERSION:
-        raise StoreError(
-            f"the run store {path} was written by a newer nbdist (schema {version}; this nbdist "
-            f"reads up to {SCHEMA_VERSION}): upgrade nbdist, or give another --store"
-        )
+    version = schema_version(db)
+    _check_not_newer(db, version)
     if version == SCHEMA_VERSION:
         return
-    # The connection is in autocommit mode (isolation_level=None); BEGIN IMMEDIATE takes
-    # the write lock first, so two processes opening a new store at once do not both migrate.
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        current = conn.execute("PRAGMA user_version").fetchone()[0]
+    if version == 0 and not create:
+        raise StoreError(f"no run store at {db.label} (it has no nbdist tables yet)")
+    with db.transaction():
+        db.lock_schema()
+        current = schema_version(db)  # another process may have migrated meanwhile
+        _check_not_newer(db, current)
         for statements in _MIGRATIONS[current:]:
             for statement in statements:
-                conn.execute(statement)
-        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
-    conn.execute("COMMIT")
+                db.execute(statement.format(**db.types))
+        if current < SCHEMA_VERSION:
+            db.execute("DELETE FROM schema_version")
+            db.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
+            db.after_version(SCHEMA_VERSION)
+
+
+def _check_not_newer(db: Dialect, version: int) -> None:
+    if version > SCHEMA_VERSION:
+        raise StoreError(
+            f"the run store {db.label} was written by a newer nbdist (schema {version}; this nbdist "
+            f"reads up to {SCHEMA_VERSION}): upgrade nbdist, or give another --store"
+        )

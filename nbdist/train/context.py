@@ -28,7 +28,7 @@ from nbdist.layout import Communicators, Layout, Role
 from nbdist.metrics.log import RecordSink, RunLog
 from nbdist.options import TrainOptions, parse_target
 from nbdist.specs import Spec, did_you_mean, parse_spec
-from nbdist.store import RunRecorder, store_path
+from nbdist.store import RunRecorder, RunStore, store_label, store_path
 from nbdist.train.asynchrony import optimisers_for_asynchrony
 from nbdist.train.checkpoint import CheckpointError, Checkpoints
 from nbdist.train.definition import ModelDefinition
@@ -343,7 +343,8 @@ def prepare(
         name = None
         if is_leader:
             name = options.run_name or _run_name(options)
-            run_dir = _fresh_dir(Path(options.runs_dir), name)
+            run_dir = _fresh_dir(Path(options.runs_dir), name, store_path(options.store, options.runs_dir)
+                                 if record else None)
             name = str(run_dir)
         run_dir = Path(run_comm.bcast(name, root=0))
     if is_leader:
@@ -532,10 +533,20 @@ def _find_resume(options: TrainOptions, layout: Layout) -> tuple[Path | None, li
     return latest, damaged
 
 
-def _fresh_dir(root: Path, name: str) -> Path:
+def _fresh_dir(root: Path, name: str, database: str | None) -> Path:
+    """A new run directory named `name`, or name-2, name-3, ...: the first whose name is
+    free here and in the run store (which jobs with other runs directories may share: a
+    trial trained again by another job of the study must not reuse the first one's row)."""
     root.mkdir(parents=True, exist_ok=True)
+    recorded: set[str] = set()
+    if database is not None:
+        try:
+            with RunStore(database) as store:
+                recorded = set(store.run_ids())
+        except UserError:
+            pass  # the recorder reports it, on every rank
     candidate, n = root / name, 1
-    while candidate.exists():
+    while candidate.exists() or candidate.name in recorded:
         n += 1
         candidate = root / f"{name}-{n}"
     candidate.mkdir()
@@ -544,7 +555,8 @@ def _fresh_dir(root: Path, name: str) -> Path:
 
 def _write_run_files(run_dir: Path, options: TrainOptions, layout: Layout) -> None:
     with open(run_dir / "options.json", "w", encoding="utf-8") as fh:
-        json.dump(options.to_dict(), fh, indent=1)
+        # A store URL's password stays out of the run's files (libpq finds it in ~/.pgpass).
+        json.dump({**options.to_dict(), "store": options.store and store_label(options.store)}, fh, indent=1)
     with open(run_dir / "layout.json", "w", encoding="utf-8") as fh:
         json.dump(layout.to_dict(), fh, indent=1)
     (run_dir / "layout.txt").write_text(layout.tree() + "\n", encoding="utf-8")

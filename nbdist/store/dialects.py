@@ -1,0 +1,297 @@
+"""The two databases a run store can live in, behind one small interface.
+
+    --store runs/nbdist.db                          SQLite file (the default: one machine)
+    --store sqlite:///runs/nbdist.db                the same, as a URL
+    --store postgresql://me@dbhost:5432/nbdist      PostgreSQL (several jobs, NFS/Lustre)
+
+The store's SQL is written once, with `?` parameters and the few spellings both
+databases accept (`ON CONFLICT ... DO NOTHING/UPDATE`); a dialect turns it into what its
+driver takes, and adds what only it knows: how a write transaction starts, how a study
+is locked while one coordinator claims trials, where the schema version is kept, the
+column types of the migrations. Values always travel as parameters, never in the SQL.
+
+PostgreSQL credentials come from the URL or from libpq's usual places (PGPASSWORD,
+~/.pgpass, PGUSER, ...): psycopg hands the URL to libpq as it is. A password is never
+shown: every message names the store by `mask_url(url)`.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from abc import ABC, abstractmethod
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Sequence
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+from nbdist.errors import UserError
+
+__all__ = ["Dialect", "SQLiteDialect", "PostgresDialect", "StoreError", "open_dialect", "is_url", "mask_url",
+           "store_label", "POSTGRES_SCHEMES", "SCHEMES"]
+
+POSTGRES_SCHEMES = ("postgresql", "postgres")
+SCHEMES = ("sqlite", *POSTGRES_SCHEMES)
+_FORMS = "a SQLite file path, sqlite:///PATH, or postgresql://USER@HOST:PORT/DATABASE"
+# Any fixed number: the advisory lock that lets one process at a time migrate a database.
+_MIGRATION_LOCK = 0x6E62_6469
+
+
+class StoreError(UserError):
+    """The run store cannot be opened or used as asked; the message says why."""
+
+
+def is_url(store: str | Path) -> bool:
+    return isinstance(store, str) and "://" in store
+
+
+def mask_url(url: str) -> str:
+    """The URL with its password (in the authority or a password= parameter) as ***."""
+    if not is_url(url):
+        return url
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return url.split("://", 1)[0] + "://***"
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, host = netloc.rsplit("@", 1)
+        if ":" in userinfo:
+            netloc = f"{userinfo.split(':', 1)[0]}:***@{host}"
+    query = parts.query
+    if query:
+        pairs = parse_qsl(query, keep_blank_values=True)
+        query = urlencode([(k, "***" if k.lower() == "password" else v) for k, v in pairs], safe="*")
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def store_label(store: str | Path) -> str:
+    """How a store is named to people: a path as given, a URL without its password."""
+    return mask_url(store) if isinstance(store, str) else str(store)
+
+
+class Dialect(ABC):
+    """One open connection to a store's database (one per thread), in autocommit mode:
+    reads see what is committed; writes go in `transaction()`."""
+
+    label: str  # the store as shown to people (never with a password)
+    rowid: str  # the column that numbers `records` rows in the order they were stored
+    errors: tuple[type[BaseException], ...]  # the driver's errors
+    types: dict[str, str]  # the migrations' {placeholders}: column types, the records id
+    _depth = 0
+
+    @abstractmethod
+    def execute(self, sql: str, args: Sequence[Any] = ()) -> Any:
+        """Run one statement with `?` parameters; returns a cursor."""
+
+    @abstractmethod
+    def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> int:
+        """Run one statement per row; returns how many rows it changed."""
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        """A write transaction; nested ones join the outer one."""
+        if self._depth:
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+            return
+        self._begin()
+        self._depth = 1
+        try:
+            yield
+        except BaseException:
+            self._depth = 0
+            self._rollback()
+            raise
+        self._depth = 0
+        self._commit()
+
+    @abstractmethod
+    def _begin(self) -> None: ...
+
+    @abstractmethod
+    def _commit(self) -> None: ...
+
+    @abstractmethod
+    def _rollback(self) -> None: ...
+
+    @abstractmethod
+    def lock_study(self, study_id: str) -> None:
+        """Inside a transaction: no other coordinator of this study writes until it ends."""
+
+    @abstractmethod
+    def lock_schema(self) -> None:
+        """Inside a transaction: no other process migrates the schema until it ends."""
+
+    @abstractmethod
+    def has_table(self, name: str) -> bool: ...
+
+    def legacy_version(self) -> int:
+        """The schema version of a store from before the version table (0: a new store)."""
+        return 0
+
+    def after_version(self, version: int) -> None:
+        """Anything else that should know the version (SQLite's user_version)."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class SQLiteDialect(Dialect):
+    rowid = "rowid"
+    types = {"real": "REAL", "big": "INTEGER", "record_id": "", "records_key": "run"}
+
+    def __init__(self, path: Path, *, create: bool):
+        self.path = Path(path)
+        self.label = str(path)
+        self.errors = (sqlite3.Error,)
+        if not create and not self.path.exists():
+            raise StoreError(f"no run store at {self.label}")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._conn = sqlite3.connect(str(self.path), timeout=30.0, isolation_level=None, check_same_thread=False)
+        except (OSError, sqlite3.Error) as exc:
+            raise StoreError(f"cannot open the run store {self.label}: {exc}") from None
+        try:
+            self._conn.execute("PRAGMA journal_mode=WAL")
+            self._conn.execute("PRAGMA synchronous=NORMAL")
+        except sqlite3.DatabaseError as exc:
+            self._conn.close()
+            raise StoreError(f"{self.label} is not an nbdist run store ({exc})") from None
+
+    def execute(self, sql: str, args: Sequence[Any] = ()) -> Any:
+        return self._conn.execute(sql, tuple(args))
+
+    def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> int:
+        return self._conn.executemany(sql, rows).rowcount
+
+    # BEGIN IMMEDIATE takes the database's write lock at once: a transaction never
+    # starts reading and then finds another writer in its way.
+    def _begin(self) -> None:
+        self._conn.execute("BEGIN IMMEDIATE")
+
+    def _commit(self) -> None:
+        self._conn.execute("COMMIT")
+
+    def _rollback(self) -> None:
+        self._conn.execute("ROLLBACK")
+
+    def lock_study(self, study_id: str) -> None:
+        """BEGIN IMMEDIATE already holds the whole file's write lock."""
+
+    def lock_schema(self) -> None:
+        """BEGIN IMMEDIATE already holds the whole file's write lock."""
+
+    def has_table(self, name: str) -> bool:
+        return self._conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?",
+                                  (name,)).fetchone() is not None
+
+    def legacy_version(self) -> int:
+        # Stores of schema 1 kept their version in SQLite's user_version only.
+        return self._conn.execute("PRAGMA user_version").fetchone()[0]
+
+    def after_version(self, version: int) -> None:
+        # Kept in step, so that an nbdist from before the version table refuses this store.
+        self._conn.execute(f"PRAGMA user_version = {int(version)}")
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+class PostgresDialect(Dialect):
+    rowid = "id"
+    types = {"real": "DOUBLE PRECISION", "big": "BIGINT", "record_id": "id BIGSERIAL PRIMARY KEY,",
+             "records_key": "run, id"}
+
+    def __init__(self, url: str, *, create: bool):
+        self.label = mask_url(url)
+        try:
+            import psycopg
+        except ImportError:
+            raise StoreError(f"--store {self.label} needs psycopg: pip install 'nbdist[postgresql]' "
+                             f"(psycopg[binary]==3.3.9)") from None
+        self.errors = (psycopg.Error,)
+        try:
+            self._conn = psycopg.connect(url, autocommit=True, connect_timeout=15)
+        except psycopg.Error as exc:
+            raise StoreError(f"cannot connect to the run store {self.label}: {_first_line(exc, url)}") from None
+        self._sql: dict[str, str] = {}
+
+    def _translate(self, sql: str) -> str:
+        # Our own constant SQL only: `?` becomes psycopg's %s (and a literal % is doubled).
+        out = self._sql.get(sql)
+        if out is None:
+            out = self._sql[sql] = sql.replace("%", "%%").replace("?", "%s")
+        return out
+
+    def execute(self, sql: str, args: Sequence[Any] = ()) -> Any:
+        return self._conn.execute(self._translate(sql), tuple(args))
+
+    def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> int:
+        with self._conn.cursor() as cursor:
+            cursor.executemany(self._translate(sql), list(rows))
+            return cursor.rowcount
+
+    def _begin(self) -> None:
+        self._conn.execute("BEGIN")
+
+    def _commit(self) -> None:
+        self._conn.execute("COMMIT")
+
+    def _rollback(self) -> None:
+        self._conn.execute("ROLLBACK")
+
+    def lock_study(self, study_id: str) -> None:
+        self.execute("SELECT id FROM studies WHERE id = ? FOR UPDATE", (study_id,))
+
+    def lock_schema(self) -> None:
+        self.execute("SELECT pg_advisory_xact_lock(?)", (_MIGRATION_LOCK,))
+
+    def has_table(self, name: str) -> bool:
+        # A query of the catalog, not to_regclass(): that one answers from a cache that may
+        # not yet know of a table another process created while this one waited for the lock.
+        return self.execute("SELECT 1 FROM information_schema.tables WHERE table_schema = current_schema() "
+                            "AND table_name = ?", (name,)).fetchone() is not None
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+def _first_line(exc: BaseException, url: str) -> str:
+    text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    password = _password(url)
+    return text.replace(password, "***") if password else text
+
+
+def _password(url: str) -> str | None:
+    try:
+        parts = urlsplit(url)
+        return parts.password or dict(parse_qsl(parts.query)).get("password")
+    except ValueError:
+        return None
+
+
+def open_dialect(store: str | Path, *, create: bool = True) -> Dialect:
+    """The database `store` names: a file path, sqlite:///PATH or postgresql://..."""
+    if not is_url(store):
+        return SQLiteDialect(Path(store), create=create)
+    label = mask_url(str(store))
+    scheme = str(store).split("://", 1)[0].lower()
+    if scheme not in SCHEMES:
+        raise StoreError(f"--store {label}: unknown scheme {scheme!r}; a run store is {_FORMS}")
+    try:
+        parts = urlsplit(str(store))
+        parts.port  # noqa: B018 - raises on a port that is not a number
+    except ValueError as exc:
+        raise StoreError(f"--store {label}: {exc}; a run store is {_FORMS}") from None
+    if scheme == "sqlite":
+        # sqlite:///relative/path and sqlite:////absolute/path, as SQLAlchemy spells them.
+        if parts.netloc or not parts.path.lstrip("/"):
+            raise StoreError(f"--store {label}: a SQLite URL is sqlite:///PATH (three slashes, then the file)")
+        return SQLiteDialect(Path(parts.path[1:]), create=create)
+    if not parts.path.strip("/"):
+        raise StoreError(f"--store {label}: no database name; a PostgreSQL store is "
+                         f"postgresql://USER@HOST:PORT/DATABASE")
+    return PostgresDialect(str(store), create=create)

@@ -1,0 +1,396 @@
+"""The run store on a real PostgreSQL server (Debian's `postgresql`, started here): what
+the SQLite store does, schema versions and migrations for both, URLs that are wrong, no
+password ever shown, trials claimed once, and a study shared by two concurrent mpiexec
+jobs (one of them killed mid-way) that the dashboard's sources follow."""
+
+from __future__ import annotations
+
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import postgres_server
+from conftest import ROOT
+from nbdist.hpo.inprocess import optimize
+from nbdist.launch import mpi_env
+from nbdist.store import SCHEMA_VERSION, RunStore, StoreError, mask_url
+from nbdist.store.dialects import PostgresDialect, SQLiteDialect
+from nbdist.store.schema import _MIGRATIONS
+from postgres_server import PASSWORD
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def postgres():
+    server = postgres_server.start()
+    pid = server.pid()
+    try:
+        yield server
+    finally:
+        server.stop()
+    assert pid is not None and not postgres_server._alive(pid), "the PostgreSQL server outlived its tests"
+    assert not server.root.exists()
+
+
+_databases = iter(range(1_000_000))
+
+
+@pytest.fixture
+def database(postgres):
+    """A fresh, empty database on the server: its URL (with the password)."""
+    return postgres.create_database(f"t{next(_databases)}")
+
+
+def _record(run: str, rank: int, seq: int, kind: str = "train", **values) -> dict:
+    return {"run": run, "trial": None, "rank": rank, "role": "worker", "kind": kind, "step": seq, "epoch": 0,
+            "time": 1000.0 + seq, "values": values or {"loss": 1.0 / (seq + 1)}, "seq": seq}
+
+
+def test_a_run_written_to_postgres_reads_back(database):
+    with RunStore(database) as store:
+        assert PASSWORD not in store.label and store.label.endswith(f"/{database.rsplit('/', 1)[1]}")
+        store.begin_run("r1", run_dir="/runs/r1", options={"epochs": 2, "store": database}, layout={"workers": 2})
+        assert store.add_records([_record("r1", 0, i) for i in range(3)]) == 3
+        assert store.add_records([_record("r1", 0, i) for i in range(4)]) == 1  # a log read twice
+        first, last = store.records("r1")
+        assert [r["seq"] for r in first] == [0, 1, 2, 3] and first[0]["values"] == {"loss": 1.0}
+        store.add_records([_record("r1", 1, 0, kind="update", staleness=2)])
+        new, last2 = store.records("r1", after=last)
+        assert [(r["rank"], r["kind"], r["values"]["staleness"]) for r in new] == [(1, "update", 2)]
+        assert store.records("r1", after=last2) == ([], last2)
+        assert [r["kind"] for r in store.records("r1", kinds=["update"])[0]] == ["update"]
+        store.add_checkpoint("r1", "epoch-1", "/runs/r1/checkpoints/epoch-1", 5.0)
+        store.add_checkpoint("r1", "epoch-1", "/elsewhere", 6.0)  # kept once
+        store.end_run("r1", "completed", "completed 2 epochs", {"val_acc": 0.9})
+        store.begin_study("s", searcher="random", space={"x": "real(0,1)"}, options={"train": {"store": database}},
+                          objective="fom", direction="minimize")
+        store.record_trial("s", 0, params={"x": 0.5}, state="running", owner="job-a")
+        store.record_trial("s", 0, params={"x": 0.5}, state="complete", fom=0.25, folds=[0.25])
+    with RunStore(database, create=False) as store:  # another connection sees it all
+        run = store.run("r1")
+        assert (run.status, run.final, run.layout, run.reason) == ("completed", {"val_acc": 0.9}, {"workers": 2},
+                                                                   "completed 2 epochs")
+        # The options keep the store, never its password.
+        assert run.options == {"epochs": 2, "store": database.replace(f":{PASSWORD}@", ":***@")}
+        assert store.study("s")["options"]["train"]["store"] == run.options["store"]
+        assert store.checkpoints("r1") == [{"label": "epoch-1", "path": "/runs/r1/checkpoints/epoch-1", "time": 5.0}]
+        [trial] = store.trials("s")
+        assert (trial.state, trial.fom, trial.folds, trial.owner) == ("complete", 0.25, [0.25], "job-a")
+        assert [r.id for r in store.runs(study=None)] == ["r1"]
+
+
+def test_credentials_from_libpq_environment_and_never_shown(postgres, database, monkeypatch):
+    bare = database.replace(f":{PASSWORD}@", "@")
+    monkeypatch.setenv("PGPASSWORD", PASSWORD)
+    with RunStore(bare) as store:  # the password from libpq's environment
+        assert store.label == bare
+    monkeypatch.setenv("PGPASSWORD", "wrong")
+    with pytest.raises(StoreError) as caught:
+        RunStore(bare)
+    assert str(caught.value).startswith(f"cannot connect to the run store {bare}: ")
+    assert "password authentication failed" in str(caught.value)
+    wrong = database.replace(f":{PASSWORD}@", ":not-this-one@")
+    with pytest.raises(StoreError) as caught:
+        RunStore(wrong)
+    assert "not-this-one" not in str(caught.value) and ":***@" in str(caught.value)
+
+
+def test_a_postgres_store_that_is_not_there_or_not_a_store(postgres, database):
+    closed = f"postgresql://nbdist:{PASSWORD}@127.0.0.1:{postgres_server._free_port()}/nbdist"
+    with pytest.raises(StoreError) as caught:
+        RunStore(closed)
+    message = str(caught.value)
+    assert message.startswith(f"cannot connect to the run store {closed.replace(PASSWORD, '***')}: ")
+    assert PASSWORD not in message
+    with pytest.raises(StoreError) as caught:
+        RunStore(database, create=False)  # an empty database is not a store yet
+    assert str(caught.value) == f"no run store at {database.replace(PASSWORD, '***')} (it has no nbdist tables yet)"
+
+
+@pytest.mark.parametrize("url, problem", [
+    ("mysql://me@db:3306/nbdist", "unknown scheme 'mysql'"),
+    ("postgresql://me:pw@db:port/nbdist", "Port could not be cast to integer value as 'port'"),
+    ("postgresql://me:pw@db:5432", "no database name"),
+    ("postgresql://me:pw@db:5432/", "no database name"),
+    ("sqlite://runs/nbdist.db", "a SQLite URL is sqlite:///PATH"),
+])
+def test_bad_store_urls_name_the_problem_and_the_forms(url, problem):
+    with pytest.raises(StoreError) as caught:
+        RunStore(url)
+    message = str(caught.value)
+    assert problem in message and "pw" not in message.replace("postgresql://USER", ""), message
+    assert "\n" not in message
+    if "database name" in problem:
+        assert "postgresql://USER@HOST:PORT/DATABASE" in message
+    elif "SQLite URL" not in problem:
+        assert "a SQLite file path, sqlite:///PATH, or postgresql://USER@HOST:PORT/DATABASE" in message
+
+
+def test_a_password_is_masked_wherever_a_url_carries_it():
+    assert mask_url("postgresql://me:p%40ss@db:5432/nbdist") == "postgresql://me:***@db:5432/nbdist"
+    assert mask_url("postgresql://me@db/nbdist?password=zz&sslmode=require") == \
+        "postgresql://me@db/nbdist?password=***&sslmode=require"
+    assert mask_url("postgresql://me@db/nbdist") == "postgresql://me@db/nbdist"
+    assert mask_url("runs/nbdist.db") == "runs/nbdist.db"
+
+
+def test_the_command_line_says_what_is_wrong_with_a_store_in_one_line(tmp_path, pyrun, database):
+    bad = pyrun(["-m", "nbdist", "store", "import", str(tmp_path), "--store", "mysql://me:pw@db/nbdist"])
+    assert bad.returncode != 0 and "Traceback" not in bad.output
+    [line] = [line for line in bad.output.splitlines() if line.strip()]
+    assert "--store mysql://me:***@db/nbdist: unknown scheme 'mysql'" in line and "postgresql://USER@HOST" in line
+    # An empty database is no store: the dashboard says so (and not the password).
+    empty = pyrun(["-m", "nbdist", "dashboard", "--store", database, "--export", str(tmp_path / "x.html")])
+    assert empty.returncode != 0 and "Traceback" not in empty.output and PASSWORD not in empty.output
+    assert f"no run store at {database.replace(PASSWORD, '***')} (it has no nbdist tables yet)" in empty.output
+
+
+def test_a_sqlite_url_is_the_file(tmp_path):
+    with RunStore(f"sqlite:///{tmp_path}/s.db") as store:
+        store.begin_run("r", run_dir=None, options={}, layout={})
+    with RunStore(tmp_path / "s.db", create=False) as store:
+        assert store.run("r").status == "running"
+
+
+def _schema_1_store(path) -> None:
+    """A store as nbdist wrote it before schema 2 (version in user_version only)."""
+    with sqlite3.connect(path) as conn:
+        for statement in _MIGRATIONS[0]:
+            conn.execute(statement.format(**SQLiteDialect.types))
+        conn.execute("INSERT INTO runs (id, status, options, started) VALUES ('old', 'completed', '{}', 1.0)")
+        conn.execute("INSERT INTO records (run, rank, seq, kind, time, \"values\") VALUES ('old', 0, 0, 'train', 1.0, "
+                     "'{\"loss\": 2.0}')")
+        conn.execute("INSERT INTO trials (study, number, params, state) VALUES ('s', 0, '{\"x\": 1}', 'running')")
+        conn.execute("PRAGMA user_version = 1")
+
+
+def test_a_schema_1_sqlite_store_is_migrated_and_keeps_its_runs(tmp_path):
+    path = tmp_path / "old.db"
+    _schema_1_store(path)
+    with RunStore(path) as store:
+        assert store.run("old").status == "completed"
+        assert [r["values"] for r in store.records("old")[0]] == [{"loss": 2.0}]
+        [trial] = store.trials("s")
+        assert (trial.number, trial.owner) == (0, None)  # a trial of no job: the next coordinator adopts it
+        assert store.claim_trial("s", 0, "job-b", None) and not store.claim_trial("s", 0, "job-c", None)
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("SELECT version FROM schema_version").fetchall() == [(SCHEMA_VERSION,)]
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+
+
+def test_a_store_of_a_newer_schema_is_refused_in_either_database(tmp_path, database):
+    path = tmp_path / "new.db"
+    RunStore(path).close()
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE schema_version SET version = ?", (SCHEMA_VERSION + 1,))
+    with pytest.raises(StoreError) as caught:
+        RunStore(path)
+    assert str(caught.value) == (
+        f"the run store {path} was written by a newer nbdist (schema {SCHEMA_VERSION + 1}; this nbdist reads "
+        f"up to {SCHEMA_VERSION}): upgrade nbdist, or give another --store")
+    RunStore(database).close()
+    db = PostgresDialect(database, create=False)
+    db.execute("UPDATE schema_version SET version = ?", (SCHEMA_VERSION + 1,))
+    db.close()
+    with pytest.raises(StoreError) as caught:
+        RunStore(database)
+    assert str(caught.value) == (
+        f"the run store {database.replace(PASSWORD, '***')} was written by a newer nbdist (schema "
+        f"{SCHEMA_VERSION + 1}; this nbdist reads up to {SCHEMA_VERSION}): upgrade nbdist, or give another --store")
+
+
+def test_an_orphaned_trial_is_claimed_by_one_job_only(database):
+    with RunStore(database) as one, RunStore(database) as two:
+        one.begin_study("s", searcher="random", space={}, options={}, objective="fom", direction="minimize")
+        one.record_trial("s", 3, params={"x": 1}, state="running", owner="gone")
+        assert one.claim_trial("s", 3, "job-1", "gone")
+        assert not two.claim_trial("s", 3, "job-2", "gone")  # it is job-1's now
+        assert [t.owner for t in two.trials("s")] == ["job-1"]
+
+
+@pytest.mark.parametrize("kind", ["postgresql", "sqlite"])
+def test_two_coordinators_share_one_study_and_run_every_trial_once(kind, request, tmp_path):
+    """Two studies' coordinators (threads here, each with its own connection) on one
+    study: every trial number once, every point told once, both did trials."""
+    database = request.getfixturevalue("database") if kind == "postgresql" else str(tmp_path / "s.db")
+    told: list[float] = []
+
+    def objective(params):
+        told.append(params["x"])
+        time.sleep(0.05)  # long enough for the other coordinator to get a turn
+        return (params["x"] - 0.3) ** 2
+
+    quiet = {"say": lambda line: None}
+    results, errors = {}, []
+
+    def run(name, **kwargs):
+        try:
+            results[name] = optimize(objective, space="x=real(0,1)", searcher="random", trials=30, store=database,
+                                     **kwargs, **quiet)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    first = threading.Thread(target=run, args=("first",), kwargs={"study_name": "shared"})
+    first.start()
+    deadline = time.monotonic() + 60
+    with RunStore(database) as store:
+        while not store.studies():
+            assert time.monotonic() < deadline and first.is_alive(), errors
+            time.sleep(0.01)
+    second = threading.Thread(target=run, args=("second",), kwargs={"resume_study": "shared"})
+    second.start()
+    for thread in (first, second):
+        thread.join(120)
+        assert not thread.is_alive()
+    assert not errors, errors
+    with RunStore(database) as store:
+        trials = store.trials("shared")
+        state = store.study("shared")["searcher_state"]["searcher"]
+        assert store.study("shared")["status"] == "completed"
+    assert [t.number for t in trials] == list(range(30)) and {t.state for t in trials} == {"complete"}
+    assert len(told) == 30 and len(set(told)) == 30  # each point evaluated once
+    assert len(state["told"]) == 30 and state["pending"] == []
+    assert len({t.owner for t in trials}) == 2  # both coordinators trained some
+    # Each reports the study as it stood when it ended; the one that ended last, all of it.
+    last = max(results.values(), key=lambda r: len(r.trials))
+    assert len(last.trials) == 30 and last.best_fom == min(t.fom for t in trials)
+    idle = "no trial left to start here: the study's other jobs train the rest"
+    assert {r.reason for r in results.values()} <= {"30 trials done", idle}
+
+
+# ------------------------------------------------------------------ two mpiexec jobs
+SPACE = "lr=log(3e-3,0.5) hidden=int(8,64)"
+
+
+def _job(tmp_path, name: str, database: str, *study: str) -> subprocess.Popen:
+    """`python -m nbdist launch -n 3 study ...` (1 coordinator, 1 master, 1 worker),
+    its output in tmp_path/NAME.log and its runs in tmp_path/NAME."""
+    argv = [sys.executable, "-m", "nbdist", "launch", "-n", "3", "study", "--model", "examples/digits_mlp.py",
+            "--searcher", "random", "--workers", "1", "--epochs", "3", "--seed", "1", "--store", database,
+            "--runs-dir", str(tmp_path / name), *study]
+    with open(tmp_path / f"{name}.log", "w") as log:
+        return subprocess.Popen(argv, cwd=ROOT, env=mpi_env(), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def _log(tmp_path, name: str) -> str:
+    return (tmp_path / f"{name}.log").read_text()
+
+
+def test_two_concurrent_mpiexec_jobs_share_a_study_one_killed(tmp_path, postgres, database):
+    from nbdist.dashboard.sources import StoreSource, run_choices
+    from nbdist.dashboard.study_view import StudyPlots
+
+    trials = 14
+    a = _job(tmp_path, "a", database, "--space", SPACE, "--trials", str(trials), "--study-name", "shared")
+    jobs = [a]
+    seen_live = 0  # trials the dashboard's study view picked up while the jobs ran
+    try:
+        with RunStore(database) as store:
+            deadline = time.monotonic() + 120
+            while not store.studies():
+                assert a.poll() is None and time.monotonic() < deadline, _log(tmp_path, "a")[-3000:]
+                time.sleep(0.2)
+            # The second job joins the study that the first one runs.
+            b = _job(tmp_path, "b", database, "--resume-study", "shared")
+            jobs.append(b)
+            plots = StudyPlots(store, "shared")
+            while True:  # both jobs train; then the first is killed in the middle of a trial
+                assert time.monotonic() < deadline + 120, "the two jobs never both trained"
+                assert a.poll() is None, _log(tmp_path, "a")[-3000:]
+                assert b.poll() is None, _log(tmp_path, "b")[-3000:]
+                seen_live += plots.update()
+                rows = store.trials("shared")
+                job_a = _coordinator(store, a)
+                cut = [t.number for t in rows if t.state == "running" and t.owner == job_a]
+                if len({t.owner for t in rows if t.state == "complete"}) == 2 and cut:
+                    break
+                time.sleep(0.2)
+            _kill_tree(a)  # no handler runs: job a just vanishes, its ranks too
+            while b.poll() is None:
+                assert time.monotonic() < deadline + 300, _log(tmp_path, "b")[-3000:]
+                seen_live += plots.update()
+                time.sleep(0.2)
+            assert b.returncode == 0, _log(tmp_path, "b")[-4000:]
+            if any(t.state == "running" for t in store.trials("shared")):
+                # b ran out of trials to start before a died: a third job takes over a's.
+                c = _job(tmp_path, "c", database, "--resume-study", "shared")
+                jobs.append(c)
+                assert c.wait(300) == 0, _log(tmp_path, "c")[-4000:]
+                assert "to train again" in _log(tmp_path, "c")
+            seen_live += plots.update()
+            again = plots.update()  # nothing is shown twice
+    finally:
+        for job in jobs:
+            _kill_tree(job)
+    out_b = _log(tmp_path, "b")
+    assert "resuming study shared: 0 trials finished" in out_b and "1 other job(s) run it too" in out_b, out_b
+    for name in ("a", "b", "c"):
+        assert not (tmp_path / f"{name}.log").exists() or PASSWORD not in _log(tmp_path, name)
+    with RunStore(database) as store:
+        rows = store.trials("shared")
+        assert [t.number for t in rows] == list(range(trials)) and {t.state for t in rows} == {"complete"}, rows
+        assert store.study("shared")["status"] == "completed"
+        runs: dict[int, list] = {}
+        for run in store.runs(study="shared"):
+            runs.setdefault(run.trial, []).append(run)
+        for t in rows:
+            completed = [r for r in runs[t.number] if r.status == "completed"]
+            assert len(completed) == 1, (t.number, [(r.id, r.status) for r in runs[t.number]])  # trained once
+        # The trial the killed job was training was taken over by another job, and job a
+        # had finished others before it died.
+        assert all(rows[n].owner != job_a for n in cut), (cut, job_a, rows)
+        assert any(t.owner == job_a for t in rows)
+        # The dashboard's sources read it all from PostgreSQL: every trial, every job's runs.
+        assert seen_live == trials and again == 0
+        choices = run_choices(store)
+        all_runs = [r for rs in runs.values() for r in rs]
+        assert len(choices) == len(all_runs) and {Path(r.run_dir).parent.name for r in all_runs} >= {"a", "b"}
+        for job in ("a", "b"):
+            run = next(r for r in all_runs if Path(r.run_dir).parent.name == job and r.status == "completed")
+            source = StoreSource(database, run.id)
+            info = source.info()
+            assert info.status == "completed" and info.options["store"] == database.replace(PASSWORD, "***")
+            records = source.poll()
+            assert {r["kind"] for r in records} >= {"epoch"} and source.poll() == []
+            source.close()
+
+
+def _kill_tree(job: subprocess.Popen) -> None:
+    """SIGKILL the launcher and every process under it (prterun leaves the launcher's
+    process group, so killpg alone would leave the ranks running), and wait them out."""
+    import psutil
+
+    if job.poll() is not None:  # ended by itself (its ranks before it), and reaped
+        return
+    try:
+        tree = [psutil.Process(job.pid), *psutil.Process(job.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        tree = []
+    for process in tree:
+        try:
+            process.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    job.wait(60)
+    gone, alive = psutil.wait_procs(tree, timeout=60)
+    assert not alive, f"processes of the killed job outlived it: {alive}"
+
+
+def _coordinator(store: RunStore, job: subprocess.Popen) -> str | None:
+    """The study job name of an mpiexec job's coordinator (rank 0): host:PID:..."""
+    import psutil
+
+    try:
+        pids = {p.pid for p in psutil.Process(job.pid).children(recursive=True)}
+    except psutil.NoSuchProcess:
+        return None
+    rows = store._db.execute("SELECT job, pid FROM study_jobs WHERE study = ?", ("shared",)).fetchall()
+    return next((name for name, pid in rows if pid in pids), None)
