@@ -1,0 +1,196 @@
+"""SLURM, for real: `python -m nbdist slurm-script` writes the sbatch scripts, and a real
+one-node SLURM on this machine (tests/slurm_cluster.py: munged, slurmctld and slurmd
+started by the `slurm` fixture) runs them: a train and a study complete inside their
+allocations, and SIGUSR1 to the batch shell (what `--signal=B:USR1@S` sends before the
+time limit) stops every rank at a step boundary with a final checkpoint that a second
+job resumes.
+
+Without Debian's `slurm-wlm` and `munge` the SLURM tests skip (fail with CI=1: .ci/run
+installs them); the script's own checks need no SLURM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nbdist.cli import main
+from nbdist.metrics import read_log
+from nbdist.slurm import BatchScript, time_limit_seconds
+from nbdist.store import RunStore
+
+from slurm_cluster import SlurmCluster, slurm_missing, wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+JOB_TIMEOUT = 240  # a job's whole life, queue included: a hung job fails its test
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    missing = slurm_missing()
+    if missing:
+        if os.environ.get("CI"):
+            pytest.fail(f"{missing} (.ci/run installs them)")
+        pytest.skip(missing)
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        cluster.start()
+    except BaseException:
+        cluster.stop()
+        raise
+    yield cluster
+    left = cluster.stop()
+    assert not left, f"still alive after the SLURM fixture stopped: {left}\n{cluster.logs()}"
+
+
+def _write_script(path: Path, *options: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m nbdist slurm-script OPTIONS`, as a user runs it, from the repository."""
+    done = subprocess.run([sys.executable, "-m", "nbdist", "slurm-script", *options], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+def _finished(slurm: SlurmCluster, job: str, output: Path) -> str:
+    """Wait for `job`; its output, after checking that it completed with status 0."""
+    fields = slurm.wait_job(job, JOB_TIMEOUT)
+    text = output.read_text(errors="replace") if output.exists() else "(no output file)"
+    assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), f"{fields}\n{text}\n{slurm.logs()}"
+    assert "Traceback" not in text, text
+    return text
+
+
+# ------------------------------------------------------------------ the script, no SLURM
+def test_the_script_execs_the_launcher_with_mpiexec_settings_and_the_signal():
+    script = BatchScript(ntasks=8, launched=("train", "--model", "my model.py", "--epochs", "5"), partition="gpu",
+                         time="1-12:00", account="phys", job_name="jets run", output="logs/%x-%j.out",
+                         signal_seconds=600, workdir="/scratch/me", python="/opt/venv/bin/python")
+    text = script.text()
+    assert text.startswith("#!/bin/bash\n")
+    sbatch = [line.removeprefix("#SBATCH ") for line in text.splitlines() if line.startswith("#SBATCH ")]
+    assert sbatch == ['--job-name="jets run"', "--ntasks=8", "--partition=gpu", "--time=1-12:00", "--account=phys",
+                      "--output=logs/%x-%j.out", "--chdir=/scratch/me", "--signal=B:USR1@600"]
+    # exec: the launcher replaces the batch shell, which is what B: signals.
+    assert text.splitlines()[-1] == ("exec /opt/venv/bin/python -m nbdist launch -n \"$SLURM_NTASKS\" train --model "
+                                     "'my model.py' --epochs 5")
+    assert time_limit_seconds("1-12:00") == 36 * 3600 and time_limit_seconds("90") == 5400
+    assert time_limit_seconds("01:30:00") == 5400 and time_limit_seconds("2:30") == 150
+
+
+def test_option_strings_are_quoted_never_run(tmp_path, capsys):
+    marker = tmp_path / "ran"
+    assert main(["slurm-script", "-n", "2", "--chdir", str(tmp_path), "--write", str(tmp_path / "job.sh"), "--",
+                 "train", "--model", f"m.py; touch {marker}", "--run-name", "$(touch x)"]) == 0
+    text = (tmp_path / "job.sh").read_text()
+    assert f"--model 'm.py; touch {marker}' --run-name '$(touch x)'" in text
+    # bash -n parses it: one command, its arguments whole.
+    assert subprocess.run(["bash", "-n", str(tmp_path / "job.sh")]).returncode == 0
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["-n", "4", "--", "trian", "--model", "m.py"], "slurm-script runs one of: train, study, datasets (got 'trian')"),
+    (["-n", "4"], "slurm-script runs one of: train, study, datasets, after --"),
+    (["-n", "4", "--", "train", "--bogus"], "in the nbdist command after --: unrecognized arguments: --bogus"),
+    (["-n", "4", "--", "train", "--epochs", "x"], "in the nbdist command after --: argument --epochs"),
+    (["-n", "0", "--", "train"], "--ntasks must be at least 1, got 0"),
+    (["-n", "4", "--time", "1:2:3:4", "--", "train"], "--time '1:2:3:4' is not a SLURM time limit"),
+    (["-n", "4", "--time", "6", "--", "train"], "--time 6 (360 s) leaves no time to train before the stop signal 300 s "
+                                                "before its end (SLURM may send it up to 60 s earlier still)"),
+    (["-n", "4", "--signal-seconds", "0", "--", "train"], "--signal-seconds must be between 1 and 65535"),
+    (["-n", "4", "--job-name", 'a"b', "--", "train"], "--job-name 'a\"b': an #SBATCH value cannot"),
+    (["-n", "4", "--partition", "", "--", "train"], "--partition '': an #SBATCH value cannot be empty"),
+])
+def test_bad_input_is_one_line_naming_it(argv, message, capsys):
+    assert main(["slurm-script", *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith(f"nbdist: error: {message}") and err.count("\n") == 1, err
+
+
+# ------------------------------------------------------------------ on a real SLURM
+@pytest.mark.mpi
+@pytest.mark.timeout(400)
+def test_an_sbatch_train_on_digits_completes(slurm, tmp_path):
+    script, output = tmp_path / "train.sh", tmp_path / "train.out"
+    _write_script(script, "-n", "4", "--partition", slurm.partition, "--time", "10", "--job-name", "digits",
+                  "--output", str(output), "--write", str(script), "--",
+                  "train", "--model", "examples/digits_cnn.py", "--topology", "allreduce", "--epochs", "5",
+                  "--runs-dir", str(tmp_path), "--run-name", "cnn")
+    job = slurm.sbatch(script)
+    text = _finished(slurm, job, output)
+    assert slurm.job(job)["JobName"] == "digits"
+    summary = json.loads((tmp_path / "cnn" / "summary.json").read_text())
+    assert summary["stop_reason"] == "completed 5 epochs", summary["stop_reason"]
+    assert summary["final"]["val_acc"] > 0.9, summary["final"]
+    # Four ranks of one allreduce run, all started by mpiexec inside the 4-task allocation.
+    assert "nbdist: 4 ranks: 4 workers, allreduce" in text, text
+    assert slurm.job(job)["NumTasks"] == "4"
+    assert {r["rank"] for r in read_log(tmp_path / "cnn", "run")} == {0, 1, 2, 3}
+    assert f"nbdist: results in {tmp_path / 'cnn'}" in text, text
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(400)
+def test_a_submitted_study_runs_its_trials(slurm, tmp_path):
+    output = tmp_path / "study.out"
+    done = _write_script(
+        tmp_path / "study.sh", "-n", "5", "--time", "00:15:00", "--output", str(output), "--submit", "--",
+        "study", "--model", "examples/digits_mlp.py", "--space", "lr=log(3e-3,0.5) hidden=int(8,64)",
+        "--searcher", "random", "--trials", "4", "--groups", "2", "--workers", "1", "--epochs", "2", "--seed", "1",
+        "--runs-dir", str(tmp_path), "--study-name", "batch", env=slurm.env)
+    assert done.stdout.startswith("nbdist: submitted batch job "), done.stdout
+    job = done.stdout.split()[-1]
+    text = _finished(slurm, job, output)
+    assert "nbdist: study batch: 4 trials done" in text, text
+    with RunStore(tmp_path / "nbdist.db") as store:
+        assert store.study("batch")["status"] == "completed"
+        trials = store.trials("batch")
+        assert [t.number for t in trials] == [0, 1, 2, 3] and {t.state for t in trials} == {"complete"}
+        assert {t.group for t in trials} == {0, 1}
+
+
+def _epochs_logged(run_dir: Path) -> int:
+    path = run_dir / "metrics" / "rank-00000.jsonl"
+    return path.read_text(errors="replace").count('"kind":"epoch"') if path.exists() else 0
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(400)
+def test_the_signal_before_the_time_limit_stops_at_a_checkpoint_that_resumes(slurm, tmp_path):
+    run = tmp_path / "run"
+    script, output = tmp_path / "long.sh", tmp_path / "long.out"
+    _write_script(script, "-n", "3", "--time", "10", "--signal-seconds", "120", "--output", str(output),
+                  "--write", str(script), "--", "train", "--model", "examples/digits_mlp.py", "--algorithm", "easgd",
+                  "--epochs", "500", "--runs-dir", str(tmp_path), "--run-name", "run")
+    job = slurm.sbatch(script)
+    slurm.wait_job(job, JOB_TIMEOUT, states={"RUNNING"})
+    wait_for(lambda: _epochs_logged(run) >= 1 or slurm.job(job)["JobState"] != "RUNNING", JOB_TIMEOUT, "first epoch")
+    # What slurmctld sends at --signal=B:USR1@120: SIGUSR1 to the batch shell only.
+    slurm.command("scancel", "--batch", "--signal=USR1", job)
+    text = _finished(slurm, job, output)
+    assert "nbdist: SIGUSR1: every rank stops at its next step" in text, text
+    summary = json.loads((run / "summary.json").read_text())
+    stopped_at = summary["epochs_run"]
+    assert summary["stop_reason"].startswith("stopped") and 1 <= stopped_at < 500, summary["stop_reason"]
+    latest = json.loads((run / "checkpoints" / "LATEST.json").read_text())["label"]
+    assert latest.startswith("stopped-"), latest
+    assert sorted(p.name for p in (run / "checkpoints" / latest).glob("rank-*.safetensors")) == [
+        "rank-00000.safetensors", "rank-00001.safetensors", "rank-00002.safetensors"]
+    assert read_log(run, "run") and {r["values"].get("status") for r in read_log(run, "run") if r["rank"] == 0} == {
+        "stopped"}
+
+    # A second job goes on from the stop checkpoint.
+    script, output = tmp_path / "resume.sh", tmp_path / "resume.out"
+    _write_script(script, "-n", "3", "--time", "10", "--output", str(output), "--write", str(script), "--",
+                  "train", "--resume", str(run), "--epochs", str(stopped_at + 1))
+    text = _finished(slurm, slurm.sbatch(script), output)
+    assert f"resumed from {run / 'checkpoints' / latest} at epoch" in text, text
+    resumed = json.loads((run / "summary.json").read_text())
+    assert resumed["stop_reason"] == f"completed {stopped_at + 1} epochs", resumed["stop_reason"]
+    assert [h["epoch"] for h in resumed["history"]] == list(range(1, stopped_at + 2))
