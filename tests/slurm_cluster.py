@@ -32,6 +32,7 @@ __all__ = ["SlurmCluster", "SlurmMissing", "slurm_missing", "wait_for"]
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "scontrol", "sinfo", "squeue", "scancel", "munge", "unmunge")
 INSTALL = "apt-get install slurm-wlm munge"
+KILL_WAIT = 30
 
 # States a job leaves the queue in (scontrol's JobState).
 FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL",
@@ -65,6 +66,13 @@ def wait_for(condition, timeout: float, what: str, describe=lambda: ""):
         if time.monotonic() > deadline:
             raise TimeoutError(f"no {what} within {timeout:.0f} s\n{describe()}")
         time.sleep(0.2)
+
+
+def _described(process: psutil.Process) -> str:
+    try:
+        return f"pid {process.pid}: {' '.join(process.cmdline())[:200]}"
+    except psutil.Error:
+        return f"pid {process.pid} (gone)"
 
 
 class SlurmCluster:
@@ -171,8 +179,9 @@ class SlurmCluster:
             "ReturnToService=2",
             # Finished jobs stay visible to scontrol for the tests to read their state.
             "MinJobAge=3600",
-            # SIGTERM at a job's end, SIGKILL this long after: the run's final checkpoint.
-            "KillWait=60",
+            # SIGTERM at a job's end, SIGKILL this long after (SLURM's default): time for a
+            # run's final checkpoint, and the bound on a process that does not leave.
+            f"KillWait={KILL_WAIT}",
             f"StateSaveLocation={root / 'state'}",
             f"SlurmdSpoolDir={root / 'spool'}",
             f"SlurmctldPidFile={root / 'slurmctld.pid'}",
@@ -215,11 +224,12 @@ class SlurmCluster:
                 os.killpg(daemon.pid, signal.SIGKILL)
                 daemon.wait(timeout=timeout)
         strays = self._job_processes()
+        said = [f"{_described(p)}, killed after the daemons stopped" for p in strays]
         take_down(strays, grace=5)
         for log in self._logs:
             log.close()
         self._logs.clear()
-        return [f"{p.info['name']} (pid {p.pid}, killed after the daemons stopped)" for p in strays] + self.left_over()
+        return said + self.left_over()
 
     def _cancel_jobs(self, timeout: float) -> None:
         ctld = self.daemons.get("slurmctld")
@@ -240,7 +250,7 @@ class SlurmCluster:
     def left_over(self) -> list[str]:
         """The daemons of this cluster and processes of its jobs still alive."""
         alive = [f"{name} (pid {d.pid})" for name, d in self.daemons.items() if d.poll() is None]
-        return alive + [f"{p.info['name']} (pid {p.pid})" for p in self._job_processes()]
+        return alive + [_described(p) for p in self._job_processes()]
 
     def _job_processes(self) -> list[psutil.Process]:
         """Running processes of this cluster's jobs: slurmstepd (it detaches from slurmd)
