@@ -180,6 +180,10 @@ class Cluster:
         if self.profile:
             kwargs["profile"] = self.profile
         self._ipp = ipp.Cluster(**kwargs)
+        if self.engines == "slurm":
+            # Beside the engines' log in the profile, not in the notebook's directory.
+            self._ipp.config.SlurmEngineSetLauncher.batch_file_name = os.path.join(
+                self._ipp.profile_dir, "log", f"nbdist-engines-{self._ipp.cluster_id}.sbatch")
         try:
             self._ipp.start_controller_sync()
             self._watch("controller", self._ipp.controller, remove=self._ipp.cluster_file)

@@ -272,6 +272,9 @@ def test_notebook_engines_submitted_to_slurm_train_stop_and_leave_with_the_clust
         assert sorted(i.rank for i in cluster.info) == [0, 1, 2] and {i.size for i in cluster.info} == {3}
         engines = [psutil.Process(i.pid) for i in cluster.info]
         assert all(p.environ().get("SLURM_JOB_ID") == job_id for p in engines)
+        # The job's script is kept with the engines' log, not in the notebook's directory.
+        assert fields["Command"].endswith(f"/log/nbdist-engines-{cluster.id}.sbatch"), fields["Command"]
+        assert not (Path.cwd() / "slurm_engine.sbatch").exists()
 
         job = shell.run_cell_magic("distnn", f"train --topology allreduce --epochs 3 --block --quiet "
                                              f"--runs-dir {tmp_path}", MODEL_CELL)
