@@ -40,7 +40,7 @@ import psutil
 
 from nbdist import watchdog
 from nbdist.errors import UserError
-from nbdist.launch import ULFM_ARGS, MPIExecNotFound, find_mpiexec, mpi_env
+from nbdist.launch import ULFM_ARGS, MPIExecNotFound, allocation_mpi_args, find_mpiexec, mpi_env
 from nbdist.liveness import DeadEngine, Liveness, process_gone
 
 __all__ = ["Cluster", "ClusterError", "DeadEngine", "EngineInfo", "current_cluster", "HEAL_HINT"]
@@ -224,12 +224,17 @@ class Cluster:
             config.MPILauncher.mpi_cmd = [command]
             # Fault tolerance on: a dead engine leaves the others running (and a job on
             # them ends with one error naming it, or restarts on the survivors).
-            config.MPILauncher.mpi_args = [*ULFM_ARGS, *self.mpi_args]
+            config.MPILauncher.mpi_args = [*ULFM_ARGS, *allocation_mpi_args(), *self.mpi_args]
             # Only what mpi_env() adds: the launcher merges it over os.environ. Engines on
             # this node only (no --host/--hostfile among the mpiexec arguments) talk
             # through shared memory and open no MPI port; across nodes, over `interface`.
-            several_nodes = any(a.startswith(("--host", "-host", "--hostfile", "-hostfile")) for a in self.mpi_args)
+            several_nodes = (any(a.startswith(("--host", "-host", "--hostfile", "-hostfile")) for a in self.mpi_args)
+                             or int(os.environ.get("SLURM_JOB_NUM_NODES", "1")) > 1)
             env = mpi_env(local=not several_nodes, interface=self.interface)
+            if "SLURM_JOB_ID" in os.environ and not several_nodes:
+                # In a one-node allocation (salloc) mpiexec would start its daemon through
+                # srun, and the engines outlived stop(): started directly, they go with it.
+                env.setdefault("PRTE_MCA_plm", "^slurm")
             added = {k: v for k, v in env.items() if os.environ.get(k) != v}
             config.MPIEngineSetLauncher.environment = added
         elif self.engines == "slurm":

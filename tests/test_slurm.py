@@ -343,3 +343,38 @@ def test_a_killed_kernel_takes_its_slurm_engines_job_with_it(slurm, tmp_path):
             kernel.kill()
             kernel.wait(timeout=30)
         log.close()
+
+
+SALLOC_KERNEL = """
+import psutil
+import nbdist
+with nbdist.Cluster(n=4) as cluster:
+    print("RANKS", *sorted(i.rank for i in cluster.info), flush=True)
+    engines = [psutil.Process(i.pid) for i in cluster.info]
+    # Each engine's nanny (ipyparallel's watcher) too: it leaves a few seconds after it.
+    print("PIDS", *[p.pid for e in engines for p in [e, *e.children(recursive=True)]], flush=True)
+    print("JOBS", *sorted({psutil.Process(i.pid).environ().get("SLURM_JOB_ID") for i in cluster.info}), flush=True)
+"""
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(400)
+def test_a_cluster_inside_an_salloc_allocation_starts_there_and_stops_with_nothing_left(slurm):
+    # 4 engines in a 4-task allocation on this 2-core machine, started from inside it.
+    done = subprocess.run(["salloc", "-n", "4", "--time", "5", sys.executable, "-c", SALLOC_KERNEL], cwd=ROOT,
+                          env=slurm.env, capture_output=True, text=True, timeout=JOB_TIMEOUT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "RANKS 0 1 2 3" in done.stdout, done.stdout + done.stderr
+    job = re.search(r"salloc: Granted job allocation (\d+)", done.stderr).group(1)
+    assert f"JOBS {job}\n" in done.stdout, done.stdout  # the engines ran in the allocation
+    started = []
+    for pid in re.search(r"^PIDS (.+)$", done.stdout, re.M).group(1).split():
+        try:
+            started.append(psutil.Process(int(pid)))
+        except psutil.NoSuchProcess:
+            pass
+    assert len(started) <= 8
+    # The engines ended with the cluster, their nannies soon after: nothing outlives the
+    # allocation (a one-node SLURM's proctrack/linuxproc would not catch orphans either).
+    gone, alive = psutil.wait_procs(started, timeout=30)
+    assert not alive, alive
