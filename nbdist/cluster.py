@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import importlib.util
+import ipaddress
 import os
 import signal
 import socket
@@ -153,6 +154,14 @@ class Cluster:
 
     # -- life cycle ---------------------------------------------------------------------
     @property
+    def encrypted(self) -> bool:
+        """Whether the controller's connections use CurveZMQ: whenever it listens beyond loopback."""
+        try:
+            return not ipaddress.ip_address(self.ip).is_loopback
+        except ValueError:  # a host name
+            return self.ip != "localhost"
+
+    @property
     def running(self) -> bool:
         return self.client is not None
 
@@ -175,6 +184,11 @@ class Cluster:
         # widen it: every socket it opens listens there, and the engines connect there.
         kwargs: dict[str, Any] = {"engines": self.engines, "n": self.n, "config": config,
                                   "log_level": 40, "controller_ip": self.ip, **self.ipp_options}
+        if self.encrypted:
+            # Beyond loopback other hosts reach the controller: CurveZMQ encrypts and
+            # authenticates every connection (engines and this client get its key through
+            # their connection information; nothing without it is answered).
+            kwargs["controller_args"] = [*kwargs.get("controller_args", []), "--IPController.enable_curve=True"]
         if self.cluster_id:
             kwargs["cluster_id"] = self.cluster_id
         if self.profile:
@@ -599,7 +613,8 @@ class Cluster:
         if not self.running:
             return "nbdist cluster: not running"
         lines = [f"nbdist cluster: {self.n} MPI engines ({self.engines}{'' if self.owned else ', attached'}), "
-                 f"cluster id {self.id}, profile {self._ipp.profile_dir}, controller on {self.ip}"]
+                 f"cluster id {self.id}, profile {self._ipp.profile_dir}, controller on {self.ip}"
+                 + (" (CurveZMQ)" if self.encrypted else "")]
         if self._controller_exited():
             return "\n".join(lines + [f"the controller has exited; {HEAL_HINT}"])
         dead = {d.engine_id: d for d in self.dead_engines()}

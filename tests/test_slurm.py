@@ -12,8 +12,9 @@ installs them); the script's own checks need no SLURM.
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -378,3 +379,38 @@ def test_a_cluster_inside_an_salloc_allocation_starts_there_and_stops_with_nothi
     # allocation (a one-node SLURM's proctrack/linuxproc would not catch orphans either).
     gone, alive = psutil.wait_procs(started, timeout=30)
     assert not alive, alive
+
+
+# ------------------------------------------------------------------ the controller beyond loopback
+def _outside_address() -> str | None:
+    for name, addresses in psutil.net_if_addrs().items():
+        for address in addresses:
+            if address.family == socket.AF_INET and not address.address.startswith("127."):
+                return name
+    return None
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(300)
+def test_a_controller_listening_beyond_loopback_answers_only_curve_clients():
+    """Engines on compute nodes reach the controller on a network interface: there it
+    encrypts (CurveZMQ), and a client without its key is not answered."""
+    pytest.importorskip("ipyparallel")
+    import ipyparallel as ipp
+
+    from nbdist.cluster import Cluster
+
+    interface = _outside_address()
+    if interface is None:
+        pytest.skip("no network interface beyond loopback on this machine")
+    with Cluster(n=2, interface=interface) as cluster:
+        assert cluster.encrypted and "(CurveZMQ)" in cluster.status()
+        assert sorted(i.rank for i in cluster.info) == [0, 1]  # the engines got in with the key
+        security = Path(cluster._ipp.profile_dir) / "security"
+        connection = json.loads((security / f"ipcontroller-{cluster.id}-client.json").read_text())
+        assert connection["curve_serverkey"] and connection["interface"].endswith(cluster.ip)
+        with ipp.Client(connection, timeout=30) as client:
+            assert sorted(client[:].apply_sync(os.getpid)) == sorted(i.pid for i in cluster.info)
+        with pytest.raises(TimeoutError):  # the same, without the controller's key: no answer
+            ipp.Client({**connection, "curve_serverkey": None}, timeout=5)
+    assert not Cluster(n=2).encrypted
