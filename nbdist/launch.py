@@ -30,7 +30,8 @@ from typing import Any, Sequence
 
 from nbdist.transport.faults import ULFM_ARGS, ULFM_ENV
 
-__all__ = ["mpi_env", "find_mpiexec", "mpiexec_command", "MPIExecNotFound", "launch", "STOP_GRACE", "ULFM_ARGS"]
+__all__ = ["mpi_env", "find_mpiexec", "mpiexec_command", "MPIExecNotFound", "launch", "STOP_GRACE", "ULFM_ARGS",
+           "allocation_mpi_args"]
 
 # How long a stopping job may take (its final checkpoint) before the launcher kills it.
 STOP_GRACE = 600.0
@@ -101,6 +102,13 @@ def _in_slurm_allocation() -> bool:
     return "SLURM_JOB_ID" in os.environ
 
 
+def allocation_mpi_args() -> list[str]:
+    """mpiexec arguments inside a SLURM allocation (none outside one)."""
+    # Open MPI binds each rank to cores of the allocation and refuses when there are
+    # fewer cores than ranks; training ranks manage their threads themselves.
+    return ["--bind-to", "none"] if _in_slurm_allocation() else []
+
+
 def _block_stop_signals() -> None:
     # In prterun only (and inherited by nothing: it unblocks signals in the ranks it starts).
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
@@ -115,10 +123,7 @@ def launch(n: int, argv: list[str], *, hosts: str | None = None, hostfile: str |
         mpi_args += ["--host", hosts]
     if hostfile:
         mpi_args += ["--hostfile", hostfile]
-    if _in_slurm_allocation():
-        # Open MPI binds each rank to cores of the allocation and refuses when there are
-        # fewer cores than ranks; training ranks manage their threads themselves.
-        mpi_args += ["--bind-to", "none"]
+    mpi_args += allocation_mpi_args()
     command = mpiexec_command(n, ["-m", "nbdist", *argv], mpi_args=mpi_args)
     job = subprocess.Popen(command, env=mpi_env(local=local, interface=interface), preexec_fn=_block_stop_signals,
                            start_new_session=True, stderr=subprocess.PIPE)

@@ -36,7 +36,12 @@ class _commands(ArgDecorator):
                                                  "replacing its engines if any is dead)")
         start.add_argument("-n", type=int, default=4, help="number of engines (MPI ranks)")
         start.add_argument("--engines", default="mpi", choices=("mpi", "slurm"),
-                           help="launcher: mpiexec here, or srun on a SLURM allocation")
+                           help="launcher: mpiexec here, or a SLURM job (the same as --slurm)")
+        start.add_argument("--slurm", action="store_true",
+                           help="submit the engines as a SLURM job (sbatch; mpiexec inside the allocation)")
+        start.add_argument("--partition", default=None, help="with --slurm: the partition (sbatch --partition)")
+        start.add_argument("--time", default=None, help="with --slurm: the time limit, e.g. 01:00:00")
+        start.add_argument("--account", default=None, help="with --slurm: the account to charge")
         start.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the engines")
         where = start.add_mutually_exclusive_group()
         where.add_argument("--interface", default=None,
@@ -135,11 +140,15 @@ class DistnnMagics(Magics):
             raise UsageError("%distnn cluster start | attach | stop | status")
         running = clusters._current if clusters._current is not None and clusters._current.running else None
         if args.action == "start":
+            if args.slurm:
+                args.engines = "slurm"
             if running is not None:
                 return self._restart(running, args)
-            print(f"nbdist: starting {args.n} MPI engines ...", flush=True)
+            print(f"nbdist: starting {args.n} MPI engines{' as a SLURM job' if args.engines == 'slurm' else ''} ...",
+                  flush=True)
             started = clusters.Cluster(n=args.n, engines=args.engines, start_timeout=args.timeout,
-                                       interface=args.interface, ip=args.ip).start()
+                                       interface=args.interface, ip=args.ip, partition=args.partition,
+                                       time=args.time, account=args.account).start()
             print(started.status())
             return started
         if args.action == "attach":

@@ -18,6 +18,10 @@ its own (a normal stop). Only psutil is imported, so it costs a few MB and no CP
 speak of; it runs as a script (`python watchdog.py ...`), not through the nbdist package.
 
     python nbdist/watchdog.py --parent PID:START_TIME --root PID:START_TIME [--root ...] [--remove FILE]
+                              [--scancel JOB_ID]
+
+Engines submitted as a SLURM job have no local process to end: `--scancel` cancels their
+job instead (with the SLURM configuration of the environment it was started in).
 """
 
 from __future__ import annotations
@@ -37,13 +41,17 @@ LIST_SECONDS = 2.0
 TERM_SECONDS = 2.0
 
 
-def start(parent: psutil.Process, roots: list[psutil.Process], remove: str | None = None) -> subprocess.Popen:
-    """Start a watchdog that ends `roots` and their descendants when `parent` dies."""
+def start(parent: psutil.Process, roots: list[psutil.Process], remove: str | None = None,
+          scancel: str | None = None) -> subprocess.Popen:
+    """Start a watchdog that ends `roots` and their descendants when `parent` dies (and
+    cancels the SLURM job `scancel`); it leaves quietly when the roots end first."""
     argv = [sys.executable, os.path.abspath(__file__), "--parent", _ident(parent)]
     for root in roots:
         argv += ["--root", _ident(root)]
     if remove:
         argv += ["--remove", remove]
+    if scancel:
+        argv += ["--scancel", str(scancel)]
     return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True, close_fds=True)
 
@@ -97,18 +105,31 @@ def take_down(processes: list[psutil.Process], grace: float = TERM_SECONDS) -> N
     psutil.wait_procs(left, timeout=grace)
 
 
-def watch(parent: psutil.Process, roots: list[psutil.Process], remove: str | None = None) -> bool:
+def _cancel(job: str | None) -> None:
+    if job:
+        try:
+            subprocess.run(["scancel", job], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+
+
+def watch(parent: psutil.Process, roots: list[psutil.Process], remove: str | None = None,
+          scancel: str | None = None) -> bool:
     """Until `parent` dies (then take the tree down and return True) or the roots end (False)."""
     known: dict[int, psutil.Process] = {}
     listed = 0.0
     while True:
-        if not any(_alive(r) for r in roots):
+        # The parent first: a tree that another watchdog took down as the parent died
+        # still leaves this one's SLURM job to cancel.
+        if _alive(parent) and not any(_alive(r) for r in roots):
             return False
         if time.monotonic() - listed > LIST_SECONDS:
             known.update(_tree(roots))
             known = {pid: p for pid, p in known.items() if _alive(p)}
             listed = time.monotonic()
         if not _alive(parent):
+            _cancel(scancel)
             known.update(_tree(roots))
             take_down([p for p in known.values() if _alive(p)])
             if remove:
@@ -125,15 +146,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parent", required=True, help="PID:START_TIME of the process to watch")
     parser.add_argument("--root", action="append", default=[], help="PID:START_TIME of a tree to end")
     parser.add_argument("--remove", default=None, help="a file to remove once the tree is down")
+    parser.add_argument("--scancel", default=None, help="a SLURM job to cancel when the parent dies")
     args = parser.parse_args(argv)
     roots = [p for p in map(_process, args.root) if p is not None]
     parent = _process(args.parent)
     if not roots:
         return 0
     if parent is None:  # died before we looked
+        _cancel(args.scancel)
         take_down(list(_tree(roots).values()))
         return 0
-    watch(parent, roots, args.remove)
+    watch(parent, roots, args.remove, args.scancel)
     return 0
 
 

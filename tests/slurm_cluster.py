@@ -1,0 +1,307 @@
+"""A real one-node SLURM on this machine, for the tests: Debian's `munged`, `slurmctld`
+and `slurmd` (`apt-get install slurm-wlm munge`), every file of theirs under one
+temporary directory and every daemon in the foreground as a child of the test process.
+
+The node declares more CPUs than the machine has (`SlurmdParameters=config_overrides`)
+and its partition oversubscribes them, so a 4-task job fits on a 2-core box. munged gets
+its own key and socket (slurm.conf's `AuthInfo=socket=...`), so no system-wide munge is
+needed or disturbed; the ports are free ones picked at start.
+
+    with SlurmCluster(tmp_dir) as slurm:
+        job = slurm.sbatch(script)
+        slurm.wait_job(job, timeout=120)   # scontrol's JobState, ExitCode, ...
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+
+from nbdist.watchdog import take_down
+
+__all__ = ["SlurmCluster", "SlurmMissing", "slurm_missing", "wait_for"]
+
+DAEMONS = ("munged", "slurmctld", "slurmd")
+CLIENTS = ("sbatch", "scontrol", "sinfo", "squeue", "scancel", "munge", "unmunge")
+INSTALL = "apt-get install slurm-wlm munge"
+KILL_WAIT = 30
+
+# States a job leaves the queue in (scontrol's JobState).
+FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL",
+            "DEADLINE"}
+
+
+class SlurmMissing(RuntimeError):
+    pass
+
+
+def slurm_missing() -> str | None:
+    """What is missing to start a SLURM here (and how to install it), or None."""
+    absent = [name for name in (*DAEMONS, *CLIENTS) if shutil.which(name) is None]
+    if absent:
+        return f"SLURM is not installed ({', '.join(absent)} missing): {INSTALL}"
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_for(condition, timeout: float, what: str, describe=lambda: ""):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {what} within {timeout:.0f} s\n{describe()}")
+        time.sleep(0.2)
+
+
+def _described(process: psutil.Process) -> str:
+    try:
+        return f"pid {process.pid}: {' '.join(process.cmdline())[:200]}"
+    except psutil.Error:
+        return f"pid {process.pid} (gone)"
+
+
+class SlurmCluster:
+    """One SLURM node (`cpus` CPUs declared) in partition `debug`, under `root`."""
+
+    partition = "debug"
+
+    def __init__(self, root: Path, *, cpus: int = 8, memory_mb: int = 20000):
+        self.root = Path(root)
+        self.cpus = cpus
+        self.memory_mb = memory_mb
+        self.node = socket.gethostname().split(".")[0]
+        self.conf = self.root / "slurm.conf"
+        self.munge_socket = self.root / "munge" / "munge.socket"
+        self.daemons: dict[str, subprocess.Popen] = {}
+        self._logs: list = []
+
+    # ---------------------------------------------------------------- environment
+    @property
+    def env(self) -> dict[str, str]:
+        """os.environ with SLURM_CONF pointing at this cluster (for sbatch & co)."""
+        env = dict(os.environ)
+        env["SLURM_CONF"] = str(self.conf)
+        for key in [k for k in env if k.startswith("SLURM_") and k != "SLURM_CONF"]:
+            del env[key]  # a test run inside a real allocation must not leak its job into ours
+        return env
+
+    def command(self, *argv: str, timeout: float = 30, check: bool = True) -> subprocess.CompletedProcess:
+        done = subprocess.run(list(argv), env=self.env, capture_output=True, text=True, timeout=timeout)
+        if check and done.returncode != 0:
+            raise RuntimeError(f"{' '.join(argv)} exited {done.returncode}:\n{done.stdout}{done.stderr}\n"
+                               f"{self.logs()}")
+        return done
+
+    # ---------------------------------------------------------------- start / stop
+    def __enter__(self) -> "SlurmCluster":
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self, timeout: float = 60) -> None:
+        missing = slurm_missing()
+        if missing:
+            raise SlurmMissing(missing)
+        for sub in ("munge", "state", "spool", "log"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        # munged checks that nobody else can write where its socket and key live.
+        os.chmod(self.root, 0o755)
+        os.chmod(self.root / "munge", 0o700)
+        self._start_munged(timeout)
+        self._write_conf()
+        self._spawn("slurmctld", ["slurmctld", "-D", "-f", str(self.conf)])
+        wait_for(lambda: self.command("scontrol", "ping", check=False, timeout=10).stdout.count("UP"), timeout,
+              "slurmctld answering scontrol ping", self.logs)
+        self._spawn("slurmd", ["slurmd", "-D", "-f", str(self.conf)])
+        wait_for(self._node_idle, timeout, f"idle node {self.node} in sinfo", self.logs)
+
+    def _start_munged(self, timeout: float) -> None:
+        key = self.root / "munge" / "munge.key"
+        key.write_bytes(secrets.token_bytes(1024))
+        os.chmod(key, 0o400)
+        munge = self.root / "munge"
+        # --force: munged refuses to run as root without it.
+        self._spawn("munged", ["munged", "--foreground", "--force", f"--socket={self.munge_socket}",
+                               f"--key-file={key}", f"--pid-file={munge / 'munged.pid'}",
+                               f"--seed-file={munge / 'munged.seed'}", f"--log-file={self.root / 'log' / 'munged.log'}"])
+
+        def credential_round_trips() -> bool:
+            encoded = subprocess.run(["munge", "-n", "-S", str(self.munge_socket)], capture_output=True, timeout=10)
+            if encoded.returncode != 0:
+                return False
+            decoded = subprocess.run(["unmunge", "-S", str(self.munge_socket)], input=encoded.stdout,
+                                     capture_output=True, timeout=10)
+            return decoded.returncode == 0 and b"Success" in decoded.stdout
+
+        wait_for(credential_round_trips, timeout, "munge credential round trip", self.logs)
+
+    def _write_conf(self) -> None:
+        root = self.root
+        lines = [
+            "ClusterName=nbdist-test",
+            f"SlurmctldHost={self.node}(127.0.0.1)",  # no name service needed
+            f"SlurmctldPort={_free_port()}",
+            f"SlurmdPort={_free_port()}",
+            "SlurmUser=root",
+            "SlurmdUser=root",
+            "AuthType=auth/munge",
+            "CredType=cred/munge",
+            f"AuthInfo=socket={self.munge_socket}",
+            "ProctrackType=proctrack/linuxproc",
+            "TaskPlugin=task/none",
+            "JobAcctGatherType=jobacct_gather/none",
+            "AccountingStorageType=accounting_storage/none",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_Core",
+            "SchedulerType=sched/backfill",
+            "MpiDefault=none",
+            "ReturnToService=2",
+            # Finished jobs stay visible to scontrol for the tests to read their state.
+            "MinJobAge=3600",
+            # SIGTERM at a job's end, SIGKILL this long after (SLURM's default): time for a
+            # run's final checkpoint, and the bound on a process that does not leave.
+            f"KillWait={KILL_WAIT}",
+            f"StateSaveLocation={root / 'state'}",
+            f"SlurmdSpoolDir={root / 'spool'}",
+            f"SlurmctldPidFile={root / 'slurmctld.pid'}",
+            f"SlurmdPidFile={root / 'slurmd.pid'}",
+            f"SlurmctldLogFile={root / 'log' / 'slurmctld.log'}",
+            f"SlurmdLogFile={root / 'log' / 'slurmd.log'}",
+            "SlurmdParameters=config_overrides",  # more CPUs than the machine has
+            f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory={self.memory_mb} State=UNKNOWN",
+            f"PartitionName={self.partition} Nodes={self.node} Default=YES MaxTime=INFINITE State=UP "
+            "OverSubscribe=FORCE:4",
+        ]
+        self.conf.write_text("\n".join(lines) + "\n")
+
+    def _spawn(self, name: str, argv: list[str]) -> None:
+        out = open(self.root / "log" / f"{name}.out", "w")
+        self._logs.append(out)
+        self.daemons[name] = subprocess.Popen(argv, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                              stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def _node_idle(self) -> bool:
+        for name, daemon in self.daemons.items():
+            if daemon.poll() is not None:
+                raise RuntimeError(f"{name} exited {daemon.returncode}\n{self.logs()}")
+        state = self.command("sinfo", "-h", "-N", "-n", self.node, "-o", "%t", check=False, timeout=10).stdout
+        return state.strip() == "idle"
+
+    def stop(self, timeout: float = 30) -> list[str]:
+        """Cancel every job, stop every daemon this cluster started (slurmd, slurmctld, then
+        munged) and kill any process of its jobs still there; returns what had to be killed
+        after the daemons stopped or is still alive (nothing, when all went well)."""
+        self._cancel_jobs(timeout)
+        for name in ("slurmd", "slurmctld", "munged"):
+            daemon = self.daemons.get(name)
+            if daemon is None or daemon.poll() is not None:
+                continue
+            daemon.send_signal(signal.SIGTERM)
+            try:
+                daemon.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(daemon.pid, signal.SIGKILL)
+                daemon.wait(timeout=timeout)
+        strays = self._job_processes()
+        said = [f"{_described(p)}, killed after the daemons stopped" for p in strays]
+        take_down(strays, grace=5)
+        for log in self._logs:
+            log.close()
+        self._logs.clear()
+        return said + self.left_over()
+
+    def _cancel_jobs(self, timeout: float) -> None:
+        ctld = self.daemons.get("slurmctld")
+        if ctld is None or ctld.poll() is not None:
+            return
+        queued = self.command("squeue", "-h", "-o", "%i", check=False, timeout=10).stdout.split()
+        if not queued:
+            return
+        # At once: the tests are over, nobody waits for a final checkpoint.
+        self.command("scancel", "--full", "--signal=KILL", *queued, check=False, timeout=10)
+        self.command("scancel", *queued, check=False, timeout=10)
+        try:
+            wait_for(lambda: not self.command("squeue", "-h", "-o", "%i", check=False, timeout=10).stdout.split(),
+                  timeout, "empty queue after scancel")
+        except TimeoutError:
+            pass  # what is left is killed below and reported
+
+    def left_over(self) -> list[str]:
+        """The daemons of this cluster and processes of its jobs still alive."""
+        alive = [f"{name} (pid {d.pid})" for name, d in self.daemons.items() if d.poll() is None]
+        return alive + [_described(p) for p in self._job_processes()]
+
+    def _job_processes(self) -> list[psutil.Process]:
+        """Running processes of this cluster's jobs: slurmstepd (it detaches from slurmd)
+        writing to our logs, and whatever has our SLURM_CONF in its environment (job
+        scripts inherit it from sbatch)."""
+        found = []
+        for process in psutil.process_iter(["name", "status"]):
+            try:
+                if process.info["status"] == psutil.STATUS_ZOMBIE or process.pid == os.getpid():
+                    continue
+                if process.info["name"] == "slurmstepd":
+                    if any(f.path.startswith(str(self.root)) for f in process.open_files()):
+                        found.append(process)
+                elif process.environ().get("SLURM_CONF") == str(self.conf):
+                    found.append(process)
+            except psutil.Error:
+                continue
+        return found
+
+    def logs(self) -> str:
+        parts = []
+        for path in sorted((self.root / "log").glob("*")):
+            text = path.read_text(errors="replace")
+            parts.append(f"--- {path.name} (last 3000 characters)\n{text[-3000:]}")
+        return "\n".join(parts)
+
+    # ---------------------------------------------------------------- jobs
+    def sbatch(self, script: Path, *options: str, cwd: Path | None = None) -> str:
+        """Submit `script`; returns the job id."""
+        done = subprocess.run(["sbatch", "--parsable", *options, str(script)], env=self.env, capture_output=True,
+                              text=True, timeout=30, cwd=cwd)
+        if done.returncode != 0:
+            raise RuntimeError(f"sbatch {script} exited {done.returncode}:\n{done.stdout}{done.stderr}")
+        return done.stdout.strip().split(";")[0]
+
+    def job(self, job_id: str) -> dict[str, str]:
+        """scontrol's fields of a job (JobState, ExitCode, StdOut, ...)."""
+        text = self.command("scontrol", "show", "job", "-o", job_id).stdout
+        fields = {}
+        for item in text.split():
+            key, _, value = item.partition("=")
+            fields.setdefault(key, value)
+        return fields
+
+    def wait_job(self, job_id: str, timeout: float, *, states=FINISHED) -> dict[str, str]:
+        """Wait until the job is in one of `states` (default: finished); its fields."""
+        fields: dict[str, str] = {}
+
+        def reached() -> bool:
+            fields.update(self.job(job_id))
+            return fields.get("JobState") in states
+
+        wait_for(reached, timeout, f"job {job_id} in {sorted(states)}", lambda: f"{fields}\n{self.logs()}")
+        return fields
