@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from nbdist.train.stopping import stop_caught_early
 from nbdist.transport.faults import ULFM_ARGS, ULFM_ENV
 
 __all__ = ["mpi_env", "find_mpiexec", "mpiexec_command", "MPIExecNotFound", "launch", "STOP_GRACE", "ULFM_ARGS",
@@ -35,6 +36,11 @@ __all__ = ["mpi_env", "find_mpiexec", "mpiexec_command", "MPIExecNotFound", "lau
 
 # How long a stopping job may take (its final checkpoint) before the launcher kills it.
 STOP_GRACE = 600.0
+# A stop is passed on no sooner than this after prterun starts. Before the ranks run
+# `python -m nbdist`'s first line (which catches it: train/stopping.py) SIGUSR1 kills
+# them, and prterun ended such a job with status 0 and no run at all; measured, a
+# SIGUSR1 0.4 s after the start did that, one at 1 s was caught.
+RANKS_CATCH_AFTER = 3.0
 
 
 class MPIExecNotFound(RuntimeError):
@@ -130,7 +136,9 @@ def launch(n: int, argv: list[str], *, hosts: str | None = None, hostfile: str |
     forwarder = threading.Thread(target=_forward_stderr, args=(job.stderr,), name="nbdist-launch-stderr",
                                  daemon=True)
     forwarder.start()
+    started = time.monotonic()
     stopping: list[float] = []
+    held: list[int] = []
 
     def stop(signum: int, _frame: object) -> None:
         if stopping and signum == signal.SIGINT:
@@ -140,9 +148,14 @@ def launch(n: int, argv: list[str], *, hosts: str | None = None, hostfile: str |
             stopping.append(time.monotonic())
             print(f"nbdist: {signal.Signals(signum).name}: every rank stops at its next step and the run writes its "
                   f"final checkpoint (Ctrl-C again to kill it at once)", file=sys.stderr, flush=True)
-        job.send_signal(signal.SIGUSR1)  # prterun forwards it to every rank
+        if time.monotonic() - started >= RANKS_CATCH_AFTER:
+            job.send_signal(signal.SIGUSR1)  # prterun forwards it to every rank
+        else:
+            held.append(signum)  # passed on by the loop below, once the ranks can take it
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    if stop_caught_early():  # it came while this launcher was starting: pass it on
+        stop(signal.SIGUSR1, None)
     try:
         while True:
             try:
@@ -150,6 +163,9 @@ def launch(n: int, argv: list[str], *, hosts: str | None = None, hostfile: str |
                 forwarder.join(timeout=5)  # the job's last words
                 return status
             except subprocess.TimeoutExpired:
+                if held and time.monotonic() - started >= RANKS_CATCH_AFTER:
+                    held.clear()
+                    job.send_signal(signal.SIGUSR1)
                 if stopping and time.monotonic() - stopping[0] > stop_grace:
                     print(f"nbdist: the run did not stop within {stop_grace:.0f} s; killing it", file=sys.stderr,
                           flush=True)

@@ -13,9 +13,11 @@ processes than the ones that wrote the checkpoints. The graceful stop runs
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -500,6 +502,29 @@ def _epoch_records_exist(run_dir: Path) -> bool:
     return any('"kind":"epoch"' in p.read_text(errors="replace") for p in metrics.glob("rank-*.jsonl"))
 
 
+@pytest.mark.timeout(300)
+def test_a_stop_while_the_ranks_start_is_kept_and_checkpointed(tmp_path):
+    # SLURM's --signal can come at any time, even while the job is still starting: it
+    # used to kill the ranks before they caught it, and the job ended "completed" with no run.
+    argv = [sys.executable, "-m", "nbdist", "launch", "-n", "3", "train", "--model", MLP, "--epochs", "50",
+            "--runs-dir", str(tmp_path), "--run-name", "run", "--quiet"]
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        time.sleep(0.6)  # the launcher is running; its ranks are not yet
+        proc.send_signal(signal.SIGUSR1)
+        output, _ = proc.communicate(timeout=200)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    assert proc.returncode == 0, output
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["stop_reason"] == "stopped by SIGUSR1", summary["stop_reason"]
+    latest = json.loads((tmp_path / "run" / "checkpoints" / "LATEST.json").read_text())["label"]
+    assert latest.startswith("stopped-"), latest
+
+
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("topology", ["master-worker", "allreduce"])
 def test_sigusr1_stops_every_rank_and_checkpoints(tmp_path, topology, mpirun):
@@ -523,8 +548,6 @@ def test_sigusr1_stops_every_rank_and_checkpoints(tmp_path, topology, mpirun):
             pytest.fail(f"{topology}: still running 60 s after SIGUSR1:\n{(tmp_path / 'output.txt').read_text()}")
     finally:
         if proc.poll() is None:
-            import os
-
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
         log.close()

@@ -8,7 +8,28 @@ from dataclasses import dataclass
 
 from nbdist.options import Target
 
-__all__ = ["StopFlag", "EarlyStopping", "StopDecision"]
+__all__ = ["StopFlag", "EarlyStopping", "StopDecision", "catch_stop_signals_early", "stop_caught_early"]
+
+# A stop signal that reaches a rank while it is still starting (importing torch, building
+# its model) would kill it, since Python's default for SIGUSR1 and SIGTERM is to die: the
+# job then ended with no run and no checkpoint. `python -m nbdist` catches them from its
+# first line; the run's StopFlag takes the request over, and the run stops at its first
+# step boundary with a checkpoint, as it would have later.
+_CAUGHT_EARLY: list[str] = []
+
+
+def catch_stop_signals_early() -> None:
+    def handler(signum: int, _frame: object) -> None:
+        if not _CAUGHT_EARLY:
+            _CAUGHT_EARLY.append(f"stopped by {signal.Signals(signum).name}")
+
+    for sig in (signal.SIGUSR1, signal.SIGTERM):
+        signal.signal(sig, handler)
+
+
+def stop_caught_early() -> str:
+    """The stop request caught before the run's own handlers were installed ('' if none)."""
+    return _CAUGHT_EARLY[0] if _CAUGHT_EARLY else ""
 
 
 class StopFlag:
@@ -31,6 +52,8 @@ class StopFlag:
 
         for sig in (signal.SIGUSR1, signal.SIGTERM):
             signal.signal(sig, handler)
+        if stop_caught_early():
+            self.request(stop_caught_early())
 
 
 @dataclass(slots=True)
