@@ -312,6 +312,7 @@ import nbdist
 cluster = nbdist.Cluster(n=2, engines="slurm", time="10").start()
 print("JOB", *[s.job_id for s in cluster._ipp.engines.values()], flush=True)
 print("PIDS", *[i.pid for i in cluster.info], flush=True)
+print("CONTROLLER", *[p.pid for p in cluster._controller_processes()], flush=True)
 time.sleep(600)
 """
 
@@ -328,10 +329,14 @@ def test_a_killed_kernel_takes_its_slurm_engines_job_with_it(slurm, tmp_path):
         assert kernel.poll() is None, said()
         job = re.search(r"^JOB (\d+)$", said(), re.M).group(1)
         engines = [psutil.Process(int(pid)) for pid in re.search(r"^PIDS (.+)$", said(), re.M).group(1).split()]
+        wait_for(lambda: "CONTROLLER" in said(), 30, "the controller's processes", said)
+        controller = [psutil.Process(int(pid))
+                      for pid in re.search(r"^CONTROLLER(.*)$", said(), re.M).group(1).split()]
         kernel.kill()  # kill -9: no atexit hook runs
         kernel.wait(timeout=30)
         assert slurm.wait_job(job, 60)["JobState"] == "CANCELLED"
-        gone, alive = psutil.wait_procs(engines, timeout=60)
+        # The engines go with the job, the controller (and its schedulers) with the kernel.
+        gone, alive = psutil.wait_procs(engines + controller, timeout=60)
         assert not alive, alive
         # ...and the kernel's watchdogs leave once they have done it.
         watchdogs = [p for p in psutil.process_iter(["cmdline"])
