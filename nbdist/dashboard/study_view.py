@@ -88,9 +88,15 @@ class StudyPlots:
         return len(new)
 
 
+# Before the first trial ends: one path of one blank point, no named ticks. HoloViews
+# can neither colour an empty Path by its value nor draw an empty list of ticks, and the
+# study's page, opened as the study starts, would fail to draw.
+NO_PATHS = [{"x": np.zeros(1), "y": np.full(1, np.nan), "fom": np.nan}]
+
+
 def _parallel_element(data: Any) -> hv.Path:
     paths, axes = data if data else ([], [])
-    return hv.Path(paths, ["x", "y"], ["fom"]).opts(xticks=list(enumerate(axes)))
+    return hv.Path(paths or NO_PATHS, ["x", "y"], ["fom"]).opts(xticks=list(enumerate(axes)) or None)
 
 
 def parallel_paths(trials: list[TrialRow], objective: str) -> tuple[list[dict[str, Any]], list[str]]:
