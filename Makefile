@@ -1,11 +1,11 @@
-# The two commands: `make demo` and `make test`. Both create .venv when it is missing.
+# The three commands: `make demo`, `make test` and `make lab`. Each creates .venv when it is missing.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 EXTRAS := mpi,torch,tensorflow,notebook,dashboard,hpo,hep,postgresql,test
 
-.PHONY: demo test install clean bench
+.PHONY: demo test lab install clean bench
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# JupyterLab on the tutorials, on loopback with Jupyter's token (it prints the URL).
+# Jupyter refuses root without --allow-root (containers, CI boxes run as root).
+lab: $(STAMP)
+	$(BIN)/jupyter lab --notebook-dir=notebooks --ServerApp.ip=127.0.0.1 $(if $(filter 0,$(shell id -u)),--allow-root)
 
 bench: $(STAMP)
 	$(BIN)/python bench/allreduce_vs_ddp.py

@@ -64,3 +64,24 @@ def test_validations_every_n_samples_are_drawn_between_the_epochs():
     assert "validation every 400 samples" in labels
     sampled = [r for r in figure.renderers if r.name == "nbdist-accuracy-by-samples-sampled"]
     assert len(sampled) == 1 and sampled[0].data_source is plots.validations
+
+
+def test_a_studys_page_is_drawn_before_its_first_trial_ends(tmp_path):
+    # study.dashboard() is usually opened as the study starts, with no trial finished.
+    from nbdist.dashboard import dashboard
+    from nbdist.store import RunStore
+
+    with RunStore(tmp_path / "nbdist.db") as store:
+        store.begin_study("s", searcher="random", space={"lr": "log(1e-3,1e-1)"}, options={},
+                          objective="val_loss", direction="minimize")
+        store.record_trial("s", 0, params={"lr": 0.01}, state="running")
+    board = dashboard(tmp_path / "nbdist.db", study="s", live=False)
+    page = json.dumps(json_item(board.page.get_root()))  # what a browser receives: no error making it
+    assert "nbdist-parallel-coordinates" in page and "nbdist-population" in page
+    with RunStore(tmp_path / "nbdist.db") as store:
+        store.record_trial("s", 0, params={"lr": 0.01}, state="complete", fom=0.5, ended=1.0)
+    assert board.study.update() == 1
+    paths, axes = board.study.parallel.data
+    assert axes == ["lr", "val_loss"] and len(paths) == 1
+    assert '"lr"' in json.dumps(json_item(board.page.get_root()))  # the axes are named now
+    board.close()

@@ -292,5 +292,9 @@ def _drain(source: StoreSource) -> list[dict[str, Any]]:
 
 def dashboard(store: str | Path | None = None, *, job: Any = None, run: str | None = None,
               study: str | None = None, live: bool = True, period_ms: int = POLL_MS) -> Dashboard:
-    pn.extension()
+    # Panel's notebook output loads Bokeh's and Panel's JavaScript from public CDNs by
+    # default: a browser that cannot reach the internet (as on many HPC networks) then
+    # draws nothing under the cell. Inline, the kernel sends it all (and a served page
+    # takes it from the dashboard server's own static files either way).
+    pn.extension(inline=True)
     return Dashboard(store=store, job=job, run=run, study=study, live=live, period_ms=period_ms)

@@ -1,8 +1,10 @@
 """A finished run's dashboard as one self-contained HTML file (for logbooks and reports):
-every plot with its data and the JavaScript inline, no server, no network."""
+every plot with its data, and the JavaScript, the stylesheets and the icon inline: no
+server, no network."""
 
 from __future__ import annotations
 
+import base64
 from pathlib import Path
 
 __all__ = ["export_html"]
@@ -10,7 +12,12 @@ __all__ = ["export_html"]
 
 def export_html(store: str | Path, path: str | Path, *, run: str | None = None, study: str | None = None) -> Path:
     """Write the dashboard of `run` (default: the newest) in `store` to `path`."""
+    from bokeh.document import Document
+    from bokeh.models import UIElement
     from bokeh.resources import INLINE
+    from panel.io.model import add_to_doc
+    from panel.io.notebook import patch_inline_stylesheets
+    from panel.io.save import save
 
     from nbdist.dashboard.app import dashboard
 
@@ -18,5 +25,21 @@ def export_html(store: str | Path, path: str | Path, *, run: str | None = None, 
     board.drain()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    board.page.save(str(path), resources=INLINE, title=f"nbdist dashboard: {board.view.info.id if board.view else ''}")
+    doc = Document()
+    root = board.page.get_root(doc)
+    add_to_doc(root, doc)
+    # Panel's components link their stylesheets from its CDN even with INLINE resources
+    # (a page opened offline would lose its styles): the same files, inline.
+    for model in root.select({"type": UIElement}):
+        patch_inline_stylesheets(model)
+    title = f"nbdist dashboard: {board.view.info.id if board.view else ''}"
+    save(doc, str(path), title=title, resources=INLINE,
+         template_variables={"app_favicon": _panel_icon(), "apple_icon": ""})  # else icons from the CDN
+    board.close()
     return path
+
+
+def _panel_icon() -> str:
+    from panel.io.resources import DIST_DIR
+
+    return "data:image/x-icon;base64," + base64.b64encode((DIST_DIR / "images" / "favicon.ico").read_bytes()).decode()

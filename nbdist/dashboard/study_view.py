@@ -15,7 +15,7 @@ from typing import Any, Callable
 import holoviews as hv
 import numpy as np
 import pandas as pd
-from holoviews.streams import Buffer, Pipe
+from holoviews.streams import Pipe
 
 from nbdist.dashboard.plots import HEIGHT, WIDTH
 from nbdist.store import RunStore, TrialRow
@@ -44,8 +44,11 @@ class StudyPlots:
         self._sent: set[int] = set()
         self._best: float | None = None
         self._finished: list[TrialRow] = []
-        self.trials = Buffer(pd.DataFrame({c: pd.Series(dtype="float64") for c in _COLUMNS}), length=100_000,
-                             index=False)
+        # The whole table on each update, not only the new rows (a study has tens to hundreds
+        # of trials): under a notebook cell, streamed rows reached the browser's plots
+        # unevenly (one plot of the same Buffer showed 5 trials, the other 3).
+        self._rows: list[tuple] = []
+        self.trials = Pipe(data=_table(self._rows))
         self.parallel = Pipe(data=[])
         fom = self.objective
         population = hv.DynamicMap(lambda data: hv.Scatter(data, "generation", ["fom", "trial"]),
@@ -53,13 +56,10 @@ class StudyPlots:
         self.population = population.opts(
             title=f"Population per generation ({fom})", width=WIDTH, height=HEIGHT, size=7, tools=["hover"],
             hooks=[_named("population")], xlabel="generation (trial batch for bayes/random)", ylabel=fom)
-        points = hv.DynamicMap(lambda data: hv.Scatter(data, "trial", ["fom", "generation"], label="mean over folds"),
-                               streams=[self.trials]).opts(size=6, tools=["hover"])
-        spread = hv.DynamicMap(lambda data: hv.Segments(data, ["trial", "low", "trial", "high"], label="fold spread"),
-                               streams=[self.trials]).opts(color="gray")
-        best = hv.DynamicMap(lambda data: hv.Curve(data, "trial", "best", label="best so far"),
-                             streams=[self.trials]).opts(color="black", line_width=2, interpolation="steps-post")
-        self.per_trial = (spread * points * best).opts(
+        # One map drawing the three layers (not three maps on one stream, multiplied):
+        # under a notebook cell only the first update of such a product reached the browser.
+        per_trial = hv.DynamicMap(_per_trial_layers, streams=[self.trials])
+        self.per_trial = per_trial.opts(
             title=f"{fom} per trial", width=WIDTH, height=HEIGHT, hooks=[_named("trials")], xlabel="trial",
             ylabel=fom, legend_position="top_right")
         coords = hv.DynamicMap(_parallel_element, streams=[self.parallel])
@@ -83,14 +83,34 @@ class StudyPlots:
             rows.append((t.number, generation, t.fom, t.fom - spread, t.fom + spread, self._best))
             self._finished.append(t)
         if rows:
-            self.trials.send(pd.DataFrame(rows, columns=_COLUMNS).astype("float64"))
+            self._rows += rows
+            self.trials.send(_table(self._rows))
             self.parallel.send(parallel_paths(self._finished, self.objective))
         return len(new)
 
 
+def _per_trial_layers(data: pd.DataFrame) -> hv.Overlay:
+    """Each trial's figure of merit, its spread over folds, and the best so far."""
+    spread = hv.Segments(data, ["trial", "low", "trial", "high"], label="fold spread").opts(color="gray")
+    points = hv.Scatter(data, "trial", ["fom", "generation"], label="mean over folds").opts(size=6, tools=["hover"])
+    best = hv.Curve(data, "trial", "best", label="best so far").opts(color="black", line_width=2,
+                                                                     interpolation="steps-post")
+    return spread * points * best
+
+
+def _table(rows: list[tuple]) -> pd.DataFrame:
+    return pd.DataFrame(rows, columns=_COLUMNS).astype("float64")
+
+
+# Before the first trial ends: one path of one blank point, no named ticks. HoloViews
+# can neither colour an empty Path by its value nor draw an empty list of ticks, and the
+# study's page, opened as the study starts, would fail to draw.
+NO_PATHS = [{"x": np.zeros(1), "y": np.full(1, np.nan), "fom": np.nan}]
+
+
 def _parallel_element(data: Any) -> hv.Path:
     paths, axes = data if data else ([], [])
-    return hv.Path(paths, ["x", "y"], ["fom"]).opts(xticks=list(enumerate(axes)))
+    return hv.Path(paths or NO_PATHS, ["x", "y"], ["fom"]).opts(xticks=list(enumerate(axes)) or None)
 
 
 def parallel_paths(trials: list[TrialRow], objective: str) -> tuple[list[dict[str, Any]], list[str]]:
