@@ -77,6 +77,8 @@ class Dialect(ABC):
     rowid: str  # the column that numbers `records` rows in the order they were stored
     errors: tuple[type[BaseException], ...]  # the driver's errors
     types: dict[str, str]  # the migrations' {placeholders}: column types, the records id
+    begin = "BEGIN"  # the statement that opens a write transaction
+    _conn: Any  # the driver's connection
     _depth = 0
 
     @abstractmethod
@@ -108,14 +110,14 @@ class Dialect(ABC):
         self._depth = 0
         self._commit()
 
-    @abstractmethod
-    def _begin(self) -> None: ...
+    def _begin(self) -> None:
+        self._conn.execute(self.begin)
 
-    @abstractmethod
-    def _commit(self) -> None: ...
+    def _commit(self) -> None:
+        self._conn.execute("COMMIT")
 
-    @abstractmethod
-    def _rollback(self) -> None: ...
+    def _rollback(self) -> None:
+        self._conn.execute("ROLLBACK")
 
     @abstractmethod
     def lock_study(self, study_id: str) -> None:
@@ -135,13 +137,16 @@ class Dialect(ABC):
     def after_version(self, version: int) -> None:
         """Anything else that should know the version (SQLite's user_version)."""
 
-    @abstractmethod
-    def close(self) -> None: ...
+    def close(self) -> None:
+        self._conn.close()
 
 
 class SQLiteDialect(Dialect):
     rowid = "rowid"
     types = {"real": "REAL", "big": "INTEGER", "record_id": "", "records_key": "run"}
+    # BEGIN IMMEDIATE takes the database's write lock at once: a transaction never
+    # starts reading and then finds another writer in its way.
+    begin = "BEGIN IMMEDIATE"
 
     def __init__(self, path: Path, *, create: bool):
         self.path = Path(path)
@@ -167,17 +172,6 @@ class SQLiteDialect(Dialect):
     def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> int:
         return self._conn.executemany(sql, rows).rowcount
 
-    # BEGIN IMMEDIATE takes the database's write lock at once: a transaction never
-    # starts reading and then finds another writer in its way.
-    def _begin(self) -> None:
-        self._conn.execute("BEGIN IMMEDIATE")
-
-    def _commit(self) -> None:
-        self._conn.execute("COMMIT")
-
-    def _rollback(self) -> None:
-        self._conn.execute("ROLLBACK")
-
     def lock_study(self, study_id: str) -> None:
         """BEGIN IMMEDIATE already holds the whole file's write lock."""
 
@@ -195,9 +189,6 @@ class SQLiteDialect(Dialect):
     def after_version(self, version: int) -> None:
         # Kept in step, so that an nbdist from before the version table refuses this store.
         self._conn.execute(f"PRAGMA user_version = {int(version)}")
-
-    def close(self) -> None:
-        self._conn.close()
 
 
 class PostgresDialect(Dialect):
@@ -234,15 +225,6 @@ class PostgresDialect(Dialect):
             cursor.executemany(self._translate(sql), list(rows))
             return cursor.rowcount
 
-    def _begin(self) -> None:
-        self._conn.execute("BEGIN")
-
-    def _commit(self) -> None:
-        self._conn.execute("COMMIT")
-
-    def _rollback(self) -> None:
-        self._conn.execute("ROLLBACK")
-
     def lock_study(self, study_id: str) -> None:
         self.execute("SELECT id FROM studies WHERE id = ? FOR UPDATE", (study_id,))
 
@@ -254,9 +236,6 @@ class PostgresDialect(Dialect):
         # not yet know of a table another process created while this one waited for the lock.
         return self.execute("SELECT 1 FROM information_schema.tables WHERE table_schema = current_schema() "
                             "AND table_name = ?", (name,)).fetchone() is not None
-
-    def close(self) -> None:
-        self._conn.close()
 
 
 def _first_line(exc: BaseException, url: str) -> str:
