@@ -10,27 +10,6 @@ from nbdist.options import Target
 
 __all__ = ["StopFlag", "EarlyStopping", "StopDecision", "catch_stop_signals_early", "stop_caught_early"]
 
-# A stop signal that reaches a rank while it is still starting (importing torch, building
-# its model) would kill it, since Python's default for SIGUSR1 and SIGTERM is to die: the
-# job then ended with no run and no checkpoint. `python -m nbdist` catches them from its
-# first line; the run's StopFlag takes the request over, and the run stops at its first
-# step boundary with a checkpoint, as it would have later.
-_CAUGHT_EARLY: list[str] = []
-
-
-def catch_stop_signals_early() -> None:
-    def handler(signum: int, _frame: object) -> None:
-        if not _CAUGHT_EARLY:
-            _CAUGHT_EARLY.append(f"stopped by {signal.Signals(signum).name}")
-
-    for sig in (signal.SIGUSR1, signal.SIGTERM):
-        signal.signal(sig, handler)
-
-
-def stop_caught_early() -> str:
-    """The stop request caught before the run's own handlers were installed ('' if none)."""
-    return _CAUGHT_EARLY[0] if _CAUGHT_EARLY else ""
-
 
 class StopFlag:
     """Set by SIGUSR1/SIGTERM (what `mpiexec` forwards, and what a notebook's job.stop()
@@ -52,8 +31,25 @@ class StopFlag:
 
         for sig in (signal.SIGUSR1, signal.SIGTERM):
             signal.signal(sig, handler)
-        if stop_caught_early():
-            self.request(stop_caught_early())
+        if _CAUGHT_EARLY.requested:
+            self.request(_CAUGHT_EARLY.reason)
+
+
+# A stop signal that reaches a rank while it is still starting (importing torch, building
+# its model) would kill it, since Python's default for SIGUSR1 and SIGTERM is to die: the
+# job then ended with no run and no checkpoint. `python -m nbdist` catches them from its
+# first line into this flag; the run's StopFlag takes the request over when it is
+# installed, and the run stops at its first step boundary with a checkpoint.
+_CAUGHT_EARLY = StopFlag()
+
+
+def catch_stop_signals_early() -> None:
+    _CAUGHT_EARLY.install()
+
+
+def stop_caught_early() -> str:
+    """The stop request caught before the run's own handlers were installed ('' if none)."""
+    return _CAUGHT_EARLY.reason
 
 
 @dataclass(slots=True)
