@@ -222,7 +222,7 @@ class StudyRunner:
                     self.store.record_trial(self.name, number, params=dict(params), state="running", owner=self.job)
                     self.requeue.append(Trial(number, dict(params), None))
                     number += 1
-        adopted, recovered = self._adopt_orphans()
+        recovered = self._adopt_orphans()
         also = f"; {len(others)} other job(s) run it too" if others else ""
         self.say(f"nbdist: resuming study {self.name}: {len(self.results)} trials finished, "
                  f"{len(recovered)} recovered from their runs, {len(self.requeue)} to train again{also}")
@@ -243,7 +243,7 @@ class StudyRunner:
         reached = {r["number"] for r in self.results if r.get("goal_reached")}
         self.results = [{**self._row(t), "goal_reached": t.number in reached} for t in rows if t.state != "running"]
 
-    def _adopt_orphans(self) -> tuple[list[Trial], list[tuple[Trial, TrialFinished]]]:
+    def _adopt_orphans(self) -> list[tuple[Trial, TrialFinished]]:
         """Take over the running trials whose job is gone: those to train again join the
         queue; those whose fold runs all completed are returned with their outcome."""
         with self.store.coordinate(self.name):
@@ -254,9 +254,8 @@ class StudyRunner:
         # A trial whose every fold run ended well before its job was cut off is not
         # trained again: its runs are in the store, with their final metrics.
         outcomes = [(t, self._recorded(t.number)) for t in claimed]
-        adopted = [t for t, finished in outcomes if finished is None]
-        self.requeue += adopted
-        return adopted, [(t, f) for t, f in outcomes if f is not None]
+        self.requeue += [t for t, finished in outcomes if finished is None]
+        return [(t, f) for t, f in outcomes if f is not None]
 
     def _recorded(self, number: int) -> TrialFinished | None:
         """A trial's outcome from its fold runs in the store, when all of them completed."""
@@ -376,8 +375,7 @@ class StudyRunner:
         """`_fill` for a study in a store, which other jobs may share: the budget counts
         every job's trials, and the points asked are recorded as this job's trials in the
         same transaction that saves the searcher that gave them."""
-        _, recovered = self._adopt_orphans()
-        for trial, finished in recovered:
+        for trial, finished in self._adopt_orphans():
             self._on_finished(_Running(trial, group=None), finished)
         starts: list[tuple[int, Trial]] = []
         with self.store.coordinate(self.name):
