@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import queue
+import re
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,3 +122,31 @@ def jet_sample(tmp_path_factory):
     sample = jet_images(out, **JET_SAMPLE)  # the files are there: nothing is generated
     assert sample.made == 0 and sample.reused == 8, sample
     return sample
+
+
+class OutputLines:
+    """A server process's standard output, read on a thread so that a wait for one line
+    has a deadline: every line is kept in `lines`, in order."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.lines: list[str] = []
+        self._queue: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [self._queue.put(line) or self.lines.append(line) for line in proc.stdout],
+                         daemon=True).start()
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match | None:
+        """The match of the first line (not yet waited past) that matches `pattern`; None
+        when none came within `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self._queue.get(timeout=max(deadline - time.monotonic(), 0.1))
+            except queue.Empty:
+                return None
+            match = re.search(pattern, line)
+            if match:
+                return match
+
+    @property
+    def text(self) -> str:
+        return "".join(self.lines)

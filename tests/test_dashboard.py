@@ -9,7 +9,6 @@ from __future__ import annotations
 import concurrent.futures
 import http.client
 import os
-import queue
 import re
 import signal
 import socket
@@ -32,7 +31,7 @@ from nbdist.dashboard.serve import free_port  # noqa: E402
 from nbdist.launch import mpi_env, mpiexec_command  # noqa: E402
 from nbdist.store import RunStore  # noqa: E402
 
-from conftest import ROOT, listening  # noqa: E402
+from conftest import ROOT, OutputLines, listening  # noqa: E402
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(600)]
 
@@ -56,20 +55,16 @@ class Server:
         self.proc = subprocess.Popen([sys.executable, "-m", "nbdist", *argv], cwd=ROOT, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True,
                                      env={**os.environ, **(env or {})})
-        lines: queue.Queue = queue.Queue()
-        threading.Thread(target=lambda: [lines.put(line) for line in self.proc.stdout], daemon=True).start()
-        self.output, deadline = "", time.monotonic() + timeout
-        while True:
-            try:
-                line = lines.get(timeout=max(deadline - time.monotonic(), 0.1))
-            except queue.Empty:
-                self.stop()
-                pytest.fail(f"the server printed no URL within {timeout} s:\n{self.output}")
-            self.output += line
-            match = re.search(r"nbdist: dashboard of .* at (http\S+)", line)
-            if match:
-                self.url = match.group(1)
-                return
+        self.lines = OutputLines(self.proc)
+        match = self.lines.wait_for(r"nbdist: dashboard of .* at (http\S+)", timeout)
+        if match is None:
+            self.stop()
+            pytest.fail(f"the server printed no URL within {timeout} s:\n{self.lines.text}")
+        self.url = match.group(1)
+
+    @property
+    def output(self) -> str:
+        return self.lines.text
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -12,14 +12,10 @@ from __future__ import annotations
 
 import json
 import os
-import queue
-import re
 import secrets
 import signal
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 from html.parser import HTMLParser
 from urllib.parse import urlparse
@@ -33,7 +29,7 @@ from nbdist.layout import Layout  # noqa: E402
 from nbdist.store import RunStore  # noqa: E402
 from nbdist.launch import mpi_env  # noqa: E402
 
-from conftest import ROOT  # noqa: E402
+from conftest import ROOT, OutputLines  # noqa: E402
 from test_dashboard import Server, _wait, browser  # noqa: E402,F401  (the same Chromium, server and waits)
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(300)]
@@ -123,19 +119,10 @@ class JupyterLab:
             cwd=directory, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             start_new_session=True)
         self.url = f"http://127.0.0.1:{port}"
-        lines: queue.Queue = queue.Queue()
-        self.log: list[str] = []
-        threading.Thread(target=lambda: [lines.put(line) or self.log.append(line) for line in self.proc.stdout],
-                         daemon=True).start()
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                line = lines.get(timeout=max(deadline - time.monotonic(), 0.1))
-            except queue.Empty:
-                self.stop()
-                pytest.fail(f"JupyterLab did not start within {timeout} s:\n{''.join(self.log)}")
-            if f"127.0.0.1:{port}/lab" in line:
-                return
+        self.output = OutputLines(self.proc)
+        if self.output.wait_for(rf"127\.0\.0\.1:{port}/lab", timeout) is None:
+            self.stop()
+            pytest.fail(f"JupyterLab did not start within {timeout} s:\n{self.output.text}")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -254,7 +241,7 @@ def test_dashboards_under_notebook_cells_draw_without_the_internet(tmp_path, bro
         for index in range(len(cells)):
             print(f"--- cell {index}:\n{page.evaluate(CELL_TEXT, index)}")
         print("--- points:", {name: offline.points(name) for name in ("throughput", "population", "trials")})
-        print("--- JupyterLab's log:\n" + "".join(lab.log[-200:]))
+        print("--- JupyterLab's log:\n" + "".join(lab.output.lines[-200:]))
         raise
     finally:
         release.touch()  # a study that is still running goes on to its end
