@@ -13,7 +13,8 @@ computation on this model is an embedding lookup plus zeroing and copying the fl
 buffers), to show what a worker's side costs on top.
 
 The master rank reports the steady-state time per update from its own metric records
-(one "update" record per update, the first fifth dropped as warm-up), its phase totals
+(one "update" record per update, `--trace-updates` as in earlier versions of this bench,
+the first fifth dropped as warm-up), its phase totals
 (wait / update / reply), and the memcpy reference measured in the same process just
 before and after the run.
 """
@@ -96,7 +97,7 @@ def measure(comm, params: int, optimizer: str, updates: int, workers: str, runs:
     options = TrainOptions(topology="master-worker", algorithm="downpour", workers=n_workers,
                            epochs=epochs, batch_size=1, sync_every=1, master_optimizer=optimizer,
                            validate_every=10**6, runs_dir=runs, checkpoint_every=0,
-                           quiet=True)
+                           quiet=True, trace_updates=True)
     ctx = prepare(options, definition(params, n_workers * steps), comm, StopFlag())
     assert ctx.backend.params.size == params
     try:

@@ -141,9 +141,11 @@ class Job:
     @property
     def history(self) -> Any:
         """Every metric record so far, one row each, as a pandas DataFrame (values flattened
-        into columns): kind 'train' (per rank, a few per second), 'update' (the master's,
-        with staleness), 'epoch' (the run's, with validation), 'val' (--validate-every-samples:
-        a validation after samples_seen samples), 'phase' and 'run'."""
+        into columns): kind 'train' (per rank, a few per second), 'updates' (the master's,
+        per half second: how many updates it applied per worker rank and their staleness
+        histogram; one 'update' record per update with --trace-updates), 'epoch' (the
+        run's, with validation), 'val' (--validate-every-samples: a validation after
+        samples_seen samples), 'phase' and 'run'."""
         import pandas as pd
 
         rows = [{**{k: v for k, v in r.items() if k != "values"}, **r["values"]} for r in self.records]
@@ -151,6 +153,16 @@ class Job:
         if not frame.empty:
             frame = frame.sort_values("time", kind="stable").reset_index(drop=True)
         return frame
+
+    @property
+    def staleness(self) -> Any:
+        """The staleness of the updates the master applied, per worker rank (a DataFrame:
+        rank, updates, mean, min, max; empty for allreduce, which has no master)."""
+        import pandas as pd
+
+        from nbdist.metrics import staleness_by_rank
+
+        return pd.DataFrame(staleness_by_rank(self.records), columns=["rank", "updates", "mean", "min", "max"])
 
     @property
     def epochs(self) -> Any:
@@ -291,9 +303,8 @@ class Job:
         run ended. A store that fails is reported on the job and never stops the training."""
         if self.store is None or self.store_error is not None:
             return
-        records = self.live.records
         try:
-            new, self._stored = records[self._stored:], len(records)
+            new, self._stored = self.live.since(self._stored)
             by_run: dict[str, list[dict[str, Any]]] = {}
             for record in new:
                 by_run.setdefault(record["run"], []).append(record)

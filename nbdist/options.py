@@ -108,6 +108,10 @@ class TrainOptions:
     threads: int = _opt(1, "framework threads per rank (torch, TensorFlow)")
     bucket_mb: float = _opt(2.0, "allreduce bucket size in MB (gradients reduced while backward runs)")
     quiet: bool = _opt(False, "print only the final summary")
+    trace_updates: bool = _opt(False, "also record every update the master applies (source rank, staleness, "
+                                      "version) in the run's log; by default a master records one summary per "
+                                      "half second (counts and staleness histogram per worker), so a run's "
+                                      "records stay few whatever its update rate")
     # -- data in files (instead of the model's load_data) --------------------------------
     train: str | None = _opt(None, "training data: HDF5 files, comma-separated paths or globs, "
                                    "e.g. 'data/jets/train_*.h5' (replaces the model's load_data)")

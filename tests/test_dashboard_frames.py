@@ -51,6 +51,30 @@ def test_staleness_points_per_worker_and_the_distribution():
     assert {(r, s): c for r, s, c in more.staleness_counts.values.tolist()}[(1, 2)] == 2
 
 
+def test_a_masters_update_summaries_draw_what_its_single_updates_draw():
+    """The 'updates' record a master sends per interval (UpdateSummary) gives the dashboard
+    the same per-worker points and distribution as one 'update' record per update."""
+    from nbdist.metrics import UpdateSummary
+
+    applied = [(1 + i % 3, (i * 7) % 4) for i in range(30)]  # (source rank, staleness)
+    singles = [_rec("update", 0, 1.0, role="master", source_rank=r, staleness=s) for r, s in applied]
+    summary = UpdateSummary()
+    for version, (rank, staleness) in enumerate(applied, start=1):
+        summary.add(rank, staleness, version)
+    values = summary.take(len(applied))
+    assert (values["updates"], values["first_version"], values["version"]) == (30, 1, 30)
+    assert values["staleness_max"] == 3 and summary.take(31) is None  # taken: a fresh interval
+    from_singles = RunFrames("master-worker", t0=0.0).ingest(singles)
+    from_summary = RunFrames("master-worker", t0=0.0).ingest([_rec("updates", 0, 1.0, role="master", **values)])
+    for rank in (1, 2, 3):
+        assert from_summary.staleness[rank].values.ravel().tolist() == pytest.approx(
+            from_singles.staleness[rank].values.ravel().tolist())
+    assert from_summary.staleness_counts.values.tolist() == from_singles.staleness_counts.values.tolist()
+    assert from_summary.staleness_mean.values.ravel().tolist() == pytest.approx(
+        from_singles.staleness_mean.values.ravel().tolist())
+    assert from_summary.staleness_mean["staleness"].iloc[0] == pytest.approx(values["staleness_mean"])
+
+
 def test_timeline_segments_tile_each_interval_by_phase():
     frames = RunFrames("master-worker", t0=0.0)
     frames.ingest([_rec("train", 1, 1.0, samples=1, samples_per_s=1, compute_s=0.5, send_s=0.1, wait_s=0.2)])

@@ -41,14 +41,15 @@ ACCURACY = 0.90
 EPOCHS = 12
 MOMENTUM_MASTER = "sgd(lr=0.1, momentum=0.9)"
 EVERY_SAMPLES = 400
-ACCURACY_RUNS = {
+# Every update recorded (--trace-updates): the tests read which client each master served.
+ACCURACY_RUNS = {name: [*argv, "--trace-updates"] for name, argv in {
     # Also validates every N samples (test_the_top_master_validates_every_n_samples).
     "downpour": ["--algorithm", "downpour", "--validate-every-samples", str(EVERY_SAMPLES)],
     "downpour-sync": ["--algorithm", "downpour", "--synchronous", "--master-optimizer", MOMENTUM_MASTER],
     "easgd": ["--algorithm", "easgd"],
     "easgd-sync": ["--algorithm", "easgd", "--synchronous"],
     "adag": ["--algorithm", "adag"],
-}
+}.items()}
 STOP_EPOCHS = 300
 RESUMED_EPOCHS = 16
 RESUME = ["--algorithm", "downpour", "--synchronous", "--master-optimizer", MOMENTUM_MASTER]

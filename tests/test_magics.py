@@ -97,7 +97,12 @@ def test_train_each_topology_from_a_cell(cluster, shell, tmp_path, options, thre
         stored, _ = store.records(job.run_id)
         assert sorted((r["rank"], r["time"], r["kind"]) for r in stored) == logged
     if "master-worker" in options:
-        assert "staleness" in history.columns
+        # The master's update summaries: every worker served, and every update counted.
+        staleness = job.staleness
+        assert list(staleness["rank"]) == [1, 2, 3] and (staleness["updates"] > 0).all(), staleness
+        summaries = history[history["kind"] == "updates"]
+        per_version = 3 if "--synchronous" in options else 1  # a synchronous round: one version
+        assert staleness["updates"].sum() == summaries["updates"].sum() == per_version * summaries["version"].max()
     assert shell.run_line_magic("distnn", "last") is job
 
 

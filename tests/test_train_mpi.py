@@ -51,15 +51,17 @@ BATCH = 32  # the default --batch-size
 # cheaper than runs of their own, and they show that it leaves training as it was.
 EVERY_SAMPLES = 400
 SAMPLED = ["--validate-every-samples", str(EVERY_SAMPLES)]
+# The master/worker runs record every update (the staleness tests read the order of service).
+TRACE = ["--trace-updates"]
 ACCURACY_RUNS = {
     # Downpour's default master optimizer is plain sgd: asynchronous pushes already act as
     # momentum. A synchronous round is one big-batch step, which wants momentum back.
-    "downpour": ["--algorithm", "downpour", *SAMPLED],
-    "downpour-sync": ["--algorithm", "downpour", "--synchronous", "--master-optimizer", MOMENTUM_MASTER],
-    "easgd": ["--algorithm", "easgd"],
-    "easgd-sync": ["--algorithm", "easgd", "--synchronous"],
-    "gem": ["--algorithm", "gem(lr=0.05, momentum=0.9, kappa=1.0)"],
-    "adag": ["--algorithm", "adag"],
+    "downpour": ["--algorithm", "downpour", *SAMPLED, *TRACE],
+    "downpour-sync": ["--algorithm", "downpour", "--synchronous", "--master-optimizer", MOMENTUM_MASTER, *TRACE],
+    "easgd": ["--algorithm", "easgd", *TRACE],
+    "easgd-sync": ["--algorithm", "easgd", "--synchronous", *TRACE],
+    "gem": ["--algorithm", "gem(lr=0.05, momentum=0.9, kappa=1.0)", *TRACE],
+    "adag": ["--algorithm", "adag", *TRACE],
     "allreduce": ["--topology", "allreduce", *SAMPLED],
 }
 # Extra runs in the same jobs: {ranks: {name: argv after `train`}}.
@@ -75,7 +77,7 @@ EXTRA_RUNS = {
     },
     5: {
         # 1 master + 2 workers of 2 processes each.
-        "procs-per-worker-2": ["--model", MLP, "--epochs", str(EPOCHS), "--procs-per-worker", "2"],
+        "procs-per-worker-2": ["--model", MLP, "--epochs", str(EPOCHS), "--procs-per-worker", "2", *TRACE],
     },
 }
 
@@ -290,6 +292,20 @@ def test_asynchronous_updates_are_stale_and_every_worker_is_served(batches, name
     # The epoch records carry the staleness summary.
     history = batches[5].summary(name)["history"]
     assert max(h["staleness_max"] for h in history) == max(staleness)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", ["downpour", "easgd-sync"])
+def test_the_masters_update_summaries_count_every_traced_update(batches, name):
+    """The 'updates' summary of each interval holds exactly the updates traced in it."""
+    run = batches[5].run(name)
+    traced = Counter((u["source_rank"], u["staleness"]) for u in _updates(run))
+    summaries = [r["values"] for r in read_log(run, "updates")]
+    summed = Counter()
+    for v in summaries:
+        summed.update({(rank, s): c for rank, s, c in v["histogram"]})
+    assert summed == traced
+    assert summaries[-1]["version"] == max(u["version"] for u in _updates(run))
 
 
 @pytest.mark.timeout(900)

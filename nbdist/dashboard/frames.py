@@ -15,6 +15,8 @@ from typing import Any
 
 import pandas as pd
 
+from nbdist.metrics.updates import staleness_entries
+
 __all__ = ["RunFrames", "Frames", "PHASES", "phase_parts"]
 
 PHASES = ("compute", "communicate", "wait")
@@ -92,7 +94,7 @@ class RunFrames:
         if self.t0 is None and records:
             self.t0 = min(r["time"] for r in records)
         self._train(by_kind["train"], out)
-        self._updates(by_kind["update"], out)
+        self._updates(by_kind["updates"] + by_kind["update"], out)
         self._masters(by_kind["phase"], out)
         self._epochs(by_kind["epoch"], out)
         self._validations(by_kind["val"], out)
@@ -152,27 +154,25 @@ class RunFrames:
         self._add_segments(out, segments)
 
     def _updates(self, records: list[dict[str, Any]], out: Frames) -> None:
-        """The master's per-update records, thousands a second: one point per worker per
-        batch of records (mean and max), and the counts for the distribution."""
-        if not records:
-            return
-        per_rank: dict[int, list[tuple[float, int]]] = defaultdict(list)
+        """The masters' 'updates' summaries (per half second: updates and staleness per
+        source rank) and, with --trace-updates, their single 'update' records: one point
+        per worker per batch of records (mean and max), and the counts for the distribution."""
+        per_rank: dict[int, list[tuple[float, int, int]]] = defaultdict(list)  # t, staleness, updates
         for r in records:
-            v = r["values"]
-            if v.get("staleness") is None:
-                continue
-            source = int(v.get("source_rank", r["rank"]))
-            per_rank[source].append((self._t(r["time"]), int(v["staleness"])))
-            self._staleness[(source, int(v["staleness"]))] += 1
+            t = self._t(r["time"])
+            for source, staleness, count in staleness_entries(r):
+                per_rank[source].append((t, staleness, count))
+                self._staleness[(source, staleness)] += count
+        if not per_rank:
+            return
         out.staleness = {
-            rank: pd.DataFrame([(pts[-1][0], sum(s for _, s in pts) / len(pts), max(s for _, s in pts))],
+            rank: pd.DataFrame([(max(t for t, _, _ in pts), _mean_staleness(pts), max(s for _, s, _ in pts))],
                                columns=["t", "staleness", "max"])
             for rank, pts in per_rank.items()
         }
-        every = [s for pts in per_rank.values() for _, s in pts]
-        if every:
-            last = max(pts[-1][0] for pts in per_rank.values())
-            out.staleness_mean = pd.DataFrame([(last, sum(every) / len(every))], columns=["t", "staleness"])
+        every = [p for pts in per_rank.values() for p in pts]
+        out.staleness_mean = pd.DataFrame([(max(t for t, _, _ in every), _mean_staleness(every))],
+                                          columns=["t", "staleness"])
         out.staleness_counts = pd.DataFrame(
             [(rank, value, count) for (rank, value), count in sorted(self._staleness.items())],
             columns=["rank", "staleness", "count"])
@@ -238,3 +238,8 @@ class RunFrames:
 
 # The keys of a 'train' record that are not its metric.
 _TRAIN_KEYS = {"samples", "samples_per_s", "loss", "compute_s", "send_s", "wait_s", "update_s", "version"}
+
+
+def _mean_staleness(points: list[tuple[float, int, int]]) -> float:
+    """The mean staleness of (t, staleness, updates) points, each weighted by its updates."""
+    return sum(s * n for _, s, n in points) / sum(n for _, _, n in points)

@@ -60,8 +60,8 @@ class StoreSource:
 
 
 class JobSource:
-    """A notebook Job's records as they stream in (the Job keeps them all; this remembers
-    how far it has read)."""
+    """A notebook Job's records as they stream in (the Job keeps them; this remembers how
+    far it has read)."""
 
     def __init__(self, job: Any):
         self.job = job
@@ -76,8 +76,8 @@ class JobSource:
                        self.job.started, None)
 
     def poll(self) -> list[dict[str, Any]]:
-        records = self.job.records
-        new, self._read = records[self._read:], len(records)
+        self.job.live.poll()
+        new, self._read = self.job.live.since(self._read)
         return new
 
     def close(self) -> None:

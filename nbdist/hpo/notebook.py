@@ -66,12 +66,13 @@ class EngineGroups(TrialExecutor):
         while True:
             events: list[EpochReport | TrialFinished] = []
             for group, (job, trial, read) in list(self.jobs.items()):
-                records = job.records
-                for record in records[read:]:
+                job.live.poll()
+                records, read = job.live.since(read)
+                for record in records:
                     tagged = fold_of_run(record["run"]) if record["kind"] == "epoch" else None
                     if tagged is not None:
                         events.append(EpochReport(trial.number, tagged[1], record["epoch"], record["values"]))
-                self.jobs[group] = (job, trial, len(records))
+                self.jobs[group] = (job, trial, read)
                 if job.done:
                     del self.jobs[group]
                     events.append(TrialFinished(trial.number, self._folds(group, job)))

@@ -52,6 +52,7 @@ from mpi4py import MPI
 from nbdist.algorithms.base import Update
 from nbdist.backends.base import BatchStats
 from nbdist.errors import TrainingError
+from nbdist.metrics.updates import UpdateSummary
 from nbdist.topology.membership import EpochMembers
 from nbdist.train.context import RankContext
 from nbdist.train.lr import lr_metrics, master_lr_for
@@ -155,6 +156,7 @@ class Master:
     samples_seen: int = 0
     sampled: SampledValidation | None = None  # --validate-every-samples, at the top (or only) master
     phases: dict = field(default_factory=lambda: {"wait": 0.0, "update": 0.0, "reply": 0.0, "validate": 0.0})
+    updates: UpdateSummary = field(default_factory=UpdateSummary)  # since the last 'updates' record
 
     # -- decisions a sub-master takes differently ---------------------------------------
     def begin_stop(self, reason: str) -> None:
@@ -422,9 +424,18 @@ def serve(me: Master) -> float:
         _validate_by_samples(me)
         if time.monotonic() - last_report >= REPORT_EVERY:
             ctx.log.emit("phase", dict(me.phases), step=me.version, epoch=me.next_epoch)
+            _report_updates(me)
             last_report = time.monotonic()
         commit_ready_checkpoints(me)
+    _report_updates(me)
     return started
+
+
+def _report_updates(me: Master) -> None:
+    """The 'updates' record of the interval that ends now (none when nothing was applied)."""
+    values = me.updates.take(me.version)
+    if values is not None:
+        me.ctx.log.emit("updates", values, step=me.version, epoch=me.next_epoch)
 
 
 def _wait_for_clients(me: Master) -> list[int]:
@@ -565,9 +576,11 @@ def _apply_updates(me: Master, updates: list[tuple[int, Update]]) -> list[tuple[
             client = me.clients[i]
             epoch = int(client.inbox.header[m.EPOCH])
             me.tallies.setdefault(epoch, EpochTally()).add_staleness(u.staleness)
-            who = {"worker": client.index} if client.kind == WORKER else {"sub_master": client.index}
-            ctx.log.emit("update", {**who, "source_rank": client.world_rank, "staleness": u.staleness,
-                                    "version": me.version}, step=me.version, epoch=epoch)
+            me.updates.add(client.world_rank, u.staleness, me.version)
+            if ctx.options.trace_updates:
+                who = {"worker": client.index} if client.kind == WORKER else {"sub_master": client.index}
+                ctx.log.emit("update", {**who, "source_rank": client.world_rank, "staleness": u.staleness,
+                                        "version": me.version}, step=me.version, epoch=epoch)
     return replies
 
 
