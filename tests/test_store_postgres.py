@@ -86,6 +86,53 @@ def test_a_run_written_to_postgres_reads_back(database):
         assert [r.id for r in store.runs(study=None)] == ["r1"]
 
 
+def _terminate_others(database: str) -> int:
+    """pg_terminate_backend() every other connection to the database, as an
+    administrator does; returns how many there were."""
+    import psycopg
+
+    with psycopg.connect(database, autocommit=True) as admin:
+        return len(admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = "
+                                 "current_database() AND pid <> pg_backend_pid()").fetchall())
+
+
+def test_a_lost_connection_is_made_again_and_a_cut_write_is_reported(postgres, database, monkeypatch):
+    from nbdist.dashboard.sources import StoreSource
+    from nbdist.store import dialects
+
+    with RunStore(database) as store:
+        store.begin_run("r", run_dir=None, options={}, layout={})
+        store.add_records([_record("r", 0, i) for i in range(3)])
+        source = StoreSource(database, "r")  # the dashboard's reader, on its own connection
+        assert len(source.poll()) == 3
+        assert _terminate_others(database) == 2
+        # Both found their connection gone at their next statement: connected again, went on.
+        assert store.add_records([_record("r", 0, i) for i in range(3, 6)]) == 3
+        assert [r["seq"] for r in source.poll()] == [3, 4, 5]
+        # Cut in the middle of a write transaction: reported, not replayed; the next one works.
+        with pytest.raises(StoreError) as caught:
+            with store.coordinate("s"):
+                store.add_records([_record("r", 0, 6)])
+                _terminate_others(database)
+                store.add_records([_record("r", 0, 7)])
+        message = str(caught.value)
+        assert message.startswith(f"the connection to the run store {database.replace(PASSWORD, '***')} was lost "
+                                  f"during a write (") and "the write was not repeated" in message, message
+        assert [r["seq"] for r in store.records("r")[0]] == [0, 1, 2, 3, 4, 5]  # nothing of it was written
+        assert store.add_records([_record("r", 0, i) for i in (6, 7)]) == 2
+        # The server restarts: a reader waits for it (within RECONNECT_SECONDS), or says so.
+        monkeypatch.setattr(dialects, "RECONNECT_SECONDS", 1.0)
+        postgres.halt()
+        try:
+            with pytest.raises(StoreError) as caught:
+                source.poll()
+            assert "was lost (" in str(caught.value) and "could not be made again in 1 s: " in str(caught.value)
+        finally:
+            postgres.start()
+        assert [r["seq"] for r in source.poll()] == [6, 7] and store.run("r").status == "running"
+        source.close()
+
+
 def test_credentials_from_libpq_environment_and_never_shown(postgres, database, monkeypatch):
     bare = database.replace(f":{PASSWORD}@", "@")
     monkeypatch.setenv("PGPASSWORD", PASSWORD)
@@ -147,9 +194,10 @@ def test_the_command_line_says_what_is_wrong_with_a_store_in_one_line(tmp_path, 
     [line] = [line for line in bad.output.splitlines() if line.strip()]
     assert "--store mysql://me:***@db/nbdist: unknown scheme 'mysql'" in line and "postgresql://USER@HOST" in line
     # An empty database is no store: the dashboard says so (and not the password).
-    empty = pyrun(["-m", "nbdist", "dashboard", "--store", database, "--export", str(tmp_path / "x.html")])
-    assert empty.returncode != 0 and "Traceback" not in empty.output and PASSWORD not in empty.output
-    assert f"no run store at {database.replace(PASSWORD, '***')} (it has no nbdist tables yet)" in empty.output
+    for how in (["--export", str(tmp_path / "x.html")], ["--port", "0"]):  # exported, or served
+        empty = pyrun(["-m", "nbdist", "dashboard", "--store", database, *how])
+        assert empty.returncode != 0 and "Traceback" not in empty.output and PASSWORD not in empty.output
+        assert f"no run store at {database.replace(PASSWORD, '***')} (it has no nbdist tables yet)" in empty.output
 
 
 def test_a_sqlite_url_is_the_file(tmp_path):
