@@ -133,6 +133,45 @@ def test_a_lost_connection_is_made_again_and_a_cut_write_is_reported(postgres, d
         source.close()
 
 
+def test_a_run_recorder_cut_in_the_middle_of_a_write_sends_its_records_again(tmp_path, database, capfd):
+    """The batch run leader's recorder: its connection is ended while its INSERT waits
+    on a lock (so, inside the write): it says so, and the records go with its next pass."""
+    import json
+
+    import psycopg
+
+    from nbdist.store import RunRecorder
+
+    log = tmp_path / "run" / "metrics" / "rank-00000.jsonl"
+    log.parent.mkdir(parents=True)
+
+    def append(seqs):
+        with open(log, "a") as fh:
+            fh.writelines(json.dumps(_record("run", 0, i)) + "\n" for i in seqs)
+
+    recorder = RunRecorder(database, "run", tmp_path / "run", options={}, layout={}, every=0.1)
+    with RunStore(database) as store, psycopg.connect(database, autocommit=True) as admin:
+        append(range(3))
+        deadline = time.monotonic() + 30
+        while len(store.records("run")[0]) < 3:
+            assert time.monotonic() < deadline, "the recorder never wrote"
+            time.sleep(0.05)
+        with admin.transaction():  # inserts wait until it ends
+            admin.execute("LOCK TABLE records IN EXCLUSIVE MODE")
+            append(range(3, 6))
+            waiting = []
+            while not waiting:
+                assert time.monotonic() < deadline, "the recorder's write never waited on the lock"
+                waiting = admin.execute("SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND "
+                                        "datname = current_database()").fetchall()
+                time.sleep(0.05)
+            admin.execute("SELECT pg_terminate_backend(%s)", waiting[0])
+        recorder.finish("completed")
+        assert [r["seq"] for r in store.records("run")[0]] == list(range(6))
+        assert store.run("run").status == "completed"
+    assert "was lost during a write" in capfd.readouterr().err
+
+
 def test_credentials_from_libpq_environment_and_never_shown(postgres, database, monkeypatch):
     bare = database.replace(f":{PASSWORD}@", "@")
     monkeypatch.setenv("PGPASSWORD", PASSWORD)
