@@ -63,7 +63,19 @@ class Server:
         pidfile = self.data / "postmaster.pid"
         return int(pidfile.read_text().split()[0]) if pidfile.exists() else None
 
-    def stop(self) -> None:
+    def start(self) -> None:
+        """Start the server on its data directory (again) and wait until it answers."""
+        log = self.root / "server.log"
+        options = f"-p {self.port} -k {self.root / 'sockets'} -c listen_addresses=127.0.0.1 -c fsync=off"
+        started = subprocess.run(
+            [*self.as_user, str(self.bin / "pg_ctl"), "-D", str(self.data), "-l", str(log), "-w",
+             "-t", str(START_SECONDS), "-o", options, "start"], capture_output=True, text=True,
+            timeout=START_SECONDS + 30)
+        assert started.returncode == 0, started.stdout + started.stderr + (log.read_text() if log.exists() else "")
+        _wait_ready(self)
+
+    def halt(self) -> None:
+        """Stop the server, keeping its data (start() brings it back), and wait it out."""
         pid = self.pid()
         subprocess.run([*self.as_user, str(self.bin / "pg_ctl"), "-D", str(self.data), "stop", "-m", "fast",
                         "-w", "-t", "30"], capture_output=True, text=True, timeout=60)
@@ -72,6 +84,9 @@ class Server:
             while _alive(pid):
                 assert time.monotonic() < deadline, f"the PostgreSQL server (pid {pid}) did not stop"
                 time.sleep(0.1)
+
+    def stop(self) -> None:
+        self.halt()
         shutil.rmtree(self.root, ignore_errors=True)
 
 
@@ -119,15 +134,8 @@ def start() -> Server:
                           capture_output=True, text=True, timeout=120)
     assert made.returncode == 0, made.stdout + made.stderr
     subprocess.run([*as_user, "mkdir", str(sockets)], check=True, timeout=30)
-    port = _free_port()
-    server = Server(port, root, data, binaries, as_user)
-    started = subprocess.run(
-        [*as_user, str(binaries / "pg_ctl"), "-D", str(data), "-l", str(root / "server.log"), "-w",
-         "-t", str(START_SECONDS), "-o", f"-p {port} -k {sockets} -c listen_addresses=127.0.0.1 -c fsync=off",
-         "start"], capture_output=True, text=True, timeout=START_SECONDS + 30)
-    log = root / "server.log"
-    assert started.returncode == 0, started.stdout + started.stderr + (log.read_text() if log.exists() else "")
-    _wait_ready(server)
+    server = Server(_free_port(), root, data, binaries, as_user)
+    server.start()
     return server
 
 

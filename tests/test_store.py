@@ -110,6 +110,15 @@ def _store_rows(tmp_path) -> list[tuple]:
         return conn.execute("SELECT run, rank, seq, kind, time FROM records").fetchall()
 
 
+def _rows_so_far(tmp_path) -> list[tuple]:
+    """The store's records while a job may still be creating it (no file, or a file
+    without its tables yet, or locked while they are made: none so far)."""
+    try:
+        return _store_rows(tmp_path) if (tmp_path / "nbdist.db").exists() else []
+    except sqlite3.OperationalError:
+        return []
+
+
 @pytest.mark.mpi
 @pytest.mark.timeout(300)
 def test_a_batch_run_lands_complete_in_the_store(tmp_path):
@@ -154,7 +163,7 @@ def test_a_killed_batch_run_is_marked_killed(tmp_path):
     job = _start_batch(tmp_path, "--epochs", "100000", "--topology", "allreduce")
     try:
         deadline = time.monotonic() + 180
-        while not any(r[3] == "train" for r in (_store_rows(tmp_path) if (tmp_path / "nbdist.db").exists() else [])):
+        while not any(r[3] == "train" for r in _rows_so_far(tmp_path)):
             assert job.poll() is None, job.communicate()[0]
             assert time.monotonic() < deadline, "the run never reached the store"
             time.sleep(0.2)

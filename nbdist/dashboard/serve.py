@@ -58,12 +58,13 @@ def serve(store: str | Path, *, address: str = "127.0.0.1", port: int = 5006, pr
     import panel as pn
 
     from nbdist.dashboard.app import dashboard
-    from nbdist.store import RunStore, store_label
+    from nbdist.store import RunStore, is_url, store_label
 
-    if not create:
-        existing_store(store)
-    # An unreadable store is an error now, not on every page.
-    with RunStore(store) as opened:
+    if not create and not is_url(store):
+        existing_store(store)  # a mistyped path is named, not created
+    # An unreadable store (a database without nbdist's tables too) is an error now, not on
+    # every page; one connection says it.
+    with RunStore(store, create=create) as opened:
         empty = not opened.runs()
     token = dashboard_token() if token is None else token
     try:

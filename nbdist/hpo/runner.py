@@ -21,6 +21,10 @@ saves it, and writes the trial rows it hands out under its own job name, all in 
 transaction, so two jobs never get the same trial. A running trial whose job is gone
 (killed, or ended without finishing it) is taken over by the next coordinator that
 looks, once (`claim_trial`); `--resume-study` joins a study that other jobs still run.
+A job with free groups and nothing to start keeps watching the study while other jobs'
+trials run, so that it takes over those of a job that dies; its wait ends when every
+trial is finished or adopted, and a job that stops beating is gone after STALE_SECONDS.
+A trial that reaches --goal says so in its row, which stops every job of the study.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ __all__ = ["TrialExecutor", "EpochReport", "TrialFinished", "FoldOutcome", "Stud
 
 POLL_SECONDS = 0.2
 HEARTBEAT_SECONDS = 5.0  # a shared study's coordinator says it is alive this often
+WATCH_SECONDS = 1.0  # a shared study's job with nothing to start looks at the study this often
 
 
 class StudyError(UserError):
@@ -177,6 +182,8 @@ class StudyRunner:
         # This coordinator's name among the study's jobs: the trials it trains carry it.
         self.job = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._beat = time.monotonic()
+        self._look_after = 0.0  # a shared study's job with nothing to start looks again then
+        self._watching = False  # a shared study has trials running (here or in other jobs)
         self.results: list[dict[str, Any]] = []  # finished trials, in the order they finished
         self.requeue: list[Trial] = []  # trials to train again (a resumed study's unfinished ones)
         self.next_number = 0
@@ -222,7 +229,7 @@ class StudyRunner:
                     self.store.record_trial(self.name, number, params=dict(params), state="running", owner=self.job)
                     self.requeue.append(Trial(number, dict(params), None))
                     number += 1
-        recovered = self._adopt_orphans()
+            recovered = self._adopt_orphans()
         also = f"; {len(others)} other job(s) run it too" if others else ""
         self.say(f"nbdist: resuming study {self.name}: {len(self.results)} trials finished, "
                  f"{len(recovered)} recovered from their runs, {len(self.requeue)} to train again{also}")
@@ -239,18 +246,20 @@ class StudyRunner:
             self.pruner.load_state(state.get("pruner", []))
 
     def _refresh_results(self, rows: list[Any]) -> None:
-        """The study's finished trials, whichever job trained them."""
-        reached = {r["number"] for r in self.results if r.get("goal_reached")}
-        self.results = [{**self._row(t), "goal_reached": t.number in reached} for t in rows if t.state != "running"]
+        """The study's finished trials, whichever job trained them (and reached the goal)."""
+        self.results = [{**self._row(t), "goal_reached": t.goal_reached} for t in rows if t.state != "running"]
 
     def _adopt_orphans(self) -> list[tuple[Trial, TrialFinished]]:
-        """Take over the running trials whose job is gone: those to train again join the
-        queue; those whose fold runs all completed are returned with their outcome."""
-        with self.store.coordinate(self.name):
-            live = self.store.live_jobs(self.name)
-            claimed = [Trial(t.number, t.params, t.generation) for t in self.store.trials(self.name)
-                       if t.state == "running" and t.owner not in live
-                       and self.store.claim_trial(self.name, t.number, self.job, t.owner)]
+        """Inside the study's lock: take over the running trials whose job is gone: those
+        to train again join the queue; those whose fold runs all completed are returned
+        with their outcome."""
+        live = self.store.live_jobs(self.name)
+        claimed = [Trial(t.number, t.params, t.generation) for t in self.store.trials(self.name)
+                   if t.state == "running" and t.owner not in live
+                   and self.store.claim_trial(self.name, t.number, self.job, t.owner)]
+        if claimed:
+            self.say(f"nbdist: trial(s) {', '.join(str(t.number) for t in claimed)} of a job that is gone: "
+                     f"taken over here")
         # A trial whose every fold run ended well before its job was cut off is not
         # trained again: its runs are in the store, with their final metrics.
         outcomes = [(t, self._recorded(t.number)) for t in claimed]
@@ -299,7 +308,12 @@ class StudyRunner:
                 if not reason:
                     self._fill(free, running)
                 if not running:
-                    reason = reason or self._stop_reason() or self._idle_reason()
+                    reason = reason or self._stop_reason()
+                    if not reason and self._others_train():
+                        self._heartbeat()
+                        time.sleep(POLL_SECONDS)
+                        continue
+                    reason = reason or self._idle_reason()
                     break
                 self._heartbeat()
                 for event in self.executor.poll(POLL_SECONDS):
@@ -308,6 +322,7 @@ class StudyRunner:
                     else:
                         slot = running.pop(event.number)
                         free.append(slot.group)
+                        self._look_after = 0.0
                         self._on_finished(slot, event)
         finally:
             self.executor.close()
@@ -326,11 +341,15 @@ class StudyRunner:
         end the study; they stay unfinished, so that --resume-study trains them again."""
         self.stopping = reason
 
+    def _others_train(self) -> bool:
+        """A shared study with nothing to start here still has trials running in other
+        jobs: this one watches, to take over those of a job that dies, or to train what
+        their results let the searcher ask next."""
+        return self.store is not None and not self.stopping and self._watching
+
     def _idle_reason(self) -> str:
         if self.searcher.exhausted:
             return "the searcher has no more points"
-        if self.store is not None and len(self.results) < self.study.trials:
-            return "no trial left to start here: the study's other jobs train the rest"
         return f"{len(self.results)} trials done"
 
     def _heartbeat(self) -> None:
@@ -339,7 +358,7 @@ class StudyRunner:
             self.store.study_heartbeat(self.name, self.job)
 
     def _stop_reason(self) -> str:
-        if self.goal is not None and any(r.get("goal_reached") for r in self.results):
+        if self.goal is not None and any(r["goal_reached"] for r in self.results):
             return f"goal {self.goal} reached"
         if len(self.results) >= self.study.trials:
             return f"{self.study.trials} trials done"
@@ -374,33 +393,40 @@ class StudyRunner:
     def _fill_shared(self, free: list[int], running: dict[int, _Running]) -> None:
         """`_fill` for a study in a store, which other jobs may share: the budget counts
         every job's trials, and the points asked are recorded as this job's trials in the
-        same transaction that saves the searcher that gave them."""
-        for trial, finished in self._adopt_orphans():
-            self._on_finished(_Running(trial, group=None), finished)
+        same transaction that saves the searcher that gave them (and that adopts the
+        trials of jobs that are gone). With nothing to start, it looks again after
+        WATCH_SECONDS or as soon as one of its trials ends."""
+        if time.monotonic() < self._look_after:
+            return
         starts: list[tuple[int, Trial]] = []
         with self.store.coordinate(self.name):
+            recovered = self._adopt_orphans()
             rows = self.store.trials(self.name)
             self._refresh_results(rows)
-            if self._stop_reason():
-                return
-            while free and self.requeue:
-                starts.append((free.pop(0), self.requeue.pop(0)))
-            budget = self.study.trials - len(rows)
-            if free and budget > 0:
-                self._load_state()
-                points = self.searcher.ask(min(len(free), budget))
-                number = max((t.number for t in rows), default=-1) + 1
-                for offset, params in enumerate(points):
-                    starts.append((free.pop(0), Trial(number + offset, params, self.searcher.generation)))
-                self._save_state()
-            for group, trial in starts:
-                trial.group, trial.started = group, time.time()
-                self.store.record_trial(self.name, trial.number, params=trial.params, state="running",
-                                        generation=trial.generation, group=group, started=trial.started,
-                                        owner=self.job)
+            self._watching = any(t.state == "running" for t in rows)
+            if not self._stop_reason():
+                while free and self.requeue:
+                    starts.append((free.pop(0), self.requeue.pop(0)))
+                budget = self.study.trials - len(rows)
+                if free and budget > 0:
+                    self._load_state()
+                    points = self.searcher.ask(min(len(free), budget))
+                    number = max((t.number for t in rows), default=-1) + 1
+                    for offset, params in enumerate(points):
+                        starts.append((free.pop(0), Trial(number + offset, params, self.searcher.generation)))
+                    self._save_state()
+                for group, trial in starts:
+                    trial.group, trial.started = group, time.time()
+                    self.store.record_trial(self.name, trial.number, params=trial.params, state="running",
+                                            generation=trial.generation, group=group, started=trial.started,
+                                            owner=self.job)
+        for trial, finished in recovered:
+            self._on_finished(_Running(trial, group=None), finished)
         for group, trial in starts:
             running[trial.number] = _Running(trial, group)
             self.executor.start(group, trial)
+        if not starts and not recovered:
+            self._look_after = time.monotonic() + WATCH_SECONDS
 
     def _on_epoch(self, event: EpochReport, running: dict[int, _Running]) -> None:
         slot = running.get(event.number)
@@ -469,7 +495,8 @@ class StudyRunner:
                 self._tell(trial, state, fom)
                 self.store.record_trial(self.name, trial.number, params=trial.params, state=state, fom=fom,
                                         fom_std=fom_std, folds=row["folds"], generation=trial.generation,
-                                        group=slot.group, error=error, started=trial.started, ended=time.time())
+                                        group=slot.group, error=error, started=trial.started, ended=time.time(),
+                                        goal_reached=row["goal_reached"])
                 self.results.append(row)
                 self._refresh_results(self.store.trials(self.name))
         self.say(self._line(row))

@@ -13,27 +13,37 @@ column types of the migrations. Values always travel as parameters, never in the
 PostgreSQL credentials come from the URL or from libpq's usual places (PGPASSWORD,
 ~/.pgpass, PGUSER, ...): psycopg hands the URL to libpq as it is. A password is never
 shown: every message names the store by `mask_url(url)`.
+
+A PostgreSQL connection that is lost (the server restarted, the backend was terminated,
+the network dropped) is made again, trying for RECONNECT_SECONDS. The statement that
+found it lost runs again only when nothing of a write had been sent (a read outside a
+transaction, or a transaction's BEGIN); a write transaction cut in the middle or at its
+COMMIT was rolled back by the server, or may have been committed: it is reported as one
+StoreError, never replayed, and the next call uses the new connection.
 """
 
 from __future__ import annotations
 
 import sqlite3
+import time
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from nbdist.errors import UserError
 
 __all__ = ["Dialect", "SQLiteDialect", "PostgresDialect", "StoreError", "open_dialect", "is_url", "mask_url",
-           "store_label", "POSTGRES_SCHEMES", "SCHEMES"]
+           "store_label", "POSTGRES_SCHEMES", "SCHEMES", "RECONNECT_SECONDS"]
 
 POSTGRES_SCHEMES = ("postgresql", "postgres")
 SCHEMES = ("sqlite", *POSTGRES_SCHEMES)
 _FORMS = "a SQLite file path, sqlite:///PATH, or postgresql://USER@HOST:PORT/DATABASE"
 # Any fixed number: the advisory lock that lets one process at a time migrate a database.
 _MIGRATION_LOCK = 0x6E62_6469
+RECONNECT_SECONDS = 60.0  # how long a lost PostgreSQL connection is tried again
+CONNECT_SECONDS = 15  # libpq's connect_timeout, per attempt
 
 
 class StoreError(UserError):
@@ -203,12 +213,55 @@ class PostgresDialect(Dialect):
         except ImportError:
             raise StoreError(f"--store {self.label} needs psycopg: pip install 'nbdist[postgresql]' "
                              f"(psycopg[binary]==3.3.9)") from None
+        self._psycopg, self._url = psycopg, url
         self.errors = (psycopg.Error,)
         try:
-            self._conn = psycopg.connect(url, autocommit=True, connect_timeout=15)
+            self._conn = self._connect()
         except psycopg.Error as exc:
             raise StoreError(f"cannot connect to the run store {self.label}: {_first_line(exc, url)}") from None
         self._sql: dict[str, str] = {}
+
+    def _connect(self) -> Any:
+        return self._psycopg.connect(self._url, autocommit=True, connect_timeout=CONNECT_SECONDS)
+
+    def _run(self, statement: Callable[[], Any], *, again: bool) -> Any:
+        """`statement()`; when it finds the connection lost: connect again, then run it
+        once more (`again`: nothing of a write was sent) or report the write as lost."""
+        try:
+            return statement()
+        except (self._psycopg.OperationalError, self._psycopg.InterfaceError) as exc:
+            if not self._conn.closed:
+                raise  # an error of the statement, on a connection that is still there
+            lost = _first_line(exc, self._url)
+        self._reconnect(lost)
+        if not again:
+            raise StoreError(f"the connection to the run store {self.label} was lost during a write ({lost}): "
+                             f"the write was not repeated (it may not have been made); connected again")
+        return statement()
+
+    def _reconnect(self, lost: str) -> None:
+        deadline, pause = time.monotonic() + RECONNECT_SECONDS, 0.2
+        while True:
+            try:
+                self._conn = self._connect()
+                return
+            except self._psycopg.Error as exc:
+                if time.monotonic() + pause > deadline:
+                    raise StoreError(f"the connection to the run store {self.label} was lost ({lost}) and could "
+                                     f"not be made again in {RECONNECT_SECONDS:.0f} s: "
+                                     f"{_first_line(exc, self._url)}") from None
+            time.sleep(pause)
+            pause = min(2 * pause, 5.0)
+
+    def _begin(self) -> None:
+        self._run(lambda: self._conn.execute(self.begin), again=True)
+
+    def _commit(self) -> None:
+        self._run(lambda: self._conn.execute("COMMIT"), again=False)
+
+    def _rollback(self) -> None:
+        if not self._conn.closed:  # a lost connection's transaction is gone with it
+            self._conn.execute("ROLLBACK")
 
     def _translate(self, sql: str) -> str:
         # Our own constant SQL only: `?` becomes psycopg's %s (and a literal % is doubled).
@@ -218,12 +271,18 @@ class PostgresDialect(Dialect):
         return out
 
     def execute(self, sql: str, args: Sequence[Any] = ()) -> Any:
-        return self._conn.execute(self._translate(sql), tuple(args))
+        query, values = self._translate(sql), tuple(args)
+        return self._run(lambda: self._conn.execute(query, values), again=not self._depth)
 
     def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> int:
-        with self._conn.cursor() as cursor:
-            cursor.executemany(self._translate(sql), list(rows))
-            return cursor.rowcount
+        query, values = self._translate(sql), list(rows)
+
+        def statement() -> int:
+            with self._conn.cursor() as cursor:
+                cursor.executemany(query, values)
+                return cursor.rowcount
+
+        return self._run(statement, again=not self._depth)
 
     def lock_study(self, study_id: str) -> None:
         self.execute("SELECT id FROM studies WHERE id = ? FOR UPDATE", (study_id,))

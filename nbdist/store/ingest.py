@@ -11,11 +11,13 @@ reachable. Records carry (run, rank, seq), so reading a file twice stores nothin
 from __future__ import annotations
 
 import json
+import sys
 import threading
 from pathlib import Path
 from typing import Any
 
 from nbdist.metrics.log import metrics_dir
+from nbdist.store.dialects import StoreError
 from nbdist.store.runstore import RunStore
 
 __all__ = ["LogFollower", "RunFeed", "RunRecorder", "import_run", "record_checkpoints"]
@@ -91,6 +93,7 @@ class RunRecorder:
         self.every = every
         self.follower = LogFollower(run_dir)
         self.feed = RunFeed(store_path, run_id, run_dir, options=options, layout=layout, study=study, trial=trial)
+        self._unsent: list[dict[str, Any]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="nbdist-run-recorder", daemon=True)
         self._thread.start()
@@ -98,13 +101,23 @@ class RunRecorder:
     def _loop(self) -> None:
         # The feed's connection is used by this thread only until finish() joins it.
         while not self._stop.wait(self.every):
-            self.feed.add(self.follower.poll())
+            try:
+                self._record()
+            except StoreError as exc:  # e.g. a connection lost in the middle of a write
+                print(f"nbdist: warning: {exc}; its records go with the next pass", file=sys.stderr, flush=True)
+
+    def _record(self) -> None:
+        """The logs' new records into the store. A pass that fails keeps them for the
+        next one: the store keeps each record once, however often it is sent."""
+        self._unsent += self.follower.poll()
+        self.feed.add(self._unsent)
+        self._unsent = []
 
     def finish(self, status: str, reason: str | None = None, final: dict[str, Any] | None = None) -> None:
         """After every rank closed its log: the last records, then the run's end."""
         self._stop.set()
         self._thread.join()
-        self.feed.add(self.follower.poll())
+        self._record()
         self.feed.end(status, reason, final)
 
     def pause(self) -> None:
@@ -112,7 +125,7 @@ class RunRecorder:
         the records so far, and the run left running."""
         self._stop.set()
         self._thread.join()
-        self.feed.add(self.follower.poll())
+        self._record()
         self.feed.close()
 
 

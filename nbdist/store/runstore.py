@@ -69,6 +69,7 @@ class TrialRow:
     started: float | None
     ended: float | None
     owner: str | None = None  # the job (coordinator) that trains or trained it
+    goal_reached: bool = False  # it reached the study's --goal: every job of the study stops
 
 
 def _json(value: Any) -> str | None:
@@ -132,7 +133,7 @@ class RunStore:
     def begin_run(self, run_id: str, *, run_dir: str | Path | None, options: dict[str, Any],
                   layout: dict[str, Any], kind: str = "train", study: str | None = None,
                   trial: int | None = None) -> None:
-        """A new run, or a resumed one (the same id): running again, from now."""
+        """A new run, a reserved one, or a resumed one (the same id): running again, from now."""
         now = time.time()
         with self._write() as conn:
             conn.execute(
@@ -140,11 +141,24 @@ class RunStore:
                                      heartbeat, host, pid)
                    VALUES (?, ?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?)
                    ON CONFLICT (id) DO UPDATE SET status = 'running', reason = NULL, ended = NULL,
-                       options = excluded.options, heartbeat = excluded.heartbeat,
-                       host = excluded.host, pid = excluded.pid""",
+                       kind = excluded.kind, run_dir = COALESCE(excluded.run_dir, runs.run_dir),
+                       options = excluded.options, layout = excluded.layout,
+                       study = COALESCE(excluded.study, runs.study), trial = COALESCE(excluded.trial, runs.trial),
+                       heartbeat = excluded.heartbeat, host = excluded.host, pid = excluded.pid""",
                 (run_id, kind, None if run_dir is None else str(run_dir), _json(_no_passwords(options)), _json(layout),
                  study, trial, now, now, socket.gethostname(), os.getpid()),
             )
+
+    def reserve_run(self, run_id: str, run_dir: str | Path) -> bool:
+        """Take the name `run_id` for a run about to start (its row, running from now);
+        False when the store has a run of that name (one INSERT decides between two jobs
+        that choose the same name at once)."""
+        now = time.time()
+        with self._write() as conn:
+            return conn.execute(
+                "INSERT INTO runs (id, status, run_dir, started, heartbeat, host, pid) VALUES (?, 'running', ?, ?, ?, "
+                "?, ?) ON CONFLICT (id) DO NOTHING",
+                (run_id, str(run_dir), now, now, socket.gethostname(), os.getpid())).rowcount == 1
 
     def heartbeat(self, run_id: str) -> None:
         # A run marked killed whose writer turns out to be alive (it was only paused)
@@ -344,25 +358,27 @@ class RunStore:
     def record_trial(self, study_id: str, number: int, *, params: dict[str, Any], state: str,
                      fom: float | None = None, fom_std: float | None = None, folds: list[float] | None = None,
                      generation: int | None = None, group: int | None = None, error: str | None = None,
-                     started: float | None = None, ended: float | None = None, owner: str | None = None) -> None:
+                     started: float | None = None, ended: float | None = None, owner: str | None = None,
+                     goal_reached: bool = False) -> None:
         """Insert a trial or replace what is known of it (a running trial that completed)."""
         with self._write() as conn:
             conn.execute(
                 """INSERT INTO trials (study, number, params, state, fom, fom_std, folds, generation, grp,
-                                       error, started, ended, owner)
-                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                                       error, started, ended, owner, goal_reached)
+                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
                    ON CONFLICT (study, number) DO UPDATE SET params = excluded.params,
                        state = excluded.state, fom = excluded.fom, fom_std = excluded.fom_std,
                        folds = excluded.folds, generation = excluded.generation, grp = excluded.grp,
                        error = excluded.error, started = COALESCE(trials.started, excluded.started),
-                       ended = excluded.ended, owner = COALESCE(excluded.owner, trials.owner)""",
+                       ended = excluded.ended, owner = COALESCE(excluded.owner, trials.owner),
+                       goal_reached = excluded.goal_reached""",
                 (study_id, int(number), _json(params), state, fom, fom_std, _json(folds or []), generation,
-                 group, error, started, ended, owner),
+                 group, error, started, ended, owner, int(goal_reached)),
             )
 
     def trials(self, study_id: str) -> list[TrialRow]:
         rows = self._db.execute(
-            "SELECT study, number, params, state, fom, fom_std, folds, generation, grp, error, started, ended, owner "
-            "FROM trials WHERE study = ? ORDER BY number", (study_id,))
-        return [TrialRow(s, n, json.loads(p), st, f, fs, _loads(fo, []), g, gr, e, t0, t1, o)
-                for s, n, p, st, f, fs, fo, g, gr, e, t0, t1, o in rows]
+            "SELECT study, number, params, state, fom, fom_std, folds, generation, grp, error, started, ended, owner, "
+            "goal_reached FROM trials WHERE study = ? ORDER BY number", (study_id,))
+        return [TrialRow(s, n, json.loads(p), st, f, fs, _loads(fo, []), g, gr, e, t0, t1, o, bool(goal))
+                for s, n, p, st, f, fs, fo, g, gr, e, t0, t1, o, goal in rows]

@@ -15,7 +15,7 @@ from nbdist.store.dialects import Dialect, StoreError
 
 __all__ = ["SCHEMA_VERSION", "StoreError", "prepare_schema"]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 # Version 0 -> 1: the first schema. `records` rows are numbered as stored (SQLite's
@@ -110,6 +110,11 @@ _MIGRATIONS: list[list[str]] = [
             ended {real},
             PRIMARY KEY (study, job)
         )""",
+    ],
+    # Version 2 -> 3: a trial that reached the study's --goal says so, so that every job
+    # of a shared study stops, whichever trained it.
+    [
+        "ALTER TABLE trials ADD COLUMN goal_reached INTEGER NOT NULL DEFAULT 0",
     ],
 ]
 assert len(_MIGRATIONS) == SCHEMA_VERSION

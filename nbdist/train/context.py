@@ -536,21 +536,30 @@ def _find_resume(options: TrainOptions, layout: Layout) -> tuple[Path | None, li
 def _fresh_dir(root: Path, name: str, database: str | None) -> Path:
     """A new run directory named `name`, or name-2, name-3, ...: the first whose name is
     free here and in the run store (which jobs with other runs directories may share: a
-    trial trained again by another job of the study must not reuse the first one's row)."""
+    trial trained again by another job of the study must not reuse the first one's row).
+    Both are taken atomically: the directory by mkdir, the name by the store's INSERT."""
     root.mkdir(parents=True, exist_ok=True)
-    recorded: set[str] = set()
+    store = None
     if database is not None:
         try:
-            with RunStore(database) as store:
-                recorded = set(store.run_ids())
+            store = RunStore(database)
         except UserError:
             pass  # the recorder reports it, on every rank
     candidate, n = root / name, 1
-    while candidate.exists() or candidate.name in recorded:
-        n += 1
-        candidate = root / f"{name}-{n}"
-    candidate.mkdir()
-    return candidate
+    try:
+        while True:
+            try:
+                candidate.mkdir()
+                if store is None or store.reserve_run(candidate.name, candidate.resolve()):
+                    return candidate
+                candidate.rmdir()  # another job's run has this name
+            except FileExistsError:
+                pass
+            n += 1
+            candidate = root / f"{name}-{n}"
+    finally:
+        if store is not None:
+            store.close()
 
 
 def _write_run_files(run_dir: Path, options: TrainOptions, layout: Layout) -> None:
