@@ -182,8 +182,10 @@ def test_an_sbatch_train_on_two_nodes_completes_with_ranks_on_both(slurm, tmp_pa
                   "--write", str(script), "--",
                   "train", "--model", "examples/digits_cnn.py", "--topology", "allreduce", "--epochs", "5",
                   "--runs-dir", str(tmp_path), "--run-name", "cnn")
+    between = psutil.net_io_counters(pernic=True)[slurm.interface]
     job = _started(slurm, slurm.sbatch(script), script, output)
     text = _finished(slurm, job, output)
+    after = psutil.net_io_counters(pernic=True)[slurm.interface]
     fields = slurm.job(job)
     assert (fields["JobName"], fields["NumNodes"], fields["NumTasks"]) == ("digits", "2", "4"), fields
     summary = json.loads((tmp_path / "cnn" / "summary.json").read_text())
@@ -194,6 +196,9 @@ def test_an_sbatch_train_on_two_nodes_completes_with_ranks_on_both(slurm, tmp_pa
     assert "nbdist: 4 ranks: 4 workers, allreduce" in text, text
     hosts = {r["rank"]: r["values"]["host"] for r in read_log(tmp_path / "cnn", "run")}
     assert sorted(hosts) == [0, 1, 2, 3] and set(hosts.values()) == set(slurm.nodes), hosts
+    # Measured: 2.5 MB each way for this run, 9 kB for SLURM's own part of a job (srun hostname).
+    sent, received = after.bytes_sent - between.bytes_sent, after.bytes_recv - between.bytes_recv
+    assert sent > 1e6 and received > 1e6, (sent, received)
     assert f"nbdist: results in {tmp_path / 'cnn'}" in text, text
 
 
