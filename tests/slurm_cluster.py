@@ -77,6 +77,15 @@ def _free_subnet() -> ipaddress.IPv4Network:
     raise RuntimeError(f"no free 10.77.x.0/24 subnet for the second node: {sorted(map(str, taken))}")
 
 
+def _remove_orphaned_namespaces() -> None:
+    """Namespaces (and their veth pairs) of test runs that were killed before they stopped
+    their cluster: `nbd<pid>` whose process is gone. Those of running tests stay."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+    for name in (line.split()[0] for line in listed.splitlines() if line.strip()):
+        if name.startswith("nbd") and name[3:].isdigit() and not psutil.pid_exists(int(name[3:])):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+
+
 def wait_for(condition, timeout: float, what: str, describe=lambda: ""):
     deadline = time.monotonic() + timeout
     while True:
@@ -194,6 +203,7 @@ class SlurmCluster:
         if absent:
             self.one_node_why = f"{', '.join(absent)} missing (apt-get install iproute2 util-linux)"
             return
+        _remove_orphaned_namespaces()
         netns = f"nbd{os.getpid()}"
         subnet = _free_subnet()
         first, second = (str(subnet.network_address + i) for i in (1, 2))

@@ -1,12 +1,15 @@
 """SLURM, for real: `python -m nbdist slurm-script` writes the sbatch scripts, and a real
-one-node SLURM on this machine (tests/slurm_cluster.py: munged, slurmctld and slurmd
-started by the `slurm` fixture) runs them: a train and a study complete inside their
-allocations, and SIGUSR1 to the batch shell (what `--signal=B:USR1@S` sends before the
-time limit) stops every rank at a step boundary with a final checkpoint that a second
-job resumes.
+SLURM on this machine (tests/slurm_cluster.py: munged, slurmctld and two slurmd, the
+second node in a network namespace of its own, started by the `slurm` fixture) runs
+them: a train over both nodes and a study complete inside their allocations, and SIGUSR1
+to the batch shell (what `--signal=B:USR1@S` sends before the time limit) stops every
+rank at a step boundary with a final checkpoint that a second job resumes. A notebook's
+engines run as SLURM jobs (on one node, and on both with the controller on the veth
+address), and a notebook attaches to a cluster started inside `salloc`.
 
 Without Debian's `slurm-wlm` and `munge` the SLURM tests skip (fail with CI=1: .ci/run
-installs them); the script's own checks need no SLURM.
+installs them), and so do the two-node tests where no network namespace can be made;
+the script's own checks need no SLURM.
 """
 
 from __future__ import annotations
