@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "Python, mpiexec --bind-to none inside the allocation, and SIGUSR1 before the time limit "
                     "(--signal=B:USR1@S) for a final checkpoint; printed, or written with --write.")
     slurm.add_argument("-n", "--ntasks", type=int, required=True, help="MPI ranks (sbatch --ntasks)")
+    slurm.add_argument("-N", "--nodes", type=int, default=None, help="nodes the ranks spread over (sbatch --nodes)")
+    slurm.add_argument("--interface", default=None,
+                       help="network interface between the nodes (launch --interface), e.g. ib0 or 10.1.0.0/16")
     slurm.add_argument("--partition", default=None, help="sbatch --partition (default: the cluster's)")
     slurm.add_argument("--time", default=None, help="time limit, e.g. 01:30:00 or 2-00 (sbatch --time)")
     slurm.add_argument("--account", default=None, help="sbatch --account")
@@ -216,7 +219,8 @@ def _slurm_script(args: argparse.Namespace) -> int:
         raise UserError(f"slurm-script runs one of: {', '.join(LAUNCHABLE)}{given}, after --, e.g. python -m nbdist "
                         f"slurm-script -n 4 --time 01:00:00 -- train --model examples/digits_mlp.py")
     _check_arguments(launched)
-    script = BatchScript(ntasks=args.ntasks, launched=tuple(launched), partition=args.partition, time=args.time,
+    script = BatchScript(ntasks=args.ntasks, launched=tuple(launched), nodes=args.nodes, interface=args.interface,
+                         partition=args.partition, time=args.time,
                          account=args.account, job_name=args.job_name, output=args.output,
                          signal_seconds=SIGNAL_SECONDS if args.signal_seconds is None else args.signal_seconds,
                          workdir=str(Path(args.chdir or ".").resolve()))

