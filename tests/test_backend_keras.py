@@ -20,8 +20,8 @@ from nbdist.backends import backend_for  # noqa: E402
 from nbdist.backends.base import ModelError  # noqa: E402
 from nbdist.backends.frameworks import KERAS, TORCH  # noqa: E402
 from nbdist.backends.keras import KerasBackend  # noqa: E402
-from nbdist.backends.keras_gan import KerasGanBackend  # noqa: E402
-from nbdist.gan import GanModel  # noqa: E402
+from nbdist.gan.keras_backend import KerasGanBackend  # noqa: E402
+from nbdist.gan import GanModel, gan_backend  # noqa: E402
 from nbdist.specs import SpecError, parse_spec  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -220,12 +220,15 @@ def test_a_model_without_an_input_is_built_from_the_sample():
 @pytest.mark.parametrize("make, message", [
     (lambda: keras.layers.Dense(3), "a Keras Dense layer, not a model"),
     (lambda: mlp(compile=False), "the Keras model has no loss: compile it"),
-    (lambda: GanModel(mlp(), __import__("torch").nn.Linear(3, 1), latent_dim=8),
-     "the generator is a Keras model and the discriminator a PyTorch model"),
 ])
 def test_models_that_cannot_be_trained(make, message):
     with pytest.raises(ModelError, match=message):
         backend_for(make(), sample=data()[0])
+
+
+def test_a_gan_of_two_frameworks_cannot_be_trained():
+    with pytest.raises(ModelError, match="the generator is a Keras model and the discriminator a PyTorch model"):
+        gan_backend(GanModel(mlp(), __import__("torch").nn.Linear(3, 1), latent_dim=8), sample=data()[0])
 
 
 def test_an_uncompiled_model_takes_the_loss_of_the_model_file():
@@ -256,7 +259,7 @@ def test_keras_gan_backend_alternates_and_lays_out_generator_first():
     discriminator = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, activation="relu"),
                                       keras.layers.Dense(1, activation="sigmoid")])
     x = (np.random.default_rng(0).normal(size=(64, 8)) + 1).astype(np.float32)
-    backend = backend_for(GanModel(generator, discriminator, latent_dim=4, d_steps=2), sample=x)
+    backend = gan_backend(GanModel(generator, discriminator, latent_dim=4, d_steps=2), sample=x)
     assert isinstance(backend, KerasGanBackend)
     n_g = sum(int(np.prod(v.shape)) for v in generator.trainable_variables)
     assert backend.g_part == slice(0, n_g)

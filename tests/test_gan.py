@@ -9,11 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from nbdist.backends import backend_for
 from nbdist.backends.base import ModelError
-from nbdist.backends.torch_gan import TorchGanBackend
 from nbdist.errors import OptionsError
-from nbdist.gan import GanModel, GaussianMMD, median_distance
+from nbdist.gan import GanModel, GaussianMMD, gan_backend, median_distance
+from nbdist.gan.torch_backend import TorchGanBackend
 from nbdist.options import TrainOptions
 from nbdist.specs import parse_spec
 from nbdist.train.context import _check_gan
@@ -44,7 +43,7 @@ def real_batch(n: int = 16, seed: int = 1) -> np.ndarray:
 
 
 def ready(gan: GanModel, spec: str = "rmsprop(lr=0.01)"):
-    backend = backend_for(gan, sample=real_batch(64, seed=9))
+    backend = gan_backend(gan, sample=real_batch(64, seed=9))
     return backend, backend.make_optimizer(parse_spec(spec))
 
 
@@ -69,7 +68,7 @@ def test_median_distance_of_known_points():
 # ------------------------------------------------------------------------- backend
 def test_generator_first_in_one_flat_buffer():
     gan = make_gan()
-    backend = backend_for(gan)
+    backend = gan_backend(gan)
     assert isinstance(backend, TorchGanBackend) and backend.metric_name == "mmd"
     n_g = sum(p.numel() for p in gan.generator.parameters())
     assert backend.g_part == slice(0, n_g) and backend.d_part == slice(n_g, backend.num_params)
@@ -157,15 +156,15 @@ def test_noise_and_optimisers_checkpoint_and_resume_exactly():
 
 
 def test_misuse_of_the_gan_backend_is_named():
-    backend = backend_for(make_gan())
+    backend = gan_backend(make_gan())
     with pytest.raises(RuntimeError, match="make_optimizer"):
         backend.compute_gradients(real_batch(), None)
     with pytest.raises(ModelError, match="master takes none"):
         backend.make_optimizer(parse_spec("sgd(lr=0.1)"), params=backend.params.copy())
     with pytest.raises(ModelError, match="latent_dim >= 1"):
-        backend_for(GanModel(nn.Linear(1, 2), nn.Linear(2, 1), latent_dim=0))
+        gan_backend(GanModel(nn.Linear(1, 2), nn.Linear(2, 1), latent_dim=0))
     with pytest.raises(ModelError, match="must be a torch.nn.Module|nbdist trains"):
-        backend_for(GanModel(nn.Linear(1, 2), object(), latent_dim=1))
+        gan_backend(GanModel(nn.Linear(1, 2), object(), latent_dim=1))
 
 
 # ---------------------------------------------------------------------- definition

@@ -47,9 +47,6 @@ class Framework(ABC):
     def backend(self, model: Any, loss: Any, metric: Any, sample: Any) -> Backend: ...
 
     @abstractmethod
-    def gan_backend(self, gan: Any, sample: Any) -> Backend: ...
-
-    @abstractmethod
     def optimizer_names(self) -> list[str]: ...
 
 
@@ -72,11 +69,6 @@ class TorchFramework(Framework):
         from nbdist.backends.torch import TorchBackend
 
         return TorchBackend(model, loss, metric)
-
-    def gan_backend(self, gan: Any, sample: Any) -> Backend:
-        from nbdist.backends.torch_gan import TorchGanBackend
-
-        return TorchGanBackend(gan)
 
     def optimizer_names(self) -> list[str]:
         from nbdist.backends.torch import torch_optimizers
@@ -121,11 +113,6 @@ class KerasFramework(Framework):
         from nbdist.backends.keras import KerasBackend
 
         return KerasBackend(model, loss, metric, sample=sample)
-
-    def gan_backend(self, gan: Any, sample: Any) -> Backend:
-        from nbdist.backends.keras_gan import KerasGanBackend
-
-        return KerasGanBackend(gan, sample=sample)
 
     def optimizer_names(self) -> list[str]:
         from nbdist.backends.keras import keras_optimizers

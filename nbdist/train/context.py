@@ -20,6 +20,7 @@ import numpy as np
 
 from nbdist.algorithms import Algorithm, make_algorithm
 from nbdist.backends import Backend, backend_for, configure_frameworks
+from nbdist.gan import gan_backend
 from nbdist.backends.base import ModelError
 from nbdist.data.base import Data, DataError
 from nbdist.data.sharding import ShardPlan
@@ -504,8 +505,9 @@ def _check_writable(path: Path, flag: str) -> None:
 
 def _replica_factory(definition: ModelDefinition, options: TrainOptions, sample: Any) -> Callable[[], Backend]:
     def make() -> Backend:
-        model = definition.make_gan(options.d_steps) if options.gan else definition.make_model()
-        return backend_for(model, definition.loss, definition.metric, sample=sample)
+        if options.gan:
+            return gan_backend(definition.make_gan(options.d_steps), sample)
+        return backend_for(definition.make_model(), definition.loss, definition.metric, sample=sample)
 
     return make
 
