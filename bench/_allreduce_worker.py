@@ -26,13 +26,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from _common import MLPS, batch_indices, emit, mlp, synthetic  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 from torch import nn  # noqa: E402
 
-from _common import MLPS, batch_indices, emit, mlp, synthetic  # noqa: E402
 from nbdist.backends.torch import TorchBackend  # noqa: E402
+from nbdist.roles.allreduce import GradientReducer  # noqa: E402
 from nbdist.specs import parse_spec  # noqa: E402
-from nbdist.topology.allreduce import GradientReducer  # noqa: E402
 
 DATA_SAMPLES = 4096
 

@@ -19,7 +19,7 @@ def load_ipython_extension(shell):  # noqa: ANN001 - IPython's hook: %load_ext n
 
 def __getattr__(name: str):  # noqa: ANN202 - nbdist.Study without importing the notebook layer up front
     if name == "Study":
-        from nbdist.hpo.notebook import Study
+        from nbdist.notebook_study import Study
 
         return Study
     raise AttributeError(f"module 'nbdist' has no attribute {name!r}")

@@ -15,9 +15,9 @@ from nbdist.train.progress import RunResult
 
 if TYPE_CHECKING:
     from nbdist.cluster import Cluster
-    from nbdist.hpo.notebook import Study
     from nbdist.hpo.runner import StudyResult
     from nbdist.job import Job
+    from nbdist.notebook_study import Study
 
 __all__ = ["train", "submit", "study", "submit_study"]
 
@@ -43,7 +43,7 @@ def train(model: "Callable[[], Any] | str | Path", *, data: Any = None, loss: An
     opts = _options(options)
     if cluster is not None:
         return submit(cluster, opts, model=model, loss=loss, metric=metric, data=data, block=block)
-    from nbdist.train.runner import run_rank
+    from nbdist.roles.runner import run_rank
 
     if isinstance(model, (str, Path)):
         opts = opts.replace(model=str(model))
@@ -141,13 +141,13 @@ def study(model: "Callable[..., Any] | str | Path | None" = None, *, data: Any =
     """
     study_options, train_options = _study_options(options)
     if cluster is not None:
-        from nbdist.hpo.notebook import Study
+        from nbdist.notebook_study import Study
 
         train_options, model = _for_the_engines(train_options, cell=None, model=model, data=data)
         handle = Study(cluster, study_options, train_options, store=_store_for(train_options),
                        what=dict(model=model, loss=loss, metric=metric, data=data), show_progress=show_progress)
         return handle.wait() if block else handle
-    from nbdist.hpo.batch import run_study
+    from nbdist.roles.batch_study import run_study
 
     if isinstance(model, (str, Path)):
         train_options = train_options.replace(model=str(model))
@@ -157,7 +157,7 @@ def study(model: "Callable[..., Any] | str | Path | None" = None, *, data: Any =
 def submit_study(cluster: "Cluster", study_options: StudyOptions, train_options: TrainOptions, *, cell: str,
                  show_progress: bool = True) -> "Study":
     """A study whose model is a notebook cell (the %%distnn study magic)."""
-    from nbdist.hpo.notebook import Study
+    from nbdist.notebook_study import Study
 
     train_options, _ = _for_the_engines(train_options, cell=cell, model=None, data=None)
     return Study(cluster, study_options, train_options, store=_store_for(train_options), what=dict(cell=cell),

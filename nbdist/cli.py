@@ -154,8 +154,8 @@ def _world_rank() -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from nbdist.roles.runner import run_rank
     from nbdist.train.definition import definition_of
-    from nbdist.train.runner import run_rank
 
     options = options_from_args(args)
     if not options.model:
@@ -172,8 +172,8 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _study(args: argparse.Namespace) -> int:
-    from nbdist.hpo.batch import run_study
     from nbdist.hpo.runner import resolve_options
+    from nbdist.roles.batch_study import run_study
     from nbdist.store import store_label
     from nbdist.train.definition import definition_of
 

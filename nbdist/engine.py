@@ -116,8 +116,8 @@ def _as_outcome(work: Callable[[Any, Any], Any], live: bool) -> EngineOutcome:
     from mpi4py import MPI
 
     from nbdist.metrics.publish import DataPublisher
-    from nbdist.transport import waiting
     from nbdist.train.stopping import StopFlag
+    from nbdist.transport import waiting
 
     rank = MPI.COMM_WORLD.Get_rank()
     stop = StopFlag()
@@ -163,7 +163,7 @@ def run_training(options: dict[str, Any], *, cell: str | None = None,
     from mpi4py import MPI
 
     from nbdist.options import TrainOptions
-    from nbdist.train.runner import run_rank
+    from nbdist.roles.runner import run_rank
 
     opts = TrainOptions.from_dict(options)
     definition = _definition(cell, model, loss, metric, data)
@@ -197,8 +197,8 @@ def run_trial(study: str, number: int, params: dict[str, Any], train: dict[str, 
               metric: Any = "accuracy", data: Any = None, live: bool = True) -> EngineOutcome:
     """One rank's part of a study's trial: collective over this engine's group (its fold
     runs in parallel). The outcome's result is a FoldOutcome on each fold's leader."""
-    from nbdist.hpo.ranks import train_fold
     from nbdist.options import StudyOptions, TrainOptions
+    from nbdist.roles.fold import train_fold
 
     comms = _STUDIES.get(study)
     if comms is None:

@@ -28,9 +28,9 @@ from nbdist.engine import LIVE_PREFIX, EngineOutcome
 from nbdist.errors import TrainingError
 from nbdist.liveness import DeadEngine
 from nbdist.metrics.collect import LiveRecords
+from nbdist.metrics.record import stopped_on_request
 from nbdist.options import TrainOptions
 from nbdist.store import RunFeed, store_label
-from nbdist.train.progress import stopped_on_request
 
 __all__ = ["Job", "JobError"]
 

@@ -11,8 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from nbdist.algorithms import ADAG, EASGD, GEM, Downpour, DynSGD, Update, make_algorithm
-from nbdist.algorithms import allreduce_sgd
+from nbdist.algorithms import ADAG, EASGD, GEM, Downpour, DynSGD, Update, allreduce_sgd, make_algorithm
 from nbdist.algorithms.base import _NoState
 from nbdist.backends.torch import TorchBackend, TorchFlatOptimizer, torch_optimizers
 from nbdist.data.sharding import ShardPlan
@@ -55,7 +54,7 @@ def assert_close(actual, expected, rtol=1e-6, atol=1e-7):
 
 
 class Simulation:
-    """One master and k workers in one process, calling the rule like topology/master.py.
+    """One master and k workers in one process, calling the rule like roles/master.py.
 
     synchronous: the master waits for every worker's update and applies them together.
     asynchronous: every worker computes from the weights it holds, then the master

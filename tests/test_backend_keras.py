@@ -20,8 +20,8 @@ from nbdist.backends import backend_for  # noqa: E402
 from nbdist.backends.base import ModelError  # noqa: E402
 from nbdist.backends.frameworks import KERAS, TORCH  # noqa: E402
 from nbdist.backends.keras import KerasBackend  # noqa: E402
-from nbdist.gan.keras_backend import KerasGanBackend  # noqa: E402
 from nbdist.gan import GanModel, gan_backend  # noqa: E402
+from nbdist.gan.keras_backend import KerasGanBackend  # noqa: E402
 from nbdist.specs import SpecError, parse_spec  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -288,7 +288,7 @@ def test_a_torch_run_never_imports_tensorflow():
         "import sys\n"
         "from nbdist.backends import backend_for, configure_frameworks\n"
         "from nbdist.train.definition import load_model_file\n"
-        "import nbdist.train.runner, nbdist.topology.master, nbdist.topology.worker, nbdist.topology.allreduce, nbdist.gan\n"
+        "import nbdist.roles.runner, nbdist.roles.master, nbdist.roles.worker, nbdist.roles.allreduce, nbdist.gan\n"
         "configure_frameworks(1, 0)\n"
         "d = load_model_file('examples/digits_mlp.py')\n"
         "configure_frameworks(1, 0)\n"

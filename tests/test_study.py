@@ -12,9 +12,8 @@ import pytest
 from nbdist.errors import OptionsError
 from nbdist.hpo.inprocess import optimize
 from nbdist.hpo.pruning import MedianPruner
-from nbdist.hpo.ranks import fold_of_run
 from nbdist.hpo.runner import StudyError
-from nbdist.hpo.trial import TrialError, fold_fom, fold_split, run_name, trial_options, with_params
+from nbdist.hpo.trial import TrialError, fold_fom, fold_of_run, fold_split, run_name, trial_options, with_params
 from nbdist.options import StudyOptions, TrainOptions
 from nbdist.store import RunStore
 
@@ -54,9 +53,10 @@ def test_lr_and_momentum_reach_the_part_that_trains_with_them():
     assert local.worker_optimizer is not None and "momentum=0.9" in local.worker_optimizer
     assert local.master_optimizer is None
     # An optimiser without momentum: the trial's run fails at set-up with one error naming both.
+    from torch import nn
+
     from nbdist.backends.torch import TorchBackend
     from nbdist.specs import SpecError, parse_spec
-    from torch import nn
 
     adam = trial_options(TrainOptions(algorithm="easgd", worker_optimizer="adam(lr=0.001)"), {"momentum": 0.9})
     assert adam.worker_optimizer == "adam(lr=0.001, momentum=0.9)"

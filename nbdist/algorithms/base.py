@@ -128,7 +128,7 @@ class Algorithm(ABC):
         when synchronous) and return, per update, the array to send back."""
 
     def merge_master_steps(self, center: np.ndarray, steps: Sequence[Update]) -> None:
-        """The top master's rule for the masters' steps (topology/hierarchy.py): each
+        """The top master's rule for the masters' steps (roles/hierarchy.py): each
         payload is one master's displacement of the centre, its rule applied to its own
         workers' updates, and `samples` weighs it (the workers behind it). Asynchronous,
         one step comes at a time and is added as it is (the sub-master already applied

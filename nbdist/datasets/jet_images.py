@@ -191,7 +191,7 @@ def _together(comm: Any, step: Callable[[], Any]) -> None:
             raise
         error = exc
     if comm is not None:
-        from nbdist.train.context import agree
+        from nbdist.transport.agreement import agree
 
         agree(comm, error)
 

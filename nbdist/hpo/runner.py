@@ -268,7 +268,7 @@ class StudyRunner:
 
     def _recorded(self, number: int) -> TrialFinished | None:
         """A trial's outcome from its fold runs in the store, when all of them completed."""
-        from nbdist.hpo.ranks import fold_of_run
+        from nbdist.hpo.trial import fold_of_run
 
         folds: dict[int, FoldOutcome] = {}
         for run in self.store.runs(study=self.name):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -31,11 +32,13 @@ import numpy as np
 
 from nbdist.algorithms import MASTER_WORKER_ALGORITHMS
 from nbdist.errors import UserError
+from nbdist.hpo.space import parse_space
 from nbdist.options import StudyOptions, TrainOptions, parse_target
 from nbdist.specs import parse_spec
+from nbdist.store import store_path
 
 __all__ = ["Trial", "TrialError", "trial_options", "with_params", "fold_split", "fold_fom", "run_name",
-           "watched_metrics"]
+           "fold_of_run", "watched_metrics", "check_study"]
 
 OPTIMIZER_PARAMS = ("optimizer", "lr", "momentum")
 # The numeric ones, passed as arguments of the optimiser (or of GEM).
@@ -60,6 +63,15 @@ class Trial:
 
 def run_name(study: str, number: int, fold: int) -> str:
     return f"{study}-trial{number:04d}-fold{fold}"
+
+
+_FOLD = re.compile(r"-trial(\d+)-fold(\d+)(?:-\d+)?$")
+
+
+def fold_of_run(run_id: str) -> tuple[int, int] | None:
+    """(trial, fold) of a study's run, from its name (a re-run gets a -N suffix)."""
+    match = _FOLD.search(run_id)
+    return (int(match.group(1)), int(match.group(2))) if match else None
 
 
 def watched_metrics(options: StudyOptions) -> tuple[tuple[str, str], ...]:
@@ -174,3 +186,16 @@ def fold_fom(final: dict[str, Any], objective: str) -> float:
     if value is None or not math.isfinite(float(value)):
         raise TrialError(f"the objective {objective} is {value}")
     return float(value)
+
+
+def check_study(study: StudyOptions, train: TrainOptions) -> None:
+    """What can be wrong before any rank trains (every rank checks the same)."""
+    study.validate()
+    train.validate()
+    if study.space:
+        parse_space(study.space)
+    if study.folds > 1 and train.train:
+        raise TrialError(f"K-fold cross-validation (--folds {study.folds}) needs data in memory; with --train "
+                         f"files, use --folds 1")
+    if study.resume_study and store_path(train.store, train.runs_dir) is None:
+        raise TrialError("--resume-study needs the run store the study was recorded in (not --store off)")

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+__all__ = ["Record", "stopped_on_request"]
+
 
 @dataclass(slots=True)
 class Record:
@@ -12,7 +14,7 @@ class Record:
     trial: int | None
     rank: int
     role: str  # "master" | "worker" | "coordinator"
-    kind: str  # "train", "update", "epoch", "phase", "resources", "run", ...
+    kind: str  # "train", "updates", "epoch", "val", "phase", "resources", "run", ...
     step: int
     epoch: int
     time: float  # seconds since the epoch (time.time())
@@ -24,3 +26,10 @@ class Record:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def stopped_on_request(reason: str) -> bool:
+    """Whether a run's stop reason says it ended before its epochs because it was asked to
+    (a stop signal, the study's pruner, a job giving up), not by a rule of its own (early
+    stopping, target): its 'run' status is then "stopped", not "completed"."""
+    return reason.startswith(("stopped", "pruned", "abandoned"))

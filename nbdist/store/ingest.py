@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from nbdist.metrics.log import metrics_dir
+from nbdist.metrics.record import stopped_on_request
 from nbdist.store.dialects import StoreError
 from nbdist.store.runstore import RunStore
 
@@ -152,8 +153,6 @@ def import_run(store: RunStore, run_dir: Path | str) -> tuple[str, int]:
 
 def _outcome(run_dir: Path, records: list[dict[str, Any]]) -> tuple[str, str | None, dict[str, Any] | None]:
     """How a run ended, from what it left: its summary, else its ranks' last words."""
-    from nbdist.train.progress import stopped_on_request
-
     summary = run_dir / "summary.json"
     ends = [r["values"] for r in records if r["kind"] == "run"]
     failed = [v for v in ends if v.get("status") == "failed"]

@@ -20,11 +20,11 @@ import numpy as np
 
 from nbdist.algorithms import Algorithm, make_algorithm
 from nbdist.backends import Backend, backend_for, configure_frameworks
-from nbdist.gan import gan_backend
 from nbdist.backends.base import ModelError
 from nbdist.data.base import Data, DataError
 from nbdist.data.sharding import ShardPlan
 from nbdist.errors import OptionsError, UserError
+from nbdist.gan import gan_backend
 from nbdist.layout import Communicators, Layout, Role
 from nbdist.metrics.log import RecordSink, RunLog
 from nbdist.options import TrainOptions, parse_target
@@ -37,8 +37,8 @@ from nbdist.train.history import HistoryFile
 from nbdist.train.lr import LrPlan, combined_workers, plan_learning_rates
 from nbdist.train.progress import reported_metrics
 from nbdist.train.stopping import EarlyStopping, StopFlag
-from nbdist.transport.collectives import Collectives
-from nbdist.transport.peers import SETUP_TIMEOUT, Peers
+from nbdist.transport.agreement import agree
+from nbdist.transport.peers import Peers
 
 __all__ = ["RankContext", "TrialTag", "MetricNameError", "prepare", "agree", "check_metric_names", "check_data_size",
            "master_share"]
@@ -126,43 +126,6 @@ class RankContext:
     def checkpoint_due(self, epochs_done: int) -> bool:
         every = self.options.checkpoint_every
         return epochs_done == self.options.epochs or (every > 0 and epochs_done % every == 0)
-
-
-def agree(comm: Any, error: BaseException | None, collectives: Collectives | None = None) -> None:
-    """Collective: raise the same UserError on every rank when any rank failed setup (of
-    the first failed rank's class, so that a caller can tell kinds of mistakes apart).
-
-    Polled, with a deadline (SETUP_TIMEOUT): a rank that never gets here is named (with
-    `collectives` that can call the roll) instead of leaving the others waiting."""
-    collectives = collectives or Collectives(lambda: SETUP_TIMEOUT)
-    messages = collectives.allgather(comm, None if error is None else _describe(error), "the end of set-up")
-    failed = [(rank, tuple(msg)) for rank, msg in enumerate(messages) if msg is not None]
-    if not failed:
-        return
-    texts = {msg for _, (_, msg) in failed}
-    rank, (kind, msg) = failed[0]
-    if len(failed) < len(messages) and len(texts) == 1:
-        msg = f"{msg} (on rank{'s' if len(failed) > 1 else ''} {', '.join(str(r) for r, _ in failed)})"
-    raise _error_class(kind)(msg)
-
-
-def _describe(error: BaseException) -> tuple[str, str]:
-    """The error's class (by name) and message, as every rank can rebuild it: nbdist's own
-    classes travel, a class from the user's code would not exist on every rank."""
-    if isinstance(error, UserError):
-        kind = type(error) if type(error).__module__.startswith("nbdist.") else UserError
-        return f"{kind.__module__}:{kind.__qualname__}", str(error)
-    return f"{UserError.__module__}:{UserError.__qualname__}", f"{type(error).__name__}: {error}"
-
-
-def _error_class(name: str) -> type[UserError]:
-    import importlib
-
-    module, _, qualname = name.partition(":")
-    kind: Any = importlib.import_module(module) if module.startswith("nbdist.") else None
-    for part in qualname.split(".") if kind is not None else ():
-        kind = getattr(kind, part, None)
-    return kind if isinstance(kind, type) and issubclass(kind, UserError) else UserError
 
 
 def _check_gan(options: TrainOptions) -> TrainOptions:

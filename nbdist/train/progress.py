@@ -14,8 +14,7 @@ from safetensors.numpy import save_file
 from nbdist.backends.base import BatchStats
 from nbdist.errors import TrainingError
 
-__all__ = ["EpochTally", "epoch_metrics", "validation_values", "sample_validation", "reported_metrics", "format_epoch", "RunResult", "write_final",
-           "stopped_on_request"]
+__all__ = ["EpochTally", "epoch_metrics", "validation_values", "sample_validation", "reported_metrics", "format_epoch", "RunResult", "write_final"]
 
 
 @dataclass(slots=True)
@@ -110,12 +109,6 @@ def format_epoch(m: dict[str, Any], epochs: int) -> str:
         parts.append(f"staleness {m['staleness_mean']:.2f} (max {m['staleness_max']})")
     parts.append(f"{m['seconds']:.2f}s")
     return "  ".join(parts)
-
-
-def stopped_on_request(reason: str) -> bool:
-    """A run that ended before its epochs because it was asked to (a stop signal, the
-    study's pruner, a job giving up), not by a rule of its own (early stopping, target)."""
-    return reason.startswith(("stopped", "pruned", "abandoned"))
 
 
 @dataclass(slots=True)

@@ -4,11 +4,11 @@ A worker's message is ONE float32 buffer, [header | payload | model state], sent
 one `Send`. The header is 10 float64 slots viewed over the first 20 floats (float64 holds
 versions and sample counts exactly). Replies travel as a header message followed by
 the payload array itself, so the master sends its centre without copying it. A
-sub-master speaks the same format to the top master (topology/hierarchy.py).
+sub-master speaks the same format to the top master (roles/hierarchy.py).
 
 A reply header carries, after the 10 slots, one slot per worker of the master: 1.0 for the
 workers that share the data of epoch `reply[EPOCH]` (the epoch after the one the worker's
-message ended; topology/membership.py), 0.0 for those dropped.
+message ended; roles/membership.py), 0.0 for those dropped.
 """
 
 from __future__ import annotations

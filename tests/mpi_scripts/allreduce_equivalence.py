@@ -8,7 +8,7 @@ TorchBackend and takes equivalence_common.allreduce_steps: it reduces its gradie
 `GradientReducer` (one Iallreduce per bucket, started from inside backward; a small
 bucket cap gives several buckets), weights its
 gradient by `allreduce_sgd.sample_share` and steps the backend's flat optimiser, as
-`nbdist.topology.allreduce.run_allreduce` does. This runs over all N ranks and then,
+`nbdist.roles.allreduce.run_allreduce` does. This runs over all N ranks and then,
 when N > 2, again over pairs of ranks (COMM_WORLD split in two-rank communicators), so
 one job gives the N-rank and the 2-rank results. Rank 0 writes
 OUT_DIR/<ranks>-<layout>.safetensors (the model's state_dict). Every rank checks that

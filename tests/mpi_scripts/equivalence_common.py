@@ -104,7 +104,7 @@ def allreduce_steps(comm, backend, steps: int, unequal: bool):
     that the replicas stay bit-identical; returns the backend."""
     from nbdist.algorithms import allreduce_sgd
     from nbdist.specs import parse_spec
-    from nbdist.topology.allreduce import GradientReducer
+    from nbdist.roles.allreduce import GradientReducer
 
     rank, size = comm.Get_rank(), comm.Get_size()
     x, y = make_arrays()

@@ -16,7 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from nbdist.topology import master as mw  # noqa: E402
+from nbdist.roles import master as mw  # noqa: E402
 from nbdist.transport import messages as m  # noqa: E402
 from train_many import run_all  # noqa: E402
 

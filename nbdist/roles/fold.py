@@ -1,13 +1,12 @@
 """A trial as its ranks train it: every fold of the trial is one ordinary training run
-(nbdist.train.runner.run_rank) on that fold's communicator, with the trial's parameters
-applied and the fold's share of the data. Batch studies (batch.py) and notebook studies
-(engine.py) both end here.
+(runner.run_rank) on that fold's communicator, with the trial's parameters applied and
+the fold's share of the data. Batch studies (batch_study.py, study.py) and notebook
+studies (engine.py) both end here.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any, Callable
 
 from nbdist.errors import UserError
@@ -15,20 +14,12 @@ from nbdist.hpo.runner import FoldOutcome
 from nbdist.hpo.trial import fold_split, run_name, trial_options, watched_metrics, with_params
 from nbdist.metrics.log import RecordSink
 from nbdist.options import StudyOptions, TrainOptions
+from nbdist.roles.runner import run_rank
 from nbdist.train.context import MetricNameError, TrialTag
 from nbdist.train.definition import ModelDefinition
 from nbdist.train.stopping import StopFlag
 
-__all__ = ["train_fold", "fold_of_run", "trial_definition"]
-
-_FOLD = re.compile(r"-trial(\d+)-fold(\d+)(?:-\d+)?$")
-
-
-def fold_of_run(run_id: str) -> tuple[int, int] | None:
-    """(trial, fold) of a study's run, from its name (a re-run gets a -N suffix)."""
-    match = _FOLD.search(run_id)
-    return (int(match.group(1)), int(match.group(2))) if match else None
-
+__all__ = ["train_fold", "trial_definition"]
 
 def trial_definition(base: ModelDefinition, params: dict[str, Any], fold: int, folds: int,
                      seed: int) -> ModelDefinition:
@@ -50,8 +41,6 @@ def train_fold(study: str, number: int, params: dict[str, Any], train: TrainOpti
     """Collective over `comm` (the fold's ranks). The fold leader's outcome carries the
     run's final metrics; an error that every rank agreed on comes back on every rank.
     Anything else (a crash on one rank only) is raised: the caller decides."""
-    from nbdist.train.runner import run_rank
-
     def build() -> ModelDefinition:
         base = definition() if callable(definition) else definition
         return trial_definition(base, params, fold, options.folds, train.seed)

@@ -24,11 +24,12 @@ from typing import Any, Callable
 
 from nbdist.errors import UserError
 from nbdist.metrics.log import RecordSink
+from nbdist.metrics.record import stopped_on_request
 from nbdist.options import TrainOptions
 from nbdist.train.checkpoint import Checkpoints
 from nbdist.train.context import RankContext, TrialTag, prepare
 from nbdist.train.definition import ModelDefinition
-from nbdist.train.progress import RunResult, stopped_on_request
+from nbdist.train.progress import RunResult
 from nbdist.train.stopping import StopFlag
 from nbdist.transport.faults import RunFailure, survivors, ulfm_enabled
 from nbdist.transport.waiting import Abandoned, watch_with
@@ -188,14 +189,14 @@ def _what_next(ctx: RankContext, failure: RunFailure, options: TrainOptions, att
 
 def _train_in_role(ctx: RankContext) -> RunResult | None:
     if ctx.options.topology == "allreduce":
-        from nbdist.topology.allreduce import run_allreduce
+        from nbdist.roles.allreduce import run_allreduce
 
         return run_allreduce(ctx)
-    from nbdist.topology.master import run_master
-    from nbdist.topology.worker import run_worker
+    from nbdist.roles.master import run_master
+    from nbdist.roles.worker import run_worker
 
     if ctx.role.is_sub_master:
-        from nbdist.topology.hierarchy import run_sub_master
+        from nbdist.roles.hierarchy import run_sub_master
 
         run_sub_master(ctx)
         return None

@@ -14,7 +14,7 @@ any rank (signal) stops every rank at the same step.
 Every rank waits for every other at each step, so a rank that dies or freezes ends the
 run: the reduction fails (MPI's fault tolerance reports the dead rank) or runs past the
 peer timeout (a roll call names the frozen one). With --max-restarts the survivors then
-go on from the last checkpoint on fewer ranks (train/runner.py).
+go on from the last checkpoint on fewer ranks (roles/runner.py).
 """
 
 from __future__ import annotations

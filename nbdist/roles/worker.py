@@ -27,7 +27,7 @@ import numpy as np
 
 from nbdist.backends.base import BatchStats
 from nbdist.data.sharding import split_evenly
-from nbdist.topology.membership import batches_for
+from nbdist.roles.membership import batches_for
 from nbdist.train.checkpoint import CheckpointError, Checkpoints
 from nbdist.train.context import RankContext, master_share
 from nbdist.train.lr import WorkerLr, rule_lr

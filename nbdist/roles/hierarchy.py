@@ -70,7 +70,7 @@ from typing import Any
 import numpy as np
 
 from nbdist.backends.base import BatchStats
-from nbdist.topology.master import (
+from nbdist.roles.master import (
     SUB_MASTER,
     Client,
     Master,

@@ -13,27 +13,14 @@ from typing import Any, Callable
 
 from nbdist.errors import UserError
 from nbdist.hpo.runner import StudyResult, StudyRunner
-from nbdist.hpo.space import parse_space
-from nbdist.hpo.trial import TrialError
+from nbdist.hpo.trial import check_study
 from nbdist.options import StudyOptions, TrainOptions
+from nbdist.roles.study import MPIGroups, serve_group
 from nbdist.store import store_path
 from nbdist.train.definition import ModelDefinition
 from nbdist.train.stopping import StopFlag
 
-__all__ = ["run_study", "check_study"]
-
-
-def check_study(study: StudyOptions, train: TrainOptions) -> None:
-    """What can be wrong before any rank trains (every rank checks the same)."""
-    study.validate()
-    train.validate()
-    if study.space:
-        parse_space(study.space)
-    if study.folds > 1 and train.train:
-        raise TrialError(f"K-fold cross-validation (--folds {study.folds}) needs data in memory; with --train "
-                         f"files, use --folds 1")
-    if study.resume_study and store_path(train.store, train.runs_dir) is None:
-        raise TrialError("--resume-study needs the run store the study was recorded in (not --store off)")
+__all__ = ["run_study"]
 
 
 def run_study(study: StudyOptions, train: TrainOptions, definition: ModelDefinition | Callable[[], ModelDefinition],
@@ -42,8 +29,7 @@ def run_study(study: StudyOptions, train: TrainOptions, definition: ModelDefinit
     from mpi4py import MPI
 
     from nbdist.layout import Layout
-    from nbdist.topology.study import MPIGroups, serve_group
-    from nbdist.train.context import agree
+    from nbdist.transport.agreement import agree
 
     comm = MPI.COMM_WORLD if comm is None else comm
     check_study(study, train)

@@ -28,7 +28,7 @@ dropped and the run goes on: from the next epoch its share of the data goes to t
 others (membership.py), the loss is recorded, and if it wakes up it is answered DROPPED.
 Synchronous (every round needs every worker), or a lost sub-master: the run cannot go
 on, and a RunFailure ends it (the survivors restart from the last checkpoint when the
-user allowed restarts; train/runner.py).
+user allowed restarts; roles/runner.py).
 
 Checkpoints. Synchronous runs checkpoint at epoch ends: every worker writes its share at
 its epoch boundary, the master when the epoch ends. Asynchronous workers are at different
@@ -53,7 +53,7 @@ from nbdist.algorithms.base import Update
 from nbdist.backends.base import BatchStats
 from nbdist.errors import TrainingError
 from nbdist.metrics.updates import UpdateSummary
-from nbdist.topology.membership import EpochMembers
+from nbdist.roles.membership import EpochMembers
 from nbdist.train.context import RankContext
 from nbdist.train.lr import lr_metrics, master_lr_for
 from nbdist.train.progress import EpochTally, RunResult, epoch_metrics, format_epoch, write_final
@@ -293,7 +293,7 @@ def run_master(ctx: RankContext) -> RunResult:
     me = Master(ctx)
     clients = worker_clients(ctx)
     if ctx.layout.masters > 1:
-        from nbdist.topology.hierarchy import sub_master_clients  # hierarchy builds on this module
+        from nbdist.roles.hierarchy import sub_master_clients  # hierarchy builds on this module
 
         clients += sub_master_clients(ctx)
     open_master(me, clients)

@@ -32,11 +32,11 @@ from typing import Any, Callable
 
 from mpi4py import MPI
 
-from nbdist.hpo.ranks import train_fold
 from nbdist.hpo.runner import EpochReport, FoldOutcome, TrialExecutor, TrialFinished
 from nbdist.hpo.trial import Trial
 from nbdist.layout import Communicators, Layout
 from nbdist.options import StudyOptions, TrainOptions
+from nbdist.roles.fold import train_fold
 from nbdist.train.definition import ModelDefinition
 from nbdist.train.stopping import StopFlag
 from nbdist.transport.collectives import Collectives

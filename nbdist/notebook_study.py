@@ -19,10 +19,16 @@ import threading
 import time
 from typing import Any
 
-from nbdist.hpo.ranks import fold_of_run
-from nbdist.hpo.runner import (EpochReport, FoldOutcome, StudyResult, StudyRunner, TrialExecutor, TrialFinished,
-                               new_study_name)
-from nbdist.hpo.trial import Trial, trial_options
+from nbdist.hpo.runner import (
+    EpochReport,
+    FoldOutcome,
+    StudyResult,
+    StudyRunner,
+    TrialExecutor,
+    TrialFinished,
+    new_study_name,
+)
+from nbdist.hpo.trial import Trial, fold_of_run, trial_options
 from nbdist.job import JobError
 from nbdist.layout import Layout
 from nbdist.options import StudyOptions, TrainOptions
@@ -130,7 +136,7 @@ class Study:
 
     def __init__(self, cluster: Any, options: StudyOptions, train: TrainOptions, *, what: dict[str, Any],
                  store: str | None, show_progress: bool = True):
-        from nbdist.hpo.batch import check_study
+        from nbdist.hpo.trial import check_study
 
         check_study(options, train)
         cluster.check_alive()

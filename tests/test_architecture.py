@@ -1,0 +1,65 @@
+"""The package layout keeps its arrows one way (ARCHITECTURE.md, section 3): no package
+imports another that imports it back, not even lazily inside a function, and the update
+rules import neither MPI nor a framework."""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "nbdist"
+
+
+def _imports(path: Path) -> set[str]:
+    """Every nbdist module or name a file imports, at any depth (lazy imports too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+    return found
+
+
+def _unit(path: Path) -> str:
+    """A sub-package's name, or a top-level module's."""
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return parts[0]
+
+
+def _graph() -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = defaultdict(set)
+    for path in PACKAGE.rglob("*.py"):
+        unit = _unit(path)
+        for name in _imports(path):
+            parts = name.split(".")
+            if parts[0] == "nbdist" and len(parts) > 1 and parts[1] != unit:
+                edges[unit].add(parts[1])
+    return edges
+
+
+def _cycle_from(start: str, edges: dict[str, set[str]]) -> list[str] | None:
+    stack, seen = [(start, [start])], set()
+    while stack:
+        unit, path = stack.pop()
+        for after in sorted(edges.get(unit, ())):
+            if after == start:
+                return path + [start]
+            if after not in seen:
+                seen.add(after)
+                stack.append((after, path + [after]))
+    return None
+
+
+def test_no_package_imports_one_that_imports_it_back():
+    edges = _graph()
+    assert edges["roles"] and edges["train"], "the graph was not read"
+    cycles = [c for c in (_cycle_from(unit, edges) for unit in sorted(edges)) if c]
+    assert not cycles, "import cycles between packages: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_update_rules_import_no_mpi_and_no_framework():
+    for path in (PACKAGE / "algorithms").glob("*.py"):
+        roots = {name.split(".")[0] for name in _imports(path)}
+        assert not roots & {"mpi4py", "torch", "tensorflow", "keras"}, (path.name, roots)
