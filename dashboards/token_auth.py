@@ -16,6 +16,9 @@ from nbdist.dashboard.access import TOKEN_ENV, TokenAuth, dashboard_token
 _auth = TokenAuth(dashboard_token())
 if TOKEN_ENV not in os.environ:
     print(f"nbdist: the dashboard's token (add ?token=... to the URL): {_auth.token}", flush=True)
+    # The app checks each session's token too (nbdist_dashboard.py): the same one, in this
+    # process only (a later change to the environment is not in /proc/PID/environ).
+    os.environ[TOKEN_ENV] = _auth.token
 get_user = _auth.get_user
 login_url = _auth.login_url
 login_handler = _auth.login_handler

@@ -279,21 +279,101 @@ def test_the_dashboard_needs_its_token_on_localhost_too(tmp_path):
         server.stop()
 
 
-def test_panel_serve_with_the_token_auth_module_wants_the_token(tmp_path):
-    RunStore(tmp_path / "nbdist.db").close()
-    port = free_port("127.0.0.1")
-    proc = subprocess.Popen([sys.executable, "-m", "panel", "serve", "dashboards/nbdist_dashboard.py", "--port",
-                             str(port), "--auth-module", "dashboards/token_auth.py", "--args", "--store",
-                             str(tmp_path / "nbdist.db")], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True, env={**os.environ, "NBDIST_DASHBOARD_TOKEN": "t0ken"})
+class PanelServe:
+    """`panel serve dashboards/nbdist_dashboard.py` on a free local port, with the token
+    auth module or without it."""
+
+    def __init__(self, store: Path, *, auth_module: bool, env: dict[str, str]):
+        port = free_port("127.0.0.1")
+        auth = ["--auth-module", "dashboards/token_auth.py"] if auth_module else []
+        environment = {k: v for k, v in os.environ.items() if k != "NBDIST_DASHBOARD_TOKEN"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "panel", "serve", "dashboards/nbdist_dashboard.py", "--port", str(port), *auth,
+             "--args", "--store", str(store)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True, env={**environment, **env})
+        self.lines = OutputLines(self.proc)
+        self.url = f"http://127.0.0.1:{port}/nbdist_dashboard"
+        if self.lines.wait_for(r"Bokeh app running at", 120) is None:
+            self.stop()
+            pytest.fail(f"panel serve did not start within 120 s:\n{self.lines.text}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=30)
+
+
+# Whether any model of the page's Bokeh documents holds a text in a property (a run's id
+# in the run picker, say).
+PAGE_HOLDS = """(text) => {
+  if (typeof Bokeh === "undefined") return false;
+  const holds = (value, depth) => depth < 6 && (typeof value === "string" ? value.includes(text)
+    : Array.isArray(value) ? value.some(v => holds(v, depth + 1))
+    : value instanceof Map ? [...value.values()].some(v => holds(v, depth + 1)) : false);
+  return Bokeh.documents.some(doc => [...doc._all_models.values()].some(
+    m => Object.values(m.properties).some(p => holds(p.get_value(), 0))));
+}"""
+
+
+def _store_with_a_named_run(path: Path, run_id: str) -> Path:
+    with RunStore(path) as store:
+        store.begin_run(run_id, run_dir=None, options={"topology": "allreduce", "epochs": 5}, layout={})
+    return path
+
+
+def test_panel_serve_with_the_token_auth_module_wants_the_token(tmp_path, browser):
+    store = _store_with_a_named_run(tmp_path / "nbdist.db", "run-of-the-owner")
+    server = PanelServe(store, auth_module=True, env={})  # a random token, printed by the auth module
+    page = browser.new_page()
     try:
-        url = f"http://127.0.0.1:{port}/nbdist_dashboard"
-        assert _wait(lambda: _get_or_none(url), 120, f"nothing answered at {url}") == 403
-        status, body, _ = _get(url + "?token=t0ken")
+        token = re.search(r"nbdist: the dashboard's token \(add \?token=\.\.\. to the URL\): (\S+)", server.lines.text)
+        assert token is not None, server.lines.text
+        assert _wait(lambda: _get_or_none(server.url), 120, f"nothing answered at {server.url}") == 403
+        status, body, _ = _get(f"{server.url}?token={token.group(1)}")
         assert status == 200 and "Bokeh" in body
+        # The app's own check takes the auth module's token: the page shows the run.
+        page.goto(f"{server.url}?token={token.group(1)}")
+        _wait(lambda: page.evaluate(PAGE_HOLDS, "run-of-the-owner"), 60, "the page never showed the run")
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
+        page.close()
+        server.stop()
+
+
+def test_panel_serve_without_the_auth_module_shows_no_run_without_the_token(tmp_path, browser):
+    store = _store_with_a_named_run(tmp_path / "nbdist.db", "run-of-the-owner")
+    server = PanelServe(store, auth_module=False, env={"NBDIST_DASHBOARD_TOKEN": "t0ken"})
+    page = browser.new_page()
+    try:
+        page.goto(server.url)
+        page.get_by_text("nbdist dashboard: token required").wait_for(timeout=60_000)
+        assert page.get_by_text("--auth-module dashboards/token_auth.py").count() == 1
+        assert not page.evaluate(PAGE_HOLDS, "run-of-the-owner")
+        page.goto(f"{server.url}?token=wrong")
+        page.get_by_text("nbdist dashboard: token required").wait_for(timeout=60_000)
+        assert not page.evaluate(PAGE_HOLDS, "run-of-the-owner")
+        page.goto(f"{server.url}?token=t0ken")
+        _wait(lambda: page.evaluate(PAGE_HOLDS, "run-of-the-owner"), 60, "the page never showed the run")
+    finally:
+        page.close()
+        server.stop()
+
+
+def test_a_served_session_needs_the_token_the_server_knows():
+    from bokeh.server.contexts import _RequestProxy
+
+    from nbdist.dashboard.access import session_has_token
+
+    def request(arguments=None, cookies=None, headers=None):
+        return _RequestProxy(None, arguments=arguments or {}, cookies=cookies or {}, headers=headers or {})
+
+    assert session_has_token(request(arguments={"token": [b"t0ken"]}), "t0ken")
+    assert session_has_token(request(cookies={"nbdist-dashboard-token": "t0ken"}), "t0ken")
+    assert session_has_token(request(headers={"Authorization": "token t0ken"}), "t0ken")
+    assert not session_has_token(request(arguments={"token": [b"wrong"]}), "t0ken")
+    # panel serve without the auth module and without $NBDIST_DASHBOARD_TOKEN: no token
+    # to compare with, no session shows the runs, whatever it gives.
+    assert not session_has_token(request(arguments={"token": [b""]}), None)
+    assert not session_has_token(request(arguments={"token": [b"anything"]}), None)
 
 
 JUPYTER_TOKEN = "the-jupyter-servers-own"

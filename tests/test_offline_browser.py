@@ -173,6 +173,17 @@ def _write_notebook(path: Path, cells: list[str]) -> None:
         "nbformat": 4, "nbformat_minor": 5}))
 
 
+def _drawn_trials(n: int) -> dict[str, int]:
+    """The points a study's plots draw for n finished trials: one per trial in the
+    population and the parallel coordinates (one path each); per trial, its fold spread,
+    its mean, and the best so far as steps (2n - 1 points)."""
+    return {"population": n, "trials": n + n + (2 * n - 1), "parallel-coordinates": n}
+
+
+def _study_points(offline: OfflinePage) -> dict[str, int | None]:
+    return {name: offline.points(name) for name in ("population", "trials", "parallel-coordinates")}
+
+
 def _drawn_plots(page, cell: int) -> int:
     """Plots (canvases of non-zero size) under a cell."""
     canvases = page.locator(".jp-Notebook .jp-Cell").nth(cell).locator("canvas")
@@ -211,36 +222,28 @@ def test_dashboards_under_notebook_cells_draw_without_the_internet(tmp_path, bro
         page.screenshot(path=str(ARTIFACTS / "notebook-offline-job.png"), full_page=True)
         run(3, "stopped")
 
-        # study.dashboard(): the first two trials are drawn, then the rest as they end.
+        # study.dashboard(): the first two trials are drawn, then the rest as they end, in
+        # every plot of the study.
         run(4)
         run(5)
-        study_plots = ("population", "trials", "parallel-coordinates")
-        _wait(lambda: offline.points("population") == 2, 120,
+        _wait(lambda: _study_points(offline) == _drawn_trials(2), 120,
               f"the study's dashboard did not show its first two trials (errors: {offline.errors})")
-        first = {name: offline.points(name) for name in study_plots}
-        assert all(first.values()) and _drawn_plots(page, 5) >= 3, first
+        assert _drawn_plots(page, 5) >= 3
         release.touch()
-        # The later trials reach the page as they end. KNOWN DEFECT, not yet found: under a
-        # notebook cell some updates of the study's plots never reach the browser (the
-        # kernel's plots hold every trial). In three runs here one plot or another stayed
-        # behind (population 2 of 6 while trials had all; population 5 of 6), so this
-        # asserts only that the study's plots, together, gain the trials that ended.
-        _wait(lambda: any(offline.points(name) > first[name] for name in study_plots), 120,
-              "the study's plots gained no trials")
+        _wait(lambda: _study_points(offline) == _drawn_trials(TRIALS), 180,
+              f"the study's plots did not all show its {TRIALS} trials (errors: {offline.errors})")
         page.screenshot(path=str(ARTIFACTS / "notebook-offline-study.png"), full_page=True)
         page.evaluate(RUN_CELL, 6)  # the study's end, the cluster stopped (else JupyterLab's shutdown stops it)
         _wait(lambda: page.evaluate(KERNEL_IDLE) == "idle", 240, "the last cell did not end")
 
-        # Everything that draws came from the Jupyter server. KNOWN DEFECT, not yet fixed:
-        # stylesheets of the Panel components a dashboard adds after its first display
-        # (the run view, the study's plots) are still linked from Panel's CDN (styles only).
-        assert not [url for url in offline.outside if not urlparse(url).path.endswith(".css")], offline.outside
+        # Everything the page loaded came from the Jupyter server: scripts, stylesheets, all.
+        assert not offline.outside, f"the notebook asked for resources outside this machine: {offline.outside}"
         assert not offline.errors, offline.errors
     except BaseException:
         page.screenshot(path=str(ARTIFACTS / "notebook-offline-failed.png"), full_page=True)
         for index in range(len(cells)):
             print(f"--- cell {index}:\n{page.evaluate(CELL_TEXT, index)}")
-        print("--- points:", {name: offline.points(name) for name in ("throughput", "population", "trials")})
+        print("--- points:", {"throughput": offline.points("throughput"), **_study_points(offline)})
         print("--- JupyterLab's log:\n" + "".join(lab.output.lines[-200:]))
         raise
     finally:

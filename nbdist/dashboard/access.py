@@ -32,7 +32,7 @@ from tornado.websocket import WebSocketHandler
 from nbdist.errors import UserError
 
 __all__ = ["TOKEN_ENV", "TokenError", "TokenAuth", "dashboard_token", "token_on_command_line",
-           "SameOriginWebsocket", "cookie_name"]
+           "SameOriginWebsocket", "cookie_name", "session_has_token", "TOKEN_REQUIRED_PAGE"]
 
 TOKEN_ENV = "NBDIST_DASHBOARD_TOKEN"
 
@@ -88,6 +88,33 @@ def cookie_name(port: int | None) -> str:
 REFUSED = "nbdist dashboard: token required; open the URL the server printed at start (it ends in ?token=...)"
 
 
+def _from_header(authorization: str) -> str | None:
+    scheme, _, value = authorization.partition(" ")
+    return value.strip() if scheme.lower() == "token" and value.strip() else None
+
+
+def _matches(given: str | None, token: str | None) -> bool:
+    return bool(given and token) and hmac.compare_digest(given.encode(), token.encode())
+
+
+# What `panel serve dashboards/nbdist_dashboard.py` shows a session without the token.
+TOKEN_REQUIRED_PAGE = f"""## nbdist dashboard: token required
+
+This server does not check the dashboard's token, so the dashboard shows nothing here.
+Serve it with `--auth-module dashboards/token_auth.py` (it prints the token), or with
+`python -m nbdist dashboard --store ...` (it prints the URL with its token); or set
+`{TOKEN_ENV}` for `panel serve` and open the page with `?token=...`."""
+
+
+def session_has_token(request: Any, token: str | None) -> bool:
+    """Whether the request that opened a served session (a Bokeh session context's
+    request) carries `token`, as `?token=`, the cookie TokenAuth sets, or an
+    `Authorization: token ...` header. No token to compare with: no."""
+    header = _from_header(request.headers.get("Authorization", ""))
+    argument = next(iter(request.arguments.get("token", [])), b"").decode() or None
+    return any(_matches(given, token) for given in (header, argument, request.cookies.get(cookie_name(None))))
+
+
 class _TokenRequired(RequestHandler):
     """Bokeh wants a login page; nothing is sent to it (requests without the token are
     refused where they arrive, see TokenAuth.get_user), but it answers 403 too."""
@@ -108,9 +135,9 @@ class TokenAuth(AuthProvider):
     def given(self, handler: RequestHandler) -> tuple[str | None, bool]:
         """The token the request gives, and whether it came as `?token=` (browsers cannot
         add query arguments or headers to a websocket: those use the cookie)."""
-        scheme, _, value = handler.request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() == "token" and value:
-            return value.strip(), False
+        header = _from_header(handler.request.headers.get("Authorization", ""))
+        if header is not None:
+            return header, False
         if not isinstance(handler, WebSocketHandler):
             argument = handler.get_argument("token", None)
             if argument is not None:
@@ -121,7 +148,7 @@ class TokenAuth(AuthProvider):
     def get_user(self) -> Any:
         def user(handler: RequestHandler) -> str | None:
             given, in_url = self.given(handler)
-            if not given or not hmac.compare_digest(given.encode(), self.token.encode()):
+            if not _matches(given, self.token):
                 raise HTTPError(403, reason=REFUSED)
             if in_url:
                 handler.set_cookie(self.cookie, given, path=self.cookie_path, httponly=True, samesite="Strict")

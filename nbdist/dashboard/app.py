@@ -20,6 +20,7 @@ import panel as pn
 
 from nbdist.dashboard.frames import RunFrames
 from nbdist.dashboard.layout_view import layout_html
+from nbdist.dashboard.panes import LiveMarkdown, NotebookPage
 from nbdist.dashboard.plots import RunPlots, phase_legend, queue_model_staleness
 from nbdist.dashboard.sources import JobSource, RecordSource, RunInfo, StoreSource, run_choices
 from nbdist.dashboard.study_view import StudyPlots
@@ -60,8 +61,8 @@ class _RunView:
         self.plots = RunPlots(ranks, workers, metric=metric,
                               staleness_reference=queue_model_staleness(info.layout, info.options),
                               every_samples=info.options.get("validate_every_samples"))
-        self.header = pn.pane.Markdown("", sizing_mode="stretch_width", name="nbdist-header")
-        self.events = pn.pane.Markdown("", sizing_mode="stretch_width", name="nbdist-events")
+        self.header = LiveMarkdown("", sizing_mode="stretch_width", name="nbdist-header")
+        self.events = LiveMarkdown("", sizing_mode="stretch_width", name="nbdist-events")
         self.event_lines: list[str] = []
         self.latest: dict[str, Any] = {}
         self.records = 0
@@ -140,7 +141,7 @@ class Dashboard:
         # A static page (live=False: an export) gets no pickers: nothing would answer them.
         parts = [pn.pane.Markdown("## nbdist dashboard")] + ([self.controls] if live and len(self.controls) else [])
         parts += [self.body] + ([self.study_body] if self.study is not None else [])
-        self.page = pn.Column(*parts, name="nbdist-dashboard")
+        self.page = NotebookPage(*parts, name="nbdist-dashboard")
 
     # -- the store's pickers --------------------------------------------------------------
     def _build_pickers(self, run: str | None, study: str | None) -> None:
