@@ -191,7 +191,8 @@ def test_argparse_round_trip_of_every_field(tmp_path):
                    runs_dir="elsewhere", store="runs/other.db", run_name="r1",
                    threads=2, bucket_mb=4.0, quiet=True, train="t_*.h5", val="v.h5", cache_dir="/tmp/c",
                    data_keys="x,y", gan=True, d_steps=2, lr_scaling="sqrt", warmup_epochs=1.5,
-                   worker_lr_schedule="steplr(step_size=2)", master_lr_schedule="cosineannealinglr(T_max=4)")
+                   worker_lr_schedule="steplr(step_size=2)", master_lr_schedule="cosineannealinglr(T_max=4)",
+                   trace_updates=True)
     assert set(changed) == {f.name for f in dataclasses.fields(TrainOptions)}
     opts = TrainOptions(**changed)
     argv = []
