@@ -11,8 +11,9 @@ __all__ = ["Backend", "BatchStats", "FlatOptimizer", "ModelError", "Framework", 
            "backend_for", "configure_frameworks", "framework_of"]
 
 
-def backend_for(model: Any, loss: Any = None, metric: Any = "accuracy", *, sample: Any = None) -> Backend:
+def backend_for(model: Any, loss: Any = None, metric: Any = "accuracy", *, sample: Any = None,
+                precision: str = "fp32") -> Backend:
     """The backend for `model`'s framework, chosen from its type. `sample`: a few input
     rows, for frameworks that build a model's weights on its first call (Keras). (A GAN,
     a generator and a discriminator trained as one, gets its backend from nbdist.gan.)"""
-    return framework_of(model).backend(model, loss, metric, sample)
+    return framework_of(model).backend(model, loss, metric, sample, precision)

@@ -40,11 +40,12 @@ class Framework(ABC):
         """Before the user's code runs: what the framework reads when it starts."""
 
     @abstractmethod
-    def configure(self, threads: int, seed: int) -> None:
-        """Threads per rank and the seed of every generator the weights are drawn from."""
+    def configure(self, threads: int, seed: int, precision: str = "fp32") -> None:
+        """Threads per rank, the seed of every generator the weights are drawn from, and
+        what a model made from now on computes in (--precision)."""
 
     @abstractmethod
-    def backend(self, model: Any, loss: Any, metric: Any, sample: Any) -> Backend: ...
+    def backend(self, model: Any, loss: Any, metric: Any, sample: Any, precision: str = "fp32") -> Backend: ...
 
     @abstractmethod
     def optimizer_names(self) -> list[str]: ...
@@ -59,16 +60,16 @@ class TorchFramework(Framework):
         torch = sys.modules.get("torch")
         return torch is not None and isinstance(model, torch.nn.Module)
 
-    def configure(self, threads: int, seed: int) -> None:
+    def configure(self, threads: int, seed: int, precision: str = "fp32") -> None:
         import torch
 
         torch.set_num_threads(threads)
         torch.manual_seed(seed)
 
-    def backend(self, model: Any, loss: Any, metric: Any, sample: Any) -> Backend:
+    def backend(self, model: Any, loss: Any, metric: Any, sample: Any, precision: str = "fp32") -> Backend:
         from nbdist.backends.torch import TorchBackend
 
-        return TorchBackend(model, loss, metric)
+        return TorchBackend(model, loss, metric, precision)
 
     def optimizer_names(self) -> list[str]:
         from nbdist.backends.torch import torch_optimizers
@@ -97,9 +98,11 @@ class KerasFramework(Framework):
         # One start-up banner per rank says nothing; TF_CPP_MIN_LOG_LEVEL=0 brings it back.
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-    def configure(self, threads: int, seed: int) -> None:
+    def configure(self, threads: int, seed: int, precision: str = "fp32") -> None:
         import keras
         import tensorflow as tf
+
+        from nbdist.backends.keras import DTYPE_POLICIES
 
         try:
             tf.config.threading.set_intra_op_parallelism_threads(threads)
@@ -108,11 +111,14 @@ class KerasFramework(Framework):
             pass  # TensorFlow has started: prepare_environment() sized its pools
         # Python's and numpy's generators too: Keras draws initialiser seeds from them.
         keras.utils.set_random_seed(seed)
+        # Layers take the global policy when they are made, so it is set before the user's
+        # build_model() runs (and back to float32 for a run that asks for fp32).
+        keras.mixed_precision.set_global_policy(DTYPE_POLICIES[precision])
 
-    def backend(self, model: Any, loss: Any, metric: Any, sample: Any) -> Backend:
+    def backend(self, model: Any, loss: Any, metric: Any, sample: Any, precision: str = "fp32") -> Backend:
         from nbdist.backends.keras import KerasBackend
 
-        return KerasBackend(model, loss, metric, sample=sample)
+        return KerasBackend(model, loss, metric, sample=sample, precision=precision)
 
     def optimizer_names(self) -> list[str]:
         from nbdist.backends.keras import keras_optimizers
@@ -135,13 +141,14 @@ def framework_of(model: Any) -> Framework:
     raise ModelError(f"the model is a {kind}; nbdist trains torch.nn.Module and keras.Model models")
 
 
-def configure_frameworks(threads: int, seed: int) -> None:
-    """Threads and seed for every framework the user's code has imported so far, and the
-    environment of those it imports later. Called before and after the user's code runs."""
+def configure_frameworks(threads: int, seed: int, precision: str = "fp32") -> None:
+    """Threads, seed and precision for every framework the user's code has imported so far,
+    and the environment of those it imports later. Called before and after the user's code
+    runs."""
     for framework in FRAMEWORKS:
         framework.prepare_environment(threads)
         if framework.imported():
-            framework.configure(threads, seed)
+            framework.configure(threads, seed, precision)
 
 
 def unknown_optimizer(framework: Framework, name: str, known: list[str]) -> SpecError:

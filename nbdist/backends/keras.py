@@ -25,12 +25,16 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from nbdist.backends.base import (SCRATCH_SIZE, Backend, BatchStats, FlatOptimizer, LrSchedule, ModelError,
-                                  step_on_scratch)
+from nbdist.backends.base import (SCRATCH_SIZE, Backend, BatchStats, DynamicLossScale, FlatOptimizer, LrSchedule,
+                                  ModelError, step_on_scratch)
 from nbdist.backends.frameworks import KERAS, unknown_optimizer
 from nbdist.specs import Spec, SpecError, ValueRange, check_kwargs, unknown_name
 
-__all__ = ["KerasBackend", "KerasFlatOptimizer", "KerasLrSchedule", "keras_optimizers", "keras_lr_schedules", "FlatVariables", "Traced", "aligned_zeros"]
+__all__ = ["KerasBackend", "DTYPE_POLICIES", "KerasFlatOptimizer", "KerasLrSchedule", "keras_optimizers", "keras_lr_schedules", "FlatVariables", "Traced", "aligned_zeros"]
+
+# --precision as Keras' dtype policies: mixed ones keep the variables (here the flat
+# buffers) float32 and compute in the lower precision.
+DTYPE_POLICIES = {"fp32": "float32", "bf16": "mixed_bfloat16", "fp16": "mixed_float16"}
 
 # Wrappers around another optimiser, not optimisers of their own.
 _UNSUITABLE = {"optimizer", "lossscaleoptimizer", "multioptimizer"}
@@ -328,15 +332,28 @@ def check_model(model: Any, what: str = "model") -> None:
                          f"e.g. keras.Sequential([layer])")
 
 
+def check_policy(model: keras.Model, precision: str) -> None:
+    """The model's layers compute in the dtype --precision asks for: Keras fixes a layer's
+    policy when it is made, from the global policy nbdist sets before build_model() runs."""
+    policy = getattr(model.dtype_policy, "name", str(model.dtype_policy))
+    if policy != DTYPE_POLICIES[precision]:
+        raise ModelError(f"--precision {precision}: the Keras model was made with the dtype policy {policy!r}, "
+                         f"not {DTYPE_POLICIES[precision]!r}: make it inside build_model(), after nbdist has set "
+                         f"the policy (keras.mixed_precision.set_global_policy), or leave --precision out")
+
+
 def call_kwargs(model: keras.Model, training: bool) -> dict[str, Any]:
     # Models whose call() takes no `training` argument (some subclassed ones) get none.
     return {"training": training} if "training" in inspect.signature(model.call).parameters else {}
 
 
 class KerasBackend(Backend):
-    def __init__(self, model: keras.Model, loss: Any = None, metric: Any = "accuracy", *, sample: Any = None):
+    def __init__(self, model: keras.Model, loss: Any = None, metric: Any = "accuracy", *, sample: Any = None,
+                 precision: str = "fp32"):
         check_model(model)
+        check_policy(model, precision)
         build_models([model], [sample])
+        self.loss_scale = DynamicLossScale() if precision == "fp16" else None
         self.model = model
         self._flat = FlatVariables([model])
         if not self._flat.params.size:
@@ -364,6 +381,9 @@ class KerasBackend(Backend):
         (trainable,), (non_trainable,) = self._flat.unpack(params, state, others)
         y_pred, non_trainable, extra = self.model.stateless_call(
             trainable, non_trainable, x, return_losses=True, **kwargs)
+        # Under a mixed policy the output is bf16/fp16: the loss and metric are taken in
+        # float32, as Keras' own compiled loss takes them.
+        y_pred = tf.cast(y_pred, tf.float32)
         target = self._target(y, y_pred)
         loss = self._loss(target, y_pred)
         if extra:  # add_loss() and weight regularisers, as model.compute_loss adds them
@@ -371,12 +391,14 @@ class KerasBackend(Backend):
         metric = self._metric(target, y_pred) if self._metric else tf.zeros(())
         return loss, metric, non_trainable
 
-    def _train_step(self, params, state, others, x, y, scale):
+    def _train_step(self, params, state, others, x, y, scale, unscale):
         with tf.GradientTape() as tape:
             tape.watch(params)
             loss, metric, non_trainable = self._forward(params, state, others, x, y, self._train_kwargs)
             scaled = loss * scale
         grad = tape.gradient(scaled, params, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        if self.loss_scale is not None:  # decided when traced: fp32 and bf16 pay nothing
+            grad = grad * unscale
         new_state, new_others = self._flat.pack([non_trainable])
         return grad, new_state, new_others, loss, metric
 
@@ -386,9 +408,16 @@ class KerasBackend(Backend):
 
     # -- training ---------------------------------------------------------------------
     def compute_gradients(self, x: Any, y: Any, *, scale: float = 1.0) -> BatchStats:
+        loss_scale = 1.0
+        if self.loss_scale is not None:
+            self.loss_scale.settle(self.grads)
+            loss_scale = self.loss_scale.scale
         grad, state, others, loss, metric = self._train(
-            self.params, self.state, self._flat.others, x, y, np.array(scale, np.float32))
+            self.params, self.state, self._flat.others, x, y, np.array(scale * loss_scale, np.float32),
+            np.array(1.0 / loss_scale, np.float32))
         np.copyto(self.grads, grad.numpy())
+        if self.loss_scale is not None:
+            self.loss_scale.pending = True
         self._flat.store(self.state, state, others)
         if self._on_ready is not None:
             for i in range(len(self._buckets)):
@@ -429,16 +458,17 @@ class KerasBackend(Backend):
         return step_on_scratch(spec, lambda scratch: KerasFlatOptimizer(spec, scratch), aligned_zeros(SCRATCH_SIZE))
 
     def make_optimizer(self, spec: Spec, params: np.ndarray | None = None) -> KerasFlatOptimizer:
-        return KerasFlatOptimizer(spec, self.params if params is None else params)
+        return self._overflow_guard(KerasFlatOptimizer(spec, self.params if params is None else params))
 
     # -- state ------------------------------------------------------------------------
     def named_arrays(self) -> dict[str, np.ndarray]:
         return named_arrays(self._flat, self._models, self.params, self.state, self._prefixes)
 
     def rng_state(self) -> dict[str, np.ndarray]:
-        return {f"keras_{i}": np.array(a) for i, a in enumerate(self._flat.others)}
+        return {**{f"keras_{i}": np.array(a) for i, a in enumerate(self._flat.others)}, **self._loss_scale_state()}
 
     def set_rng_state(self, arrays: dict[str, np.ndarray]) -> None:
+        self._load_loss_scale_state(arrays)
         for i, array in enumerate(self._flat.others):
             if f"keras_{i}" in arrays:
                 array[...] = arrays[f"keras_{i}"]
