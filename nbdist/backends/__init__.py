@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from nbdist.backends.base import Backend, BatchStats, FlatOptimizer, ModelError
-from nbdist.backends.frameworks import FRAMEWORKS, Framework, configure_frameworks, framework_of
+from nbdist.backends.frameworks import FRAMEWORKS, Framework, configure_frameworks, framework_of, making_models
 
 __all__ = ["Backend", "BatchStats", "FlatOptimizer", "ModelError", "Framework", "FRAMEWORKS",
-           "backend_for", "configure_frameworks", "framework_of"]
+           "backend_for", "configure_frameworks", "framework_of", "making_models"]
 
 
 def backend_for(model: Any, loss: Any = None, metric: Any = "accuracy", *, sample: Any = None,

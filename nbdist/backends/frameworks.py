@@ -9,15 +9,17 @@ nbdist talks to the Backend it returns.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from typing import Any, ClassVar, ContextManager, Iterator
 
 from nbdist.backends.base import Backend, ModelError
 from nbdist.specs import SpecError, unknown_name
 
-__all__ = ["Framework", "FRAMEWORKS", "TORCH", "KERAS", "framework_of", "configure_frameworks", "unknown_optimizer"]
+__all__ = ["Framework", "FRAMEWORKS", "TORCH", "KERAS", "framework_of", "configure_frameworks", "making_models",
+           "unknown_optimizer"]
 
 
 class Framework(ABC):
@@ -40,9 +42,13 @@ class Framework(ABC):
         """Before the user's code runs: what the framework reads when it starts."""
 
     @abstractmethod
-    def configure(self, threads: int, seed: int, precision: str = "fp32") -> None:
-        """Threads per rank, the seed of every generator the weights are drawn from, and
-        what a model made from now on computes in (--precision)."""
+    def configure(self, threads: int, seed: int) -> None:
+        """Threads per rank and the seed of every generator the weights are drawn from."""
+
+    def making_models(self, precision: str) -> ContextManager[None]:
+        """While models are made: what they compute in, where the framework fixes that
+        when a model is made (--precision)."""
+        return contextlib.nullcontext()
 
     @abstractmethod
     def backend(self, model: Any, loss: Any, metric: Any, sample: Any, precision: str = "fp32") -> Backend: ...
@@ -60,7 +66,7 @@ class TorchFramework(Framework):
         torch = sys.modules.get("torch")
         return torch is not None and isinstance(model, torch.nn.Module)
 
-    def configure(self, threads: int, seed: int, precision: str = "fp32") -> None:
+    def configure(self, threads: int, seed: int) -> None:
         import torch
 
         torch.set_num_threads(threads)
@@ -98,11 +104,9 @@ class KerasFramework(Framework):
         # One start-up banner per rank says nothing; TF_CPP_MIN_LOG_LEVEL=0 brings it back.
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-    def configure(self, threads: int, seed: int, precision: str = "fp32") -> None:
+    def configure(self, threads: int, seed: int) -> None:
         import keras
         import tensorflow as tf
-
-        from nbdist.backends.keras import DTYPE_POLICIES
 
         try:
             tf.config.threading.set_intra_op_parallelism_threads(threads)
@@ -111,9 +115,21 @@ class KerasFramework(Framework):
             pass  # TensorFlow has started: prepare_environment() sized its pools
         # Python's and numpy's generators too: Keras draws initialiser seeds from them.
         keras.utils.set_random_seed(seed)
-        # Layers take the global policy when they are made, so it is set before the user's
-        # build_model() runs (and back to float32 for a run that asks for fp32).
+
+    @contextlib.contextmanager
+    def making_models(self, precision: str) -> Iterator[None]:
+        # A layer takes the global dtype policy when it is made: set for build_model(), then
+        # put back, so that the user's own models (or a PyTorch run's) are left as they were.
+        import keras
+
+        from nbdist.backends.keras import DTYPE_POLICIES
+
+        previous = keras.mixed_precision.global_policy()
         keras.mixed_precision.set_global_policy(DTYPE_POLICIES[precision])
+        try:
+            yield
+        finally:
+            keras.mixed_precision.set_global_policy(previous)
 
     def backend(self, model: Any, loss: Any, metric: Any, sample: Any, precision: str = "fp32") -> Backend:
         from nbdist.backends.keras import KerasBackend
@@ -141,14 +157,23 @@ def framework_of(model: Any) -> Framework:
     raise ModelError(f"the model is a {kind}; nbdist trains torch.nn.Module and keras.Model models")
 
 
-def configure_frameworks(threads: int, seed: int, precision: str = "fp32") -> None:
-    """Threads, seed and precision for every framework the user's code has imported so far,
-    and the environment of those it imports later. Called before and after the user's code
-    runs."""
+def configure_frameworks(threads: int, seed: int) -> None:
+    """Threads and seed for every framework the user's code has imported so far, and the
+    environment of those it imports later. Called before and after the user's code runs."""
     for framework in FRAMEWORKS:
         framework.prepare_environment(threads)
         if framework.imported():
-            framework.configure(threads, seed, precision)
+            framework.configure(threads, seed)
+
+
+@contextlib.contextmanager
+def making_models(precision: str) -> Iterator[None]:
+    """Around the user's build_model(): --precision for every framework imported by then."""
+    with contextlib.ExitStack() as stack:
+        for framework in FRAMEWORKS:
+            if framework.imported():
+                stack.enter_context(framework.making_models(precision))
+        yield
 
 
 def unknown_optimizer(framework: Framework, name: str, known: list[str]) -> SpecError:

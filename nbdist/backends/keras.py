@@ -337,9 +337,12 @@ def check_policy(model: keras.Model, precision: str) -> None:
     policy when it is made, from the global policy nbdist sets before build_model() runs."""
     policy = getattr(model.dtype_policy, "name", str(model.dtype_policy))
     if policy != DTYPE_POLICIES[precision]:
+        matching = [name for name, known in DTYPE_POLICIES.items() if known == policy]
+        hint = f"give --precision {matching[0]} for this model" if matching else "make it with one of " + \
+            ", ".join(DTYPE_POLICIES.values())
         raise ModelError(f"--precision {precision}: the Keras model was made with the dtype policy {policy!r}, "
                          f"not {DTYPE_POLICIES[precision]!r}: make it inside build_model(), after nbdist has set "
-                         f"the policy (keras.mixed_precision.set_global_policy), or leave --precision out")
+                         f"the policy (keras.mixed_precision.set_global_policy), or {hint}")
 
 
 def call_kwargs(model: keras.Model, training: bool) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import numpy as np
 
 from nbdist.algorithms import Algorithm, make_algorithm
-from nbdist.backends import Backend, backend_for, configure_frameworks
+from nbdist.backends import Backend, backend_for, configure_frameworks, making_models
 from nbdist.backends.base import ModelError
 from nbdist.data.base import Data, DataError
 from nbdist.data.sharding import ShardPlan
@@ -267,11 +267,11 @@ def prepare(
                                                             options.synchronous, options.momentum_correction)
         resume_from, damaged = (_find_resume(options, layout) if restart_of is None
                                 else Checkpoints(restart_of).latest_intact())
-        configure_frameworks(options.threads, options.seed, options.precision)
+        configure_frameworks(options.threads, options.seed)
         definition = definition() if callable(definition) else definition
         # Again for the frameworks the user's code imported: the same seed on every rank
         # gives identical initial replicas even before the first sync.
-        configure_frameworks(options.threads, options.seed, options.precision)
+        configure_frameworks(options.threads, options.seed)
         data = _make_data(options, definition)
         check_data_size(data, layout, options)
         sample, _ = data.train_batch(np.arange(min(SAMPLE_ROWS, data.n_train)))
@@ -470,8 +470,9 @@ def _replica_factory(definition: ModelDefinition, options: TrainOptions, sample:
     def make() -> Backend:
         if options.gan:
             return gan_backend(definition.make_gan(options.d_steps), sample)
-        return backend_for(definition.make_model(), definition.loss, definition.metric, sample=sample,
-                           precision=options.precision)
+        with making_models(options.precision):
+            model = definition.make_model()
+        return backend_for(model, definition.loss, definition.metric, sample=sample, precision=options.precision)
 
     return make
 
