@@ -367,3 +367,7 @@ def test_fp16_skips_an_overflowed_step_and_the_model_must_be_made_under_the_poli
         backend.compute_gradients(x, y)
         opt.step(backend.grads)
     assert backend.loss_scale.scale < 2.0**40 and not np.array_equal(backend.params, before)
+    # The scale is checkpointed with the RNG state (as PyTorch's; its exact resume: test_backend_torch).
+    resumed = KerasBackend(mixed, precision="fp16")
+    resumed.set_rng_state(backend.rng_state())
+    assert resumed.loss_scale.scale == backend.loss_scale.scale
