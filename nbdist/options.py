@@ -29,6 +29,8 @@ MOMENTUM_CORRECTIONS = ("auto", "off")
 # How the learning rate grows with the number of workers W (train/lr.py). One constant:
 # the convergence bench may change the default.
 LR_SCALINGS = ("none", "linear", "sqrt")
+# What --precision takes (the backends map each to their framework's dtypes).
+PRECISIONS = ("fp32", "bf16", "fp16")
 DEFAULT_LR_SCALING = "none"
 
 
@@ -106,6 +108,10 @@ class TrainOptions:
                                    "nothing)")
     run_name: str | None = _opt(None, "name of the run directory (default: time, algorithm, topology)")
     threads: int = _opt(1, "framework threads per rank (torch, TensorFlow)")
+    precision: str = _opt("fp32", "fp32, bf16 or fp16: what the forward and backward passes compute in (torch.autocast; "
+                                  "Keras' mixed_bfloat16/mixed_float16 policy); weights, gradients and optimizers stay "
+                                  "float32; fp16 scales the loss (steps whose gradient overflows are skipped)",
+                          choices=PRECISIONS)
     bucket_mb: float = _opt(2.0, "allreduce bucket size in MB (gradients reduced while backward runs)")
     quiet: bool = _opt(False, "print only the final summary")
     trace_updates: bool = _opt(False, "also record every update the master applies (source rank, staleness, "
@@ -148,6 +154,10 @@ class TrainOptions:
         if self.keep_checkpoints < 2:
             raise OptionsError(f"--keep-checkpoints must be at least 2 (the previous checkpoint is the fallback "
                                f"when the latest is damaged), got {self.keep_checkpoints}")
+        if self.precision not in PRECISIONS:
+            raise OptionsError(f"--precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}")
+        if self.gan and self.precision != "fp32":
+            raise OptionsError(f"--precision {self.precision} is for models; --gan trains in fp32")
         if self.lr_scaling not in LR_SCALINGS:
             raise OptionsError(f"--lr-scaling {self.lr_scaling!r}: choose one of {', '.join(LR_SCALINGS)}")
         if self.warmup_epochs < 0:

@@ -323,3 +323,51 @@ def test_learning_rate_set_between_compiled_steps_and_schedules_by_name():
         backend.checked_lr_schedule(parse_spec("cosine"), 0.2)
     with pytest.raises(SpecError, match="'cosinedecay' takes no parameter 'steps'; it takes: initial_learning_rate"):
         backend.checked_lr_schedule(parse_spec("cosinedecay(steps=3)"), 0.2)
+
+
+# ----------------------------------------------------------------------- precision
+@pytest.fixture
+def restores_the_dtype_policy():
+    yield
+    keras.mixed_precision.set_global_policy("float32")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_digits_learns_in_each_precision(precision, tmp_path):
+    from mpi4py import MPI
+
+    import nbdist
+
+    result = nbdist.train(os.path.join(ROOT, "examples", "digits_keras.py"), comm=MPI.COMM_SELF,
+                          topology="allreduce", epochs=3, precision=precision, runs_dir=str(tmp_path),
+                          store="off", quiet=True)
+    assert result.history[-1]["val_acc"] >= 0.85
+    # The policy was set while build_model() ran (the backend checks the model's), then put back.
+    assert keras.mixed_precision.global_policy().name == "float32"
+
+
+def test_fp16_skips_an_overflowed_step_and_the_model_must_be_made_under_the_policy(restores_the_dtype_policy):
+    with pytest.raises(ModelError, match="--precision fp16: the Keras model was made with the dtype policy "
+                                         "'float32', not 'mixed_float16'"):
+        KerasBackend(mlp(), precision="fp16")
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    mixed = mlp()
+    with pytest.raises(ModelError, match="'mixed_float16', not 'float32'.*give --precision fp16 for this model"):
+        KerasBackend(mixed)
+    backend = KerasBackend(mixed, precision="fp16")
+    opt = backend.make_optimizer(parse_spec("sgd(lr=0.1)"))
+    x, y = data()
+    backend.loss_scale.scale = 2.0**40  # beyond fp16's 65504 in the backward pass
+    before = backend.params.copy()
+    backend.compute_gradients(x, y)
+    opt.step(backend.grads)
+    assert opt.skipped == 1 and not np.isfinite(backend.grads).all()
+    np.testing.assert_array_equal(backend.params, before)
+    while not np.isfinite(backend.grads).all():
+        backend.compute_gradients(x, y)
+        opt.step(backend.grads)
+    assert backend.loss_scale.scale < 2.0**40 and not np.array_equal(backend.params, before)
+    # The scale is checkpointed with the RNG state (as PyTorch's; its exact resume: test_backend_torch).
+    resumed = KerasBackend(mixed, precision="fp16")
+    resumed.set_rng_state(backend.rng_state())
+    assert resumed.loss_scale.scale == backend.loss_scale.scale

@@ -375,3 +375,89 @@ def test_models_that_cannot_be_trained():
     with pytest.raises(ModelError, match="nbdist trains torch.nn.Module"):
         backend_for(object())
     assert isinstance(backend_for(nn.Linear(2, 2)), TorchBackend)
+
+
+# ----------------------------------------------------------------------------- precision
+def digits_run(model: str, precision: str, runs_dir) -> dict:
+    """Three epochs of digits on one allreduce rank (its gradient goes through the bucket
+    hooks) in `precision`; the last epoch's metrics."""
+    from mpi4py import MPI
+
+    import nbdist
+
+    root = __import__("pathlib").Path(__file__).resolve().parent.parent
+    result = nbdist.train(root / "examples" / model, comm=MPI.COMM_SELF, topology="allreduce", epochs=3,
+                          precision=precision, runs_dir=str(runs_dir), store="off", quiet=True)
+    return result.history[-1]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_digits_learns_in_each_precision(precision, tmp_path):
+    assert digits_run("digits_mlp.py", precision, tmp_path)["val_acc"] >= 0.85
+
+
+def overflowing_fp16(scale: float) -> tuple[TorchBackend, "object"]:
+    backend = TorchBackend(mlp(), precision="fp16")
+    backend.loss_scale.scale = scale
+    return backend, backend.make_optimizer(parse_spec("sgd(lr=0.1, momentum=0.9)"))
+
+
+def test_fp16_autocasts_and_skips_an_overflowed_step_then_recovers():
+    x, y = data(n=32)
+    # 2**40 times the loss overflows fp16's range (65504) in the backward pass.
+    backend, opt = overflowing_fp16(2.0**40)
+    outputs = []
+    backend.model.register_forward_hook(lambda _m, _i, out: outputs.append(out.dtype))
+    before = backend.params.copy()
+    backend.compute_gradients(x, y)
+    assert outputs == [torch.float16]  # the forward pass ran in fp16
+    assert not np.isfinite(backend.grads).all()
+    opt.step(backend.grads)
+    assert opt.skipped == 1
+    np.testing.assert_array_equal(backend.params, before)  # skipped: weights and momentum untouched
+    # Each overflow halves the scale at the next backward, until the gradient fits.
+    steps = 0
+    while not np.isfinite(backend.grads).all():
+        backend.compute_gradients(x, y)
+        opt.step(backend.grads)
+        steps += 1
+    assert 1 <= steps < 40 and backend.loss_scale.scale < 2.0**40 and opt.skipped == steps
+    assert not np.array_equal(backend.params, before)
+    # Unscaled: the same gradient as fp32 autocast-free up to fp16 rounding.
+    reference = TorchBackend(copy.deepcopy(backend.model))
+    backend.compute_gradients(x, y)
+    reference.compute_gradients(x, y)
+    np.testing.assert_allclose(backend.grads, reference.grads, atol=2e-2)
+
+
+def test_fp16_resumes_exactly_with_the_loss_scale(tmp_path):
+    """A checkpoint right after an overflow holds the halved scale: resuming from it takes
+    the same steps as not stopping."""
+    from nbdist.train.checkpoint import Checkpoints
+
+    x, y = data(n=32)
+    a, opt_a = overflowing_fp16(2.0**22)
+    twin = copy.deepcopy(a.model)
+
+    def steps(backend, opt, n):
+        for _ in range(n):
+            backend.compute_gradients(x, y)
+            opt.step(backend.grads)
+
+    steps(a, opt_a, 3)
+    assert opt_a.skipped == 3 and not np.isfinite(a.grads).all()  # the scale halves at the next backward
+    ckpt = Checkpoints(tmp_path)
+    ckpt.write_rank("epoch-0001", 0, {"model": {"params": a.params, "state": a.state},
+                                      "opt": opt_a.state_arrays(), "rng": a.rng_state()}, {})
+    ckpt.commit("epoch-0001", {})
+    steps(a, opt_a, 20)
+    arrays, _ = Checkpoints.read_rank(ckpt.latest(), 0)
+    b = TorchBackend(twin, precision="fp16")
+    b.params[:] = arrays["model"]["params"]
+    opt_b = b.make_optimizer(parse_spec("sgd(lr=0.1, momentum=0.9)"))
+    opt_b.load_state_arrays(arrays.get("opt", {}))
+    b.set_rng_state(arrays["rng"])
+    assert b.loss_scale.scale == 2.0**19  # 2**22 halved by each of the three overflows
+    steps(b, opt_b, 20)
+    np.testing.assert_array_equal(b.params, a.params)
+    assert (b.loss_scale.scale, b.loss_scale.good_steps) == (a.loss_scale.scale, a.loss_scale.good_steps)

@@ -65,7 +65,8 @@ def allreduce_weights(tmp_path_factory):
     directory = tmp_path_factory.mktemp("allreduce")
     done = run_mpi(4, [str(SCRIPTS / "allreduce_equivalence.py"), str(directory), str(STEPS)], timeout=180)
     assert done.returncode == 0, done.output
-    assert done.stdout.count("OK ") == 4, done.output
+    assert done.stdout.count("OK ") == 5, done.output
+    (directory / "stdout.txt").write_text(done.stdout)
     return directory
 
 
@@ -78,6 +79,14 @@ def test_allreduce_equals_one_process_on_the_concatenated_batch(allreduce_weight
     # The comparison means something only if training moved the weights a lot more than TOL.
     assert moved(expected, state_dict_arrays(common.initial_model())) > 0.1
     assert_weights_close(got, expected)
+
+
+def test_an_fp16_overflow_on_one_rank_is_skipped_by_every_rank(allreduce_weights):
+    """fp16 on 4 allreduce ranks, one of whose gradients overflows once: the job checks
+    that all ranks skipped the same step, hold the same halved loss scale and the same
+    weights (allreduce_equivalence.py's last phase)."""
+    done = (allreduce_weights / "stdout.txt").read_text()
+    assert f"OK fp16-overflow skipped=1 scale={2**15}" in done, done
 
 
 def _free_port() -> int:

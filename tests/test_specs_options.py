@@ -101,6 +101,8 @@ def test_defaults_validate():
     ({"checkpoint_every": -1}, "--checkpoint-every"),
     ({"target": "val_acc ~ 0.9"}, "cannot read --target"),
     ({"topology": "allreduce", "masters": 2}, "allreduce has no master"),
+    ({"precision": "fp8"}, r"--precision 'fp8': choose one of fp32, bf16, fp16$"),
+    ({"precision": "bf16", "gan": True}, "--gan trains in fp32"),
 ])
 def test_validate_errors(changes, message):
     with pytest.raises(OptionsError, match=message):
@@ -192,7 +194,7 @@ def test_argparse_round_trip_of_every_field(tmp_path):
                    threads=2, bucket_mb=4.0, quiet=True, train="t_*.h5", val="v.h5", cache_dir="/tmp/c",
                    data_keys="x,y", gan=True, d_steps=2, lr_scaling="sqrt", warmup_epochs=1.5,
                    worker_lr_schedule="steplr(step_size=2)", master_lr_schedule="cosineannealinglr(T_max=4)",
-                   trace_updates=True)
+                   trace_updates=True, precision="bf16")
     assert set(changed) == {f.name for f in dataclasses.fields(TrainOptions)}
     opts = TrainOptions(**changed)
     argv = []
@@ -211,6 +213,8 @@ def test_argparse_rejects_bad_values():
         parser().parse_args(["--topology", "ring"])
     with pytest.raises(argparse.ArgumentError):
         parser().parse_args(["--epochs", "three"])
+    with pytest.raises(argparse.ArgumentError, match="choose from 'fp32', 'bf16', 'fp16'"):
+        parser().parse_args(["--precision", "half"])
 
 
 def test_skip_leaves_flags_out():

@@ -18,7 +18,8 @@ import numpy as np
 from nbdist.errors import UserError
 from nbdist.specs import Spec, SpecError
 
-__all__ = ["Backend", "FlatOptimizer", "LrSchedule", "BatchStats", "ModelError", "step_on_scratch"]
+__all__ = ["Backend", "FlatOptimizer", "LrSchedule", "BatchStats", "ModelError", "step_on_scratch",
+           "DynamicLossScale", "OverflowSkipping"]
 
 # Floats of the buffer an optimiser is tried on during set-up: the checks of its
 # arguments' values do not depend on the model's size.
@@ -77,6 +78,70 @@ class FlatOptimizer(ABC):
         """Step with `lr` from now on (warm-up, scaling, schedules: train/lr.py)."""
 
 
+class DynamicLossScale:
+    """fp16 loss scaling, with torch.amp.GradScaler's rule and defaults: the loss is
+    multiplied by `scale` before the backward pass and the gradient divided by it after,
+    so small fp16 gradients do not flush to zero; a non-finite gradient halves the scale,
+    2000 finite ones in a row double it.
+
+    GradScaler unscales at the optimiser; here the gradient leaves the backend before any
+    optimiser (to a master, into a bucketed allreduce while backward runs), so the backend
+    unscales it, and the scale follows the gradient the step was taken from: the update is
+    made lazily, from `grads` as the next backward finds them (an allreduce rank finds the
+    reduced sum there, so every rank of the run takes the same decision)."""
+
+    __slots__ = ("scale", "good_steps", "pending", "growth_interval")
+
+    def __init__(self, scale: float = 2.0**16, growth_interval: int = 2000):
+        self.scale, self.good_steps, self.pending, self.growth_interval = float(scale), 0, False, growth_interval
+
+    def settle(self, grads: np.ndarray) -> None:
+        """Update the scale from the last gradient, once (before a backward pass, a save)."""
+        if not self.pending:
+            return
+        self.pending = False
+        if not np.isfinite(grads).all():
+            self.scale, self.good_steps = self.scale * 0.5, 0
+            return
+        self.good_steps += 1
+        if self.good_steps == self.growth_interval:
+            self.scale, self.good_steps = self.scale * 2.0, 0
+
+    def to_array(self) -> np.ndarray:
+        return np.array([self.scale, self.good_steps], np.float64)
+
+    def load_array(self, array: np.ndarray) -> None:
+        self.scale, self.good_steps, self.pending = float(array[0]), int(array[1]), False
+
+
+class OverflowSkipping(FlatOptimizer):
+    """An optimiser that skips a step whose gradient is not finite (an fp16 overflow that
+    the loss scale then backs off from), as GradScaler.step does; `skipped` counts them.
+    Ranks that step on the same reduced gradient skip the same steps."""
+
+    def __init__(self, inner: FlatOptimizer):
+        self.inner, self.spec, self.skipped = inner, inner.spec, 0
+
+    def step(self, grad: np.ndarray) -> None:
+        if np.isfinite(grad).all():
+            self.inner.step(grad)
+        else:
+            self.skipped += 1
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        return self.inner.state_arrays()
+
+    def load_state_arrays(self, arrays: dict[str, np.ndarray]) -> None:
+        self.inner.load_state_arrays(arrays)
+
+    @property
+    def learning_rate(self) -> float:
+        return self.inner.learning_rate
+
+    def set_learning_rate(self, lr: float) -> None:
+        self.inner.set_learning_rate(lr)
+
+
 class LrSchedule(ABC):
     """A framework's learning-rate schedule (a torch.optim.lr_scheduler class, a Keras
     schedule) seen as a function of the epoch: the lr of epoch `epoch` (0-based) for an
@@ -95,6 +160,23 @@ class Backend(ABC):
     grads: np.ndarray  # their gradients, flat float32, filled by compute_gradients
     state: np.ndarray  # non-trainable float state (BatchNorm statistics), maybe empty
     metric_name: str | None  # e.g. "acc"; None when the model has no metric
+    loss_scale: DynamicLossScale | None = None  # fp16 only
+
+    # -- fp16 loss scaling, the same for every framework ---------------------------------
+    def _overflow_guard(self, optimizer: FlatOptimizer) -> FlatOptimizer:
+        return OverflowSkipping(optimizer) if self.loss_scale is not None else optimizer
+
+    def _loss_scale_state(self) -> dict[str, np.ndarray]:
+        # Saved with the RNG state, which every rank writes for itself: a checkpoint taken
+        # right after an overflow holds the halved scale, as the next step would see it.
+        if self.loss_scale is None:
+            return {}
+        self.loss_scale.settle(self.grads)
+        return {"loss_scale": self.loss_scale.to_array()}
+
+    def _load_loss_scale_state(self, arrays: dict[str, np.ndarray]) -> None:
+        if self.loss_scale is not None and "loss_scale" in arrays:
+            self.loss_scale.load_array(arrays["loss_scale"])
 
     @property
     def num_params(self) -> int:

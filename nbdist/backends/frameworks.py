@@ -9,15 +9,17 @@ nbdist talks to the Backend it returns.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from typing import Any, ClassVar, ContextManager, Iterator
 
 from nbdist.backends.base import Backend, ModelError
 from nbdist.specs import SpecError, unknown_name
 
-__all__ = ["Framework", "FRAMEWORKS", "TORCH", "KERAS", "framework_of", "configure_frameworks", "unknown_optimizer"]
+__all__ = ["Framework", "FRAMEWORKS", "TORCH", "KERAS", "framework_of", "configure_frameworks", "making_models",
+           "unknown_optimizer"]
 
 
 class Framework(ABC):
@@ -43,8 +45,13 @@ class Framework(ABC):
     def configure(self, threads: int, seed: int) -> None:
         """Threads per rank and the seed of every generator the weights are drawn from."""
 
+    def making_models(self, precision: str) -> ContextManager[None]:
+        """While models are made: what they compute in, where the framework fixes that
+        when a model is made (--precision)."""
+        return contextlib.nullcontext()
+
     @abstractmethod
-    def backend(self, model: Any, loss: Any, metric: Any, sample: Any) -> Backend: ...
+    def backend(self, model: Any, loss: Any, metric: Any, sample: Any, precision: str = "fp32") -> Backend: ...
 
     @abstractmethod
     def optimizer_names(self) -> list[str]: ...
@@ -65,10 +72,10 @@ class TorchFramework(Framework):
         torch.set_num_threads(threads)
         torch.manual_seed(seed)
 
-    def backend(self, model: Any, loss: Any, metric: Any, sample: Any) -> Backend:
+    def backend(self, model: Any, loss: Any, metric: Any, sample: Any, precision: str = "fp32") -> Backend:
         from nbdist.backends.torch import TorchBackend
 
-        return TorchBackend(model, loss, metric)
+        return TorchBackend(model, loss, metric, precision)
 
     def optimizer_names(self) -> list[str]:
         from nbdist.backends.torch import torch_optimizers
@@ -109,10 +116,25 @@ class KerasFramework(Framework):
         # Python's and numpy's generators too: Keras draws initialiser seeds from them.
         keras.utils.set_random_seed(seed)
 
-    def backend(self, model: Any, loss: Any, metric: Any, sample: Any) -> Backend:
+    @contextlib.contextmanager
+    def making_models(self, precision: str) -> Iterator[None]:
+        # A layer takes the global dtype policy when it is made: set for build_model(), then
+        # put back, so that the user's own models (or a PyTorch run's) are left as they were.
+        import keras
+
+        from nbdist.backends.keras import DTYPE_POLICIES
+
+        previous = keras.mixed_precision.global_policy()
+        keras.mixed_precision.set_global_policy(DTYPE_POLICIES[precision])
+        try:
+            yield
+        finally:
+            keras.mixed_precision.set_global_policy(previous)
+
+    def backend(self, model: Any, loss: Any, metric: Any, sample: Any, precision: str = "fp32") -> Backend:
         from nbdist.backends.keras import KerasBackend
 
-        return KerasBackend(model, loss, metric, sample=sample)
+        return KerasBackend(model, loss, metric, sample=sample, precision=precision)
 
     def optimizer_names(self) -> list[str]:
         from nbdist.backends.keras import keras_optimizers
@@ -142,6 +164,16 @@ def configure_frameworks(threads: int, seed: int) -> None:
         framework.prepare_environment(threads)
         if framework.imported():
             framework.configure(threads, seed)
+
+
+@contextlib.contextmanager
+def making_models(precision: str) -> Iterator[None]:
+    """Around the user's build_model(): --precision for every framework imported by then."""
+    with contextlib.ExitStack() as stack:
+        for framework in FRAMEWORKS:
+            if framework.imported():
+                stack.enter_context(framework.making_models(precision))
+        yield
 
 
 def unknown_optimizer(framework: Framework, name: str, known: list[str]) -> SpecError:

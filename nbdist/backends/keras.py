@@ -25,12 +25,16 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from nbdist.backends.base import (SCRATCH_SIZE, Backend, BatchStats, FlatOptimizer, LrSchedule, ModelError,
-                                  step_on_scratch)
+from nbdist.backends.base import (SCRATCH_SIZE, Backend, BatchStats, DynamicLossScale, FlatOptimizer, LrSchedule,
+                                  ModelError, step_on_scratch)
 from nbdist.backends.frameworks import KERAS, unknown_optimizer
 from nbdist.specs import Spec, SpecError, ValueRange, check_kwargs, unknown_name
 
-__all__ = ["KerasBackend", "KerasFlatOptimizer", "KerasLrSchedule", "keras_optimizers", "keras_lr_schedules", "FlatVariables", "Traced", "aligned_zeros"]
+__all__ = ["KerasBackend", "DTYPE_POLICIES", "KerasFlatOptimizer", "KerasLrSchedule", "keras_optimizers", "keras_lr_schedules", "FlatVariables", "Traced", "aligned_zeros"]
+
+# --precision as Keras' dtype policies: mixed ones keep the variables (here the flat
+# buffers) float32 and compute in the lower precision.
+DTYPE_POLICIES = {"fp32": "float32", "bf16": "mixed_bfloat16", "fp16": "mixed_float16"}
 
 # Wrappers around another optimiser, not optimisers of their own.
 _UNSUITABLE = {"optimizer", "lossscaleoptimizer", "multioptimizer"}
@@ -158,40 +162,62 @@ def aligned_zeros(n: int, dtype: Any = np.float32) -> np.ndarray:
     return raw[start : start + n * itemsize].view(dtype)
 
 
-def _tensor(value: Any) -> Any:
-    """A numpy array as a tensor on the same memory (DLPack), without the copy that
-    passing it to a tf.function makes (4 ms of a 1.3 ms step for 2M floats here); the
-    compiled functions only read their inputs."""
+def _tensor(value: Any) -> tf.Tensor:
+    """An argument of a compiled function as a tensor. An aligned numpy array becomes a
+    tensor on the same memory (DLPack), without the copy that passing it to a tf.function
+    makes (4 ms of a 1.3 ms step for 2M floats here); the compiled functions only read
+    their inputs. Anything else is converted here rather than by the tf.function, whose
+    own conversion of numpy arguments cost more than the small MLP's whole step."""
+    if isinstance(value, tf.Tensor):
+        return value
     if (isinstance(value, np.ndarray) and value.size and value.flags.c_contiguous
             and value.ctypes.data % ALIGNMENT == 0):
         try:
             return tf.experimental.dlpack.from_dlpack(value.__dlpack__())
         except (BufferError, TypeError, ValueError, tf.errors.OpError):
             pass  # read-only, or a dtype DLPack does not carry: TensorFlow copies it
-    return value
+    return tf.convert_to_tensor(value)
 
 
 class Traced:
     """A tf.function traced once, on its first call, with the first dimension of the
     arguments in `batch` left open. Each new input shape would cost a trace (0.1-0.5 s
-    here): the probe, a full batch, an epoch's last batch and the validation set differ."""
+    here): the probe, a full batch, an epoch's last batch and the validation set differ.
 
-    __slots__ = ("_fn", "_batch", "_compiled")
+    Calls go to the traced ConcreteFunction with tensors: the tf.function's dispatch
+    (matching the arguments against its signature, converting numpy ones) took 0.4-0.6
+    ms per call, more than a digits MLP's forward and backward pass; the concrete
+    function's takes about 0.2 ms."""
+
+    __slots__ = ("_fn", "_batch", "_concrete", "_dtypes")
 
     def __init__(self, fn: Callable, batch: tuple[int, ...] = ()):
-        self._fn, self._batch, self._compiled = fn, batch, None
+        self._fn, self._batch, self._concrete, self._dtypes = fn, batch, None, ()
 
     def __call__(self, *args: Any) -> Any:
-        if self._compiled is None:
+        if self._concrete is None:
             specs = [self._spec(a, i in self._batch) for i, a in enumerate(args)]
             # No autograph: the Python branches in these functions are decided at trace time.
-            self._compiled = tf.function(self._fn, input_signature=specs, autograph=False)
-        return self._compiled(*[[_tensor(v) for v in a] if isinstance(a, list) else _tensor(a) for a in args])
+            function = tf.function(self._fn, input_signature=specs, autograph=False)
+            self._concrete = function.get_concrete_function()
+            self._dtypes = tuple(None if isinstance(s, list) else s.dtype for s in specs)
+        tensors = [[_tensor(v) for v in a] if isinstance(a, list) else self._typed(_tensor(a), dtype)
+                   for a, dtype in zip(args, self._dtypes)]
+        return self._concrete(*tensors)
+
+    @staticmethod
+    def _typed(tensor: tf.Tensor, dtype: Any) -> tf.Tensor:
+        # The traced function takes the dtypes of its first call (a float64 array from
+        # numpy arithmetic, int32 labels where they were int64): cast rather than fail.
+        return tensor if tensor.dtype == dtype else tf.cast(tensor, dtype)
 
     @classmethod
     def _spec(cls, value: Any, batch: bool) -> Any:
         if isinstance(value, (list, tuple)):
             return [cls._spec(v, False) for v in value]
+        if isinstance(value, tf.Tensor):
+            shape = [None, *value.shape[1:]] if batch else list(value.shape)
+            return tf.TensorSpec(shape, value.dtype)
         array = np.asarray(value)
         shape = [None, *array.shape[1:]] if batch else list(array.shape)
         return tf.TensorSpec(shape, tf.as_dtype(array.dtype))
@@ -306,15 +332,31 @@ def check_model(model: Any, what: str = "model") -> None:
                          f"e.g. keras.Sequential([layer])")
 
 
+def check_policy(model: keras.Model, precision: str) -> None:
+    """The model's layers compute in the dtype --precision asks for: Keras fixes a layer's
+    policy when it is made, from the global policy nbdist sets before build_model() runs."""
+    policy = getattr(model.dtype_policy, "name", str(model.dtype_policy))
+    if policy != DTYPE_POLICIES[precision]:
+        matching = [name for name, known in DTYPE_POLICIES.items() if known == policy]
+        hint = f"give --precision {matching[0]} for this model" if matching else "make it with one of " + \
+            ", ".join(DTYPE_POLICIES.values())
+        raise ModelError(f"--precision {precision}: the Keras model was made with the dtype policy {policy!r}, "
+                         f"not {DTYPE_POLICIES[precision]!r}: make it inside build_model(), after nbdist has set "
+                         f"the policy (keras.mixed_precision.set_global_policy), or {hint}")
+
+
 def call_kwargs(model: keras.Model, training: bool) -> dict[str, Any]:
     # Models whose call() takes no `training` argument (some subclassed ones) get none.
     return {"training": training} if "training" in inspect.signature(model.call).parameters else {}
 
 
 class KerasBackend(Backend):
-    def __init__(self, model: keras.Model, loss: Any = None, metric: Any = "accuracy", *, sample: Any = None):
+    def __init__(self, model: keras.Model, loss: Any = None, metric: Any = "accuracy", *, sample: Any = None,
+                 precision: str = "fp32"):
         check_model(model)
+        check_policy(model, precision)
         build_models([model], [sample])
+        self.loss_scale = DynamicLossScale() if precision == "fp16" else None
         self.model = model
         self._flat = FlatVariables([model])
         if not self._flat.params.size:
@@ -342,6 +384,9 @@ class KerasBackend(Backend):
         (trainable,), (non_trainable,) = self._flat.unpack(params, state, others)
         y_pred, non_trainable, extra = self.model.stateless_call(
             trainable, non_trainable, x, return_losses=True, **kwargs)
+        # Under a mixed policy the output is bf16/fp16: the loss and metric are taken in
+        # float32, as Keras' own compiled loss takes them.
+        y_pred = tf.cast(y_pred, tf.float32)
         target = self._target(y, y_pred)
         loss = self._loss(target, y_pred)
         if extra:  # add_loss() and weight regularisers, as model.compute_loss adds them
@@ -349,12 +394,14 @@ class KerasBackend(Backend):
         metric = self._metric(target, y_pred) if self._metric else tf.zeros(())
         return loss, metric, non_trainable
 
-    def _train_step(self, params, state, others, x, y, scale):
+    def _train_step(self, params, state, others, x, y, scale, unscale):
         with tf.GradientTape() as tape:
             tape.watch(params)
             loss, metric, non_trainable = self._forward(params, state, others, x, y, self._train_kwargs)
             scaled = loss * scale
         grad = tape.gradient(scaled, params, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        if self.loss_scale is not None:  # decided when traced: fp32 and bf16 pay nothing
+            grad = grad * unscale
         new_state, new_others = self._flat.pack([non_trainable])
         return grad, new_state, new_others, loss, metric
 
@@ -364,9 +411,16 @@ class KerasBackend(Backend):
 
     # -- training ---------------------------------------------------------------------
     def compute_gradients(self, x: Any, y: Any, *, scale: float = 1.0) -> BatchStats:
+        loss_scale = 1.0
+        if self.loss_scale is not None:
+            self.loss_scale.settle(self.grads)
+            loss_scale = self.loss_scale.scale
         grad, state, others, loss, metric = self._train(
-            self.params, self.state, self._flat.others, x, y, np.array(scale, np.float32))
+            self.params, self.state, self._flat.others, x, y, np.array(scale * loss_scale, np.float32),
+            np.array(1.0 / loss_scale, np.float32))
         np.copyto(self.grads, grad.numpy())
+        if self.loss_scale is not None:
+            self.loss_scale.pending = True
         self._flat.store(self.state, state, others)
         if self._on_ready is not None:
             for i in range(len(self._buckets)):
@@ -407,16 +461,17 @@ class KerasBackend(Backend):
         return step_on_scratch(spec, lambda scratch: KerasFlatOptimizer(spec, scratch), aligned_zeros(SCRATCH_SIZE))
 
     def make_optimizer(self, spec: Spec, params: np.ndarray | None = None) -> KerasFlatOptimizer:
-        return KerasFlatOptimizer(spec, self.params if params is None else params)
+        return self._overflow_guard(KerasFlatOptimizer(spec, self.params if params is None else params))
 
     # -- state ------------------------------------------------------------------------
     def named_arrays(self) -> dict[str, np.ndarray]:
         return named_arrays(self._flat, self._models, self.params, self.state, self._prefixes)
 
     def rng_state(self) -> dict[str, np.ndarray]:
-        return {f"keras_{i}": np.array(a) for i, a in enumerate(self._flat.others)}
+        return {**{f"keras_{i}": np.array(a) for i, a in enumerate(self._flat.others)}, **self._loss_scale_state()}
 
     def set_rng_state(self, arrays: dict[str, np.ndarray]) -> None:
+        self._load_loss_scale_state(arrays)
         for i, array in enumerate(self._flat.others):
             if f"keras_{i}" in arrays:
                 array[...] = arrays[f"keras_{i}"]

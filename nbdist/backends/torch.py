@@ -17,12 +17,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from nbdist.backends.base import (SCRATCH_SIZE, Backend, BatchStats, FlatOptimizer, LrSchedule, ModelError,
-                                  step_on_scratch)
+from nbdist.backends.base import (SCRATCH_SIZE, Backend, BatchStats, DynamicLossScale, FlatOptimizer, LrSchedule,
+                                  ModelError, step_on_scratch)
 from nbdist.backends.frameworks import TORCH, unknown_optimizer
 from nbdist.specs import Spec, SpecError, check_kwargs, check_value_kinds, unknown_name
 
 __all__ = ["TorchBackend", "TorchFlatOptimizer", "TorchLrSchedule", "torch_optimizers", "torch_lr_schedules"]
+
+# --precision: the dtype autocast runs the forward pass in (None: no autocast). The
+# parameters and the flat gradient stay float32 either way (autocast casts copies).
+_AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 # Optimisers that need a closure or sparse gradients cannot step a flat dense buffer.
 _UNSUITABLE = {"lbfgs", "sparseadam"}
@@ -159,6 +163,7 @@ class TorchBackend(Backend):
         model: nn.Module,
         loss: Callable[[Any, Any], Any] | None = None,
         metric: "str | Callable[[Any, Any], Any] | None" = "accuracy",
+        precision: str = "fp32",
     ):
         if not isinstance(model, nn.Module):
             raise ModelError(f"the model must be a torch.nn.Module, got {type(model).__name__}")
@@ -167,6 +172,8 @@ class TorchBackend(Backend):
         if not callable(self.loss_fn):
             raise ModelError(f"the loss must be callable(output, target), got {self.loss_fn!r}")
         self._set_metric(metric)
+        self._autocast = _AUTOCAST[precision]
+        self.loss_scale = DynamicLossScale() if precision == "fp16" else None
 
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         if not trainable:
@@ -219,31 +226,50 @@ class TorchBackend(Backend):
     def _tensor(value: Any) -> torch.Tensor:
         return torch.from_numpy(value) if isinstance(value, np.ndarray) else value
 
+    def _autocasting(self) -> torch.autocast:
+        return torch.autocast(self._flat_params.device.type, dtype=self._autocast, enabled=self._autocast is not None)
+
     def compute_gradients(self, x: Any, y: Any, *, scale: float = 1.0) -> BatchStats:
         xb, yb = self._tensor(x), self._tensor(y)
+        scaler = self.loss_scale
+        if scaler is not None:
+            scaler.settle(self.grads)
+            scale *= scaler.scale
         # Backward accumulates into the .grad views in place, so they start from zero.
         self._flat_grads.zero_()
         self._pending = list(self._bucket_sizes)
-        output = self.model(xb)
-        loss = self.loss_fn(output, yb)
+        with self._autocasting():
+            output = self.model(xb)
+            loss = self.loss_fn(output, yb)
         (loss * scale if scale != 1.0 else loss).backward()
         if self._on_ready is not None:
             # Parameters the forward pass did not use get no hook call: finish their buckets.
             for i, left in enumerate(self._pending):
                 if left > 0:
                     self._pending[i] = 0
-                    self._on_ready(i)
+                    self._bucket_ready(i)
+        elif scaler is not None:
+            self._flat_grads.mul_(1.0 / scaler.scale)
+        if scaler is not None:
+            scaler.pending = True
         n = len(yb)
         with torch.no_grad():
             metric = float(self._metric(output, yb)) if self._metric else 0.0
         return BatchStats(float(loss.detach()) * n, metric, n)
+
+    def _bucket_ready(self, bucket: int) -> None:
+        # Out of the backend the gradient is unscaled: a bucket is reduced as it is.
+        if self.loss_scale is not None:
+            start, stop = self._bucket_ranges[bucket]
+            self._flat_grads[start:stop].mul_(1.0 / self.loss_scale.scale)
+        self._on_ready(bucket)
 
     def evaluate(self, x: Any, y: Any, *, batch_size: int = 1024) -> BatchStats:
         stats = BatchStats()
         xb, yb = self._tensor(x), self._tensor(y)
         self.model.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), self._autocasting():
                 for start in range(0, len(yb), batch_size):
                     xs, ys = xb[start : start + batch_size], yb[start : start + batch_size]
                     output = self.model(xs)
@@ -269,6 +295,7 @@ class TorchBackend(Backend):
             next(i for i, (b0, b1) in enumerate(buckets) if b0 <= lo < b1) for lo, _ in self._slices
         ]
         self._bucket_sizes = [self._bucket_of.count(i) for i in range(len(buckets))]
+        self._bucket_ranges = buckets
         self._on_ready = on_ready
         for p, bucket in zip(self._order, self._bucket_of):
             p.register_post_accumulate_grad_hook(self._make_hook(bucket))
@@ -278,7 +305,7 @@ class TorchBackend(Backend):
         def hook(_param: torch.Tensor) -> None:
             self._pending[bucket] -= 1
             if self._pending[bucket] == 0 and self._on_ready is not None:
-                self._on_ready(bucket)
+                self._bucket_ready(bucket)
 
         return hook
 
@@ -290,7 +317,7 @@ class TorchBackend(Backend):
 
     def make_optimizer(self, spec: Spec, params: np.ndarray | None = None) -> TorchFlatOptimizer:
         target = self.params if params is None else params
-        return TorchFlatOptimizer(_optimizer_class(spec), spec, target)
+        return self._overflow_guard(TorchFlatOptimizer(_optimizer_class(spec), spec, target))
 
     def make_lr_schedule(self, spec: Spec, base_lr: float) -> TorchLrSchedule:
         known = torch_lr_schedules()
@@ -306,9 +333,10 @@ class TorchBackend(Backend):
         return {k: v.detach().cpu().numpy().copy() for k, v in self.model.state_dict().items()}
 
     def rng_state(self) -> dict[str, np.ndarray]:
-        return {"torch_cpu": torch.get_rng_state().numpy().copy()}
+        return {"torch_cpu": torch.get_rng_state().numpy().copy(), **self._loss_scale_state()}
 
     def set_rng_state(self, arrays: dict[str, np.ndarray]) -> None:
+        self._load_loss_scale_state(arrays)
         if "torch_cpu" in arrays:
             torch.set_rng_state(torch.from_numpy(np.array(arrays["torch_cpu"], dtype=np.uint8)))
 

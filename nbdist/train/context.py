@@ -19,7 +19,7 @@ from typing import Any, Callable
 import numpy as np
 
 from nbdist.algorithms import Algorithm, make_algorithm
-from nbdist.backends import Backend, backend_for, configure_frameworks
+from nbdist.backends import Backend, backend_for, configure_frameworks, making_models
 from nbdist.backends.base import ModelError
 from nbdist.data.base import Data, DataError
 from nbdist.data.sharding import ShardPlan
@@ -470,7 +470,9 @@ def _replica_factory(definition: ModelDefinition, options: TrainOptions, sample:
     def make() -> Backend:
         if options.gan:
             return gan_backend(definition.make_gan(options.d_steps), sample)
-        return backend_for(definition.make_model(), definition.loss, definition.metric, sample=sample)
+        with making_models(options.precision):
+            model = definition.make_model()
+        return backend_for(model, definition.loss, definition.metric, sample=sample, precision=options.precision)
 
     return make
 

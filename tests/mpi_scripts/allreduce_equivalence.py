@@ -41,6 +41,40 @@ def train(comm: MPI.Intracomm, steps: int, unequal: bool) -> TorchBackend:
     return common.allreduce_steps(comm, backend, steps, unequal)
 
 
+def fp16_overflow_on_one_rank(comm: MPI.Intracomm, steps: int) -> str:
+    """fp16 through the same reducer: rank 0's second gradient is asked 2**8 times larger
+    (as an outlier batch's would be), so that only its backward pass overflows (at the
+    default scale 2**16 this model's overflows from 2**22). Every rank must skip that step
+    (the reduced gradient is not finite), halve the same loss scale, and stay bit-identical."""
+    from nbdist.algorithms import allreduce_sgd
+    from nbdist.roles.allreduce import GradientReducer
+    from nbdist.specs import parse_spec
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    backend = TorchBackend(common.initial_model(), nn.CrossEntropyLoss(), "accuracy", precision="fp16")
+    reducer = GradientReducer(comm, backend, common.BUCKET_FLOATS)
+    opt = backend.make_optimizer(parse_spec(common.OPTIMIZER))
+    x, y = common.make_arrays()
+    trailer = np.zeros(4, np.float32)
+    for step, batch in enumerate(common.global_batches(steps, size, unequal=False)):
+        mine = np.array_split(batch, size)[rank]
+        outlier = 2.0**8 if step == 1 and rank == 0 else 1.0
+        stats = backend.compute_gradients(x[mine], y[mine], scale=outlier / size)
+        assert np.isfinite(stats.loss_sum), "the forward pass overflowed: only the backward pass should"
+        trailer[:] = 0.0
+        reducer.finish(trailer)
+        allreduce_sgd.apply(opt, backend.grads)
+    backend.loss_scale.settle(backend.grads)
+    mine = np.array([opt.skipped, backend.loss_scale.scale])
+    everyone = np.empty((size, 2))
+    comm.Allgather(mine, everyone)
+    params = np.empty((size, backend.params.size), np.float32)
+    comm.Allgather(backend.params, params)
+    assert all(np.array_equal(params[0], row) for row in params), "fp16 replicas differ"
+    assert (everyone == everyone[0]).all(), everyone
+    return f"skipped={int(everyone[0, 0])} scale={everyone[0, 1]:g}"
+
+
 def main() -> None:
     out_dir, steps = Path(sys.argv[1]), int(sys.argv[2])
     torch.set_num_threads(1)
@@ -57,6 +91,9 @@ def main() -> None:
         if comm is not world:
             comm.Free()
         world.Barrier()
+    result = fp16_overflow_on_one_rank(world, steps)
+    if world.Get_rank() == 0:
+        print(f"OK fp16-overflow {result}", flush=True)
 
 
 if __name__ == "__main__":
