@@ -4,15 +4,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from nbdist.backends.base import Backend, BatchStats, FlatOptimizer, ModelError
+from nbdist.backends.base import Backend, BatchStats, DeviceRequest, FlatOptimizer, ModelError
 from nbdist.backends.frameworks import FRAMEWORKS, Framework, configure_frameworks, framework_of
 
-__all__ = ["Backend", "BatchStats", "FlatOptimizer", "ModelError", "Framework", "FRAMEWORKS",
+__all__ = ["Backend", "BatchStats", "DeviceRequest", "FlatOptimizer", "ModelError", "Framework", "FRAMEWORKS",
            "backend_for", "configure_frameworks", "framework_of"]
 
 
-def backend_for(model: Any, loss: Any = None, metric: Any = "accuracy", *, sample: Any = None) -> Backend:
+def backend_for(model: Any, loss: Any = None, metric: Any = "accuracy", *, sample: Any = None,
+                device: DeviceRequest | None = None) -> Backend:
     """The backend for `model`'s framework, chosen from its type. `sample`: a few input
     rows, for frameworks that build a model's weights on its first call (Keras). (A GAN,
-    a generator and a discriminator trained as one, gets its backend from nbdist.gan.)"""
-    return framework_of(model).backend(model, loss, metric, sample)
+    a generator and a discriminator trained as one, gets its backend from nbdist.gan.)
+    `device`: where the model is to live (--device; default: where it is, on the host path)."""
+    backend = framework_of(model).backend(model, loss, metric, sample)
+    if device is not None:
+        backend.place(device)
+    return backend
