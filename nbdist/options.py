@@ -107,8 +107,9 @@ class TrainOptions:
                                    "nothing)")
     run_name: str | None = _opt(None, "name of the run directory (default: time, algorithm, topology)")
     threads: int = _opt(1, "framework threads per rank (torch, TensorFlow)")
-    device: str = _opt("auto", "where a PyTorch model lives: auto (GPU local_rank % gpus, else the CPU), cuda, or "
-                               "cpu (the GPU path's tensors and staging, run on the CPU)", choices=DEVICES)
+    device: str = _opt("auto", "where a PyTorch worker's model lives: auto (the CPU, numpy views), cuda (GPU "
+                               "local_rank mod gpus; not yet run on a GPU) or cpu (the GPU path's tensors and "
+                               "staging, run on the CPU)", choices=DEVICES)
     bucket_mb: float = _opt(2.0, "allreduce bucket size in MB (gradients reduced while backward runs)")
     quiet: bool = _opt(False, "print only the final summary")
     trace_updates: bool = _opt(False, "also record every update the master applies (source rank, staleness, "

@@ -41,8 +41,7 @@ def test_device_cpu_gives_tensors_over_the_models_own_memory():
     assert np.array_equal(backend.grads, backend.rule_grads.numpy()) and np.abs(backend.grads).sum() > 0
 
 
-@NO_GPU
-def test_device_auto_without_a_gpu_is_the_numpy_host_path():
+def test_device_auto_is_the_numpy_host_path():
     backend = backend_for(make_model(), device=DeviceRequest("auto", local_rank=3))
     assert isinstance(backend.rule_params, np.ndarray) and backend.rule_params is backend.params
     assert backend.copier is None
