@@ -57,6 +57,10 @@ class CudaCopier:
     def host_tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array)
 
+    def settle(self) -> None:
+        """Wait for the work queued on the current stream (before MPI reads device memory)."""
+        torch.cuda.current_stream(self.device).synchronize()
+
     def copy(self, target: torch.Tensor, source: torch.Tensor) -> None:
         """target <- source, finished when this returns (MPI reads or writes the host side next)."""
         self.stream.wait_stream(torch.cuda.current_stream(self.device))

@@ -87,6 +87,8 @@ class Staging:
         """The host buffer's [start:stop], holding the device array's values."""
         if self.way == PINNED:
             self._copier.copy(self._host_tensor[start:stop], self.device[start:stop])
+        elif self.way == DIRECT and self._copier is not None:
+            self._copier.settle()  # MPI reads the device memory: the kernels writing it must be done
         return self.host[start:stop]
 
     def to_device(self, start: int = 0, stop: int | None = None) -> None:
