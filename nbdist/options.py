@@ -26,6 +26,7 @@ TOPOLOGIES = ("master-worker", "allreduce")
 # What --momentum-correction takes (nbdist.train.asynchrony applies it; the options stay
 # free of the training package).
 MOMENTUM_CORRECTIONS = ("auto", "off")
+DEVICES = ("auto", "cpu", "cuda")
 # How the learning rate grows with the number of workers W (train/lr.py). One constant:
 # the convergence bench may change the default.
 LR_SCALINGS = ("none", "linear", "sqrt")
@@ -112,6 +113,9 @@ class TrainOptions:
                                   "Keras' mixed_bfloat16/mixed_float16 policy); weights, gradients and optimizers stay "
                                   "float32; fp16 scales the loss (steps whose gradient overflows are skipped)",
                           choices=PRECISIONS)
+    device: str = _opt("auto", "where a PyTorch worker's model lives: auto (the CPU, numpy views), cuda (GPU "
+                               "local_rank mod gpus; not yet run on a GPU) or cpu (the GPU path's tensors and "
+                               "staging, run on the CPU)", choices=DEVICES)
     bucket_mb: float = _opt(2.0, "allreduce bucket size in MB (gradients reduced while backward runs)")
     quiet: bool = _opt(False, "print only the final summary")
     trace_updates: bool = _opt(False, "also record every update the master applies (source rank, staleness, "
@@ -138,6 +142,8 @@ class TrainOptions:
         if self.momentum_correction not in MOMENTUM_CORRECTIONS:
             raise OptionsError(f"unknown --momentum-correction {self.momentum_correction!r}; choose one of: "
                                f"{', '.join(MOMENTUM_CORRECTIONS)}")
+        if self.device not in DEVICES:
+            raise OptionsError(f"unknown --device {self.device!r}; choose one of: {', '.join(DEVICES)}")
         positive = ("epochs", "batch_size", "masters", "procs_per_worker", "validate_every", "threads", "d_steps")
         for name in positive:
             if int(getattr(self, name)) < 1:

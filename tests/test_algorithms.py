@@ -12,10 +12,13 @@ import torch
 from torch import nn
 
 from nbdist.algorithms import ADAG, EASGD, GEM, Downpour, DynSGD, Update, allreduce_sgd, make_algorithm
+from nbdist.algorithms.arrays import to_numpy
 from nbdist.algorithms.base import _NoState
+from nbdist.backends import DeviceRequest
 from nbdist.backends.torch import TorchBackend, TorchFlatOptimizer, torch_optimizers
 from nbdist.data.sharding import ShardPlan
 from nbdist.specs import Spec, SpecError, parse_spec
+from nbdist.transport.staging import Staging
 
 F32 = np.float32
 
@@ -60,29 +63,40 @@ class Simulation:
     asynchronous: every worker computes from the weights it holds, then the master
     serves the updates one at a time (as Testsome hands them over), so the later ones
     are stale by the number served before them.
+
+    tensors: every backend is placed with --device cpu, so the rules run on torch tensors
+    and every message and reply goes through the transport's staging, as on a GPU.
     """
 
     def __init__(self, algorithm, model: nn.Module, k: int, *, worker_opt: str | None = None,
-                 master_opt: str | None = None, sync_every: int = 1, synchronous: bool = False):
+                 master_opt: str | None = None, sync_every: int = 1, synchronous: bool = False,
+                 tensors: bool = False):
         self.algorithm, self.k, self.synchronous = algorithm, k, synchronous
         algorithm.bind(k)
-        self.master = TorchBackend(copy.deepcopy(model))
-        self.center = self.master.params
-        n = self.center.size
-        self.master_state = algorithm.new_master_state(n)
+        self.master = self._backend(model, tensors)
+        self.center = self.master.rule_params
+        n = self.master.num_params
+        self.master_state = algorithm.new_master_state(n, like=self.center)
         self.master_opt = (self.master.make_optimizer(parse_spec(master_opt))
                            if master_opt and algorithm.uses_master_optimizer else None)
-        self.workers = [TorchBackend(copy.deepcopy(model)) for _ in range(k)]
+        self.workers = [self._backend(model, tensors) for _ in range(k)]
         self.worker_opts = [w.make_optimizer(parse_spec(worker_opt))
                             if worker_opt and algorithm.uses_worker_optimizer else None for w in self.workers]
-        self.worker_states = [algorithm.new_worker_state(n, sync_every) for _ in range(k)]
+        self.worker_states = [algorithm.new_worker_state(n, sync_every, like=w.rule_params) for w in self.workers]
         self.version = 0
         self.worker_versions = [0] * k
         self.samples = [0] * k
         self.stalenesses: list[int] = []
         for w, state in zip(self.workers, self.worker_states):
-            w.params[:] = self.center  # the Bcast of the initial weights
-            algorithm.worker_start(state, w.params)
+            w.rule_params[...] = self.center  # the Bcast of the initial weights
+            algorithm.worker_start(state, w.rule_params)
+
+    @staticmethod
+    def _backend(model: nn.Module, tensors: bool) -> TorchBackend:
+        backend = TorchBackend(copy.deepcopy(model))
+        if tensors:
+            backend.place(DeviceRequest("cpu"))
+        return backend
 
     def run(self, batches_per_worker) -> None:
         """batches_per_worker[i]: worker i's (x, y) batches of one epoch, all of one length."""
@@ -94,10 +108,12 @@ class Simulation:
                 x, y = batches_per_worker[i][step]
                 w.compute_gradients(x, y)
                 self.samples[i] += len(y)
-                sync = algo.worker_step(self.worker_states[i], w.params, w.grads, self.worker_opts[i])
+                sync = algo.worker_step(self.worker_states[i], w.rule_params, w.rule_grads, self.worker_opts[i])
                 if sync or step == steps - 1:
-                    out = np.empty_like(w.params)
-                    algo.worker_message(self.worker_states[i], w.params, out)
+                    message = Staging.of_host(np.empty(w.num_params, F32), w.rule_params, w.copier)
+                    algo.worker_message(self.worker_states[i], w.rule_params, message.device)
+                    # What the master's receive buffer holds, as its rule sees it.
+                    out = Staging.of_host(message.to_host().copy(), self.center).device
                     pending.append((i, out, self.samples[i]))
                     self.samples[i] = 0
             if not pending:
@@ -115,8 +131,10 @@ class Simulation:
                 assert len(replies) == len(group)
                 for (i, _, _), update, reply in zip(group, updates, replies):
                     self.stalenesses.append(update.staleness)
-                    received = np.array(reply, dtype=F32, copy=True)  # what MPI delivers
-                    algo.worker_reply(self.worker_states[i], self.workers[i].params, received)
+                    worker = self.workers[i]
+                    received = Staging.of_host(to_numpy(reply).copy(), worker.rule_params, worker.copier)  # MPI's
+                    received.to_device()
+                    algo.worker_reply(self.worker_states[i], worker.rule_params, received.device)
                     self.worker_versions[i] = self.version
 
 
@@ -574,6 +592,71 @@ def test_allreduce_apply_steps_the_optimizer():
     opt = TorchFlatOptimizer(torch.optim.SGD, Spec("sgd", {"lr": 0.5}), params)
     allreduce_sgd.apply(opt, np.array([2.0, -2.0], F32))
     np.testing.assert_array_equal(params, [0.0, 3.0])
+
+
+# ----------------------------------------------------------------------------- the device path
+# Each rule with its worker (and master) optimiser; windows of 2 so local steps count too.
+DEVICE_RUNS = {
+    "downpour": dict(rule=Downpour, worker_opt="sgd(lr=0.1, momentum=0.9)", master_opt="adam(lr=0.01)"),
+    "easgd": dict(rule=lambda: EASGD(elastic_momentum=0.5), worker_opt="sgd(lr=0.1, momentum=0.9)"),
+    "gem": dict(rule=GEM),
+    "adag": dict(rule=ADAG, worker_opt="adam(lr=0.01)"),
+    "dynsgd": dict(rule=DynSGD, worker_opt="sgd(lr=0.1, momentum=0.9)"),
+}
+
+
+@pytest.mark.parametrize("synchronous", [False, True], ids=["async", "sync"])
+@pytest.mark.parametrize("name", list(DEVICE_RUNS))
+def test_torch_tensors_through_staging_give_the_numpy_result(name, synchronous):
+    """The path a GPU run takes (rules on torch tensors, messages and replies through the
+    transport's staging), run on the CPU, against the numpy path: equal to 1e-6."""
+    model = make_model()
+    batches = [make_batches(6, 5, seed=20 + i) for i in range(3)]
+    runs = []
+    for tensors in (False, True):
+        spec = dict(DEVICE_RUNS[name])
+        rule = spec.pop("rule")
+        sim = Simulation(rule(), model, 3, sync_every=2, synchronous=synchronous, tensors=tensors, **spec)
+        sim.run(batches)
+        runs.append(sim)
+    host, device = runs
+    assert isinstance(host.center, np.ndarray) and isinstance(device.center, torch.Tensor)
+    assert all(isinstance(w.rule_params, torch.Tensor) for w in device.workers)
+    assert np.abs(host.center - flat(model)).max() > 1e-3  # it trained
+    assert_close(to_numpy(device.center), host.center, rtol=0, atol=1e-6)
+    for on_device, on_host in zip(device.workers, host.workers):
+        assert_close(to_numpy(on_device.rule_params), on_host.params, rtol=0, atol=1e-6)
+    assert device.stalenesses == host.stalenesses
+
+
+def test_allreduce_sgd_on_torch_tensors_gives_the_numpy_result():
+    x, y = make_batches(1, 9, seed=4)[0]
+    results = []
+    for tensors in (False, True):
+        backend = Simulation._backend(make_model(), tensors)
+        opt = backend.make_optimizer(parse_spec("sgd(lr=0.1, momentum=0.9)"))
+        for _ in range(3):
+            backend.compute_gradients(x, y)
+            allreduce_sgd.apply(opt, backend.rule_grads)
+        results.append(to_numpy(backend.rule_params).copy())
+    assert_close(results[1], results[0], rtol=0, atol=1e-6)
+    assert np.abs(results[0] - flat(make_model())).max() > 1e-3
+
+
+@pytest.mark.parametrize("algo", [Downpour(), EASGD(), GEM(), ADAG(), DynSGD()], ids=lambda a: a.name)
+def test_rule_state_on_torch_tensors_checkpoints_as_numpy(algo):
+    like = torch.zeros(1)
+    state = algo.new_worker_state(5, 3, like=like)
+    arrays = [name for name in state.__dataclass_fields__ if isinstance(getattr(state, name), torch.Tensor)]
+    assert arrays or algo.name == "easgd"  # EASGD's workers keep no arrays
+    for name in arrays:
+        getattr(state, name)[...] = torch.arange(5, dtype=torch.float32)
+    saved = state.to_arrays()
+    assert all(isinstance(v, np.ndarray) for v in saved.values())
+    restored = algo.new_worker_state(5, 3, like=like)
+    restored.load_arrays(saved)
+    for name in arrays:
+        assert torch.equal(getattr(restored, name), torch.arange(5, dtype=torch.float32))
 
 
 # ----------------------------------------------------------------------------- rule state

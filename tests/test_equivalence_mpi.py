@@ -3,6 +3,9 @@
 - allreduce over 2 and 4 ranks == one process on the concatenated batch (also when the
   ranks' batch sizes differ by one), through nbdist's own GradientReducer (several
   buckets), sample shares and flat optimiser;
+- the device path (--device cpu: torch tensors as the buffers, through the array-API rules
+  and the transport's staging, as on a GPU) == the numpy path to 1e-6, for allreduce and
+  for the master/worker runs below;
 - the same weights as PyTorch DistributedDataParallel on gloo;
 - Downpour with one worker and sync_every=1 == plain SGD on the same batch order;
 - EASGD with elastic_force=0 leaves the centre where it started;
@@ -65,7 +68,7 @@ def allreduce_weights(tmp_path_factory):
     directory = tmp_path_factory.mktemp("allreduce")
     done = run_mpi(4, [str(SCRIPTS / "allreduce_equivalence.py"), str(directory), str(STEPS)], timeout=180)
     assert done.returncode == 0, done.output
-    assert done.stdout.count("OK ") == 5, done.output
+    assert done.stdout.count("OK ") == 7, done.output
     (directory / "stdout.txt").write_text(done.stdout)
     return directory
 
@@ -87,6 +90,12 @@ def test_an_fp16_overflow_on_one_rank_is_skipped_by_every_rank(allreduce_weights
     weights (allreduce_equivalence.py's last phase)."""
     done = (allreduce_weights / "stdout.txt").read_text()
     assert f"OK fp16-overflow skipped=1 scale={2**15}" in done, done
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_allreduce_on_torch_tensors_equals_the_numpy_path(allreduce_weights, ranks):
+    on_host = load_file(str(allreduce_weights / f"{ranks}-equal.safetensors"))
+    assert_weights_close(load_file(str(allreduce_weights / f"{ranks}-device.safetensors")), on_host, tol=1e-6)
 
 
 def _free_port() -> int:
@@ -128,6 +137,11 @@ ROUND_RUNS = {
 }
 
 
+# Runs trained again with --device cpu (the rules and staging on torch tensors), each
+# compared with its numpy run; EASGD with its elastic force, so that the centre moves.
+DEVICE_COMPARED = ("downpour-async", "easgd-elastic-sync", "gem-sync", "adag-sync", "dynsgd-sync")
+
+
 @pytest.fixture(scope="module")
 def api_runs(tmp_path_factory):
     """One `mpiexec -n 5` job: the Downpour runs on 2 of the ranks (one master, one
@@ -146,6 +160,10 @@ def api_runs(tmp_path_factory):
     runs += [dict(base, run_name=name, ranks=1 + ROUND_WORKERS, n_train=ROUND_TRAIN, synchronous=True,
                   sync_every=1, **extra)
              for name, extra in ROUND_RUNS.items()]
+    runs.append(dict(base, run_name="easgd-elastic-sync", ranks=3, algorithm="easgd", synchronous=True,
+                     worker_optimizer=common.OPTIMIZER))
+    runs += [dict(run, run_name=run["run_name"] + "-device", device="cpu")
+             for run in runs if run["run_name"] in DEVICE_COMPARED]
     spec = runs_dir / "runs.json"
     spec.write_text(json.dumps(runs))
     done = run_mpi(1 + ROUND_WORKERS, [str(SCRIPTS / "api_train.py"), str(spec)], timeout=300)
@@ -218,3 +236,13 @@ def test_a_synchronous_round_is_one_step_on_the_mean(api_runs, name):
     summary = json.loads((api_runs / name / "summary.json").read_text())
     assert summary["epochs_run"] == API_EPOCHS
     assert all(h["samples"] == ROUND_TRAIN for h in summary["history"])
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", DEVICE_COMPARED)
+def test_master_worker_on_torch_tensors_equals_the_numpy_path(api_runs, name):
+    on_host = load_file(str(api_runs / name / "final" / "model.safetensors"))
+    assert moved(on_host, state_dict_arrays(common.initial_model(API_SEED))) > 0.05
+    assert json.loads((api_runs / f"{name}-device" / "options.json").read_text())["device"] == "cpu"
+    assert_weights_close(load_file(str(api_runs / f"{name}-device" / "final" / "model.safetensors")), on_host,
+                         tol=1e-6)

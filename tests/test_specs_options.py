@@ -89,6 +89,7 @@ def test_defaults_validate():
 
 @pytest.mark.parametrize("changes, message", [
     ({"topology": "ring"}, "unknown topology 'ring'"),
+    ({"device": "gpu"}, "unknown --device 'gpu'; choose one of: auto, cpu, cuda"),
     ({"epochs": 0}, "--epochs must be at least 1"),
     ({"batch_size": -3}, "--batch-size must be at least 1"),
     ({"masters": 0}, "--masters must be at least 1"),
@@ -192,6 +193,7 @@ def test_argparse_round_trip_of_every_field(tmp_path):
                    checkpoint_every=3, keep_checkpoints=5, resume=str(run), max_restarts=2, peer_timeout=7.5,
                    runs_dir="elsewhere", store="runs/other.db", run_name="r1",
                    threads=2, bucket_mb=4.0, quiet=True, train="t_*.h5", val="v.h5", cache_dir="/tmp/c",
+                   device="cpu",
                    data_keys="x,y", gan=True, d_steps=2, lr_scaling="sqrt", warmup_epochs=1.5,
                    worker_lr_schedule="steplr(step_size=2)", master_lr_schedule="cosineannealinglr(T_max=4)",
                    trace_updates=True, precision="bf16")

@@ -24,15 +24,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-import numpy as np
-
+from nbdist.algorithms.arrays import Array, zeros_like_buffer
 from nbdist.algorithms.base import Algorithm, RuleState, Update, weighted_mean
 from nbdist.backends.base import FlatOptimizer
 
 
 @dataclass(slots=True)
 class ADAGWorker(RuleState):
-    pulled: np.ndarray  # the centre this worker started its window from
+    pulled: Array  # the centre this worker started its window from
     count: int
     sync_every: int
 
@@ -46,11 +45,11 @@ class ADAG(Algorithm):
     def __init__(self) -> None:
         super().__init__()
 
-    def new_worker_state(self, n: int, sync_every: int) -> ADAGWorker:
-        return ADAGWorker(np.zeros(n, np.float32), 0, sync_every)
+    def new_worker_state(self, n: int, sync_every: int, like: Array | None = None) -> ADAGWorker:
+        return ADAGWorker(zeros_like_buffer(n, like), 0, sync_every)
 
     def worker_start(self, state, params) -> None:
-        state.pulled[:] = params
+        state.pulled[...] = params
 
     def worker_step(self, state, params, grad, opt) -> bool:
         opt.step(grad)
@@ -58,13 +57,14 @@ class ADAG(Algorithm):
         return state.count == state.sync_every
 
     def worker_message(self, state, params, out) -> None:
-        np.subtract(params, state.pulled, out=out)
-        out /= np.float32(state.count)
+        out[...] = params
+        out -= state.pulled
+        out /= float(state.count)
         state.count = 0
 
     def worker_reply(self, state, params, reply) -> None:
-        params[:] = reply
-        state.pulled[:] = reply
+        params[...] = reply
+        state.pulled[...] = reply
 
     def master_apply(self, state, center, updates: Sequence[Update], opt: FlatOptimizer | None):
         center += weighted_mean(updates)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from nbdist.algorithms.arrays import Array
 from nbdist.backends.base import FlatOptimizer
 
 
@@ -18,5 +19,5 @@ def sample_share(sizes: np.ndarray, index: int) -> float:
     return float(sizes[index]) / float(sizes.sum())
 
 
-def apply(opt: FlatOptimizer, reduced_grad: np.ndarray) -> None:
+def apply(opt: FlatOptimizer, reduced_grad: Array) -> None:
     opt.step(reduced_grad)

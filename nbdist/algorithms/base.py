@@ -1,7 +1,8 @@
 """What every master/worker update rule provides.
 
-An algorithm is a pure rule over flat float32 numpy arrays plus a small slotted state:
-no MPI, no framework. The topology calls it at fixed points:
+An algorithm is a pure rule over flat float32 arrays plus a small slotted state: no MPI,
+no framework. The arrays are numpy arrays or torch tensors (wherever the model lives),
+handled through the array API (arrays.py): one rule, written once, for both. The topology calls it at fixed points:
 
 worker:  once, with the initial weights      `worker_start`
          after each batch's gradient      `worker_step`   (local progress; time to sync?)
@@ -26,6 +27,7 @@ from typing import Any, ClassVar, Sequence
 
 import numpy as np
 
+from nbdist.algorithms.arrays import Array, copy_into, f32, is_array, to_numpy
 from nbdist.backends.base import FlatOptimizer
 from nbdist.specs import ValueRange
 
@@ -41,7 +43,7 @@ class RuleState:
     __slots__ = ()
 
     def to_arrays(self) -> dict[str, np.ndarray]:
-        return {f.name: np.asarray(getattr(self, f.name)) for f in fields(self)}  # type: ignore[arg-type]
+        return {f.name: to_numpy(getattr(self, f.name)) for f in fields(self)}  # type: ignore[arg-type]
 
     def load_arrays(self, arrays: dict[str, np.ndarray]) -> None:
         for f in fields(self):  # type: ignore[arg-type]
@@ -49,8 +51,8 @@ class RuleState:
                 continue
             current = getattr(self, f.name)
             value = arrays[f.name]
-            if isinstance(current, np.ndarray):
-                current[...] = value
+            if is_array(current):
+                copy_into(current, value)
             else:
                 # .item(): a scalar saved as shape (1,) by older checkpoints loads too.
                 setattr(self, f.name, type(current)(np.asarray(value).item()))
@@ -60,7 +62,7 @@ class RuleState:
 class Update:
     """One worker's message as the master sees it."""
 
-    payload: np.ndarray  # the worker_message array (the master may overwrite it)
+    payload: Array  # the worker_message array (the master may overwrite it)
     staleness: int  # master version when applied - version the worker computed from
     samples: int  # samples behind this update (weights synchronous averages)
     version: int = 0  # the master version the worker computed from (staleness is set from it when applied)
@@ -93,41 +95,43 @@ class Algorithm(ABC):
 
     # -- worker side ------------------------------------------------------------------
     @abstractmethod
-    def new_worker_state(self, n: int, sync_every: int) -> RuleState: ...
+    def new_worker_state(self, n: int, sync_every: int, like: Array | None = None) -> RuleState:
+        """The worker's state, its arrays in the namespace and on the device of `like`
+        (the worker's weights; numpy without it)."""
 
-    def worker_start(self, state: RuleState, params: np.ndarray) -> None:
+    def worker_start(self, state: RuleState, params: Array) -> None:
         """Called once the worker holds the master's initial weights."""
 
     @abstractmethod
     def worker_step(
-        self, state: RuleState, params: np.ndarray, grad: np.ndarray, opt: FlatOptimizer | None
+        self, state: RuleState, params: Array, grad: Array, opt: FlatOptimizer | None
     ) -> bool:
         """Use one batch's gradient; True when the worker should now talk to its master."""
 
     @abstractmethod
-    def worker_message(self, state: RuleState, params: np.ndarray, out: np.ndarray) -> None:
+    def worker_message(self, state: RuleState, params: Array, out: Array) -> None:
         """Write what the worker sends into `out` (len(params) floats)."""
 
     @abstractmethod
-    def worker_reply(self, state: RuleState, params: np.ndarray, reply: np.ndarray) -> None:
+    def worker_reply(self, state: RuleState, params: Array, reply: Array) -> None:
         """Apply the master's reply to the local weights."""
 
     # -- master side ------------------------------------------------------------------
-    def new_master_state(self, n: int) -> RuleState:
+    def new_master_state(self, n: int, like: Array | None = None) -> RuleState:
         return _NoState()
 
     @abstractmethod
     def master_apply(
         self,
         state: RuleState,
-        center: np.ndarray,
+        center: Array,
         updates: Sequence[Update],
         opt: FlatOptimizer | None,
-    ) -> list[np.ndarray]:
+    ) -> list[Array]:
         """Fold `updates` into `center` (one update when asynchronous, one per worker
         when synchronous) and return, per update, the array to send back."""
 
-    def merge_master_steps(self, center: np.ndarray, steps: Sequence[Update]) -> None:
+    def merge_master_steps(self, center: Array, steps: Sequence[Update]) -> None:
         """The top master's rule for the masters' steps (roles/hierarchy.py): each
         payload is one master's displacement of the centre, its rule applied to its own
         workers' updates, and `samples` weighs it (the workers behind it). Asynchronous,
@@ -142,7 +146,7 @@ class _NoState(RuleState):
     pass
 
 
-def weighted_mean(updates: Sequence[Update]) -> np.ndarray:
+def weighted_mean(updates: Sequence[Update]) -> Array:
     """Sample-weighted mean of the payloads: for gradients, the gradient of the
     concatenated batch. Updates that carry no samples count equally."""
     if len(updates) == 1:
@@ -151,7 +155,7 @@ def weighted_mean(updates: Sequence[Update]) -> np.ndarray:
     total = sum(weights)
     if total <= 0:
         weights, total = [1.0] * len(updates), float(len(updates))
-    out = updates[0].payload * np.float32(weights[0] / total)
+    out = updates[0].payload * f32(weights[0] / total)
     for u, w in zip(updates[1:], weights[1:]):
-        out += u.payload * np.float32(w / total)
+        out += u.payload * f32(w / total)
     return out

@@ -10,15 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-import numpy as np
-
+from nbdist.algorithms.arrays import Array, zeros_like_buffer
 from nbdist.algorithms.base import Algorithm, RuleState, Update, weighted_mean
 from nbdist.backends.base import FlatOptimizer
 
 
 @dataclass(slots=True)
 class DownpourWorker(RuleState):
-    accumulated: np.ndarray
+    accumulated: Array
     count: int
     sync_every: int
 
@@ -30,8 +29,8 @@ class Downpour(Algorithm):
     def __init__(self) -> None:
         super().__init__()
 
-    def new_worker_state(self, n: int, sync_every: int) -> DownpourWorker:
-        return DownpourWorker(np.zeros(n, np.float32), 0, sync_every)
+    def new_worker_state(self, n: int, sync_every: int, like: Array | None = None) -> DownpourWorker:
+        return DownpourWorker(zeros_like_buffer(n, like), 0, sync_every)
 
     def worker_step(self, state, params, grad, opt) -> bool:
         state.accumulated += grad
@@ -43,12 +42,12 @@ class Downpour(Algorithm):
         return True
 
     def worker_message(self, state, params, out) -> None:
-        out[:] = state.accumulated
-        state.accumulated[:] = 0.0
+        out[...] = state.accumulated
+        state.accumulated[...] = 0.0
         state.count = 0
 
     def worker_reply(self, state, params, reply) -> None:
-        params[:] = reply
+        params[...] = reply
 
     def master_apply(self, state, center, updates: Sequence[Update], opt: FlatOptimizer | None):
         # Synchronous: one step on the sample-weighted mean, i.e. the big-batch gradient.

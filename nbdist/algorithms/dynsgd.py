@@ -20,9 +20,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import numpy as np
-
 from nbdist.algorithms.adag import ADAG
+from nbdist.algorithms.arrays import f32
 from nbdist.algorithms.base import Update, weighted_mean
 from nbdist.backends.base import FlatOptimizer
 
@@ -36,6 +35,6 @@ class DynSGD(ADAG):
     def master_apply(self, state, center, updates: Sequence[Update], opt: FlatOptimizer | None):
         for u in updates:
             if u.staleness:
-                u.payload *= np.float32(1.0 / (1.0 + u.staleness))
+                u.payload *= f32(1.0 / (1.0 + u.staleness))
         center += weighted_mean(updates)
         return [center] * len(updates)

@@ -40,6 +40,7 @@ from typing import Sequence
 
 import numpy as np
 
+from nbdist.algorithms.arrays import Array, zeros_like_buffer
 from nbdist.algorithms.base import MOMENTUM, Algorithm, RuleState, Update
 from nbdist.backends.base import FlatOptimizer
 from nbdist.specs import ValueRange
@@ -56,7 +57,7 @@ class EASGDWorker(RuleState):
 
 @dataclass(slots=True)
 class EASGDMaster(RuleState):
-    velocity: np.ndarray  # u, the centre's elastic momentum
+    velocity: Array  # u, the centre's elastic momentum
 
 
 class EASGD(Algorithm):
@@ -83,7 +84,7 @@ class EASGD(Algorithm):
             self.params["elastic_force"] = 0.9 / workers
             self.alpha = np.float32(self.params["elastic_lr"] * self.params["elastic_force"])
 
-    def new_worker_state(self, n: int, sync_every: int) -> EASGDWorker:
+    def new_worker_state(self, n: int, sync_every: int, like: Array | None = None) -> EASGDWorker:
         return EASGDWorker(0, sync_every)
 
     def worker_step(self, state, params, grad, opt) -> bool:
@@ -92,25 +93,25 @@ class EASGD(Algorithm):
         return state.count >= state.sync_every
 
     def worker_message(self, state, params, out) -> None:
-        out[:] = params
+        out[...] = params
         state.count = 0  # a sync forced at an epoch's end starts a new window
 
     def worker_reply(self, state, params, reply) -> None:
         params -= reply
 
-    def new_master_state(self, n: int) -> EASGDMaster:
-        return EASGDMaster(np.zeros(n, np.float32))
+    def new_master_state(self, n: int, like: Array | None = None) -> EASGDMaster:
+        return EASGDMaster(zeros_like_buffer(n, like))
 
     def master_apply(self, state, center, updates: Sequence[Update], opt: FlatOptimizer | None):
         # Every diff is taken against the same centre before the centre moves, so a
         # synchronous round is Zhang's synchronous EASGD.
         for u in updates:
-            np.subtract(u.payload, center, out=u.payload)
-            u.payload *= self.alpha
+            u.payload -= center
+            u.payload *= float(self.alpha)
         if self.momentum:
-            state.velocity *= self.momentum
+            state.velocity *= float(self.momentum)
         else:
-            state.velocity[:] = 0.0
+            state.velocity[...] = 0.0
         for u in updates:
             state.velocity += u.payload
         center += state.velocity

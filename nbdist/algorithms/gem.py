@@ -22,6 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
+from nbdist.algorithms.arrays import Array, namespace, zeros_like_buffer
 from nbdist.algorithms.base import MOMENTUM, Algorithm, RuleState, Update, weighted_mean
 from nbdist.backends.base import FlatOptimizer
 from nbdist.specs import ValueRange
@@ -33,10 +34,10 @@ RANGES = {"lr": ABOVE_ZERO, "momentum": MOMENTUM, "kappa": ABOVE_ZERO, "epsilon"
 
 @dataclass(slots=True)
 class GEMWorker(RuleState):
-    velocity: np.ndarray  # v, the proxy's momentum
-    previous_center: np.ndarray  # centre at the pull before the last one
-    accumulated: np.ndarray
-    scratch: np.ndarray
+    velocity: Array  # v, the proxy's momentum
+    previous_center: Array  # centre at the pull before the last one
+    accumulated: Array
+    scratch: Array
     count: int
     sync_every: int
     pulls: int
@@ -62,8 +63,8 @@ class GEM(Algorithm):
     def set_learning_rate(self, lr: float) -> None:
         self.lr = np.float32(lr)
 
-    def new_worker_state(self, n: int, sync_every: int) -> GEMWorker:
-        z = lambda: np.zeros(n, np.float32)  # noqa: E731
+    def new_worker_state(self, n: int, sync_every: int, like: Array | None = None) -> GEMWorker:
+        z = lambda: zeros_like_buffer(n, like)  # noqa: E731
         return GEMWorker(z(), z(), z(), z(), 0, sync_every, 0)
 
     def worker_start(self, state, params) -> None:
@@ -75,39 +76,43 @@ class GEM(Algorithm):
         state.count += 1
         return state.count == state.sync_every
 
-    def scaled_update(self, state: GEMWorker, params: np.ndarray, grad: np.ndarray, out: np.ndarray) -> None:
+    def scaled_update(self, state: GEMWorker, params: Array, grad: Array, out: Array) -> None:
         """pi * (-lr * grad) for the gradient `grad` taken at the centre `params`."""
+        xp = namespace(grad)
+        lr = float(self.lr)
         step = state.scratch
-        np.multiply(grad, self.lr, out=step)  # lr * g
-        state.velocity *= self.momentum
+        step[...] = grad
+        step *= lr  # lr * g
+        state.velocity *= float(self.momentum)
         state.velocity += step
         # |c|: how far the centre moved between this worker's last two pulls.
         if state.pulls >= 2:
-            np.subtract(params, state.previous_center, out=out)
-            np.abs(out, out=out)
+            out[...] = params
+            out -= state.previous_center
+            out[...] = xp.abs(out)
         else:
-            out[:] = 0.0
+            out[...] = 0.0
         # pi = (kappa |v| - |c|) / (|lr g| + eps), clipped
-        np.subtract(np.abs(state.velocity) * self.kappa, out, out=out)
-        np.abs(step, out=state.scratch)
-        state.scratch += self.epsilon
-        np.divide(out, state.scratch, out=out)
-        np.clip(out, 0.0, self.pi_max, out=out)
+        out[...] = xp.abs(state.velocity) * float(self.kappa) - out
+        state.scratch[...] = xp.abs(step)
+        state.scratch += float(self.epsilon)
+        out /= state.scratch
+        out[...] = xp.clip(out, 0.0, float(self.pi_max))
         # update = -pi * lr * g
         out *= grad
-        out *= -self.lr
+        out *= -lr
 
     def worker_message(self, state, params, out) -> None:
         if state.count > 1:
-            state.accumulated /= np.float32(state.count)
+            state.accumulated /= float(state.count)
         self.scaled_update(state, params, state.accumulated, out)
-        state.accumulated[:] = 0.0
+        state.accumulated[...] = 0.0
         state.count = 0
 
     def worker_reply(self, state, params, reply) -> None:
-        state.previous_center[:] = params
+        state.previous_center[...] = params
         state.pulls += 1
-        params[:] = reply
+        params[...] = reply
 
     def master_apply(self, state, center, updates: Sequence[Update], opt: FlatOptimizer | None):
         center += weighted_mean(updates)

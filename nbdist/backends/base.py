@@ -18,7 +18,7 @@ import numpy as np
 from nbdist.errors import UserError
 from nbdist.specs import Spec, SpecError
 
-__all__ = ["Backend", "FlatOptimizer", "LrSchedule", "BatchStats", "ModelError", "step_on_scratch",
+__all__ = ["Backend", "FlatOptimizer", "LrSchedule", "BatchStats", "ModelError", "DeviceRequest", "step_on_scratch",
            "DynamicLossScale", "OverflowSkipping"]
 
 # Floats of the buffer an optimiser is tried on during set-up: the checks of its
@@ -28,6 +28,15 @@ SCRATCH_SIZE = 8
 
 class ModelError(UserError, ValueError):
     """The user's model, loss or metric cannot be used; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceRequest:
+    """--device (auto, cpu or cuda) and the rank's local rank on its node (auto and cuda
+    take GPU local_rank % gpus)."""
+
+    choice: str = "auto"
+    local_rank: int = 0
 
 
 @dataclass(slots=True)
@@ -181,6 +190,27 @@ class Backend(ABC):
     @property
     def num_params(self) -> int:
         return int(self.params.size)
+
+    # The flat buffers where the model lives, as the rules and the transport's staging see
+    # them: torch tensors on the model's device, or the numpy arrays above (the host path).
+    # `copier`: what copies between them and pinned host memory (None: MPI reads them as
+    # they are).
+    copier: Any = None
+
+    @property
+    def rule_params(self) -> Any:
+        return self.params
+
+    @property
+    def rule_grads(self) -> Any:
+        return self.grads
+
+    def place(self, request: DeviceRequest) -> None:
+        """Move the model to the device `request` asks for. This framework's buffers stay
+        on the host: only --device cuda cannot be honoured."""
+        if request.choice == "cuda":
+            raise ModelError(f"--device cuda places PyTorch models; this {type(self).__name__} runs where its "
+                             f"framework puts it: use --device auto")
 
     @abstractmethod
     def compute_gradients(self, x: Any, y: Any, *, scale: float = 1.0) -> BatchStats:

@@ -3,6 +3,9 @@
 Every parameter's `.data` and `.grad` become views into two contiguous tensors, laid
 out in reverse registration order (roughly the order autograd finishes them), so:
 - `params`/`grads` are numpy views of those tensors: an MPI send of them is zero-copy;
+- `place` (--device) moves the model and rebuilds the buffers on its device; the rules
+  and the transport's staging then see the tensors themselves (`rule_params`), and the
+  numpy views exist only while the buffers are on the CPU (torch_device.py);
 - a bucket of gradients that backward has finished is one contiguous slice, which the
   allreduce topology can reduce while backward goes on with earlier layers.
 """
@@ -17,8 +20,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from nbdist.backends.base import (SCRATCH_SIZE, Backend, BatchStats, DynamicLossScale, FlatOptimizer, LrSchedule,
-                                  ModelError, step_on_scratch)
+from nbdist.backends.base import (SCRATCH_SIZE, Backend, BatchStats, DeviceRequest, DynamicLossScale, FlatOptimizer,
+                                  LrSchedule, ModelError, step_on_scratch)
 from nbdist.backends.frameworks import TORCH, unknown_optimizer
 from nbdist.specs import Spec, SpecError, check_kwargs, check_value_kinds, unknown_name
 
@@ -98,16 +101,16 @@ def _accepts(cls: type, name: str) -> bool:
 
 
 class TorchFlatOptimizer(FlatOptimizer):
-    """torch.optim over one flat tensor that shares memory with a numpy array.
+    """torch.optim over one flat tensor (or the tensor of a numpy array's memory).
 
     One tensor means the fused (or foreach) kernels update the whole model in a single
     pass; `fused=True` is the default where the optimiser offers it (Adam on 10M
     parameters: 12 ms fused against ~50 ms for the default path on this kind of CPU).
     """
 
-    def __init__(self, cls: type[torch.optim.Optimizer], spec: Spec, params: np.ndarray):
+    def __init__(self, cls: type[torch.optim.Optimizer], spec: Spec, params: "np.ndarray | torch.Tensor"):
         self.spec = spec
-        self._param = torch.from_numpy(params)
+        self._param = torch.as_tensor(params)
         kwargs = dict(spec.kwargs)
         if "fused" not in kwargs and "foreach" not in kwargs and _accepts(cls, "fused"):
             try:
@@ -128,8 +131,8 @@ class TorchFlatOptimizer(FlatOptimizer):
         for group in self._opt.param_groups:
             group["lr"] = lr
 
-    def step(self, grad: np.ndarray) -> None:
-        self._param.grad = torch.from_numpy(grad)
+    def step(self, grad: "np.ndarray | torch.Tensor") -> None:
+        self._param.grad = torch.as_tensor(grad)
         self._opt.step()
         self._param.grad = None
 
@@ -144,7 +147,8 @@ class TorchFlatOptimizer(FlatOptimizer):
     def load_state_arrays(self, arrays: dict[str, np.ndarray]) -> None:
         if not arrays:
             return
-        self._opt.state[self._param] = {k: torch.from_numpy(np.array(v)) for k, v in arrays.items()}
+        self._opt.state[self._param] = {k: torch.from_numpy(np.array(v)).to(self._param.device)
+                                        for k, v in arrays.items()}
 
 
 def _accuracy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -179,7 +183,18 @@ class TorchBackend(Backend):
         if not trainable:
             raise ModelError("the model has no trainable parameters")
         self._order = list(reversed(trainable))
-        self._flat_params = torch.zeros(sum(p.numel() for p in self._order), dtype=torch.float32)
+        self._tensors = False  # the host path until place() says otherwise
+        self._flatten(torch.device("cpu"))
+
+        self._bucket_of: list[int] = []
+        self._pending: list[int] = []
+        self._bucket_sizes: list[int] = []
+        self._on_ready: Callable[[int], None] | None = None
+
+    def _flatten(self, device: torch.device) -> None:
+        """Parameters, their gradients and the float buffers (BatchNorm statistics) become
+        views into three flat tensors on `device`, holding their current values."""
+        self._flat_params = torch.zeros(sum(p.numel() for p in self._order), dtype=torch.float32, device=device)
         self._flat_grads = torch.zeros_like(self._flat_params)
         self._slices: list[tuple[int, int]] = []
         offset = 0
@@ -191,23 +206,42 @@ class TorchBackend(Backend):
                 p.grad = self._flat_grads[offset : offset + size].view_as(p)
                 self._slices.append((offset, offset + size))
                 offset += size
-        self.params = self._flat_params.numpy()
-        self.grads = self._flat_grads.numpy()
 
-        float_buffers = [b for b in self.model.buffers() if b.is_floating_point()]
-        self._flat_state = torch.zeros(sum(b.numel() for b in float_buffers), dtype=torch.float32)
-        offset = 0
-        for b in float_buffers:
-            size = b.numel()
-            self._flat_state[offset : offset + size].copy_(b.reshape(-1))
-            b.data = self._flat_state[offset : offset + size].view_as(b)
-            offset += size
-        self.state = self._flat_state.numpy()
+            float_buffers = [b for b in self.model.buffers() if b.is_floating_point()]
+            self._flat_state = torch.zeros(sum(b.numel() for b in float_buffers), dtype=torch.float32, device=device)
+            offset = 0
+            for b in float_buffers:
+                size = b.numel()
+                self._flat_state[offset : offset + size].copy_(b.reshape(-1))
+                b.data = self._flat_state[offset : offset + size].view_as(b)
+                offset += size
+        on_host = device.type == "cpu"
+        # numpy views only where the memory is the host's; on a GPU the tensors themselves.
+        self.params = self._flat_params.numpy() if on_host else self._flat_params
+        self.grads = self._flat_grads.numpy() if on_host else self._flat_grads
+        self.state = self._flat_state.numpy() if on_host else self._flat_state
 
-        self._bucket_of: list[int] = []
-        self._pending: list[int] = []
-        self._bucket_sizes: list[int] = []
-        self._on_ready: Callable[[int], None] | None = None
+    def place(self, request: DeviceRequest) -> None:
+        from nbdist.backends.torch_device import CudaCopier, place
+
+        placement = place(request)
+        self._tensors = placement.tensors
+        if placement.device != self._flat_params.device:
+            self.model.to(placement.device)
+            self._flatten(placement.device)
+            self.copier = CudaCopier(placement.device) if placement.device.type == "cuda" else None
+
+    @property
+    def device(self) -> torch.device:
+        return self._flat_params.device
+
+    @property
+    def rule_params(self) -> "np.ndarray | torch.Tensor":
+        return self._flat_params if self._tensors else self.params
+
+    @property
+    def rule_grads(self) -> "np.ndarray | torch.Tensor":
+        return self._flat_grads if self._tensors else self.grads
 
     def _set_metric(self, metric: "str | Callable | None") -> None:
         if metric is None:
@@ -222,9 +256,9 @@ class TorchBackend(Backend):
             raise ModelError(f"metric must be 'accuracy', a callable or None, got {metric!r}")
 
     # -- training ---------------------------------------------------------------------
-    @staticmethod
-    def _tensor(value: Any) -> torch.Tensor:
-        return torch.from_numpy(value) if isinstance(value, np.ndarray) else value
+    def _tensor(self, value: Any) -> torch.Tensor:
+        tensor = torch.from_numpy(value) if isinstance(value, np.ndarray) else value
+        return tensor.to(self.device, non_blocking=True) if isinstance(tensor, torch.Tensor) else tensor
 
     def _autocasting(self) -> torch.autocast:
         return torch.autocast(self._flat_params.device.type, dtype=self._autocast, enabled=self._autocast is not None)
@@ -316,7 +350,7 @@ class TorchBackend(Backend):
                                np.zeros(SCRATCH_SIZE, np.float32))
 
     def make_optimizer(self, spec: Spec, params: np.ndarray | None = None) -> TorchFlatOptimizer:
-        target = self.params if params is None else params
+        target = self.rule_params if params is None else params
         return self._overflow_guard(TorchFlatOptimizer(_optimizer_class(spec), spec, target))
 
     def make_lr_schedule(self, spec: Spec, base_lr: float) -> TorchLrSchedule:

@@ -33,6 +33,7 @@ from nbdist.train.lr import WorkerLr, lr_metrics
 from nbdist.train.progress import EpochTally, RunResult, epoch_metrics, format_epoch, sample_validation, write_final
 from nbdist.train.state import load_rank_state, save_rank_state
 from nbdist.train.validation import SampleMarks
+from nbdist.transport.staging import Staging
 from nbdist.transport.waiting import wait_all
 
 __all__ = ["run_allreduce", "GradientReducer"]
@@ -43,21 +44,25 @@ REPORT_EVERY = 0.5
 class GradientReducer:
     """Starts one in-place Iallreduce per gradient bucket from inside backward.
 
+    The gradient goes through the transport's staging: on the host MPI reduces the
+    backend's own memory; on a GPU, the device buffer itself (CUDA-aware MPI) or a pinned
+    host copy of each bucket, copied back once the reductions are done.
+
     `finish_wait(requests)` waits for the last ones (default: waiting.wait_all; a run
     passes its polled collectives' wait, with the run's deadline and failure naming)."""
 
-    __slots__ = ("comm", "grads", "buckets", "requests", "finish_wait")
+    __slots__ = ("comm", "staging", "buckets", "requests", "finish_wait")
 
     def __init__(self, comm: MPI.Intracomm, backend, bucket_floats: int, finish_wait=None):
         self.comm = comm
-        self.grads = backend.grads
+        self.staging = Staging(backend.rule_grads, backend.copier)
         self.requests: list[MPI.Request] = []
         self.finish_wait = finish_wait or wait_all
         self.buckets = backend.bucket_hooks(bucket_floats, self._bucket_ready)
 
     def _bucket_ready(self, index: int) -> None:
         start, stop = self.buckets[index]
-        self.requests.append(self.comm.Iallreduce(MPI.IN_PLACE, self.grads[start:stop], op=MPI.SUM))
+        self.requests.append(self.comm.Iallreduce(MPI.IN_PLACE, self.staging.to_host(start, stop), op=MPI.SUM))
         MPI.Request.Testall(self.requests)  # progress the earlier buckets
 
     def finish(self, trailer: np.ndarray) -> None:
@@ -66,13 +71,14 @@ class GradientReducer:
             self.finish_wait(self.requests)
         finally:
             self.requests.clear()
+        self.staging.to_device()
 
 
 def run_allreduce(ctx: RankContext) -> RunResult | None:
     comm = ctx.comms.run
     rank, size = comm.Get_rank(), comm.Get_size()
     backend = ctx.backend
-    params, grads, model_state = backend.params, backend.grads, backend.state
+    params, model_state = backend.params, backend.state
     opt = backend.make_optimizer(ctx.worker_optimizer)
     collectives = ctx.peers.collectives
     reducer = GradientReducer(comm, backend, max(1, int(ctx.options.bucket_mb * 2**20 / 4)),
@@ -138,7 +144,7 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
                     f"rate or check the data"
                 )
             lr.before_step(epoch, step)
-            allreduce_sgd.apply(opt, grads)
+            allreduce_sgd.apply(opt, backend.rule_grads)
             t3 = time.perf_counter()
             phases["compute"] += t1 - t0
             phases["wait"] += t2 - t1

@@ -35,6 +35,7 @@ from nbdist.train.state import load_rank_state, save_rank_state
 from nbdist.transport import messages as m
 from nbdist.transport.deadlines import Silence
 from nbdist.transport.faults import RankLost, RankSilent, RunFailure
+from nbdist.transport.staging import Staging
 from nbdist.transport.waiting import CommFailure, WaitTimeout, wait, wait_all
 
 __all__ = ["run_worker"]
@@ -65,9 +66,11 @@ class Worker:
         self.block, self.wcomm = ctx.comms.block, ctx.comms.worker
         self.leader, self.procs = role.is_leader, self.wcomm.Get_size()
         self.params, self.grads, self.model_state = backend.params, backend.grads, backend.state
+        # The rule runs where the model lives (torch tensors on its device, or numpy views).
+        self.rule_params, self.rule_grads = backend.rule_params, backend.rule_grads
         n, s = self.params.size, self.model_state.size
         self.opt = backend.make_optimizer(ctx.worker_optimizer) if ctx.worker_optimizer else None
-        self.rule_state = ctx.algorithm.new_worker_state(n, ctx.sync_every)
+        self.rule_state = ctx.algorithm.new_worker_state(n, ctx.sync_every, like=self.rule_params)
         # One shard per worker of the whole run, sub-masters' workers included: an epoch is
         # one pass over the data however the workers are grouped.
         self.workers, masters = ctx.layout.workers, max(ctx.layout.masters, 1)
@@ -80,6 +83,9 @@ class Worker:
         self.out = m.Message(n, s)
         self.reply_header = m.new_header(self.workers)
         self.reply_payload = np.empty(n, np.float32)
+        # The message's payload and the reply as the rule sees them (zero-copy on the host).
+        self.message = Staging.of_host(self.out.payload, self.rule_params, backend.copier)
+        self.reply = Staging.of_host(self.reply_payload, self.rule_params, backend.copier)
         self.window = _Window()
         self.pending_ack = m.NO_CHECKPOINT
         self.totals = np.zeros(3, np.float64)
@@ -126,7 +132,7 @@ class Worker:
             if self.procs > 1:
                 ctx.peers.collectives.bcast(self.wcomm, self.params, "the worker's first weights")
                 ctx.peers.collectives.bcast(self.wcomm, self.model_state, "the worker's first weights")
-            ctx.algorithm.worker_start(self.rule_state, self.params)
+            ctx.algorithm.worker_start(self.rule_state, self.rule_params)
             return 0, 0
         try:
             extra = load_rank_state(ctx, ctx.resume_from, self.opt, self.rule_state)
@@ -156,7 +162,7 @@ class Worker:
             if done >= ctx.options.epochs:
                 return ctx.options.epochs, 0
             self.params[:] = arrays["model"]["params"]
-            ctx.algorithm.worker_start(self.rule_state, self.params)
+            ctx.algorithm.worker_start(self.rule_state, self.rule_params)
             return done, 0
         if ctx.relayout:
             fixed: dict[int, tuple[int, ...]] = {}
@@ -165,7 +171,7 @@ class Worker:
         self.params[:] = arrays["model"]["params"]
         self.model_state[:] = arrays["model"].get("state", self.model_state)
         self.version = int(master["version"])
-        ctx.algorithm.worker_start(self.rule_state, self.params)
+        ctx.algorithm.worker_start(self.rule_state, self.rule_params)
         mine = [e for e, members in sorted(fixed.items()) if ctx.role.worker in members]
         start = mine[0] if mine else max([int(master["next_epoch"]), *(e + 1 for e in fixed)])
         if start in fixed:
@@ -198,7 +204,7 @@ class Worker:
                        f"batch {step + 1}: lower the learning rate or check the data")
         window.sync.add(stats)
         window.report.add(stats)
-        sync_now = ctx.algorithm.worker_step(self.rule_state, self.params, self.grads, self.opt) or last
+        sync_now = ctx.algorithm.worker_step(self.rule_state, self.rule_params, self.rule_grads, self.opt) or last
         window.compute += time.perf_counter() - t0
         ctx.peers.pace.heard()
         if sync_now:
@@ -211,7 +217,8 @@ class Worker:
     def _exchange(self, epoch: int, step: int, flags: int) -> None:
         """Send this window's update, wait for the reply, act on it."""
         ctx = self.ctx
-        ctx.algorithm.worker_message(self.rule_state, self.params, self.out.payload)
+        ctx.algorithm.worker_message(self.rule_state, self.rule_params, self.message.device)
+        self.message.to_host()
         while True:
             kind = self._round_trip(epoch, flags)
             if kind != m.SNAPSHOT:
@@ -233,7 +240,8 @@ class Worker:
         if kind == m.DROPPED:
             ctx.log.emit("run", {"status": "dropped", "reason": "the master went on without this worker"})
             raise _Leave()
-        ctx.algorithm.worker_reply(self.rule_state, self.params, self.reply_payload)
+        self.reply.to_device()
+        ctx.algorithm.worker_reply(self.rule_state, self.rule_params, self.reply.device)
         self.version = int(self.reply_header[m.VERSION])
         if flags & m.EPOCH_END:
             self.members = m.members_in(self.reply_header)

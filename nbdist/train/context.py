@@ -19,7 +19,7 @@ from typing import Any, Callable
 import numpy as np
 
 from nbdist.algorithms import Algorithm, make_algorithm
-from nbdist.backends import Backend, backend_for, configure_frameworks, making_models
+from nbdist.backends import Backend, DeviceRequest, backend_for, configure_frameworks, making_models
 from nbdist.backends.base import ModelError
 from nbdist.data.base import Data, DataError
 from nbdist.data.sharding import ShardPlan
@@ -38,6 +38,7 @@ from nbdist.train.lr import LrPlan, combined_workers, plan_learning_rates
 from nbdist.train.progress import reported_metrics
 from nbdist.train.stopping import EarlyStopping, StopFlag
 from nbdist.transport.agreement import agree
+from nbdist.transport.node import local_rank
 from nbdist.transport.peers import Peers
 
 __all__ = ["RankContext", "TrialTag", "MetricNameError", "prepare", "agree", "check_metric_names", "check_data_size",
@@ -247,6 +248,7 @@ def prepare(
     error: BaseException | None = None
     data: Data | None = None
     peers = Peers(comm, options.peer_timeout)
+    device = DeviceRequest(options.device, local_rank(comm))  # collective: before any rank can fail
     try:
         options = _check_gan(options.validate())
         layout = Layout.for_world(
@@ -275,7 +277,8 @@ def prepare(
         data = _make_data(options, definition)
         check_data_size(data, layout, options)
         sample, _ = data.train_batch(np.arange(min(SAMPLE_ROWS, data.n_train)))
-        make_replica = _replica_factory(definition, options, sample)
+        # A master keeps its centre in host memory (numpy): only workers go to a device.
+        make_replica = _replica_factory(definition, options, sample, device if role.kind != "master" else None)
         backend = make_replica()
         starting_lrs = [backend.check_optimizer(spec) if spec is not None else None
                         for spec in (worker_opt, master_opt)]
@@ -466,13 +469,15 @@ def _check_writable(path: Path, flag: str) -> None:
                            f"you can write to") from None
 
 
-def _replica_factory(definition: ModelDefinition, options: TrainOptions, sample: Any) -> Callable[[], Backend]:
+def _replica_factory(definition: ModelDefinition, options: TrainOptions, sample: Any,
+                     device: DeviceRequest | None) -> Callable[[], Backend]:
     def make() -> Backend:
         if options.gan:
             return gan_backend(definition.make_gan(options.d_steps), sample)
         with making_models(options.precision):
             model = definition.make_model()
-        return backend_for(model, definition.loss, definition.metric, sample=sample, precision=options.precision)
+        return backend_for(model, definition.loss, definition.metric, sample=sample, precision=options.precision,
+                           device=device)
 
     return make
 

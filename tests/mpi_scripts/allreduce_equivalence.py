@@ -13,7 +13,9 @@ when N > 2, again over pairs of ranks (COMM_WORLD split in two-rank communicator
 one job gives the N-rank and the 2-rank results. Rank 0 writes
 OUT_DIR/<ranks>-<layout>.safetensors (the model's state_dict). Every rank checks that
 all replicas are bit-identical and that the reduced sample count is the global batch
-size. Prints `OK <ranks>-<layout>`; any failure aborts the job so that no rank hangs.
+size. Layout `device` is `equal` with the backend placed by --device cpu: the rules and
+the GradientReducer's staging then work on torch tensors, as on a GPU.
+Prints `OK <ranks>-<layout>`; any failure aborts the job so that no rank hangs.
 """
 
 from __future__ import annotations
@@ -31,12 +33,16 @@ from safetensors.numpy import save_file  # noqa: E402
 from torch import nn  # noqa: E402
 
 import equivalence_common as common  # noqa: E402
+from nbdist.backends import DeviceRequest  # noqa: E402
 from nbdist.backends.torch import TorchBackend  # noqa: E402
 from rank_main import run_or_abort  # noqa: E402
 
 
-def train(comm: MPI.Intracomm, steps: int, unequal: bool) -> TorchBackend:
+def train(comm: MPI.Intracomm, steps: int, unequal: bool, device: bool = False) -> TorchBackend:
     backend = TorchBackend(common.initial_model(), nn.CrossEntropyLoss(), "accuracy")
+    if device:
+        backend.place(DeviceRequest("cpu"))
+        assert isinstance(backend.rule_grads, torch.Tensor)
     comm.Bcast(backend.params, root=0)  # as run_allreduce does (a no-op here: same seed)
     return common.allreduce_steps(comm, backend, steps, unequal)
 
@@ -82,8 +88,8 @@ def main() -> None:
     sizes = [world.Get_size()] + ([2] if world.Get_size() > 2 else [])
     for ranks in sizes:
         comm = world if ranks == world.Get_size() else world.Split(world.Get_rank() // ranks, world.Get_rank())
-        for layout in ("equal", "unequal"):
-            backend = train(comm, steps, layout == "unequal")
+        for layout in ("equal", "unequal", "device"):
+            backend = train(comm, steps, layout == "unequal", device=layout == "device")
             if world.Get_rank() == 0:
                 out_dir.mkdir(parents=True, exist_ok=True)
                 save_file(backend.named_arrays(), str(out_dir / f"{ranks}-{layout}.safetensors"))

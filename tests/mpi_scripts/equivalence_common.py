@@ -121,7 +121,7 @@ def allreduce_steps(comm, backend, steps: int, unequal: bool):
         trailer[:] = (stats.n, stats.loss_sum, stats.metric_sum, 0.0)
         reducer.finish(trailer)
         assert int(trailer[0]) == len(batch), (trailer, len(batch))
-        allreduce_sgd.apply(opt, backend.grads)
+        allreduce_sgd.apply(opt, backend.rule_grads)
     # The replicas must not drift apart: every rank holds exactly rank 0's weights.
     everyone = np.empty((size, backend.params.size), np.float32)
     comm.Allgather(backend.params, everyone)
