@@ -78,7 +78,8 @@ def protocol_worker(ctx, epochs: int, steps: int) -> None:
                                               m.EPOCH_END if step == steps - 1 else 0, m.NO_CHECKPOINT)
             header_req = block.Irecv(reply_header, source=0, tag=m.TAG_REPLY_HEADER)
             payload_req = block.Irecv(reply_payload, source=0, tag=m.TAG_REPLY)
-            block.Send(out.buffer, dest=0, tag=m.TAG_UPDATE)
+            for part, tag in out.parts():
+                block.Send(part, dest=0, tag=tag)
             wait(header_req)
             wait(payload_req)
             version = int(reply_header[m.VERSION])
@@ -86,7 +87,7 @@ def protocol_worker(ctx, epochs: int, steps: int) -> None:
                 raise SystemExit(f"the master answered {reply_header[m.KIND]} (not CONTINUE)")
     # DONE, acknowledging the final checkpoint the master wrote.
     out.header[: m.CHECKPOINT + 1] = (m.DONE, version, epochs, 0, 0.0, 0.0, 0, m.label_code(f"epoch-{epochs:04d}"))
-    block.Send(out.buffer[: m.HEADER_FLOATS], dest=0, tag=m.TAG_UPDATE)
+    block.Send(out.buffer[: m.HEADER_FLOATS], dest=0, tag=m.TAG_UPDATE)  # DONE: the header alone
 
 
 def measure(comm, params: int, optimizer: str, updates: int, workers: str, runs: str) -> dict | None:
