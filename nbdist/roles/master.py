@@ -7,11 +7,12 @@ body (its payload and model state) is received only once its header is in, into 
 a few pooled buffers (transport/pool.py): the master's memory does not grow with its
 number of clients. Asynchronous, a pass serves at most as many updates as the pool has
 buffers (ASYNC_BODIES); the others stay ready and are served first at the next pass.
-Synchronous, a round needs every worker's body at once, so the pool has one per client. Asynchronous: each update is applied as it comes and
-answered once the updates that arrived with it are applied too. Synchronous: the master
-waits for one update from every client still training and applies them together; a
-client that has finished says DONE and leaves the round, so a worker that ends early
-never blocks the others.
+Synchronous, a round needs every worker's body at once, so the pool has one per client.
+
+Asynchronous: each update is applied as it comes and answered once the updates served
+with it are applied too. Synchronous: the master waits for one update from every client
+still training and applies them together; a client that has finished says DONE and
+leaves the round, so a worker that ends early never blocks the others.
 
 A master's clients are its workers and, at the top master of a run with `--masters` > 1,
 the sub-masters (hierarchy.py), which run this same serving loop for their own workers
