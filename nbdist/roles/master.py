@@ -642,12 +642,12 @@ def _apply_updates(me: Master, updates: list[tuple[int, Update]]) -> list[tuple[
     for group in groups:
         if not group:
             continue
+        settle_centre(me)  # counted as replying
         t0 = time.perf_counter()
         for _, u in group:
             u.staleness = me.version - u.version
         from_workers = [(i, u) for i, u in group if me.clients[i].merge is None]
         from_masters = [(i, u) for i, u in group if me.clients[i].merge is not None]
-        settle_centre(me)
         start = me.center.copy() if from_workers and from_masters else None
         if from_workers:
             me.lr.before_update(sum(u.samples for _, u in from_workers))
