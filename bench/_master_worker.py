@@ -1,12 +1,14 @@
 """The MPI side of master_throughput.py; run under `mpiexec -n 3` (1 master + 2 workers).
 
-Rank 0 runs nbdist's real master loop (`run_master`: one posted Irecv per worker,
-Testsome, Downpour.master_apply with the master optimiser, reply header + payload).
+Rank 0 runs nbdist's real master loop (`run_master`: one posted Irecv per worker for
+its header, the body into a pooled buffer, Testsome, Downpour.master_apply with the
+master optimiser, reply header + payload without waiting for it to leave).
 The model is an nn.Embedding with exactly --params parameters, so the master's work per
 update is that of a real model of that size.
 
 Workers (`--workers protocol`, the default) speak the real wire format and nothing else:
-each sends ONE message [header | precomputed gradient | state] per update, waits for the
+each sends one message [header | precomputed gradient | state] per update (the header,
+then the body), waits for the
 reply header and payload, and sends again at once, so the master is the bottleneck.
 `--workers real` runs nbdist's own `run_worker` instead (its per-step gradient
 computation on this model is an embedding lookup plus zeroing and copying the flat
