@@ -1,12 +1,14 @@
 """The MPI side of master_throughput.py; run under `mpiexec -n 3` (1 master + 2 workers).
 
-Rank 0 runs nbdist's real master loop (`run_master`: one posted Irecv per worker,
-Testsome, Downpour.master_apply with the master optimiser, reply header + payload).
+Rank 0 runs nbdist's real master loop (`run_master`: one posted Irecv per worker for
+its header, the body into a pooled buffer, Testsome, Downpour.master_apply with the
+master optimiser, reply header + payload without waiting for it to leave).
 The model is an nn.Embedding with exactly --params parameters, so the master's work per
 update is that of a real model of that size.
 
 Workers (`--workers protocol`, the default) speak the real wire format and nothing else:
-each sends ONE message [header | precomputed gradient | state] per update, waits for the
+each sends one message [header | precomputed gradient | state] per update (the header,
+then the body), waits for the
 reply header and payload, and sends again at once, so the master is the bottleneck.
 `--workers real` runs nbdist's own `run_worker` instead (its per-step gradient
 computation on this model is an embedding lookup plus zeroing and copying the flat
@@ -78,7 +80,8 @@ def protocol_worker(ctx, epochs: int, steps: int) -> None:
                                               m.EPOCH_END if step == steps - 1 else 0, m.NO_CHECKPOINT)
             header_req = block.Irecv(reply_header, source=0, tag=m.TAG_REPLY_HEADER)
             payload_req = block.Irecv(reply_payload, source=0, tag=m.TAG_REPLY)
-            block.Send(out.buffer, dest=0, tag=m.TAG_UPDATE)
+            for part, tag in out.parts():
+                block.Send(part, dest=0, tag=tag)
             wait(header_req)
             wait(payload_req)
             version = int(reply_header[m.VERSION])
@@ -86,7 +89,7 @@ def protocol_worker(ctx, epochs: int, steps: int) -> None:
                 raise SystemExit(f"the master answered {reply_header[m.KIND]} (not CONTINUE)")
     # DONE, acknowledging the final checkpoint the master wrote.
     out.header[: m.CHECKPOINT + 1] = (m.DONE, version, epochs, 0, 0.0, 0.0, 0, m.label_code(f"epoch-{epochs:04d}"))
-    block.Send(out.buffer[: m.HEADER_FLOATS], dest=0, tag=m.TAG_UPDATE)
+    block.Send(out.buffer[: m.HEADER_FLOATS], dest=0, tag=m.TAG_UPDATE)  # DONE: the header alone
 
 
 def measure(comm, params: int, optimizer: str, updates: int, workers: str, runs: str) -> dict | None:

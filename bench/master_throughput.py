@@ -4,8 +4,8 @@
     kernels by default) on 1M and 10M float32 parameters, for SGD and Adam; Adam on
     torch's default (foreach) path is shown for reference.
 (b) the real MPI master: `mpiexec -n 3 python bench/_master_worker.py` runs nbdist's
-    master loop (one posted Irecv per worker, Testsome, master_apply, reply header +
-    payload) against 2 workers that send precomputed gradients in the real wire format as
+    master loop (one posted Irecv per worker for its header, its body into a pooled
+    buffer, Testsome, master_apply, reply header + payload) against 2 workers that send precomputed gradients in the real wire format as
     fast as the replies come back. Its phase totals say where the master's time goes.
     `--real-workers` adds runs with nbdist's own run_worker (trivial compute) for comparison.
 

@@ -80,6 +80,7 @@ from nbdist.roles.master import (
     open_tallies,
     restore_tallies,
     serve,
+    settle_centre,
     share_initial_weights,
     worker_clients,
 )
@@ -98,8 +99,7 @@ def sub_master_clients(ctx: RankContext) -> list[Client]:
     """The top master's clients on the `masters` communicator, sub-master j = peer j."""
     layout, role = ctx.layout, ctx.role
     masters = [r for r in layout.fold_ranks(role.group, role.fold) if layout.role(r).kind == "master"]
-    n, s = ctx.backend.params.size, ctx.backend.state.size
-    return [Client(ctx.comms.masters, j, SUB_MASTER, rank, m.Message(n, s),
+    return [Client(ctx.comms.masters, j, SUB_MASTER, rank,
                    merge=ctx.algorithm.merge_master_steps, weight=layout.workers,
                    silence=Silence(ctx.options.peer_timeout))
             for j, rank in enumerate(masters) if j > 0]
@@ -202,8 +202,7 @@ class SubMaster(Master):
         out.state[:] = self.ctx.backend.state
         replies = [self.uplink.Irecv(self.top_reply, source=0, tag=m.TAG_REPLY_HEADER),
                    self.uplink.Irecv(self.incoming, source=0, tag=m.TAG_REPLY)]
-        self._await_top([self.uplink.Isend(out.buffer if kind == m.UPDATE else out.buffer[: m.HEADER_FLOATS],
-                                           dest=0, tag=m.TAG_UPDATE)])
+        self._await_top([self.uplink.Isend(part, dest=0, tag=tag) for part, tag in out.parts()])
         self.snapshot_ack = m.NO_CHECKPOINT  # delivered
         if kind == m.ERROR:
             self._await_top([self.uplink.isend(self.error, dest=0, tag=m.TAG_ERROR_TEXT)])
@@ -219,6 +218,7 @@ class SubMaster(Master):
             self.snapshot, self.snapshot_told = m.label_of(self.top_reply[m.CHECKPOINT]), set()
             self.save(self.snapshot)
             return m.SNAPSHOT
+        settle_centre(self)  # its workers' replies read the centre
         self.center[:] = self.incoming
         self.pulled[:] = self.incoming
         self.pulled_version = int(self.top_reply[m.VERSION])
@@ -246,7 +246,7 @@ class SubMaster(Master):
         self._fill_header(m.DONE, 0, self.next_epoch, BatchStats())
         if self.stop_acked:
             self.out.header[m.CHECKPOINT] = m.label_code(self.stop_label)
-        self._await_top([self.uplink.Isend(self.out.buffer[: m.HEADER_FLOATS], dest=0, tag=m.TAG_UPDATE)])
+        self._await_top([self.uplink.Isend(part, dest=0, tag=tag) for part, tag in self.out.parts()])
 
     def _fill_header(self, kind: float, flags: int, epoch: int, train: BatchStats) -> None:
         header = self.out.header

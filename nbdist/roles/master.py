@@ -1,12 +1,18 @@
 """The master of the master/worker (parameter server) topology: serving its clients.
 
 Master (rank 0 of the `block` communicator) holds the centre. It keeps ONE receive posted
-per client and serves whatever has arrived, so every client is served in turn and none
-starves, unlike `recv(ANY_SOURCE)`. Asynchronous: each update is applied as it comes and
-answered once the updates that arrived with it are applied too. Synchronous: the master
-waits for one update from every client still training and applies them together; a
-client that has finished says DONE and leaves the round, so a worker that ends early
-never blocks the others.
+per client, for the small header of its next message, and serves whatever has arrived, so
+every client is served in turn and none starves, unlike `recv(ANY_SOURCE)`. An update's
+body (its payload and model state) is received only once its header is in, into one of
+a few pooled buffers (transport/pool.py): the master's memory does not grow with its
+number of clients. Asynchronous, a pass serves at most as many updates as the pool has
+buffers (ASYNC_BODIES); the others stay ready and are served first at the next pass.
+Synchronous, a round needs every worker's body at once, so the pool has one per client.
+
+Asynchronous: each update is applied as it comes and answered once the updates served
+with it are applied too. Synchronous: the master waits for one update from every client
+still training and applies them together; a client that has finished says DONE and
+leaves the round, so a worker that ends early never blocks the others.
 
 A master's clients are its workers and, at the top master of a run with `--masters` > 1,
 the sub-masters (hierarchy.py), which run this same serving loop for their own workers
@@ -15,12 +21,15 @@ and differ from the top master only at the `Master` methods they override.
 Every update carries the version of the centre it was computed from; the master records
 staleness = current version - that version, per update and per client rank.
 
-Replies leave without blocking the master: it waits a moment for each (REPLY_WAIT), and a
-reply still in flight after that (its client is frozen, or descheduled) stays pending
-while the master serves the others; the client's next receive is posted once its reply
-has left. (A reply of the centre that is still in flight when the next update moves the
-centre reaches a slow client partly updated, as a Hogwild read would; a frozen client's
-is discarded with it, see below.)
+Replies leave without blocking the master: it sends a reply, posts the client's next
+receive at once (the client sends nothing before it has taken its reply) and goes on
+serving. The centre a reply reads must not move under it: before the next update moves
+the centre, the master waits for the centre's replies still in flight, up to a moment
+(REPLY_WAIT) - by then a client that runs has usually taken its reply, while the master
+was receiving the next update. A reply still in flight after that (its client is frozen,
+or descheduled) stays pending while the master serves the others: it reaches a slow
+client partly updated, as a Hogwild read would; a frozen client's is discarded with it,
+see below.
 
 Failures. A client whose process died (MPI's fault tolerance reports it), or that stayed
 silent or did not take its reply for longer than the peer timeout (frozen), is *lost*. Asynchronous, a lost worker is
@@ -62,23 +71,28 @@ from nbdist.train.validation import BackgroundValidator, SampledValidation
 from nbdist.transport import messages as m
 from nbdist.transport.deadlines import Silence
 from nbdist.transport.faults import RankLost, RankSilent, kill_frozen
-from nbdist.transport.waiting import CommFailure, WaitTimeout, receive_object, wait_all, wait_some
+from nbdist.transport.pool import BodyPool
+from nbdist.transport.waiting import CommFailure, WaitTimeout, receive_object, wait, wait_all, wait_some
 
 __all__ = ["Master", "Client", "run_master", "worker_clients", "share_initial_weights", "open_master", "serve",
+           "settle_centre",
            "average_state", "open_tallies", "restore_tallies", "commit_ready_checkpoints", "WORKER", "SUB_MASTER"]
 
 REPORT_EVERY = 0.5  # seconds between a rank's throughput/phase records
 # Longest a master waits for messages before it looks at its clients' silence again.
 SILENCE_CHECK_EVERY = 0.5
-# How long a master waits for a reply to leave before it serves the other clients.
+# How long a master waits for a reply of the centre to leave before it moves the centre.
 REPLY_WAIT = 0.5
+# Bodies an asynchronous master receives into, whatever its number of clients: two lets
+# one pass serve two updates (and EASGD's replies, which are the bodies, be in flight).
+ASYNC_BODIES = 2
 
 WORKER, SUB_MASTER = "worker", "sub-master"
 
 
 @dataclass(slots=True)
 class Client:
-    """One peer a master serves, with the buffer its posted receive fills: a worker's
+    """One peer a master serves, with the header its posted receive fills: a worker's
     leader (peer w + 1 on `block`) or, at the top master, a sub-master (peer j on
     `masters`). Workers' updates go through the algorithm's `master_apply`; a client with
     a `merge` function has its payload merged into the centre by that instead."""
@@ -87,13 +101,18 @@ class Client:
     peer: int
     kind: str  # WORKER or SUB_MASTER
     world_rank: int
-    inbox: m.Message
+    inbox: m.Message = field(default_factory=m.Message)  # the header alone
     merge: Callable[[np.ndarray, Sequence[Update]], None] | None = None  # Algorithm.merge_master_steps
     weight: int = 1  # workers whose model state (BatchNorm statistics) its messages carry
     silence: Silence = field(default_factory=Silence)
+    body: m.Body | None = None  # the pooled body of the update being served
 
     def post(self) -> MPI.Request:
         return self.comm.Irecv(self.inbox.buffer, source=self.peer, tag=m.TAG_UPDATE)
+
+    def receive_body(self, body: m.Body) -> MPI.Request:
+        self.body = body
+        return self.comm.Irecv(body.buffer, source=self.peer, tag=m.TAG_BODY)
 
     @property
     def index(self) -> int:
@@ -108,11 +127,12 @@ class Client:
 
 @dataclass(slots=True)
 class _Reply:
-    """A reply still in flight: its sends, whether to post the client's next receive once
-    it has left, and since when."""
+    """A reply still in flight: its sends, whether it reads the centre, the pooled body it
+    reads instead (given back once it has left), and since when."""
 
     requests: list
-    repost: bool
+    reads_centre: bool
+    body: m.Body | None = None
     since: float = field(default_factory=time.monotonic)
 
 
@@ -128,6 +148,8 @@ class Master:
     opt: Any = None
     lr: Any = None  # sets opt's lr per update (train/lr.py MasterLr)
     requests: list = field(default_factory=list)  # one posted receive per client
+    pool: BodyPool | None = None  # the bodies updates are received into
+    waiting: list = field(default_factory=list)  # clients whose header is in, served at the next pass
     active: set = field(default_factory=set)  # clients still training: not DONE, failed or dropped
     dropped: dict = field(default_factory=dict)  # client -> why the run went on without it
     finished: set = field(default_factory=set)  # clients that said DONE
@@ -359,9 +381,8 @@ def _remove_dropped(me: Master) -> None:
 
 def worker_clients(ctx: RankContext) -> list[Client]:
     block = ctx.comms.block
-    n, s = ctx.backend.params.size, ctx.backend.state.size
     ranks = _leader_world_ranks(ctx, block.Get_size() - 1)
-    return [Client(block, i + 1, WORKER, rank, m.Message(n, s), silence=Silence(ctx.options.peer_timeout))
+    return [Client(block, i + 1, WORKER, rank, silence=Silence(ctx.options.peer_timeout))
             for i, rank in enumerate(ranks)]
 
 
@@ -381,6 +402,9 @@ def open_master(me: Master, clients: list[Client]) -> None:
     me.validator = BackgroundValidator(ctx.make_replica, *ctx.data.val_arrays())
     me.clients = clients
     me.states = np.zeros((len(clients), ctx.backend.state.size), np.float32)
+    # A synchronous round holds every client's body until it is applied.
+    me.pool = BodyPool(me.center.size, ctx.backend.state.size,
+                       len(clients) if ctx.options.synchronous else ASYNC_BODIES)
     workers = sum(1 for c in clients if c.kind == WORKER)
     me.members = EpochMembers(workers)
     me.reply_headers = [m.new_header(workers) for _ in clients]
@@ -443,7 +467,8 @@ def _wait_for_clients(me: Master) -> list[int]:
     training when synchronous. Clients found dead, or silent for longer than the peer
     timeout, are lost on the way (Master.lose)."""
     t0 = time.perf_counter()
-    ready: set[int] = set()
+    carried, me.waiting = me.waiting, []  # ready since the last pass: served first
+    ready: set[int] = set(carried)
     synchronous = me.ctx.options.synchronous
     while me.active:
         _check_replies(me)
@@ -452,7 +477,7 @@ def _wait_for_clients(me: Master) -> list[int]:
             me.silence_checked = time.monotonic()
             _check_silence(me)
         # Dropped clients keep their receive posted: one that wakes up is told DROPPED.
-        done, failed = wait_some(me.requests, timeout=SILENCE_CHECK_EVERY)
+        done, failed = wait_some(me.requests, timeout=0 if ready else SILENCE_CHECK_EVERY)
         for i, _failure in failed:
             me.requests[i] = MPI.REQUEST_NULL
             if i in me.active:
@@ -463,7 +488,8 @@ def _wait_for_clients(me: Master) -> list[int]:
         if ready and (not synchronous or me.active <= ready):
             break
     me.phases["wait"] += time.perf_counter() - t0
-    return sorted(i for i in ready if i in me.active or i in me.dropped)
+    order = carried + sorted(ready - set(carried))
+    return [i for i in order if i in me.active or i in me.dropped]
 
 
 def _check_silence(me: Master) -> None:
@@ -477,9 +503,10 @@ def _check_silence(me: Master) -> None:
 
 
 def _read_messages(me: Master, ready: list[int]) -> list[tuple[int, Update]]:
-    """Handle what the `ready` clients sent; returns the updates to apply."""
+    """Handle what the `ready` clients sent (those the pool has bodies for); returns the
+    updates to apply. Every body received is given back by its reply (`reply`)."""
     updates: list[tuple[int, Update]] = []
-    for i in ready:
+    for i in _receive_bodies(me, ready):
         client = me.clients[i]
         msg = client.inbox
         kind = msg.header[m.KIND]
@@ -514,11 +541,69 @@ def _read_messages(me: Master, ready: list[int]) -> list[tuple[int, Update]]:
             reply(me, i, m.SNAPSHOT, me.center, label=me.snapshot)
             continue
         _tally(me, i, msg)
-        me.states[i] = msg.state
+        body = client.body
+        me.states[i] = body.state
         # Staleness is set when the update is applied (_apply_updates), not now: the
         # updates of one batch are applied one by one, each one version later.
-        updates.append((i, Update(msg.payload, 0, int(msg.header[m.SAMPLES]), int(msg.header[m.VERSION]))))
+        updates.append((i, Update(body.payload, 0, int(msg.header[m.SAMPLES]), int(msg.header[m.VERSION]))))
     return updates
+
+
+def _receive_bodies(me: Master, ready: list[int]) -> list[int]:
+    """Receive the bodies of the ready clients' updates into pooled buffers; returns the
+    clients served now. Those the pool has no buffer for wait for the next pass, in
+    order; a client whose body does not follow its header is lost."""
+    t0 = time.perf_counter()
+    served, receiving = [], []
+    for i in ready:
+        client = me.clients[i]
+        if client.inbox.header[m.KIND] != m.UPDATE:
+            served.append(i)
+            continue
+        body = None if me.waiting else _take_body(me)
+        if body is None:
+            me.waiting.append(i)
+            continue
+        receiving.append((i, client.receive_body(body)))
+    for i, request in receiving:
+        if _body_arrived(me, i, request):
+            served.append(i)
+    me.phases["wait"] += time.perf_counter() - t0  # receiving is part of waiting for a message
+    return served
+
+
+def _take_body(me: Master) -> m.Body | None:
+    """A free body; when all are lent, one that a reply in flight gives back soon."""
+    body = me.pool.take()
+    if body is None:
+        _check_replies(me)
+        body = me.pool.take()
+    if body is None:
+        holders = [i for i, pending in me.replying.items() if pending.body is not None]
+        if holders and _reply_left(me, holders[0], REPLY_WAIT):
+            body = me.pool.take()
+    return body
+
+
+def _body_arrived(me: Master, i: int, request: MPI.Request) -> bool:
+    """Wait for client i's body, sent right after its header (within the peer timeout)."""
+    client = me.clients[i]
+    try:
+        wait(request, timeout=client.silence.limit)
+        return True
+    except CommFailure:
+        me.pool.write_off(client.body)
+        client.body = None
+        me.requests[i] = MPI.REQUEST_NULL
+        if i in me.active:
+            me.lose(i, "died", gone=True)
+    except WaitTimeout:
+        me.pool.write_off(client.body)  # still posted: MPI may yet write into it
+        client.body = None
+        if i in me.active:
+            me.lose(i, f"sent a header but not its update within {client.silence.limit:.0f} s (the peer timeout)",
+                    gone=False)
+    return False
 
 
 def _error_text(me: Master, i: int) -> str:
@@ -557,6 +642,7 @@ def _apply_updates(me: Master, updates: list[tuple[int, Update]]) -> list[tuple[
     for group in groups:
         if not group:
             continue
+        settle_centre(me)  # counted as replying
         t0 = time.perf_counter()
         for _, u in group:
             u.staleness = me.version - u.version
@@ -596,12 +682,16 @@ def _merge_masters(me: Master, start: np.ndarray | None, own_workers: int, pushe
 
 
 def reply(me: Master, i: int, kind: float, payload: np.ndarray, *, label: str = "", repost: bool = True) -> None:
-    """Answer client i (header, then the payload array itself); its next receive is
-    posted once the reply has left (at once, or later: _check_replies).
+    """Answer client i (header, then the payload array itself) without waiting for it to
+    leave, and post its next receive: the client sends nothing before it has taken the
+    reply. The body of its update goes back to the pool, once the reply has left when
+    the reply is that body (_check_replies).
 
     The header names the workers that share the next epoch's data when the client's
     message ended an epoch."""
     t0 = time.perf_counter()
+    if i in me.replying:  # its previous reply, taken by now: the client has sent again
+        _reply_left(me, i, REPLY_WAIT)
     client, header = me.clients[i], me.reply_headers[i]
     header[m.KIND] = kind
     header[m.VERSION] = me.version
@@ -612,15 +702,33 @@ def reply(me: Master, i: int, kind: float, payload: np.ndarray, *, label: str = 
     if me.members.workers:
         for w in me.members.of(epoch, me.live_workers()):
             header[m.HEADER_FLOATS // 2 + w] = 1.0
+    body, client.body = client.body, None
+    held = body if body is not None and np.may_share_memory(payload, body.buffer) else None
+    if body is not None and held is None:
+        me.pool.give_back(body)
     me.replying[i] = _Reply([client.comm.Isend(header, dest=client.peer, tag=m.TAG_REPLY_HEADER),
-                             client.comm.Isend(payload, dest=client.peer, tag=m.TAG_REPLY)], repost)
-    _reply_left(me, i, REPLY_WAIT)
+                             client.comm.Isend(payload, dest=client.peer, tag=m.TAG_REPLY)],
+                            reads_centre=np.may_share_memory(payload, me.center), body=held)
+    client.silence.restart()  # its next message comes after its next steps, from now
+    if repost:
+        me.requests[i] = client.post()
+    _reply_left(me, i, 0)
+    me.phases["reply"] += time.perf_counter() - t0
+
+
+def settle_centre(me: Master) -> None:
+    """Before the centre moves: wait for the replies that still read it, each once and for
+    up to REPLY_WAIT (one still in flight after that reaches its client partly updated)."""
+    t0 = time.perf_counter()
+    for i in [i for i, pending in me.replying.items() if pending.reads_centre]:
+        if i in me.replying and not _reply_left(me, i, REPLY_WAIT):
+            me.replying[i].reads_centre = False
     me.phases["reply"] += time.perf_counter() - t0
 
 
 def _reply_left(me: Master, i: int, wait: float) -> bool:
-    """Whether client i's reply has left (waiting up to `wait` seconds); then its next
-    receive is posted. A client found dead meanwhile is lost."""
+    """Whether client i's reply has left (waiting up to `wait` seconds); then the body it
+    read goes back to the pool. A client found dead meanwhile is lost."""
     pending = me.replying[i]
     try:
         if wait > 0:
@@ -631,28 +739,31 @@ def _reply_left(me: Master, i: int, wait: float) -> bool:
         return False
     except (CommFailure, MPI.Exception):
         del me.replying[i]
+        if pending.body is not None:
+            me.pool.write_off(pending.body)
         me.requests[i] = MPI.REQUEST_NULL
         if i in me.active:
             me.lose(i, "died", gone=True)
         return True
     del me.replying[i]
-    client = me.clients[i]
-    client.silence.restart()  # its next message comes after its next steps, from now
-    if pending.repost:
-        me.requests[i] = client.post()
+    if pending.body is not None:
+        me.pool.give_back(pending.body)
     return True
 
 
 def _check_replies(me: Master) -> None:
-    """Replies still in flight: post the receives of clients whose reply has left; lose
-    the clients that have not taken theirs within the peer timeout (frozen). A dropped
-    client's reply stays in flight: if it wakes up and takes it, its next update is
-    received and answered DROPPED."""
+    """Replies still in flight: give back the bodies of those that have left; lose the
+    clients that have not taken theirs within the peer timeout (frozen). A dropped
+    client's reply stays in flight (its body written off: the pool makes another): if it
+    wakes up and takes it, its next update is received and answered DROPPED."""
     for i in list(me.replying):
         if _reply_left(me, i, 0):
             continue
-        limit = me.clients[i].silence.limit
-        if i in me.active and time.monotonic() - me.replying[i].since > limit:
+        pending, limit = me.replying[i], me.clients[i].silence.limit
+        if i in me.active and time.monotonic() - pending.since > limit:
+            if pending.body is not None:
+                me.pool.write_off(pending.body)
+                pending.body = None
             me.lose(i, f"did not take its reply for {limit:.0f} s (the peer timeout)", gone=False)
 
 

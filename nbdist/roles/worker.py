@@ -278,8 +278,7 @@ class Worker:
         t0 = time.perf_counter()
         # DONE, ERROR and LOST carry only the header. Polled, not blocking: a master that is
         # gone must not hold this rank in a Send.
-        message = out.buffer if kind == m.UPDATE else out.buffer[: m.HEADER_FLOATS]
-        self._await_master([self.block.Isend(message, dest=0, tag=m.TAG_UPDATE)])
+        self._await_master([self.block.Isend(part, dest=0, tag=tag) for part, tag in out.parts()])
         window.send += time.perf_counter() - t0
 
     def _await_master(self, requests: list) -> None:

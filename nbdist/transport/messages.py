@@ -1,10 +1,13 @@
 """The wire format between workers and masters: a small header in front of a flat payload.
 
-A worker's message is ONE float32 buffer, [header | payload | model state], sent with
-one `Send`. The header is 10 float64 slots viewed over the first 20 floats (float64 holds
-versions and sample counts exactly). Replies travel as a header message followed by
-the payload array itself, so the master sends its centre without copying it. A
-sub-master speaks the same format to the top master (roles/hierarchy.py).
+A worker's message is ONE float32 buffer, [header | payload | model state], sent in two
+parts: the header (TAG_UPDATE), then, for an UPDATE, the body [payload | model state]
+(TAG_BODY). The master keeps one small receive posted per client, for its header, and
+receives a body into a pooled buffer only once its header is in: its memory does not
+grow with the number of workers. The header is 10 float64 slots viewed over the first
+20 floats (float64 holds versions and sample counts exactly). Replies travel as a header
+message followed by the payload array itself, so the master sends its centre without
+copying it. A sub-master speaks the same format to the top master (roles/hierarchy.py).
 
 A reply header carries, after the 10 slots, one slot per worker of the master: 1.0 for the
 workers that share the data of epoch `reply[EPOCH]` (the epoch after the one the worker's
@@ -36,7 +39,7 @@ EPOCH_END = 1
 STOP_REQUEST = 2
 
 # tags
-TAG_UPDATE, TAG_REPLY_HEADER, TAG_REPLY, TAG_ERROR_TEXT = 11, 12, 13, 14
+TAG_UPDATE, TAG_REPLY_HEADER, TAG_REPLY, TAG_ERROR_TEXT, TAG_BODY = 11, 12, 13, 14, 15
 
 NO_CHECKPOINT = -1.0
 
@@ -54,11 +57,12 @@ def label_of(code: float) -> str:
 
 
 class Message:
-    """A contiguous float32 buffer with a float64 header view and payload/state views."""
+    """A contiguous float32 buffer with a float64 header view and payload/state views.
+    Message(0) is a header alone: what a master's posted receive fills."""
 
     __slots__ = ("buffer", "header", "payload", "state")
 
-    def __init__(self, n_payload: int, n_state: int = 0):
+    def __init__(self, n_payload: int = 0, n_state: int = 0):
         self.buffer = np.zeros(HEADER_FLOATS + n_payload + n_state, dtype=np.float32)
         self.header = self.buffer[:HEADER_FLOATS].view(np.float64)
         self.payload = self.buffer[HEADER_FLOATS : HEADER_FLOATS + n_payload]
@@ -66,6 +70,23 @@ class Message:
 
     def has(self, flag: int) -> bool:
         return bool(int(self.header[FLAGS]) & flag)
+
+    def parts(self) -> list[tuple[np.ndarray, int]]:
+        """(array, tag) to send, in order: the header, and the body of an UPDATE (DONE,
+        ERROR and LOST are their header alone)."""
+        head = [(self.buffer[:HEADER_FLOATS], TAG_UPDATE)]
+        return head + [(self.buffer[HEADER_FLOATS:], TAG_BODY)] if self.header[KIND] == UPDATE else head
+
+
+class Body:
+    """A received body [payload | model state], in a buffer lent by a master's pool."""
+
+    __slots__ = ("buffer", "payload", "state")
+
+    def __init__(self, buffer: np.ndarray, n_payload: int):
+        self.buffer = buffer
+        self.payload = buffer[:n_payload]
+        self.state = buffer[n_payload:]
 
 
 def new_header(workers: int = 0) -> np.ndarray:

@@ -1,0 +1,42 @@
+"""A master's receive buffers for message bodies, reused: a fixed number, however many
+clients it serves.
+
+A body is taken when its header is in (roles/master.py), and given back once its update
+is applied, or, when the reply is the body itself (EASGD answers each worker its own
+elastic step), once that reply has left. A buffer that MPI may still read (a lost
+client's reply that never left) is written off: the pool may make a new one in its place.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from nbdist.transport.messages import Body
+
+__all__ = ["BodyPool"]
+
+
+class BodyPool:
+    def __init__(self, n_payload: int, n_state: int, capacity: int):
+        self.n_payload, self.size = n_payload, n_payload + n_state
+        self.capacity = max(capacity, 1)
+        self.free: list[np.ndarray] = []
+        self.lent = 0
+
+    def take(self) -> Body | None:
+        """A body to receive into, or None while all `capacity` are lent."""
+        if self.free:
+            buffer = self.free.pop()
+        elif self.lent < self.capacity:
+            buffer = np.empty(self.size, np.float32)
+        else:
+            return None
+        self.lent += 1
+        return Body(buffer, self.n_payload)
+
+    def give_back(self, body: Body) -> None:
+        self.lent -= 1
+        self.free.append(body.buffer)
+
+    def write_off(self, body: Body) -> None:
+        self.lent -= 1
