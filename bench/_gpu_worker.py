@@ -41,10 +41,10 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def allreduce(comm, sizes, args, request: DeviceRequest) -> dict:
+def allreduce(comm, sizes, args, request: DeviceRequest, precision: str) -> dict:
     rank, size = comm.Get_rank(), comm.Get_size()
     torch.manual_seed(0)
-    backend = TorchBackend(mlp(sizes), nn.CrossEntropyLoss())
+    backend = TorchBackend(mlp(sizes), nn.CrossEntropyLoss(), precision=precision)
     backend.place(request)
     opt = backend.make_optimizer(parse_spec(f"sgd(lr={args.lr})"))
     reducer = GradientReducer(comm, backend, max(1, int(args.bucket_mb * 2**20 / 4)))
@@ -131,7 +131,8 @@ def main() -> None:
     comm = MPI.COMM_WORLD
     request = DeviceRequest(args.device, local_rank(comm))
     if args.part == "allreduce":
-        results = {model: allreduce(comm, MLPS[model], run, request) for model in plan["models"]}
+        results = {f"{model}/{precision}": allreduce(comm, MLPS[model], run, request, precision)
+                   for model in plan["models"] for precision in plan["precisions"]}
     else:
         results = [r for floats in plan["floats"] for r in staging(comm, floats, run, request)]
     if comm.Get_rank() == (0 if args.part == "allreduce" else 1):

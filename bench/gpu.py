@@ -9,7 +9,8 @@
    the same size taken back, through the staging object, pinned host buffer vs
    device-direct (the latter only where MPI is CUDA-aware); ms per round trip.
 
-Mixed precision (AMP on and off) is not measured: no --precision option exists yet.
+Part 1 runs in each precision (--precision fp32, bf16, fp16: AMP off and on), DDP under
+torch.autocast with a GradScaler for fp16, so each ratio compares like with like.
 nbdist's own allreduce does not use NCCL (only MPI, direct or staged); DDP does.
 
 Usage: python bench/gpu.py [--quick]   (--cpu-dry-run: every part on the CPU, gloo for
@@ -36,6 +37,8 @@ WORKER = str(Path(__file__).with_name("_gpu_worker.py"))
 
 def _ddp_rank(rank: int, world: int, port: int, plan: dict, cfg: dict, queue) -> None:
     import torch
+
+    autocast_dtypes = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
     import torch.distributed as dist
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -49,12 +52,14 @@ def _ddp_rank(rank: int, world: int, port: int, plan: dict, cfg: dict, queue) ->
     dist.init_process_group("nccl" if on_gpu else "gloo", rank=rank, world_size=world)
     results = {}
     try:
-        for model in plan["models"]:
+        for model, precision in [(m, pr) for m in plan["models"] for pr in plan["precisions"]]:
             sizes = MLPS[model]
             torch.manual_seed(0)
             net = DDP(mlp(sizes).to(device), device_ids=[rank] if on_gpu else None)
             opt = torch.optim.SGD(net.parameters(), lr=cfg["lr"])
             loss_fn = nn.CrossEntropyLoss()
+            dtype = autocast_dtypes[precision]
+            scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
             x_np, y_np = synthetic(DATA_SAMPLES, sizes[0], sizes[-1], seed=1 + rank)
             x_all, y_all = torch.from_numpy(x_np).to(device), torch.from_numpy(y_np).to(device)
             batches = [torch.from_numpy(b).to(device)
@@ -63,8 +68,11 @@ def _ddp_rank(rank: int, world: int, port: int, plan: dict, cfg: dict, queue) ->
             def step(k: int) -> None:
                 idx = batches[k % 64]
                 opt.zero_grad(set_to_none=True)
-                loss_fn(net(x_all[idx]), y_all[idx]).backward()
-                opt.step()
+                with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                    loss = loss_fn(net(x_all[idx]), y_all[idx])
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
 
             for k in range(plan["warmup"]):
                 step(k)
@@ -80,7 +88,7 @@ def _ddp_rank(rank: int, world: int, port: int, plan: dict, cfg: dict, queue) ->
                     torch.cuda.synchronize(device)
                 dist.barrier()
                 rounds.append(time.perf_counter() - t0)
-            results[model] = plan["steps"] * cfg["batch_size"] * world / min(rounds)
+            results[f"{model}/{precision}"] = plan["steps"] * cfg["batch_size"] * world / min(rounds)
         if rank == 0:
             queue.put(results)
     finally:
@@ -121,7 +129,8 @@ def main() -> None:
     device = "cpu" if args.cpu_dry_run else "cuda"
     q = args.quick
     header(f"nbdist on {'the CPU (dry run)' if args.cpu_dry_run else f'{gpus} GPU(s)'}, batch {args.batch_size}/rank")
-    plan = dict(models=["small", "large"], steps=50 if q else 200, warmup=10 if q else 20, rounds=2 if q else 3)
+    plan = dict(models=["small", "large"], precisions=["fp32", "bf16", "fp16"], steps=50 if q else 200,
+                warmup=10 if q else 20, rounds=2 if q else 3)
     cfg = dict(batch_size=args.batch_size, lr=0.01, device=device)
     common = ["--device", device, "--batch-size", str(args.batch_size)]
 
@@ -129,13 +138,15 @@ def main() -> None:
     ddp = run_ddp(gpus, plan, cfg)
     rows = []
     for model in plan["models"]:
-        r = nb["results"][model]
         n = count_params(MLPS[model])
-        rows.append([f"{model} ({n:,} params)", r["way"], r["samples_per_s"], ddp[model],
-                     r["samples_per_s"] / ddp[model]])
+        for precision in plan["precisions"]:
+            key = f"{model}/{precision}"
+            r = nb["results"][key]
+            rows.append([f"{model} ({n:,} params)", precision, r["way"], r["samples_per_s"], ddp[key],
+                         r["samples_per_s"] / ddp[key]])
     print(f"1. allreduce over {gpus} rank(s), nbdist (MPI, {'CUDA-aware' if nb['cuda_aware'] else 'not CUDA-aware'}) "
           f"vs DDP ({'NCCL' if device == 'cuda' else 'gloo'}):")
-    table(rows, ["model", "nbdist staging", "nbdist samples/s", "DDP samples/s", "ratio"])
+    table(rows, ["model", "precision", "nbdist staging", "nbdist samples/s", "DDP samples/s", "ratio"])
 
     trips = dict(steps=20 if q else 100, warmup=5, floats=[2**20, 10 * 2**20])
     st = run_mpi(2, [WORKER, "--part", "staging", "--plan", json.dumps(trips), *common], timeout=600)[0]
@@ -144,7 +155,6 @@ def main() -> None:
           ["buffer", "staging", "ms per round trip", "GB/s"])
     if not st["cuda_aware"]:
         print("   device-direct not measured: this MPI is not CUDA-aware (MPIX_Query_cuda_support() is 0)")
-    print("   AMP on/off not measured: nbdist has no --precision option yet")
 
 
 if __name__ == "__main__":
