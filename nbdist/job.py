@@ -166,11 +166,16 @@ class Job:
 
     @property
     def epochs(self) -> Any:
-        """The run's per-epoch metrics (train and validation loss, accuracy, throughput)."""
+        """The run's per-epoch metrics (train and validation loss, accuracy, throughput), one
+        row per epoch: after a restart (--max-restarts) the epochs trained again from the last
+        checkpoint replace the ones first reported (every record stays in .history)."""
         import pandas as pd
 
-        rows = [r["values"] for r in self.records if r["kind"] == "epoch"]
-        return pd.DataFrame(rows)
+        latest: dict[tuple[str, int], dict[str, Any]] = {}
+        for r in self.records:
+            if r["kind"] == "epoch":
+                latest[(r["run"], r["values"].get("epoch", r["epoch"]))] = r["values"]
+        return pd.DataFrame(list(latest.values()))
 
     def dashboard(self, period_ms: int = 1000) -> Any:
         """The live dashboard of this job (Panel): displayed under the cell, it updates

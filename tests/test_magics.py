@@ -425,7 +425,8 @@ def test_a_dead_engine_is_survived_with_a_restart_reported_and_start_replaces_it
     os.kill(victim.pid, signal.SIGKILL)
     job.wait(180)
     assert job.status == "completed", job
-    assert job.result.final["val_acc"] > 0.9 and len(job.epochs) == 60, job.epochs
+    # One row per epoch, though the restart may train the epoch after its checkpoint again.
+    assert job.result.final["val_acc"] > 0.9 and list(job.epochs["epoch"]) == list(range(1, 61)), job.epochs
     restarts = [r["values"] for r in job.records if r["kind"] == "restart" and r["rank"] == 0]
     assert len(restarts) == 1 and restarts[0]["ranks"] == 3, restarts
     # Said once, led by the rank that died, with its host, and how to heal the cluster.
