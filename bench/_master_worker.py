@@ -66,10 +66,11 @@ def definition(params: int, samples: int) -> ModelDefinition:
 def protocol_worker(ctx, epochs: int, steps: int) -> None:
     """Only the wire protocol of run_worker: send a precomputed gradient, await the reply."""
     block = ctx.comms.block
-    params, state = ctx.backend.params, ctx.backend.state
+    # Host buffers of the model's sizes (--device auto may have put the model on a GPU).
+    n, s = ctx.backend.num_params, len(ctx.backend.state)
+    params, state = np.empty(n, np.float32), np.empty(s, np.float32)
     wait(block.Ibcast(params, root=0))  # as the master sends them: nonblocking
     wait(block.Ibcast(state, root=0))
-    n, s = params.size, state.size
     out = m.Message(n, s)
     out.payload[:] = np.random.default_rng(ctx.role.rank).standard_normal(n, dtype=np.float32) * 1e-3
     reply_header, reply_payload = m.new_header(ctx.layout.workers), np.empty(n, np.float32)
@@ -102,7 +103,7 @@ def measure(comm, params: int, optimizer: str, updates: int, workers: str, runs:
                            validate_every=10**6, runs_dir=runs, checkpoint_every=0,
                            quiet=True, trace_updates=True)
     ctx = prepare(options, definition(params, n_workers * steps), comm, StopFlag())
-    assert ctx.backend.params.size == params
+    assert ctx.backend.num_params == params
     try:
         if ctx.role.kind == "master":
             copy_before = memcpy_ms(params, 10)  # the reference, in this process, next to the run

@@ -113,9 +113,9 @@ class TrainOptions:
                                   "Keras' mixed_bfloat16/mixed_float16 policy); weights, gradients and optimizers stay "
                                   "float32; fp16 scales the loss (steps whose gradient overflows are skipped)",
                           choices=PRECISIONS)
-    device: str = _opt("auto", "where a PyTorch worker's model lives: auto (the CPU, numpy views), cuda (GPU "
-                               "local_rank mod gpus; not yet run on a GPU) or cpu (the GPU path's tensors and "
-                               "staging, run on the CPU)", choices=DEVICES)
+    device: str = _opt("auto", "where a PyTorch worker's model lives: auto (cuda where torch sees a GPU, else the "
+                               "CPU with numpy views), cuda (GPU local_rank mod gpus; not yet run on a GPU) or cpu "
+                               "(the GPU path's tensors and staging, run on the CPU)", choices=DEVICES)
     bucket_mb: float = _opt(2.0, "allreduce bucket size in MB (gradients reduced while backward runs)")
     quiet: bool = _opt(False, "print only the final summary")
     trace_updates: bool = _opt(False, "also record every update the master applies (source rank, staleness, "

@@ -10,6 +10,7 @@ from mpi4py import MPI
 from torch import nn
 
 from nbdist.backends import DeviceRequest, ModelError, backend_for
+from nbdist.transport.collectives import Collectives
 from nbdist.transport.node import local_rank
 from nbdist.transport.staging import Staging
 
@@ -29,19 +30,28 @@ def test_device_cpu_gives_tensors_over_the_models_own_memory():
     model = make_model()
     weights = [p.detach().clone() for p in model.parameters()]
     backend = backend_for(model, device=DeviceRequest("cpu"))
-    assert isinstance(backend.rule_params, torch.Tensor) and isinstance(backend.rule_grads, torch.Tensor)
-    # The numpy views (checkpoints, the host side of MPI) are the same memory as the tensors.
-    assert shares_memory(backend.params, backend.rule_params) and shares_memory(backend.grads, backend.rule_grads)
+    # No numpy views on the device path: every host read goes through the staging.
+    for flat in (backend.params, backend.grads, backend.state, backend.rule_params, backend.rule_grads):
+        assert isinstance(flat, torch.Tensor)
+    assert backend.rule_params is backend.params and backend.num_params == 47
     assert [torch.equal(p, w) for p, w in zip(model.parameters(), weights)] == [True] * len(weights)
-    assert backend.state.size == 10  # BatchNorm's running mean and variance, flattened too
+    assert len(backend.state) == 10  # BatchNorm's running mean and variance, flattened too
     backend.rule_params[...] = 0.5
     assert all(bool((p == 0.5).all()) for p in model.parameters())
     x, y = np.ones((3, 4), np.float32), np.array([0, 1, 0])
     backend.compute_gradients(x, y)
-    assert np.array_equal(backend.grads, backend.rule_grads.numpy()) and np.abs(backend.grads).sum() > 0
+    assert float(backend.grads.abs().sum()) > 0
+    staged = Staging(backend.grads)
+    assert staged.way == "view" and shares_memory(staged.to_host(), backend.grads)
+    # MPI is never handed a device buffer as if it were host memory.
+    collectives = Collectives(timeout=lambda: 5.0)
+    with pytest.raises(TypeError, match="MPI is given host memory: a Tensor goes through transport.staging"):
+        collectives.allreduce(MPI.COMM_SELF, backend.grads, "a test")
+    collectives.allreduce(MPI.COMM_SELF, staged, "a test")
 
 
-def test_device_auto_is_the_numpy_host_path():
+@NO_GPU
+def test_device_auto_without_a_gpu_is_the_numpy_host_path():
     backend = backend_for(make_model(), device=DeviceRequest("auto", local_rank=3))
     assert isinstance(backend.rule_params, np.ndarray) and backend.rule_params is backend.params
     assert backend.copier is None

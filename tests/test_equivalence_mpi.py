@@ -5,7 +5,8 @@
   buckets), sample shares and flat optimiser;
 - the device path (--device cpu: torch tensors as the buffers, through the array-API rules
   and the transport's staging, as on a GPU) == the numpy path to 1e-6, for allreduce and
-  for the master/worker runs below;
+  for the master/worker runs below, a BatchNorm model's state included (initial
+  broadcasts, validation, a worker of 2 processes), and after a resume from a checkpoint;
 - the same weights as PyTorch DistributedDataParallel on gloo;
 - Downpour with one worker and sync_every=1 == plain SGD on the same batch order;
 - EASGD with elastic_force=0 leaves the centre where it started;
@@ -139,7 +140,18 @@ ROUND_RUNS = {
 
 # Runs trained again with --device cpu (the rules and staging on torch tensors), each
 # compared with its numpy run; EASGD with its elastic force, so that the centre moves.
-DEVICE_COMPARED = ("downpour-async", "easgd-elastic-sync", "gem-sync", "adag-sync", "dynsgd-sync")
+# The BatchNorm runs carry a model state: broadcast at the start, sent to a master,
+# averaged over allreduce ranks at validation, checkpointed.
+BATCHNORM_RUNS = {
+    "allreduce-bn": dict(ranks=3, topology="allreduce", worker_optimizer=common.OPTIMIZER),
+    # 1 master + 2 workers of 2 processes each (their gradient allreduced between them).
+    "procs2-bn": dict(ranks=5, algorithm="easgd", synchronous=True, workers=2, procs_per_worker=2,
+                      worker_optimizer=common.OPTIMIZER),
+}
+DEVICE_COMPARED = ("downpour-async", "easgd-elastic-sync", "gem-sync", "adag-sync", "dynsgd-sync", *BATCHNORM_RUNS)
+# Runs trained with --device cpu for API_EPOCHS - 1 epochs, then resumed from their last
+# checkpoint for the last one, each compared with its straight numpy run.
+DEVICE_RESUMED = ("downpour-async", "allreduce-bn", "procs2-bn")
 
 
 @pytest.fixture(scope="module")
@@ -162,8 +174,12 @@ def api_runs(tmp_path_factory):
              for name, extra in ROUND_RUNS.items()]
     runs.append(dict(base, run_name="easgd-elastic-sync", ranks=3, algorithm="easgd", synchronous=True,
                      worker_optimizer=common.OPTIMIZER))
+    runs += [dict(base, run_name=name, batchnorm=True, **extra) for name, extra in BATCHNORM_RUNS.items()]
     runs += [dict(run, run_name=run["run_name"] + "-device", device="cpu")
              for run in runs if run["run_name"] in DEVICE_COMPARED]
+    halves = [dict(run, run_name=run["run_name"] + "-device-half", device="cpu", epochs=API_EPOCHS - 1)
+              for run in runs if run["run_name"] in DEVICE_RESUMED]
+    runs += halves + [dict(run, epochs=API_EPOCHS, resume=str(runs_dir / run["run_name"])) for run in halves]
     spec = runs_dir / "runs.json"
     spec.write_text(json.dumps(runs))
     done = run_mpi(1 + ROUND_WORKERS, [str(SCRIPTS / "api_train.py"), str(spec)], timeout=300)
@@ -238,11 +254,43 @@ def test_a_synchronous_round_is_one_step_on_the_mean(api_runs, name):
     assert all(h["samples"] == ROUND_TRAIN for h in summary["history"])
 
 
+def assert_same_run_as_on_the_host(name: str, run: Path, resumed: bool = False) -> None:
+    """`run` (on --device cpu) ended with the weights, model state and validation curve
+    of the numpy run `name` (to 1e-6), and the weights moved."""
+    host = run.parent / name
+    on_host = load_file(str(host / "final" / "model.safetensors"))
+    torch.manual_seed(API_SEED)
+    initial = state_dict_arrays(common.build_batchnorm_model() if name in BATCHNORM_RUNS else common.build_model())
+    assert moved(on_host, initial) > 0.05
+    assert json.loads((run / "options.json").read_text())["device"] == "cpu"
+    got = load_file(str(run / "final" / "model.safetensors"))
+    # BatchNorm's integer batch counter is no float state: checkpoints do not hold it (on
+    # the numpy path neither), so a resumed run counts from zero again.
+    counters = {k for k in on_host if k.endswith("num_batches_tracked")}
+    assert_weights_close({k: v for k, v in got.items() if k not in counters},
+                         {k: v for k, v in on_host.items() if k not in counters}, tol=1e-6)
+    history, expected = ({h["epoch"]: h["val_loss"] for h in json.loads((r / "summary.json").read_text())["history"]}
+                         for r in (run, host))
+    # (An asynchronous master's history after a resume lacks the epoch it resumed at, on
+    # the numpy path as well: compared are the epochs it has, the last one always.)
+    assert (set(history) <= set(expected) and API_EPOCHS in history) if resumed else set(history) == set(expected)
+    np.testing.assert_allclose([history[e] for e in history], [expected[e] for e in history], rtol=1e-6)
+
+
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("name", DEVICE_COMPARED)
-def test_master_worker_on_torch_tensors_equals_the_numpy_path(api_runs, name):
-    on_host = load_file(str(api_runs / name / "final" / "model.safetensors"))
-    assert moved(on_host, state_dict_arrays(common.initial_model(API_SEED))) > 0.05
-    assert json.loads((api_runs / f"{name}-device" / "options.json").read_text())["device"] == "cpu"
-    assert_weights_close(load_file(str(api_runs / f"{name}-device" / "final" / "model.safetensors")), on_host,
-                         tol=1e-6)
+def test_runs_on_torch_tensors_equal_the_numpy_path(api_runs, name):
+    assert_same_run_as_on_the_host(name, api_runs / f"{name}-device")
+    if name in BATCHNORM_RUNS:  # the statistics moved from their initial zeros and ones
+        state = load_file(str(api_runs / f"{name}-device" / "final" / "model.safetensors"))
+        assert np.abs(state["1.running_mean"]).max() > 1e-3 and np.abs(state["1.running_var"] - 1).max() > 1e-3
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", DEVICE_RESUMED)
+def test_a_run_on_torch_tensors_resumed_from_a_checkpoint_equals_the_numpy_path(api_runs, name):
+    run = api_runs / f"{name}-device-half"
+    # It stopped after API_EPOCHS - 1 epochs and went on from that epoch's checkpoint.
+    assert (run / "checkpoints" / f"epoch-{API_EPOCHS - 1:04d}").is_dir()
+    assert json.loads((run / "checkpoints" / "LATEST.json").read_text())["label"] == f"epoch-{API_EPOCHS:04d}"
+    assert_same_run_as_on_the_host(name, run, resumed=True)

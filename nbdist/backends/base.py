@@ -1,8 +1,9 @@
 """The Backend protocol: one model replica seen as flat float32 buffers.
 
 Algorithms and topologies only ever see `params`, `grads` and `state` as 1-D float32
-numpy arrays, so an MPI send of `params` is a send of the model itself (PyTorch: views
-of the model's own memory; Keras: the buffer the model is run from). A framework
+arrays aliasing the model (PyTorch: views of the model's own memory, numpy on the host
+path, the tensors on a device; Keras: the numpy buffer the model is run from), so an MPI
+send of `params`, through the transport's staging, is a send of the model itself. A framework
 implements this class and a `Framework` (frameworks.py); nothing above them knows which
 one runs.
 """
@@ -13,6 +14,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import array_api_compat
 import numpy as np
 
 from nbdist.errors import UserError
@@ -87,6 +89,12 @@ class FlatOptimizer(ABC):
         """Step with `lr` from now on (warm-up, scaling, schedules: train/lr.py)."""
 
 
+def all_finite(array: Any) -> bool:
+    """No inf or NaN in `array`, numpy or a tensor on any device (one number comes back)."""
+    xp = array_api_compat.array_namespace(array)
+    return bool(xp.all(xp.isfinite(array)))
+
+
 class DynamicLossScale:
     """fp16 loss scaling, with torch.amp.GradScaler's rule and defaults: the loss is
     multiplied by `scale` before the backward pass and the gradient divided by it after,
@@ -109,7 +117,7 @@ class DynamicLossScale:
         if not self.pending:
             return
         self.pending = False
-        if not np.isfinite(grads).all():
+        if not all_finite(grads):
             self.scale, self.good_steps = self.scale * 0.5, 0
             return
         self.good_steps += 1
@@ -132,7 +140,7 @@ class OverflowSkipping(FlatOptimizer):
         self.inner, self.spec, self.skipped = inner, inner.spec, 0
 
     def step(self, grad: np.ndarray) -> None:
-        if np.isfinite(grad).all():
+        if all_finite(grad):
             self.inner.step(grad)
         else:
             self.skipped += 1
@@ -165,9 +173,13 @@ class LrSchedule(ABC):
 
 
 class Backend(ABC):
-    params: np.ndarray  # trainable weights, flat float32, aliasing the model
-    grads: np.ndarray  # their gradients, flat float32, filled by compute_gradients
-    state: np.ndarray  # non-trainable float state (BatchNorm statistics), maybe empty
+    # The flat float32 buffers, aliasing the model, where the model lives: numpy arrays on
+    # the host path, torch tensors on the device path (--device; the CPU or a GPU). Code
+    # outside the backend reads them as host memory only through the transport's staging
+    # (MPI) or algorithms.arrays' to_numpy/copy_into (checkpoints), never as numpy.
+    params: Any  # trainable weights
+    grads: Any  # their gradients, filled by compute_gradients
+    state: Any  # non-trainable float state (BatchNorm statistics), maybe empty
     metric_name: str | None  # e.g. "acc"; None when the model has no metric
     loss_scale: DynamicLossScale | None = None  # fp16 only
 
@@ -191,10 +203,9 @@ class Backend(ABC):
     def num_params(self) -> int:
         return int(self.params.size)
 
-    # The flat buffers where the model lives, as the rules and the transport's staging see
-    # them: torch tensors on the model's device, or the numpy arrays above (the host path).
-    # `copier`: what copies between them and pinned host memory (None: MPI reads them as
-    # they are).
+    # `copier`: what copies between the flat buffers and pinned host memory (None: MPI
+    # reads them as they are). `rule_params`/`rule_grads`: the same buffers, by the name
+    # the update rules' callers use.
     copier: Any = None
 
     @property

@@ -2,10 +2,12 @@
 
 Every parameter's `.data` and `.grad` become views into two contiguous tensors, laid
 out in reverse registration order (roughly the order autograd finishes them), so:
-- `params`/`grads` are numpy views of those tensors: an MPI send of them is zero-copy;
-- `place` (--device) moves the model and rebuilds the buffers on its device; the rules
-  and the transport's staging then see the tensors themselves (`rule_params`), and the
-  numpy views exist only while the buffers are on the CPU (torch_device.py);
+- on the host path `params`/`grads`/`state` are numpy views of those tensors: an MPI send
+  of them is zero-copy;
+- `place` (--device cpu or cuda, or auto on a GPU node) moves the model and rebuilds the
+  buffers on its device; `params`/`grads`/`state` are then the tensors themselves, which
+  the rules use as they are and MPI reads only through the transport's staging
+  (torch_device.py);
 - a bucket of gradients that backward has finished is one contiguous slice, which the
   allreduce topology can reduce while backward goes on with earlier layers.
 """
@@ -215,11 +217,14 @@ class TorchBackend(Backend):
                 self._flat_state[offset : offset + size].copy_(b.reshape(-1))
                 b.data = self._flat_state[offset : offset + size].view_as(b)
                 offset += size
-        on_host = device.type == "cpu"
-        # numpy views only where the memory is the host's; on a GPU the tensors themselves.
-        self.params = self._flat_params.numpy() if on_host else self._flat_params
-        self.grads = self._flat_grads.numpy() if on_host else self._flat_grads
-        self.state = self._flat_state.numpy() if on_host else self._flat_state
+        self._expose()
+
+    def _expose(self) -> None:
+        """The flat buffers as the rest of nbdist sees them: numpy views on the host path,
+        the tensors themselves on the device path (so that nothing can read them as host
+        memory without going through the staging, even where the device is the CPU)."""
+        flat = (self._flat_params, self._flat_grads, self._flat_state)
+        self.params, self.grads, self.state = flat if self._tensors else (t.numpy() for t in flat)
 
     def place(self, request: DeviceRequest) -> None:
         from nbdist.backends.torch_device import CudaCopier, place
@@ -230,18 +235,15 @@ class TorchBackend(Backend):
             self.model.to(placement.device)
             self._flatten(placement.device)
             self.copier = CudaCopier(placement.device) if placement.device.type == "cuda" else None
+        self._expose()
 
     @property
     def device(self) -> torch.device:
         return self._flat_params.device
 
     @property
-    def rule_params(self) -> "np.ndarray | torch.Tensor":
-        return self._flat_params if self._tensors else self.params
-
-    @property
-    def rule_grads(self) -> "np.ndarray | torch.Tensor":
-        return self._flat_grads if self._tensors else self.grads
+    def num_params(self) -> int:
+        return int(self._flat_params.numel())
 
     def _set_metric(self, metric: "str | Callable | None") -> None:
         if metric is None:

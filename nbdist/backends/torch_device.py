@@ -3,10 +3,8 @@
 cuda: each rank takes GPU local_rank % gpus, or one clear error where torch sees none.
 cpu: the CPU, with the rules and the transport's staging on torch tensors: the device
 path a GPU run takes, run where the test suite can check it against the host path.
-auto: the host path (numpy views of the flat buffers on the CPU), even where torch sees
-GPUs: the initial broadcast, checkpoints, validation's statistics and a multi-process
-worker's allreduce still read the buffers as host memory, and no GPU has run this code
-yet, so a GPU is taken only when asked for (see the README's GPUs section).
+auto: GPU local_rank % gpus where torch sees one, else the host path (numpy views of the
+flat buffers on the CPU, zero-copy for MPI).
 """
 
 from __future__ import annotations
@@ -31,11 +29,11 @@ class Placement:
 def place(request: DeviceRequest) -> Placement:
     if request.choice == "cpu":
         return Placement(torch.device("cpu"), tensors=True)
-    if request.choice == "auto":
-        return Placement(torch.device("cpu"), tensors=False)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus:
         return Placement(torch.device("cuda", request.local_rank % gpus), tensors=True)
+    if request.choice == "auto":
+        return Placement(torch.device("cpu"), tensors=False)
     raise ModelError(f"--device cuda: torch sees no GPU on {socket.gethostname()} "
                      f"(torch.cuda.is_available() is False, torch {torch.__version__}, built for CUDA "
                      f"{torch.version.cuda or 'none'}): use --device auto or cpu, or a CUDA build of torch")

@@ -25,6 +25,7 @@ import numpy as np
 from mpi4py import MPI
 
 from nbdist.algorithms import allreduce_sgd
+from nbdist.algorithms.arrays import f32
 from nbdist.backends.base import BatchStats
 from nbdist.data.sharding import split_evenly
 from nbdist.errors import TrainingError
@@ -78,7 +79,8 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
     comm = ctx.comms.run
     rank, size = comm.Get_rank(), comm.Get_size()
     backend = ctx.backend
-    params, model_state = backend.params, backend.state
+    # The weights and BatchNorm statistics as MPI sees them (zero-copy on the host).
+    params, model_state = Staging(backend.params, backend.copier), Staging(backend.state, backend.copier)
     opt = backend.make_optimizer(ctx.worker_optimizer)
     collectives = ctx.peers.collectives
     reducer = GradientReducer(comm, backend, max(1, int(ctx.options.bucket_mb * 2**20 / 4)),
@@ -155,7 +157,7 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
             if marks is not None and marks.due(samples_seen):
                 # Every rank passes the mark at the same step (the trailer's global count).
                 marks.passed(samples_seen)
-                val = _validate(ctx, comm, val_indices, size)
+                val = _validate(ctx, comm, val_indices, size, model_state)
                 if ctx.is_leader:
                     ctx.log.emit("val", sample_validation(samples_seen, val, backend.metric_name),
                                  step=epoch * len(batches) + step + 1, epoch=epoch)
@@ -172,7 +174,7 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
             break
         val = None
         if (epoch + 1) % ctx.options.validate_every == 0 or epoch + 1 == ctx.options.epochs:
-            val = _validate(ctx, comm, val_indices, size)
+            val = _validate(ctx, comm, val_indices, size, model_state)
         metrics = epoch_metrics(epoch, tally, val, time.time() - tally.started, backend.metric_name, samples_seen)
         metrics.update(lr_metrics(ctx.worker_lr, None, epoch))
         history.append(metrics)
@@ -197,14 +199,15 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
     return write_final(ctx.run_dir, backend.named_arrays(), history, reason, time.time() - started, faults)
 
 
-def _validate(ctx: RankContext, comm: MPI.Intracomm, indices: np.ndarray, size: int) -> BatchStats:
+def _validate(ctx: RankContext, comm: MPI.Intracomm, indices: np.ndarray, size: int,
+              model_state: Staging) -> BatchStats:
     """Each rank evaluates its slice of the validation set; the sums are added up."""
-    state = ctx.backend.state
     collectives = ctx.peers.collectives
-    if state.size:
+    if len(model_state.device):
         # BatchNorm statistics differ per rank (each saw its own batches): use their mean.
-        collectives.allreduce(comm, state, "the validation")
-        state /= np.float32(size)
+        collectives.allreduce(comm, model_state, "the validation")
+        state = model_state.device
+        state /= f32(size)
     x, y = ctx.data.val_batch(indices)
     local = ctx.backend.evaluate(x, y) if len(indices) else BatchStats()
     sums = np.array([local.loss_sum, local.metric_sum, local.n], np.float64)

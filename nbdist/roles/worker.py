@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from nbdist.algorithms.arrays import copy_into, to_numpy
 from nbdist.backends.base import BatchStats
 from nbdist.data.sharding import split_evenly
 from nbdist.roles.membership import batches_for
@@ -65,10 +66,13 @@ class Worker:
         role, backend = ctx.role, ctx.backend
         self.block, self.wcomm = ctx.comms.block, ctx.comms.worker
         self.leader, self.procs = role.is_leader, self.wcomm.Get_size()
-        self.params, self.grads, self.model_state = backend.params, backend.grads, backend.state
-        # The rule runs where the model lives (torch tensors on its device, or numpy views).
+        # The rule runs where the model lives (torch tensors on its device, or numpy views);
+        # MPI reads the flat buffers only through their staging (zero-copy on the host).
         self.rule_params, self.rule_grads = backend.rule_params, backend.rule_grads
-        n, s = self.params.size, self.model_state.size
+        self.params = Staging(backend.params, backend.copier)
+        self.model_state = Staging(backend.state, backend.copier)
+        self.grads = Staging(backend.grads, backend.copier) if self.procs > 1 else None
+        n, s = backend.num_params, len(backend.state)
         self.opt = backend.make_optimizer(ctx.worker_optimizer) if ctx.worker_optimizer else None
         self.rule_state = ctx.algorithm.new_worker_state(n, ctx.sync_every, like=self.rule_params)
         # One shard per worker of the whole run, sub-masters' workers included: an epoch is
@@ -161,15 +165,16 @@ class Worker:
             done = int(meta.get("options", {}).get("epochs", ctx.options.epochs))
             if done >= ctx.options.epochs:
                 return ctx.options.epochs, 0
-            self.params[:] = arrays["model"]["params"]
+            copy_into(self.params.device, arrays["model"]["params"])
             ctx.algorithm.worker_start(self.rule_state, self.rule_params)
             return done, 0
         if ctx.relayout:
             fixed: dict[int, tuple[int, ...]] = {}
         else:
             fixed = {int(e): tuple(w) for e, w in master.get("members", {}).items()}
-        self.params[:] = arrays["model"]["params"]
-        self.model_state[:] = arrays["model"].get("state", self.model_state)
+        copy_into(self.params.device, arrays["model"]["params"])
+        if "state" in arrays["model"]:
+            copy_into(self.model_state.device, arrays["model"]["state"])
         self.version = int(master["version"])
         ctx.algorithm.worker_start(self.rule_state, self.rule_params)
         mine = [e for e, members in sorted(fixed.items()) if ctx.role.worker in members]
@@ -274,7 +279,7 @@ class Worker:
         out.header[m.METRIC_SUM] = window.sync.metric_sum
         out.header[m.FLAGS] = flags
         out.header[m.CHECKPOINT] = self.pending_ack
-        out.state[:] = self.model_state
+        out.state[:] = to_numpy(self.model_state.device)
         t0 = time.perf_counter()
         # DONE, ERROR and LOST carry only the header. Polled, not blocking: a master that is
         # gone must not hold this rank in a Send.

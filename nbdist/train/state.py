@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from nbdist.algorithms.arrays import copy_into, to_numpy
 from nbdist.algorithms.base import RuleState
 from nbdist.backends.base import FlatOptimizer
 from nbdist.train.checkpoint import CheckpointError
@@ -29,7 +30,8 @@ def save_rank_state(ctx: Any, label: str, opt: FlatOptimizer | None, rule_state:
     the same as None)."""
     backend = ctx.backend
     arrays = {
-        "model": {"params": backend.params, "state": backend.state},
+        # Host copies of buffers on a device (zero-copy views on the host path).
+        "model": {"params": to_numpy(backend.params), "state": to_numpy(backend.state)},
         "opt": opt.state_arrays() if opt is not None else {},
         "rule": rule_state.to_arrays() if rule_state is not None else {},
         "rng": backend.rng_state(),
@@ -50,13 +52,14 @@ def load_rank_state(ctx: Any, path: Path, opt: FlatOptimizer | None,
         raise CheckpointError(f"checkpoint {path} has no state for rank {ctx.comms.world.Get_rank()}")
     arrays, meta = ctx.checkpoints.read_rank(path, ctx.resume_rank)
     model = arrays.get("model", {})
-    if model.get("params") is None or model["params"].shape != backend.params.shape:
+    if model.get("params") is None or model["params"].shape != (backend.num_params,):
         raise CheckpointError(
             f"checkpoint {path} holds {getattr(model.get('params'), 'size', 0)} weights for rank "
-            f"{ctx.role.rank}, the model has {backend.params.size}: resume with the same model"
+            f"{ctx.role.rank}, the model has {backend.num_params}: resume with the same model"
         )
-    backend.params[:] = model["params"]
-    backend.state[:] = model.get("state", backend.state)
+    copy_into(backend.params, model["params"])
+    if "state" in model:
+        copy_into(backend.state, model["state"])
     if opt is not None:
         opt.load_state_arrays(arrays.get("opt", {}))
     if rule_state is not None:

@@ -6,6 +6,10 @@ function here starts the nonblocking form and waits for it with waiting.wait_all
 watches the run's control channel and a deadline. A failure becomes a RunFailure naming
 the ranks MPI knows to have died (RankLost), or, past the deadline, the ranks that did not
 answer a roll call on the control channel (RankSilent; see control.py).
+
+MPI is handed host memory, or a device array through its Staging (staging.py): `bcast`
+and `allreduce` take either, and refuse anything else, so that no device buffer reaches
+MPI as if it were host memory.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import numpy as np
 from mpi4py import MPI
 
 from nbdist.transport.faults import RankLost, RankSilent, RunFailure, failed_ranks
+from nbdist.transport.staging import Staging
 from nbdist.transport.waiting import CommFailure, WaitTimeout, wait_all
 
 __all__ = ["Collectives"]
@@ -52,11 +57,14 @@ class Collectives:
                 raise self.missing(comm, what) from None
             raise RankSilent(f"a rank did not reach {what} within {exc.seconds:.0f} s") from None
 
-    def bcast(self, comm: Any, array: np.ndarray, what: str = "the initial broadcast", root: int = 0) -> None:
-        self.wait(comm, comm.Ibcast(array, root=root), what)
+    def bcast(self, comm: Any, buffer: "np.ndarray | Staging", what: str = "the initial broadcast",
+              root: int = 0) -> None:
+        self.wait(comm, comm.Ibcast(_host_side(buffer), root=root), what)
+        _device_side(buffer)
 
-    def allreduce(self, comm: Any, array: np.ndarray, what: str, op: Any = MPI.SUM) -> None:
-        self.wait(comm, comm.Iallreduce(MPI.IN_PLACE, array, op=op), what)
+    def allreduce(self, comm: Any, buffer: "np.ndarray | Staging", what: str, op: Any = MPI.SUM) -> None:
+        self.wait(comm, comm.Iallreduce(MPI.IN_PLACE, _host_side(buffer), op=op), what)
+        _device_side(buffer)
 
     def barrier(self, comm: Any, what: str) -> None:
         self.wait(comm, comm.Ibarrier(), what)
@@ -76,3 +84,18 @@ class Collectives:
             size = int(np.frombuffer(row[:4].tobytes(), np.uint32)[0])
             out.append(json.loads(row[4: 4 + size].tobytes().decode()))
         return out
+
+
+def _host_side(buffer: "np.ndarray | Staging") -> Any:
+    """What MPI is given for `buffer`: the array itself, or its staging's host side
+    holding the device array's values."""
+    if isinstance(buffer, Staging):
+        return buffer.to_host()
+    if not isinstance(buffer, np.ndarray):
+        raise TypeError(f"MPI is given host memory: a {type(buffer).__name__} goes through transport.staging.Staging")
+    return buffer
+
+
+def _device_side(buffer: "np.ndarray | Staging") -> None:
+    if isinstance(buffer, Staging):
+        buffer.to_device()  # the device array takes what MPI wrote

@@ -35,6 +35,7 @@ from torch import nn  # noqa: E402
 import equivalence_common as common  # noqa: E402
 from nbdist.backends import DeviceRequest  # noqa: E402
 from nbdist.backends.torch import TorchBackend  # noqa: E402
+from nbdist.transport.staging import Staging  # noqa: E402
 from rank_main import run_or_abort  # noqa: E402
 
 
@@ -43,7 +44,9 @@ def train(comm: MPI.Intracomm, steps: int, unequal: bool, device: bool = False) 
     if device:
         backend.place(DeviceRequest("cpu"))
         assert isinstance(backend.rule_grads, torch.Tensor)
-    comm.Bcast(backend.params, root=0)  # as run_allreduce does (a no-op here: same seed)
+    weights = Staging(backend.params, backend.copier)  # as run_allreduce does (a no-op here: same seed)
+    comm.Bcast(weights.to_host(), root=0)
+    weights.to_device()
     return common.allreduce_steps(comm, backend, steps, unequal)
 
 

@@ -7,7 +7,8 @@ RUNS.json is a list of keyword dicts for `nbdist.train` (runs_dir, run_name, alg
 the same initial weights and batches in one process. A dict may say `"ranks": k`: that
 run trains on the first k ranks only, through `nbdist.train(comm=...)` with a
 sub-communicator (the other ranks wait), so runs of different sizes share one job; and
-`"n_train": m` trains on the first m samples of the data (default 96).
+`"n_train": m` trains on the first m samples of the data (default 96); `"batchnorm": true`
+trains build_batchnorm_model instead of build_model.
 The runs go one after the other. Rank 0 prints `OK <run_dir>` per run; a failure aborts
 the job so that no rank hangs.
 """
@@ -35,10 +36,11 @@ def main() -> None:
     for options in runs:
         ranks = options.pop("ranks", world.Get_size())
         n_train = options.pop("n_train", 96)
+        build = common.build_batchnorm_model if options.pop("batchnorm", False) else common.build_model
         inside = world.Get_rank() < ranks
         comm = world.Split(0 if inside else MPI.UNDEFINED, world.Get_rank())
         if inside:
-            result = nbdist.train(common.build_model, data=lambda: common.make_data(n_train), loss=nn.CrossEntropyLoss(),
+            result = nbdist.train(build, data=lambda: common.make_data(n_train), loss=nn.CrossEntropyLoss(),
                                   comm=comm, **options)
             # The run's leader (the master, or rank 0) gets the RunResult, the others None.
             if comm.Get_rank() == 0:

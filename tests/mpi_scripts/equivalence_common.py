@@ -35,6 +35,17 @@ def build_model() -> nn.Module:
     )
 
 
+def build_batchnorm_model() -> nn.Module:
+    """The model above with BatchNorm statistics (the model state that travels with the
+    weights: broadcast, sent to a master, averaged at validation, checkpointed)."""
+    from torch import nn
+
+    return nn.Sequential(
+        nn.Linear(N_FEATURES, 16), nn.BatchNorm1d(16), nn.Tanh(),
+        nn.Linear(16, N_CLASSES),
+    )
+
+
 def initial_model(seed: int = SEED) -> nn.Module:
     import torch
 
@@ -123,8 +134,10 @@ def allreduce_steps(comm, backend, steps: int, unequal: bool):
         assert int(trailer[0]) == len(batch), (trailer, len(batch))
         allreduce_sgd.apply(opt, backend.rule_grads)
     # The replicas must not drift apart: every rank holds exactly rank 0's weights.
-    everyone = np.empty((size, backend.params.size), np.float32)
-    comm.Allgather(backend.params, everyone)
+    from nbdist.algorithms.arrays import to_numpy
+
+    everyone = np.empty((size, backend.num_params), np.float32)
+    comm.Allgather(to_numpy(backend.params), everyone)
     assert all(np.array_equal(everyone[0], row) for row in everyone), "replicas differ"
     return backend
 
