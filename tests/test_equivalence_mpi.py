@@ -271,9 +271,8 @@ def assert_same_run_as_on_the_host(name: str, run: Path, resumed: bool = False) 
                          {k: v for k, v in on_host.items() if k not in counters}, tol=1e-6)
     history, expected = ({h["epoch"]: h["val_loss"] for h in json.loads((r / "summary.json").read_text())["history"]}
                          for r in (run, host))
-    # (An asynchronous master's history after a resume lacks the epoch it resumed at, on
-    # the numpy path as well: compared are the epochs it has, the last one always.)
-    assert (set(history) <= set(expected) and API_EPOCHS in history) if resumed else set(history) == set(expected)
+    # A resumed run's history holds every epoch, the ones before its checkpoint too.
+    assert set(history) == set(expected) == set(range(1, API_EPOCHS + 1)), (sorted(history), resumed)
     np.testing.assert_allclose([history[e] for e in history], [expected[e] for e in history], rtol=1e-6)
 
 

@@ -263,6 +263,9 @@ class Master:
     def save(self, label: str) -> None:
         """Write this rank's share of checkpoint `label`."""
         ctx = self.ctx
+        # An asynchronous epoch enters the history when its background validation ends:
+        # a snapshot taken before then would resume past an epoch its history lacks.
+        _collect_validation(self, block=True)
         average_state(self)
         extra = {"version": self.version, "next_epoch": self.next_epoch, "early": ctx.early.to_json(),
                  "samples_seen": self.samples_seen,
