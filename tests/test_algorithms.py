@@ -564,6 +564,57 @@ def test_a_synchronous_round_of_equal_updates_moves_the_centre_as_one(rule):
     assert_close(move(4), move(1), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("tensors", [False, True], ids=["numpy", "torch-worker"])
+@pytest.mark.parametrize("rule", [Downpour, lambda: EASGD(elastic_momentum=0.5), GEM, ADAG, DynSGD],
+                         ids=["downpour", "easgd", "gem", "adag", "dynsgd"])
+def test_a_streamed_synchronous_round_gives_master_apply_bit_for_bit(rule, tensors):
+    """master_round, drawing one payload at a time (each clobbered once the next is drawn,
+    as the master's pooled buffers are), then worker_round_reply on each worker's weights
+    (torch tensors too), against master_apply and worker_reply on the whole round: the
+    same centre, velocity and worker weights, bit for bit, over two rounds with uneven
+    samples (and a round of one)."""
+    rng = np.random.default_rng(3)
+    results = []
+    for streamed in (False, True):
+        algo = rule()
+        algo.bind(3)
+        center = rng.normal(size=64).astype(F32) if not results else results[0][2].copy()
+        start = center.copy()
+        state = algo.new_master_state(center.size)
+        opt = TorchFlatOptimizer(torch.optim.SGD, parse_spec("sgd(lr=0.1, momentum=0.9)"), center)
+        inputs = np.random.default_rng(7)
+        workers = [(start + inputs.normal(size=64).astype(F32)) for _ in range(3)]
+        params = [torch.from_numpy(x) if tensors else x for x in workers]  # views: the same weights
+        worker_states = [algo.new_worker_state(64, 1, like=p) for p in params]
+        for samples in ([5, 7, 12], [9]):
+            sent = [inputs.normal(size=64).astype(F32) if not algo.sends_weights else x.copy()
+                    for x in workers[:len(samples)]]
+            if streamed:
+                def draw(sent, samples):
+                    buffer = np.empty(64, F32)
+                    for payload, n in zip(sent, samples):
+                        buffer[...] = payload
+                        yield Update(buffer, 0, n)
+                        buffer[...] = np.nan  # the pool's next body
+
+                reply = algo.master_round(state, center, draw(sent, samples), samples, opt, np.empty(64, F32))
+                for p, ws in zip(params, worker_states[:len(samples)]):
+                    algo.worker_round_reply(ws, p, torch.from_numpy(reply.copy()) if tensors else reply.copy())
+            else:
+                replies = algo.master_apply(state, center, [Update(p.copy(), 0, n) for p, n in zip(sent, samples)],
+                                            opt)
+                for p, ws, r in zip(params, worker_states, replies):
+                    algo.worker_reply(ws, p, torch.from_numpy(r.copy()) if tensors else r.copy())
+        results.append((center, [to_numpy(v) for v in state.to_arrays().values()], start, workers))
+    (center, velocity, _, workers), (center2, velocity2, _, workers2) = results
+    np.testing.assert_array_equal(center2, center)
+    assert np.abs(center - results[0][2]).max() > 1e-3  # it moved
+    for a, b in zip(velocity, velocity2):
+        np.testing.assert_array_equal(b, a)
+    for a, b in zip(workers, workers2):
+        np.testing.assert_array_equal(b, a)
+
+
 # ----------------------------------------------------------------------------- allreduce sgd
 @pytest.mark.parametrize("n, shards, batch", [(11, 2, 6), (23, 3, 8)])
 def test_sample_shares_give_the_concatenated_batch_gradient(n, shards, batch):

@@ -27,7 +27,7 @@ PACED_BY_DATA = {"epoch", "val", "run", "fault", "restart"}
 def sixteen_workers(tmp_path_factory):
     """One 17-rank job (master_scaling.py): the records of 16 asynchronous Downpour
     workers pushing every batch of 8, and the master's peak memory (MB) with 2 and with
-    16 workers on a 2.3M-parameter model."""
+    16 workers on a 2.3M-parameter model, asynchronous and synchronous."""
     from conftest import run_mpi
 
     runs = tmp_path_factory.mktemp("w16")
@@ -64,4 +64,14 @@ def test_master_memory_with_16_workers_is_within_10_percent_of_its_memory_with_2
     498 MB and 640 MB before the pool)."""
     _, peaks = sixteen_workers
     two, sixteen = peaks["2"], peaks[str(WORKERS)]
+    assert sixteen <= 1.10 * two, peaks
+
+
+@pytest.mark.timeout(600)
+def test_synchronous_master_memory_with_16_workers_is_within_10_percent_of_its_memory_with_2(sixteen_workers):
+    """The same runs, synchronous: a round's bodies stream through the pool into one
+    round buffer instead of being held one per worker until the round is applied (which
+    would add 14 x 9 MB)."""
+    _, peaks = sixteen_workers
+    two, sixteen = peaks["sync 2"], peaks[f"sync {WORKERS}"]
     assert sixteen <= 1.10 * two, peaks

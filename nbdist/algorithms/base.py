@@ -9,11 +9,15 @@ worker:  once, with the initial weights      `worker_start`
          when it is time to sync           `worker_message` (fill the payload to send)
          when the master's reply arrives   `worker_reply`   (apply it to the local weights)
 master:  on updates from workers           `master_apply`   (move the centre; say what to reply)
+         on a synchronous round            `master_round`   (the same, the updates streamed)
+worker:  on a synchronous round's reply    `worker_round_reply`
 top master, with sub-masters (--masters > 1): on the masters' steps  `merge_master_steps`
 
 A synchronous round averages its updates, sample-weighted (`weighted_mean`), whatever
 the rule: one round is one step on the mean, as one worker with the round's samples
-would take (EASGD's elastic round is that average too, see easgd.py).
+would take (EASGD's elastic round is that average too, see easgd.py). The master draws a
+round's updates one at a time (`master_round`), so that it holds one worker's payload at
+a time however many workers it serves; the result is master_apply's, bit for bit.
 
 Optimisers are passed in as `FlatOptimizer` objects (the backend makes them), so the
 rules never name a framework.
@@ -23,7 +27,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar, Iterable, Sequence
 
 import numpy as np
 
@@ -31,7 +35,7 @@ from nbdist.algorithms.arrays import Array, copy_into, f32, is_array, to_numpy
 from nbdist.backends.base import FlatOptimizer
 from nbdist.specs import ValueRange
 
-__all__ = ["Algorithm", "RuleState", "Update", "MOMENTUM", "weighted_mean"]
+__all__ = ["Algorithm", "RuleState", "Update", "MOMENTUM", "weighted_mean", "mean_factors", "accumulate_mean"]
 
 # The momentum of a rule's velocity: at 1 or above it never decays and the run diverges.
 MOMENTUM = ValueRange(0.0, 1.0, high_open=True)
@@ -131,6 +135,30 @@ class Algorithm(ABC):
         """Fold `updates` into `center` (one update when asynchronous, one per worker
         when synchronous) and return, per update, the array to send back."""
 
+    def master_round(
+        self,
+        state: RuleState,
+        center: Array,
+        updates: Iterable[Update],
+        samples: Sequence[int],
+        opt: FlatOptimizer | None,
+        out: Array,
+    ) -> Array:
+        """A synchronous round whose updates are drawn one at a time: each payload is valid
+        (and may be overwritten) only until the next is drawn, so the master holds one at a
+        time whatever its number of workers. `samples` are the updates' counts, in order,
+        known before any payload; `out` is a buffer of len(center) floats, the rule's own
+        for the round. Moves the centre as `master_apply` on the whole round would, bit
+        for bit, and returns the one array replied to every worker of the round (which
+        `worker_round_reply` applies). By default: weighted_mean folded into `out`, then
+        master_apply on that one update."""
+        mean = accumulate_mean(out, (u.payload for u in updates), mean_factors(samples))
+        return self.master_apply(state, center, [Update(mean, 0, int(sum(samples)))], opt)[0]
+
+    def worker_round_reply(self, state: RuleState, params: Array, reply: Array) -> None:
+        """Apply the reply of a synchronous round (`master_round`'s) to the local weights."""
+        self.worker_reply(state, params, reply)
+
     def merge_master_steps(self, center: Array, steps: Sequence[Update]) -> None:
         """The top master's rule for the masters' steps (roles/hierarchy.py): each
         payload is one master's displacement of the centre, its rule applied to its own
@@ -146,16 +174,36 @@ class _NoState(RuleState):
     pass
 
 
+def mean_factors(samples: Sequence[int]) -> list[float]:
+    """What weighted_mean multiplies each payload by (float32 values): its share of the
+    samples, or an equal share when no update carries samples."""
+    weights = [float(n) for n in samples]
+    total = sum(weights)
+    if total <= 0:
+        weights, total = [1.0] * len(weights), float(len(weights))
+    return [f32(w / total) for w in weights]
+
+
 def weighted_mean(updates: Sequence[Update]) -> Array:
     """Sample-weighted mean of the payloads: for gradients, the gradient of the
     concatenated batch. Updates that carry no samples count equally."""
     if len(updates) == 1:
         return updates[0].payload
-    weights = [float(u.samples) for u in updates]
-    total = sum(weights)
-    if total <= 0:
-        weights, total = [1.0] * len(updates), float(len(updates))
-    out = updates[0].payload * f32(weights[0] / total)
-    for u, w in zip(updates[1:], weights[1:]):
-        out += u.payload * f32(w / total)
+    factors = mean_factors([u.samples for u in updates])
+    out = updates[0].payload * factors[0]
+    for u, factor in zip(updates[1:], factors[1:]):
+        out += u.payload * factor
+    return out
+
+
+def accumulate_mean(out: Array, payloads: Iterable[Array], factors: Sequence[float]) -> Array:
+    """weighted_mean of payloads that come one at a time, into `out`: the same float32
+    products and sums in the same order, so the same bits, with one payload held at a
+    time. Each payload is scaled in place (p *= f rounds as p * f does)."""
+    for k, (payload, factor) in enumerate(zip(payloads, factors, strict=True)):
+        payload *= factor
+        if k == 0:
+            out[...] = payload
+        else:
+            out += payload
     return out

@@ -18,7 +18,7 @@ adds the sample-weighted mean of its updates, as ADAG does.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from nbdist.algorithms.adag import ADAG
 from nbdist.algorithms.arrays import f32
@@ -34,7 +34,16 @@ class DynSGD(ADAG):
 
     def master_apply(self, state, center, updates: Sequence[Update], opt: FlatOptimizer | None):
         for u in updates:
-            if u.staleness:
-                u.payload *= f32(1.0 / (1.0 + u.staleness))
+            _discount(u)
         center += weighted_mean(updates)
         return [center] * len(updates)
+
+    def master_round(self, state, center, updates: Iterable[Update], samples, opt, out):
+        return super().master_round(state, center, map(_discount, updates), samples, opt, out)
+
+
+def _discount(u: Update) -> Update:
+    """Scale a stale update by 1 / (1 + staleness), in place."""
+    if u.staleness:
+        u.payload *= f32(1.0 / (1.0 + u.staleness))
+    return u

@@ -26,6 +26,13 @@ the centre moves 90% of the way to the workers' mean, whatever W. It is kept as 
 of the workers' elastic forces because each worker is pulled by its own alpha * (x_i -
 centre): the force is symmetric, and the round is exactly Zhang's.
 
+A synchronous round with many workers would hold every worker's elastic step until the
+round is applied, to reply it. Instead the master streams the round (`master_round`,
+each diff_i added to u as its x_i arrives) and replies every worker the same array,
+the centre before the round; each worker computes its own diff_i from it and from the
+x_i it sent, with the master's float32 operations (`worker_round_reply`): the same bits,
+and the master holds one centre's copy whatever the number of workers.
+
 `elastic_momentum` is momentum on the centre's elastic moves (the velocity u above, a
 heavy ball on the centre), an nbdist addition. It is NOT Zhang et al.'s EAMSGD, whose
 momentum is Nesterov momentum on each worker's local gradient steps (their Algorithm 2):
@@ -36,7 +43,7 @@ for that, give the workers a momentum optimiser, e.g.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -116,6 +123,29 @@ class EASGD(Algorithm):
             state.velocity += u.payload
         center += state.velocity
         return [u.payload for u in updates]
+
+    def master_round(self, state, center, updates: Iterable[Update], samples, opt, out):
+        # master_apply's operations, one worker at a time: each diff is taken against
+        # the centre before the round, and added to the velocity in the round's order.
+        out[...] = center  # the reply: each worker's diff follows from it and its own x_i
+        if self.momentum:
+            state.velocity *= float(self.momentum)
+        else:
+            state.velocity[...] = 0.0
+        for u in updates:
+            u.payload -= center
+            u.payload *= float(self.alpha)
+            state.velocity += u.payload
+        center += state.velocity
+        return out
+
+    def worker_round_reply(self, state, params, reply) -> None:
+        # `reply` is the centre c before the round; the master's diff is alpha * (x - c).
+        # (c - x) * -alpha rounds to the same float32 (negation is exact), computed in the
+        # reply buffer, so the worker needs no scratch array.
+        reply -= params
+        reply *= -float(self.alpha)
+        params -= reply
 
     def merge_master_steps(self, center, steps: Sequence[Update]) -> None:
         # alpha is bound to every worker of the run (bind), so each master's step is its

@@ -5,7 +5,8 @@ top master serves its own N_W workers plus N_M - 1 sub-masters, and each sub-mas
 serves N_W workers: the communication load is spread, at the cost of some staleness.
 
 A sub-master is an ordinary master for its workers (master.py's serving loop, the
-algorithm's `master_apply` and master optimiser on its OWN copy of the centre) and is
+algorithm's `master_apply`, or `master_round` for a synchronous round, and master
+optimiser on its OWN copy of the centre) and is
 itself a client of the top master on the `masters` communicator (top master = rank 0).
 After each round's worth of updates (N_W when asynchronous, every round when
 synchronous), at the end of every epoch of its workers, and to pass on a stop request or

@@ -7,7 +7,12 @@ body (its payload and model state) is received only once its header is in, into 
 a few pooled buffers (transport/pool.py): the master's memory does not grow with its
 number of clients. Asynchronous, a pass serves at most as many updates as the pool has
 buffers (ASYNC_BODIES); the others stay ready and are served first at the next pass.
-Synchronous, a round needs every worker's body at once, so the pool has one per client.
+Synchronous, once every header of the round is in (they carry the sample counts), the
+workers' bodies are streamed through the same few buffers into the rule's
+`master_round`, which folds them into one round buffer as it draws them (the next body
+is received while the rule works on the current one): the memory of a synchronous
+master does not grow with its workers either. Only the bodies of a top master's
+sub-masters are held for the round (one per sub-master, see _merge_masters).
 
 Asynchronous: each update is applied as it comes and answered once the updates served
 with it are applied too. Synchronous: the master waits for one update from every client
@@ -53,7 +58,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -85,6 +90,8 @@ SILENCE_CHECK_EVERY = 0.5
 REPLY_WAIT = 0.5
 # Bodies an asynchronous master receives into, whatever its number of clients: two lets
 # one pass serve two updates (and EASGD's replies, which are the bodies, be in flight).
+# A synchronous round streams its workers' bodies through as many: one the rule works
+# on, the next one being received.
 ASYNC_BODIES = 2
 
 WORKER, SUB_MASTER = "worker", "sub-master"
@@ -149,6 +156,7 @@ class Master:
     lr: Any = None  # sets opt's lr per update (train/lr.py MasterLr)
     requests: list = field(default_factory=list)  # one posted receive per client
     pool: BodyPool | None = None  # the bodies updates are received into
+    round_buffer: np.ndarray | None = None  # a synchronous round's mean (or EASGD's reply), master_round's `out`
     waiting: list = field(default_factory=list)  # clients whose header is in, served at the next pass
     active: set = field(default_factory=set)  # clients still training: not DONE, failed or dropped
     dropped: dict = field(default_factory=dict)  # client -> why the run went on without it
@@ -405,9 +413,11 @@ def open_master(me: Master, clients: list[Client]) -> None:
     me.validator = BackgroundValidator(ctx.make_replica, *ctx.data.val_arrays())
     me.clients = clients
     me.states = np.zeros((len(clients), ctx.backend.state.size), np.float32)
-    # A synchronous round holds every client's body until it is applied.
-    me.pool = BodyPool(me.center.size, ctx.backend.state.size,
-                       len(clients) if ctx.options.synchronous else ASYNC_BODIES)
+    # A synchronous round streams its workers' bodies; it holds its sub-masters' pushes.
+    held = sum(1 for c in clients if c.kind != WORKER) if ctx.options.synchronous else 0
+    me.pool = BodyPool(me.center.size, ctx.backend.state.size, ASYNC_BODIES + held)
+    if ctx.options.synchronous:
+        me.round_buffer = np.empty_like(me.center)
     workers = sum(1 for c in clients if c.kind == WORKER)
     me.members = EpochMembers(workers)
     me.reply_headers = [m.new_header(workers) for _ in clients]
@@ -509,13 +519,15 @@ def _read_messages(me: Master, ready: list[int]) -> list[tuple[int, Update]]:
     """Handle what the `ready` clients sent (those the pool has bodies for); returns the
     updates to apply. Every body received is given back by its reply (`reply`)."""
     updates: list[tuple[int, Update]] = []
-    for i in _receive_bodies(me, ready):
+    # Synchronous: the workers' bodies are received as the round applies them (_round_updates).
+    streamed = {i for i in ready if me.ctx.options.synchronous and me.clients[i].kind == WORKER}
+    for i in _receive_bodies(me, ready, streamed):
         client = me.clients[i]
         msg = client.inbox
         kind = msg.header[m.KIND]
         if i in me.dropped:
             # Woke up after the run went on without it: it must leave.
-            if kind not in (m.DONE, m.ERROR, m.LOST):
+            if kind not in (m.DONE, m.ERROR, m.LOST) and _body_in(me, i):
                 reply(me, i, m.DROPPED, me.center, repost=False)
             continue
         _note_checkpoint_ack(me, i, msg)
@@ -536,26 +548,72 @@ def _read_messages(me: Master, ready: list[int]) -> list[tuple[int, Update]]:
         if me.stopping:
             # The update is dropped (and not counted): the client checkpoints the
             # state it had before it and leaves.
-            reply(me, i, m.STOP, me.center)
+            if _body_in(me, i):
+                reply(me, i, m.STOP, me.center)
             continue
         if me.snapshot and i not in me.snapshot_told:
             # Not applied: the client saves the state it had before it, then sends it again.
-            me.snapshot_told.add(i)
-            reply(me, i, m.SNAPSHOT, me.center, label=me.snapshot)
+            if _body_in(me, i):
+                me.snapshot_told.add(i)
+                reply(me, i, m.SNAPSHOT, me.center, label=me.snapshot)
             continue
         _tally(me, i, msg)
-        body = client.body
-        me.states[i] = body.state
         # Staleness is set when the update is applied (_apply_updates), not now: the
         # updates of one batch are applied one by one, each one version later.
-        updates.append((i, Update(body.payload, 0, int(msg.header[m.SAMPLES]), int(msg.header[m.VERSION]))))
+        update = Update(None, 0, int(msg.header[m.SAMPLES]), int(msg.header[m.VERSION]))
+        if i not in streamed:
+            me.states[i] = client.body.state
+            update.payload = client.body.payload
+        updates.append((i, update))
     return updates
 
 
-def _receive_bodies(me: Master, ready: list[int]) -> list[int]:
-    """Receive the bodies of the ready clients' updates into pooled buffers; returns the
-    clients served now. Those the pool has no buffer for wait for the next pass, in
-    order; a client whose body does not follow its header is lost."""
+def _body_in(me: Master, i: int) -> bool:
+    """Whether client i's body is in, receiving it now if it was left to a synchronous
+    round (_round_updates) that will not apply it: it was sent, and must be received
+    before the reply. False when it did not arrive (the client is lost)."""
+    client = me.clients[i]
+    if client.body is not None or client.inbox.header[m.KIND] != m.UPDATE:
+        return True
+    body = _take_body(me)
+    if body is None:  # between rounds every body is free
+        raise TrainingError("internal: no receive buffer free for a synchronous master")
+    return _body_arrived(me, i, client.receive_body(body))
+
+
+def _round_updates(me: Master, round: list[tuple[int, Update]]) -> Iterator[Update]:
+    """A synchronous round's updates for the rule's master_round, each body received as
+    the rule draws it and given back once the rule draws the next; the next body's
+    receive is posted first, so that it arrives while the rule works on this one: the
+    round holds two bodies, not one per worker. A body that does not arrive loses its
+    client, which ends a synchronous run."""
+    receiving: dict[int, MPI.Request] = {}
+    for k, (i, update) in enumerate(round):
+        for ahead in (k, k + 1):
+            if ahead < len(round) and ahead not in receiving and (body := me.pool.take()) is not None:
+                receiving[ahead] = me.clients[round[ahead][0]].receive_body(body)
+        if k not in receiving:  # the previous body was given back: cannot happen
+            raise TrainingError("internal: no receive buffer free for a synchronous round")
+        t0 = time.perf_counter()
+        arrived = _body_arrived(me, i, receiving.pop(k))
+        me.phases["wait"] += time.perf_counter() - t0
+        if not arrived:  # lose() raises for a synchronous worker: only a bug gets here
+            raise TrainingError(f"internal: {me.clients[i].describe(me.ctx)} left a synchronous round")
+        client = me.clients[i]
+        me.states[i] = client.body.state
+        update.payload = client.body.payload
+        yield update
+        update.payload = None
+        me.pool.give_back(client.body)
+        client.body = None
+
+
+def _receive_bodies(me: Master, ready: list[int], streamed: set[int]) -> list[int]:
+    """Receive the bodies of the ready clients' updates into pooled buffers, but those of
+    `streamed` clients (a synchronous round receives them as it applies them); returns
+    the clients served now: those without an update first, then the updates, each in
+    order. Those the pool has no buffer for wait for the next pass, in order; a client
+    whose body does not follow its header is lost."""
     t0 = time.perf_counter()
     served, receiving = [], []
     for i in ready:
@@ -563,13 +621,16 @@ def _receive_bodies(me: Master, ready: list[int]) -> list[int]:
         if client.inbox.header[m.KIND] != m.UPDATE:
             served.append(i)
             continue
+        if i in streamed:
+            receiving.append((i, None))
+            continue
         body = None if me.waiting else _take_body(me)
         if body is None:
             me.waiting.append(i)
             continue
         receiving.append((i, client.receive_body(body)))
     for i, request in receiving:
-        if _body_arrived(me, i, request):
+        if request is None or _body_arrived(me, i, request):
             served.append(i)
     me.phases["wait"] += time.perf_counter() - t0  # receiving is part of waiting for a message
     return served
@@ -652,15 +713,15 @@ def _apply_updates(me: Master, updates: list[tuple[int, Update]]) -> list[tuple[
         from_workers = [(i, u) for i, u in group if me.clients[i].merge is None]
         from_masters = [(i, u) for i, u in group if me.clients[i].merge is not None]
         start = me.center.copy() if from_workers and from_masters else None
+        waited = me.phases["wait"]  # a synchronous round receives its bodies as it goes
         if from_workers:
             me.lr.before_update(sum(u.samples for _, u in from_workers))
-            payloads = ctx.algorithm.master_apply(me.rule_state, me.center, [u for _, u in from_workers], me.opt)
-            replies += [(i, payload) for (i, _), payload in zip(from_workers, payloads)]
+            replies += _apply_rule(me, from_workers)
         if from_masters:
             _merge_masters(me, start, len(from_workers), from_masters)
             replies += [(i, me.center) for i, _ in from_masters]
         me.version += 1
-        me.phases["update"] += time.perf_counter() - t0
+        me.phases["update"] += time.perf_counter() - t0 - (me.phases["wait"] - waited)
         for i, u in group:
             client = me.clients[i]
             epoch = int(client.inbox.header[m.EPOCH])
@@ -671,6 +732,21 @@ def _apply_updates(me: Master, updates: list[tuple[int, Update]]) -> list[tuple[
                 ctx.log.emit("update", {**who, "source_rank": client.world_rank, "staleness": u.staleness,
                                         "version": me.version}, step=me.version, epoch=epoch)
     return replies
+
+
+def _apply_rule(me: Master, updates: list[tuple[int, Update]]) -> list[tuple[int, np.ndarray]]:
+    """The rule on the workers' updates: master_apply, or, for a synchronous round,
+    master_round with the bodies streamed in; (client, array to reply) pairs."""
+    ctx = me.ctx
+    if not ctx.options.synchronous:
+        payloads = ctx.algorithm.master_apply(me.rule_state, me.center, [u for _, u in updates], me.opt)
+        return [(i, payload) for (i, _), payload in zip(updates, payloads)]
+    stream = _round_updates(me, updates)
+    payload = ctx.algorithm.master_round(me.rule_state, me.center, stream, [u.samples for _, u in updates],
+                                         me.opt, me.round_buffer)
+    if next(stream, None) is not None:
+        raise TrainingError(f"internal: {ctx.algorithm.name}'s master_round left updates of the round undrawn")
+    return [(i, payload) for i, _ in updates]
 
 
 def _merge_masters(me: Master, start: np.ndarray | None, own_workers: int, pushes: list[tuple[int, Update]]) -> None:
@@ -711,12 +787,19 @@ def reply(me: Master, i: int, kind: float, payload: np.ndarray, *, label: str = 
         me.pool.give_back(body)
     me.replying[i] = _Reply([client.comm.Isend(header, dest=client.peer, tag=m.TAG_REPLY_HEADER),
                              client.comm.Isend(payload, dest=client.peer, tag=m.TAG_REPLY)],
-                            reads_centre=np.may_share_memory(payload, me.center), body=held)
+                            reads_centre=_reads_centre(me, payload), body=held)
     client.silence.restart()  # its next message comes after its next steps, from now
     if repost:
         me.requests[i] = client.post()
     _reply_left(me, i, 0)
     me.phases["reply"] += time.perf_counter() - t0
+
+
+def _reads_centre(me: Master, payload: np.ndarray) -> bool:
+    """Whether a reply reads what the next round or update overwrites: the centre, or the
+    round buffer (EASGD's synchronous reply, the centre before the round)."""
+    return np.may_share_memory(payload, me.center) or (
+        me.round_buffer is not None and np.may_share_memory(payload, me.round_buffer))
 
 
 def settle_centre(me: Master) -> None:

@@ -246,7 +246,9 @@ class Worker:
             ctx.log.emit("run", {"status": "dropped", "reason": "the master went on without this worker"})
             raise _Leave()
         self.reply.to_device()
-        ctx.algorithm.worker_reply(self.rule_state, self.rule_params, self.reply.device)
+        # A synchronous master replies its round's one array (Algorithm.master_round).
+        apply = ctx.algorithm.worker_round_reply if ctx.options.synchronous else ctx.algorithm.worker_reply
+        apply(self.rule_state, self.rule_params, self.reply.device)
         self.version = int(self.reply_header[m.VERSION])
         if flags & m.EPOCH_END:
             self.members = m.members_in(self.reply_header)
