@@ -112,22 +112,18 @@ class EASGD(Algorithm):
     def master_apply(self, state, center, updates: Sequence[Update], opt: FlatOptimizer | None):
         # Every diff is taken against the same centre before the centre moves, so a
         # synchronous round is Zhang's synchronous EASGD.
-        for u in updates:
-            u.payload -= center
-            u.payload *= float(self.alpha)
-        if self.momentum:
-            state.velocity *= float(self.momentum)
-        else:
-            state.velocity[...] = 0.0
-        for u in updates:
-            state.velocity += u.payload
-        center += state.velocity
+        self._elastic_round(state, center, updates)
         return [u.payload for u in updates]
 
     def master_round(self, state, center, updates: Iterable[Update], samples, opt, out):
-        # master_apply's operations, one worker at a time: each diff is taken against
-        # the centre before the round, and added to the velocity in the round's order.
         out[...] = center  # the reply: each worker's diff follows from it and its own x_i
+        self._elastic_round(state, center, updates)
+        return out
+
+    def _elastic_round(self, state: EASGDMaster, center: Array, updates: Iterable[Update]) -> None:
+        """The velocity decays, each update's payload becomes its diff alpha * (x_i - c)
+        against the centre before the round and is added to the velocity in order (one
+        payload at a time: master_round streams them), then the centre moves by it."""
         if self.momentum:
             state.velocity *= float(self.momentum)
         else:
@@ -137,7 +133,6 @@ class EASGD(Algorithm):
             u.payload *= float(self.alpha)
             state.velocity += u.payload
         center += state.velocity
-        return out
 
     def worker_round_reply(self, state, params, reply) -> None:
         # `reply` is the centre c before the round; the master's diff is alpha * (x - c).
