@@ -73,6 +73,10 @@ def test_a_masters_update_summaries_draw_what_its_single_updates_draw():
     assert from_summary.staleness_mean.values.ravel().tolist() == pytest.approx(
         from_singles.staleness_mean.values.ravel().tolist())
     assert from_summary.staleness_mean["staleness"].iloc[0] == pytest.approx(values["staleness_mean"])
+    # With --trace-updates a run has both; its traced records are counted by the summary, once.
+    traced = [{**r, "values": {**r["values"], "traced": True}} for r in singles]
+    from_both = RunFrames("master-worker", t0=0.0).ingest(traced + [_rec("updates", 0, 1.0, role="master", **values)])
+    assert from_both.staleness_counts.values.tolist() == from_singles.staleness_counts.values.tolist()
 
 
 def test_timeline_segments_tile_each_interval_by_phase():

@@ -8,7 +8,8 @@ rank. The records a run writes per second are then bounded whatever the update r
 the dashboard draws the same per-worker mean, maximum and distribution from them.
 
 `--trace-updates` also writes one 'update' record per update (source rank, staleness,
-version), for looking closely at one run's order of service; it is off by default.
+version, and "traced": its interval's summary counts it), for looking closely at one
+run's order of service; it is off by default.
 """
 
 from __future__ import annotations
@@ -47,22 +48,23 @@ class UpdateSummary:
 
 
 def staleness_entries(record: dict[str, Any]) -> list[tuple[int, int, int]]:
-    """(source rank, staleness, updates) of an 'updates' summary or of a traced 'update'."""
+    """(source rank, staleness, updates) an 'updates' summary or a single 'update' record
+    counts. A traced 'update' (--trace-updates, marked "traced") counts nothing: the
+    summary of its interval counts it; a single record without the mark comes from a log
+    written before the summaries, and counts itself."""
     v = record["values"]
     if record["kind"] == "updates":
         return [(int(rank), int(s), int(c)) for rank, s, c in v.get("histogram", [])]
-    if v.get("staleness") is None:
+    if v.get("staleness") is None or v.get("traced"):
         return []
     return [(int(v.get("source_rank", record["rank"])), int(v["staleness"]), 1)]
 
 
 def staleness_by_rank(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per source rank, over a run's 'updates' summaries (and traced 'update' records when
-    there are no summaries, as in logs written before them): updates applied, mean, min
-    and max staleness. Rows sorted by rank."""
-    summaries = [r for r in records if r["kind"] == "updates"]
+    """Per source rank, over a run's records: updates applied, mean, min and max
+    staleness (from staleness_entries). Rows sorted by rank."""
     counts: Counter = Counter()
-    for record in summaries or [r for r in records if r["kind"] == "update"]:
+    for record in records:
         for rank, staleness, n in staleness_entries(record):
             counts[(rank, staleness)] += n
     rows = []

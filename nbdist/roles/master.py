@@ -730,7 +730,7 @@ def _apply_updates(me: Master, updates: list[tuple[int, Update]]) -> list[tuple[
             if ctx.options.trace_updates:
                 who = {"worker": client.index} if client.kind == WORKER else {"sub_master": client.index}
                 ctx.log.emit("update", {**who, "source_rank": client.world_rank, "staleness": u.staleness,
-                                        "version": me.version}, step=me.version, epoch=epoch)
+                                        "version": me.version, "traced": True}, step=me.version, epoch=epoch)
     return replies
 
 
