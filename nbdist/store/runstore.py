@@ -149,16 +149,17 @@ class RunStore:
                  study, trial, now, now, socket.gethostname(), os.getpid()),
             )
 
-    def reserve_run(self, run_id: str, run_dir: str | Path) -> bool:
+    def reserve_run(self, run_id: str, run_dir: str | Path, *, study: str | None = None,
+                    trial: int | None = None) -> bool:
         """Take the name `run_id` for a run about to start (its row, running from now);
         False when the store has a run of that name (one INSERT decides between two jobs
         that choose the same name at once)."""
         now = time.time()
         with self._write() as conn:
             return conn.execute(
-                "INSERT INTO runs (id, status, run_dir, started, heartbeat, host, pid) VALUES (?, 'running', ?, ?, ?, "
-                "?, ?) ON CONFLICT (id) DO NOTHING",
-                (run_id, str(run_dir), now, now, socket.gethostname(), os.getpid())).rowcount == 1
+                "INSERT INTO runs (id, status, run_dir, study, trial, started, heartbeat, host, pid) "
+                "VALUES (?, 'running', ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
+                (run_id, str(run_dir), study, trial, now, now, socket.gethostname(), os.getpid())).rowcount == 1
 
     def heartbeat(self, run_id: str) -> None:
         # A run marked killed whose writer turns out to be alive (it was only paused)

@@ -311,7 +311,7 @@ def prepare(
         if is_leader:
             name = options.run_name or _run_name(options)
             run_dir = _fresh_dir(Path(options.runs_dir), name, store_path(options.store, options.runs_dir)
-                                 if record else None)
+                                 if record else None, trial)
             name = str(run_dir)
         run_dir = Path(run_comm.bcast(name, root=0))
     if is_leader:
@@ -505,11 +505,13 @@ def _find_resume(options: TrainOptions, layout: Layout) -> tuple[Path | None, li
     return latest, damaged
 
 
-def _fresh_dir(root: Path, name: str, database: str | None) -> Path:
+def _fresh_dir(root: Path, name: str, database: str | None, trial: "TrialTag | None" = None) -> Path:
     """A new run directory named `name`, or name-2, name-3, ...: the first whose name is
     free here and in the run store (which jobs with other runs directories may share: a
     trial trained again by another job of the study must not reuse the first one's row).
-    Both are taken atomically: the directory by mkdir, the name by the store's INSERT."""
+    Both are taken atomically: the directory by mkdir, the name by the store's INSERT.
+    The reserved row names its study and trial from the start: a job killed before its
+    run began still leaves a row the study's views count as the trial's."""
     root.mkdir(parents=True, exist_ok=True)
     store = None
     if database is not None:
@@ -522,7 +524,9 @@ def _fresh_dir(root: Path, name: str, database: str | None) -> Path:
         while True:
             try:
                 candidate.mkdir()
-                if store is None or store.reserve_run(candidate.name, candidate.resolve()):
+                if store is None or store.reserve_run(candidate.name, candidate.resolve(),
+                                                       study=trial.study if trial else None,
+                                                       trial=trial.number if trial else None):
                     return candidate
                 candidate.rmdir()  # another job's run has this name
             except FileExistsError:
