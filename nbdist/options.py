@@ -113,6 +113,10 @@ class TrainOptions:
                                   "Keras' mixed_bfloat16/mixed_float16 policy); weights, gradients and optimizers stay "
                                   "float32; fp16 scales the loss (steps whose gradient overflows are skipped)",
                           choices=PRECISIONS)
+    sync_batchnorm: bool = _opt(False, "synchronised BatchNorm (PyTorch): each BatchNorm layer normalises with the "
+                                       "statistics of the whole batch of the ranks that share one (a worker's "
+                                       "processes with --procs-per-worker > 1, or every allreduce rank), reduced "
+                                       "in the forward pass, their gradients in the backward pass")
     device: str = _opt("auto", "where a PyTorch worker's model lives: auto (cuda where torch sees a GPU, else the "
                                "CPU with numpy views), cuda (GPU local_rank mod gpus; not yet run on a GPU) or cpu "
                                "(the GPU path's tensors and staging, run on the CPU)", choices=DEVICES)

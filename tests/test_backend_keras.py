@@ -371,3 +371,17 @@ def test_fp16_skips_an_overflowed_step_and_the_model_must_be_made_under_the_poli
     resumed = KerasBackend(mixed, precision="fp16")
     resumed.set_rng_state(backend.rng_state())
     assert resumed.loss_scale.scale == backend.loss_scale.scale
+
+
+# ----------------------------------------------------------------- --sync-batchnorm
+def test_sync_batchnorm_with_a_keras_model_is_one_clear_error(tmp_path):
+    from mpi4py import MPI
+
+    import nbdist
+    from nbdist.errors import UserError
+
+    with pytest.raises(UserError, match=r"^--sync-batchnorm is for PyTorch models: a Keras model trains as one traced "
+                                        r"TensorFlow function .* drop --sync-batchnorm .* or use a PyTorch model$"):
+        nbdist.train(os.path.join(ROOT, "examples", "digits_keras.py"), comm=MPI.COMM_SELF, topology="allreduce",
+                     sync_batchnorm=True, epochs=1, runs_dir=str(tmp_path), store="off", quiet=True)
+    assert not any(tmp_path.iterdir())  # refused at set-up: no run directory

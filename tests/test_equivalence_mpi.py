@@ -69,7 +69,7 @@ def allreduce_weights(tmp_path_factory):
     directory = tmp_path_factory.mktemp("allreduce")
     done = run_mpi(4, [str(SCRIPTS / "allreduce_equivalence.py"), str(directory), str(STEPS)], timeout=180)
     assert done.returncode == 0, done.output
-    assert done.stdout.count("OK ") == 7, done.output
+    assert done.stdout.count("OK ") == 8, done.output
     (directory / "stdout.txt").write_text(done.stdout)
     return directory
 
@@ -97,6 +97,40 @@ def test_an_fp16_overflow_on_one_rank_is_skipped_by_every_rank(allreduce_weights
 def test_allreduce_on_torch_tensors_equals_the_numpy_path(allreduce_weights, ranks):
     on_host = load_file(str(allreduce_weights / f"{ranks}-equal.safetensors"))
     assert_weights_close(load_file(str(allreduce_weights / f"{ranks}-device.safetensors")), on_host, tol=1e-6)
+
+
+@pytest.mark.parametrize("name", list(common.sync_bn_layers()))
+def test_synchronised_batchnorm_over_4_ranks_equals_one_process_on_the_concatenated_batch(allreduce_weights, name):
+    """--sync-batchnorm's layers over 4 ranks of 3 to 6 samples each == plain torch
+    BatchNorm on the 18 samples: outputs, input and parameter gradients at each step, and
+    the running statistics after them (allreduce_equivalence.py's syncbn phase, which also
+    checks that every rank ends with the same statistics)."""
+    got = load_file(str(allreduce_weights / f"syncbn-{name}.safetensors"))
+    layer, shape = common.sync_bn_layers()[name]
+    for step in range(common.SYNC_BN_STEPS):
+        x, g = (torch.from_numpy(a) for a in common.sync_bn_batches(shape, step))
+        x.requires_grad_()
+        layer.zero_grad()
+        out = layer(x)
+        (out * g).sum().backward()
+        expected = {f"out-{step}": out.detach().numpy(), f"dx-{step}": x.grad.numpy()}
+        if layer.affine:  # the backend's flat gradient: parameters in reverse order
+            expected[f"grads-{step}"] = np.concatenate([p.grad.numpy().ravel() for p in [layer.bias, layer.weight]])
+        _assert_relatively_close(got, expected)
+    state = {f"0.{k}": v.numpy() for k, v in layer.state_dict().items() if k.startswith(("running", "num"))}
+    assert int(got["0.num_batches_tracked"]) == common.SYNC_BN_STEPS
+    _assert_relatively_close(got, state)
+    # The global statistics, not one rank's: rank 0's rows alone normalise differently.
+    alone = layer(x.detach()[: common.SYNC_BN_SIZES[0]]).detach().numpy()
+    assert np.abs(alone - got[f"out-{common.SYNC_BN_STEPS - 1}"][: common.SYNC_BN_SIZES[0]]).max() > 0.1
+
+
+def _assert_relatively_close(got: dict, expected: dict, tol: float = TOL) -> None:
+    """To `tol` relative to the size of each value, at least 1 (a parameter gradient sums
+    hundreds of float32 terms of about 40)."""
+    for name, want in expected.items():
+        diff = np.abs(got[name].astype(np.float64) - want) / np.maximum(1.0, np.abs(want))
+        assert diff.max() <= tol, f"{name}: max relative difference {diff.max():.3g} > {tol:g}"
 
 
 def _free_port() -> int:

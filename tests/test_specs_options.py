@@ -196,7 +196,7 @@ def test_argparse_round_trip_of_every_field(tmp_path):
                    device="cpu",
                    data_keys="x,y", gan=True, d_steps=2, lr_scaling="sqrt", warmup_epochs=1.5,
                    worker_lr_schedule="steplr(step_size=2)", master_lr_schedule="cosineannealinglr(T_max=4)",
-                   trace_updates=True, precision="bf16")
+                   trace_updates=True, precision="bf16", sync_batchnorm=True)
     assert set(changed) == {f.name for f in dataclasses.fields(TrainOptions)}
     opts = TrainOptions(**changed)
     argv = []

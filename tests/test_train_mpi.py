@@ -67,8 +67,12 @@ ACCURACY_RUNS = {
 # Extra runs in the same jobs: {ranks: {name: argv after `train`}}.
 EXTRA_RUNS = {
     3: {
-        "cnn-master-worker": ["--model", CNN, "--epochs", "6"],
+        # --sync-batchnorm with one process per worker: a warning, and plain BatchNorm.
+        "cnn-master-worker": ["--model", CNN, "--epochs", "6", "--sync-batchnorm"],
         "cnn-allreduce": ["--model", CNN, "--epochs", "6", "--topology", "allreduce"],
+        # Validated only at the end: the statistics of its earlier checkpoints are the ranks' own.
+        "cnn-allreduce-syncbn": ["--model", CNN, "--epochs", "6", "--topology", "allreduce", "--sync-batchnorm",
+                                 "--validate-every", "10"],
         "target": ["--model", MLP, "--epochs", "30", "--target", "val_acc > 0.5"],
         # A tiny lr: val_loss moves by far less than min_delta from one epoch to the next.
         "early-stopping": ["--model", MLP, "--epochs", "30", "--topology", "allreduce",
@@ -78,6 +82,8 @@ EXTRA_RUNS = {
     5: {
         # 1 master + 2 workers of 2 processes each.
         "procs-per-worker-2": ["--model", MLP, "--epochs", str(EPOCHS), "--procs-per-worker", "2", *TRACE],
+        "cnn-procs-per-worker-2-syncbn": ["--model", CNN, "--epochs", "6", "--procs-per-worker", "2",
+                                          "--sync-batchnorm"],
     },
 }
 
@@ -170,6 +176,38 @@ def test_batchnorm_model_learns_and_its_statistics_travel(batches, topology):
     # initial zeros and ones (the master itself never runs a training batch).
     assert np.abs(weights["1.running_mean"]).max() > 1e-3
     assert np.abs(weights["1.running_var"] - 1).max() > 1e-3
+
+
+def _model_states(checkpoint: Path, ranks: range) -> dict[int, np.ndarray]:
+    return {rank: Checkpoints.read_rank(checkpoint, rank)[0]["model"]["state"] for rank in ranks}
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name, ranks, twins, epochs", [
+    ("cnn-allreduce-syncbn", 3, [(0, 1, 2)], (5, 6)),
+    # Asynchronous workers write their share of a checkpoint at the end (or when asked).
+    ("cnn-procs-per-worker-2-syncbn", 5, [(1, 2), (3, 4)], (6,))])
+def test_synchronised_batchnorm_learns_and_every_rank_of_a_batch_holds_the_same_statistics(batches, name, ranks,
+                                                                                           twins, epochs):
+    """--sync-batchnorm over the allreduce ranks and over a worker's 2 processes: the CNN
+    learns, and the ranks that share each batch hold bit-identical running statistics in
+    its checkpoints (the allreduce run validates, and so averages them, only at its end;
+    a worker's processes never average theirs): without it each would hold its own."""
+    summary = batches[ranks].summary(name)
+    assert summary["final"]["val_acc"] >= ACCURACY, summary["history"]
+    run = batches[ranks].run(name)
+    for epoch in epochs:
+        states = _model_states(run / "checkpoints" / f"epoch-{epoch:04d}", range(ranks))
+        for group in twins:
+            assert np.abs(states[group[0]]).max() > 1e-3  # statistics were gathered
+            for rank in group[1:]:
+                assert np.array_equal(states[rank], states[group[0]]), (epoch, group, rank)
+    if ranks == 5:  # different workers train apart
+        assert not np.array_equal(states[1], states[3])
+
+
+def test_sync_batchnorm_with_one_process_per_worker_says_there_is_nothing_to_synchronise(batches):
+    assert batches[3].output.count("--sync-batchnorm: each worker is one process") == 1, batches[3].output
 
 
 @pytest.mark.timeout(900)

@@ -223,6 +223,18 @@ class Backend(ABC):
             raise ModelError(f"--device cuda places PyTorch models; this {type(self).__name__} runs where its "
                              f"framework puts it: use --device auto")
 
+    def convert_batchnorm(self) -> int:
+        """--sync-batchnorm: replace the model's BatchNorm layers by synchronised ones
+        (plain BatchNorm until `reduce_batchnorm_over`); returns how many there were."""
+        raise ModelError(f"--sync-batchnorm synchronises the BatchNorm layers of PyTorch models "
+                         f"(torch.nn.BatchNorm1d/2d/3d); a {type(self).__name__} has none: drop --sync-batchnorm")
+
+    def reduce_batchnorm_over(self, reduce: Callable[[Any], None]) -> None:
+        """From now on the converted layers sum their batch statistics, and in the backward
+        pass their gradient terms, with `reduce` (in place, on a flat float32 array where the
+        model lives) over the ranks that share a batch."""
+        raise ModelError(f"a {type(self).__name__} has no synchronised BatchNorm")
+
     @abstractmethod
     def compute_gradients(self, x: Any, y: Any, *, scale: float = 1.0) -> BatchStats:
         """Forward and backward on one batch; `grads` holds scale * d(mean loss)/d(params).

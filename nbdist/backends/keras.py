@@ -372,6 +372,13 @@ class KerasBackend(Backend):
         self._on_ready: Callable[[int], None] | None = None
         self._models, self._prefixes = [model], [""]  # named_arrays(): each model's keys start with its prefix
 
+    def convert_batchnorm(self) -> int:
+        raise ModelError(
+            "--sync-batchnorm is for PyTorch models: a Keras model trains as one traced TensorFlow function on "
+            "flat buffers, and a synchronised BatchNormalization would need an MPI reduction inside that function, "
+            "forward and backward; drop --sync-batchnorm (each process then normalises over its own batch, and "
+            "allreduce ranks average their statistics before each validation) or use a PyTorch model")
+
     # -- graph side -------------------------------------------------------------------
     def _target(self, y: tf.Tensor, y_pred: tf.Tensor) -> tf.Tensor:
         # Integer labels meet a categorical loss (the usual Keras spelling, one-hot labels):

@@ -364,6 +364,18 @@ class TorchBackend(Backend):
         check_value_kinds(f"learning-rate schedule {spec}", init, spec.kwargs)
         return TorchLrSchedule(known[spec.name], spec, base_lr)
 
+    # -- synchronised BatchNorm (torch_batchnorm.py) --------------------------------------
+    def convert_batchnorm(self) -> int:
+        from nbdist.backends.torch_batchnorm import convert_batchnorm
+
+        # The layers keep their parameters and statistics (views into the flat buffers).
+        self.model, self._sync_layers = convert_batchnorm(self.model)
+        return len(self._sync_layers)
+
+    def reduce_batchnorm_over(self, reduce: Callable[[Any], None]) -> None:
+        for layer in getattr(self, "_sync_layers", []):
+            layer.reduce = reduce
+
     # -- state ------------------------------------------------------------------------
     def named_arrays(self) -> dict[str, np.ndarray]:
         return {k: v.detach().cpu().numpy().copy() for k, v in self.model.state_dict().items()}

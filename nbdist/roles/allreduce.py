@@ -29,6 +29,7 @@ from nbdist.algorithms.arrays import f32
 from nbdist.backends.base import BatchStats
 from nbdist.data.sharding import split_evenly
 from nbdist.errors import TrainingError
+from nbdist.train.batchnorm import synchronise_batchnorm
 from nbdist.train.context import RankContext
 from nbdist.train.lr import WorkerLr, lr_metrics
 from nbdist.train.progress import EpochTally, RunResult, epoch_metrics, format_epoch, sample_validation, write_final
@@ -85,6 +86,8 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
     collectives = ctx.peers.collectives
     reducer = GradientReducer(comm, backend, max(1, int(ctx.options.bucket_mb * 2**20 / 4)),
                               lambda requests: collectives.wait_all(comm, requests, "the gradient allreduce"))
+    # --sync-batchnorm: the statistics are the whole step's, the same on every rank.
+    shared_statistics = synchronise_batchnorm(ctx, comm)
     plan = ctx.data.plan(size, ctx.options.batch_size, ctx.options.seed)
     lr = WorkerLr(ctx.worker_lr, opt, plan.batches_per_epoch)
     val_indices = split_evenly(np.arange(ctx.data.n_val), size, rank)
@@ -157,7 +160,7 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
             if marks is not None and marks.due(samples_seen):
                 # Every rank passes the mark at the same step (the trailer's global count).
                 marks.passed(samples_seen)
-                val = _validate(ctx, comm, val_indices, size, model_state)
+                val = _validate(ctx, comm, val_indices, size, None if shared_statistics else model_state)
                 if ctx.is_leader:
                     ctx.log.emit("val", sample_validation(samples_seen, val, backend.metric_name),
                                  step=epoch * len(batches) + step + 1, epoch=epoch)
@@ -174,7 +177,7 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
             break
         val = None
         if (epoch + 1) % ctx.options.validate_every == 0 or epoch + 1 == ctx.options.epochs:
-            val = _validate(ctx, comm, val_indices, size, model_state)
+            val = _validate(ctx, comm, val_indices, size, None if shared_statistics else model_state)
         metrics = epoch_metrics(epoch, tally, val, time.time() - tally.started, backend.metric_name, samples_seen)
         metrics.update(lr_metrics(ctx.worker_lr, None, epoch))
         history.append(metrics)
@@ -200,10 +203,11 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
 
 
 def _validate(ctx: RankContext, comm: MPI.Intracomm, indices: np.ndarray, size: int,
-              model_state: Staging) -> BatchStats:
-    """Each rank evaluates its slice of the validation set; the sums are added up."""
+              model_state: Staging | None) -> BatchStats:
+    """Each rank evaluates its slice of the validation set; the sums are added up.
+    `model_state`: the statistics to average first (None: they are the same everywhere)."""
     collectives = ctx.peers.collectives
-    if len(model_state.device):
+    if model_state is not None and len(model_state.device):
         # BatchNorm statistics differ per rank (each saw its own batches): use their mean.
         collectives.allreduce(comm, model_state, "the validation")
         state = model_state.device

@@ -29,6 +29,7 @@ from nbdist.algorithms.arrays import copy_into, to_numpy
 from nbdist.backends.base import BatchStats
 from nbdist.data.sharding import split_evenly
 from nbdist.roles.membership import batches_for
+from nbdist.train.batchnorm import synchronise_batchnorm
 from nbdist.train.checkpoint import CheckpointError, Checkpoints
 from nbdist.train.context import RankContext, master_share
 from nbdist.train.lr import WorkerLr, rule_lr
@@ -72,6 +73,8 @@ class Worker:
         self.params = Staging(backend.params, backend.copier)
         self.model_state = Staging(backend.state, backend.copier)
         self.grads = Staging(backend.grads, backend.copier) if self.procs > 1 else None
+        if self.procs > 1:
+            synchronise_batchnorm(ctx, self.wcomm)  # --sync-batchnorm: over the worker's processes
         n, s = backend.num_params, len(backend.state)
         self.opt = backend.make_optimizer(ctx.worker_optimizer) if ctx.worker_optimizer else None
         self.rule_state = ctx.algorithm.new_worker_state(n, ctx.sync_every, like=self.rule_params)

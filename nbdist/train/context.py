@@ -31,6 +31,7 @@ from nbdist.options import TrainOptions, parse_target
 from nbdist.specs import Spec, did_you_mean, parse_spec
 from nbdist.store import RunRecorder, RunStore, store_label, store_path
 from nbdist.train.asynchrony import optimisers_for_asynchrony
+from nbdist.train.batchnorm import convert_for_sync
 from nbdist.train.checkpoint import CheckpointError, Checkpoints
 from nbdist.train.definition import ModelDefinition
 from nbdist.train.history import HistoryFile
@@ -280,6 +281,7 @@ def prepare(
         # A master keeps its centre in host memory (numpy): only workers go to a device.
         make_replica = _replica_factory(definition, options, sample, device if role.kind != "master" else None)
         backend = make_replica()
+        notices += convert_for_sync(options, layout, backend)
         starting_lrs = [backend.check_optimizer(spec) if spec is not None else None
                         for spec in (worker_opt, master_opt)]
         worker_lr, master_lr = plan_learning_rates(options, layout, algorithm, backend, *starting_lrs)

@@ -84,6 +84,50 @@ def fp16_overflow_on_one_rank(comm: MPI.Intracomm, steps: int) -> str:
     return f"skipped={int(everyone[0, 0])} scale={everyone[0, 1]:g}"
 
 
+def sync_batchnorm(comm: MPI.Intracomm, out_dir: Path) -> None:
+    """Each layer of equivalence_common.sync_bn_layers, converted as TorchBackend converts
+    a model's for --sync-batchnorm and reducing over `comm` (4 ranks) with the transport's
+    SumOverRanks; rank r trains on its rows of each global batch. Rank 0 writes
+    OUT_DIR/syncbn-<layer>.safetensors: the outputs and input gradients of every rank (in
+    rank order), the parameter gradients (bias, weight) summed over the ranks as the
+    gradient allreduce does, per step, and the running statistics at the end. Every rank
+    checks that its running statistics are bit-identical to the others'."""
+    from nbdist.backends.torch_batchnorm import convert_batchnorm
+    from nbdist.transport.batch_sums import SumOverRanks
+    from nbdist.transport.collectives import Collectives
+
+    rank = comm.Get_rank()
+    rows = np.cumsum((0, *common.SYNC_BN_SIZES))
+    mine = slice(rows[rank], rows[rank + 1])
+    for name, (layer, shape) in common.sync_bn_layers().items():
+        model, [sync] = convert_batchnorm(nn.Sequential(layer))
+        sync.reduce = SumOverRanks(comm, Collectives(lambda: 60.0))
+        saved = {}
+        for step in range(common.SYNC_BN_STEPS):
+            x, g = common.sync_bn_batches(shape, step)
+            xr = torch.from_numpy(x[mine]).requires_grad_()
+            model.zero_grad()
+            out = model(xr)
+            (out * torch.from_numpy(g[mine])).sum().backward()
+            for what, local in (("out", out.detach().numpy()), ("dx", xr.grad.numpy())):
+                gathered = comm.gather(local, root=0)
+                if rank == 0:
+                    saved[f"{what}-{step}"] = np.concatenate(gathered)
+            if sync.affine:
+                summed = np.concatenate([sync.bias.grad.numpy(), sync.weight.grad.numpy()])
+                comm.Allreduce(MPI.IN_PLACE, summed)
+                saved[f"grads-{step}"] = summed
+        state = {k: v.numpy().astype(np.float64) for k, v in model.state_dict().items() if k.startswith(("0.r", "0.n"))}
+        for key, mine_ in state.items():
+            everyone = comm.allgather(mine_)
+            assert all((e == everyone[0]).all() for e in everyone), f"{name}: {key} differs between ranks: {everyone}"
+        if rank == 0:
+            saved.update(state)
+            save_file(saved, str(out_dir / f"syncbn-{name}.safetensors"))
+    if rank == 0:
+        print("OK syncbn", flush=True)
+
+
 def main() -> None:
     out_dir, steps = Path(sys.argv[1]), int(sys.argv[2])
     torch.set_num_threads(1)
@@ -100,6 +144,8 @@ def main() -> None:
         if comm is not world:
             comm.Free()
         world.Barrier()
+    if world.Get_size() == len(common.SYNC_BN_SIZES):
+        sync_batchnorm(world, out_dir)
     result = fp16_overflow_on_one_rank(world, steps)
     if world.Get_rank() == 0:
         print(f"OK fp16-overflow {result}", flush=True)

@@ -141,3 +141,35 @@ def allreduce_steps(comm, backend, steps: int, unequal: bool):
     assert all(np.array_equal(everyone[0], row) for row in everyone), "replicas differ"
     return backend
 
+
+
+# -- synchronised BatchNorm (--sync-batchnorm) ------------------------------------------
+# name -> (layer, input shape after the batch dimension): every BatchNorm kind, momentum
+# None (a cumulative average) and no affine parameters included.
+SYNC_BN_STEPS = 2
+SYNC_BN_SIZES = (3, 4, 5, 6)  # each rank's samples (4 ranks): the counts differ
+
+
+def sync_bn_layers() -> dict[str, tuple[nn.Module, tuple[int, ...]]]:
+    import torch
+    from torch import nn
+
+    torch.manual_seed(SEED)
+    layers = {"1d": (nn.BatchNorm1d(5), (5,)), "1d-sequence": (nn.BatchNorm1d(3, momentum=None), (3, 7)),
+              "2d": (nn.BatchNorm2d(4), (4, 5, 5)), "3d": (nn.BatchNorm3d(2, eps=1e-3), (2, 3, 4, 4)),
+              "2d-no-affine": (nn.BatchNorm2d(3, affine=False), (3, 4, 4))}
+    for layer, _ in layers.values():
+        if layer.affine:  # not the initial ones and zeros: the gradients then depend on them
+            nn.init.uniform_(layer.weight, 0.5, 1.5)
+            nn.init.uniform_(layer.bias, -0.5, 0.5)
+    return layers
+
+
+def sync_bn_batches(shape: tuple[int, ...], step: int) -> tuple[np.ndarray, np.ndarray]:
+    """The global batch of `step` (rows in rank order) and the upstream gradient dL/dout
+    (L = sum(out * g)), away from zero mean and unit spread."""
+    rng = np.random.RandomState(100 + step)
+    n = sum(SYNC_BN_SIZES)
+    x = (rng.randn(n, *shape) * 2.0 + 3.0).astype(np.float32)
+    g = rng.randn(n, *shape).astype(np.float32)
+    return x, g
