@@ -216,6 +216,8 @@ CASES = {
                                  ["--worker-lr-schedule: learning-rate schedule 'cosineannealinglr' takes no "
                                   "parameter 'tmax'; it takes: T_max, eta_min"], None),
     "bad-lr-scaling": (["--lr-scaling", "cubic"], ["--lr-scaling 'cubic': choose one of none, linear, sqrt"], None),
+    "gan-sync-batchnorm": (["--gan", "--sync-batchnorm"], ["--sync-batchnorm does not apply to --gan: a GAN trains "
+                                                          "with one process per worker"], None),
 }
 
 # name -> the same, for a job of 4 ranks: a top master, a sub-master, a worker under each.

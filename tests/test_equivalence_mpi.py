@@ -7,6 +7,9 @@
   and the transport's staging, as on a GPU) == the numpy path to 1e-6, for allreduce and
   for the master/worker runs below, a BatchNorm model's state included (initial
   broadcasts, validation, a worker of 2 processes), and after a resume from a checkpoint;
+- synchronised BatchNorm (--sync-batchnorm) over 4 ranks of different batch sizes == one
+  process on the concatenated batch: outputs, input and parameter gradients, running
+  statistics (BatchNorm1d/2d/3d, momentum None, no affine parameters);
 - the same weights as PyTorch DistributedDataParallel on gloo;
 - Downpour with one worker and sync_every=1 == plain SGD on the same batch order;
 - EASGD with elastic_force=0 leaves the centre where it started;

@@ -1,6 +1,6 @@
 """Training on real MPI ranks: every algorithm learns, staleness and fair service,
 exact resume, checkpoints, early stopping and targets, multi-process workers,
-BatchNorm, and a graceful stop by signal.
+BatchNorm (synchronised too: --sync-batchnorm), and a graceful stop by signal.
 
 Starting Python + torch + MPI costs seconds per rank on a small box, while a digits run
 trains in well under a second, so most runs are batched: one `mpiexec` job per rank
@@ -82,8 +82,9 @@ EXTRA_RUNS = {
     5: {
         # 1 master + 2 workers of 2 processes each.
         "procs-per-worker-2": ["--model", MLP, "--epochs", str(EPOCHS), "--procs-per-worker", "2", *TRACE],
+        # On the device path (torch tensors through the staging), as on a GPU.
         "cnn-procs-per-worker-2-syncbn": ["--model", CNN, "--epochs", "6", "--procs-per-worker", "2",
-                                          "--sync-batchnorm"],
+                                          "--sync-batchnorm", "--device", "cpu"],
     },
 }
 
@@ -189,7 +190,8 @@ def _model_states(checkpoint: Path, ranks: range) -> dict[int, np.ndarray]:
     ("cnn-procs-per-worker-2-syncbn", 5, [(1, 2), (3, 4)], (6,))])
 def test_synchronised_batchnorm_learns_and_every_rank_of_a_batch_holds_the_same_statistics(batches, name, ranks,
                                                                                            twins, epochs):
-    """--sync-batchnorm over the allreduce ranks and over a worker's 2 processes: the CNN
+    """--sync-batchnorm over the allreduce ranks and over a worker's 2 processes (with
+    --device cpu, the device path): the CNN
     learns, and the ranks that share each batch hold bit-identical running statistics in
     its checkpoints (the allreduce run validates, and so averages them, only at its end;
     a worker's processes never average theirs): without it each would hold its own."""

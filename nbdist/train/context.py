@@ -142,6 +142,9 @@ def _check_gan(options: TrainOptions) -> TrainOptions:
             "takes discriminator steps before the generator's gradient, which one gradient reduction "
             f"cannot carry (drop {'--topology allreduce' if options.topology == 'allreduce' else '--procs-per-worker'})"
         )
+    if options.sync_batchnorm:
+        raise OptionsError("--sync-batchnorm does not apply to --gan: a GAN trains with one process per worker, "
+                           "whose BatchNorm layers already normalise over its whole batch; drop --sync-batchnorm")
     algorithm = make_algorithm(parse_spec(options.algorithm or DEFAULT_GAN_ALGORITHM, what="--algorithm"))
     if not algorithm.sends_weights:
         raise OptionsError(

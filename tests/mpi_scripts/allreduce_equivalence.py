@@ -15,7 +15,9 @@ OUT_DIR/<ranks>-<layout>.safetensors (the model's state_dict). Every rank checks
 all replicas are bit-identical and that the reduced sample count is the global batch
 size. Layout `device` is `equal` with the backend placed by --device cpu: the rules and
 the GradientReducer's staging then work on torch tensors, as on a GPU.
-Prints `OK <ranks>-<layout>`; any failure aborts the job so that no rank hangs.
+On 4 ranks the job then runs synchronised BatchNorm layers (--sync-batchnorm) over
+COMM_WORLD and writes OUT_DIR/syncbn-<layer>.safetensors (see sync_batchnorm).
+Prints `OK <ranks>-<layout>` (and `OK syncbn`); any failure aborts the job so that no rank hangs.
 """
 
 from __future__ import annotations
