@@ -136,6 +136,33 @@ def test_batchnorm_statistics_live_in_state():
     assert model.training
 
 
+def test_synchronised_batchnorm_keeps_the_flat_buffers_and_on_one_rank_is_batchnorm():
+    """--sync-batchnorm's conversion keeps the layers' parameters and statistics (views of
+    the flat buffers, the same state_dict names); reducing over MPI's COMM_SELF it trains
+    as plain BatchNorm does (the 4-rank equivalence: tests/test_equivalence_mpi.py)."""
+    from mpi4py import MPI
+
+    from nbdist.transport.batch_sums import SumOverRanks
+    from nbdist.transport.collectives import Collectives
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 3))
+    plain = TorchBackend(copy.deepcopy(model))
+    backend = TorchBackend(model)
+    names, state_at = list(backend.model.state_dict()), backend.state.ctypes.data
+    assert backend.convert_batchnorm() == 1
+    assert type(backend.model[1]).__name__ == "SyncBatchNorm"
+    assert list(backend.model.state_dict()) == names
+    assert backend.model[1].running_mean.data_ptr() in range(state_at, state_at + backend.state.nbytes)
+    backend.reduce_batchnorm_over(SumOverRanks(MPI.COMM_SELF, Collectives(lambda: 30.0)))
+    x, y = data(16)
+    for _ in range(2):
+        assert backend.compute_gradients(x, y).loss_sum == pytest.approx(plain.compute_gradients(x, y).loss_sum)
+        np.testing.assert_allclose(backend.grads, plain.grads, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(backend.state, plain.state, rtol=1e-6, atol=1e-7)
+    assert backend.evaluate(x, y).loss_sum == pytest.approx(plain.evaluate(x, y).loss_sum)
+
+
 # ----------------------------------------------------------------------------- buckets
 def test_bucket_hooks_fire_once_with_final_gradients():
     model = mlp()

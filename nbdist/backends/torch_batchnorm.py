@@ -100,10 +100,8 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
     def replacing(cls, layer: nn.modules.batchnorm._BatchNorm) -> SyncBatchNorm:
         sync = cls(layer.num_features, layer.eps, layer.momentum, layer.affine, layer.track_running_stats,
                    device="meta")
-        for name in ("weight", "bias"):
-            setattr(sync, name, getattr(layer, name))
-        for name in ("running_mean", "running_var", "num_batches_tracked"):
-            sync._buffers[name] = getattr(layer, name)
+        for name in ("weight", "bias", "running_mean", "running_var", "num_batches_tracked"):
+            setattr(sync, name, getattr(layer, name))  # the same Parameter or buffer (or None)
         sync.train(layer.training)
         return sync
 
