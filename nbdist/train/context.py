@@ -284,6 +284,8 @@ def prepare(
                         for spec in (worker_opt, master_opt)]
         worker_lr, master_lr = plan_learning_rates(options, layout, algorithm, backend, *starting_lrs)
         _probe(backend, data, definition.source)
+        if options.worker_parallel == "pipeline" and role.kind == "worker":
+            backend = _stage_backend(definition, options, role, device)
         check_metric_names(options, trial, reported_metrics(backend.metric_name, staleness=algorithm is not None))
         if comm.Get_rank() == 0:  # the run leader, who writes the run directory (last: it may create --runs-dir)
             _check_run_dir_writable(options)
@@ -475,11 +477,28 @@ def _replica_factory(definition: ModelDefinition, options: TrainOptions, sample:
         if options.gan:
             return gan_backend(definition.make_gan(options.d_steps), sample)
         with making_models(options.precision):
-            model = definition.make_model()
+            # A pipeline's whole model (a master's) is its stages in a row, whatever
+            # build_model says: the stages' buffers together must be its buffer.
+            if options.worker_parallel == "pipeline":
+                from nbdist.backends.stages import stage_model
+            model = (stage_model(definition.make_stages(options.procs_per_worker))
+                     if options.worker_parallel == "pipeline" else definition.make_model())
         return backend_for(model, definition.loss, definition.metric, sample=sample, precision=options.precision,
                            device=device)
 
     return make
+
+
+def _stage_backend(definition: ModelDefinition, options: TrainOptions, role: Role,
+                   device: DeviceRequest) -> Backend:
+    """A pipeline worker's process: its own stage of the model (--worker-parallel pipeline)."""
+    from nbdist.backends.stages import TorchStage, check_stages  # torch only when a pipeline runs
+
+    stages = definition.make_stages(options.procs_per_worker)
+    check_stages(stages)
+    backend = TorchStage(stages[role.proc], role.proc, len(stages), definition.loss, definition.metric)
+    backend.place(device)
+    return backend
 
 
 def _find_resume(options: TrainOptions, layout: Layout) -> tuple[Path | None, list[str]]:
