@@ -371,3 +371,18 @@ def test_fp16_skips_an_overflowed_step_and_the_model_must_be_made_under_the_poli
     resumed = KerasBackend(mixed, precision="fp16")
     resumed.set_rng_state(backend.rng_state())
     assert resumed.loss_scale.scale == backend.loss_scale.scale
+
+
+def test_keras_pipeline_stages_are_one_error():
+    """--worker-parallel pipeline is PyTorch only: Keras stages are one clear error where
+    the run builds its model (on every rank, before training)."""
+    from nbdist.backends.stages import stage_model
+    from nbdist.train.definition import definition_from_namespace
+
+    def build_stages():
+        return [keras.Sequential([keras.layers.Dense(16)]), keras.Sequential([keras.layers.Dense(10)])]
+
+    definition = definition_from_namespace({"build_stages": build_stages}, "model file k.py")
+    with pytest.raises(ModelError, match=r"pipeline is PyTorch only: stage 0 of build_stages\(\) is a Sequential, "
+                                         r"not a torch.nn.Module"):
+        stage_model(definition.make_stages(2))
