@@ -4,7 +4,8 @@ Each batch's gradient goes to the rule (`worker_step`: a local optimiser step, o
 accumulation); when the rule says so, the worker's leader sends its message to the master
 and waits for the reply. A worker spanning several processes (N_P > 1) allreduces its
 gradient over its own communicator; its leader alone talks to the master and broadcasts
-the reply.
+the reply. (With --worker-parallel pipeline its processes are pipeline stages instead:
+roles/pipeline.py overrides how they compute a gradient and share a message.)
 
 The reply says how to go on: CONTINUE (apply it), STOP (save this rank's share of the
 stop checkpoint and leave), SNAPSHOT (save this rank's share of an asynchronous checkpoint,
