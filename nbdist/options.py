@@ -210,6 +210,12 @@ class TrainOptions:
             raise OptionsError(f"unknown --pipeline-schedule {self.pipeline_schedule!r}; choose one of: "
                                f"{', '.join(PIPELINE_SCHEDULES)}")
         if self.worker_parallel != "pipeline":
+            given = [flag(name) for name in ("micro_batches", "pipeline_schedule")
+                     if getattr(self, name) != getattr(TrainOptions, name)]
+            if given:
+                raise OptionsError(f"{' and '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to pipeline "
+                                   f"workers: add --worker-parallel pipeline (and --procs-per-worker, one process "
+                                   f"per stage)")
             return
         if self.topology == "allreduce":
             raise OptionsError("--worker-parallel pipeline trains on the master-worker topology; pipeline replicas "

@@ -220,6 +220,8 @@ CASES = {
                                 ["--worker-parallel pipeline trains on the master-worker topology"], None),
     "pipeline-of-one-process": (["--worker-parallel", "pipeline"],
                                 ["--worker-parallel pipeline needs --procs-per-worker 2 or more"], None),
+    "micro-batches-without-pipeline": (["--micro-batches", "8"], [
+        "--micro-batches applies to pipeline workers: add --worker-parallel pipeline"], None),
 }
 
 # name -> the same, for a job of 4 ranks: a top master, a sub-master, a worker under each.
