@@ -56,20 +56,21 @@ class StageRunner:
         idle = 0.0
         for kind, i in schedule(self.schedule_name, stage.index, links.count, micro):
             part = slice(bounds[i], bounds[i + 1])
+            rows_i = int(bounds[i + 1] - bounds[i])
             if kind == FORWARD:
                 if stage.first:
                     inputs = x[part]
                 else:
                     t0 = time.perf_counter()
-                    inputs = links.receive_activation(bounds[i + 1] - bounds[i])
+                    inputs = links.receive_activation(rows_i)
                     idle += time.perf_counter() - t0
                 output = stage.forward(i, inputs)
                 if output is not None:
                     shapes[i] = output.shape
-                    links.send_activation(output)
+                    links.send_activation(output, rows_i)
                 continue
             if stage.last:
-                weight = scale * (bounds[i + 1] - bounds[i]) / rows
+                weight = scale * rows_i / rows
                 part_stats, input_grad = stage.loss_backward(i, y[part], weight)
                 stats.add(part_stats)
             else:

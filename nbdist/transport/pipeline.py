@@ -3,8 +3,8 @@ ranks of one worker (--worker-parallel pipeline), as flat float32 buffers.
 
 A micro-batch's activation goes to the next stage with `Isend` of its own memory; the
 next stage receives it into a buffer of the agreed shape. The shape is sent once per
-number of rows (a batch shape: the last batch of an epoch, or a micro-batch of a batch
-that does not divide evenly, has fewer), as a small int64 message before the first
+number of samples in a micro-batch (a batch shape: the last batch of an epoch, or a
+micro-batch of a batch that does not divide evenly, has fewer), as a small int64 message before the first
 activation of that shape; both sides cache it, so a step sends only float32 data. A
 gradient going back has the shape of the activation it belongs to, which the receiving
 stage sent itself: it needs no shape message.
@@ -45,8 +45,9 @@ class StageLinks:
         self._shapes: dict[int, tuple[int, ...]] = {}  # rows -> the activation's shape from the previous stage
 
     # -- forward --------------------------------------------------------------------
-    def send_activation(self, activation: np.ndarray) -> None:
-        rows = activation.shape[0]
+    def send_activation(self, activation: np.ndarray, rows: int) -> None:
+        """`rows`: the micro-batch's samples, which both stages know (the activation's own
+        first dimension need not be them)."""
         if rows not in self._sent_shapes:
             if activation.ndim > MAX_DIMS:
                 raise ValueError(f"stage {self.stage}'s output has {activation.ndim} dimensions; at most "
