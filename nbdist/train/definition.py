@@ -58,7 +58,7 @@ class ModelDefinition:
 
     def make_stages(self, count: int) -> list[Any]:
         """The model's pipeline stages, one per process of a worker (--worker-parallel
-        pipeline); the whole model is these in a row (nbdist.backends.stage_model)."""
+        pipeline); the whole model is these in a row (nbdist.backends.stages.stage_model)."""
         if self.build_stages is None:
             raise ModelError(f"--worker-parallel pipeline: {self.source} defines no build_stages(); add a function "
                              f"returning the model as a list of {count} modules, one per pipeline stage")
