@@ -16,7 +16,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 SCRIPTS = Path(__file__).resolve().parent / "mpi_scripts"
 sys.path.insert(0, str(SCRIPTS))

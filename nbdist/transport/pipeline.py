@@ -22,7 +22,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-
 from mpi4py import MPI
 
 from nbdist.transport.collectives import Collectives
