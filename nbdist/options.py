@@ -32,6 +32,10 @@ DEVICES = ("auto", "cpu", "cuda")
 LR_SCALINGS = ("none", "linear", "sqrt")
 # What --precision takes (the backends map each to their framework's dtypes).
 PRECISIONS = ("fp32", "bf16", "fp16")
+# How a worker's --procs-per-worker processes share its work: each a replica of the whole
+# model whose gradients they allreduce, or each one pipeline stage of it.
+WORKER_PARALLELS = ("allreduce", "pipeline")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 DEFAULT_LR_SCALING = "none"
 
 
@@ -54,6 +58,14 @@ class TrainOptions:
     workers: int | None = _opt(None, "workers per master (default: fill the MPI ranks)")
     masters: int = _opt(1, "masters per run; >1 puts sub-masters under a top master")
     procs_per_worker: int = _opt(1, "MPI processes per worker (a worker's gradient is allreduced over them)")
+    worker_parallel: str = _opt(
+        "allreduce", "how a worker's processes share its work: allreduce (each a replica, gradients allreduced) or "
+        "pipeline (each one stage of the model file's build_stages(); PyTorch, master-worker)",
+        choices=WORKER_PARALLELS)
+    micro_batches: int = _opt(4, "pipeline: micro-batches each batch is cut into (--worker-parallel pipeline)")
+    pipeline_schedule: str = _opt("1f1b", "pipeline: gpipe (every forward, then every backward) or 1f1b "
+                                          "(one forward, one backward: fewer activations held)",
+                                  choices=PIPELINE_SCHEDULES)
     epochs: int = _opt(5, "number of passes over the training data")
     batch_size: int = _opt(32, "samples per batch per worker")
     sync_every: int | None = _opt(None, "batches between a worker's exchanges with its master (default per algorithm)")
@@ -148,7 +160,8 @@ class TrainOptions:
                                f"{', '.join(MOMENTUM_CORRECTIONS)}")
         if self.device not in DEVICES:
             raise OptionsError(f"unknown --device {self.device!r}; choose one of: {', '.join(DEVICES)}")
-        positive = ("epochs", "batch_size", "masters", "procs_per_worker", "validate_every", "threads", "d_steps")
+        positive = ("epochs", "batch_size", "masters", "procs_per_worker", "validate_every", "threads", "d_steps",
+                    "micro_batches")
         for name in positive:
             if int(getattr(self, name)) < 1:
                 raise OptionsError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
@@ -190,7 +203,41 @@ class TrainOptions:
         self._validate_files()
         if self.topology == "allreduce" and self.masters != 1:
             raise OptionsError("--masters applies to the master-worker topology; allreduce has no master")
+        self._validate_pipeline()
         return self
+
+    def _validate_pipeline(self) -> None:
+        if self.worker_parallel not in WORKER_PARALLELS:
+            raise OptionsError(f"unknown --worker-parallel {self.worker_parallel!r}; choose one of: "
+                               f"{', '.join(WORKER_PARALLELS)}")
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+            raise OptionsError(f"unknown --pipeline-schedule {self.pipeline_schedule!r}; choose one of: "
+                               f"{', '.join(PIPELINE_SCHEDULES)}")
+        if self.worker_parallel != "pipeline":
+            given = [flag(name) for name in ("micro_batches", "pipeline_schedule")
+                     if getattr(self, name) != getattr(TrainOptions, name)]
+            if given:
+                raise OptionsError(f"{' and '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to pipeline "
+                                   f"workers: add --worker-parallel pipeline (and --procs-per-worker, one process "
+                                   f"per stage)")
+            return
+        if self.topology == "allreduce":
+            raise OptionsError("--worker-parallel pipeline trains on the master-worker topology; pipeline replicas "
+                               "that allreduce their stages' gradients are not built yet (drop --topology allreduce)")
+        if self.procs_per_worker < 2:
+            raise OptionsError("--worker-parallel pipeline needs --procs-per-worker 2 or more: one process per "
+                               "pipeline stage")
+        if self.gan or self.precision != "fp32":
+            raise OptionsError(f"--worker-parallel pipeline trains in fp32 without --gan (got "
+                               f"{'--gan' if self.gan else '--precision ' + self.precision})")
+        if self.sync_batchnorm:
+            # Its processes hold different layers: no two of them normalise the same channels.
+            raise OptionsError("--sync-batchnorm does not apply to --worker-parallel pipeline: each process holds "
+                               "a different stage, so no two share a BatchNorm layer's batch (a stage's BatchNorm "
+                               "normalises over each micro-batch)")
+        if self.batch_size < self.micro_batches:
+            raise OptionsError(f"--micro-batches {self.micro_batches} cuts a batch into that many parts: "
+                               f"--batch-size must be at least as large, got {self.batch_size}")
 
     def _validate_files(self) -> None:
         if self.train and not self.val:

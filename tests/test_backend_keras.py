@@ -385,3 +385,19 @@ def test_sync_batchnorm_with_a_keras_model_is_one_clear_error(tmp_path):
         nbdist.train(os.path.join(ROOT, "examples", "digits_keras.py"), comm=MPI.COMM_SELF, topology="allreduce",
                      sync_batchnorm=True, epochs=1, runs_dir=str(tmp_path), store="off", quiet=True)
     assert not any(tmp_path.iterdir())  # refused at set-up: no run directory
+
+
+# ----------------------------------------------------------------- --worker-parallel pipeline
+def test_keras_pipeline_stages_are_one_error():
+    """--worker-parallel pipeline is PyTorch only: Keras stages are one clear error where
+    the run builds its model (on every rank, before training)."""
+    from nbdist.backends.stages import stage_model
+    from nbdist.train.definition import definition_from_namespace
+
+    def build_stages():
+        return [keras.Sequential([keras.layers.Dense(16)]), keras.Sequential([keras.layers.Dense(10)])]
+
+    definition = definition_from_namespace({"build_stages": build_stages}, "model file k.py")
+    with pytest.raises(ModelError, match=r"pipeline is PyTorch only: stage 0 of build_stages\(\) is a Sequential, "
+                                         r"not a torch.nn.Module"):
+        stage_model(definition.make_stages(2))

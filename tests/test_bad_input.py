@@ -218,6 +218,14 @@ CASES = {
     "bad-lr-scaling": (["--lr-scaling", "cubic"], ["--lr-scaling 'cubic': choose one of none, linear, sqrt"], None),
     "gan-sync-batchnorm": (["--gan", "--sync-batchnorm"], ["--sync-batchnorm does not apply to --gan: a GAN trains "
                                                           "with one process per worker"], None),
+    "pipeline-with-allreduce": (["--topology", "allreduce", "--worker-parallel", "pipeline", "--procs-per-worker", "2"],
+                                ["--worker-parallel pipeline trains on the master-worker topology"], None),
+    "pipeline-of-one-process": (["--worker-parallel", "pipeline"],
+                                ["--worker-parallel pipeline needs --procs-per-worker 2 or more"], None),
+    "pipeline-sync-batchnorm": (["--worker-parallel", "pipeline", "--procs-per-worker", "2", "--sync-batchnorm"],
+                                ["--sync-batchnorm does not apply to --worker-parallel pipeline"], None),
+    "micro-batches-without-pipeline": (["--micro-batches", "8"], [
+        "--micro-batches applies to pipeline workers: add --worker-parallel pipeline"], None),
 }
 
 # name -> the same, for a job of 4 ranks: a top master, a sub-master, a worker under each.
@@ -226,6 +234,16 @@ SUB_MASTER_CASES = {
                                      ["optimizer sgd(lr=-1.0): Invalid learning rate: -1.0"], None),
     "sub-masters-master-optimizer": (["--masters", "2", "--master-optimizer", "adam(betas=(1.5, 0.9))"],
                                      ["optimizer adam(betas=(1.5, 0.9)): Invalid beta parameter"], None),
+}
+
+PIPELINE = str(ROOT / "examples" / "digits_pipeline.py")
+# The same job of 4 ranks: a master and one worker of 3 pipeline stages.
+PIPELINE_CASES = {
+    "pipeline-without-stages": (["--worker-parallel", "pipeline", "--procs-per-worker", "3"],
+                                ["digits_mlp.py defines no build_stages()", "list of 3 modules"], None),
+    "pipeline-stage-count": (["--model", PIPELINE, "--worker-parallel", "pipeline", "--procs-per-worker", "3"],
+                             ["build_stages() must return a list of 3 modules", "--procs-per-worker 3",
+                              "got 2 stages"], None),
 }
 
 
@@ -291,7 +309,7 @@ def batched(batch_dir):
 
 @pytest.fixture(scope="module")
 def batched_sub_masters(batch_dir):
-    return _run_batch(batch_dir, SUB_MASTER_CASES, 4)
+    return _run_batch(batch_dir, {**SUB_MASTER_CASES, **PIPELINE_CASES}, 4)
 
 
 def _needles(needles: list[str], tmp: Path) -> list[str]:
@@ -309,6 +327,13 @@ def test_bad_input(batched, batch_dir, name):
 @pytest.mark.parametrize("name", list(SUB_MASTER_CASES))
 def test_bad_input_with_sub_masters(batched_sub_masters, batch_dir, name):
     _, needles, pattern = SUB_MASTER_CASES[name]
+    assert_one_clear_error(batched_sub_masters[name], *_needles(needles, batch_dir), pattern=pattern)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", list(PIPELINE_CASES))
+def test_bad_pipeline_stages(batched_sub_masters, batch_dir, name):
+    _, needles, pattern = PIPELINE_CASES[name]
     assert_one_clear_error(batched_sub_masters[name], *_needles(needles, batch_dir), pattern=pattern)
 
 

@@ -186,7 +186,8 @@ def test_argparse_round_trip_of_every_field(tmp_path):
     run.mkdir()
     (run / "options.json").write_text(json.dumps(TrainOptions().to_dict()))
     changed = dict(model="m.py", topology="allreduce", algorithm="gem(lr=0.1)", synchronous=True, workers=3,
-                   masters=2, procs_per_worker=2, epochs=4, batch_size=16, sync_every=2,
+                   masters=2, procs_per_worker=2, worker_parallel="pipeline", micro_batches=3,
+                   pipeline_schedule="gpipe", epochs=4, batch_size=16, sync_every=2,
                    worker_optimizer="sgd(lr=0.2)", master_optimizer="adam", momentum_correction="off", seed=5,
                    validate_every=2, validate_every_samples=500,
                    early_stopping=3, monitor="val_acc", min_delta=0.01, target="val_loss < 0.2",

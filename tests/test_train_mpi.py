@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TRAIN_MANY = str(ROOT / "tests" / "mpi_scripts" / "train_many.py")
 MLP = str(ROOT / "examples" / "digits_mlp.py")
 CNN = str(ROOT / "examples" / "digits_cnn.py")
+PIPELINE = str(ROOT / "examples" / "digits_pipeline.py")
 
 # The bar, and the budget chosen once per algorithm (an epoch of digits takes well
 # under 0.1 s here; the budget leaves a margin for the noise of asynchronous runs).
@@ -78,6 +79,9 @@ EXTRA_RUNS = {
         "early-stopping": ["--model", MLP, "--epochs", "30", "--topology", "allreduce",
                            "--worker-optimizer", "sgd(lr=1e-6)", "--early-stopping", "1",
                            "--min-delta", "0.001"],
+        # 1 master + 1 worker of 2 pipeline stages, GPipe, Downpour pushing every batch.
+        "pipeline-gpipe": ["--model", PIPELINE, "--epochs", str(EPOCHS), "--procs-per-worker", "2",
+                           "--worker-parallel", "pipeline", "--pipeline-schedule", "gpipe", *TRACE],
     },
     5: {
         # 1 master + 2 workers of 2 processes each.
@@ -85,6 +89,9 @@ EXTRA_RUNS = {
         # On the device path (torch tensors through the staging), as on a GPU.
         "cnn-procs-per-worker-2-syncbn": ["--model", CNN, "--epochs", "6", "--procs-per-worker", "2",
                                           "--sync-batchnorm", "--device", "cpu"],
+        # 1 master + 2 workers of 2 pipeline stages, 1F1B, EASGD.
+        "pipeline-1f1b": ["--model", PIPELINE, "--epochs", str(EPOCHS), "--procs-per-worker", "2",
+                          "--worker-parallel", "pipeline", "--algorithm", "easgd", *TRACE],
     },
 }
 
@@ -227,6 +234,27 @@ def test_procs_per_worker_two(batches):
     assert train_ranks == {1, 2, 3, 4}
     # The second process of each worker keeps its leader's copy of the weights.
     _check_checkpoint_dir(run / "checkpoints" / f"epoch-{EPOCHS:04d}", 5, {2: 1, 4: 3})
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("n,name", [(3, "pipeline-gpipe"), (5, "pipeline-1f1b")])
+def test_pipeline_workers_learn_digits(batches, n, name):
+    run = batches[n].run(name)
+    summary = batches[n].summary(name)
+    assert summary["final"]["val_acc"] >= ACCURACY, summary["history"]
+    assert all(h["samples"] == DIGITS_TRAIN for h in summary["history"]), summary["history"]
+    # The master's model is the two stages in a row.
+    weights = load_file(str(run / "final" / "model.safetensors"))
+    assert set(weights) == {"0.0.weight", "0.0.bias", "1.0.weight", "1.0.bias", "1.2.weight", "1.2.bias"}
+    # Only each worker's leader (stage 0) talks to the master, for the whole model.
+    leaders = {1} if n == 3 else {1, 3}
+    assert set(r["values"]["source_rank"] for r in read_log(run, "update")) == leaders
+    # Every stage checkpoints weights of its own (no twins), of its own size.
+    path = run / "checkpoints" / f"epoch-{EPOCHS:04d}"
+    _check_checkpoint_dir(path, n)
+    first, second = 64 * 128 + 128, 128 * 64 + 64 + 64 * 10 + 10
+    sizes = [Checkpoints.read_rank(path, rank)[0]["model"]["params"].size for rank in range(n)]
+    assert sizes == [first + second] + [first, second] * (n // 2), sizes
 
 
 # ------------------------------------------------------------ validation every N samples

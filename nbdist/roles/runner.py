@@ -202,6 +202,11 @@ def _train_in_role(ctx: RankContext) -> RunResult | None:
         return None
     if ctx.role.kind == "master":
         return run_master(ctx)
+    if ctx.options.worker_parallel == "pipeline":
+        from nbdist.roles.pipeline import run_pipeline_worker
+
+        run_pipeline_worker(ctx)
+        return None
     run_worker(ctx)
     return None
 

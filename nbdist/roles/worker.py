@@ -4,7 +4,8 @@ Each batch's gradient goes to the rule (`worker_step`: a local optimiser step, o
 accumulation); when the rule says so, the worker's leader sends its message to the master
 and waits for the reply. A worker spanning several processes (N_P > 1) allreduces its
 gradient over its own communicator; its leader alone talks to the master and broadcasts
-the reply.
+the reply. (With --worker-parallel pipeline its processes are pipeline stages instead:
+roles/pipeline.py overrides how they compute a gradient and share a message.)
 
 The reply says how to go on: CONTINUE (apply it), STOP (save this rank's share of the
 stop checkpoint and leave), SNAPSHOT (save this rank's share of an asynchronous checkpoint,
@@ -133,12 +134,7 @@ class Worker:
         """(epoch, step) to start from: a resume's saved position, or the master's weights."""
         ctx = self.ctx
         if ctx.resume_from is None:
-            if self.leader:
-                ctx.peers.collectives.bcast(self.block, self.params)
-                ctx.peers.collectives.bcast(self.block, self.model_state)
-            if self.procs > 1:
-                ctx.peers.collectives.bcast(self.wcomm, self.params, "the worker's first weights")
-                ctx.peers.collectives.bcast(self.wcomm, self.model_state, "the worker's first weights")
+            self._first_weights()
             ctx.algorithm.worker_start(self.rule_state, self.rule_params)
             return 0, 0
         try:
@@ -154,6 +150,16 @@ class Worker:
         if extra.get("members") is not None:
             self.members = tuple(int(w) for w in extra["members"])
         return int(extra["epoch"]), int(extra["step"])
+
+    def _first_weights(self) -> None:
+        """Every process: the master's weights (the leader receives them, shares them)."""
+        collectives = self.ctx.peers.collectives
+        if self.leader:
+            collectives.bcast(self.block, self.params)
+            collectives.bcast(self.block, self.model_state)
+        if self.procs > 1:
+            collectives.bcast(self.wcomm, self.params, "the worker's first weights")
+            collectives.bcast(self.wcomm, self.model_state, "the worker's first weights")
 
     def _start_without_state(self) -> tuple[int, int]:
         """Resumed from an asynchronous checkpoint that holds nothing of this worker: it had
@@ -195,18 +201,11 @@ class Worker:
 
     def _train_step(self, epoch: int, step: int, indices: np.ndarray, last: bool) -> None:
         ctx, window = self.ctx, self.window
-        procs, role = self.procs, ctx.role
-        mine = split_evenly(indices, procs, role.proc) if procs > 1 else indices
+        mine = self._share(indices)
         x, y = ctx.data.train_batch(mine)
         t0 = time.perf_counter()
         self.lr.before_step(epoch, step)
-        stats = ctx.backend.compute_gradients(x, y, scale=len(mine) / len(indices))
-        if procs > 1:
-            collectives = ctx.peers.collectives
-            collectives.allreduce(self.wcomm, self.grads, "the worker's gradient allreduce")
-            self.totals[:] = (stats.loss_sum, stats.metric_sum, stats.n)
-            collectives.allreduce(self.wcomm, self.totals, "the worker's gradient allreduce")
-            stats = BatchStats(self.totals[0], self.totals[1], int(self.totals[2]))
+        stats = self._gradients(x, y, scale=len(mine) / len(indices))
         if not np.isfinite(stats.loss_sum):
             self._fail(f"the loss became {stats.loss_sum / max(stats.n, 1)} on {self._who()} at epoch {epoch + 1}, "
                        f"batch {step + 1}: lower the learning rate or check the data")
@@ -220,6 +219,24 @@ class Worker:
             self._exchange(epoch, step, flags)
         if time.monotonic() - window.since >= REPORT_EVERY:
             self._report(epoch, step)
+
+    def _share(self, indices: np.ndarray) -> np.ndarray:
+        """The samples of a batch this process computes the gradient of."""
+        return split_evenly(indices, self.procs, self.ctx.role.proc) if self.procs > 1 else indices
+
+    def _gradients(self, x, y, scale: float) -> BatchStats:
+        """The worker's gradient of this batch (this process's share of it, `scale`),
+        reduced over its processes; the batch's sums over all of them."""
+        stats = self.ctx.backend.compute_gradients(x, y, scale=scale)
+        if self.procs > 1:
+            self.ctx.peers.collectives.allreduce(self.wcomm, self.grads, "the worker's gradient allreduce")
+            stats = self._batch_totals(stats)
+        return stats
+
+    def _batch_totals(self, stats: BatchStats) -> BatchStats:
+        self.totals[:] = (stats.loss_sum, stats.metric_sum, stats.n)
+        self.ctx.peers.collectives.allreduce(self.wcomm, self.totals, "the worker's gradient allreduce")
+        return BatchStats(self.totals[0], self.totals[1], int(self.totals[2]))
 
     # -- talking to the master ----------------------------------------------------------
     def _exchange(self, epoch: int, step: int, flags: int) -> None:
@@ -258,20 +275,34 @@ class Worker:
 
     def _round_trip(self, epoch: int, flags: int) -> float:
         """Leader: send, await the reply; every process of the worker gets the reply."""
-        ctx, block = self.ctx, self.block
+        block = self.block
+        self._collect_message()
         if self.leader:
             header_req = block.Irecv(self.reply_header, source=0, tag=m.TAG_REPLY_HEADER)
-            payload_req = block.Irecv(self.reply_payload, source=0, tag=m.TAG_REPLY)
+            payload_req = block.Irecv(self._reply_buffer(), source=0, tag=m.TAG_REPLY)
             self._send(m.UPDATE, epoch, flags)
             self.pending_ack = m.NO_CHECKPOINT
             t0 = time.perf_counter()
             self._await_master([header_req, payload_req])
             self.window.wait += time.perf_counter() - t0
+        self._share_reply()
+        return float(self.reply_header[m.KIND])
+
+    # How the worker's processes make one message and share one reply (roles/pipeline.py
+    # gathers and scatters its stages' parts instead).
+    def _collect_message(self) -> None:
+        """Every process: the worker's message is ready in the leader's `out`."""
+
+    def _reply_buffer(self) -> np.ndarray:
+        """Leader: where the master's reply payload is received."""
+        return self.reply_payload
+
+    def _share_reply(self) -> None:
+        """Every process: the reply's header and its payload (its part of it) from the leader."""
         if self.procs > 1:
             what = "the master's reply to the worker's processes"
-            ctx.peers.collectives.bcast(self.wcomm, self.reply_header, what)
-            ctx.peers.collectives.bcast(self.wcomm, self.reply_payload, what)
-        return float(self.reply_header[m.KIND])
+            self.ctx.peers.collectives.bcast(self.wcomm, self.reply_header, what)
+            self.ctx.peers.collectives.bcast(self.wcomm, self.reply_payload, what)
 
     def _send(self, kind: float, epoch: int, flags: int) -> None:
         """Leader only: one message to the master (header | payload | state)."""
@@ -284,12 +315,16 @@ class Worker:
         out.header[m.METRIC_SUM] = window.sync.metric_sum
         out.header[m.FLAGS] = flags
         out.header[m.CHECKPOINT] = self.pending_ack
-        out.state[:] = to_numpy(self.model_state.device)
+        self._message_state()
         t0 = time.perf_counter()
         # DONE, ERROR and LOST carry only the header. Polled, not blocking: a master that is
         # gone must not hold this rank in a Send.
         self._await_master([self.block.Isend(part, dest=0, tag=tag) for part, tag in out.parts()])
         window.send += time.perf_counter() - t0
+
+    def _message_state(self) -> None:
+        """The model state (BatchNorm statistics) into the outgoing message."""
+        self.out.state[:] = to_numpy(self.model_state.device)
 
     def _await_master(self, requests: list) -> None:
         try:
@@ -353,11 +388,14 @@ class Worker:
         window.report, window.compute, window.send, window.wait = BatchStats(), 0.0, 0.0, 0.0
         window.since = time.monotonic()
 
+    def _twin(self) -> int | None:
+        """The rank whose checkpoint share holds this rank's weights bit for bit: the leader."""
+        return self.ctx.role.rank - self.ctx.role.proc
+
     def _save(self, label: str, epoch: int, step: int) -> None:
-        role = self.ctx.role
         save_rank_state(self.ctx, label, self.opt, self.rule_state,
                         {"version": self.version, "epoch": epoch, "step": step, "members": list(self.members)},
-                        same_as=role.rank - role.proc)
+                        same_as=self._twin())
         if self.procs > 1:
             # The leader acknowledges for all the worker's processes.
             self.ctx.peers.collectives.barrier(self.wcomm, "the worker's checkpoint")

@@ -283,12 +283,16 @@ def prepare(
         sample, _ = data.train_batch(np.arange(min(SAMPLE_ROWS, data.n_train)))
         # A master keeps its centre in host memory (numpy): only workers go to a device.
         make_replica = _replica_factory(definition, options, sample, device if role.kind != "master" else None)
-        backend = make_replica()
+        # A pipeline's stage process holds its own stage only; its master holds (and
+        # probes, for every rank) the whole model.
+        stage_process = options.worker_parallel == "pipeline" and role.kind == "worker"
+        backend = _stage_backend(definition, options, role, device) if stage_process else make_replica()
         notices += convert_for_sync(options, layout, backend)
         starting_lrs = [backend.check_optimizer(spec) if spec is not None else None
                         for spec in (worker_opt, master_opt)]
         worker_lr, master_lr = plan_learning_rates(options, layout, algorithm, backend, *starting_lrs)
-        _probe(backend, data, definition.source)
+        if not stage_process:
+            _probe(backend, data, definition.source)
         check_metric_names(options, trial, reported_metrics(backend.metric_name, staleness=algorithm is not None))
         if comm.Get_rank() == 0:  # the run leader, who writes the run directory (last: it may create --runs-dir)
             _check_run_dir_writable(options)
@@ -480,11 +484,33 @@ def _replica_factory(definition: ModelDefinition, options: TrainOptions, sample:
         if options.gan:
             return gan_backend(definition.make_gan(options.d_steps), sample)
         with making_models(options.precision):
-            model = definition.make_model()
+            model = _whole_model(definition, options)
         return backend_for(model, definition.loss, definition.metric, sample=sample, precision=options.precision,
                            device=device)
 
     return make
+
+
+def _whole_model(definition: ModelDefinition, options: TrainOptions) -> Any:
+    """The model a rank holds whole: build_model()'s, or for a pipeline its stages in a row
+    whatever build_model says (the stages' buffers together must be its buffer)."""
+    if options.worker_parallel != "pipeline":
+        return definition.make_model()
+    from nbdist.backends.stages import stage_model  # torch only when a pipeline runs
+
+    return stage_model(definition.make_stages(options.procs_per_worker))
+
+
+def _stage_backend(definition: ModelDefinition, options: TrainOptions, role: Role,
+                   device: DeviceRequest) -> Backend:
+    """A pipeline worker's process: its own stage of the model (--worker-parallel pipeline)."""
+    from nbdist.backends.stages import TorchStage, check_stages  # torch only when a pipeline runs
+
+    stages = definition.make_stages(options.procs_per_worker)
+    check_stages(stages)
+    backend = TorchStage(stages[role.proc], role.proc, len(stages), definition.loss, definition.metric)
+    backend.place(device)
+    return backend
 
 
 def _find_resume(options: TrainOptions, layout: Layout) -> tuple[Path | None, list[str]]:

@@ -35,6 +35,7 @@ class ModelDefinition:
     build_generator: Callable[[], Any] | None = None
     build_discriminator: Callable[[], Any] | None = None
     latent_dim: int | None = None
+    build_stages: Callable[[], Any] | None = None  # --worker-parallel pipeline: the model as stages
 
     def make_data(self) -> Data:
         if self.data is None:
@@ -54,6 +55,19 @@ class ModelDefinition:
             raise ModelError(f"{self.source} defines a generator and a discriminator but no model: "
                              f"train them with --gan")
         return _call(self.build_model, f"{self.source}: build_model()")
+
+    def make_stages(self, count: int) -> list[Any]:
+        """The model's pipeline stages, one per process of a worker (--worker-parallel
+        pipeline); the whole model is these in a row (nbdist.backends.stages.stage_model)."""
+        if self.build_stages is None:
+            raise ModelError(f"--worker-parallel pipeline: {self.source} defines no build_stages(); add a function "
+                             f"returning the model as a list of {count} modules, one per pipeline stage")
+        stages = _call(self.build_stages, f"{self.source}: build_stages()")
+        if not isinstance(stages, (list, tuple)) or len(stages) != count:
+            got = f"{len(stages)} stages" if isinstance(stages, (list, tuple)) else f"a {type(stages).__name__}"
+            raise ModelError(f"--worker-parallel pipeline: {self.source}: build_stages() must return a list of "
+                             f"{count} modules (one per process of a worker, --procs-per-worker {count}), got {got}")
+        return list(stages)
 
     def make_gan(self, d_steps: int) -> GanModel:
         """The generator and discriminator (or a GanModel that build_model() returns)."""
@@ -125,6 +139,16 @@ def _builder(namespace: dict[str, Any], name: str) -> Callable[[], Any] | None:
     return build if callable(build) else None
 
 
+def _whole_of(build_stages: Callable[[], Any]) -> Callable[[], Any]:
+    """build_model for a file that gives only stages: the stages in a row."""
+    def build_model() -> Any:
+        from nbdist.backends.stages import stage_model
+
+        return stage_model(build_stages())
+
+    return build_model
+
+
 def prefer_fresh(namespace: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
     """The namespace after a cell ran, without the stale alternatives of what the cell
     itself defined (a `build_model` left by an earlier cell when this one set `model`)."""
@@ -142,6 +166,8 @@ def definition_from_namespace(namespace: dict[str, Any], source: str) -> ModelDe
     names a model file or a notebook cell defined; for a GAN, build_generator and
     build_discriminator (or ready `generator` and `discriminator`) and latent_dim."""
     build = _builder(namespace, "model")
+    if build is None and callable(namespace.get("build_stages")):
+        build = _whole_of(namespace["build_stages"])
     generator, discriminator = _builder(namespace, "generator"), _builder(namespace, "discriminator")
     if build is None and generator is None and discriminator is None:
         raise ModelError(
@@ -159,4 +185,5 @@ def definition_from_namespace(namespace: dict[str, Any], source: str) -> ModelDe
         build_generator=generator,
         build_discriminator=discriminator,
         latent_dim=namespace.get("latent_dim"),
+        build_stages=namespace.get("build_stages") if callable(namespace.get("build_stages")) else None,
     )

@@ -1,0 +1,161 @@
+"""A worker whose processes are the stages of a pipeline (--worker-parallel pipeline).
+
+Process s of a worker holds stage s of the model file's build_stages() (a TorchStage).
+Each batch is cut into --micro-batches parts that flow through the stages in the order of
+--pipeline-schedule (GPipe or 1F1B, train/pipeline_schedule.py): the first stage reads
+the batch's features, the last its labels and computes the loss, and activations and
+their gradients travel between neighbouring stages (transport/pipeline.py). Every stage
+ends the batch with its own parameters' gradient, of the whole batch.
+
+Towards the master the stages are one worker: the rule runs on each stage's part of the
+buffers (every rule is elementwise), the leader (stage 0) gathers the parts into the
+whole model's message and scatters the master's reply back. The master holds the whole
+model, the stages in a row, and never knows the worker is a pipeline.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from nbdist.backends.base import BatchStats
+from nbdist.backends.stages import TorchStage
+from nbdist.roles.worker import Worker
+from nbdist.train.context import RankContext
+from nbdist.train.pipeline_schedule import FORWARD, schedule
+from nbdist.transport import messages as m
+from nbdist.transport.pipeline import StageLinks, StageParts
+from nbdist.transport.staging import Staging
+
+__all__ = ["StageRunner", "PipelineWorker", "run_pipeline_worker", "stage_layout"]
+
+
+class StageRunner:
+    """One stage's part of a batch's forward and backward passes over its micro-batches.
+
+    `busy_s` and `idle_s` add up the time spent computing and waiting for the other
+    stages (receives, and the step's last sends): the measured bubble is idle / (busy + idle)."""
+
+    def __init__(self, stage: TorchStage, links: StageLinks, schedule_name: str, micro_batches: int):
+        self.stage, self.links = stage, links
+        self.schedule_name, self.micro_batches = schedule_name, micro_batches
+        self.busy_s = self.idle_s = 0.0
+
+    def gradients(self, x: np.ndarray, y: np.ndarray, scale: float = 1.0) -> BatchStats:
+        """This stage's gradient of the batch (x, y), times `scale`; the batch's loss and
+        metric sums on the last stage (zero on the others)."""
+        stage, links = self.stage, self.links
+        rows = len(y)
+        bounds = np.linspace(0, rows, min(self.micro_batches, rows) + 1).round().astype(int)
+        micro = len(bounds) - 1
+        shapes: dict[int, tuple[int, ...]] = {}
+        stats = BatchStats()
+        stage.begin_batch()
+        started = time.perf_counter()
+        idle = 0.0
+        for kind, i in schedule(self.schedule_name, stage.index, links.count, micro):
+            part = slice(bounds[i], bounds[i + 1])
+            rows_i = int(bounds[i + 1] - bounds[i])
+            if kind == FORWARD:
+                if stage.first:
+                    inputs = x[part]
+                else:
+                    t0 = time.perf_counter()
+                    inputs = links.receive_activation(rows_i)
+                    idle += time.perf_counter() - t0
+                output = stage.forward(i, inputs)
+                if output is not None:
+                    shapes[i] = output.shape
+                    links.send_activation(output, rows_i)
+                continue
+            if stage.last:
+                weight = scale * rows_i / rows
+                part_stats, input_grad = stage.loss_backward(i, y[part], weight)
+                stats.add(part_stats)
+            else:
+                t0 = time.perf_counter()
+                output_grad = links.receive_gradient(shapes.pop(i))
+                idle += time.perf_counter() - t0
+                input_grad = stage.backward(i, output_grad)
+            if input_grad is not None:
+                links.send_gradient(input_grad)
+        t0 = time.perf_counter()
+        links.flush()
+        ended = time.perf_counter()
+        idle += ended - t0
+        self.idle_s += idle
+        self.busy_s += ended - started - idle
+        return stats
+
+
+def stage_layout(sizes: list[int], floats: list[int]) -> tuple[list[int], list[int]]:
+    """Where each stage's parameters and state start in the whole model's buffers: its
+    parameters come last stage first (TorchBackend lays them out in reverse order of
+    registration), its state (BatchNorm statistics) first stage first."""
+    params = [sum(sizes[s + 1:]) for s in range(len(sizes))]
+    state = [sum(floats[:s]) for s in range(len(floats))]
+    return params, state
+
+
+class PipelineWorker(Worker):
+    def __init__(self, ctx: RankContext):
+        super().__init__(ctx)
+        backend, collectives = ctx.backend, ctx.peers.collectives
+        stage, count = ctx.role.proc, self.procs
+        self.links = StageLinks(self.wcomm, collectives, stage, count)
+        self.runner = StageRunner(backend, self.links, ctx.options.pipeline_schedule, ctx.options.micro_batches)
+        sizes = collectives.allgather(self.wcomm, [backend.num_params, len(backend.state)],
+                                      "the pipeline stages' sizes")
+        params, floats = [int(s[0]) for s in sizes], [int(s[1]) for s in sizes]
+        param_offsets, state_offsets = stage_layout(params, floats)
+        self.param_parts = StageParts(self.wcomm, collectives, params, param_offsets)
+        self.state_parts = StageParts(self.wcomm, collectives, floats, state_offsets)
+        # The leader's message and reply hold the whole model; each stage's own part of
+        # them is what its rule writes and reads.
+        self.out = m.Message(sum(params), sum(floats)) if self.leader else m.Message(0, 0)
+        self.whole_reply = np.empty(sum(params) if self.leader else 0, np.float32)
+        stage_message = np.empty(backend.num_params, np.float32)
+        self.message = Staging.of_host(stage_message, self.rule_params, backend.copier)
+
+    def _share(self, indices: np.ndarray) -> np.ndarray:
+        return indices  # every stage reads the batch: the first its features, the last its labels
+
+    def _gradients(self, x, y, scale: float) -> BatchStats:
+        return self._batch_totals(self.runner.gradients(x, y, scale))
+
+    def _first_weights(self) -> None:
+        collectives, leader = self.ctx.peers.collectives, self.leader
+        if leader:
+            collectives.bcast(self.block, self.out.payload)
+            collectives.bcast(self.block, self.out.state)
+        self.param_parts.scatter(self.out.payload if leader else None, self.params.to_host(), "the worker's first weights")
+        self.params.to_device()
+        self.state_parts.scatter(self.out.state if leader else None, self.model_state.to_host(),
+                                 "the worker's first weights")
+        self.model_state.to_device()
+
+    def _collect_message(self) -> None:
+        leader = self.leader
+        self.param_parts.gather(self.message.to_host(), self.out.payload if leader else None,
+                                "the pipeline stages' message")
+        self.state_parts.gather(self.model_state.to_host(), self.out.state if leader else None,
+                                "the pipeline stages' message")
+
+    def _message_state(self) -> None:
+        pass  # gathered from the stages with the payload (_collect_message)
+
+    def _reply_buffer(self) -> np.ndarray:
+        return self.whole_reply
+
+    def _share_reply(self) -> None:
+        what = "the master's reply to the pipeline stages"
+        self.ctx.peers.collectives.bcast(self.wcomm, self.reply_header, what)
+        self.param_parts.scatter(self.whole_reply if self.leader else None, self.reply_payload, what)
+
+    def _twin(self) -> int | None:
+        return None  # every stage holds weights of its own
+
+
+def run_pipeline_worker(ctx: RankContext) -> None:
+    PipelineWorker(ctx).run()
