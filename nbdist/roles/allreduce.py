@@ -2,10 +2,9 @@
 
 Gradients are reduced in buckets while backward is still running: the backend calls
 back as soon as a contiguous bucket of the flat gradient is final, and that bucket's
-`Iallreduce` starts at once (later layers' buckets finish first). Each call also pokes
-MPI (`Testall`) so the reductions progress during the rest of the backward pass. After
-backward, the rank waits for the last buckets, and every rank steps the same optimiser
-on the same gradient, so the replicas stay bit-identical.
+`Iallreduce` starts at once (later layers' buckets finish first; transport/buckets.py).
+After backward, the rank waits for the last buckets, and every rank steps the same
+optimiser on the same gradient, so the replicas stay bit-identical.
 
 A four-number trailer (samples, loss sum, metric sum, stop requests) is reduced with
 the gradient: the global training loss costs no extra message, and a stop requested on
@@ -22,7 +21,6 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from mpi4py import MPI
 
 from nbdist.algorithms import allreduce_sgd
 from nbdist.algorithms.arrays import f32
@@ -34,45 +32,12 @@ from nbdist.train.lr import WorkerLr, lr_metrics
 from nbdist.train.progress import EpochTally, RunResult, epoch_metrics, format_epoch, sample_validation, write_final
 from nbdist.train.state import load_rank_state, save_rank_state
 from nbdist.train.validation import SampleMarks
+from nbdist.transport.buckets import GradientReducer
 from nbdist.transport.staging import Staging
-from nbdist.transport.waiting import wait_all
 
 __all__ = ["run_allreduce", "GradientReducer"]
 
 REPORT_EVERY = 0.5
-
-
-class GradientReducer:
-    """Starts one in-place Iallreduce per gradient bucket from inside backward.
-
-    The gradient goes through the transport's staging: on the host MPI reduces the
-    backend's own memory; on a GPU, the device buffer itself (CUDA-aware MPI) or a pinned
-    host copy of each bucket, copied back once the reductions are done.
-
-    `finish_wait(requests)` waits for the last ones (default: waiting.wait_all; a run
-    passes its polled collectives' wait, with the run's deadline and failure naming)."""
-
-    __slots__ = ("comm", "staging", "buckets", "requests", "finish_wait")
-
-    def __init__(self, comm: MPI.Intracomm, backend, bucket_floats: int, finish_wait=None):
-        self.comm = comm
-        self.staging = Staging(backend.rule_grads, backend.copier)
-        self.requests: list[MPI.Request] = []
-        self.finish_wait = finish_wait or wait_all
-        self.buckets = backend.bucket_hooks(bucket_floats, self._bucket_ready)
-
-    def _bucket_ready(self, index: int) -> None:
-        start, stop = self.buckets[index]
-        self.requests.append(self.comm.Iallreduce(MPI.IN_PLACE, self.staging.to_host(start, stop), op=MPI.SUM))
-        MPI.Request.Testall(self.requests)  # progress the earlier buckets
-
-    def finish(self, trailer: np.ndarray) -> None:
-        self.requests.append(self.comm.Iallreduce(MPI.IN_PLACE, trailer, op=MPI.SUM))
-        try:
-            self.finish_wait(self.requests)
-        finally:
-            self.requests.clear()
-        self.staging.to_device()
 
 
 def run_allreduce(ctx: RankContext) -> RunResult | None:
@@ -199,7 +164,7 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
     return write_final(ctx.run_dir, backend.named_arrays(), history, reason, time.time() - started, faults)
 
 
-def _validate(ctx: RankContext, comm: MPI.Intracomm, indices: np.ndarray, size: int,
+def _validate(ctx: RankContext, comm, indices: np.ndarray, size: int,
               model_state: Staging) -> BatchStats:
     """Each rank evaluates its slice of the validation set; the sums are added up."""
     collectives = ctx.peers.collectives

@@ -61,7 +61,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
-from mpi4py import MPI
 
 from nbdist.algorithms.base import Update
 from nbdist.backends.base import BatchStats
@@ -76,8 +75,9 @@ from nbdist.train.validation import BackgroundValidator, SampledValidation
 from nbdist.transport import messages as m
 from nbdist.transport.deadlines import Silence
 from nbdist.transport.faults import RankLost, RankSilent, kill_frozen
+from nbdist.transport.master_channel import MasterChannel, Transfer
 from nbdist.transport.pool import BodyPool
-from nbdist.transport.waiting import CommFailure, WaitTimeout, receive_object, wait, wait_all, wait_some
+from nbdist.transport.waiting import CommFailure, WaitTimeout
 
 __all__ = ["Master", "Client", "run_master", "worker_clients", "share_initial_weights", "open_master", "serve",
            "settle_centre",
@@ -114,13 +114,6 @@ class Client:
     silence: Silence = field(default_factory=Silence)
     body: m.Body | None = None  # the pooled body of the update being served
 
-    def post(self) -> MPI.Request:
-        return self.comm.Irecv(self.inbox.buffer, source=self.peer, tag=m.TAG_UPDATE)
-
-    def receive_body(self, body: m.Body) -> MPI.Request:
-        self.body = body
-        return self.comm.Irecv(body.buffer, source=self.peer, tag=m.TAG_BODY)
-
     @property
     def index(self) -> int:
         """A worker's index under its master, a sub-master's among the masters."""
@@ -137,7 +130,7 @@ class _Reply:
     """A reply still in flight: its sends, whether it reads the centre, the pooled body it
     reads instead (given back once it has left), and since when."""
 
-    requests: list
+    sends: Transfer
     reads_centre: bool
     body: m.Body | None = None
     since: float = field(default_factory=time.monotonic)
@@ -154,7 +147,7 @@ class Master:
     rule_state: Any = None
     opt: Any = None
     lr: Any = None  # sets opt's lr per update (train/lr.py MasterLr)
-    requests: list = field(default_factory=list)  # one posted receive per client
+    channel: MasterChannel | None = None  # one posted header receive per client, bodies, replies
     pool: BodyPool | None = None  # the bodies updates are received into
     round_buffer: np.ndarray | None = None  # a synchronous round's mean (or EASGD's reply), master_round's `out`
     waiting: list = field(default_factory=list)  # clients whose header is in, served at the next pass
@@ -309,7 +302,7 @@ class Master:
         self.active.discard(i)
         self.snapshot_told.discard(i)
         if gone:
-            self.requests[i] = MPI.REQUEST_NULL
+            self.channel.forget(i)
         left = len(self.live_workers())
         if left == 0:
             raise RankLost(f"{what}, and it was the last worker: the run cannot go on",
@@ -412,6 +405,7 @@ def open_master(me: Master, clients: list[Client]) -> None:
     me.lr = master_lr_for(ctx, me.opt)
     me.validator = BackgroundValidator(ctx.make_replica, *ctx.data.val_arrays())
     me.clients = clients
+    me.channel = MasterChannel([(c.comm, c.peer, c.inbox.buffer) for c in clients])
     me.states = np.zeros((len(clients), ctx.backend.state.size), np.float32)
     # A synchronous round streams its workers' bodies; it holds its sub-masters' pushes.
     held = sum(1 for c in clients if c.kind != WORKER) if ctx.options.synchronous else 0
@@ -437,7 +431,8 @@ def serve(me: Master) -> float:
     """Serve the clients until every one has said DONE (or failed, or was dropped);
     returns the start time."""
     ctx = me.ctx
-    me.requests = [c.post() for c in me.clients]
+    for i in range(len(me.clients)):
+        me.channel.post(i)
     me.active = set(range(len(me.clients)))
     me.acked_upto = [me.next_epoch] * len(me.clients)  # a resume starts from a committed epoch
     me.tallies.setdefault(me.next_epoch, EpochTally())
@@ -490,9 +485,8 @@ def _wait_for_clients(me: Master) -> list[int]:
             me.silence_checked = time.monotonic()
             _check_silence(me)
         # Dropped clients keep their receive posted: one that wakes up is told DROPPED.
-        done, failed = wait_some(me.requests, timeout=0 if ready else SILENCE_CHECK_EVERY)
-        for i, _failure in failed:
-            me.requests[i] = MPI.REQUEST_NULL
+        done, failed = me.channel.wait_headers(timeout=0 if ready else SILENCE_CHECK_EVERY)
+        for i in failed:
             if i in me.active:
                 me.lose(i, "died", gone=True)
         for i in done:
@@ -510,7 +504,7 @@ def _check_silence(me: Master) -> None:
     answered them: lost (frozen, or far slower than their peer timeout allows)."""
     for i in sorted(me.active):
         silence = me.clients[i].silence
-        if me.requests[i] != MPI.REQUEST_NULL and silence.exceeded:
+        if me.channel.listening(i) and silence.exceeded:
             me.lose(i, f"sent nothing for {silence.silent_for():.0f} s (the peer timeout is {silence.limit:.0f} s)",
                     gone=False)
 
@@ -578,7 +572,7 @@ def _body_in(me: Master, i: int) -> bool:
     body = _take_body(me)
     if body is None:  # between rounds every body is free
         raise TrainingError("internal: no receive buffer free for a synchronous master")
-    return _body_arrived(me, i, client.receive_body(body))
+    return _body_arrived(me, i, _receive_body(me, i, body))
 
 
 def _round_updates(me: Master, round: list[tuple[int, Update]]) -> Iterator[Update]:
@@ -587,11 +581,11 @@ def _round_updates(me: Master, round: list[tuple[int, Update]]) -> Iterator[Upda
     receive is posted first, so that it arrives while the rule works on this one: the
     round holds two bodies, not one per worker. A body that does not arrive loses its
     client, which ends a synchronous run."""
-    receiving: dict[int, MPI.Request] = {}
+    receiving: dict[int, Transfer] = {}
     for k, (i, update) in enumerate(round):
         for ahead in (k, k + 1):
             if ahead < len(round) and ahead not in receiving and (body := me.pool.take()) is not None:
-                receiving[ahead] = me.clients[round[ahead][0]].receive_body(body)
+                receiving[ahead] = _receive_body(me, round[ahead][0], body)
         if k not in receiving:  # the previous body was given back: cannot happen
             raise TrainingError("internal: no receive buffer free for a synchronous round")
         t0 = time.perf_counter()
@@ -628,7 +622,7 @@ def _receive_bodies(me: Master, ready: list[int], streamed: set[int]) -> list[in
         if body is None:
             me.waiting.append(i)
             continue
-        receiving.append((i, client.receive_body(body)))
+        receiving.append((i, _receive_body(me, i, body)))
     for i, request in receiving:
         if request is None or _body_arrived(me, i, request):
             served.append(i)
@@ -649,16 +643,21 @@ def _take_body(me: Master) -> m.Body | None:
     return body
 
 
-def _body_arrived(me: Master, i: int, request: MPI.Request) -> bool:
+def _receive_body(me: Master, i: int, body: m.Body) -> Transfer:
+    me.clients[i].body = body
+    return me.channel.receive_body(i, body.buffer)
+
+
+def _body_arrived(me: Master, i: int, receiving: Transfer) -> bool:
     """Wait for client i's body, sent right after its header (within the peer timeout)."""
     client = me.clients[i]
     try:
-        wait(request, timeout=client.silence.limit)
+        receiving.wait(client.silence.limit)
         return True
     except CommFailure:
         me.pool.write_off(client.body)
         client.body = None
-        me.requests[i] = MPI.REQUEST_NULL
+        me.channel.forget(i)
         if i in me.active:
             me.lose(i, "died", gone=True)
     except WaitTimeout:
@@ -672,16 +671,15 @@ def _body_arrived(me: Master, i: int, request: MPI.Request) -> bool:
 
 def _error_text(me: Master, i: int) -> str:
     """The text that follows an ERROR or LOST header (sent right after it)."""
-    client = me.clients[i]
     try:
-        return receive_object(client.comm, client.peer, m.TAG_ERROR_TEXT, timeout=client.silence.limit)
+        return me.channel.error_text(i, me.clients[i].silence.limit)
     except (WaitTimeout, CommFailure):
         return "failed (its message did not arrive)"
 
 
 def _retire(me: Master, i: int) -> None:
     me.active.discard(i)
-    me.requests[i] = MPI.REQUEST_NULL
+    me.channel.forget(i)
 
 
 def _client_failed(me: Master, i: int, text: str) -> None:
@@ -785,12 +783,11 @@ def reply(me: Master, i: int, kind: float, payload: np.ndarray, *, label: str = 
     held = body if body is not None and np.may_share_memory(payload, body.buffer) else None
     if body is not None and held is None:
         me.pool.give_back(body)
-    me.replying[i] = _Reply([client.comm.Isend(header, dest=client.peer, tag=m.TAG_REPLY_HEADER),
-                             client.comm.Isend(payload, dest=client.peer, tag=m.TAG_REPLY)],
-                            reads_centre=_reads_centre(me, payload), body=held)
+    me.replying[i] = _Reply(me.channel.reply(i, header, payload), reads_centre=_reads_centre(me, payload),
+                            body=held)
     client.silence.restart()  # its next message comes after its next steps, from now
     if repost:
-        me.requests[i] = client.post()
+        me.channel.post(i)
     _reply_left(me, i, 0)
     me.phases["reply"] += time.perf_counter() - t0
 
@@ -818,16 +815,16 @@ def _reply_left(me: Master, i: int, wait: float) -> bool:
     pending = me.replying[i]
     try:
         if wait > 0:
-            wait_all(pending.requests, timeout=wait)
-        elif not MPI.Request.Testall(pending.requests):
+            pending.sends.wait(wait)
+        elif not pending.sends.done():
             return False
     except WaitTimeout:
         return False
-    except (CommFailure, MPI.Exception):
+    except CommFailure:
         del me.replying[i]
         if pending.body is not None:
             me.pool.write_off(pending.body)
-        me.requests[i] = MPI.REQUEST_NULL
+        me.channel.forget(i)
         if i in me.active:
             me.lose(i, "died", gone=True)
         return True

@@ -35,9 +35,9 @@ from nbdist.train.lr import WorkerLr, rule_lr
 from nbdist.train.state import load_rank_state, save_rank_state
 from nbdist.transport import messages as m
 from nbdist.transport.deadlines import Silence
-from nbdist.transport.faults import RankLost, RankSilent, RunFailure
+from nbdist.transport.faults import RunFailure
 from nbdist.transport.staging import Staging
-from nbdist.transport.waiting import CommFailure, WaitTimeout, wait, wait_all
+from nbdist.transport.worker_channel import WorkerChannel
 
 __all__ = ["run_worker"]
 
@@ -93,9 +93,12 @@ class Worker:
         self.window = _Window()
         self.pending_ack = m.NO_CHECKPOINT
         self.totals = np.zeros(3, np.float64)
-        self.master = Silence(ctx.options.peer_timeout)  # the master's replies
         self.master_rank = next(r for r in ctx.layout.fold_ranks(role.group, role.fold)
                                 if ctx.layout.role(r).kind == "master" and ctx.layout.role(r).master == role.master)
+        self.channel = WorkerChannel(self.block, self.reply_header, self.reply_payload,
+                                     Silence(ctx.options.peer_timeout), master="the master",
+                                     master_rank=self.master_rank, describe=ctx.peers.directory.describe,
+                                     listener=ctx.comms.world.Get_rank())
 
     # -- the loop ---------------------------------------------------------------------
     def run(self) -> None:
@@ -255,14 +258,13 @@ class Worker:
 
     def _round_trip(self, epoch: int, flags: int) -> float:
         """Leader: send, await the reply; every process of the worker gets the reply."""
-        ctx, block = self.ctx, self.block
+        ctx = self.ctx
         if self.leader:
-            header_req = block.Irecv(self.reply_header, source=0, tag=m.TAG_REPLY_HEADER)
-            payload_req = block.Irecv(self.reply_payload, source=0, tag=m.TAG_REPLY)
+            self.channel.expect_reply()
             self._send(m.UPDATE, epoch, flags)
             self.pending_ack = m.NO_CHECKPOINT
             t0 = time.perf_counter()
-            self._await_master([header_req, payload_req])
+            self.channel.await_reply()
             self.window.wait += time.perf_counter() - t0
         if self.procs > 1:
             what = "the master's reply to the worker's processes"
@@ -283,25 +285,8 @@ class Worker:
         out.header[m.CHECKPOINT] = self.pending_ack
         out.state[:] = to_numpy(self.model_state.device)
         t0 = time.perf_counter()
-        # DONE, ERROR and LOST carry only the header. Polled, not blocking: a master that is
-        # gone must not hold this rank in a Send.
-        self._await_master([self.block.Isend(part, dest=0, tag=tag) for part, tag in out.parts()])
+        self.channel.send(out)  # DONE, ERROR and LOST carry only the header
         window.send += time.perf_counter() - t0
-
-    def _await_master(self, requests: list) -> None:
-        try:
-            wait_all(requests, timeout=self.master.limit)
-        except CommFailure:
-            raise RankLost(f"the master, {self._master_name()}, died: the run cannot go on",
-                           ranks=[self.master_rank], restartable=True) from None
-        except WaitTimeout as exc:
-            raise RankSilent(f"the master, {self._master_name()}, did not answer {self._who()} for "
-                             f"{exc.seconds:.0f} s (the peer timeout): the run cannot go on",
-                             ranks=[self.master_rank]) from None
-        self.master.heard()
-
-    def _master_name(self) -> str:
-        return self.ctx.peers.directory.describe(self.master_rank)
 
     def _who(self) -> str:
         return self.ctx.peers.directory.describe(self.ctx.comms.world.Get_rank())
@@ -332,10 +317,9 @@ class Worker:
 
     def _send_text(self, kind: float, text: str) -> None:
         self._send(kind, 0, 0)
-        request = self.block.isend(text, dest=0, tag=m.TAG_ERROR_TEXT)
         try:
-            wait(request, timeout=self.master.limit)
-        except (CommFailure, WaitTimeout):
+            self.channel.send_text(text)
+        except RunFailure:
             pass  # the master is gone: the others hear of this rank's failure anyway
 
     # -- bookkeeping --------------------------------------------------------------------
