@@ -4,7 +4,7 @@ With one master, every worker's every update crosses the same rank. With N_M mas
 top master serves its own N_W workers plus N_M - 1 sub-masters, and each sub-master
 serves N_W workers: the communication load is spread, at the cost of some staleness.
 
-A sub-master is an ordinary master for its workers (master.py's serving loop, the
+A sub-master is an ordinary master for its workers (the serving loop of roles/master/, the
 algorithm's `master_apply`, or `master_round` for a synchronous round, and master
 optimiser on its OWN copy of the centre) and is
 itself a client of the top master on the `masters` communicator (top master = rank 0).
@@ -210,7 +210,7 @@ class SubMaster(Master):
             return m.STOP
         if self.top_reply[m.KIND] == m.SNAPSHOT:
             # The top did not take this push: its delta stays in the centre for the next.
-            # This rank's share now, its workers' at their next updates (Master._read_messages).
+            # This rank's share now, its workers' at their next updates (master/receive.py, read_messages).
             self.snapshot, self.snapshot_told = m.label_of(self.top_reply[m.CHECKPOINT]), set()
             self.save(self.snapshot)
             return m.SNAPSHOT
