@@ -26,8 +26,8 @@ from nbdist.algorithms import allreduce_sgd
 from nbdist.algorithms.arrays import f32
 from nbdist.backends.base import BatchStats
 from nbdist.data.sharding import split_evenly
-from nbdist.errors import TrainingError
 from nbdist.train.context import RankContext
+from nbdist.train.loop import TrainReport, check_loss, run_epochs
 from nbdist.train.lr import WorkerLr, lr_metrics
 from nbdist.train.progress import EpochTally, RunResult, epoch_metrics, format_epoch, sample_validation, write_final
 from nbdist.train.state import load_rank_state, save_rank_state
@@ -36,9 +36,6 @@ from nbdist.transport.buckets import GradientReducer
 from nbdist.transport.staging import Staging
 
 __all__ = ["run_allreduce", "GradientReducer"]
-
-REPORT_EVERY = 0.5
-
 
 def run_allreduce(ctx: RankContext) -> RunResult | None:
     comm = ctx.comms.run
@@ -73,9 +70,8 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
     marks = SampleMarks(every, samples_seen) if every else None
     started = time.time()
     stop_reason = ""
-    report = BatchStats()
-    phases = {"compute": 0.0, "wait": 0.0, "update": 0.0}
-    since = time.monotonic()
+    report = TrainReport(ctx, ("compute", "wait", "update"))
+    tally, sizes, n_batches = EpochTally(), [], 0
 
     def save(label: str, epoch: int, step: int) -> None:
         save_rank_state(ctx, label, opt, None, {"epoch": epoch, "step": step, "early": ctx.early.to_json(),
@@ -89,54 +85,54 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
                                            "options": ctx.options.to_dict(), "world_ranks": ctx.world_ranks,
                                            "time": time.time()})
 
-    epoch = start_epoch
-    for epoch in range(start_epoch, ctx.options.epochs):
+    def begin_epoch(epoch: int) -> list[np.ndarray]:
+        nonlocal tally, sizes, n_batches
         tally = EpochTally()
         batches = plan.epoch(epoch, rank)
-        sizes = plan.step_sizes(epoch)
-        first = start_step if epoch == start_epoch else 0
-        for step in range(first, len(batches)):
-            t0 = time.perf_counter()
-            x, y = ctx.data.train_batch(batches[step])
-            share = allreduce_sgd.sample_share(sizes[step], rank)
-            stats = backend.compute_gradients(x, y, scale=share)
-            t1 = time.perf_counter()
-            trailer[:] = (stats.n, stats.loss_sum, stats.metric_sum, float(ctx.stop.requested))
-            reducer.finish(trailer)
-            t2 = time.perf_counter()
-            ctx.peers.pace.heard()
-            if not np.isfinite(trailer[1]):
-                raise TrainingError(
-                    f"the loss became NaN at epoch {epoch + 1}, batch {step + 1}: lower the learning "
-                    f"rate or check the data"
-                )
-            lr.before_step(epoch, step)
-            allreduce_sgd.apply(opt, backend.rule_grads)
-            t3 = time.perf_counter()
-            phases["compute"] += t1 - t0
-            phases["wait"] += t2 - t1
-            phases["update"] += t3 - t2
-            global_stats = BatchStats(float(trailer[1]), float(trailer[2]), int(trailer[0]))
-            tally.train.add(global_stats)
-            samples_seen += global_stats.n
-            if marks is not None and marks.due(samples_seen):
-                # Every rank passes the mark at the same step (the trailer's global count).
-                marks.passed(samples_seen)
-                val = _validate(ctx, comm, val_indices, size, model_state)
-                if ctx.is_leader:
-                    ctx.log.emit("val", sample_validation(samples_seen, val, backend.metric_name),
-                                 step=epoch * len(batches) + step + 1, epoch=epoch)
-            report.add(stats)
-            if time.monotonic() - since >= REPORT_EVERY:
-                _report(ctx, report, phases, since, epoch, step)
-                report, since = BatchStats(), time.monotonic()
-                phases = dict.fromkeys(phases, 0.0)
-            if trailer[3] > 0:
-                stop_reason = ctx.stop.reason or "stopped: requested on another rank"
-                save(f"stopped-{epoch:04d}{step + 1:06d}", epoch, step + 1)
-                break
-        if stop_reason:
-            break
+        sizes, n_batches = plan.step_sizes(epoch), len(batches)
+        return batches
+
+    def train_step(epoch: int, step: int, indices: np.ndarray, last: bool) -> bool:
+        """One batch, its gradient summed over every rank; True when a rank asked to stop."""
+        nonlocal samples_seen, stop_reason
+        t0 = time.perf_counter()
+        x, y = ctx.data.train_batch(indices)
+        share = allreduce_sgd.sample_share(sizes[step], rank)
+        stats = backend.compute_gradients(x, y, scale=share)
+        t1 = time.perf_counter()
+        trailer[:] = (stats.n, stats.loss_sum, stats.metric_sum, float(ctx.stop.requested))
+        reducer.finish(trailer)
+        t2 = time.perf_counter()
+        ctx.peers.pace.heard()
+        global_stats = BatchStats(float(trailer[1]), float(trailer[2]), int(trailer[0]))
+        check_loss(global_stats, epoch, step)
+        lr.before_step(epoch, step)
+        allreduce_sgd.apply(opt, backend.rule_grads)
+        t3 = time.perf_counter()
+        report.phases["compute"] += t1 - t0
+        report.phases["wait"] += t2 - t1
+        report.phases["update"] += t3 - t2
+        tally.train.add(global_stats)
+        samples_seen += global_stats.n
+        if marks is not None and marks.due(samples_seen):
+            # Every rank passes the mark at the same step (the trailer's global count).
+            marks.passed(samples_seen)
+            val = _validate(ctx, comm, val_indices, size, model_state)
+            if ctx.is_leader:
+                ctx.log.emit("val", sample_validation(samples_seen, val, backend.metric_name),
+                             step=epoch * n_batches + step + 1, epoch=epoch)
+        report.add(stats)
+        if report.due:
+            report.emit(epoch, step)
+        if trailer[3] > 0:
+            stop_reason = ctx.stop.reason or "stopped: requested on another rank"
+            save(f"stopped-{epoch:04d}{step + 1:06d}", epoch, step + 1)
+            return True
+        return False
+
+    def end_epoch(epoch: int) -> bool:
+        """Validate, report, decide; True when early stopping ends the run."""
+        nonlocal stop_reason
         val = None
         if (epoch + 1) % ctx.options.validate_every == 0 or epoch + 1 == ctx.options.epochs:
             val = _validate(ctx, comm, val_indices, size, model_state)
@@ -145,16 +141,17 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
         history.append(metrics)
         if ctx.is_leader:
             # Every rank holds the same global metrics; one record per epoch, like a master's.
-            ctx.log.emit("epoch", metrics, step=(epoch + 1) * len(batches), epoch=epoch + 1)
+            ctx.log.emit("epoch", metrics, step=(epoch + 1) * n_batches, epoch=epoch + 1)
         ctx.say(format_epoch(metrics, ctx.options.epochs))
         decision = ctx.early.update(metrics)
         if ctx.checkpoint_due(epoch + 1) or decision.stop:
             save(f"epoch-{epoch + 1:04d}", epoch + 1, 0)
         if decision.stop:
             stop_reason = decision.reason
-            break
+        return decision.stop
 
-    _report(ctx, report, phases, since, epoch, 0)
+    epoch = run_epochs(start_epoch, start_step, ctx.options.epochs, begin_epoch, train_step, end_epoch)
+    report.emit(epoch, 0)
     reason = stop_reason or f"completed {ctx.options.epochs} epochs"
     faults = {"restarts": ctx.attempt} if ctx.attempt else {}
     ctx.log.emit("run", {"status": "stopped" if stop_reason else "completed", "reason": reason, **faults})
@@ -179,10 +176,3 @@ def _validate(ctx: RankContext, comm, indices: np.ndarray, size: int,
     collectives.allreduce(comm, sums, "the validation")
     return BatchStats(float(sums[0]), float(sums[1]), int(sums[2]))
 
-
-def _report(ctx: RankContext, stats: BatchStats, phases: dict, since: float, epoch: int, step: int) -> None:
-    elapsed = time.monotonic() - since
-    ctx.log.emit("train", {"samples": stats.n, "samples_per_s": stats.n / elapsed if elapsed else 0.0,
-                           "loss": stats.loss, ctx.backend.metric_name or "metric": stats.metric,
-                           "compute_s": phases["compute"], "wait_s": phases["wait"],
-                           "update_s": phases["update"], **ctx.backend.train_extras()}, step=step, epoch=epoch)

@@ -21,7 +21,6 @@ leaves (the master is told LOST) and the run goes on without it.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -31,6 +30,7 @@ from nbdist.data.sharding import split_evenly
 from nbdist.roles.membership import batches_for
 from nbdist.train.checkpoint import CheckpointError, Checkpoints
 from nbdist.train.context import RankContext, master_share
+from nbdist.train.loop import NonFiniteLoss, TrainReport, check_loss, run_epochs
 from nbdist.train.lr import WorkerLr, rule_lr
 from nbdist.train.state import load_rank_state, save_rank_state
 from nbdist.transport import messages as m
@@ -40,21 +40,6 @@ from nbdist.transport.staging import Staging
 from nbdist.transport.worker_channel import WorkerChannel
 
 __all__ = ["run_worker"]
-
-REPORT_EVERY = 0.5  # seconds between a worker's throughput/phase records
-
-
-@dataclass
-class _Window:
-    """What a worker did since it last reported (metrics) or synced (header sums)."""
-
-    sync: BatchStats = field(default_factory=BatchStats)
-    report: BatchStats = field(default_factory=BatchStats)
-    compute: float = 0.0
-    send: float = 0.0
-    wait: float = 0.0
-    since: float = field(default_factory=time.monotonic)
-
 
 class _Leave(Exception):
     """This worker is done with the run early: stopped, dropped or lost (the run goes on)."""
@@ -90,7 +75,8 @@ class Worker:
         # The message's payload and the reply as the rule sees them (zero-copy on the host).
         self.message = Staging.of_host(self.out.payload, self.rule_params, backend.copier)
         self.reply = Staging.of_host(self.reply_payload, self.rule_params, backend.copier)
-        self.window = _Window()
+        self.sync = BatchStats()  # since the last message: its header's sums
+        self.report = TrainReport(ctx, ("compute", "send", "wait"))
         self.pending_ack = m.NO_CHECKPOINT
         self.totals = np.zeros(3, np.float64)
         self.master_rank = next(r for r in ctx.layout.fold_ranks(role.group, role.fold)
@@ -105,19 +91,7 @@ class Worker:
         ctx = self.ctx
         start_epoch, start_step = self._start()
         try:
-            for epoch in range(start_epoch, ctx.options.epochs):
-                batches = self._batches(epoch)
-                first = start_step if epoch == start_epoch else 0
-                for step in range(first, len(batches)):
-                    self._train_step(epoch, step, batches[step], last=step == len(batches) - 1)
-                # Synchronous workers write their share of every due epoch checkpoint at its
-                # end; asynchronous ones when the master asks (SNAPSHOT), and at their own end,
-                # since the master's last snapshot comes when they may have finished already.
-                last = epoch + 1 == ctx.options.epochs
-                if ctx.checkpoint_due(epoch + 1) and (ctx.options.synchronous or last):
-                    label = m.label_of(epoch + 1)
-                    self._save(label, epoch + 1, 0)
-                    self.pending_ack = m.label_code(label)
+            run_epochs(start_epoch, start_step, ctx.options.epochs, self._batches, self._train_step, self._end_epoch)
             self._report(ctx.options.epochs, 0)
             if self.leader:
                 self._send(m.DONE, ctx.options.epochs, 0)
@@ -128,6 +102,17 @@ class Worker:
                 raise
         finally:
             ctx.log.close()
+
+    def _end_epoch(self, epoch: int) -> None:
+        # Synchronous workers write their share of every due epoch checkpoint at its end;
+        # asynchronous ones when the master asks (SNAPSHOT), and at their own end, since
+        # the master's last snapshot comes when they may have finished already.
+        ctx = self.ctx
+        last = epoch + 1 == ctx.options.epochs
+        if ctx.checkpoint_due(epoch + 1) and (ctx.options.synchronous or last):
+            label = m.label_of(epoch + 1)
+            self._save(label, epoch + 1, 0)
+            self.pending_ack = m.label_code(label)
 
     def _start(self) -> tuple[int, int]:
         """(epoch, step) to start from: a resume's saved position, or the master's weights."""
@@ -194,7 +179,7 @@ class Worker:
         return batches_for(shards, me, self.members)
 
     def _train_step(self, epoch: int, step: int, indices: np.ndarray, last: bool) -> None:
-        ctx, window = self.ctx, self.window
+        ctx, phases = self.ctx, self.report.phases
         procs, role = self.procs, ctx.role
         mine = split_evenly(indices, procs, role.proc) if procs > 1 else indices
         x, y = ctx.data.train_batch(mine)
@@ -207,18 +192,19 @@ class Worker:
             self.totals[:] = (stats.loss_sum, stats.metric_sum, stats.n)
             collectives.allreduce(self.wcomm, self.totals, "the worker's gradient allreduce")
             stats = BatchStats(self.totals[0], self.totals[1], int(self.totals[2]))
-        if not np.isfinite(stats.loss_sum):
-            self._fail(f"the loss became {stats.loss_sum / max(stats.n, 1)} on {self._who()} at epoch {epoch + 1}, "
-                       f"batch {step + 1}: lower the learning rate or check the data")
-        window.sync.add(stats)
-        window.report.add(stats)
+        try:
+            check_loss(stats, epoch, step, self._who)
+        except NonFiniteLoss as exc:
+            self._fail(str(exc))
+        self.sync.add(stats)
+        self.report.add(stats)
         sync_now = ctx.algorithm.worker_step(self.rule_state, self.rule_params, self.rule_grads, self.opt) or last
-        window.compute += time.perf_counter() - t0
+        phases["compute"] += time.perf_counter() - t0
         ctx.peers.pace.heard()
         if sync_now:
             flags = (m.EPOCH_END if last else 0) | (m.STOP_REQUEST if ctx.stop.requested else 0)
             self._exchange(epoch, step, flags)
-        if time.monotonic() - window.since >= REPORT_EVERY:
+        if self.report.due:
             self._report(epoch, step)
 
     # -- talking to the master ----------------------------------------------------------
@@ -235,7 +221,7 @@ class Worker:
             label = m.label_of(float(self.reply_header[m.CHECKPOINT]))
             self._save(label, epoch, step)
             self.pending_ack = m.label_code(label)
-        self.window.sync = BatchStats()
+        self.sync = BatchStats()
         if kind == m.STOP:
             # The master discarded this window: resume redoes it.
             stop_code = float(self.reply_header[m.CHECKPOINT])
@@ -265,7 +251,7 @@ class Worker:
             self.pending_ack = m.NO_CHECKPOINT
             t0 = time.perf_counter()
             self.channel.await_reply()
-            self.window.wait += time.perf_counter() - t0
+            self.report.phases["wait"] += time.perf_counter() - t0
         if self.procs > 1:
             what = "the master's reply to the worker's processes"
             ctx.peers.collectives.bcast(self.wcomm, self.reply_header, what)
@@ -274,19 +260,19 @@ class Worker:
 
     def _send(self, kind: float, epoch: int, flags: int) -> None:
         """Leader only: one message to the master (header | payload | state)."""
-        out, window = self.out, self.window
+        out, sync = self.out, self.sync
         out.header[m.KIND] = kind
         out.header[m.VERSION] = self.version
         out.header[m.EPOCH] = epoch
-        out.header[m.SAMPLES] = window.sync.n
-        out.header[m.LOSS_SUM] = window.sync.loss_sum
-        out.header[m.METRIC_SUM] = window.sync.metric_sum
+        out.header[m.SAMPLES] = sync.n
+        out.header[m.LOSS_SUM] = sync.loss_sum
+        out.header[m.METRIC_SUM] = sync.metric_sum
         out.header[m.FLAGS] = flags
         out.header[m.CHECKPOINT] = self.pending_ack
         out.state[:] = to_numpy(self.model_state.device)
         t0 = time.perf_counter()
         self.channel.send(out)  # DONE, ERROR and LOST carry only the header
-        window.send += time.perf_counter() - t0
+        self.report.phases["send"] += time.perf_counter() - t0
 
     def _who(self) -> str:
         return self.ctx.peers.directory.describe(self.ctx.comms.world.Get_rank())
@@ -324,15 +310,7 @@ class Worker:
 
     # -- bookkeeping --------------------------------------------------------------------
     def _report(self, epoch: int, step: int) -> None:
-        ctx, window = self.ctx, self.window
-        elapsed = time.monotonic() - window.since
-        stats = window.report
-        ctx.log.emit("train", {"samples": stats.n, "samples_per_s": stats.n / elapsed if elapsed else 0.0,
-                               "loss": stats.loss, ctx.backend.metric_name or "metric": stats.metric,
-                               "compute_s": window.compute, "send_s": window.send, "wait_s": window.wait,
-                               "version": self.version, **ctx.backend.train_extras()}, step=step, epoch=epoch)
-        window.report, window.compute, window.send, window.wait = BatchStats(), 0.0, 0.0, 0.0
-        window.since = time.monotonic()
+        self.report.emit(epoch, step, version=self.version)
 
     def _save(self, label: str, epoch: int, step: int) -> None:
         role = self.ctx.role

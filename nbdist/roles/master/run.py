@@ -23,6 +23,7 @@ from nbdist.roles.master.replies import reply
 from nbdist.roles.master.state import Master
 from nbdist.roles.membership import EpochMembers
 from nbdist.train.context import RankContext
+from nbdist.train.loop import REPORT_EVERY
 from nbdist.train.lr import master_lr_for
 from nbdist.train.progress import EpochTally, RunResult, write_final
 from nbdist.train.state import load_rank_state
@@ -32,9 +33,8 @@ from nbdist.transport.faults import kill_frozen
 from nbdist.transport.master_channel import MasterChannel
 from nbdist.transport.pool import BodyPool
 
-__all__ = ["REPORT_EVERY", "ASYNC_BODIES", "run_master", "open_master", "share_initial_weights", "serve"]
+__all__ = ["ASYNC_BODIES", "run_master", "open_master", "share_initial_weights", "serve"]
 
-REPORT_EVERY = 0.5  # seconds between a rank's throughput/phase records
 
 # Bodies an asynchronous master receives into, whatever its number of clients: two lets
 # one pass serve two updates (and EASGD's replies, which are the bodies, be in flight).
