@@ -57,7 +57,7 @@ def assert_close(actual, expected, rtol=1e-6, atol=1e-7):
 
 
 class Simulation:
-    """One master and k workers in one process, calling the rule like roles/master.py.
+    """One master and k workers in one process, calling the rule as roles/master/ does.
 
     synchronous: the master waits for every worker's update and applies them together.
     asynchronous: every worker computes from the weights it holds, then the master

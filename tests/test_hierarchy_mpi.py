@@ -322,7 +322,7 @@ def test_a_synchronous_round_under_a_sub_master_equals_one_master(spec):
     """Without MPI: top master + sub-master (2 workers each) move the centre exactly as
     one master with all 4 workers does. Each applies the rule to its own workers from the
     same centre; the top master merges the two steps with merge_master_steps, as
-    roles/master.py does: their mean for the averaging rules, their sum for EASGD,
+    roles/master/ does: their mean for the averaging rules, their sum for EASGD,
     whose elastic force is bound to every worker of the run."""
     import torch
 

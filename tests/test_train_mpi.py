@@ -380,7 +380,7 @@ def test_the_masters_update_summaries_count_every_traced_update(batches, name):
 @pytest.mark.parametrize("name", ["downpour", "gem", "easgd", "adag"])
 def test_staleness_is_counted_as_each_update_of_a_batch_is_applied(batches, name):
     """The master applies the updates of one pass (those found ready, up to the bodies its
-    pool holds, roles/master.py ASYNC_BODIES; the others are served first at the next
+    pool holds, roles/master/run.py ASYNC_BODIES; the others are served first at the next
     pass) one after the other, each at its own version, and answers them after the batch:
     every reply carries the version at the batch's end. So a worker's next update, computed from that reply,
     says where the batch of its previous update ended (version - 1 - staleness when

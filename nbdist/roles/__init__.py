@@ -1,1 +1,2 @@
-"""Who talks to whom. The only part of nbdist that moves tensors over MPI."""
+"""One loop per role (master, sub-master, worker, allreduce worker, study coordinator and
+its groups), using the training services (train/); they talk only through transport/."""

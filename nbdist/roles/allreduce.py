@@ -2,10 +2,9 @@
 
 Gradients are reduced in buckets while backward is still running: the backend calls
 back as soon as a contiguous bucket of the flat gradient is final, and that bucket's
-`Iallreduce` starts at once (later layers' buckets finish first). Each call also pokes
-MPI (`Testall`) so the reductions progress during the rest of the backward pass. After
-backward, the rank waits for the last buckets, and every rank steps the same optimiser
-on the same gradient, so the replicas stay bit-identical.
+`Iallreduce` starts at once (later layers' buckets finish first; transport/buckets.py).
+After backward, the rank waits for the last buckets, and every rank steps the same
+optimiser on the same gradient, so the replicas stay bit-identical.
 
 A four-number trailer (samples, loss sum, metric sum, stop requests) is reduced with
 the gradient: the global training loss costs no extra message, and a stop requested on
@@ -22,59 +21,22 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from mpi4py import MPI
 
 from nbdist.algorithms import allreduce_sgd
 from nbdist.algorithms.arrays import f32
 from nbdist.backends.base import BatchStats
 from nbdist.data.sharding import split_evenly
-from nbdist.errors import TrainingError
 from nbdist.train.batchnorm import synchronise_batchnorm
 from nbdist.train.context import RankContext
+from nbdist.train.loop import TrainReport, check_loss, run_epochs
 from nbdist.train.lr import WorkerLr, lr_metrics
 from nbdist.train.progress import EpochTally, RunResult, epoch_metrics, format_epoch, sample_validation, write_final
 from nbdist.train.state import load_rank_state, save_rank_state
 from nbdist.train.validation import SampleMarks
+from nbdist.transport.buckets import GradientReducer
 from nbdist.transport.staging import Staging
-from nbdist.transport.waiting import wait_all
 
 __all__ = ["run_allreduce", "GradientReducer"]
-
-REPORT_EVERY = 0.5
-
-
-class GradientReducer:
-    """Starts one in-place Iallreduce per gradient bucket from inside backward.
-
-    The gradient goes through the transport's staging: on the host MPI reduces the
-    backend's own memory; on a GPU, the device buffer itself (CUDA-aware MPI) or a pinned
-    host copy of each bucket, copied back once the reductions are done.
-
-    `finish_wait(requests)` waits for the last ones (default: waiting.wait_all; a run
-    passes its polled collectives' wait, with the run's deadline and failure naming)."""
-
-    __slots__ = ("comm", "staging", "buckets", "requests", "finish_wait")
-
-    def __init__(self, comm: MPI.Intracomm, backend, bucket_floats: int, finish_wait=None):
-        self.comm = comm
-        self.staging = Staging(backend.rule_grads, backend.copier)
-        self.requests: list[MPI.Request] = []
-        self.finish_wait = finish_wait or wait_all
-        self.buckets = backend.bucket_hooks(bucket_floats, self._bucket_ready)
-
-    def _bucket_ready(self, index: int) -> None:
-        start, stop = self.buckets[index]
-        self.requests.append(self.comm.Iallreduce(MPI.IN_PLACE, self.staging.to_host(start, stop), op=MPI.SUM))
-        MPI.Request.Testall(self.requests)  # progress the earlier buckets
-
-    def finish(self, trailer: np.ndarray) -> None:
-        self.requests.append(self.comm.Iallreduce(MPI.IN_PLACE, trailer, op=MPI.SUM))
-        try:
-            self.finish_wait(self.requests)
-        finally:
-            self.requests.clear()
-        self.staging.to_device()
-
 
 def run_allreduce(ctx: RankContext) -> RunResult | None:
     comm = ctx.comms.run
@@ -111,9 +73,8 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
     marks = SampleMarks(every, samples_seen) if every else None
     started = time.time()
     stop_reason = ""
-    report = BatchStats()
-    phases = {"compute": 0.0, "wait": 0.0, "update": 0.0}
-    since = time.monotonic()
+    report = TrainReport(ctx, ("compute", "wait", "update"))
+    tally, sizes, n_batches = EpochTally(), [], 0
 
     def save(label: str, epoch: int, step: int) -> None:
         save_rank_state(ctx, label, opt, None, {"epoch": epoch, "step": step, "early": ctx.early.to_json(),
@@ -127,54 +88,54 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
                                            "options": ctx.options.to_dict(), "world_ranks": ctx.world_ranks,
                                            "time": time.time()})
 
-    epoch = start_epoch
-    for epoch in range(start_epoch, ctx.options.epochs):
+    def begin_epoch(epoch: int) -> list[np.ndarray]:
+        nonlocal tally, sizes, n_batches
         tally = EpochTally()
         batches = plan.epoch(epoch, rank)
-        sizes = plan.step_sizes(epoch)
-        first = start_step if epoch == start_epoch else 0
-        for step in range(first, len(batches)):
-            t0 = time.perf_counter()
-            x, y = ctx.data.train_batch(batches[step])
-            share = allreduce_sgd.sample_share(sizes[step], rank)
-            stats = backend.compute_gradients(x, y, scale=share)
-            t1 = time.perf_counter()
-            trailer[:] = (stats.n, stats.loss_sum, stats.metric_sum, float(ctx.stop.requested))
-            reducer.finish(trailer)
-            t2 = time.perf_counter()
-            ctx.peers.pace.heard()
-            if not np.isfinite(trailer[1]):
-                raise TrainingError(
-                    f"the loss became NaN at epoch {epoch + 1}, batch {step + 1}: lower the learning "
-                    f"rate or check the data"
-                )
-            lr.before_step(epoch, step)
-            allreduce_sgd.apply(opt, backend.rule_grads)
-            t3 = time.perf_counter()
-            phases["compute"] += t1 - t0
-            phases["wait"] += t2 - t1
-            phases["update"] += t3 - t2
-            global_stats = BatchStats(float(trailer[1]), float(trailer[2]), int(trailer[0]))
-            tally.train.add(global_stats)
-            samples_seen += global_stats.n
-            if marks is not None and marks.due(samples_seen):
-                # Every rank passes the mark at the same step (the trailer's global count).
-                marks.passed(samples_seen)
-                val = _validate(ctx, comm, val_indices, size, None if shared_statistics else model_state)
-                if ctx.is_leader:
-                    ctx.log.emit("val", sample_validation(samples_seen, val, backend.metric_name),
-                                 step=epoch * len(batches) + step + 1, epoch=epoch)
-            report.add(stats)
-            if time.monotonic() - since >= REPORT_EVERY:
-                _report(ctx, report, phases, since, epoch, step)
-                report, since = BatchStats(), time.monotonic()
-                phases = dict.fromkeys(phases, 0.0)
-            if trailer[3] > 0:
-                stop_reason = ctx.stop.reason or "stopped: requested on another rank"
-                save(f"stopped-{epoch:04d}{step + 1:06d}", epoch, step + 1)
-                break
-        if stop_reason:
-            break
+        sizes, n_batches = plan.step_sizes(epoch), len(batches)
+        return batches
+
+    def train_step(epoch: int, step: int, indices: np.ndarray, last: bool) -> bool:
+        """One batch, its gradient summed over every rank; True when a rank asked to stop."""
+        nonlocal samples_seen, stop_reason
+        t0 = time.perf_counter()
+        x, y = ctx.data.train_batch(indices)
+        share = allreduce_sgd.sample_share(sizes[step], rank)
+        stats = backend.compute_gradients(x, y, scale=share)
+        t1 = time.perf_counter()
+        trailer[:] = (stats.n, stats.loss_sum, stats.metric_sum, float(ctx.stop.requested))
+        reducer.finish(trailer)
+        t2 = time.perf_counter()
+        ctx.peers.pace.heard()
+        global_stats = BatchStats(float(trailer[1]), float(trailer[2]), int(trailer[0]))
+        check_loss(global_stats, epoch, step)
+        lr.before_step(epoch, step)
+        allreduce_sgd.apply(opt, backend.rule_grads)
+        t3 = time.perf_counter()
+        report.phases["compute"] += t1 - t0
+        report.phases["wait"] += t2 - t1
+        report.phases["update"] += t3 - t2
+        tally.train.add(global_stats)
+        samples_seen += global_stats.n
+        if marks is not None and marks.due(samples_seen):
+            # Every rank passes the mark at the same step (the trailer's global count).
+            marks.passed(samples_seen)
+            val = _validate(ctx, comm, val_indices, size, None if shared_statistics else model_state)
+            if ctx.is_leader:
+                ctx.log.emit("val", sample_validation(samples_seen, val, backend.metric_name),
+                             step=epoch * n_batches + step + 1, epoch=epoch)
+        report.add(stats)
+        if report.due:
+            report.emit(epoch, step)
+        if trailer[3] > 0:
+            stop_reason = ctx.stop.reason or "stopped: requested on another rank"
+            save(f"stopped-{epoch:04d}{step + 1:06d}", epoch, step + 1)
+            return True
+        return False
+
+    def end_epoch(epoch: int) -> bool:
+        """Validate, report, decide; True when early stopping ends the run."""
+        nonlocal stop_reason
         val = None
         if (epoch + 1) % ctx.options.validate_every == 0 or epoch + 1 == ctx.options.epochs:
             val = _validate(ctx, comm, val_indices, size, None if shared_statistics else model_state)
@@ -183,16 +144,17 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
         history.append(metrics)
         if ctx.is_leader:
             # Every rank holds the same global metrics; one record per epoch, like a master's.
-            ctx.log.emit("epoch", metrics, step=(epoch + 1) * len(batches), epoch=epoch + 1)
+            ctx.log.emit("epoch", metrics, step=(epoch + 1) * n_batches, epoch=epoch + 1)
         ctx.say(format_epoch(metrics, ctx.options.epochs))
         decision = ctx.early.update(metrics)
         if ctx.checkpoint_due(epoch + 1) or decision.stop:
             save(f"epoch-{epoch + 1:04d}", epoch + 1, 0)
         if decision.stop:
             stop_reason = decision.reason
-            break
+        return decision.stop
 
-    _report(ctx, report, phases, since, epoch, 0)
+    epoch = run_epochs(start_epoch, start_step, ctx.options.epochs, begin_epoch, train_step, end_epoch)
+    report.emit(epoch, 0)
     reason = stop_reason or f"completed {ctx.options.epochs} epochs"
     faults = {"restarts": ctx.attempt} if ctx.attempt else {}
     ctx.log.emit("run", {"status": "stopped" if stop_reason else "completed", "reason": reason, **faults})
@@ -202,7 +164,7 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
     return write_final(ctx.run_dir, backend.named_arrays(), history, reason, time.time() - started, faults)
 
 
-def _validate(ctx: RankContext, comm: MPI.Intracomm, indices: np.ndarray, size: int,
+def _validate(ctx: RankContext, comm, indices: np.ndarray, size: int,
               model_state: Staging | None) -> BatchStats:
     """Each rank evaluates its slice of the validation set; the sums are added up.
     `model_state`: the statistics to average first (None: they are the same everywhere)."""
@@ -218,10 +180,3 @@ def _validate(ctx: RankContext, comm: MPI.Intracomm, indices: np.ndarray, size: 
     collectives.allreduce(comm, sums, "the validation")
     return BatchStats(float(sums[0]), float(sums[1]), int(sums[2]))
 
-
-def _report(ctx: RankContext, stats: BatchStats, phases: dict, since: float, epoch: int, step: int) -> None:
-    elapsed = time.monotonic() - since
-    ctx.log.emit("train", {"samples": stats.n, "samples_per_s": stats.n / elapsed if elapsed else 0.0,
-                           "loss": stats.loss, ctx.backend.metric_name or "metric": stats.metric,
-                           "compute_s": phases["compute"], "wait_s": phases["wait"],
-                           "update_s": phases["update"], **ctx.backend.train_extras()}, step=step, epoch=epoch)

@@ -26,12 +26,11 @@ __all__ = ["run_study"]
 def run_study(study: StudyOptions, train: TrainOptions, definition: ModelDefinition | Callable[[], ModelDefinition],
               comm: Any = None, say: Callable[[str], None] = print) -> StudyResult | None:
     """Collective over `comm` (default COMM_WORLD): the StudyResult on rank 0, None elsewhere."""
-    from mpi4py import MPI
-
     from nbdist.layout import Layout
     from nbdist.transport.agreement import agree
+    from nbdist.transport.node import world
 
-    comm = MPI.COMM_WORLD if comm is None else comm
+    comm = world() if comm is None else comm
     check_study(study, train)
     layout = Layout.for_world(comm.Get_size(), workers=train.workers, masters=train.masters,
                               procs_per_worker=train.procs_per_worker, topology=train.topology,

@@ -4,7 +4,7 @@ With one master, every worker's every update crosses the same rank. With N_M mas
 top master serves its own N_W workers plus N_M - 1 sub-masters, and each sub-master
 serves N_W workers: the communication load is spread, at the cost of some staleness.
 
-A sub-master is an ordinary master for its workers (master.py's serving loop, the
+A sub-master is an ordinary master for its workers (the serving loop of roles/master/, the
 algorithm's `master_apply`, or `master_round` for a synchronous round, and master
 optimiser on its OWN copy of the centre) and is
 itself a client of the top master on the `masters` communicator (top master = rank 0).
@@ -66,7 +66,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -90,8 +89,7 @@ from nbdist.train.progress import EpochTally
 from nbdist.train.state import load_rank_state, save_rank_state
 from nbdist.transport import messages as m
 from nbdist.transport.deadlines import Silence
-from nbdist.transport.faults import RankLost, RankSilent
-from nbdist.transport.waiting import CommFailure, WaitTimeout, wait_all
+from nbdist.transport.worker_channel import WorkerChannel
 
 __all__ = ["run_sub_master", "sub_master_clients"]
 
@@ -111,7 +109,7 @@ class SubMaster(Master):
     """A master of its own workers that asks the top master instead of deciding (stops),
     pushes instead of validating (epochs) and acknowledges instead of committing."""
 
-    uplink: Any = None  # the `masters` communicator
+    uplink: WorkerChannel | None = None  # to the top master, on the `masters` communicator
     pulled: np.ndarray | None = None  # the top centre at the last pull
     incoming: np.ndarray | None = None  # the top master's reply (a STOP reply is no pull)
     pulled_version: int = 0  # the top master's version of `pulled`
@@ -124,8 +122,6 @@ class SubMaster(Master):
     snapshot_ack: float = m.NO_CHECKPOINT  # the top's snapshot, complete below: acknowledged at the next push
     out: m.Message | None = None
     top_reply: np.ndarray = field(default_factory=m.new_header)
-    top: Silence | None = None  # the top master's replies
-    top_rank: int = 0  # its world rank
 
     def request_stop(self, reason: str) -> None:
         # Only the top master decides: ask it at the next push (made at once, see below).
@@ -201,13 +197,12 @@ class SubMaster(Master):
         np.subtract(self.center, self.pulled, out=out.payload)
         average_state(self)
         out.state[:] = self.ctx.backend.state
-        replies = [self.uplink.Irecv(self.top_reply, source=0, tag=m.TAG_REPLY_HEADER),
-                   self.uplink.Irecv(self.incoming, source=0, tag=m.TAG_REPLY)]
-        self._await_top([self.uplink.Isend(part, dest=0, tag=tag) for part, tag in out.parts()])
+        self.uplink.expect_reply()
+        self.uplink.send(out)
         self.snapshot_ack = m.NO_CHECKPOINT  # delivered
         if kind == m.ERROR:
-            self._await_top([self.uplink.isend(self.error, dest=0, tag=m.TAG_ERROR_TEXT)])
-        self._await_top(replies)
+            self.uplink.send_text(self.error)
+        self.uplink.await_reply()
         self.phases["uplink"] += time.perf_counter() - t0
         if self.top_reply[m.KIND] == m.STOP:
             self.stopping = "stopped by the top master"
@@ -215,7 +210,7 @@ class SubMaster(Master):
             return m.STOP
         if self.top_reply[m.KIND] == m.SNAPSHOT:
             # The top did not take this push: its delta stays in the centre for the next.
-            # This rank's share now, its workers' at their next updates (Master._read_messages).
+            # This rank's share now, its workers' at their next updates (master/receive.py, read_messages).
             self.snapshot, self.snapshot_told = m.label_of(self.top_reply[m.CHECKPOINT]), set()
             self.save(self.snapshot)
             return m.SNAPSHOT
@@ -229,25 +224,11 @@ class SubMaster(Master):
         self.samples_pushed = self.samples_seen
         return m.CONTINUE
 
-    def _await_top(self, requests: list) -> None:
-        """Wait for the top master, which may have died or frozen: then the run is over."""
-        top_rank = self.top_rank
-        name = self.ctx.peers.directory.describe(top_rank)
-        try:
-            wait_all(requests, timeout=self.top.limit)
-        except CommFailure:
-            raise RankLost(f"the top master, {name}, died: the run cannot go on", ranks=[top_rank],
-                           restartable=True) from None
-        except WaitTimeout as exc:
-            raise RankSilent(f"the top master, {name}, did not answer for {exc.seconds:.0f} s (the peer "
-                             f"timeout): the run cannot go on", ranks=[top_rank]) from None
-        self.top.heard()
-
     def send_done(self) -> None:
         self._fill_header(m.DONE, 0, self.next_epoch, BatchStats())
         if self.stop_acked:
             self.out.header[m.CHECKPOINT] = m.label_code(self.stop_label)
-        self._await_top([self.uplink.Isend(part, dest=0, tag=tag) for part, tag in self.out.parts()])
+        self.uplink.send(self.out)
 
     def _fill_header(self, kind: float, flags: int, epoch: int, train: BatchStats) -> None:
         header = self.out.header
@@ -267,11 +248,12 @@ def run_sub_master(ctx: RankContext) -> None:
     layout, role = ctx.layout, ctx.role
     top_rank = next(r for r in layout.fold_ranks(role.group, role.fold)
                     if layout.role(r).kind == "master" and layout.role(r).master == 0)
-    me = SubMaster(ctx, uplink=ctx.comms.masters, top=Silence(ctx.options.peer_timeout), top_rank=top_rank,
-                   top_reply=m.new_header(layout.workers))
+    me = SubMaster(ctx, top_reply=m.new_header(layout.workers))
     open_master(me, worker_clients(ctx))
     n, s = me.center.size, ctx.backend.state.size
     me.pulled, me.incoming, me.out = np.empty(n, np.float32), np.empty(n, np.float32), m.Message(n, s)
+    me.uplink = WorkerChannel(ctx.comms.masters, me.top_reply, me.incoming, Silence(ctx.options.peer_timeout),
+                              master="the top master", master_rank=top_rank, describe=ctx.peers.directory.describe)
     me.phases["uplink"] = 0.0
     if ctx.resume_from is not None:
         extra = load_rank_state(ctx, ctx.resume_from, me.opt, me.rule_state, {"pulled": me.pulled})

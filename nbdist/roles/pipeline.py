@@ -115,6 +115,7 @@ class PipelineWorker(Worker):
         # them is what its rule writes and reads.
         self.out = m.Message(sum(params), sum(floats)) if self.leader else m.Message(0, 0)
         self.whole_reply = np.empty(sum(params) if self.leader else 0, np.float32)
+        self.channel.reply_payload = self.whole_reply  # the leader receives the whole model's reply
         stage_message = np.empty(backend.num_params, np.float32)
         self.message = Staging.of_host(stage_message, self.rule_params, backend.copier)
 
@@ -144,9 +145,6 @@ class PipelineWorker(Worker):
 
     def _message_state(self) -> None:
         pass  # gathered from the stages with the payload (_collect_message)
-
-    def _reply_buffer(self) -> np.ndarray:
-        return self.whole_reply
 
     def _share_reply(self) -> None:
         what = "the master's reply to the pipeline stages"

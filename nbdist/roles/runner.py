@@ -32,6 +32,7 @@ from nbdist.train.definition import ModelDefinition
 from nbdist.train.progress import RunResult
 from nbdist.train.stopping import StopFlag
 from nbdist.transport.faults import RunFailure, survivors, ulfm_enabled
+from nbdist.transport.node import world
 from nbdist.transport.waiting import Abandoned, watch_with
 
 __all__ = ["run_rank", "FAILURE_FILE"]
@@ -53,9 +54,7 @@ def run_rank(options: TrainOptions, definition: ModelDefinition | Callable[[], M
     also receives every batch of this rank's metric records (the notebook's live view);
     `record=False` leaves the run store to the caller (the notebook's collector); `trial`
     tags the run as a study's trial."""
-    from mpi4py import MPI
-
-    comm = MPI.COMM_WORLD if comm is None else comm
+    comm = world() if comm is None else comm
     if stop is None:
         stop = StopFlag()
         if threading.current_thread() is threading.main_thread():

@@ -30,8 +30,6 @@ import time
 import traceback
 from typing import Any, Callable
 
-from mpi4py import MPI
-
 from nbdist.hpo.runner import EpochReport, FoldOutcome, TrialExecutor, TrialFinished
 from nbdist.hpo.trial import Trial
 from nbdist.layout import Communicators, Layout
@@ -40,12 +38,20 @@ from nbdist.roles.fold import train_fold
 from nbdist.train.definition import ModelDefinition
 from nbdist.train.stopping import StopFlag
 from nbdist.transport.collectives import Collectives
-from nbdist.transport.faults import RankLost, failed_ranks
-from nbdist.transport.waiting import CommFailure, receive_object, wait
+from nbdist.transport.faults import RankLost
+from nbdist.transport.study_channel import (
+    TAG_DONE,
+    TAG_EPOCH,
+    TAG_PRUNE,
+    TAG_TRIAL,
+    CoordinatorChannel,
+    GroupChannel,
+    RanksFailed,
+)
+from nbdist.transport.waiting import CommFailure
 
 __all__ = ["MPIGroups", "serve_group"]
 
-TAG_TRIAL, TAG_EPOCH, TAG_PRUNE, TAG_DONE = 301, 302, 303, 304
 # How long a group waits for the coordinator's next message, and its ranks for each other
 # between trials (the coordinator's searcher may take a while; a frozen one must not).
 STUDY_WAIT = 600.0
@@ -54,37 +60,30 @@ STUDY_WAIT = 600.0
 class MPIGroups(TrialExecutor):
     """The coordinator's view of the groups: who leads each, what each is training."""
 
-    def __init__(self, world: MPI.Intracomm, layout: Layout):
-        self.world = world
+    def __init__(self, world: Any, layout: Layout):
+        self.channel = CoordinatorChannel(world)
         self.groups = layout.groups
         self.leaders = [layout.fold_ranks(g, 0)[0] for g in range(layout.groups)]
         self.fold_leaders = [[layout.fold_ranks(g, f)[0] for f in range(layout.folds)] for g in range(layout.groups)]
         self.running: dict[int, int] = {}  # group -> trial number
-        self._sends: list[MPI.Request] = []
         self._group_ranks = [{r for f in range(layout.folds) for r in layout.fold_ranks(g, f)}
                              for g in range(layout.groups)]
 
-    def _send(self, message: Any, dest: int, tag: int) -> None:
-        self._sends = [r for r in self._sends if not r.Test()]
-        self._sends.append(self.world.isend(message, dest=dest, tag=tag))
-
     def start(self, group: int, trial: Trial) -> None:
         self.running[group] = trial.number
-        self._send(("trial", trial.number, trial.params), self.leaders[group], TAG_TRIAL)
+        self.channel.send(("trial", trial.number, trial.params), self.leaders[group], TAG_TRIAL)
 
     def prune(self, group: int) -> None:
         number = self.running.get(group)
         for rank in self.fold_leaders[group]:
-            self._send(number, rank, TAG_PRUNE)
+            self.channel.send(number, rank, TAG_PRUNE)
 
     def poll(self, timeout: float) -> list[EpochReport | TrialFinished]:
         deadline = time.monotonic() + timeout
         events: list[EpochReport | TrialFinished] = []
-        status = MPI.Status()
         while True:
-            while self._probe(status):
-                tag, source = status.Get_tag(), status.Get_source()
-                message = self.world.recv(source=source, tag=tag)
+            while (received := self._next()) is not None:
+                tag, message = received
                 if tag == TAG_EPOCH:
                     events.append(EpochReport(*message))
                 elif tag == TAG_DONE:
@@ -95,20 +94,16 @@ class MPIGroups(TrialExecutor):
                 return events
             time.sleep(0.005)
 
-    def _probe(self, status: MPI.Status) -> bool:
-        """Whether a message is in; a rank that died (ULFM fails wildcard probes until it is
-        acknowledged) ends the study: its group cannot finish its trial."""
+    def _next(self) -> tuple[int, Any] | None:
+        """(tag, message) of a message that is in, or None; a rank that died ends the study:
+        its group cannot finish its trial."""
         try:
-            return self.world.iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=status)
-        except MPI.Exception:
-            dead = failed_ranks(self.world, self.world)
+            return self.channel.next_message()
+        except RanksFailed as failure:
+            dead = failure.ranks
             groups = sorted({g for g, ranks in enumerate(self._group_ranks) for r in dead if r in ranks})
-            try:
-                self.world.Ack_failed()
-            except (MPI.Exception, AttributeError):
-                pass
             if not groups:
-                return False
+                return None
             self.running = {g: n for g, n in self.running.items() if g not in groups}
             self.close()
             raise RankLost(f"rank{'s' if len(dead) > 1 else ''} {', '.join(map(str, dead))} of group "
@@ -117,50 +112,39 @@ class MPIGroups(TrialExecutor):
 
     def close(self) -> None:
         for leader in self.leaders:
-            try:
-                self._send(("stop",), leader, TAG_TRIAL)
-            except MPI.Exception:
-                pass  # that group's leader is gone
-        for request in self._sends:
-            try:
-                wait(request, timeout=STUDY_WAIT)
-            except Exception:  # noqa: BLE001 - a group that never takes it is no reason to hang
-                pass
+            self.channel.send_if_alive(("stop",), leader, TAG_TRIAL)  # that group's leader may be gone
+        self.channel.flush(STUDY_WAIT)
 
 
 class _Reporter:
     """A fold leader's metric sink during a trial: its epochs to the coordinator, and
     the coordinator's prune request into the run's stop flag."""
 
-    def __init__(self, world: MPI.Intracomm, number: int, fold: int, stop: StopFlag):
-        self.world, self.number, self.fold, self.stop = world, number, fold, stop
-        self.sends: list[MPI.Request] = []
+    def __init__(self, channel: GroupChannel, number: int, fold: int, stop: StopFlag):
+        self.channel, self.number, self.fold, self.stop = channel, number, fold, stop
 
     def __call__(self, batch: list[dict[str, Any]]) -> None:
         for record in batch:
             if record["kind"] == "epoch":
                 report = (self.number, self.fold, record["epoch"], record["values"])
-                self.sends.append(self.world.isend(report, dest=0, tag=TAG_EPOCH))
-        self.sends = [r for r in self.sends if not r.Test()]
-        while self.world.iprobe(source=0, tag=TAG_PRUNE):
-            if self.world.recv(source=0, tag=TAG_PRUNE) == self.number:
-                self.stop.request("pruned: worse than the median of earlier trials")
+                self.channel.report(report, TAG_EPOCH)
+        if self.number in self.channel.pending(TAG_PRUNE):
+            self.stop.request("pruned: worse than the median of earlier trials")
 
     def finish(self) -> None:
-        for request in self.sends:
-            wait(request, timeout=STUDY_WAIT)
+        self.channel.flush(STUDY_WAIT)
 
 
-def _receive(world: MPI.Intracomm, tag: int) -> Any:
+def _receive(channel: GroupChannel, tag: int) -> Any:
     """A pickled message from the coordinator, waited for without blocking inside MPI."""
     try:
-        return receive_object(world, 0, tag, timeout=STUDY_WAIT)
+        return channel.receive(tag, STUDY_WAIT)
     except CommFailure:
         raise RankLost("the study's coordinator (rank 0) died: the study cannot go on; continue it with "
                        "--resume-study", ranks=[0]) from None
 
 
-def serve_group(world: MPI.Intracomm, comms: Communicators, layout: Layout, study: str, options: StudyOptions,
+def serve_group(world: Any, comms: Communicators, layout: Layout, study: str, options: StudyOptions,
                 train: TrainOptions, definition: ModelDefinition | Callable[[], ModelDefinition],
                 stop: StopFlag) -> None:
     """A non-coordinator rank: train the trials the coordinator hands this rank's group,
@@ -169,8 +153,9 @@ def serve_group(world: MPI.Intracomm, comms: Communicators, layout: Layout, stud
     group, fold = comms.group, role.fold
     fold_leader = comms.run.Get_rank() == 0
     collectives = Collectives(lambda: STUDY_WAIT)
+    channel = GroupChannel(world)
     while True:
-        message = _receive(world, TAG_TRIAL) if group.Get_rank() == 0 else None
+        message = _receive(channel, TAG_TRIAL) if group.Get_rank() == 0 else None
         message = collectives.allgather(group, message, "the study's next trial")[0]
         if message[0] == "stop":
             return
@@ -178,7 +163,7 @@ def serve_group(world: MPI.Intracomm, comms: Communicators, layout: Layout, stud
         trial_stop = StopFlag()
         if stop.requested:
             trial_stop.request(stop.reason)
-        reporter = _Reporter(world, number, fold, trial_stop) if fold_leader else None
+        reporter = _Reporter(channel, number, fold, trial_stop) if fold_leader else None
         _forward(stop, trial_stop)
         try:
             outcome = train_fold(study, number, params, train, options, definition, comms.run, fold, trial_stop,
@@ -196,8 +181,7 @@ def serve_group(world: MPI.Intracomm, comms: Communicators, layout: Layout, stud
         outcomes = collectives.allgather(group, row, f"the end of trial {number}")
         if group.Get_rank() == 0:
             folds = _merge([(f, leader, FoldOutcome(**values)) for f, leader, values in outcomes], layout.folds)
-            request = world.isend((number, folds), dest=0, tag=TAG_DONE)
-            wait(request, timeout=STUDY_WAIT)
+            channel.send((number, folds), TAG_DONE, STUDY_WAIT)
 
 
 def _merge(outcomes: list[tuple[int, bool, FoldOutcome]], folds: int) -> dict[int, FoldOutcome]:

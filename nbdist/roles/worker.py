@@ -22,7 +22,6 @@ leaves (the master is told LOST) and the run goes on without it.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -33,30 +32,16 @@ from nbdist.roles.membership import batches_for
 from nbdist.train.batchnorm import synchronise_batchnorm
 from nbdist.train.checkpoint import CheckpointError, Checkpoints
 from nbdist.train.context import RankContext, master_share
+from nbdist.train.loop import NonFiniteLoss, TrainReport, check_loss, run_epochs
 from nbdist.train.lr import WorkerLr, rule_lr
 from nbdist.train.state import load_rank_state, save_rank_state
 from nbdist.transport import messages as m
 from nbdist.transport.deadlines import Silence
-from nbdist.transport.faults import RankLost, RankSilent, RunFailure
+from nbdist.transport.faults import RunFailure
 from nbdist.transport.staging import Staging
-from nbdist.transport.waiting import CommFailure, WaitTimeout, wait, wait_all
+from nbdist.transport.worker_channel import WorkerChannel
 
 __all__ = ["run_worker"]
-
-REPORT_EVERY = 0.5  # seconds between a worker's throughput/phase records
-
-
-@dataclass
-class _Window:
-    """What a worker did since it last reported (metrics) or synced (header sums)."""
-
-    sync: BatchStats = field(default_factory=BatchStats)
-    report: BatchStats = field(default_factory=BatchStats)
-    compute: float = 0.0
-    send: float = 0.0
-    wait: float = 0.0
-    since: float = field(default_factory=time.monotonic)
-
 
 class _Leave(Exception):
     """This worker is done with the run early: stopped, dropped or lost (the run goes on)."""
@@ -94,31 +79,23 @@ class Worker:
         # The message's payload and the reply as the rule sees them (zero-copy on the host).
         self.message = Staging.of_host(self.out.payload, self.rule_params, backend.copier)
         self.reply = Staging.of_host(self.reply_payload, self.rule_params, backend.copier)
-        self.window = _Window()
+        self.sync = BatchStats()  # since the last message: its header's sums
+        self.report = TrainReport(ctx, ("compute", "send", "wait"))
         self.pending_ack = m.NO_CHECKPOINT
         self.totals = np.zeros(3, np.float64)
-        self.master = Silence(ctx.options.peer_timeout)  # the master's replies
         self.master_rank = next(r for r in ctx.layout.fold_ranks(role.group, role.fold)
                                 if ctx.layout.role(r).kind == "master" and ctx.layout.role(r).master == role.master)
+        self.channel = WorkerChannel(self.block, self.reply_header, self.reply_payload,
+                                     Silence(ctx.options.peer_timeout), master="the master",
+                                     master_rank=self.master_rank, describe=ctx.peers.directory.describe,
+                                     listener=ctx.comms.world.Get_rank())
 
     # -- the loop ---------------------------------------------------------------------
     def run(self) -> None:
         ctx = self.ctx
         start_epoch, start_step = self._start()
         try:
-            for epoch in range(start_epoch, ctx.options.epochs):
-                batches = self._batches(epoch)
-                first = start_step if epoch == start_epoch else 0
-                for step in range(first, len(batches)):
-                    self._train_step(epoch, step, batches[step], last=step == len(batches) - 1)
-                # Synchronous workers write their share of every due epoch checkpoint at its
-                # end; asynchronous ones when the master asks (SNAPSHOT), and at their own end,
-                # since the master's last snapshot comes when they may have finished already.
-                last = epoch + 1 == ctx.options.epochs
-                if ctx.checkpoint_due(epoch + 1) and (ctx.options.synchronous or last):
-                    label = m.label_of(epoch + 1)
-                    self._save(label, epoch + 1, 0)
-                    self.pending_ack = m.label_code(label)
+            run_epochs(start_epoch, start_step, ctx.options.epochs, self._batches, self._train_step, self._end_epoch)
             self._report(ctx.options.epochs, 0)
             if self.leader:
                 self._send(m.DONE, ctx.options.epochs, 0)
@@ -129,6 +106,17 @@ class Worker:
                 raise
         finally:
             ctx.log.close()
+
+    def _end_epoch(self, epoch: int) -> None:
+        # Synchronous workers write their share of every due epoch checkpoint at its end;
+        # asynchronous ones when the master asks (SNAPSHOT), and at their own end, since
+        # the master's last snapshot comes when they may have finished already.
+        ctx = self.ctx
+        last = epoch + 1 == ctx.options.epochs
+        if ctx.checkpoint_due(epoch + 1) and (ctx.options.synchronous or last):
+            label = m.label_of(epoch + 1)
+            self._save(label, epoch + 1, 0)
+            self.pending_ack = m.label_code(label)
 
     def _start(self) -> tuple[int, int]:
         """(epoch, step) to start from: a resume's saved position, or the master's weights."""
@@ -200,24 +188,25 @@ class Worker:
         return batches_for(shards, me, self.members)
 
     def _train_step(self, epoch: int, step: int, indices: np.ndarray, last: bool) -> None:
-        ctx, window = self.ctx, self.window
+        ctx, phases = self.ctx, self.report.phases
         mine = self._share(indices)
         x, y = ctx.data.train_batch(mine)
         t0 = time.perf_counter()
         self.lr.before_step(epoch, step)
         stats = self._gradients(x, y, scale=len(mine) / len(indices))
-        if not np.isfinite(stats.loss_sum):
-            self._fail(f"the loss became {stats.loss_sum / max(stats.n, 1)} on {self._who()} at epoch {epoch + 1}, "
-                       f"batch {step + 1}: lower the learning rate or check the data")
-        window.sync.add(stats)
-        window.report.add(stats)
+        try:
+            check_loss(stats, epoch, step, self._who)
+        except NonFiniteLoss as exc:
+            self._fail(str(exc))
+        self.sync.add(stats)
+        self.report.add(stats)
         sync_now = ctx.algorithm.worker_step(self.rule_state, self.rule_params, self.rule_grads, self.opt) or last
-        window.compute += time.perf_counter() - t0
+        phases["compute"] += time.perf_counter() - t0
         ctx.peers.pace.heard()
         if sync_now:
             flags = (m.EPOCH_END if last else 0) | (m.STOP_REQUEST if ctx.stop.requested else 0)
             self._exchange(epoch, step, flags)
-        if time.monotonic() - window.since >= REPORT_EVERY:
+        if self.report.due:
             self._report(epoch, step)
 
     def _share(self, indices: np.ndarray) -> np.ndarray:
@@ -252,7 +241,7 @@ class Worker:
             label = m.label_of(float(self.reply_header[m.CHECKPOINT]))
             self._save(label, epoch, step)
             self.pending_ack = m.label_code(label)
-        self.window.sync = BatchStats()
+        self.sync = BatchStats()
         if kind == m.STOP:
             # The master discarded this window: resume redoes it.
             stop_code = float(self.reply_header[m.CHECKPOINT])
@@ -275,16 +264,14 @@ class Worker:
 
     def _round_trip(self, epoch: int, flags: int) -> float:
         """Leader: send, await the reply; every process of the worker gets the reply."""
-        block = self.block
         self._collect_message()
         if self.leader:
-            header_req = block.Irecv(self.reply_header, source=0, tag=m.TAG_REPLY_HEADER)
-            payload_req = block.Irecv(self._reply_buffer(), source=0, tag=m.TAG_REPLY)
+            self.channel.expect_reply()
             self._send(m.UPDATE, epoch, flags)
             self.pending_ack = m.NO_CHECKPOINT
             t0 = time.perf_counter()
-            self._await_master([header_req, payload_req])
-            self.window.wait += time.perf_counter() - t0
+            self.channel.await_reply()
+            self.report.phases["wait"] += time.perf_counter() - t0
         self._share_reply()
         return float(self.reply_header[m.KIND])
 
@@ -292,10 +279,6 @@ class Worker:
     # gathers and scatters its stages' parts instead).
     def _collect_message(self) -> None:
         """Every process: the worker's message is ready in the leader's `out`."""
-
-    def _reply_buffer(self) -> np.ndarray:
-        """Leader: where the master's reply payload is received."""
-        return self.reply_payload
 
     def _share_reply(self) -> None:
         """Every process: the reply's header and its payload (its part of it) from the leader."""
@@ -306,40 +289,23 @@ class Worker:
 
     def _send(self, kind: float, epoch: int, flags: int) -> None:
         """Leader only: one message to the master (header | payload | state)."""
-        out, window = self.out, self.window
+        out, sync = self.out, self.sync
         out.header[m.KIND] = kind
         out.header[m.VERSION] = self.version
         out.header[m.EPOCH] = epoch
-        out.header[m.SAMPLES] = window.sync.n
-        out.header[m.LOSS_SUM] = window.sync.loss_sum
-        out.header[m.METRIC_SUM] = window.sync.metric_sum
+        out.header[m.SAMPLES] = sync.n
+        out.header[m.LOSS_SUM] = sync.loss_sum
+        out.header[m.METRIC_SUM] = sync.metric_sum
         out.header[m.FLAGS] = flags
         out.header[m.CHECKPOINT] = self.pending_ack
         self._message_state()
         t0 = time.perf_counter()
-        # DONE, ERROR and LOST carry only the header. Polled, not blocking: a master that is
-        # gone must not hold this rank in a Send.
-        self._await_master([self.block.Isend(part, dest=0, tag=tag) for part, tag in out.parts()])
-        window.send += time.perf_counter() - t0
+        self.channel.send(out)  # DONE, ERROR and LOST carry only the header
+        self.report.phases["send"] += time.perf_counter() - t0
 
     def _message_state(self) -> None:
         """The model state (BatchNorm statistics) into the outgoing message."""
         self.out.state[:] = to_numpy(self.model_state.device)
-
-    def _await_master(self, requests: list) -> None:
-        try:
-            wait_all(requests, timeout=self.master.limit)
-        except CommFailure:
-            raise RankLost(f"the master, {self._master_name()}, died: the run cannot go on",
-                           ranks=[self.master_rank], restartable=True) from None
-        except WaitTimeout as exc:
-            raise RankSilent(f"the master, {self._master_name()}, did not answer {self._who()} for "
-                             f"{exc.seconds:.0f} s (the peer timeout): the run cannot go on",
-                             ranks=[self.master_rank]) from None
-        self.master.heard()
-
-    def _master_name(self) -> str:
-        return self.ctx.peers.directory.describe(self.master_rank)
 
     def _who(self) -> str:
         return self.ctx.peers.directory.describe(self.ctx.comms.world.Get_rank())
@@ -370,23 +336,14 @@ class Worker:
 
     def _send_text(self, kind: float, text: str) -> None:
         self._send(kind, 0, 0)
-        request = self.block.isend(text, dest=0, tag=m.TAG_ERROR_TEXT)
         try:
-            wait(request, timeout=self.master.limit)
-        except (CommFailure, WaitTimeout):
+            self.channel.send_text(text)
+        except RunFailure:
             pass  # the master is gone: the others hear of this rank's failure anyway
 
     # -- bookkeeping --------------------------------------------------------------------
     def _report(self, epoch: int, step: int) -> None:
-        ctx, window = self.ctx, self.window
-        elapsed = time.monotonic() - window.since
-        stats = window.report
-        ctx.log.emit("train", {"samples": stats.n, "samples_per_s": stats.n / elapsed if elapsed else 0.0,
-                               "loss": stats.loss, ctx.backend.metric_name or "metric": stats.metric,
-                               "compute_s": window.compute, "send_s": window.send, "wait_s": window.wait,
-                               "version": self.version, **ctx.backend.train_extras()}, step=step, epoch=epoch)
-        window.report, window.compute, window.send, window.wait = BatchStats(), 0.0, 0.0, 0.0
-        window.since = time.monotonic()
+        self.report.emit(epoch, step, version=self.version)
 
     def _twin(self) -> int | None:
         """The rank whose checkpoint share holds this rank's weights bit for bit: the leader."""

@@ -1,4 +1,5 @@
-"""Which rank of its node a process is: the launcher says so, or MPI works it out."""
+"""Where a process is: the launch's world communicator, and which rank of its node it is
+(the launcher says so, or MPI works it out)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 
 from mpi4py import MPI
 
-__all__ = ["local_rank"]
+__all__ = ["local_rank", "world"]
 
 # Open MPI's mpiexec sets the first; srun the second.
 LOCAL_RANK_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
@@ -26,3 +27,9 @@ def local_rank(comm: Any) -> int:
         return node.Get_rank()
     finally:
         node.Free()
+
+
+def world() -> Any:
+    """Every rank of the launch (COMM_WORLD): what a run or a study spans unless it is
+    given a communicator."""
+    return MPI.COMM_WORLD

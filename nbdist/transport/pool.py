@@ -1,7 +1,7 @@
 """A master's receive buffers for message bodies, reused: a fixed number, however many
 clients it serves.
 
-A body is taken when its header is in (roles/master.py), and given back once its update
+A body is taken when its header is in (roles/master/receive.py), and given back once its update
 is applied, or, when the reply is the body itself (an asynchronous EASGD master answers
 each worker its own elastic step), once that reply has left. A synchronous round streams
 its workers' bodies through the pool: each is given back once the rule has folded it in. A buffer that MPI may still read (a lost

@@ -29,8 +29,8 @@ from typing import Callable, Sequence
 
 from mpi4py import MPI
 
-__all__ = ["wait", "wait_all", "wait_some", "wait_until", "test_each", "receive_object", "WaitTimeout", "CommFailure",
-           "Abandoned", "abandon", "forget_abandon", "watch_with", "FOREVER"]
+__all__ = ["wait", "wait_all", "test_all", "wait_some", "wait_until", "test_each", "receive_object", "WaitTimeout",
+           "CommFailure", "Abandoned", "abandon", "forget_abandon", "watch_with", "FOREVER"]
 
 SPIN_SECONDS = 2e-4
 FIRST_SLEEP = 5e-5
@@ -137,20 +137,25 @@ def wait(request: MPI.Request, *, timeout: float | None = FOREVER) -> None:
 def wait_all(requests: Sequence[MPI.Request], *, timeout: float | None = FOREVER) -> None:
     backoff = _Backoff(timeout)
     while True:
-        try:
-            if MPI.Request.Testall(requests):
-                return
-        except MPI.Exception as exc:
-            raise CommFailure(exc) from None
+        if test_all(requests):
+            return
         try:
             backoff.pause()
         except WaitTimeout:
             # A process that was suspended (SIGSTOP) finds its deadline long passed when
             # it wakes up, while what it waited for may have arrived meanwhile: look once
             # more before giving up.
-            if MPI.Request.Testall(requests):
+            if test_all(requests):
                 return
             raise
+
+
+def test_all(requests: Sequence[MPI.Request]) -> bool:
+    """Whether every request has completed, without waiting; CommFailure if one failed."""
+    try:
+        return MPI.Request.Testall(requests)
+    except MPI.Exception as exc:
+        raise CommFailure(exc) from None
 
 
 def test_each(requests: Sequence[MPI.Request]) -> tuple[list[int], list[tuple[int, CommFailure]]]:

@@ -17,13 +17,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from nbdist.roles import master as mw  # noqa: E402
+from nbdist.roles.master import run as serving  # noqa: E402
 from nbdist.transport import messages as m  # noqa: E402
 from train_many import run_all  # noqa: E402
 
 RUN = "stop-at-sub-epoch-end"
 EPOCH = 1  # the second epoch, counted from 0
 
-_read_messages = mw._read_messages
+read_messages = serving.read_messages  # what serve() calls for each pass
 _fired = False  # once: its resume continues in the same directory, in these processes
 
 
@@ -36,10 +37,10 @@ def _stop_at_sub_epoch_end(me, ready):
                     and client.inbox.has(m.EPOCH_END) and int(header[m.EPOCH]) == EPOCH):
                 me.begin_stop("stopped by the test at the sub-master's epoch end")
                 _fired = True
-    return _read_messages(me, ready)
+    return read_messages(me, ready)
 
 
-mw._read_messages = _stop_at_sub_epoch_end
+serving.read_messages = _stop_at_sub_epoch_end
 
 if __name__ == "__main__":
     sys.exit(run_all(sys.argv[1]))

@@ -1,0 +1,208 @@
+"""A master's serving state, and the decisions where a sub-master (roles/hierarchy.py) differs
+from the top (or only) master: stops, epochs' ends, checkpoints, lost clients."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from nbdist.metrics.updates import UpdateSummary
+from nbdist.roles.master.clients import WORKER
+from nbdist.roles.master.epochs import (
+    average_state,
+    collect_validation,
+    finish_epoch,
+    open_tallies,
+)
+from nbdist.roles.membership import EpochMembers
+from nbdist.train.context import RankContext
+from nbdist.train.progress import EpochTally
+from nbdist.train.state import save_rank_state
+from nbdist.train.validation import BackgroundValidator, SampledValidation
+from nbdist.transport import messages as m
+from nbdist.transport.faults import RankLost, RankSilent, kill_frozen
+from nbdist.transport.master_channel import MasterChannel
+from nbdist.transport.pool import BodyPool
+
+__all__ = ["Master"]
+
+
+@dataclass
+class Master:
+    """A master's serving state. Its methods are where a sub-master (hierarchy.SubMaster)
+    behaves differently from the top (or only) master."""
+
+    ctx: RankContext
+    clients: list = field(default_factory=list)  # [Client]
+    center: np.ndarray | None = None  # the backend's flat parameters
+    rule_state: Any = None
+    opt: Any = None
+    lr: Any = None  # sets opt's lr per update (train/lr.py MasterLr)
+    channel: MasterChannel | None = None  # one posted header receive per client, bodies, replies
+    pool: BodyPool | None = None  # the bodies updates are received into
+    round_buffer: np.ndarray | None = None  # a synchronous round's mean (or EASGD's reply), master_round's `out`
+    waiting: list = field(default_factory=list)  # clients whose header is in, served at the next pass
+    active: set = field(default_factory=set)  # clients still training: not DONE, failed or dropped
+    dropped: dict = field(default_factory=dict)  # client -> why the run went on without it
+    finished: set = field(default_factory=set)  # clients that said DONE
+    acked_upto: list = field(default_factory=list)  # per client, see m.EPOCHS_ACKED
+    states: np.ndarray | None = None  # each client's latest model state
+    reply_headers: list = field(default_factory=list)  # one per client: a reply in flight keeps its own
+    replying: dict = field(default_factory=dict)  # client -> _Reply still in flight
+    silence_checked: float = 0.0  # when the clients' silence was last looked at
+    members: EpochMembers | None = None
+    version: int = 0
+    next_epoch: int = 0  # lowest epoch not yet ended
+    stopping: str = ""
+    stop_label: str = ""
+    snapshot: str = ""  # the label of the snapshot being taken (asynchronous checkpoints)
+    snapshot_told: set = field(default_factory=set)
+    snapshot_due: str = ""  # a snapshot that fell due while another was being taken
+    error: str = ""
+    history: list = field(default_factory=list)
+    tallies: dict = field(default_factory=dict)
+    acks: dict = field(default_factory=dict)  # checkpoint label -> clients that wrote it
+    master_wrote: set = field(default_factory=set)
+    failed: set = field(default_factory=set)
+    epoch_clock: float = field(default_factory=time.time)  # when the previous epoch ended
+    validator: BackgroundValidator | None = None
+    # Training samples in the centre: those of every update applied, over all clients.
+    samples_seen: int = 0
+    sampled: SampledValidation | None = None  # --validate-every-samples, at the top (or only) master
+    phases: dict = field(default_factory=lambda: {"wait": 0.0, "update": 0.0, "reply": 0.0, "validate": 0.0})
+    updates: UpdateSummary = field(default_factory=UpdateSummary)  # since the last 'updates' record
+
+    # -- decisions a sub-master takes differently ---------------------------------------
+    def begin_stop(self, reason: str) -> None:
+        """From now on every client's next update is answered with STOP."""
+        if not self.stopping:
+            self.stopping = reason
+            self.stop_label = f"stopped-{self.version:010d}"
+
+    def request_stop(self, reason: str) -> None:
+        """A stop signal, a client's request or a client's failure."""
+        self.begin_stop(reason)
+
+    def pop_finished_epochs(self) -> list[tuple[int, EpochTally, float]]:
+        """The epochs every client still training has now ended: (epoch, tally, seconds)."""
+        finished = []
+        while self.next_epoch in self.tallies and self._epoch_complete(self.next_epoch):
+            epoch = self.next_epoch
+            tally = self.tallies.pop(epoch)
+            self.next_epoch += 1
+            self.tallies.setdefault(self.next_epoch, EpochTally())
+            now = time.time()
+            seconds, self.epoch_clock = now - self.epoch_clock, now
+            finished.append((epoch, tally, seconds))
+        if finished and self.members is not None:
+            self.members.forget_before(self.next_epoch)
+        return finished
+
+    def _epoch_complete(self, epoch: int) -> bool:
+        expected = self.expected_in(epoch)
+        return bool(expected) and expected <= self.tallies[epoch].ended
+
+    def expected_in(self, epoch: int) -> set[int]:
+        """The clients whose end of `epoch` the master waits for: the workers that share
+        its data and the sub-masters, less those dropped or failed since."""
+        gone = set(self.dropped) | self.failed
+        workers = set(self.members.of(epoch, self.live_workers())) if self.members is not None else set()
+        others = {i for i, c in enumerate(self.clients) if c.kind != WORKER}
+        return (workers | others) - gone
+
+    def live_workers(self) -> set[int]:
+        return {i for i, c in enumerate(self.clients) if c.kind == WORKER and i not in self.dropped
+                and i not in self.failed}
+
+    def before_replies(self, applied: int, finished: list) -> None:
+        """Between applying a round's updates and answering them (a sub-master talks to
+        the top master here, so that its workers get the merged centre)."""
+
+    def end_epoch(self, epoch: int, tally: EpochTally, seconds: float) -> None:
+        """Every client has ended `epoch`: validate, report, decide, checkpoint."""
+        ctx = self.ctx
+        label = m.label_of(epoch + 1) if ctx.checkpoint_due(epoch + 1) else None
+        if not ((epoch + 1) % ctx.options.validate_every == 0 or epoch + 1 == ctx.options.epochs):
+            finish_epoch(self, epoch, tally, seconds, None, self.samples_seen)
+        elif ctx.options.synchronous:
+            # Inline, after this round's replies went out: the workers compute meanwhile, and
+            # the stop decision falls at the same step in every run (exact resume).
+            t0 = time.perf_counter()
+            average_state(self)
+            val = ctx.backend.evaluate(*ctx.data.val_arrays())
+            self.phases["validate"] += time.perf_counter() - t0
+            finish_epoch(self, epoch, tally, seconds, val, self.samples_seen)
+        else:
+            collect_validation(self, block=True)  # one at a time, in epoch order
+            average_state(self)
+            self.validator.start(ctx.backend.params, ctx.backend.state, (epoch, tally, seconds, self.samples_seen))
+        if label:
+            if ctx.options.synchronous:
+                self.save(label)
+            else:
+                self.take_snapshot(label)
+
+    def take_snapshot(self, label: str) -> None:
+        """Asynchronous checkpoint: this rank's share now, each client's at its next update."""
+        if self.stopping:
+            return  # the stop checkpoint will hold everything
+        if self.snapshot:
+            self.snapshot_due = label  # one at a time: taken when this one is complete
+            return
+        self.snapshot, self.snapshot_told = label, set()
+        self.save(label)
+
+    def save(self, label: str) -> None:
+        """Write this rank's share of checkpoint `label`."""
+        ctx = self.ctx
+        # An asynchronous epoch enters the history when its background validation ends:
+        # a snapshot taken before then would resume past an epoch its history lacks.
+        collect_validation(self, block=True)
+        average_state(self)
+        extra = {"version": self.version, "next_epoch": self.next_epoch, "early": ctx.early.to_json(),
+                 "samples_seen": self.samples_seen,
+                 **ctx.history_file.checkpoint(self.history), "members": self.members.to_json(),
+                 "lr": self.lr.to_json(), **open_tallies(self, label)}
+        save_rank_state(ctx, label, self.opt, self.rule_state, extra)
+        self.master_wrote.add(label)
+
+    def commit(self, label: str) -> None:
+        """Every client and this rank wrote `label`: make it the run's latest checkpoint."""
+        ctx = self.ctx
+        ctx.checkpoints.commit(label, {"label": label, "layout": ctx.layout.to_dict(),
+                                       "options": ctx.options.to_dict(), "version": self.version,
+                                       "finished": sorted(self.clients[i].world_rank for i in self.finished),
+                                       "world_ranks": ctx.world_ranks, "time": time.time()})
+
+    def lose(self, i: int, cause: str, gone: bool) -> None:
+        """Client i died (`gone`) or froze. Asynchronous workers are dropped and the run goes
+        on; otherwise the run cannot go on and this raises RunFailure."""
+        client, ctx = self.clients[i], self.ctx
+        what = f"{client.describe(ctx)} {cause}"
+        info = ctx.peers.directory.infos.get(client.world_rank)
+        if ctx.options.synchronous or client.kind != WORKER:
+            if not gone and info is not None:
+                gone = kill_frozen(info)  # the survivors can restart without it only once it is gone
+            why = ("a synchronous round needs every worker" if client.kind == WORKER
+                   else "its workers' updates can no longer reach the centre")
+            failure = RankLost if cause == "died" else RankSilent
+            raise failure(f"{what}: the run cannot go on ({why})", ranks=[client.world_rank], restartable=gone)
+        # A frozen worker is left as it is: if it wakes up, its next update is answered
+        # DROPPED and it leaves (the run's end removes it if it never does).
+        self.dropped[i] = cause
+        self.active.discard(i)
+        self.snapshot_told.discard(i)
+        if gone:
+            self.channel.forget(i)
+        left = len(self.live_workers())
+        if left == 0:
+            raise RankLost(f"{what}, and it was the last worker: the run cannot go on",
+                           ranks=[client.world_rank], restartable=gone)
+        ctx.log.emit("fault", {"rank": client.world_rank, "role": client.kind, "worker": client.index,
+                               "cause": cause, "workers_left": left, "host": info.host if info else ""},
+                     step=self.version, epoch=self.next_epoch)
+        ctx.warn(f"nbdist: {what}; the run goes on with {left} worker{'s' if left != 1 else ''}, "
+                 f"which share its data from the next epoch")
