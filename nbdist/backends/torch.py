@@ -365,6 +365,9 @@ class TorchBackend(Backend):
         return TorchLrSchedule(known[spec.name], spec, base_lr)
 
     # -- state ------------------------------------------------------------------------
+    def param_blocks(self) -> list[tuple[int, int, tuple[int, ...]]]:
+        return [(lo, hi, tuple(p.shape)) for p, (lo, hi) in zip(self._order, self._slices)]
+
     def named_arrays(self) -> dict[str, np.ndarray]:
         return {k: v.detach().cpu().numpy().copy() for k, v in self.model.state_dict().items()}
 

@@ -29,11 +29,13 @@ from nbdist.algorithms.arrays import f32
 from nbdist.backends.base import BatchStats
 from nbdist.data.sharding import split_evenly
 from nbdist.errors import TrainingError
+from nbdist.specs import Spec
 from nbdist.train.context import RankContext
 from nbdist.train.lr import WorkerLr, lr_metrics
 from nbdist.train.progress import EpochTally, RunResult, epoch_metrics, format_epoch, sample_validation, write_final
 from nbdist.train.state import load_rank_state, save_rank_state
 from nbdist.train.validation import SampleMarks
+from nbdist.transport.reduction import compressed_reduction
 from nbdist.transport.staging import Staging
 from nbdist.transport.waiting import wait_all
 
@@ -50,20 +52,36 @@ class GradientReducer:
     host copy of each bucket, copied back once the reductions are done.
 
     `finish_wait(requests)` waits for the last ones (default: waiting.wait_all; a run
-    passes its polled collectives' wait, with the run's deadline and failure naming)."""
+    passes its polled collectives' wait, with the run's deadline and failure naming).
 
-    __slots__ = ("comm", "staging", "buckets", "requests", "finish_wait")
+    With a `compression` (--compression), the buckets go through its codec instead
+    (transport/reduction.py). `bytes_sent`: the gradient bytes this rank handed to MPI."""
 
-    def __init__(self, comm: MPI.Intracomm, backend, bucket_floats: int, finish_wait=None):
+    __slots__ = ("comm", "staging", "buckets", "requests", "finish_wait", "compressed", "plain_bytes")
+
+    def __init__(self, comm: MPI.Intracomm, backend, bucket_floats: int, finish_wait=None,
+                 compression: Spec | None = None):
         self.comm = comm
         self.staging = Staging(backend.rule_grads, backend.copier)
         self.requests: list[MPI.Request] = []
         self.finish_wait = finish_wait or wait_all
         self.buckets = backend.bucket_hooks(bucket_floats, self._bucket_ready)
+        self.compressed = None if compression is None else compressed_reduction(
+            comm, compression, backend.num_params, self.buckets, backend.param_blocks())
+        self.plain_bytes = 0
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.plain_bytes + (self.compressed.bytes_sent if self.compressed is not None else 0)
 
     def _bucket_ready(self, index: int) -> None:
         start, stop = self.buckets[index]
-        self.requests.append(self.comm.Iallreduce(MPI.IN_PLACE, self.staging.to_host(start, stop), op=MPI.SUM))
+        host = self.staging.to_host(start, stop)
+        if self.compressed is None:
+            self.requests.append(self.comm.Iallreduce(MPI.IN_PLACE, host, op=MPI.SUM))
+            self.plain_bytes += host.nbytes
+        else:
+            self.requests += self.compressed.start(index, host)
         MPI.Request.Testall(self.requests)  # progress the earlier buckets
 
     def finish(self, trailer: np.ndarray) -> None:
@@ -72,7 +90,17 @@ class GradientReducer:
             self.finish_wait(self.requests)
         finally:
             self.requests.clear()
+        if self.compressed is not None:
+            self.compressed.finish(self.staging.to_host, self.finish_wait)
         self.staging.to_device()
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        """What a compressed reduction carries from step to step (residuals, PowerSGD's Q)."""
+        return self.compressed.state_arrays() if self.compressed is not None else {}
+
+    def load_state_arrays(self, arrays: dict[str, np.ndarray]) -> None:
+        if self.compressed is not None:
+            self.compressed.load_state_arrays(arrays)
 
 
 def run_allreduce(ctx: RankContext) -> RunResult | None:
@@ -84,7 +112,8 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
     opt = backend.make_optimizer(ctx.worker_optimizer)
     collectives = ctx.peers.collectives
     reducer = GradientReducer(comm, backend, max(1, int(ctx.options.bucket_mb * 2**20 / 4)),
-                              lambda requests: collectives.wait_all(comm, requests, "the gradient allreduce"))
+                              lambda requests: collectives.wait_all(comm, requests, "the gradient allreduce"),
+                              ctx.compression)
     plan = ctx.data.plan(size, ctx.options.batch_size, ctx.options.seed)
     lr = WorkerLr(ctx.worker_lr, opt, plan.batches_per_epoch)
     val_indices = split_evenly(np.arange(ctx.data.n_val), size, rank)
@@ -93,7 +122,9 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
     start_epoch, start_step = 0, 0
     samples_seen = 0  # over all ranks, from the start of the run: every rank counts the same
     if ctx.resume_from is not None:
-        extra = load_rank_state(ctx, ctx.resume_from, opt, None)
+        carried = reducer.state_arrays()
+        extra = load_rank_state(ctx, ctx.resume_from, opt, None, own=carried)
+        reducer.load_state_arrays(carried)
         start_epoch, start_step = int(extra["epoch"]), int(extra["step"])
         ctx.early.load_json(extra.get("early", {}))
         history = ctx.history_file.resume(extra)
@@ -111,12 +142,13 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
     report = BatchStats()
     phases = {"compute": 0.0, "wait": 0.0, "update": 0.0}
     since = time.monotonic()
+    reported_bytes = 0
 
     def save(label: str, epoch: int, step: int) -> None:
         save_rank_state(ctx, label, opt, None, {"epoch": epoch, "step": step, "early": ctx.early.to_json(),
                                                 "samples_seen": samples_seen,
                                                 **ctx.history_file.checkpoint(history)},
-                        same_as=ctx.layout.fold_ranks(ctx.role.group, ctx.role.fold)[0])
+                        own=reducer.state_arrays(), same_as=ctx.layout.fold_ranks(ctx.role.group, ctx.role.fold)[0])
         # Every rank's file is on disk before the directory is committed.
         collectives.barrier(comm, f"checkpoint {label}")
         if rank == 0:
@@ -163,8 +195,8 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
                                  step=epoch * len(batches) + step + 1, epoch=epoch)
             report.add(stats)
             if time.monotonic() - since >= REPORT_EVERY:
-                _report(ctx, report, phases, since, epoch, step)
-                report, since = BatchStats(), time.monotonic()
+                _report(ctx, report, phases, since, epoch, step, reducer.bytes_sent - reported_bytes)
+                report, since, reported_bytes = BatchStats(), time.monotonic(), reducer.bytes_sent
                 phases = dict.fromkeys(phases, 0.0)
             if trailer[3] > 0:
                 stop_reason = ctx.stop.reason or "stopped: requested on another rank"
@@ -189,7 +221,7 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
             stop_reason = decision.reason
             break
 
-    _report(ctx, report, phases, since, epoch, 0)
+    _report(ctx, report, phases, since, epoch, 0, reducer.bytes_sent - reported_bytes)
     reason = stop_reason or f"completed {ctx.options.epochs} epochs"
     faults = {"restarts": ctx.attempt} if ctx.attempt else {}
     ctx.log.emit("run", {"status": "stopped" if stop_reason else "completed", "reason": reason, **faults})
@@ -215,9 +247,11 @@ def _validate(ctx: RankContext, comm: MPI.Intracomm, indices: np.ndarray, size: 
     return BatchStats(float(sums[0]), float(sums[1]), int(sums[2]))
 
 
-def _report(ctx: RankContext, stats: BatchStats, phases: dict, since: float, epoch: int, step: int) -> None:
+def _report(ctx: RankContext, stats: BatchStats, phases: dict, since: float, epoch: int, step: int,
+            bytes_sent: int) -> None:
     elapsed = time.monotonic() - since
     ctx.log.emit("train", {"samples": stats.n, "samples_per_s": stats.n / elapsed if elapsed else 0.0,
                            "loss": stats.loss, ctx.backend.metric_name or "metric": stats.metric,
                            "compute_s": phases["compute"], "wait_s": phases["wait"],
-                           "update_s": phases["update"], **ctx.backend.train_extras()}, step=step, epoch=epoch)
+                           "update_s": phases["update"], "bytes_sent": bytes_sent, **ctx.backend.train_extras()},
+                  step=step, epoch=epoch)

@@ -74,6 +74,7 @@ from nbdist.train.progress import EpochTally, RunResult, epoch_metrics, format_e
 from nbdist.train.state import load_rank_state, save_rank_state
 from nbdist.train.validation import BackgroundValidator, SampledValidation
 from nbdist.transport import messages as m
+from nbdist.transport.compression import Codec, make_codec
 from nbdist.transport.deadlines import Silence
 from nbdist.transport.faults import RankLost, RankSilent, kill_frozen
 from nbdist.transport.pool import BodyPool
@@ -113,13 +114,14 @@ class Client:
     weight: int = 1  # workers whose model state (BatchNorm statistics) its messages carry
     silence: Silence = field(default_factory=Silence)
     body: m.Body | None = None  # the pooled body of the update being served
+    codec: Codec | None = None  # how a worker's payload is encoded (--compression)
 
     def post(self) -> MPI.Request:
         return self.comm.Irecv(self.inbox.buffer, source=self.peer, tag=m.TAG_UPDATE)
 
     def receive_body(self, body: m.Body) -> MPI.Request:
         self.body = body
-        return self.comm.Irecv(body.buffer, source=self.peer, tag=m.TAG_BODY)
+        return self.comm.Irecv(body.incoming(self.codec is not None), source=self.peer, tag=m.TAG_BODY)
 
     @property
     def index(self) -> int:
@@ -393,7 +395,10 @@ def _remove_dropped(me: Master) -> None:
 def worker_clients(ctx: RankContext) -> list[Client]:
     block = ctx.comms.block
     ranks = _leader_world_ranks(ctx, block.Get_size() - 1)
-    return [Client(block, i + 1, WORKER, rank, silence=Silence(ctx.options.peer_timeout))
+    # Decoding keeps no state: the workers share one codec.
+    codec = (make_codec(ctx.compression, ctx.backend.num_params, ctx.backend.param_blocks())
+             if ctx.compression is not None else None)
+    return [Client(block, i + 1, WORKER, rank, silence=Silence(ctx.options.peer_timeout), codec=codec)
             for i, rank in enumerate(ranks)]
 
 
@@ -415,7 +420,8 @@ def open_master(me: Master, clients: list[Client]) -> None:
     me.states = np.zeros((len(clients), ctx.backend.state.size), np.float32)
     # A synchronous round streams its workers' bodies; it holds its sub-masters' pushes.
     held = sum(1 for c in clients if c.kind != WORKER) if ctx.options.synchronous else 0
-    me.pool = BodyPool(me.center.size, ctx.backend.state.size, ASYNC_BODIES + held)
+    wire = max((c.codec.wire_size for c in clients if c.codec is not None), default=0)
+    me.pool = BodyPool(me.center.size, ctx.backend.state.size, ASYNC_BODIES + held, wire)
     if ctx.options.synchronous:
         me.round_buffer = np.empty_like(me.center)
     workers = sum(1 for c in clients if c.kind == WORKER)
@@ -654,6 +660,8 @@ def _body_arrived(me: Master, i: int, request: MPI.Request) -> bool:
     client = me.clients[i]
     try:
         wait(request, timeout=client.silence.limit)
+        if client.codec is not None:  # the one place a worker's encoded payload is decoded
+            client.codec.decode(client.body.wire, client.body.payload)
         return True
     except CommFailure:
         me.pool.write_off(client.body)
