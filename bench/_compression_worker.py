@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import tempfile
 from pathlib import Path
@@ -30,14 +31,14 @@ def one_run(comm, compression: str, args) -> dict | None:
     runs = args.runs_dir or tempfile.mkdtemp(prefix="nbdist-bench-")
     result = nbdist.train(lambda: mlp(sizes), data=digits(), comm=comm, topology="allreduce",
                           epochs=args.epochs, batch_size=args.batch_size, compression=compression,
-                          worker_optimizer=f"sgd(lr={args.lr}, momentum=0.9)", runs_dir=runs,
+                          worker_optimizer=f"adam(lr={args.lr})", runs_dir=runs,
                           run_name=f"compression-{compression}", quiet=True, seed=0)
     if result is None:
         return None
     later = result.history[1:] or result.history
     samples = sum(h["samples"] for h in later)
     seconds = sum(h["seconds"] for h in later)
-    steps = sum(h["samples"] for h in result.history) / (args.batch_size * comm.Get_size())
+    steps = len(result.history) * math.ceil(result.history[0]["samples"] / (args.batch_size * comm.Get_size()))
     sent = sum(r["values"].get("bytes_sent", 0) for r in read_log(result.run_dir, "train") if r["rank"] == 0)
     return {"compression": compression, "samples_per_s": samples / seconds,
             "val_acc": result.final["val_acc"], "bytes_per_step": sent / steps,
@@ -49,7 +50,7 @@ def main() -> None:
     p.add_argument("--plan", required=True, help='JSON list of --compression values')
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--runs-dir", default=None)
     args = p.parse_args()
     torch.set_num_threads(1)

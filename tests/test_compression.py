@@ -32,6 +32,19 @@ def test_fp16_and_bf16_round_trip_within_their_precision_in_half_the_words(codec
     assert np.array_equal(_round_trip(codec(x.size), out)[1], out)  # representable values pass as they are
 
 
+def test_fp16_bits_are_numpys_conversion_including_subnormals_infinities_and_nan():
+    values = np.concatenate([RNG.standard_normal(20000) * 10.0 ** RNG.uniform(-12, 6, 20000),
+                             [0.0, -0.0, np.inf, -np.inf, 65504, 65520, 65519.99, 6e-8, 2.98e-8, 2.99e-8]])
+    x = np.concatenate([values.astype(np.float32), RNG.integers(0, 2**32, 20000, dtype=np.uint64).astype(
+        np.uint32).view(np.float32)])  # every kind of bit pattern
+    wire, out = _round_trip(Fp16(x.size), x)
+    finite = ~np.isnan(x)
+    with np.errstate(over="ignore"):
+        expected = x.astype(np.float16)
+    assert np.array_equal(wire.view(np.float16)[: x.size][finite].view(np.uint16), expected[finite].view(np.uint16))
+    assert np.isnan(out[~finite]).all() and np.array_equal(out[finite], expected[finite].astype(np.float32))
+
+
 def test_bf16_rounds_like_torch():
     import torch
 

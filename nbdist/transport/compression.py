@@ -69,17 +69,55 @@ class Codec(ABC):
 
 
 class Fp16(Codec):
+    """IEEE half precision, rounded to nearest even, by integer operations on the bits:
+    numpy's own float16 conversion takes about 60 ns a value, and seconds for a gradient
+    of values below fp16's normal range (small gradients are common), against a few ns."""
+
     @property
     def wire_size(self) -> int:
         return (self.n + 1) // 2
 
     def encode(self, x: np.ndarray, wire: np.ndarray) -> None:
-        halves = wire.view(np.float16)
-        halves[: self.n] = x
+        halves = wire.view(np.uint16)
+        halves[: self.n] = _float_to_half(np.ascontiguousarray(x, np.float32))
         halves[self.n:] = 0
 
     def decode(self, wire: np.ndarray, out: np.ndarray) -> None:
-        out[:] = wire.view(np.float16)[: self.n]
+        out.view(np.uint32)[:] = _half_to_float(wire.view(np.uint16)[: self.n])
+
+
+def _float_to_half(x: np.ndarray) -> np.ndarray:
+    """float32 -> float16 bits, round to nearest even (F. Giesen's float_to_half_fast3_rtne)."""
+    u = x.view(np.uint32)
+    sign = (u >> np.uint32(16)) & np.uint32(0x8000)
+    a = u & np.uint32(0x7FFFFFFF)
+    # Normal halves: rebias the exponent, round the 13 dropped mantissa bits to nearest even.
+    rebias = np.uint32((((15 - 127) << 23) + 0xFFF) & 0xFFFFFFFF)  # adds modulo 2^32
+    normal = (a + rebias + ((a >> np.uint32(13)) & np.uint32(1))) >> np.uint32(13)
+    # Below 2^-14: adding 0.5 lets the float unit shift and round the mantissa into place.
+    magic = np.uint32(((127 - 15) + (23 - 10) + 1) << 23)
+    with np.errstate(all="ignore"):  # NaN and infinity lanes are replaced below
+        small = (a.view(np.float32) + magic.view(np.float32)).view(np.uint32) - magic
+    half = np.where(a < np.uint32(113 << 23), small, normal)
+    # Too large for a half: infinity; NaN stays a (quiet) NaN.
+    half = np.where(a >= np.uint32((127 + 16) << 23), np.where(a > np.uint32(255 << 23), 0x7E00, 0x7C00), half)
+    return (half | sign).astype(np.uint16)
+
+
+def _half_to_float(h: np.ndarray) -> np.ndarray:
+    """float16 bits -> float32 bits (exact; F. Giesen's half_to_float)."""
+    h = h.astype(np.uint32)
+    bits = (h & np.uint32(0x7FFF)) << np.uint32(13)
+    exponent = bits & np.uint32(0x7C00 << 13)
+    bits = bits + np.uint32((127 - 15) << 23)
+    # Infinity and NaN: the exponent goes all the way up.
+    bits = np.where(exponent == np.uint32(0x7C00 << 13), bits + np.uint32((128 - 16) << 23), bits)
+    # Subnormal halves: renormalise through the float unit.
+    magic = np.uint32(113 << 23)
+    with np.errstate(all="ignore"):  # only the subnormal lanes are kept
+        subnormal = ((bits + np.uint32(1 << 23)).view(np.float32) - magic.view(np.float32)).view(np.uint32)
+    bits = np.where(exponent == 0, subnormal, bits)
+    return bits | ((h & np.uint32(0x8000)) << np.uint32(16))
 
 
 class Bf16(Codec):
