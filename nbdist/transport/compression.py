@@ -105,19 +105,21 @@ def _float_to_half(x: np.ndarray) -> np.ndarray:
 
 
 def _half_to_float(h: np.ndarray) -> np.ndarray:
-    """float16 bits -> float32 bits (exact; F. Giesen's half_to_float)."""
-    h = h.astype(np.uint32)
-    bits = (h & np.uint32(0x7FFF)) << np.uint32(13)
+    """float16 bits -> float32 bits (exact; F. Giesen's half_to_float). In place on one
+    array, and the rare lanes (subnormal, infinite, NaN) by index."""
+    bits = h.astype(np.uint32)
+    sign = (bits & np.uint32(0x8000)) << np.uint32(16)
+    bits &= np.uint32(0x7FFF)
+    bits <<= np.uint32(13)
     exponent = bits & np.uint32(0x7C00 << 13)
-    bits = bits + np.uint32((127 - 15) << 23)
-    # Infinity and NaN: the exponent goes all the way up.
-    bits = np.where(exponent == np.uint32(0x7C00 << 13), bits + np.uint32((128 - 16) << 23), bits)
-    # Subnormal halves: renormalise through the float unit.
-    magic = np.uint32(113 << 23)
-    with np.errstate(all="ignore"):  # only the subnormal lanes are kept
-        subnormal = ((bits + np.uint32(1 << 23)).view(np.float32) - magic.view(np.float32)).view(np.uint32)
-    bits = np.where(exponent == 0, subnormal, bits)
-    return bits | ((h & np.uint32(0x8000)) << np.uint32(16))
+    bits += np.uint32((127 - 15) << 23)
+    special = np.flatnonzero(exponent == np.uint32(0x7C00 << 13))  # infinity and NaN
+    bits[special] += np.uint32((128 - 16) << 23)
+    subnormal = np.flatnonzero(exponent == 0)  # renormalised through the float unit
+    magic = np.uint32(113 << 23).view(np.float32)
+    bits[subnormal] = ((bits[subnormal] + np.uint32(1 << 23)).view(np.float32) - magic).view(np.uint32)
+    bits |= sign
+    return bits
 
 
 class Bf16(Codec):
