@@ -62,7 +62,9 @@ class GradientReducer:
     def __init__(self, comm: MPI.Intracomm, backend, bucket_floats: int, finish_wait=None,
                  compression: Spec | None = None):
         self.comm = comm
-        self.staging = Staging(backend.rule_grads, backend.copier)
+        # The codecs are numpy: a compressed gradient goes through host memory even where
+        # MPI could read the device (cuda_aware=False: pinned host copies).
+        self.staging = Staging(backend.rule_grads, backend.copier, cuda_aware=False if compression else None)
         self.requests: list[MPI.Request] = []
         self.finish_wait = finish_wait or wait_all
         self.buckets = backend.bucket_hooks(bucket_floats, self._bucket_ready)

@@ -74,7 +74,9 @@ class Worker:
         self.rule_params, self.rule_grads = backend.rule_params, backend.rule_grads
         self.params = Staging(backend.params, backend.copier)
         self.model_state = Staging(backend.state, backend.copier)
-        self.grads = Staging(backend.grads, backend.copier) if self.procs > 1 else None
+        # Compressed, the worker's gradient goes through host memory (the codecs are numpy).
+        self.grads = (Staging(backend.grads, backend.copier, cuda_aware=False if ctx.compression else None)
+                      if self.procs > 1 else None)
         n, s = backend.num_params, len(backend.state)
         self.opt = backend.make_optimizer(ctx.worker_optimizer) if ctx.worker_optimizer else None
         self.rule_state = ctx.algorithm.new_worker_state(n, ctx.sync_every, like=self.rule_params)
@@ -240,7 +242,10 @@ class Worker:
             return
         before = self.reduction.bytes_sent
         host = self.grads.to_host()
-        wait = lambda requests: collectives.wait_all(self.wcomm, requests, what)  # noqa: E731
+
+        def wait(requests: list) -> None:
+            collectives.wait_all(self.wcomm, requests, what)
+
         wait(self.reduction.start(0, host))
         self.reduction.finish(lambda: host, wait)
         self.grads.to_device()
