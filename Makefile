@@ -36,6 +36,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/dashboard_overhead.py
 	$(BIN)/python bench/keras_overhead.py
 	$(BIN)/python bench/sync_batchnorm.py
+	$(BIN)/python bench/compression.py
 	$(BIN)/python bench/hpo_parallel.py
 	$(BIN)/python bench/faults.py
 	$(BIN)/python bench/convergence.py --quick

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from nbdist.errors import OptionsError
+from nbdist.transport.compression import parse_compression
 
 __all__ = ["TrainOptions", "StudyOptions", "add_arguments", "add_study_arguments", "options_from_args",
            "saved_run_options", "study_options_from_args", "Target", "parse_target"]
@@ -133,6 +134,10 @@ class TrainOptions:
                                "CPU with numpy views), cuda (GPU local_rank mod gpus; not yet run on a GPU) or cpu "
                                "(the GPU path's tensors and staging, run on the CPU)", choices=DEVICES)
     bucket_mb: float = _opt(2.0, "allreduce bucket size in MB (gradients reduced while backward runs)")
+    compression: str = _opt(
+        "none", "what gradients and worker-to-master messages travel as: none, fp16, bf16, topk(RATIO) (the RATIO "
+                "fraction of entries largest in magnitude) or powersgd(RANK) (rank-RANK factors of each weight "
+                "matrix); topk and powersgd keep what they leave out for the next step (error feedback)")
     quiet: bool = _opt(False, "print only the final summary")
     trace_updates: bool = _opt(False, "also record every update the master applies (source rank, staleness, "
                                       "version) in the run's log; by default a master records one summary per "
@@ -195,6 +200,7 @@ class TrainOptions:
                                f"give the parent directory with --runs-dir")
         if not self.bucket_mb > 0:
             raise OptionsError(f"--bucket-mb must be above 0, got {self.bucket_mb}")
+        parse_compression(self.compression)
         if self.min_delta < 0:
             raise OptionsError(f"--min-delta must be 0 or more (an improvement by at least this much), "
                                f"got {self.min_delta}")
@@ -230,6 +236,9 @@ class TrainOptions:
         if self.gan or self.precision != "fp32":
             raise OptionsError(f"--worker-parallel pipeline trains in fp32 without --gan (got "
                                f"{'--gan' if self.gan else '--precision ' + self.precision})")
+        if parse_compression(self.compression) is not None:
+            raise OptionsError(f"--compression {self.compression} is not built for --worker-parallel pipeline yet: "
+                               f"a pipeline's stages gather one uncompressed message; drop --compression")
         if self.sync_batchnorm:
             # Its processes hold different layers: no two of them normalise the same channels.
             raise OptionsError("--sync-batchnorm does not apply to --worker-parallel pipeline: each process holds "

@@ -40,8 +40,11 @@ class Spec:
         return Spec(self.name, {**defaults, **self.kwargs})
 
 
-def parse_spec(text: "str | Spec | Mapping[str, Any]", *, what: str = "option") -> Spec:
-    """`adam(lr=0.01)` -> Spec('adam', {'lr': 0.01}); a Spec or {'name':..., ...} passes."""
+def parse_spec(text: "str | Spec | Mapping[str, Any]", *, what: str = "option",
+               positional: Mapping[str, str] | None = None) -> Spec:
+    """`adam(lr=0.01)` -> Spec('adam', {'lr': 0.01}); a Spec or {'name':..., ...} passes.
+    `positional`: the names that take their one parameter by position too, and what it
+    is called (`topk(0.01)` == `topk(ratio=0.01)` with {'topk': 'ratio'})."""
     if isinstance(text, Spec):
         return text
     if isinstance(text, Mapping):
@@ -61,26 +64,35 @@ def parse_spec(text: "str | Spec | Mapping[str, Any]", *, what: str = "option") 
         ) from None
     if isinstance(node, ast.Name):
         return Spec(node.id.lower())
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args:
-        kwargs = {}
-        for kw in node.keywords:
-            if kw.arg is None:
-                raise SpecError(f"{what} {source!r}: **kwargs is not allowed")
-            if kw.arg in kwargs:
-                raise SpecError(f"{what} {source!r}: {kw.arg} is given twice")
-            try:
-                kwargs[kw.arg] = ast.literal_eval(kw.value)
-            except (ValueError, TypeError, RecursionError):
-                # literal_eval raises TypeError for e.g. {[1]} (an unhashable set member).
-                raise SpecError(
-                    f"{what} {source!r}: the value of {kw.arg} must be a literal "
-                    f"(number, string, tuple, True/False/None)"
-                ) from None
-        return Spec(node.func.id.lower(), kwargs)
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+        name = node.func.id.lower()
+        if not node.args:
+            return Spec(name, _literal_kwargs(node.keywords, source, what))
+        single = (positional or {}).get(name)
+        if single is not None and len(node.args) == 1 and not node.keywords:
+            return Spec(name, _literal_kwargs([ast.keyword(single, node.args[0])], source, what))
     raise SpecError(
         f"cannot read {what} {source!r}: write a name, or name(key=value, ...) with keyword "
         f"arguments only, e.g. sgd(lr=0.1, momentum=0.9)"
     )
+
+
+def _literal_kwargs(keywords: list[ast.keyword], source: str, what: str) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {}
+    for kw in keywords:
+        if kw.arg is None:
+            raise SpecError(f"{what} {source!r}: **kwargs is not allowed")
+        if kw.arg in kwargs:
+            raise SpecError(f"{what} {source!r}: {kw.arg} is given twice")
+        try:
+            kwargs[kw.arg] = ast.literal_eval(kw.value)
+        except (ValueError, TypeError, RecursionError):
+            # literal_eval raises TypeError for e.g. {[1]} (an unhashable set member).
+            raise SpecError(
+                f"{what} {source!r}: the value of {kw.arg} must be a literal "
+                f"(number, string, tuple, True/False/None)"
+            ) from None
+    return kwargs
 
 
 def did_you_mean(name: str, known: list[str]) -> str:

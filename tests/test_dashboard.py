@@ -37,7 +37,7 @@ pytestmark = [pytest.mark.mpi, pytest.mark.timeout(600)]
 
 CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = ROOT / "test-artifacts"
-LIVE_PLOTS = ("throughput", "staleness", "loss-by-samples", "timeline", "cpu")
+LIVE_PLOTS = ("throughput", "staleness", "loss-by-samples", "timeline", "cpu", "bytes-sent")
 # Points drawn in a named figure: the rows of its renderers' data sources.
 COUNT_POINTS = """(name) => {
   const doc = Bokeh.documents[0]; if (!doc) return null;

@@ -31,11 +31,22 @@ def test_throughput_total_and_samples_seen_accumulate_across_batches():
     assert first.throughput[1].values.tolist() == [[1.0, 100.0]]
     assert first.total_throughput["samples_per_s"].tolist() == [100.0, 150.0]
     assert first.train_loss[["samples_seen", "loss", "metric"]].values.tolist() == [[64, 2.0, 0.1], [96, 1.0, 0.2]]
+    assert first.bytes_sent == {}  # records from before --compression carry no bytes
     second = frames.ingest([_rec("train", 1, 102.0, samples=64, samples_per_s=80.0, loss=0.5, acc=0.5)])
     # Only the new point; the total uses rank 2's latest rate.
     assert second.throughput == {1: second.throughput[1]} and len(second.throughput[1]) == 1
     assert second.total_throughput["samples_per_s"].tolist() == [130.0]
     assert second.train_loss["samples_seen"].tolist() == [160]
+
+
+def test_bytes_sent_add_up_per_rank():
+    frames = RunFrames("allreduce", t0=0.0)
+    first = frames.ingest([_rec("train", 0, 1.0, samples=32, samples_per_s=10.0, bytes_sent=2_000_000),
+                           _rec("train", 1, 1.0, samples=32, samples_per_s=10.0, bytes_sent=500_000)])
+    second = frames.ingest([_rec("train", 0, 2.0, samples=32, samples_per_s=10.0, bytes_sent=1_000_000)])
+    assert first.bytes_sent[0].values.tolist() == [[1.0, 2.0]] and first.bytes_sent[1].values.tolist() == [[1.0, 0.5]]
+    assert second.bytes_sent[0].values.tolist() == [[2.0, 3.0]] and list(second.bytes_sent) == [0]
+    assert frames.metric_name is None  # bytes_sent is not mistaken for the model's metric
 
 
 def test_staleness_points_per_worker_and_the_distribution():

@@ -193,7 +193,7 @@ def test_argparse_round_trip_of_every_field(tmp_path):
                    early_stopping=3, monitor="val_acc", min_delta=0.01, target="val_loss < 0.2",
                    checkpoint_every=3, keep_checkpoints=5, resume=str(run), max_restarts=2, peer_timeout=7.5,
                    runs_dir="elsewhere", store="runs/other.db", run_name="r1",
-                   threads=2, bucket_mb=4.0, quiet=True, train="t_*.h5", val="v.h5", cache_dir="/tmp/c",
+                   threads=2, bucket_mb=4.0, compression="topk(0.05)", quiet=True, train="t_*.h5", val="v.h5", cache_dir="/tmp/c",
                    device="cpu",
                    data_keys="x,y", gan=True, d_steps=2, lr_scaling="sqrt", warmup_epochs=1.5,
                    worker_lr_schedule="steplr(step_size=2)", master_lr_schedule="cosineannealinglr(T_max=4)",

@@ -94,6 +94,22 @@ EXTRA_RUNS = {
                           "--worker-parallel", "pipeline", "--algorithm", "easgd", *TRACE],
     },
 }
+# --compression: each codec on the allreduce and on workers' messages to a master (test_compression_*).
+COMPRESSED_RUNS = {
+    3: {
+        "allreduce-fp16": ["--topology", "allreduce", "--compression", "fp16"],
+        "allreduce-bf16": ["--topology", "allreduce", "--compression", "bf16"],
+        "allreduce-topk": ["--topology", "allreduce", "--compression", "topk(0.1)"],
+        "allreduce-powersgd": ["--topology", "allreduce", "--compression", "powersgd(2)"],
+        "downpour-topk": ["--algorithm", "downpour", "--compression", "topk(ratio=0.1)"],
+        "downpour-powersgd": ["--algorithm", "downpour", "--compression", "powersgd(2)"],
+        "easgd-bf16": ["--algorithm", "easgd", "--compression", "bf16"],
+    },
+    # The workers' own allreduce and their messages to the master.
+    5: {"procs-per-worker-2-fp16": ["--procs-per-worker", "2", "--compression", "fp16"]},
+}
+for _n, _runs in COMPRESSED_RUNS.items():
+    EXTRA_RUNS[_n].update({name: ["--model", MLP, "--epochs", str(EPOCHS), *argv] for name, argv in _runs.items()})
 
 
 def _run_batch(n: int, runs: dict[str, list[str]], runs_dir: Path, timeout: float, quiet: bool = True):
@@ -129,6 +145,8 @@ RESUME_CONFIGS = {
                          "--master-lr-schedule", "steplr(step_size=1, gamma=0.7)"],
     "allreduce-lr": ["--topology", "allreduce", "--lr-scaling", "sqrt", "--warmup-epochs", "2.5",
                      "--worker-lr-schedule", "CosineAnnealingLR(T_max=4)"],
+    # The residuals and PowerSGD's warm start are in every rank's share of the checkpoint.
+    "allreduce-powersgd": ["--topology", "allreduce", "--compression", "powersgd(1)"],
 }
 RESUME_RANKS = 3
 for _name, _argv in RESUME_CONFIGS.items():
@@ -136,6 +154,9 @@ for _name, _argv in RESUME_CONFIGS.items():
     # resumed later (see `resumed`).
     EXTRA_RUNS[RESUME_RANKS][f"{_name}-A"] = ["--model", MLP, "--epochs", "4", "--checkpoint-every", "1", *_argv]
     EXTRA_RUNS[RESUME_RANKS][f"{_name}-B"] = ["--model", MLP, "--epochs", "2", *_argv]
+# `--compression none` is today's code path: the same weights, bit for bit, as run A without it.
+for _name in ("allreduce", "downpour-sync"):
+    EXTRA_RUNS[RESUME_RANKS][f"{_name}-none"] = [*EXTRA_RUNS[RESUME_RANKS][f"{_name}-A"], "--compression", "none"]
 # Like allreduce-B, but its latest checkpoint is truncated before the resume.
 EXTRA_RUNS[RESUME_RANKS]["allreduce-C"] = EXTRA_RUNS[RESUME_RANKS]["allreduce-B"]
 TRUNCATED = "checkpoints/epoch-0002/rank-00000.safetensors"
@@ -255,6 +276,38 @@ def test_pipeline_workers_learn_digits(batches, n, name):
     first, second = 64 * 128 + 128, 128 * 64 + 64 + 64 * 10 + 10
     sizes = [Checkpoints.read_rank(path, rank)[0]["model"]["params"].size for rank in range(n)]
     assert sizes == [first + second] + [first, second] * (n // 2), sizes
+
+
+# ---------------------------------------------------------------------- compression
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("n, name", [(n, name) for n, runs in COMPRESSED_RUNS.items() for name in runs])
+def test_compression_learns_digits_and_counts_its_bytes(batches, n, name):
+    summary = batches[n].summary(name)
+    assert summary["final"]["val_acc"] >= ACCURACY, f"{name}: {summary['history']}"
+    run = batches[n].run(name)
+    sent = Counter()
+    for record in read_log(run, "train"):
+        sent[record["rank"]] += record["values"]["bytes_sent"]
+    # What one allreduce step puts on the wire per rank, for the MLP's 4810 gradient floats
+    # (one bucket): fp16/bf16 two to a word; topk(0.1) 481 values and 481 indices;
+    # powersgd(2) the biases (74 floats), P and Q of the 10x64 and 64x64 weights (20 + 128,
+    # 128 + 128). An allreduce rank takes ceil(1437 / (3 * 32)) = 15 steps an epoch.
+    per_step = {"fp16": 4 * 2405, "bf16": 4 * 2405, "topk": 4 * 962, "powersgd": 4 * (74 + 148 + 256)}
+    if name.startswith("allreduce"):
+        codec = name.split("-")[1]
+        assert set(sent.values()) == {EPOCHS * 15 * per_step[codec]}, (sent, per_step[codec])
+    else:
+        assert all(v > 0 for v in sent.values()) and len(sent) == n - 1, sent
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", ["allreduce", "downpour-sync"])
+def test_compression_none_is_todays_run_bit_for_bit(batches, name):
+    plain = load_file(str(batches[RESUME_RANKS].run(f"{name}-A") / "final" / "model.safetensors"))
+    none = load_file(str(batches[RESUME_RANKS].run(f"{name}-none") / "final" / "model.safetensors"))
+    assert set(plain) == set(none)
+    for key in plain:
+        assert np.array_equal(plain[key], none[key]), key
 
 
 # ------------------------------------------------------------ validation every N samples

@@ -85,6 +85,9 @@ class Algorithm(ABC):
     # rescaling): the workers' momentum then reaches the centre, and with many workers
     # its total with asynchrony's can make the centre collapse (train/asynchrony.py).
     centre_takes_worker_steps: ClassVar[bool] = False
+    # A worker's message is its weights themselves (EASGD), not a step: a codec that sends
+    # a part and keeps the rest for later (--compression topk, powersgd) does not fit.
+    sends_weights_themselves: ClassVar[bool] = False
 
     def __init__(self, **params: Any):
         self.params = params

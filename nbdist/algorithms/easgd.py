@@ -70,6 +70,7 @@ class EASGDMaster(RuleState):
 class EASGD(Algorithm):
     name = "easgd"
     sends_weights = True
+    sends_weights_themselves = True
     default_sync_every = 4
 
     def __init__(self, elastic_force: float | None = None, elastic_lr: float = 1.0,

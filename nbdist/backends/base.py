@@ -280,6 +280,11 @@ class Backend(ABC):
         call `on_ready(i)` from inside the backward pass as soon as bucket i is final.
         Returns the buckets' (start, stop) ranges. Every bucket fires once per backward."""
 
+    def param_blocks(self) -> list[tuple[int, int, tuple[int, ...]]]:
+        """Each trainable parameter's (start, stop) in the flat buffer and its shape
+        (--compression powersgd factors the matrices); by default one vector."""
+        return [(0, self.num_params, (self.num_params,))]
+
     @abstractmethod
     def named_arrays(self) -> dict[str, np.ndarray]:
         """The model's weights and state by their framework names (for exporting)."""

@@ -255,6 +255,15 @@ class FlatVariables:
         self.state = _aligned_flat([v for vs in self.non_trainable for v in vs if _is_float(v.dtype)])
         self.others = [np.array(v.numpy()) for vs in self.non_trainable for v in vs if not _is_float(v.dtype)]
 
+    def param_blocks(self) -> list[tuple[int, int, tuple[int, ...]]]:
+        """Each trainable variable's (start, stop) in `params` and its shape."""
+        blocks, start = [], 0
+        for v in (v for vs in self.trainable for v in vs):
+            size = int(np.prod(v.shape))
+            blocks.append((start, start + size, tuple(int(d) for d in v.shape)))
+            start += size
+        return blocks
+
     def paths(self, prefixes: list[str]) -> list[tuple[str, str, Any]]:
         """(name, where, variable) for every variable in buffer order, `where` being
         "params", "state" or "others"; names are variable paths after each model's prefix."""
@@ -471,6 +480,9 @@ class KerasBackend(Backend):
         return self._overflow_guard(KerasFlatOptimizer(spec, self.params if params is None else params))
 
     # -- state ------------------------------------------------------------------------
+    def param_blocks(self) -> list[tuple[int, int, tuple[int, ...]]]:
+        return self._flat.param_blocks()
+
     def named_arrays(self) -> dict[str, np.ndarray]:
         return named_arrays(self._flat, self._models, self.params, self.state, self._prefixes)
 

@@ -377,6 +377,9 @@ class TorchBackend(Backend):
             layer.reduce = reduce
 
     # -- state ------------------------------------------------------------------------
+    def param_blocks(self) -> list[tuple[int, int, tuple[int, ...]]]:
+        return [(lo, hi, tuple(p.shape)) for p, (lo, hi) in zip(self._order, self._slices)]
+
     def named_arrays(self) -> dict[str, np.ndarray]:
         return {k: v.detach().cpu().numpy().copy() for k, v in self.model.state_dict().items()}
 

@@ -77,6 +77,7 @@ class _RunView:
             pn.Row(bokeh(p.staleness.figure), bokeh(p.staleness_figure)),
             pn.Column(bokeh(p.timeline_figure), pn.pane.HTML(phase_legend())),
             pn.Row(bokeh(p.cpu.figure), bokeh(p.memory.figure)),
+            pn.Row(bokeh(p.bytes_sent.figure)),
             pn.Row(pn.pane.HTML(layout_html(info.layout), name="nbdist-layout"),
                    *([bokeh(p.gan_figure)] if info.options.get("gan") else [])),
         )

@@ -48,6 +48,7 @@ class Frames:
 
     throughput: dict[int, pd.DataFrame] = field(default_factory=dict)  # t, samples_per_s
     total_throughput: pd.DataFrame | None = None  # t, samples_per_s
+    bytes_sent: dict[int, pd.DataFrame] = field(default_factory=dict)  # t, mb_sent: the rank's running total
     staleness: dict[int, pd.DataFrame] = field(default_factory=dict)  # t, staleness (mean), max
     staleness_mean: pd.DataFrame | None = None  # t, staleness: the mean over every worker's updates
     staleness_counts: pd.DataFrame | None = None  # rank, staleness, count: the whole table, when it changed
@@ -61,7 +62,8 @@ class Frames:
     events: list[tuple[float, str]] = field(default_factory=list)  # t, what happened (ranks lost, restarts)
 
     def empty(self) -> bool:
-        return not (self.throughput or self.staleness or self.resources or self.ended or self.events) and all(
+        return not (self.throughput or self.bytes_sent or self.staleness or self.resources or self.ended
+                    or self.events) and all(
             v is None for v in (self.total_throughput, self.staleness_counts, self.staleness_mean, self.train_loss,
                                 self.epochs, self.validations, self.timeline, self.gan))
 
@@ -74,6 +76,7 @@ class RunFrames:
         self.topology = topology
         self.t0 = t0
         self._rate: dict[int, float] = {}
+        self._bytes_sent: Counter = Counter()  # per rank, since the run began
         self._samples_seen = 0
         self._epoch_samples = 0
         self._phase_totals: dict[int, dict[str, float]] = {}
@@ -128,11 +131,15 @@ class RunFrames:
             return
         kind = "allreduce" if self.topology == "allreduce" else "worker"
         rows: dict[int, list[tuple[float, float]]] = defaultdict(list)
+        sent: dict[int, list[tuple[float, float]]] = defaultdict(list)
         totals, losses, segments, gan = [], [], [], []
         for r in records:
             v, rank, t = r["values"], r["rank"], self._t(r["time"])
             rate = float(v.get("samples_per_s") or 0.0)
             rows[rank].append((t, rate))
+            if "bytes_sent" in v:  # gradients and messages on the wire (records since --compression)
+                self._bytes_sent[rank] += int(v["bytes_sent"])
+                sent[rank].append((t, self._bytes_sent[rank] / 1e6))
             self._rate[rank] = rate
             totals.append((t, sum(self._rate.values())))
             samples = int(v.get("samples") or 0)
@@ -146,6 +153,7 @@ class RunFrames:
                 gan.append((t, self._samples_seen, *(v.get(k) for k in GAN_KEYS)))
             segments += self._segments(rank, t, phase_parts(v, kind))
         out.throughput = {rank: pd.DataFrame(rs, columns=["t", "samples_per_s"]) for rank, rs in rows.items()}
+        out.bytes_sent = {rank: pd.DataFrame(rs, columns=["t", "mb_sent"]) for rank, rs in sent.items()}
         out.total_throughput = pd.DataFrame(totals, columns=["t", "samples_per_s"])
         if losses:
             out.train_loss = pd.DataFrame(losses, columns=["t", "samples_seen", "loss", "metric"])
@@ -237,7 +245,8 @@ class RunFrames:
 
 
 # The keys of a 'train' record that are not its metric.
-_TRAIN_KEYS = {"samples", "samples_per_s", "loss", "compute_s", "send_s", "wait_s", "update_s", "version"}
+_TRAIN_KEYS = {"samples", "samples_per_s", "loss", "compute_s", "send_s", "wait_s", "update_s", "version",
+               "bytes_sent"}
 
 
 def _mean_staleness(points: list[tuple[float, int, int]]) -> float:

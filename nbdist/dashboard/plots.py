@@ -103,6 +103,8 @@ class RunPlots:
         self.total = ColumnDataSource({"t": [], "samples_per_s": []})
         self.total_figure = _figure("total-throughput", "Throughput, all workers", time_label, "samples/s")
         self.total_figure.line("t", "samples_per_s", source=self.total, color="black", line_width=2)
+        self.bytes_sent = _RankLines("bytes-sent", "Data sent per rank: gradients, messages (--compression)",
+                                     worker_ranks, "t", "mb_sent", time_label, "MB sent since the start")
 
         self.staleness = _RankLines("staleness", "Gradient staleness per worker", worker_ranks, "t", "staleness",
                                     time_label, "staleness (mean per point)", extra=("max",))
@@ -177,6 +179,7 @@ class RunPlots:
     # -- feeding ------------------------------------------------------------------------
     def send(self, frames: Frames) -> None:
         self.throughput.send(frames.throughput)
+        self.bytes_sent.send(frames.bytes_sent)
         if frames.total_throughput is not None:
             _stream(self.total, frames.total_throughput)
         self.staleness.send(frames.staleness)
@@ -220,6 +223,7 @@ class RunPlots:
     @property
     def figures(self) -> dict[str, Any]:
         return {"throughput": self.throughput.figure, "total-throughput": self.total_figure,
+                "bytes-sent": self.bytes_sent.figure,
                 "staleness": self.staleness.figure, "staleness-distribution": self.staleness_figure,
                 "timeline": self.timeline_figure, "cpu": self.cpu.figure, "memory": self.memory.figure,
                 "gan": self.gan_figure, **{f.name.removeprefix("nbdist-"): f for f in

@@ -47,7 +47,8 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
     opt = backend.make_optimizer(ctx.worker_optimizer)
     collectives = ctx.peers.collectives
     reducer = GradientReducer(comm, backend, max(1, int(ctx.options.bucket_mb * 2**20 / 4)),
-                              lambda requests: collectives.wait_all(comm, requests, "the gradient allreduce"))
+                              lambda requests: collectives.wait_all(comm, requests, "the gradient allreduce"),
+                              ctx.compression)
     # --sync-batchnorm: the statistics are the whole step's, the same on every rank.
     shared_statistics = synchronise_batchnorm(ctx, comm)
     plan = ctx.data.plan(size, ctx.options.batch_size, ctx.options.seed)
@@ -58,7 +59,9 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
     start_epoch, start_step = 0, 0
     samples_seen = 0  # over all ranks, from the start of the run: every rank counts the same
     if ctx.resume_from is not None:
-        extra = load_rank_state(ctx, ctx.resume_from, opt, None)
+        carried = reducer.state_arrays()  # --compression's residuals, PowerSGD's Q
+        extra = load_rank_state(ctx, ctx.resume_from, opt, None, own=carried)
+        reducer.load_state_arrays(carried)
         start_epoch, start_step = int(extra["epoch"]), int(extra["step"])
         ctx.early.load_json(extra.get("early", {}))
         history = ctx.history_file.resume(extra)
@@ -80,7 +83,7 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
         save_rank_state(ctx, label, opt, None, {"epoch": epoch, "step": step, "early": ctx.early.to_json(),
                                                 "samples_seen": samples_seen,
                                                 **ctx.history_file.checkpoint(history)},
-                        same_as=ctx.layout.fold_ranks(ctx.role.group, ctx.role.fold)[0])
+                        own=reducer.state_arrays(), same_as=ctx.layout.fold_ranks(ctx.role.group, ctx.role.fold)[0])
         # Every rank's file is on disk before the directory is committed.
         collectives.barrier(comm, f"checkpoint {label}")
         if rank == 0:
@@ -99,12 +102,14 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
         """One batch, its gradient summed over every rank; True when a rank asked to stop."""
         nonlocal samples_seen, stop_reason
         t0 = time.perf_counter()
+        sent = reducer.bytes_sent  # the buckets start during backward
         x, y = ctx.data.train_batch(indices)
         share = allreduce_sgd.sample_share(sizes[step], rank)
         stats = backend.compute_gradients(x, y, scale=share)
         t1 = time.perf_counter()
         trailer[:] = (stats.n, stats.loss_sum, stats.metric_sum, float(ctx.stop.requested))
         reducer.finish(trailer)
+        report.bytes_sent += reducer.bytes_sent - sent
         t2 = time.perf_counter()
         ctx.peers.pace.heard()
         global_stats = BatchStats(float(trailer[1]), float(trailer[2]), int(trailer[0]))

@@ -36,8 +36,10 @@ from nbdist.train.loop import NonFiniteLoss, TrainReport, check_loss, run_epochs
 from nbdist.train.lr import WorkerLr, rule_lr
 from nbdist.train.state import load_rank_state, save_rank_state
 from nbdist.transport import messages as m
+from nbdist.transport.compression import Compressor, make_codec
 from nbdist.transport.deadlines import Silence
 from nbdist.transport.faults import RunFailure
+from nbdist.transport.reduction import compressed_reduction
 from nbdist.transport.staging import Staging
 from nbdist.transport.worker_channel import WorkerChannel
 
@@ -58,7 +60,9 @@ class Worker:
         self.rule_params, self.rule_grads = backend.rule_params, backend.rule_grads
         self.params = Staging(backend.params, backend.copier)
         self.model_state = Staging(backend.state, backend.copier)
-        self.grads = Staging(backend.grads, backend.copier) if self.procs > 1 else None
+        # Compressed, the worker's gradient goes through host memory (the codecs are numpy).
+        self.grads = (Staging(backend.grads, backend.copier, cuda_aware=False if ctx.compression else None)
+                      if self.procs > 1 else None)
         if self.procs > 1:
             synchronise_batchnorm(ctx, self.wcomm)  # --sync-batchnorm: over the worker's processes
         n, s = backend.num_params, len(backend.state)
@@ -73,7 +77,14 @@ class Worker:
         self.lr = WorkerLr(ctx.worker_lr, taker, self.plan.batches_per_epoch)
         self.members: tuple[int, ...] = tuple(range(self.workers))
         self.version = 0
-        self.out = m.Message(n, s)
+        # --compression: the leader encodes its message (one point: _exchange); a worker of
+        # several processes also reduces its gradient through the codec (_reduce_gradient).
+        codec = make_codec(ctx.compression, n, backend.param_blocks()) if ctx.compression is not None else None
+        self.compressor = Compressor(codec) if codec is not None and self.leader else None
+        self.carried_before: dict[str, np.ndarray] = {}  # the compressor's state before the last message
+        self.reduction = (compressed_reduction(self.wcomm, ctx.compression, n, [(0, n)], backend.param_blocks())
+                          if ctx.compression is not None and self.procs > 1 else None)
+        self.out = m.Message(n, s, codec.wire_size if codec is not None else 0)
         self.reply_header = m.new_header(self.workers)
         self.reply_payload = np.empty(n, np.float32)
         # The message's payload and the reply as the rule sees them (zero-copy on the host).
@@ -126,9 +137,11 @@ class Worker:
             ctx.algorithm.worker_start(self.rule_state, self.rule_params)
             return 0, 0
         try:
-            extra = load_rank_state(ctx, ctx.resume_from, self.opt, self.rule_state)
+            carried = self._carried()
+            extra = load_rank_state(ctx, ctx.resume_from, self.opt, self.rule_state, own=carried)
         except CheckpointError:
             return self._start_without_state()
+        self._load_carried(carried)
         self.version = int(extra["version"])
         if ctx.relayout:
             # Restarted on other ranks: the shards are new, so every worker starts the
@@ -218,7 +231,7 @@ class Worker:
         reduced over its processes; the batch's sums over all of them."""
         stats = self.ctx.backend.compute_gradients(x, y, scale=scale)
         if self.procs > 1:
-            self.ctx.peers.collectives.allreduce(self.wcomm, self.grads, "the worker's gradient allreduce")
+            self._reduce_gradient()
             stats = self._batch_totals(stats)
         return stats
 
@@ -227,25 +240,48 @@ class Worker:
         self.ctx.peers.collectives.allreduce(self.wcomm, self.totals, "the worker's gradient allreduce")
         return BatchStats(self.totals[0], self.totals[1], int(self.totals[2]))
 
+    def _reduce_gradient(self) -> None:
+        """Sum the gradient over the worker's processes, through the codec if any."""
+        what = "the worker's gradient allreduce"
+        collectives = self.ctx.peers.collectives
+        if self.reduction is None:
+            collectives.allreduce(self.wcomm, self.grads, what)
+            self.report.bytes_sent += 4 * self.ctx.backend.num_params
+            return
+        before = self.reduction.bytes_sent
+        host = self.grads.to_host()
+
+        def wait(requests: list) -> None:
+            collectives.wait_all(self.wcomm, requests, what)
+
+        wait(self.reduction.start(0, host))
+        self.reduction.finish(lambda: host, wait)
+        self.grads.to_device()
+        self.report.bytes_sent += self.reduction.bytes_sent - before
+
     # -- talking to the master ----------------------------------------------------------
     def _exchange(self, epoch: int, step: int, flags: int) -> None:
         """Send this window's update, wait for the reply, act on it."""
         ctx = self.ctx
         ctx.algorithm.worker_message(self.rule_state, self.rule_params, self.message.device)
         self.message.to_host()
+        if self.compressor is not None:
+            # Kept for a checkpoint of the state before this message (SNAPSHOT, STOP).
+            self.carried_before = {k: v.copy() for k, v in self.compressor.state_arrays().items()}
+            self.compressor.compress(self.out.payload, self.out.wire)
         while True:
             kind = self._round_trip(epoch, flags)
             if kind != m.SNAPSHOT:
                 break
             # Not applied: save the state from before this update, then send it again.
             label = m.label_of(float(self.reply_header[m.CHECKPOINT]))
-            self._save(label, epoch, step)
+            self._save(label, epoch, step, before_message=True)
             self.pending_ack = m.label_code(label)
         self.sync = BatchStats()
         if kind == m.STOP:
             # The master discarded this window: resume redoes it.
             stop_code = float(self.reply_header[m.CHECKPOINT])
-            self._save(m.label_of(stop_code), epoch, step)
+            self._save(m.label_of(stop_code), epoch, step, before_message=True)
             self.pending_ack = stop_code
             if self.leader:
                 self._send(m.DONE, epoch, 0)
@@ -301,6 +337,7 @@ class Worker:
         self._message_state()
         t0 = time.perf_counter()
         self.channel.send(out)  # DONE, ERROR and LOST carry only the header
+        self.report.bytes_sent += sum(part.nbytes for part, _ in out.parts())
         self.report.phases["send"] += time.perf_counter() - t0
 
     def _message_state(self) -> None:
@@ -349,13 +386,33 @@ class Worker:
         """The rank whose checkpoint share holds this rank's weights bit for bit: the leader."""
         return self.ctx.role.rank - self.ctx.role.proc
 
-    def _save(self, label: str, epoch: int, step: int) -> None:
+    def _save(self, label: str, epoch: int, step: int, before_message: bool = False) -> None:
+        """`before_message`: the state from before the message just sent (which the
+        master did not apply: a resume sends it again)."""
         save_rank_state(self.ctx, label, self.opt, self.rule_state,
                         {"version": self.version, "epoch": epoch, "step": step, "members": list(self.members)},
-                        same_as=self._twin())
+                        own=self._carried(before_message), same_as=self._twin())
         if self.procs > 1:
             # The leader acknowledges for all the worker's processes.
             self.ctx.peers.collectives.barrier(self.wcomm, "the worker's checkpoint")
+
+    def _carried(self, before_message: bool = False) -> dict[str, np.ndarray]:
+        """What the codecs carry from step to step, for this rank's share of a checkpoint."""
+        carried = {}
+        if self.compressor is not None:
+            message = self.carried_before if before_message else self.compressor.state_arrays()
+            carried.update({f"message_{k}": v for k, v in message.items()})
+        if self.reduction is not None:
+            carried.update({f"reduction_{k}": v for k, v in self.reduction.state_arrays().items()})
+        return carried
+
+    def _load_carried(self, carried: dict[str, np.ndarray]) -> None:
+        if self.compressor is not None:
+            self.compressor.load_state_arrays({k[len("message_"):]: v for k, v in carried.items()
+                                               if k.startswith("message_")})
+        if self.reduction is not None:
+            self.reduction.load_state_arrays({k[len("reduction_"):]: v for k, v in carried.items()
+                                              if k.startswith("reduction_")})
 
 
 def run_worker(ctx: RankContext) -> None:

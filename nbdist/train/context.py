@@ -39,6 +39,7 @@ from nbdist.train.lr import LrPlan, combined_workers, plan_learning_rates
 from nbdist.train.progress import reported_metrics
 from nbdist.train.stopping import EarlyStopping, StopFlag
 from nbdist.transport.agreement import agree
+from nbdist.transport.compression import make_codec, parse_compression
 from nbdist.transport.node import local_rank
 from nbdist.transport.peers import Peers
 
@@ -108,6 +109,7 @@ class RankContext:
     relayout: bool = False  # restarted on other ranks: positions and tallies start at an epoch boundary
     worker_lr: LrPlan | None = None  # the lr of workers' steps by position (train/lr.py); None: no such lr
     master_lr: LrPlan | None = None  # the lr of the master optimiser's steps
+    compression: Spec | None = None  # --compression (None: none; transport/compression.py)
 
     @property
     def world_ranks(self) -> list[int]:
@@ -203,6 +205,16 @@ def _resolve_rules(options: TrainOptions) -> tuple[Algorithm | None, int, Spec |
     return algorithm, sync_every, worker, master
 
 
+def _resolve_compression(options: TrainOptions, algorithm: Algorithm | None) -> Spec | None:
+    spec = parse_compression(options.compression)
+    if spec is not None and algorithm is not None and algorithm.sends_weights_themselves and \
+            make_codec(spec, 2).feedback:
+        raise OptionsError(
+            f"--compression {spec} sends a part of each message and keeps the rest for the next one: a fit for "
+            f"gradients and updates, but {algorithm.name}'s workers send their weights; use fp16 or bf16")
+    return spec
+
+
 def _probe(backend: Backend, data: Data, source: str) -> None:
     """One tiny forward pass, so a model that cannot take the data fails here, clearly."""
     x, y = data.train_batch(np.arange(min(2, data.n_train)))
@@ -261,6 +273,7 @@ def prepare(
         )
         role = layout.role(comm.Get_rank())
         algorithm, sync_every, worker_opt, master_opt = _resolve_rules(options)
+        compression = _resolve_compression(options, algorithm)
         notices = []
         if algorithm is not None:
             # Every worker of the run moves the one centre, through its master or a
@@ -359,6 +372,7 @@ def prepare(
         history_file=HistoryFile(run_dir, writer=is_leader), resume_from=resume_from, early=early,
         is_leader=is_leader, make_replica=make_replica, peers=peers, store_path=database, recorder=recorder,
         resume_rank=resume_rank, relayout=relayout, worker_lr=worker_lr, master_lr=master_lr,
+        compression=compression,
     )
 
 

@@ -51,16 +51,18 @@ def check_loss(stats: BatchStats, epoch: int, step: int, where: Callable[[], str
 
 
 class TrainReport:
-    """What a rank did since its last 'train' record: its samples, loss and metric, and
-    the seconds spent in each of its `phases` (recorded as `<phase>_s`)."""
+    """What a rank did since its last 'train' record: its samples, loss and metric, the
+    seconds spent in each of its `phases` (recorded as `<phase>_s`), and the bytes it
+    handed to MPI (`bytes_sent`: gradients, messages; --compression makes them fewer)."""
 
-    __slots__ = ("ctx", "stats", "phases", "since")
+    __slots__ = ("ctx", "stats", "phases", "since", "bytes_sent")
 
     def __init__(self, ctx, phases: Sequence[str]):
         self.ctx = ctx
         self.stats = BatchStats()
         self.phases = dict.fromkeys(phases, 0.0)
         self.since = time.monotonic()
+        self.bytes_sent = 0
 
     def add(self, stats: BatchStats) -> None:
         self.stats.add(stats)
@@ -76,6 +78,7 @@ class TrainReport:
         ctx.log.emit("train", {"samples": stats.n, "samples_per_s": stats.n / elapsed if elapsed else 0.0,
                                "loss": stats.loss, ctx.backend.metric_name or "metric": stats.metric,
                                **{f"{phase}_s": seconds for phase, seconds in self.phases.items()},
-                               **extra, **ctx.backend.train_extras()}, step=step, epoch=epoch)
-        self.stats, self.phases = BatchStats(), dict.fromkeys(self.phases, 0.0)
+                               "bytes_sent": self.bytes_sent, **extra, **ctx.backend.train_extras()},
+                     step=step, epoch=epoch)
+        self.stats, self.phases, self.bytes_sent = BatchStats(), dict.fromkeys(self.phases, 0.0), 0
         self.since = time.monotonic()

@@ -7,7 +7,9 @@ receives a body into a pooled buffer only once its header is in: its memory does
 grow with the number of workers. The header is 10 float64 slots viewed over the first
 20 floats (float64 holds versions and sample counts exactly). Replies travel as a header
 message followed by the payload array itself, so the master sends its centre without
-copying it. A sub-master speaks the same format to the top master (roles/hierarchy.py).
+copying it. With --compression a worker's payload travels encoded (transport/compression.py):
+the body is then [model state | wire], and the master decodes the wire into the payload
+slot of its receive buffer before the rule sees it; replies stay float32. A sub-master speaks the same format to the top master (roles/hierarchy.py).
 
 A reply header carries, after the 10 slots, one slot per worker of the master: 1.0 for the
 workers that share the data of epoch `reply[EPOCH]` (the epoch after the one the worker's
@@ -58,15 +60,17 @@ def label_of(code: float) -> str:
 
 class Message:
     """A contiguous float32 buffer with a float64 header view and payload/state views.
-    Message(0) is a header alone: what a master's posted receive fills."""
+    Message(0) is a header alone: what a master's posted receive fills. `n_wire`: the
+    words of the payload's encoding, sent in its place (after the state)."""
 
-    __slots__ = ("buffer", "header", "payload", "state")
+    __slots__ = ("buffer", "header", "payload", "state", "wire")
 
-    def __init__(self, n_payload: int = 0, n_state: int = 0):
-        self.buffer = np.zeros(HEADER_FLOATS + n_payload + n_state, dtype=np.float32)
+    def __init__(self, n_payload: int = 0, n_state: int = 0, n_wire: int = 0):
+        self.buffer = np.zeros(HEADER_FLOATS + n_payload + n_state + n_wire, dtype=np.float32)
         self.header = self.buffer[:HEADER_FLOATS].view(np.float64)
         self.payload = self.buffer[HEADER_FLOATS : HEADER_FLOATS + n_payload]
-        self.state = self.buffer[HEADER_FLOATS + n_payload :]
+        self.state = self.buffer[HEADER_FLOATS + n_payload : HEADER_FLOATS + n_payload + n_state]
+        self.wire = self.buffer[HEADER_FLOATS + n_payload + n_state :]
 
     def has(self, flag: int) -> bool:
         return bool(int(self.header[FLAGS]) & flag)
@@ -75,18 +79,26 @@ class Message:
         """(array, tag) to send, in order: the header, and the body of an UPDATE (DONE,
         ERROR and LOST are their header alone)."""
         head = [(self.buffer[:HEADER_FLOATS], TAG_UPDATE)]
-        return head + [(self.buffer[HEADER_FLOATS:], TAG_BODY)] if self.header[KIND] == UPDATE else head
+        body = self.buffer[HEADER_FLOATS + (self.payload.size if self.wire.size else 0):]
+        return head + [(body, TAG_BODY)] if self.header[KIND] == UPDATE else head
 
 
 class Body:
-    """A received body [payload | model state], in a buffer lent by a master's pool."""
+    """A received body [payload | model state], in a buffer lent by a master's pool; with
+    `n_wire`, the buffer is [payload | model state | wire] and an encoded body is received
+    into [model state | wire]."""
 
-    __slots__ = ("buffer", "payload", "state")
+    __slots__ = ("buffer", "payload", "state", "wire")
 
-    def __init__(self, buffer: np.ndarray, n_payload: int):
+    def __init__(self, buffer: np.ndarray, n_payload: int, n_wire: int = 0):
         self.buffer = buffer
         self.payload = buffer[:n_payload]
-        self.state = buffer[n_payload:]
+        self.state = buffer[n_payload: buffer.size - n_wire]
+        self.wire = buffer[buffer.size - n_wire:]
+
+    def incoming(self, encoded: bool) -> np.ndarray:
+        """Where MPI receives the body: [state | wire] when its payload is encoded."""
+        return self.buffer[self.payload.size:] if encoded else self.buffer[: self.buffer.size - self.wire.size]
 
 
 def new_header(workers: int = 0) -> np.ndarray:

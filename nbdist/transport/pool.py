@@ -18,8 +18,9 @@ __all__ = ["BodyPool"]
 
 
 class BodyPool:
-    def __init__(self, n_payload: int, n_state: int, capacity: int):
-        self.n_payload, self.size = n_payload, n_payload + n_state
+    def __init__(self, n_payload: int, n_state: int, capacity: int, n_wire: int = 0):
+        """`n_wire`: room for an encoded payload besides the decoded one (--compression)."""
+        self.n_payload, self.n_wire, self.size = n_payload, n_wire, n_payload + n_state + n_wire
         self.capacity = max(capacity, 1)
         self.free: list[np.ndarray] = []
         self.lent = 0
@@ -33,7 +34,7 @@ class BodyPool:
         else:
             return None
         self.lent += 1
-        return Body(buffer, self.n_payload)
+        return Body(buffer, self.n_payload, self.n_wire)
 
     def give_back(self, body: Body) -> None:
         self.lent -= 1

@@ -10,6 +10,7 @@ import numpy as np
 from nbdist.algorithms.base import Update
 from nbdist.train.context import RankContext
 from nbdist.transport import messages as m
+from nbdist.transport.compression import Codec, make_codec
 from nbdist.transport.deadlines import Silence
 
 __all__ = ["WORKER", "SUB_MASTER", "Client", "worker_clients"]
@@ -33,6 +34,7 @@ class Client:
     weight: int = 1  # workers whose model state (BatchNorm statistics) its messages carry
     silence: Silence = field(default_factory=Silence)
     body: m.Body | None = None  # the pooled body of the update being served
+    codec: Codec | None = None  # how a worker's payload is encoded (--compression)
 
     @property
     def index(self) -> int:
@@ -48,7 +50,10 @@ class Client:
 def worker_clients(ctx: RankContext) -> list[Client]:
     block = ctx.comms.block
     ranks = _leader_world_ranks(ctx, block.Get_size() - 1)
-    return [Client(block, i + 1, WORKER, rank, silence=Silence(ctx.options.peer_timeout))
+    # Decoding keeps no state: the workers share one codec.
+    codec = (make_codec(ctx.compression, ctx.backend.num_params, ctx.backend.param_blocks())
+             if ctx.compression is not None else None)
+    return [Client(block, i + 1, WORKER, rank, silence=Silence(ctx.options.peer_timeout), codec=codec)
             for i, rank in enumerate(ranks)]
 
 

@@ -202,8 +202,9 @@ def _take_body(me: Master) -> m.Body | None:
 
 
 def _receive_body(me: Master, i: int, body: m.Body) -> Transfer:
-    me.clients[i].body = body
-    return me.channel.receive_body(i, body.buffer)
+    client = me.clients[i]
+    client.body = body
+    return me.channel.receive_body(i, body.incoming(client.codec is not None))
 
 
 def _body_arrived(me: Master, i: int, receiving: Transfer) -> bool:
@@ -211,6 +212,8 @@ def _body_arrived(me: Master, i: int, receiving: Transfer) -> bool:
     client = me.clients[i]
     try:
         receiving.wait(client.silence.limit)
+        if client.codec is not None:  # the one place a worker's encoded payload is decoded
+            client.codec.decode(client.body.wire, client.body.payload)
         return True
     except CommFailure:
         me.pool.write_off(client.body)

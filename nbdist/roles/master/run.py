@@ -125,7 +125,8 @@ def open_master(me: Master, clients: list[Client]) -> None:
     me.states = np.zeros((len(clients), ctx.backend.state.size), np.float32)
     # A synchronous round streams its workers' bodies; it holds its sub-masters' pushes.
     held = sum(1 for c in clients if c.kind != WORKER) if ctx.options.synchronous else 0
-    me.pool = BodyPool(me.center.size, ctx.backend.state.size, ASYNC_BODIES + held)
+    wire = max((c.codec.wire_size for c in clients if c.codec is not None), default=0)
+    me.pool = BodyPool(me.center.size, ctx.backend.state.size, ASYNC_BODIES + held, wire)
     if ctx.options.synchronous:
         me.round_buffer = np.empty_like(me.center)
     workers = sum(1 for c in clients if c.kind == WORKER)
