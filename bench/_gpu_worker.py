@@ -1,7 +1,7 @@
 """The MPI side of gpu.py; run under `mpiexec -n N` (not on its own).
 
 --part allreduce  every rank: nbdist's allreduce hot path with the model on its device
-                  (TorchBackend placed by --device, GradientReducer through the transport's
+                  (TorchBackend placed by --device, MpiReducer through the transport's
                   staging: CUDA-aware MPI directly, else pinned host buffers), samples/s.
 --part staging    2 ranks: rank 1 is a worker whose flat buffer is on its device, rank 0 a
                   host master; rank 1 sends the buffer and takes a reply of the same size,
@@ -28,7 +28,7 @@ from torch import nn  # noqa: E402
 
 from nbdist.backends import DeviceRequest  # noqa: E402
 from nbdist.backends.torch import TorchBackend  # noqa: E402
-from nbdist.roles.allreduce import GradientReducer  # noqa: E402
+from nbdist.transport.reducers import MpiReducer  # noqa: E402
 from nbdist.specs import parse_spec  # noqa: E402
 from nbdist.transport.node import local_rank  # noqa: E402
 from nbdist.transport.staging import Staging, mpi_is_cuda_aware  # noqa: E402
@@ -47,7 +47,7 @@ def allreduce(comm, sizes, args, request: DeviceRequest, precision: str) -> dict
     backend = TorchBackend(mlp(sizes), nn.CrossEntropyLoss(), precision=precision)
     backend.place(request)
     opt = backend.make_optimizer(parse_spec(f"sgd(lr={args.lr})"))
-    reducer = GradientReducer(comm, backend, max(1, int(args.bucket_mb * 2**20 / 4)))
+    reducer = MpiReducer(comm, backend, max(1, int(args.bucket_mb * 2**20 / 4)))
     x_np, y_np = synthetic(DATA_SAMPLES, sizes[0], sizes[-1], seed=1 + rank)
     x_all, y_all = torch.from_numpy(x_np).to(backend.device), torch.from_numpy(y_np).to(backend.device)
     batches = [torch.from_numpy(b).to(backend.device) for b in batch_indices(DATA_SAMPLES, args.batch_size, 64,

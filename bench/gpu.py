@@ -1,7 +1,7 @@
 """nbdist on GPUs: run on a GPU node (one rank per GPU); fails clearly where torch sees none.
 
 1. allreduce: nbdist's allreduce hot path with each rank's model on its GPU (--device
-   cuda: TorchBackend's flat buffers on the GPU, GradientReducer through the transport's
+   cuda: TorchBackend's flat buffers on the GPU, MpiReducer through the transport's
    staging: CUDA-aware MPI handed the device buffer where Open MPI is CUDA-aware, else
    each bucket through a pinned host buffer on a CUDA stream) against PyTorch
    DistributedDataParallel on NCCL, same MLPs, batch and SGD; samples/s and the ratio.

@@ -27,6 +27,8 @@ TOPOLOGIES = ("master-worker", "allreduce")
 # free of the training package).
 MOMENTUM_CORRECTIONS = ("auto", "off")
 DEVICES = ("auto", "cpu", "cuda")
+# What --allreduce-backend takes (transport/reducers.py maps each to its reducer).
+ALLREDUCE_BACKENDS = ("auto", "mpi", "nccl", "gloo")
 # How the learning rate grows with the number of workers W (train/lr.py). One constant:
 # the convergence bench may change the default.
 LR_SCALINGS = ("none", "linear", "sqrt")
@@ -117,6 +119,10 @@ class TrainOptions:
                                "CPU with numpy views), cuda (GPU local_rank mod gpus; not yet run on a GPU) or cpu "
                                "(the GPU path's tensors and staging, run on the CPU)", choices=DEVICES)
     bucket_mb: float = _opt(2.0, "allreduce bucket size in MB (gradients reduced while backward runs)")
+    allreduce_backend: str = _opt(
+        "auto", "what reduces the allreduce topology's gradient buckets: mpi, nccl (a torch.distributed group made "
+                "from the MPI ranks, for a model on GPUs), gloo (the same for a model on the CPU) or auto (nccl where "
+                "the model is on a GPU and torch has NCCL, else mpi)")
     quiet: bool = _opt(False, "print only the final summary")
     trace_updates: bool = _opt(False, "also record every update the master applies (source rank, staleness, "
                                       "version) in the run's log; by default a master records one summary per "
@@ -178,6 +184,12 @@ class TrainOptions:
                                f"give the parent directory with --runs-dir")
         if not self.bucket_mb > 0:
             raise OptionsError(f"--bucket-mb must be above 0, got {self.bucket_mb}")
+        if self.allreduce_backend not in ALLREDUCE_BACKENDS:
+            raise OptionsError(f"--allreduce-backend {self.allreduce_backend!r}: choose one of "
+                               f"{', '.join(ALLREDUCE_BACKENDS)}")
+        if self.allreduce_backend != "auto" and self.topology != "allreduce":
+            raise OptionsError(f"--allreduce-backend {self.allreduce_backend} applies to --topology allreduce (a "
+                               f"worker of several processes reduces its gradient over MPI)")
         if self.min_delta < 0:
             raise OptionsError(f"--min-delta must be 0 or more (an improvement by at least this much), "
                                f"got {self.min_delta}")

@@ -216,6 +216,13 @@ CASES = {
                                  ["--worker-lr-schedule: learning-rate schedule 'cosineannealinglr' takes no "
                                   "parameter 'tmax'; it takes: T_max, eta_min"], None),
     "bad-lr-scaling": (["--lr-scaling", "cubic"], ["--lr-scaling 'cubic': choose one of none, linear, sqrt"], None),
+    "allreduce-backend-typo": (["--topology", "allreduce", "--allreduce-backend", "ncll"],
+                               ["--allreduce-backend 'ncll': choose one of auto, mpi, nccl, gloo"], None),
+    "nccl-without-a-gpu": (["--topology", "allreduce", "--allreduce-backend", "nccl"],
+                           ["--allreduce-backend nccl reduces gradients on GPUs; this model's are on cpu",
+                            "use --allreduce-backend mpi or gloo"], None),
+    "allreduce-backend-with-master-worker": (["--allreduce-backend", "gloo"],
+                                             ["--allreduce-backend gloo applies to --topology allreduce"], None),
 }
 
 # name -> the same, for a job of 4 ranks: a top master, a sub-master, a worker under each.

@@ -2,10 +2,10 @@
 
 Gradients are reduced in buckets while backward is still running: the backend calls
 back as soon as a contiguous bucket of the flat gradient is final, and that bucket's
-`Iallreduce` starts at once (later layers' buckets finish first). Each call also pokes
-MPI (`Testall`) so the reductions progress during the rest of the backward pass. After
-backward, the rank waits for the last buckets, and every rank steps the same optimiser
-on the same gradient, so the replicas stay bit-identical.
+reduction starts at once (later layers' buckets finish first), through the reducer
+--allreduce-backend names (transport/reducers.py: MPI's Iallreduce, or a torch.distributed
+group, NCCL on GPUs). After backward, the rank waits for the last buckets, and every
+rank steps the same optimiser on the same gradient, so the replicas stay bit-identical.
 
 A four-number trailer (samples, loss sum, metric sum, stop requests) is reduced with
 the gradient: the global training loss costs no extra message, and a stop requested on
@@ -34,45 +34,12 @@ from nbdist.train.lr import WorkerLr, lr_metrics
 from nbdist.train.progress import EpochTally, RunResult, epoch_metrics, format_epoch, sample_validation, write_final
 from nbdist.train.state import load_rank_state, save_rank_state
 from nbdist.train.validation import SampleMarks
+from nbdist.transport.reducers import make_reducer
 from nbdist.transport.staging import Staging
-from nbdist.transport.waiting import wait_all
 
-__all__ = ["run_allreduce", "GradientReducer"]
+__all__ = ["run_allreduce"]
 
 REPORT_EVERY = 0.5
-
-
-class GradientReducer:
-    """Starts one in-place Iallreduce per gradient bucket from inside backward.
-
-    The gradient goes through the transport's staging: on the host MPI reduces the
-    backend's own memory; on a GPU, the device buffer itself (CUDA-aware MPI) or a pinned
-    host copy of each bucket, copied back once the reductions are done.
-
-    `finish_wait(requests)` waits for the last ones (default: waiting.wait_all; a run
-    passes its polled collectives' wait, with the run's deadline and failure naming)."""
-
-    __slots__ = ("comm", "staging", "buckets", "requests", "finish_wait")
-
-    def __init__(self, comm: MPI.Intracomm, backend, bucket_floats: int, finish_wait=None):
-        self.comm = comm
-        self.staging = Staging(backend.rule_grads, backend.copier)
-        self.requests: list[MPI.Request] = []
-        self.finish_wait = finish_wait or wait_all
-        self.buckets = backend.bucket_hooks(bucket_floats, self._bucket_ready)
-
-    def _bucket_ready(self, index: int) -> None:
-        start, stop = self.buckets[index]
-        self.requests.append(self.comm.Iallreduce(MPI.IN_PLACE, self.staging.to_host(start, stop), op=MPI.SUM))
-        MPI.Request.Testall(self.requests)  # progress the earlier buckets
-
-    def finish(self, trailer: np.ndarray) -> None:
-        self.requests.append(self.comm.Iallreduce(MPI.IN_PLACE, trailer, op=MPI.SUM))
-        try:
-            self.finish_wait(self.requests)
-        finally:
-            self.requests.clear()
-        self.staging.to_device()
 
 
 def run_allreduce(ctx: RankContext) -> RunResult | None:
@@ -83,8 +50,8 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
     params, model_state = Staging(backend.params, backend.copier), Staging(backend.state, backend.copier)
     opt = backend.make_optimizer(ctx.worker_optimizer)
     collectives = ctx.peers.collectives
-    reducer = GradientReducer(comm, backend, max(1, int(ctx.options.bucket_mb * 2**20 / 4)),
-                              lambda requests: collectives.wait_all(comm, requests, "the gradient allreduce"))
+    reducer = make_reducer(ctx.options.allreduce_backend, comm, backend,
+                           max(1, int(ctx.options.bucket_mb * 2**20 / 4)), collectives)
     plan = ctx.data.plan(size, ctx.options.batch_size, ctx.options.seed)
     lr = WorkerLr(ctx.worker_lr, opt, plan.batches_per_epoch)
     val_indices = split_evenly(np.arange(ctx.data.n_val), size, rank)
@@ -190,9 +157,11 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
             break
 
     _report(ctx, report, phases, since, epoch, 0)
+    reducer.close()
     reason = stop_reason or f"completed {ctx.options.epochs} epochs"
     faults = {"restarts": ctx.attempt} if ctx.attempt else {}
-    ctx.log.emit("run", {"status": "stopped" if stop_reason else "completed", "reason": reason, **faults})
+    ctx.log.emit("run", {"status": "stopped" if stop_reason else "completed", "reason": reason,
+                         "allreduce": reducer.way, **faults})
     ctx.log.close()
     if rank != 0:
         return None

@@ -40,6 +40,7 @@ from nbdist.train.stopping import EarlyStopping, StopFlag
 from nbdist.transport.agreement import agree
 from nbdist.transport.node import local_rank
 from nbdist.transport.peers import Peers
+from nbdist.transport.reducers import choose as choose_reducer
 
 __all__ = ["RankContext", "TrialTag", "MetricNameError", "prepare", "agree", "check_metric_names", "check_data_size",
            "master_share"]
@@ -284,6 +285,8 @@ def prepare(
                         for spec in (worker_opt, master_opt)]
         worker_lr, master_lr = plan_learning_rates(options, layout, algorithm, backend, *starting_lrs)
         _probe(backend, data, definition.source)
+        if options.topology == "allreduce":  # e.g. nccl for a model on the CPU: one error, here
+            choose_reducer(options.allreduce_backend, backend.rule_grads)
         check_metric_names(options, trial, reported_metrics(backend.metric_name, staleness=algorithm is not None))
         if comm.Get_rank() == 0:  # the run leader, who writes the run directory (last: it may create --runs-dir)
             _check_run_dir_writable(options)

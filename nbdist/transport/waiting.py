@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 
 from mpi4py import MPI
 
-__all__ = ["wait", "wait_all", "wait_some", "wait_until", "test_each", "receive_object", "WaitTimeout", "CommFailure",
+__all__ = ["wait", "wait_all", "wait_for", "wait_some", "wait_until", "test_each", "receive_object", "WaitTimeout", "CommFailure",
            "Abandoned", "abandon", "forget_abandon", "watch_with", "FOREVER"]
 
 SPIN_SECONDS = 2e-4
@@ -149,6 +149,19 @@ def wait_all(requests: Sequence[MPI.Request], *, timeout: float | None = FOREVER
             # it wakes up, while what it waited for may have arrived meanwhile: look once
             # more before giving up.
             if MPI.Request.Testall(requests):
+                return
+            raise
+
+
+def wait_for(done: Callable[[], bool], *, timeout: float | None = FOREVER) -> None:
+    """`wait_all` for another library's pending work: `done()` says whether it finished
+    (and raises CommFailure, or a subclass, when it failed)."""
+    backoff = _Backoff(timeout)
+    while not done():
+        try:
+            backoff.pause()
+        except WaitTimeout:
+            if done():  # suspended past the deadline meanwhile: look once more (as wait_all)
                 return
             raise
 
