@@ -78,6 +78,10 @@ class Collectives:
             ranks = failed_ranks(comm, self.run if self.run is not None else comm)
             if ranks or time.monotonic() > deadline:
                 return ranks
+            try:
+                comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)  # lets MPI take in the runtime's failure notice
+            except MPI.Exception:
+                pass  # it has: a wildcard probe fails while a failure is not acknowledged
             time.sleep(0.05)
 
     def _lost(self, comm: Any, what: str, ranks: list[int]) -> RunFailure:

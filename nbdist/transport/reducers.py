@@ -28,7 +28,7 @@ from mpi4py import MPI
 
 from nbdist.errors import OptionsError
 from nbdist.transport.staging import Staging
-from nbdist.transport.torch_group import TorchGroup, all_completed
+from nbdist.transport.torch_group import TorchGroup, all_completed, keep_until_done
 from nbdist.transport.waiting import wait_all, wait_for
 
 __all__ = ["Reducer", "MpiReducer", "TorchReducer", "REDUCERS", "choose", "make_reducer"]
@@ -130,6 +130,9 @@ class TorchReducer(Reducer):
         works = list(self.works)
         try:
             self.finish_wait(lambda: all_completed(works))
+        except BaseException:
+            keep_until_done(self.group, works)  # the others may never join them
+            raise
         finally:
             self.works.clear()
         trailer[:] = self.trailer.cpu().numpy()

@@ -31,10 +31,19 @@ import numpy as np
 from nbdist.errors import TrainingError
 from nbdist.transport.waiting import CommFailure
 
-__all__ = ["TorchGroup", "WorkFailed", "all_completed", "LOOPBACK"]
+__all__ = ["TorchGroup", "WorkFailed", "all_completed", "keep_until_done", "LOOPBACK"]
 
 LOOPBACK = "127.0.0.1"
 RENDEZVOUS = "the torch.distributed rendezvous"
+# Each work's own deadline: twice the run's wait and its roll call's grace, so that the
+# polled wait (which names the rank) always ends first, and a work left behind by a failed
+# run ends by itself (a group is destroyed only once its works ended: see keep_until_done).
+WORK_DEADLINE_FACTOR, WORK_DEADLINE_SLACK = 2.0, 30.0
+
+# Groups with works that a failed run left behind (a peer gave up on them): destroying a
+# group waits for its works, which would stall the run that goes on, so they are kept
+# here until those works ended (they fail at their own deadline, or when the peer exits).
+_left_behind: list[tuple["TorchGroup", list]] = []
 
 
 class WorkFailed(CommFailure):
@@ -48,13 +57,15 @@ class WorkFailed(CommFailure):
 class TorchGroup:
     """The ranks of `comm` as one torch.distributed group (`kind`: nccl or gloo)."""
 
-    __slots__ = ("kind", "group", "store", "rank", "size")
+    __slots__ = ("kind", "group", "store", "rank", "size", "wait_seconds")
 
     def __init__(self, comm: Any, kind: str, collectives: Any, device: Any = None):
         import torch.distributed as dist
 
+        _left_behind[:] = [(group, works) for group, works in _left_behind if not all_ended(works)]
         self.kind = kind
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.wait_seconds = collectives.timeout  # the run's current deadline for a wait
         timeout = datetime.timedelta(seconds=collectives.timeout())
         hosts = collectives.allgather(comm, socket.gethostname(), RENDEZVOUS)
         # One host: loopback only (nothing outside the node can reach the group).
@@ -86,11 +97,15 @@ class TorchGroup:
 
     def allreduce(self, tensor: Any) -> Any:
         """Start summing `tensor` in place over the group; returns the pending work."""
-        return self.group.allreduce([tensor])
+        import torch.distributed as dist
+
+        options = dist.AllreduceOptions()
+        options.timeout = datetime.timedelta(seconds=WORK_DEADLINE_FACTOR * self.wait_seconds()
+                                             + WORK_DEADLINE_SLACK)
+        return self.group.allreduce([tensor], options)
 
     def close(self) -> None:
-        """Release the group after a run that ended well (after a failure it is left to
-        the garbage collector: a work may still wait for a dead peer)."""
+        """Release the group after a run that ended well."""
         shutdown = getattr(self.group, "shutdown", None)
         if shutdown is not None:
             shutdown()
@@ -115,11 +130,20 @@ def _make_group(kind: str, store: Any, rank: int, size: int, timeout: datetime.t
     return group
 
 
+def keep_until_done(group: TorchGroup, works: list) -> None:
+    """Keep `group` alive until `works` (left pending by a failed wait) ended."""
+    if not all_ended(works):
+        _left_behind.append((group, works))
+
+
+def all_ended(works: Sequence[Any]) -> bool:
+    return all(work.is_completed() for work in works)
+
+
 def all_completed(works: Sequence[Any]) -> bool:
     """Whether every work finished; WorkFailed when one finished with an error."""
-    for work in works:
-        if not work.is_completed():
-            return False
+    if not all_ended(works):
+        return False
     for work in works:
         try:
             work.wait()  # done already: raises its error, and on a GPU orders the stream after it
