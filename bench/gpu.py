@@ -14,7 +14,7 @@
 Part 1 runs in each precision (--precision fp32, bf16, fp16: AMP off and on), DDP under
 torch.autocast with a GradScaler for fp16, so each ratio compares like with like.
 
-Usage: python bench/gpu.py [--quick]   (--cpu-dry-run: every part on the CPU, gloo for
+Usage: python bench/gpu.py [--quick] [--models small,large]   (--cpu-dry-run: every part on the CPU, gloo for
 DDP and for nbdist's torch.distributed reducer, to check the script on a machine without
 a GPU; its numbers say nothing of GPUs)
 """
@@ -126,12 +126,13 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="fewer steps")
     p.add_argument("--batch-size", type=int, default=64, help="samples per rank per step (default 64)")
     p.add_argument("--cpu-dry-run", action="store_true", help="run every part on the CPU to check the script")
+    p.add_argument("--models", default="small,large", help=f"MLPs of part 1, comma-separated (of {', '.join(MLPS)})")
     args = p.parse_args()
     gpus = gpus_or_exit(args.cpu_dry_run)
     device = "cpu" if args.cpu_dry_run else "cuda"
     q = args.quick
     header(f"nbdist on {'the CPU (dry run)' if args.cpu_dry_run else f'{gpus} GPU(s)'}, batch {args.batch_size}/rank")
-    plan = dict(models=["small", "large"], precisions=["fp32", "bf16", "fp16"], steps=50 if q else 200,
+    plan = dict(models=args.models.split(","), precisions=["fp32", "bf16", "fp16"], steps=50 if q else 200,
                 warmup=10 if q else 20, rounds=2 if q else 3)
     cfg = dict(batch_size=args.batch_size, lr=0.01, device=device)
     common = ["--device", device, "--batch-size", str(args.batch_size)]
