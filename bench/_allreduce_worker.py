@@ -3,7 +3,7 @@
 For each model of --plan, two measurements, both with the same batch size and SGD:
 
 loop   the per-step hot path of `run_allreduce`, step for step: fancy-index a batch,
-       TorchBackend.compute_gradients (the GradientReducer starts one Iallreduce per bucket
+       TorchBackend.compute_gradients (the MpiReducer starts one Iallreduce per bucket
        from inside backward), reduce the four-float trailer with the gradient, check the
        loss, step the flat SGD. Repeated for each bucket size asked for (a fresh model per
        size). Warm-up steps are excluded; the best and the median of `rounds` timed rounds
@@ -31,7 +31,7 @@ from mpi4py import MPI  # noqa: E402
 from torch import nn  # noqa: E402
 
 from nbdist.backends.torch import TorchBackend  # noqa: E402
-from nbdist.roles.allreduce import GradientReducer  # noqa: E402
+from nbdist.transport.reducers import MpiReducer  # noqa: E402
 from nbdist.specs import parse_spec  # noqa: E402
 
 DATA_SAMPLES = 4096
@@ -42,7 +42,7 @@ def hot_loop(comm, sizes, args, bucket_mb: float) -> dict:
     torch.manual_seed(0)
     backend = TorchBackend(mlp(sizes), nn.CrossEntropyLoss())
     opt = backend.make_optimizer(parse_spec(f"sgd(lr={args.lr})"))
-    reducer = GradientReducer(comm, backend, max(1, int(bucket_mb * 2**20 / 4)))
+    reducer = MpiReducer(comm, backend, max(1, int(bucket_mb * 2**20 / 4)))
     comm.Bcast(backend.params, root=0)
     x_all, y_all = synthetic(DATA_SAMPLES, sizes[0], sizes[-1], seed=1 + rank)
     batches = batch_indices(DATA_SAMPLES, args.batch_size, 64, seed=100 + rank)

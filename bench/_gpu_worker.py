@@ -1,8 +1,10 @@
 """The MPI side of gpu.py; run under `mpiexec -n N` (not on its own).
 
 --part allreduce  every rank: nbdist's allreduce hot path with the model on its device
-                  (TorchBackend placed by --device, GradientReducer through the transport's
-                  staging: CUDA-aware MPI directly, else pinned host buffers), samples/s.
+                  (TorchBackend placed by --device), its buckets through the reducer
+                  --allreduce-backend names (transport/reducers.py, as a run makes it: mpi
+                  through the staging, CUDA-aware MPI directly or pinned host buffers; nccl,
+                  or gloo on the CPU, on a torch.distributed group made from the ranks), samples/s.
 --part staging    2 ranks: rank 1 is a worker whose flat buffer is on its device, rank 0 a
                   host master; rank 1 sends the buffer and takes a reply of the same size,
                   through Staging in each way this MPI offers (pinned always; direct where
@@ -28,12 +30,14 @@ from torch import nn  # noqa: E402
 
 from nbdist.backends import DeviceRequest  # noqa: E402
 from nbdist.backends.torch import TorchBackend  # noqa: E402
-from nbdist.roles.allreduce import GradientReducer  # noqa: E402
 from nbdist.specs import parse_spec  # noqa: E402
+from nbdist.transport.collectives import Collectives  # noqa: E402
 from nbdist.transport.node import local_rank  # noqa: E402
+from nbdist.transport.reducers import make_reducer  # noqa: E402
 from nbdist.transport.staging import Staging, mpi_is_cuda_aware  # noqa: E402
 
 DATA_SAMPLES = 4096
+WAIT_SECONDS = 300.0  # the deadline of each wait on the other ranks
 
 
 def _synchronize(device: torch.device) -> None:
@@ -47,7 +51,8 @@ def allreduce(comm, sizes, args, request: DeviceRequest, precision: str) -> dict
     backend = TorchBackend(mlp(sizes), nn.CrossEntropyLoss(), precision=precision)
     backend.place(request)
     opt = backend.make_optimizer(parse_spec(f"sgd(lr={args.lr})"))
-    reducer = GradientReducer(comm, backend, max(1, int(args.bucket_mb * 2**20 / 4)))
+    reducer = make_reducer(args.allreduce_backend, comm, backend, max(1, int(args.bucket_mb * 2**20 / 4)),
+                           Collectives(lambda: WAIT_SECONDS))
     x_np, y_np = synthetic(DATA_SAMPLES, sizes[0], sizes[-1], seed=1 + rank)
     x_all, y_all = torch.from_numpy(x_np).to(backend.device), torch.from_numpy(y_np).to(backend.device)
     batches = [torch.from_numpy(b).to(backend.device) for b in batch_indices(DATA_SAMPLES, args.batch_size, 64,
@@ -77,7 +82,9 @@ def allreduce(comm, sizes, args, request: DeviceRequest, precision: str) -> dict
     if len(set(checksums)) != 1:
         raise RuntimeError(f"replicas diverged (checksums {checksums}): the reduction is broken")
     samples = args.steps * args.batch_size * size
-    return {"samples_per_s": samples / min(rounds), "way": reducer.staging.way, "device": str(backend.device)}
+    way = reducer.way
+    reducer.close()
+    return {"samples_per_s": samples / min(rounds), "way": way, "device": str(backend.device)}
 
 
 def staging(comm, floats: int, args, request: DeviceRequest) -> list[dict]:
@@ -124,6 +131,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--bucket-mb", type=float, default=2.0)
+    p.add_argument("--allreduce-backend", default="mpi", choices=("mpi", "nccl", "gloo"))
     p.add_argument("--lr", type=float, default=0.01)
     args = p.parse_args()
     plan = json.loads(args.plan)

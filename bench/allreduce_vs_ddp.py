@@ -4,7 +4,7 @@ Both sides train the same MLP (same seed) with the same per-rank batch size and 
 on 2 ranks, one torch thread per rank, on synthetic data fancy-indexed per step:
 
   nbdist   `mpiexec -n 2 python bench/_allreduce_worker.py`: the hot path of run_allreduce
-           (TorchBackend + GradientReducer, one Iallreduce per bucket started from inside
+           (TorchBackend + MpiReducer, one Iallreduce per bucket started from inside
            backward, flat SGD step), and nbdist.train(topology="allreduce") itself;
   DDP      torch.multiprocessing spawn, gloo on 127.0.0.1, DistributedDataParallel with its
            defaults (25 MB buckets), torch.optim.SGD.

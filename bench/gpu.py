@@ -1,20 +1,22 @@
 """nbdist on GPUs: run on a GPU node (one rank per GPU); fails clearly where torch sees none.
 
 1. allreduce: nbdist's allreduce hot path with each rank's model on its GPU (--device
-   cuda: TorchBackend's flat buffers on the GPU, GradientReducer through the transport's
-   staging: CUDA-aware MPI handed the device buffer where Open MPI is CUDA-aware, else
-   each bucket through a pinned host buffer on a CUDA stream) against PyTorch
-   DistributedDataParallel on NCCL, same MLPs, batch and SGD; samples/s and the ratio.
+   cuda: TorchBackend's flat buffers on the GPU), its buckets reduced two ways, as
+   --allreduce-backend does in a run: nccl (a torch.distributed NCCL group made from the
+   MPI ranks, reduced on the GPU) and mpi (the transport's staging: CUDA-aware MPI handed
+   the device buffer where Open MPI is CUDA-aware, else each bucket through a pinned host
+   buffer on a CUDA stream); against PyTorch DistributedDataParallel on NCCL, same MLPs,
+   batch and SGD; samples/s and the ratios.
 2. master/worker: a worker's flat device buffer sent to a host master and the reply of
    the same size taken back, through the staging object, pinned host buffer vs
    device-direct (the latter only where MPI is CUDA-aware); ms per round trip.
 
 Part 1 runs in each precision (--precision fp32, bf16, fp16: AMP off and on), DDP under
 torch.autocast with a GradScaler for fp16, so each ratio compares like with like.
-nbdist's own allreduce does not use NCCL (only MPI, direct or staged); DDP does.
 
-Usage: python bench/gpu.py [--quick]   (--cpu-dry-run: every part on the CPU, gloo for
-DDP, to check the script on a machine without a GPU; its numbers say nothing of GPUs)
+Usage: python bench/gpu.py [--quick] [--models small,large]   (--cpu-dry-run: every part on the CPU, gloo for
+DDP and for nbdist's torch.distributed reducer, to check the script on a machine without
+a GPU; its numbers say nothing of GPUs)
 """
 
 from __future__ import annotations
@@ -124,29 +126,35 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="fewer steps")
     p.add_argument("--batch-size", type=int, default=64, help="samples per rank per step (default 64)")
     p.add_argument("--cpu-dry-run", action="store_true", help="run every part on the CPU to check the script")
+    p.add_argument("--models", default="small,large", help=f"MLPs of part 1, comma-separated (of {', '.join(MLPS)})")
     args = p.parse_args()
     gpus = gpus_or_exit(args.cpu_dry_run)
     device = "cpu" if args.cpu_dry_run else "cuda"
     q = args.quick
     header(f"nbdist on {'the CPU (dry run)' if args.cpu_dry_run else f'{gpus} GPU(s)'}, batch {args.batch_size}/rank")
-    plan = dict(models=["small", "large"], precisions=["fp32", "bf16", "fp16"], steps=50 if q else 200,
+    plan = dict(models=args.models.split(","), precisions=["fp32", "bf16", "fp16"], steps=50 if q else 200,
                 warmup=10 if q else 20, rounds=2 if q else 3)
     cfg = dict(batch_size=args.batch_size, lr=0.01, device=device)
     common = ["--device", device, "--batch-size", str(args.batch_size)]
 
-    nb = run_mpi(gpus, [WORKER, "--part", "allreduce", "--plan", json.dumps(plan), *common], timeout=600)[0]
+    torch_way = "gloo" if args.cpu_dry_run else "nccl"
+    nb = {way: run_mpi(gpus, [WORKER, "--part", "allreduce", "--plan", json.dumps(plan), "--allreduce-backend", way,
+                              *common], timeout=600)[0]
+          for way in (torch_way, "mpi")}
     ddp = run_ddp(gpus, plan, cfg)
     rows = []
     for model in plan["models"]:
         n = count_params(MLPS[model])
         for precision in plan["precisions"]:
             key = f"{model}/{precision}"
-            r = nb["results"][key]
-            rows.append([f"{model} ({n:,} params)", precision, r["way"], r["samples_per_s"], ddp[key],
-                         r["samples_per_s"] / ddp[key]])
-    print(f"1. allreduce over {gpus} rank(s), nbdist (MPI, {'CUDA-aware' if nb['cuda_aware'] else 'not CUDA-aware'}) "
-          f"vs DDP ({'NCCL' if device == 'cuda' else 'gloo'}):")
-    table(rows, ["model", "precision", "nbdist staging", "nbdist samples/s", "DDP samples/s", "ratio"])
+            ours, mpi = nb[torch_way]["results"][key], nb["mpi"]["results"][key]
+            rows.append([f"{model} ({n:,} params)", precision, ours["samples_per_s"], mpi["way"],
+                         mpi["samples_per_s"], ddp[key], ours["samples_per_s"] / ddp[key],
+                         mpi["samples_per_s"] / ddp[key]])
+    print(f"1. allreduce over {gpus} rank(s), nbdist ({torch_way}; MPI, "
+          f"{'CUDA-aware' if nb['mpi']['cuda_aware'] else 'not CUDA-aware'}) vs DDP ({torch_way}):")
+    table(rows, ["model", "precision", f"nbdist {torch_way} samples/s", "nbdist mpi staging", "nbdist mpi samples/s",
+                 "DDP samples/s", f"{torch_way}/DDP", "mpi/DDP"])
 
     trips = dict(steps=20 if q else 100, warmup=5, floats=[2**20, 10 * 2**20])
     st = run_mpi(2, [WORKER, "--part", "staging", "--plan", json.dumps(trips), *common], timeout=600)[0]

@@ -28,6 +28,8 @@ TOPOLOGIES = ("master-worker", "allreduce")
 # free of the training package).
 MOMENTUM_CORRECTIONS = ("auto", "off")
 DEVICES = ("auto", "cpu", "cuda")
+# What --allreduce-backend takes (transport/reducers.py maps each to its reducer).
+ALLREDUCE_BACKENDS = ("auto", "mpi", "nccl", "gloo")
 # How the learning rate grows with the number of workers W (train/lr.py). One constant:
 # the convergence bench may change the default.
 LR_SCALINGS = ("none", "linear", "sqrt")
@@ -138,6 +140,10 @@ class TrainOptions:
         "none", "what gradients and worker-to-master messages travel as: none, fp16, bf16, topk(RATIO) (the RATIO "
                 "fraction of entries largest in magnitude) or powersgd(RANK) (rank-RANK factors of each weight "
                 "matrix); topk and powersgd keep what they leave out for the next step (error feedback)")
+    allreduce_backend: str = _opt(
+        "auto", "what reduces the allreduce topology's gradient buckets: mpi, nccl (a torch.distributed group made "
+                "from the MPI ranks, for a model on GPUs), gloo (the same for a model on the CPU) or auto (nccl where "
+                "the model is on a GPU and torch has NCCL, else mpi)")
     quiet: bool = _opt(False, "print only the final summary")
     trace_updates: bool = _opt(False, "also record every update the master applies (source rank, staleness, "
                                       "version) in the run's log; by default a master records one summary per "
@@ -201,6 +207,12 @@ class TrainOptions:
         if not self.bucket_mb > 0:
             raise OptionsError(f"--bucket-mb must be above 0, got {self.bucket_mb}")
         parse_compression(self.compression)
+        if self.allreduce_backend not in ALLREDUCE_BACKENDS:
+            raise OptionsError(f"--allreduce-backend {self.allreduce_backend!r}: choose one of "
+                               f"{', '.join(ALLREDUCE_BACKENDS)}")
+        if self.allreduce_backend != "auto" and self.topology != "allreduce":
+            raise OptionsError(f"--allreduce-backend {self.allreduce_backend} applies to --topology allreduce (a "
+                               f"worker of several processes reduces its gradient over MPI)")
         if self.min_delta < 0:
             raise OptionsError(f"--min-delta must be 0 or more (an improvement by at least this much), "
                                f"got {self.min_delta}")

@@ -228,6 +228,13 @@ CASES = {
                              ["--compression fp16 is not built for --worker-parallel pipeline yet"], None),
     "micro-batches-without-pipeline": (["--micro-batches", "8"], [
         "--micro-batches applies to pipeline workers: add --worker-parallel pipeline"], None),
+    "allreduce-backend-typo": (["--topology", "allreduce", "--allreduce-backend", "ncll"],
+                               ["--allreduce-backend 'ncll': choose one of auto, mpi, nccl, gloo"], None),
+    "nccl-without-a-gpu": (["--topology", "allreduce", "--allreduce-backend", "nccl"],
+                           ["--allreduce-backend nccl reduces gradients on GPUs; this model's are on cpu",
+                            "use --allreduce-backend mpi or gloo"], None),
+    "allreduce-backend-with-master-worker": (["--allreduce-backend", "gloo"],
+                                             ["--allreduce-backend gloo applies to --topology allreduce"], None),
 }
 
 # name -> the same, for a job of 4 ranks: a top master, a sub-master, a worker under each.

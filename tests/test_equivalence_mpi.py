@@ -1,7 +1,7 @@
 """Equivalences on real MPI ranks (ARCHITECTURE.md section 7).
 
 - allreduce over 2 and 4 ranks == one process on the concatenated batch (also when the
-  ranks' batch sizes differ by one), through nbdist's own GradientReducer (several
+  ranks' batch sizes differ by one), through nbdist's own MpiReducer (several
   buckets), sample shares and flat optimiser;
 - the device path (--device cpu: torch tensors as the buffers, through the array-API rules
   and the transport's staging, as on a GPU) == the numpy path to 1e-6, for allreduce and
@@ -10,6 +10,8 @@
 - synchronised BatchNorm (--sync-batchnorm) over 4 ranks of different batch sizes == one
   process on the concatenated batch: outputs, input and parameter gradients, running
   statistics (BatchNorm1d/2d/3d, momentum None, no affine parameters);
+- the allreduce topology's buckets on a torch.distributed gloo group made from the MPI
+  ranks (--allreduce-backend gloo, the code NCCL runs on GPUs) == the MPI path to 1e-6;
 - the same weights as PyTorch DistributedDataParallel on gloo;
 - Downpour with one worker and sync_every=1 == plain SGD on the same batch order;
 - EASGD with elastic_force=0 leaves the centre where it started;
@@ -40,6 +42,7 @@ sys.path.insert(0, str(SCRIPTS))
 import equivalence_common as common  # noqa: E402
 
 from nbdist.data.sharding import ShardPlan  # noqa: E402
+from nbdist.metrics import read_log  # noqa: E402
 
 pytestmark = pytest.mark.mpi
 
@@ -185,6 +188,11 @@ BATCHNORM_RUNS = {
     "procs2-bn": dict(ranks=5, algorithm="easgd", synchronous=True, workers=2, procs_per_worker=2,
                       worker_optimizer=common.OPTIMIZER),
 }
+# Allreduce runs whose buckets go through a torch.distributed gloo group made from the MPI
+# ranks (the code NCCL runs on GPUs), each compared with the MPI run of the same name:
+# numpy views on 2 ranks, and torch tensors with a BatchNorm state on 3. The job trains
+# them one after the other in the same processes, each on a group of its own.
+GLOO_COMPARED = {"allreduce-2-gloo": "allreduce-2", "allreduce-bn-gloo": "allreduce-bn"}
 DEVICE_COMPARED = ("downpour-async", "easgd-elastic-sync", "gem-sync", "adag-sync", "dynsgd-sync", *BATCHNORM_RUNS)
 # Runs trained with --device cpu for API_EPOCHS - 1 epochs, then resumed from their last
 # checkpoint for the last one, each compared with its straight numpy run.
@@ -212,6 +220,10 @@ def api_runs(tmp_path_factory):
     runs.append(dict(base, run_name="easgd-elastic-sync", ranks=3, algorithm="easgd", synchronous=True,
                      worker_optimizer=common.OPTIMIZER))
     runs += [dict(base, run_name=name, batchnorm=True, **extra) for name, extra in BATCHNORM_RUNS.items()]
+    runs.append(dict(base, run_name="allreduce-2", ranks=2, topology="allreduce", worker_optimizer=common.OPTIMIZER))
+    runs += [dict(next(r for r in runs if r["run_name"] == mpi), run_name=name, allreduce_backend="gloo",
+                  **({"device": "cpu"} if "bn" in name else {}))
+             for name, mpi in GLOO_COMPARED.items()]
     runs += [dict(run, run_name=run["run_name"] + "-device", device="cpu")
              for run in runs if run["run_name"] in DEVICE_COMPARED]
     halves = [dict(run, run_name=run["run_name"] + "-device-half", device="cpu", epochs=API_EPOCHS - 1)
@@ -320,6 +332,25 @@ def test_runs_on_torch_tensors_equal_the_numpy_path(api_runs, name):
     if name in BATCHNORM_RUNS:  # the statistics moved from their initial zeros and ones
         state = load_file(str(api_runs / f"{name}-device" / "final" / "model.safetensors"))
         assert np.abs(state["1.running_mean"]).max() > 1e-3 and np.abs(state["1.running_var"] - 1).max() > 1e-3
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", list(GLOO_COMPARED))
+def test_allreduce_on_a_gloo_group_equals_the_mpi_path(api_runs, name):
+    mpi, run = api_runs / GLOO_COMPARED[name], api_runs / name
+    # Every rank reduced on gloo, the MPI run on MPI.
+    ranks = 3 if "bn" in name else 2
+    assert [r["values"]["allreduce"] for r in read_log(run, "run")] == ["gloo"] * ranks
+    assert [r["values"]["allreduce"] for r in read_log(mpi, "run")] == ["mpi (view)"] * ranks
+    torch.manual_seed(API_SEED)
+    initial = state_dict_arrays(common.build_batchnorm_model() if "bn" in name else common.build_model())
+    expected = load_file(str(mpi / "final" / "model.safetensors"))
+    assert moved(expected, initial) > 0.05
+    assert_weights_close(load_file(str(run / "final" / "model.safetensors")), expected, tol=1e-6)
+    history, reference = ([h["val_loss"] for h in json.loads((r / "summary.json").read_text())["history"]]
+                          for r in (run, mpi))
+    assert len(history) == API_EPOCHS
+    np.testing.assert_allclose(history, reference, rtol=1e-6)
 
 
 @pytest.mark.timeout(400)

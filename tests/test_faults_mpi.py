@@ -144,6 +144,29 @@ def test_an_allreduce_rank_killed_with_max_restarts_restarts_on_the_survivors(tm
 
 
 @pytest.mark.timeout(400)
+def test_a_rank_killed_in_an_allreduce_on_a_gloo_group_is_named_and_the_survivors_restart(tmp_path):
+    """The same on a torch.distributed group (--allreduce-backend gloo): the group's work
+    fails when the peer's sockets close, MPI names the dead rank, and the survivors go on
+    on a new group of 2 (the old one's works left behind do not hold them up)."""
+    run = tmp_path / "run"
+    job = Launched(tmp_path, 3, "--model", MLP, "--topology", "allreduce", "--allreduce-backend", "gloo",
+                   "--epochs", "20", "--batch-size", "8", "--max-restarts", "1", "--peer-timeout", "5",
+                   "--runs-dir", str(tmp_path), "--run-name", "run", "--quiet")
+    job.wait_for(lambda: _epochs_logged(run) >= 3, "third epoch")
+    job.rank(1).kill()
+    assert job.finish() == 0, job.output
+    out = job.output
+    assert "rank 1 (worker 1, host" in out and "restarting on the 2 ranks left (restart 1 of 1)" in out, out
+    assert "Traceback" not in out, out
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["stop_reason"] == "completed 20 epochs" and summary["restarts"] == 1
+    assert [h["epoch"] for h in summary["history"]] == list(range(1, 21))
+    # The 2 survivors ended the run, each having reduced on gloo.
+    assert [r["values"]["allreduce"] for r in read_log(run, "run")] == ["gloo", "gloo"]
+    assert not job.processes()
+
+
+@pytest.mark.timeout(400)
 def test_sigterm_stops_a_10m_parameter_run_with_a_final_checkpoint_that_resumes(tmp_path):
     run = tmp_path / "run"
     job = Launched(tmp_path, 3, "--model", BIG_MLP, "--algorithm", "easgd", "--epochs", "100", "--runs-dir",

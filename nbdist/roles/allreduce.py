@@ -2,9 +2,10 @@
 
 Gradients are reduced in buckets while backward is still running: the backend calls
 back as soon as a contiguous bucket of the flat gradient is final, and that bucket's
-`Iallreduce` starts at once (later layers' buckets finish first; transport/buckets.py).
-After backward, the rank waits for the last buckets, and every rank steps the same
-optimiser on the same gradient, so the replicas stay bit-identical.
+reduction starts at once (later layers' buckets finish first), through the reducer
+--allreduce-backend names (transport/reducers.py: MPI's Iallreduce, or a torch.distributed
+group, NCCL on GPUs). After backward, the rank waits for the last buckets, and every
+rank steps the same optimiser on the same gradient, so the replicas stay bit-identical.
 
 A four-number trailer (samples, loss sum, metric sum, stop requests) is reduced with
 the gradient: the global training loss costs no extra message, and a stop requested on
@@ -33,10 +34,10 @@ from nbdist.train.lr import WorkerLr, lr_metrics
 from nbdist.train.progress import EpochTally, RunResult, epoch_metrics, format_epoch, sample_validation, write_final
 from nbdist.train.state import load_rank_state, save_rank_state
 from nbdist.train.validation import SampleMarks
-from nbdist.transport.buckets import GradientReducer
+from nbdist.transport.reducers import make_reducer
 from nbdist.transport.staging import Staging
 
-__all__ = ["run_allreduce", "GradientReducer"]
+__all__ = ["run_allreduce"]
 
 def run_allreduce(ctx: RankContext) -> RunResult | None:
     comm = ctx.comms.run
@@ -46,9 +47,8 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
     params, model_state = Staging(backend.params, backend.copier), Staging(backend.state, backend.copier)
     opt = backend.make_optimizer(ctx.worker_optimizer)
     collectives = ctx.peers.collectives
-    reducer = GradientReducer(comm, backend, max(1, int(ctx.options.bucket_mb * 2**20 / 4)),
-                              lambda requests: collectives.wait_all(comm, requests, "the gradient allreduce"),
-                              ctx.compression)
+    reducer = make_reducer(ctx.options.allreduce_backend, comm, backend,
+                           max(1, int(ctx.options.bucket_mb * 2**20 / 4)), collectives, compression=ctx.compression)
     # --sync-batchnorm: the statistics are the whole step's, the same on every rank.
     shared_statistics = synchronise_batchnorm(ctx, comm)
     plan = ctx.data.plan(size, ctx.options.batch_size, ctx.options.seed)
@@ -160,9 +160,11 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
 
     epoch = run_epochs(start_epoch, start_step, ctx.options.epochs, begin_epoch, train_step, end_epoch)
     report.emit(epoch, 0)
+    reducer.close()
     reason = stop_reason or f"completed {ctx.options.epochs} epochs"
     faults = {"restarts": ctx.attempt} if ctx.attempt else {}
-    ctx.log.emit("run", {"status": "stopped" if stop_reason else "completed", "reason": reason, **faults})
+    ctx.log.emit("run", {"status": "stopped" if stop_reason else "completed", "reason": reason,
+                         "allreduce": reducer.way, **faults})
     ctx.log.close()
     if rank != 0:
         return None

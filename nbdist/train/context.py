@@ -42,6 +42,7 @@ from nbdist.transport.agreement import agree
 from nbdist.transport.compression import make_codec, parse_compression
 from nbdist.transport.node import local_rank
 from nbdist.transport.peers import Peers
+from nbdist.transport.reducers import choose as choose_reducer
 
 __all__ = ["RankContext", "TrialTag", "MetricNameError", "prepare", "agree", "check_metric_names", "check_data_size",
            "master_share"]
@@ -306,6 +307,8 @@ def prepare(
         worker_lr, master_lr = plan_learning_rates(options, layout, algorithm, backend, *starting_lrs)
         if not stage_process:
             _probe(backend, data, definition.source)
+        if options.topology == "allreduce":  # e.g. nccl for a model on the CPU: one error, here
+            choose_reducer(options.allreduce_backend, backend.rule_grads, compressed=options.compression != "none")
         check_metric_names(options, trial, reported_metrics(backend.metric_name, staleness=algorithm is not None))
         if comm.Get_rank() == 0:  # the run leader, who writes the run directory (last: it may create --runs-dir)
             _check_run_dir_writable(options)

@@ -15,6 +15,7 @@ MPI as if it were host memory.
 from __future__ import annotations
 
 import json
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -22,12 +23,15 @@ from mpi4py import MPI
 
 from nbdist.transport.faults import RankLost, RankSilent, RunFailure, failed_ranks
 from nbdist.transport.staging import Staging
-from nbdist.transport.waiting import CommFailure, WaitTimeout, wait_all
+from nbdist.transport.waiting import CommFailure, WaitTimeout, wait_all, wait_for
 
 __all__ = ["Collectives"]
 
 # Longest text of one rank in a polled allgather (set-up errors, host names).
 OBJECT_BYTES = 4096
+# How long a survivor gives MPI's fault tolerance to learn of a death that another
+# library (torch.distributed's sockets) saw first; Open MPI's runtime takes about 0.6 s.
+LOST_GRACE = 3.0
 
 
 class Collectives:
@@ -49,13 +53,45 @@ class Collectives:
         try:
             wait_all(requests, timeout=self.timeout())
         except CommFailure:
-            ranks = failed_ranks(comm, self.run if self.run is not None else comm)
-            raise RankLost(f"{self.describe(ranks)} died during {what}" if ranks else
-                           f"a rank failed during {what}", ranks=ranks, restartable=bool(ranks)) from None
+            raise self._lost(comm, what, failed_ranks(comm, self.run if self.run is not None else comm)) from None
         except WaitTimeout as exc:
-            if self.missing is not None:
+            raise self._silent(comm, what, exc) from None
+
+    def wait_for(self, comm: Any, done: Callable[[], bool], what: str) -> None:
+        """`wait_all` for work outside MPI among the ranks of `comm` (a torch.distributed
+        group's): `done()` says whether it finished, raising CommFailure when it failed.
+        That library sees a peer's death (its sockets close) before MPI does: MPI is
+        given LOST_GRACE seconds to name the dead rank, then a roll call names it."""
+        try:
+            wait_for(done, timeout=self.timeout())
+        except CommFailure:
+            ranks = self._failed_within(comm, LOST_GRACE)
+            if not ranks and self.missing is not None:
                 raise self.missing(comm, what) from None
-            raise RankSilent(f"a rank did not reach {what} within {exc.seconds:.0f} s") from None
+            raise self._lost(comm, what, ranks) from None
+        except WaitTimeout as exc:
+            raise self._silent(comm, what, exc) from None
+
+    def _failed_within(self, comm: Any, seconds: float) -> list[int]:
+        deadline = time.monotonic() + seconds
+        while True:
+            ranks = failed_ranks(comm, self.run if self.run is not None else comm)
+            if ranks or time.monotonic() > deadline:
+                return ranks
+            try:
+                comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)  # lets MPI take in the runtime's failure notice
+            except MPI.Exception:
+                pass  # it has: a wildcard probe fails while a failure is not acknowledged
+            time.sleep(0.05)
+
+    def _lost(self, comm: Any, what: str, ranks: list[int]) -> RunFailure:
+        return RankLost(f"{self.describe(ranks)} died during {what}" if ranks else f"a rank failed during {what}",
+                        ranks=ranks, restartable=bool(ranks))
+
+    def _silent(self, comm: Any, what: str, exc: WaitTimeout) -> RunFailure:
+        if self.missing is not None:
+            return self.missing(comm, what)
+        return RankSilent(f"a rank did not reach {what} within {exc.seconds:.0f} s")
 
     def bcast(self, comm: Any, buffer: "np.ndarray | Staging", what: str = "the initial broadcast",
               root: int = 0) -> None:

@@ -29,8 +29,8 @@ from typing import Callable, Sequence
 
 from mpi4py import MPI
 
-__all__ = ["wait", "wait_all", "test_all", "wait_some", "wait_until", "test_each", "receive_object", "WaitTimeout",
-           "CommFailure", "Abandoned", "abandon", "forget_abandon", "watch_with", "FOREVER"]
+__all__ = ["wait", "wait_all", "wait_for", "test_all", "wait_some", "wait_until", "test_each", "receive_object",
+           "WaitTimeout", "CommFailure", "Abandoned", "abandon", "forget_abandon", "watch_with", "FOREVER"]
 
 SPIN_SECONDS = 2e-4
 FIRST_SLEEP = 5e-5
@@ -156,6 +156,19 @@ def test_all(requests: Sequence[MPI.Request]) -> bool:
         return MPI.Request.Testall(requests)
     except MPI.Exception as exc:
         raise CommFailure(exc) from None
+
+
+def wait_for(done: Callable[[], bool], *, timeout: float | None = FOREVER) -> None:
+    """`wait_all` for another library's pending work: `done()` says whether it finished
+    (and raises CommFailure, or a subclass, when it failed)."""
+    backoff = _Backoff(timeout)
+    while not done():
+        try:
+            backoff.pause()
+        except WaitTimeout:
+            if done():  # suspended past the deadline meanwhile: look once more (as wait_all)
+                return
+            raise
 
 
 def test_each(requests: Sequence[MPI.Request]) -> tuple[list[int], list[tuple[int, CommFailure]]]:

@@ -5,7 +5,7 @@ Usage: mpiexec -n N python tests/mpi_scripts/allreduce_equivalence.py OUT_DIR ST
 For each of two batch layouts (`equal`: 4 samples per rank; `unequal`: sizes differ by
 one between ranks), every rank builds the same model (same seed), wraps it in a
 TorchBackend and takes equivalence_common.allreduce_steps: it reduces its gradients with
-`GradientReducer` (one Iallreduce per bucket, started from inside backward; a small
+`MpiReducer` (one Iallreduce per bucket, started from inside backward; a small
 bucket cap gives several buckets), weights its
 gradient by `allreduce_sgd.sample_share` and steps the backend's flat optimiser, as
 `nbdist.roles.allreduce.run_allreduce` does. This runs over all N ranks and then,
@@ -14,7 +14,7 @@ one job gives the N-rank and the 2-rank results. Rank 0 writes
 OUT_DIR/<ranks>-<layout>.safetensors (the model's state_dict). Every rank checks that
 all replicas are bit-identical and that the reduced sample count is the global batch
 size. Layout `device` is `equal` with the backend placed by --device cpu: the rules and
-the GradientReducer's staging then work on torch tensors, as on a GPU.
+the MpiReducer's staging then work on torch tensors, as on a GPU.
 On 4 ranks the job then runs synchronised BatchNorm layers (--sync-batchnorm) over
 COMM_WORLD and writes OUT_DIR/syncbn-<layer>.safetensors (see sync_batchnorm).
 Prints `OK <ranks>-<layout>` (and `OK syncbn`); any failure aborts the job so that no rank hangs.
@@ -58,12 +58,12 @@ def fp16_overflow_on_one_rank(comm: MPI.Intracomm, steps: int) -> str:
     default scale 2**16 this model's overflows from 2**22). Every rank must skip that step
     (the reduced gradient is not finite), halve the same loss scale, and stay bit-identical."""
     from nbdist.algorithms import allreduce_sgd
-    from nbdist.roles.allreduce import GradientReducer
     from nbdist.specs import parse_spec
+    from nbdist.transport.reducers import MpiReducer
 
     rank, size = comm.Get_rank(), comm.Get_size()
     backend = TorchBackend(common.initial_model(), nn.CrossEntropyLoss(), "accuracy", precision="fp16")
-    reducer = GradientReducer(comm, backend, common.BUCKET_FLOATS)
+    reducer = MpiReducer(comm, backend, common.BUCKET_FLOATS)
     opt = backend.make_optimizer(parse_spec(common.OPTIMIZER))
     x, y = common.make_arrays()
     trailer = np.zeros(4, np.float32)

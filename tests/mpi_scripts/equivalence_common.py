@@ -110,16 +110,16 @@ def reference_weights(steps: int, ranks: int, unequal: bool) -> dict[str, np.nda
 
 def allreduce_steps(comm, backend, steps: int, unequal: bool):
     """`steps` of nbdist's allreduce path for `backend` (of any framework) on the fixed
-    data, as run_allreduce takes them: gradients reduced by GradientReducer (several
+    data, as run_allreduce takes them: gradients reduced by MpiReducer (several
     buckets), weighted by each rank's sample share, the backend's flat optimiser. Checks
     that the replicas stay bit-identical; returns the backend."""
     from nbdist.algorithms import allreduce_sgd
     from nbdist.specs import parse_spec
-    from nbdist.roles.allreduce import GradientReducer
+    from nbdist.transport.reducers import MpiReducer
 
     rank, size = comm.Get_rank(), comm.Get_size()
     x, y = make_arrays()
-    reducer = GradientReducer(comm, backend, BUCKET_FLOATS)
+    reducer = MpiReducer(comm, backend, BUCKET_FLOATS)
     assert len(reducer.buckets) >= 3, reducer.buckets
     opt = backend.make_optimizer(parse_spec(OPTIMIZER))
     trailer = np.zeros(4, np.float32)

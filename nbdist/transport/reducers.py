@@ -1,0 +1,238 @@
+"""The bucketed gradient allreduce of the allreduce topology, over MPI or torch.distributed.
+
+A reducer sums a flat gradient over the ranks of a communicator while backward still
+runs: the backend calls back as soon as a contiguous bucket is final (`bucket_hooks`),
+and that bucket's reduction starts at once; `finish(trailer)` adds a small float32
+trailer (samples, loss, metric, stop requests) and waits for everything, with the run's
+deadline and failure naming.
+
+- mpi: one in-place `Iallreduce` per bucket through the transport's staging (the host
+  buffer itself, the device buffer where Open MPI is CUDA-aware, else a pinned host copy).
+- nccl: the buckets of a CUDA gradient on a torch.distributed NCCL group made from the
+  communicator (torch_group.py), reduced on the GPU without a host copy.
+- gloo: the same group over gloo, for a gradient in host memory: the way the test suite
+  runs the torch.distributed path on a machine without a GPU.
+
+`--allreduce-backend auto` takes nccl where the gradient is on a GPU and torch has NCCL,
+else mpi. The name is looked up once (`choose`), here at the edge, in REDUCERS.
+
+--compression (compression.py, reduction.py) runs on the MPI reducer only: its codecs
+are numpy, so the buckets go through host memory anyway; `auto` then takes mpi, and
+nccl or gloo named with a compression is one error.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Callable
+
+import array_api_compat
+import numpy as np
+from mpi4py import MPI
+
+from nbdist.errors import OptionsError
+from nbdist.specs import Spec
+from nbdist.transport.reduction import compressed_reduction
+from nbdist.transport.staging import Staging
+from nbdist.transport.torch_group import TorchGroup, all_completed, keep_until_done
+from nbdist.transport.waiting import wait_all, wait_for
+
+__all__ = ["Reducer", "MpiReducer", "TorchReducer", "REDUCERS", "choose", "make_reducer"]
+
+WHAT = "the gradient allreduce"
+
+
+class Reducer(ABC):
+    """Sums a flat gradient (the backend's `rule_grads`) over the ranks of a communicator,
+    bucket by bucket from inside backward."""
+
+    way: str  # how the buckets travel, for benchmarks and messages
+    bytes_sent: int  # the gradient bytes this rank handed over to be reduced, over the run
+
+    buckets: list[tuple[int, int]]  # [start, stop) of each bucket of the flat gradient
+
+    def _bucket_ready(self, index: int) -> None:
+        self.start(index)
+
+    @abstractmethod
+    def start(self, index: int) -> None:
+        """Start summing bucket `index` of the gradient, which backward no longer writes."""
+
+    @abstractmethod
+    def finish(self, trailer: np.ndarray) -> None:
+        """Sum `trailer` too, and return once the gradient and the trailer hold the sums."""
+
+    def close(self) -> None:
+        """Release what the reducer holds, after a run that ended well."""
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        """What the reducer carries from step to step (a compression's residuals), for checkpoints."""
+        return {}
+
+    def load_state_arrays(self, arrays: dict[str, np.ndarray]) -> None:
+        """Take back what state_arrays gave (a resume)."""
+
+
+class MpiReducer(Reducer):
+    """Starts one in-place Iallreduce per gradient bucket from inside backward.
+
+    The gradient goes through the transport's staging: on the host MPI reduces the
+    backend's own memory; on a GPU, the device buffer itself (CUDA-aware MPI) or a pinned
+    host copy of each bucket, copied back once the reductions are done.
+
+    `finish_wait(requests)` waits for the last ones (default: waiting.wait_all; a run
+    passes its polled collectives' wait, with the run's deadline and failure naming).
+
+    With a `compression` (--compression), the buckets go through its codec instead
+    (reduction.py)."""
+
+    __slots__ = ("comm", "staging", "buckets", "requests", "finish_wait", "compressed", "plain_bytes")
+
+    def __init__(self, comm: MPI.Intracomm, backend: Any, bucket_floats: int, finish_wait: Callable | None = None,
+                 compression: Spec | None = None):
+        self.comm = comm
+        # The codecs are numpy: a compressed gradient goes through host memory even where
+        # MPI could read the device (cuda_aware=False: pinned host copies).
+        self.staging = Staging(backend.rule_grads, backend.copier, cuda_aware=False if compression else None)
+        self.requests: list[MPI.Request] = []
+        self.finish_wait = finish_wait or wait_all
+        self.buckets = backend.bucket_hooks(bucket_floats, self._bucket_ready)
+        self.compressed = None if compression is None else compressed_reduction(
+            comm, compression, backend.num_params, self.buckets, backend.param_blocks())
+        self.plain_bytes = 0
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.plain_bytes + (self.compressed.bytes_sent if self.compressed is not None else 0)
+
+    def start(self, index: int) -> None:
+        start, stop = self.buckets[index]
+        host = self.staging.to_host(start, stop)
+        if self.compressed is None:
+            self.requests.append(self.comm.Iallreduce(MPI.IN_PLACE, host, op=MPI.SUM))
+            self.plain_bytes += host.nbytes
+        else:
+            self.requests += self.compressed.start(index, host)
+        MPI.Request.Testall(self.requests)  # progress the earlier buckets
+
+    @property
+    def way(self) -> str:
+        return f"mpi ({self.staging.way})"
+
+    def finish(self, trailer: np.ndarray) -> None:
+        self.requests.append(self.comm.Iallreduce(MPI.IN_PLACE, trailer, op=MPI.SUM))
+        try:
+            self.finish_wait(self.requests)
+        finally:
+            self.requests.clear()
+        if self.compressed is not None:
+            self.compressed.finish(self.staging.to_host, self.finish_wait)
+        self.staging.to_device()
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        return self.compressed.state_arrays() if self.compressed is not None else {}
+
+    def load_state_arrays(self, arrays: dict[str, np.ndarray]) -> None:
+        if self.compressed is not None:
+            self.compressed.load_state_arrays(arrays)
+
+
+class TorchReducer(Reducer):
+    """One in-place allreduce per bucket on a torch.distributed group (NCCL on the GPU
+    where the gradient is, gloo for a gradient in host memory), and the trailer with them.
+
+    `finish_wait(done)` polls `done()` (default: waiting.wait_for without a deadline; a
+    run passes its collectives' `wait_for`, with the run's deadline and failure naming)."""
+
+    __slots__ = ("group", "grads", "trailer", "buckets", "works", "finish_wait", "bytes_sent")
+
+    def __init__(self, group: TorchGroup, backend: Any, bucket_floats: int, finish_wait: Callable | None = None):
+        import torch
+
+        self.group = group
+        grads = backend.rule_grads
+        # On the host path the gradient is a numpy view: the tensor shares its memory.
+        self.grads = torch.from_numpy(grads) if isinstance(grads, np.ndarray) else grads
+        self.trailer = torch.zeros(4, dtype=torch.float32, device=self.grads.device)
+        self.works: list[Any] = []
+        self.bytes_sent = 0
+        self.finish_wait = finish_wait or wait_for
+        self.buckets = backend.bucket_hooks(bucket_floats, self._bucket_ready)
+
+    @property
+    def way(self) -> str:
+        return self.group.kind
+
+    def start(self, index: int) -> None:
+        start, stop = self.buckets[index]
+        self.works.append(self.group.allreduce(self.grads[start:stop]))
+        self.bytes_sent += 4 * (stop - start)
+
+    def finish(self, trailer: np.ndarray) -> None:
+        import torch
+
+        self.trailer.copy_(torch.from_numpy(trailer))
+        self.works.append(self.group.allreduce(self.trailer))
+        works = list(self.works)
+        try:
+            self.finish_wait(lambda: all_completed(works))
+        except BaseException:
+            keep_until_done(self.group, works)  # the others may never join them
+            raise
+        finally:
+            self.works.clear()
+        trailer[:] = self.trailer.cpu().numpy()
+
+    def close(self) -> None:
+        self.group.close()
+
+
+REDUCERS: dict[str, type[Reducer]] = {"mpi": MpiReducer, "nccl": TorchReducer, "gloo": TorchReducer}
+
+
+def choose(name: str, grads: Any, compressed: bool = False) -> str:
+    """The reducer `--allreduce-backend name` means for a gradient held in `grads` (and
+    `compressed` by --compression), or one OptionsError saying why it cannot reduce it (the
+    same on every rank of a run)."""
+    if name != "auto" and name not in REDUCERS:
+        raise OptionsError(f"--allreduce-backend {name!r}: choose one of auto, {', '.join(REDUCERS)}")
+    where = str(array_api_compat.device(grads))
+    on_gpu = where.startswith("cuda")
+    if name == "auto":
+        return "nccl" if on_gpu and _torch_has("nccl") and not compressed else "mpi"
+    if compressed and name != "mpi":
+        raise OptionsError(f"--compression runs on the MPI reducer (its codecs are numpy, in host memory), not on "
+                           f"--allreduce-backend {name}: use --allreduce-backend mpi or auto, or drop --compression")
+    if name == "nccl" and not on_gpu:
+        raise OptionsError(f"--allreduce-backend nccl reduces gradients on GPUs; this model's are on {where} (no GPU, "
+                           f"or --device cpu): use --allreduce-backend mpi or gloo, or --device cuda on a GPU node")
+    if name == "gloo" and on_gpu:
+        raise OptionsError(f"--allreduce-backend gloo reduces gradients in host memory; this model's are on {where}: "
+                           f"use --allreduce-backend nccl or mpi")
+    if name != "mpi" and not _torch_has(name):
+        raise OptionsError(f"--allreduce-backend {name}: this torch has no {name} (torch.distributed."
+                           f"is_backend_available({name!r}) is False): use --allreduce-backend mpi")
+    return name
+
+
+def _torch_has(name: str) -> bool:
+    """Whether this torch has the torch.distributed backend `name` (nccl, gloo)."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return False
+    return dist.is_available() and dist.is_backend_available(name)
+
+
+def make_reducer(name: str, comm: Any, backend: Any, bucket_floats: int, collectives: Any,
+                 what: str = WHAT, compression: Spec | None = None) -> Reducer:
+    """Collective over `comm`: the reducer `--allreduce-backend name` means for this
+    backend's gradient (through `compression`'s codec, if any), its waits polled by the
+    run's `collectives`."""
+    kind = choose(name, backend.rule_grads, compressed=compression is not None)
+    if REDUCERS[kind] is MpiReducer:
+        return MpiReducer(comm, backend, bucket_floats, lambda requests: collectives.wait_all(comm, requests, what),
+                          compression)
+    device = array_api_compat.device(backend.rule_grads)
+    group = TorchGroup(comm, kind, collectives, device=device if kind == "nccl" else None)
+    return TorchReducer(group, backend, bucket_floats, lambda done: collectives.wait_for(comm, done, what))

@@ -1,0 +1,152 @@
+"""A torch.distributed process group made from an MPI communicator (rendezvous over MPI).
+
+NCCL reduces tensors where they live, on the GPUs; gloo does the same for CPU tensors
+(the way the test suite checks this path). Neither needs torch's launcher: MPI already
+knows the ranks, so rank 0 of the communicator opens a TCPStore on a free port, the port
+goes to the others with the polled broadcast, and every rank builds the group from that
+store with a timeout.
+
+Each group is an object of its own (the backend class itself, never torch's default
+group) on a store of its own: the trials a study runs one after another in one process,
+and a restart on fewer ranks, each get a fresh group and do not meet the old one's keys.
+
+On one host the store and gloo listen on 127.0.0.1 only. torch's store takes no token:
+it holds only the rendezvous keys, and a group spanning hosts listens on the address of
+rank 0's host name, like MPI's own TCP transport.
+
+Every wait on the group is polled with the transport's deadline (`Collectives.wait_for`):
+a work that fails (a peer's process died, its sockets closed) raises WorkFailed, which the
+collectives turn into a RankLost naming the dead rank; a work that does not complete
+within the peer timeout becomes a roll call naming the frozen rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from typing import Any, Sequence
+
+import numpy as np
+
+from nbdist.errors import TrainingError
+from nbdist.transport.waiting import CommFailure
+
+__all__ = ["TorchGroup", "WorkFailed", "all_completed", "keep_until_done", "LOOPBACK"]
+
+LOOPBACK = "127.0.0.1"
+RENDEZVOUS = "the torch.distributed rendezvous"
+# Each work's own deadline: twice the run's wait and its roll call's grace, so that the
+# polled wait (which names the rank) always ends first, and a work left behind by a failed
+# run ends by itself (a group is destroyed only once its works ended: see keep_until_done).
+WORK_DEADLINE_FACTOR, WORK_DEADLINE_SLACK = 2.0, 30.0
+
+# Groups with works that a failed run left behind (a peer gave up on them): destroying a
+# group waits for its works, which would stall the run that goes on, so they are kept
+# here until those works ended (they fail at their own deadline, or when the peer exits).
+_left_behind: list[tuple["TorchGroup", list]] = []
+
+
+class WorkFailed(CommFailure):
+    """A torch.distributed work completed with an error (its peer's connection broke)."""
+
+    def __init__(self, message: str):
+        Exception.__init__(self, message)
+        self.error_class = None
+
+
+class TorchGroup:
+    """The ranks of `comm` as one torch.distributed group (`kind`: nccl or gloo)."""
+
+    __slots__ = ("kind", "group", "store", "rank", "size", "wait_seconds")
+
+    def __init__(self, comm: Any, kind: str, collectives: Any, device: Any = None):
+        import torch.distributed as dist
+
+        _left_behind[:] = [(group, works) for group, works in _left_behind if not all_ended(works)]
+        self.kind = kind
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.wait_seconds = collectives.timeout  # the run's current deadline for a wait
+        timeout = datetime.timedelta(seconds=collectives.timeout())
+        hosts = collectives.allgather(comm, socket.gethostname(), RENDEZVOUS)
+        # One host: loopback only (nothing outside the node can reach the group).
+        address = LOOPBACK if len(set(hosts)) == 1 else hosts[0]
+        port = np.array([self._open_store(address, timeout) if self.rank == 0 else 0], np.int64)
+        collectives.bcast(comm, port, RENDEZVOUS)
+        if port[0] < 0:
+            raise TrainingError(f"{RENDEZVOUS}: rank 0 could not open a store on {address}")
+        if self.rank != 0:
+            self.store = dist.TCPStore(address, int(port[0]), is_master=False, timeout=timeout)
+        mine = LOOPBACK if address == LOOPBACK else socket.gethostname()
+        self.group = _make_group(kind, self.store, self.rank, self.size, timeout, mine, device)
+
+    def _open_store(self, address: str, timeout: datetime.timedelta) -> int:
+        """Rank 0: the store's server on a free port of `address`; its port, or -1."""
+        import torch.distributed as dist
+
+        try:
+            listener = socket.create_server((address, 0))
+            port = listener.getsockname()[1]
+            # The store takes over the listening socket: no other process can take the
+            # port between choosing it and listening on it.
+            self.store = dist.TCPStore(address, port, is_master=True, timeout=timeout, wait_for_workers=False,
+                                       master_listen_fd=listener.detach())
+        except (OSError, RuntimeError) as exc:
+            print(f"nbdist: {RENDEZVOUS}: cannot open a store on {address}: {exc}", flush=True)
+            return -1
+        return port
+
+    def allreduce(self, tensor: Any) -> Any:
+        """Start summing `tensor` in place over the group; returns the pending work."""
+        import torch.distributed as dist
+
+        options = dist.AllreduceOptions()
+        options.timeout = datetime.timedelta(seconds=WORK_DEADLINE_FACTOR * self.wait_seconds()
+                                             + WORK_DEADLINE_SLACK)
+        return self.group.allreduce([tensor], options)
+
+    def close(self) -> None:
+        """Release the group after a run that ended well."""
+        shutdown = getattr(self.group, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
+
+def _make_group(kind: str, store: Any, rank: int, size: int, timeout: datetime.timedelta, address: str,
+                device: Any) -> Any:
+    import torch.distributed as dist
+
+    if kind == "gloo":
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
+        return dist.ProcessGroupGloo(store, rank, size, options)
+    from torch.distributed import ProcessGroupNCCL
+
+    options = ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    group = ProcessGroupNCCL(store, rank, size, options)
+    if device is not None and hasattr(group, "eager_connect_single_device"):
+        group.eager_connect_single_device(device)  # connect now, inside set-up's deadline
+    return group
+
+
+def keep_until_done(group: TorchGroup, works: list) -> None:
+    """Keep `group` alive until `works` (left pending by a failed wait) ended."""
+    if not all_ended(works):
+        _left_behind.append((group, works))
+
+
+def all_ended(works: Sequence[Any]) -> bool:
+    return all(work.is_completed() for work in works)
+
+
+def all_completed(works: Sequence[Any]) -> bool:
+    """Whether every work finished; WorkFailed when one finished with an error."""
+    if not all_ended(works):
+        return False
+    for work in works:
+        try:
+            work.wait()  # done already: raises its error, and on a GPU orders the stream after it
+        except Exception as exc:  # torch raises RuntimeError or DistBackendError
+            raise WorkFailed(f"{type(exc).__name__}: {exc}") from None
+    return True
