@@ -233,6 +233,8 @@ CASES = {
     "nccl-without-a-gpu": (["--topology", "allreduce", "--allreduce-backend", "nccl"],
                            ["--allreduce-backend nccl reduces gradients on GPUs; this model's are on cpu",
                             "use --allreduce-backend mpi or gloo"], None),
+    "compression-on-gloo": (["--topology", "allreduce", "--allreduce-backend", "gloo", "--compression", "fp16"],
+                            ["--compression runs on the MPI reducer", "use --allreduce-backend mpi or auto"], None),
     "allreduce-backend-with-master-worker": (["--allreduce-backend", "gloo"],
                                              ["--allreduce-backend gloo applies to --topology allreduce"], None),
 }
