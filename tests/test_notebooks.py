@@ -81,6 +81,11 @@ def test_tutorial_executes_top_to_bottom(path, tmp_path, request):
                 assert set(remade) == set(first)
                 for key in first:
                     np.testing.assert_array_equal(remade[key][:], first[key][:], err_msg=f"{name}: {key}")
+    if path.stem == "04_model_distribution":
+        assert "all model-distribution runs reached at least 90% validation accuracy" in text
+        runs = {json.loads(f.read_text())["worker_parallel"] for f in (tmp_path / "runs").glob("*/options.json")}
+        assert runs == {"pipeline", "allreduce"}, runs  # the pipeline ran as stages, the rest as replicas
+        assert "cluster stopped" in text
     if path.stem == "03_gan":
         assert "the trained generator's digits are closer to the real ones" in text
         runs = list((tmp_path / "runs").glob("*-master-worker-easgd"))

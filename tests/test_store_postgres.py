@@ -430,7 +430,9 @@ def test_two_concurrent_mpiexec_jobs_share_a_study_one_killed(tmp_path, postgres
     from nbdist.dashboard.sources import StoreSource, run_choices
     from nbdist.dashboard.study_view import StudyPlots
 
-    trials = 14
+    # Enough trials that both jobs finish some while the first still runs: on an idle
+    # machine a trial takes a fraction of a second, and the second job starts seconds late.
+    trials = 30
     a = _job(tmp_path, "a", database, "--space", SPACE, "--trials", str(trials), "--study-name", "shared")
     jobs = [a]
     seen_live = 0  # trials the dashboard's study view picked up while the jobs ran
@@ -473,7 +475,7 @@ def test_two_concurrent_mpiexec_jobs_share_a_study_one_killed(tmp_path, postgres
             _kill_tree(job)
     out_b = _log(tmp_path, "b")
     assert "resuming study shared: 0 trials finished" in out_b and "1 other job(s) run it too" in out_b, out_b
-    assert "of a job that is gone: taken over here" in out_b and "nbdist: study shared: 14 trials done" in out_b, \
+    assert "of a job that is gone: taken over here" in out_b and f"nbdist: study shared: {trials} trials done" in out_b, \
         out_b[-3000:]
     for name in ("a", "b"):
         assert PASSWORD not in _log(tmp_path, name)
