@@ -16,7 +16,9 @@ buffers), to show what a worker's side costs on top.
 
 The master rank reports the steady-state time per update from its own metric records
 (one "update" record per update, `--trace-updates` as in earlier versions of this bench,
-the first fifth dropped as warm-up), its phase totals
+the first fifth dropped as warm-up), the CPU time its loop's thread spent over the same
+updates (CpuClock: what the master's own work costs, however much of the two cores the
+workers and other jobs took), its phase totals
 (wait / update / reply), and the memcpy reference measured in the same process just
 before and after the run.
 """
@@ -28,8 +30,10 @@ import gc
 import json
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import Self
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -93,6 +97,38 @@ def protocol_worker(ctx, epochs: int, steps: int) -> None:
     block.Send(out.buffer[: m.HEADER_FLOATS], dest=0, tag=m.TAG_UPDATE)  # DONE: the header alone
 
 
+class CpuClock:
+    """Samples the CPU time of the thread that made it (the master's loop), with the wall
+    time, every `every` seconds from a background thread: the CPU time the master spent
+    in any window of its run, its polling included, whatever the other processes on the
+    cores took from it. `with CpuClock():` runs the sampling."""
+
+    def __init__(self, every: float = 0.005):
+        self.clock = time.pthread_getcpuclockid(threading.get_ident())
+        self.every, self.samples, self.stop = every, [], threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while True:
+            self.samples.append((time.time(), time.clock_gettime(self.clock)))
+            if self.stop.wait(self.every):
+                return
+
+    def __enter__(self) -> Self:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
+        self.samples.append((time.time(), time.clock_gettime(self.clock)))
+
+    def seconds_between(self, start: float, end: float) -> float:
+        """CPU seconds between two wall times (time.time()) of the run, interpolated."""
+        wall, cpu = np.array(self.samples).T
+        return float(np.interp(end, wall, cpu) - np.interp(start, wall, cpu))
+
+
 def measure(comm, params: int, optimizer: str, updates: int, workers: str, runs: str) -> dict | None:
     """One run of the real master against this job's workers; the result on the master."""
     n_workers = comm.Get_size() - 1
@@ -108,7 +144,8 @@ def measure(comm, params: int, optimizer: str, updates: int, workers: str, runs:
         if ctx.role.kind == "master":
             copy_before = memcpy_ms(params, 10)  # the reference, in this process, next to the run
             started = time.perf_counter()
-            run_master(ctx)
+            with CpuClock() as cpu:
+                run_master(ctx)
             total = time.perf_counter() - started
             copy_after = memcpy_ms(params, 10)
         elif workers == "protocol":
@@ -121,10 +158,12 @@ def measure(comm, params: int, optimizer: str, updates: int, workers: str, runs:
         return None
     times = np.array([r["time"] for r in read_log(ctx.run_dir, "update")])
     phases = [r["values"] for r in read_log(ctx.run_dir, "phase")][-1]
-    steady = np.diff(times[len(times) // 5:])  # the first fifth is warm-up
+    window = times[len(times) // 5:]  # the first fifth is warm-up
+    steady = np.diff(window)
     count = len(times)
     return {"params": params, "optimizer": optimizer, "workers": workers, "updates": count,
             "ms_per_update": float(np.mean(steady)) * 1e3, "median_ms": float(np.median(steady)) * 1e3,
+            "cpu_ms_per_update": cpu.seconds_between(window[0], window[-1]) / len(steady) * 1e3,
             "wait_ms": phases["wait"] / count * 1e3, "apply_ms": phases["update"] / count * 1e3,
             "reply_ms": phases["reply"] / count * 1e3, "run_s": total,
             "memcpy_ms": (copy_before + copy_after) / 2}
