@@ -40,6 +40,7 @@ TRAIN_MANY = str(ROOT / "tests" / "mpi_scripts" / "train_many.py")
 MLP = str(ROOT / "examples" / "digits_mlp.py")
 CNN = str(ROOT / "examples" / "digits_cnn.py")
 PIPELINE = str(ROOT / "examples" / "digits_pipeline.py")
+LOSS_X1000 = str(ROOT / "tests" / "models" / "digits_mlp_loss_x1000.py")
 
 # The bar, and the budget chosen once per algorithm (an epoch of digits takes well
 # under 0.1 s here; the budget leaves a margin for the noise of asynchronous runs).
@@ -79,6 +80,9 @@ EXTRA_RUNS = {
         "early-stopping": ["--model", MLP, "--epochs", "30", "--topology", "allreduce",
                            "--worker-optimizer", "sgd(lr=1e-6)", "--early-stopping", "1",
                            "--min-delta", "0.001"],
+        # GEM's workers add up raw gradients (no optimiser to skip an overflowed one).
+        "gem-fp16-overflow": ["--model", LOSS_X1000, "--epochs", "4", "--algorithm", "gem(lr=0.00005)",
+                              "--precision", "fp16"],
         # 1 master + 1 worker of 2 pipeline stages, GPipe, Downpour pushing every batch.
         "pipeline-gpipe": ["--model", PIPELINE, "--epochs", str(EPOCHS), "--procs-per-worker", "2",
                            "--worker-parallel", "pipeline", "--pipeline-schedule", "gpipe", *TRACE],
@@ -276,6 +280,20 @@ def test_pipeline_workers_learn_digits(batches, n, name):
     first, second = 64 * 128 + 128, 128 * 64 + 64 + 64 * 10 + 10
     sizes = [Checkpoints.read_rank(path, rank)[0]["model"]["params"].size for rank in range(n)]
     assert sizes == [first + second] + [first, second] * (n // 2), sizes
+
+
+@pytest.mark.timeout(900)
+def test_fp16_gradients_that_overflow_are_left_out_of_a_gem_workers_sum(batches):
+    """GEM's workers have no optimiser that could skip a step: a gradient that overflowed in
+    fp16 (inf) would go into the sum they send, and the master's centre would become NaN.
+    The worker leaves it out, and the loss scale backs off."""
+    summary = batches[3].summary("gem-fp16-overflow")
+    assert all(np.isfinite(h["val_loss"]) for h in summary["history"]), summary["history"]
+    assert summary["final"]["val_acc"] >= 0.8, summary["history"]
+    records = list(read_log(batches[3].run("gem-fp16-overflow"), "train"))
+    skipped = [r["values"]["fp16_skipped"] for r in records if r["role"] == "worker"]
+    scales = [r["values"]["loss_scale"] for r in records if r["role"] == "worker"]
+    assert max(skipped) > 0 and min(scales) < 2.0**16, (skipped, scales)
 
 
 # ---------------------------------------------------------------------- compression

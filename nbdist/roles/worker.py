@@ -26,7 +26,7 @@ import time
 import numpy as np
 
 from nbdist.algorithms.arrays import copy_into, to_numpy
-from nbdist.backends.base import BatchStats
+from nbdist.backends.base import BatchStats, all_finite
 from nbdist.data.sharding import split_evenly
 from nbdist.roles.membership import batches_for
 from nbdist.train.batchnorm import synchronise_batchnorm
@@ -94,6 +94,7 @@ class Worker:
         self.report = TrainReport(ctx, ("compute", "send", "wait"))
         self.pending_ack = m.NO_CHECKPOINT
         self.totals = np.zeros(3, np.float64)
+        self.overflows = 0  # fp16 gradients left out (_overflowed)
         self.master_rank = next(r for r in ctx.layout.fold_ranks(role.group, role.fold)
                                 if ctx.layout.role(r).kind == "master" and ctx.layout.role(r).master == role.master)
         self.channel = WorkerChannel(self.block, self.reply_header, self.reply_payload,
@@ -213,7 +214,10 @@ class Worker:
             self._fail(str(exc))
         self.sync.add(stats)
         self.report.add(stats)
-        sync_now = ctx.algorithm.worker_step(self.rule_state, self.rule_params, self.rule_grads, self.opt) or last
+        if self._overflowed():
+            sync_now = last  # this batch's gradient is left out, as GradScaler skips its step
+        else:
+            sync_now = ctx.algorithm.worker_step(self.rule_state, self.rule_params, self.rule_grads, self.opt) or last
         phases["compute"] += time.perf_counter() - t0
         ctx.peers.pace.heard()
         if sync_now:
@@ -221,6 +225,16 @@ class Worker:
             self._exchange(epoch, step, flags)
         if self.report.due:
             self._report(epoch, step)
+
+    def _overflowed(self) -> bool:
+        """An fp16 gradient that overflowed (the loss scale backs off at the next backward),
+        where no worker optimiser skips it: a rule that adds up raw gradients (GEM) would
+        add inf to them and send it to the master."""
+        backend = self.ctx.backend
+        if backend.loss_scale is None or self.opt is not None or all_finite(self.rule_grads):
+            return False
+        self.overflows += 1
+        return True
 
     def _share(self, indices: np.ndarray) -> np.ndarray:
         """The samples of a batch this process computes the gradient of."""
@@ -380,7 +394,9 @@ class Worker:
 
     # -- bookkeeping --------------------------------------------------------------------
     def _report(self, epoch: int, step: int) -> None:
-        self.report.emit(epoch, step, version=self.version)
+        scale = self.ctx.backend.loss_scale
+        fp16 = {} if scale is None else {"loss_scale": scale.scale, "fp16_skipped": self.overflows}
+        self.report.emit(epoch, step, version=self.version, **fp16)
 
     def _twin(self) -> int | None:
         """The rank whose checkpoint share holds this rank's weights bit for bit: the leader."""
