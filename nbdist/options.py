@@ -246,9 +246,6 @@ class TrainOptions:
         if self.gan or self.precision != "fp32":
             raise OptionsError(f"--worker-parallel pipeline trains in fp32 without --gan (got "
                                f"{'--gan' if self.gan else '--precision ' + self.precision})")
-        if parse_compression(self.compression) is not None:
-            raise OptionsError(f"--compression {self.compression} is not built for --worker-parallel pipeline yet: "
-                               f"a pipeline's stages gather one uncompressed message; drop --compression")
         if self.sync_batchnorm:
             # Its processes hold different layers: no two of them normalise the same channels.
             raise OptionsError("--sync-batchnorm does not apply to --worker-parallel pipeline: each process holds "

@@ -6,7 +6,7 @@
 - the schedules run every micro-batch's forward and backward once, in order;
 - pipeline replicas under --topology allreduce (2 replicas x 2 stages, in the same job):
   the same weights after a few steps as 2 allreduce ranks with the unsplit model, digits
-  learnt, checkpoints per stage rank and an exact resume.
+  learnt (through top-k too), checkpoints per stage rank and an exact resume.
 
 The master/worker training runs (a rule with pipeline workers learning digits) are in
 tests/test_train_mpi.py's jobs; bad input in tests/test_bad_input.py.
@@ -31,6 +31,7 @@ import pipeline_gradients as script  # noqa: E402
 
 from nbdist.backends.stages import stage_model  # noqa: E402
 from nbdist.backends.torch import TorchBackend  # noqa: E402
+from nbdist.metrics import read_log  # noqa: E402
 from nbdist.train.checkpoint import Checkpoints  # noqa: E402
 from nbdist.train.pipeline_schedule import BACKWARD, FORWARD, SCHEDULES, schedule  # noqa: E402
 
@@ -112,22 +113,40 @@ def test_pipeline_replicas_take_the_unsplit_allreduce_steps(gradients):
     assert diff <= TOL, f"pipeline replicas differ from allreduce by {diff:.3g}"
 
 
+def learnt_digits(gradients, name: str):
+    """Run `name`'s directory, once its summary shows >= 0.90 on digits, every sample
+    trained once an epoch, and the whole model written out."""
+    run = run_dir(gradients, name)
+    history = json.loads((run / "summary.json").read_text())["history"]
+    assert history[-1]["val_acc"] >= 0.90, history
+    assert all(h["samples"] == 1437 for h in history), history
+    assert set(load_file(str(run / "final" / "model.safetensors"))) == WHOLE_MODEL
+    return run
+
+
 @pytest.mark.mpi
 @pytest.mark.timeout(300)
 def test_pipeline_replicas_learn_digits_and_resume_exactly(gradients):
-    run = run_dir(gradients, "replicas-learn")
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["final"]["val_acc"] >= 0.90, summary["history"]
-    assert all(h["samples"] == 1437 for h in summary["history"]), summary["history"]  # every sample once an epoch
-    assert set(load_file(str(run / "final" / "model.safetensors"))) == WHOLE_MODEL
+    run = learnt_digits(gradients, "replicas-learn")
     # Each stage rank checkpoints its own stage; replica 1's stages keep replica 0's weights.
     path = run / "checkpoints" / "epoch-0012"
     sizes = [Checkpoints.read_rank(path, rank)[0]["model"]["params"].size for rank in range(4)]
     assert sizes == [64 * 128 + 128, 128 * 64 + 64 + 64 * 10 + 10] * 2, sizes
     for rank in (2, 3):
         assert "model/params" not in load_file(str(path / f"rank-{rank:05d}.safetensors"))
-    # Stopped after 6 epochs and resumed to 12: where the straight run ended.
+    # Stopped after one epoch and resumed to two: where the straight run ended.
     run_dir(gradients, "replicas-resumed (resume)")
     resumed = load_file(str(run.parent / "replicas-resumed" / "final" / "model.safetensors"))
-    straight = load_file(str(run / "final" / "model.safetensors"))
-    assert all(np.array_equal(resumed[k], straight[k]) for k in straight)
+    straight = load_file(str(run_dir(gradients, "replicas-few-steps") / "final" / "model.safetensors"))
+    assert set(resumed) == WHOLE_MODEL and all(np.array_equal(resumed[k], straight[k]) for k in straight)
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(300)
+def test_compressed_pipeline_replicas_learn_digits(gradients):
+    run = learnt_digits(gradients, "replicas-topk")
+    # The same steps as replicas-learn, each stage's buckets in fewer bytes (a tenth of
+    # the values, and their indices).
+    sent = {name: sum(r["values"]["bytes_sent"] for r in read_log(run.parent / name, "train"))
+            for name in ("replicas-learn", "replicas-topk")}
+    assert 0 < sent["replicas-topk"] < sent["replicas-learn"] / 4, sent

@@ -9,7 +9,8 @@ ends the batch with its own parameters' gradient, of the whole batch.
 
 Towards the master the stages are one worker: the rule runs on each stage's part of the
 buffers (every rule is elementwise), the leader (stage 0) gathers the parts into the
-whole model's message and scatters the master's reply back. The master holds the whole
+whole model's message (encoded with --compression, as a plain worker's) and scatters the
+master's reply back. The master holds the whole
 model, the stages in a row, and never knows the worker is a pipeline.
 """
 
@@ -27,6 +28,7 @@ from nbdist.train.context import RankContext
 from nbdist.train.pipeline_schedule import FORWARD, schedule
 from nbdist.train.progress import RunResult
 from nbdist.transport import messages as m
+from nbdist.transport.compression import Compressor, make_codec
 from nbdist.transport.pipeline import StageLinks, StageParts
 from nbdist.transport.staging import Staging
 
@@ -144,9 +146,18 @@ class PipelineWorker(Worker):
         self.runner = stage_runner(ctx)
         self.param_parts, self.state_parts = stage_parts(ctx)
         params, floats = self.param_parts.total, self.state_parts.total
+        # --compression: the leader encodes the whole model's message, as a plain worker
+        # its own (Worker._exchange); the stages hold different parameters, so there is no
+        # gradient to reduce between them.
+        self.reduction, codec = None, None
+        if ctx.compression is not None:
+            blocks = self.param_parts.gather_blocks(backend.param_blocks(), "the pipeline stages' parameter shapes")
+            codec = make_codec(ctx.compression, params, blocks) if self.leader else None
+        self.compressor = Compressor(codec) if codec is not None else None
         # The leader's message and reply hold the whole model; each stage's own part of
         # them is what its rule writes and reads.
-        self.out = m.Message(params, floats) if self.leader else m.Message(0, 0)
+        self.out = (m.Message(params, floats, codec.wire_size if codec is not None else 0) if self.leader
+                    else m.Message(0, 0))
         self.whole_reply = np.empty(params if self.leader else 0, np.float32)
         self.channel.reply_payload = self.whole_reply  # the leader receives the whole model's reply
         stage_message = np.empty(backend.num_params, np.float32)

@@ -10,7 +10,7 @@ model's gradient in one process.
 
 Then, in the same job, the digits runs of REPLICA_RUNS (name -> `nbdist train` argv, all
 four ranks: 2 pipeline replicas of 2 stages under --topology allreduce, one of them
-resumed) and, on each pair of ranks, 2 allreduce ranks with the unsplit model
+stopped and resumed) and, on each pair of ranks, 2 allreduce ranks with the unsplit model
 (`allreduce-<pair>`), written under OUT_DIR/runs; rank 0 prints `run NAME rc=RC`.
 """
 
@@ -34,14 +34,16 @@ from rank_main import run_or_abort
 
 SEED, ROWS, MICRO = 3, 10, 3  # 10 rows in 3 micro-batches: parts of 3, 4 and 3 rows
 DIGITS = str(Path(__file__).resolve().parents[2] / "examples" / "digits_pipeline.py")
-# A few steps (one epoch of 12 batches of 2 x 64) to compare with 2 unsplit allreduce ranks.
-FEW_STEPS = {"epochs": 1, "batch_size": 64}
+# A few steps (two epochs of 12 batches of 2 x 64) to compare with 2 unsplit allreduce ranks.
+FEW_STEPS = {"epochs": 2, "batch_size": 64}
 REPLICAS = ["--model", DIGITS, "--topology", "allreduce", "--procs-per-worker", "2", "--worker-parallel", "pipeline"]
 REPLICA_RUNS = {
     "replicas-few-steps": [*REPLICAS, "--epochs", str(FEW_STEPS["epochs"]), "--batch-size", str(FEW_STEPS["batch_size"])],
     "replicas-learn": [*REPLICAS, "--epochs", "12", "--pipeline-schedule", "gpipe"],
-    # Stopped after 6 epochs, then resumed to 12: the same run as replicas-learn.
-    "replicas-resumed": [*REPLICAS, "--epochs", "6", "--pipeline-schedule", "gpipe"],
+    # Each stage's reducer through top-k (with error feedback).
+    "replicas-topk": [*REPLICAS, "--epochs", "12", "--pipeline-schedule", "gpipe", "--compression", "topk(0.1)"],
+    # Stopped after one epoch, then resumed to two: the same run as replicas-few-steps.
+    "replicas-resumed": [*REPLICAS, "--epochs", "1", "--batch-size", str(FEW_STEPS["batch_size"])],
 }
 LAYERS = [(10, 16), (16, 12), (12, 8), (8, 3)]
 
@@ -76,7 +78,8 @@ def whole_gradient(comm, schedule: str) -> np.ndarray | None:
 def train_runs(out: Path, world, pair) -> None:
     runs = out / "runs"
     every = {name: [*argv, "--runs-dir", str(runs), "--run-name", name, "--quiet"] for name, argv in REPLICA_RUNS.items()}
-    every["replicas-resumed (resume)"] = ["--resume", str(runs / "replicas-resumed"), "--epochs", "12", "--quiet"]
+    every["replicas-resumed (resume)"] = ["--resume", str(runs / "replicas-resumed"), "--epochs",
+                                          str(FEW_STEPS["epochs"]), "--quiet"]
     for name, argv in every.items():
         rc = nbdist_main(["train", *argv])
         if world.Get_rank() == 0:
