@@ -10,8 +10,12 @@ ends the batch with its own parameters' gradient, of the whole batch.
 Towards the master the stages are one worker: the rule runs on each stage's part of the
 buffers (every rule is elementwise), the leader (stage 0) gathers the parts into the
 whole model's message (encoded with --compression, as a plain worker's) and scatters the
-master's reply back. The master holds the whole
-model, the stages in a row, and never knows the worker is a pipeline.
+master's reply back. The master holds the whole model, the stages in a row, and never
+knows the worker is a pipeline.
+
+Under --topology allreduce there is no master: each worker is a pipeline replica, and
+stage s of every replica reduces its gradient with the others' stage s (StageReplica,
+on the allreduce role's loop).
 """
 
 from __future__ import annotations
