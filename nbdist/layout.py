@@ -404,6 +404,10 @@ class Layout:
         comms.worker = split(leader if role.kind == "worker" else undefined, role.proc or 0)
         if self.topology == "allreduce":
             comms.leaders = split(run_index if role.is_leader else undefined, role.worker or 0)
+            if self.procs_per_worker > 1:
+                is_worker = role.kind == "worker"
+                comms.stage = split(run_index * self.procs_per_worker + role.proc if is_worker else undefined,
+                                    role.worker or 0)
         return comms
 
 
@@ -423,6 +427,8 @@ class Communicators:
     masters  master-worker: the masters of the fold, top master = rank 0
     worker   the processes of this rank's worker, leader = rank 0
     leaders  allreduce: the leaders of all workers of the fold, worker w = rank w
+    stage    allreduce with several processes per worker: process p of every worker of the
+             fold, worker w = rank w (pipeline replicas reduce stage p's gradient over it)
     """
 
     world: Any
@@ -433,12 +439,13 @@ class Communicators:
     masters: Any = field(default_factory=_null)
     worker: Any = field(default_factory=_null)
     leaders: Any = field(default_factory=_null)
+    stage: Any = field(default_factory=_null)
 
     def free(self) -> None:
         """Free the sub-communicators `split` made (never `world`); safe to call twice."""
         from mpi4py import MPI
 
-        for name in ("run", "group", "block", "masters", "worker", "leaders"):
+        for name in ("run", "group", "block", "masters", "worker", "leaders", "stage"):
             comm = getattr(self, name)
             if comm != MPI.COMM_NULL:
                 comm.Free()

@@ -63,7 +63,8 @@ class TrainOptions:
     procs_per_worker: int = _opt(1, "MPI processes per worker (a worker's gradient is allreduced over them)")
     worker_parallel: str = _opt(
         "allreduce", "how a worker's processes share its work: allreduce (each a replica, gradients allreduced) or "
-        "pipeline (each one stage of the model file's build_stages(); PyTorch, master-worker)",
+        "pipeline (each one stage of the model file's build_stages(); PyTorch; with --topology allreduce, "
+        "stage s of every replica allreduces its gradient with the others)",
         choices=WORKER_PARALLELS)
     micro_batches: int = _opt(4, "pipeline: micro-batches each batch is cut into (--worker-parallel pipeline)")
     pipeline_schedule: str = _opt("1f1b", "pipeline: gpipe (every forward, then every backward) or 1f1b "
@@ -239,18 +240,12 @@ class TrainOptions:
                                    f"workers: add --worker-parallel pipeline (and --procs-per-worker, one process "
                                    f"per stage)")
             return
-        if self.topology == "allreduce":
-            raise OptionsError("--worker-parallel pipeline trains on the master-worker topology; pipeline replicas "
-                               "that allreduce their stages' gradients are not built yet (drop --topology allreduce)")
         if self.procs_per_worker < 2:
             raise OptionsError("--worker-parallel pipeline needs --procs-per-worker 2 or more: one process per "
                                "pipeline stage")
         if self.gan or self.precision != "fp32":
             raise OptionsError(f"--worker-parallel pipeline trains in fp32 without --gan (got "
                                f"{'--gan' if self.gan else '--precision ' + self.precision})")
-        if parse_compression(self.compression) is not None:
-            raise OptionsError(f"--compression {self.compression} is not built for --worker-parallel pipeline yet: "
-                               f"a pipeline's stages gather one uncompressed message; drop --compression")
         if self.sync_batchnorm:
             # Its processes hold different layers: no two of them normalise the same channels.
             raise OptionsError("--sync-batchnorm does not apply to --worker-parallel pipeline: each process holds "

@@ -218,14 +218,10 @@ CASES = {
     "bad-lr-scaling": (["--lr-scaling", "cubic"], ["--lr-scaling 'cubic': choose one of none, linear, sqrt"], None),
     "gan-sync-batchnorm": (["--gan", "--sync-batchnorm"], ["--sync-batchnorm does not apply to --gan: a GAN trains "
                                                           "with one process per worker"], None),
-    "pipeline-with-allreduce": (["--topology", "allreduce", "--worker-parallel", "pipeline", "--procs-per-worker", "2"],
-                                ["--worker-parallel pipeline trains on the master-worker topology"], None),
     "pipeline-of-one-process": (["--worker-parallel", "pipeline"],
                                 ["--worker-parallel pipeline needs --procs-per-worker 2 or more"], None),
     "pipeline-sync-batchnorm": (["--worker-parallel", "pipeline", "--procs-per-worker", "2", "--sync-batchnorm"],
                                 ["--sync-batchnorm does not apply to --worker-parallel pipeline"], None),
-    "pipeline-compression": (["--worker-parallel", "pipeline", "--procs-per-worker", "2", "--compression", "fp16"],
-                             ["--compression fp16 is not built for --worker-parallel pipeline yet"], None),
     "micro-batches-without-pipeline": (["--micro-batches", "8"], [
         "--micro-batches applies to pipeline workers: add --worker-parallel pipeline"], None),
     "allreduce-backend-typo": (["--topology", "allreduce", "--allreduce-backend", "ncll"],

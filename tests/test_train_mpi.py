@@ -86,6 +86,10 @@ EXTRA_RUNS = {
         # 1 master + 1 worker of 2 pipeline stages, GPipe, Downpour pushing every batch.
         "pipeline-gpipe": ["--model", PIPELINE, "--epochs", str(EPOCHS), "--procs-per-worker", "2",
                            "--worker-parallel", "pipeline", "--pipeline-schedule", "gpipe", *TRACE],
+        # The same, its leader's whole-model message through PowerSGD (the stages' matrices).
+        "pipeline-powersgd": ["--model", PIPELINE, "--epochs", str(EPOCHS), "--procs-per-worker", "2",
+                              "--worker-parallel", "pipeline", "--pipeline-schedule", "gpipe", "--compression",
+                              "powersgd(2)", *TRACE],
     },
     5: {
         # 1 master + 2 workers of 2 processes each.
@@ -262,7 +266,7 @@ def test_procs_per_worker_two(batches):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("n,name", [(3, "pipeline-gpipe"), (5, "pipeline-1f1b")])
+@pytest.mark.parametrize("n,name", [(3, "pipeline-gpipe"), (5, "pipeline-1f1b"), (3, "pipeline-powersgd")])
 def test_pipeline_workers_learn_digits(batches, n, name):
     run = batches[n].run(name)
     summary = batches[n].summary(name)
@@ -280,6 +284,11 @@ def test_pipeline_workers_learn_digits(batches, n, name):
     first, second = 64 * 128 + 128, 128 * 64 + 64 + 64 * 10 + 10
     sizes = [Checkpoints.read_rank(path, rank)[0]["model"]["params"].size for rank in range(n)]
     assert sizes == [first + second] + [first, second] * (n // 2), sizes
+    if name == "pipeline-powersgd":
+        # The same messages as pipeline-gpipe's, each in far fewer bytes.
+        sent = {run: sum(r["values"]["bytes_sent"] for r in read_log(batches[n].run(run), "train") if r["rank"] == 1)
+                for run in ("pipeline-gpipe", name)}
+        assert 0 < sent[name] < sent["pipeline-gpipe"] / 4, sent
 
 
 @pytest.mark.timeout(900)

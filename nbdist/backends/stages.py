@@ -11,6 +11,10 @@ batch's gradient is the unsplit model's.
 The whole model is the stages in a row (`stage_model`): its flat buffer is the stages'
 buffers one after another, last stage first (TorchBackend lays parameters out in
 reverse order), which is how a worker's leader gathers them into one message.
+
+Under --topology allreduce each stage's gradient is reduced with the same stage of the
+other replicas in buckets (`bucket_hooks`): a bucket starts once the batch's last
+micro-batch has gone backward through it (`begin_batch` counts the hook calls).
 """
 
 from __future__ import annotations
@@ -52,10 +56,17 @@ class TorchStage(TorchBackend):
         self.index, self.first, self.last = index, index == 0, index == count - 1
         self._saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
 
-    def begin_batch(self) -> None:
-        """Gradients add up over the micro-batches of one batch: start from zero."""
+    def begin_batch(self, micro: int = 1) -> None:
+        """Gradients add up over the `micro` micro-batches of one batch: start from zero. A
+        bucket (bucket_hooks) is ready once every micro-batch's backward has reached it."""
         self._flat_grads.zero_()
         self._saved.clear()
+        self._pending = [size * micro for size in self._bucket_sizes]
+
+    def end_batch(self) -> None:
+        """After the batch's last backward (bucket hooks only)."""
+        if self._on_ready is not None:
+            self._finish_buckets()
 
     def forward(self, micro: int, inputs: np.ndarray) -> np.ndarray | None:
         """Run micro-batch `micro`; its output as float32 host memory to send on (None on
@@ -90,6 +101,16 @@ class TorchStage(TorchBackend):
         x, output = self._saved.pop(micro)
         output.backward(torch.from_numpy(output_grad).to(self.device).view_as(output))
         return self._input_grad(x)
+
+    def infer(self, inputs: np.ndarray) -> np.ndarray:
+        """Validation: the stage's output for `inputs` (eval mode, no gradient), to send on."""
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                output = self.model(torch.from_numpy(inputs).to(self.device))
+        finally:
+            self.model.train()
+        return np.ascontiguousarray(output.to(torch.float32).cpu().numpy())
 
     @staticmethod
     def _input_grad(x: torch.Tensor | None) -> np.ndarray | None:

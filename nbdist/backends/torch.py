@@ -279,11 +279,7 @@ class TorchBackend(Backend):
             loss = self.loss_fn(output, yb)
         (loss * scale if scale != 1.0 else loss).backward()
         if self._on_ready is not None:
-            # Parameters the forward pass did not use get no hook call: finish their buckets.
-            for i, left in enumerate(self._pending):
-                if left > 0:
-                    self._pending[i] = 0
-                    self._bucket_ready(i)
+            self._finish_buckets()
         elif scaler is not None:
             self._flat_grads.mul_(1.0 / scaler.scale)
         if scaler is not None:
@@ -292,6 +288,13 @@ class TorchBackend(Backend):
         with torch.no_grad():
             metric = float(self._metric(output, yb)) if self._metric else 0.0
         return BatchStats(float(loss.detach()) * n, metric, n)
+
+    def _finish_buckets(self) -> None:
+        """Parameters the forward pass did not use get no hook call: their buckets are ready too."""
+        for bucket, left in enumerate(self._pending):
+            if left > 0:
+                self._pending[bucket] = 0
+                self._bucket_ready(bucket)
 
     def _bucket_ready(self, bucket: int) -> None:
         # Out of the backend the gradient is unscaled: a bucket is reduced as it is.

@@ -11,6 +11,10 @@ A four-number trailer (samples, loss sum, metric sum, stop requests) is reduced 
 the gradient: the global training loss costs no extra message, and a stop requested on
 any rank (signal) stops every rank at the same step.
 
+What a rank holds is a `Replica`: the whole model here, or one stage of a pipeline
+replica (roles/pipeline.py's StageReplica, --worker-parallel pipeline), which reduces
+with the same stage of the other replicas; the loop is the same.
+
 Every rank waits for every other at each step, so a rank that dies or freezes ends the
 run: the reduction fails (MPI's fault tolerance reports the dead rank) or runs past the
 peer timeout (a roll call names the frozen one). With --max-restarts the survivors then
@@ -37,23 +41,54 @@ from nbdist.train.validation import SampleMarks
 from nbdist.transport.reducers import make_reducer
 from nbdist.transport.staging import Staging
 
-__all__ = ["run_allreduce"]
+__all__ = ["Replica", "run_allreduce"]
 
-def run_allreduce(ctx: RankContext) -> RunResult | None:
+
+class Replica:
+    """What this rank holds of one replica of the model, and the ranks it reduces with.
+
+    Here the whole model: every rank of the run is a replica of its own, takes its own
+    shard of each batch and reduces its whole gradient over the run. (roles/pipeline.py's
+    StageReplica: one pipeline stage of a replica, reduced with that stage of the others.)"""
+
+    def __init__(self, ctx: RankContext):
+        self.ctx = ctx
+        self.comm = ctx.comms.run  # the ranks that hold the same parameters as this one
+        self.index, self.count = self.comm.Get_rank(), self.comm.Get_size()  # shard, of shards
+        # The rank whose checkpoint share holds this rank's weights and optimiser bit for bit.
+        self.twin = ctx.layout.fold_ranks(ctx.role.group, ctx.role.fold)[0]
+
+    def gradients(self, x, y, scale: float) -> BatchStats:
+        """This rank's gradient of its shard (x, y), times `scale`; the shard's sums."""
+        return self.ctx.backend.compute_gradients(x, y, scale=scale)
+
+    def share_sums(self, trailer: np.ndarray) -> None:
+        """The trailer (samples, loss, metric, stops) as the replica's, before it is reduced."""
+
+    def evaluate(self, x, y) -> BatchStats:
+        return self.ctx.backend.evaluate(x, y) if len(y) else BatchStats()
+
+    def final_arrays(self) -> dict[str, np.ndarray] | None:
+        """The whole model's named arrays on the run's first rank (None elsewhere)."""
+        return self.ctx.backend.named_arrays() if self.comm.Get_rank() == 0 else None
+
+
+def run_allreduce(ctx: RankContext, replica: Replica | None = None) -> RunResult | None:
+    replica = replica or Replica(ctx)
     comm = ctx.comms.run
-    rank, size = comm.Get_rank(), comm.Get_size()
+    rank = comm.Get_rank()
     backend = ctx.backend
     # The weights and BatchNorm statistics as MPI sees them (zero-copy on the host).
     params, model_state = Staging(backend.params, backend.copier), Staging(backend.state, backend.copier)
     opt = backend.make_optimizer(ctx.worker_optimizer)
     collectives = ctx.peers.collectives
-    reducer = make_reducer(ctx.options.allreduce_backend, comm, backend,
+    reducer = make_reducer(ctx.options.allreduce_backend, replica.comm, backend,
                            max(1, int(ctx.options.bucket_mb * 2**20 / 4)), collectives, compression=ctx.compression)
     # --sync-batchnorm: the statistics are the whole step's, the same on every rank.
     shared_statistics = synchronise_batchnorm(ctx, comm)
-    plan = ctx.data.plan(size, ctx.options.batch_size, ctx.options.seed)
+    plan = ctx.data.plan(replica.count, ctx.options.batch_size, ctx.options.seed)
     lr = WorkerLr(ctx.worker_lr, opt, plan.batches_per_epoch)
-    val_indices = split_evenly(np.arange(ctx.data.n_val), size, rank)
+    val_indices = split_evenly(np.arange(ctx.data.n_val), replica.count, replica.index)
 
     history: list[dict] = []
     start_epoch, start_step = 0, 0
@@ -68,8 +103,8 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
         samples_seen = int(extra.get("samples_seen", sum(h.get("samples", 0) for h in history)))
         ctx.say(f"resumed from {ctx.resume_from} at epoch {start_epoch + 1}")
     else:
-        collectives.bcast(comm, params)
-        collectives.bcast(comm, model_state)
+        collectives.bcast(replica.comm, params)
+        collectives.bcast(replica.comm, model_state)
 
     trailer = np.zeros(4, np.float32)
     every = ctx.options.validate_every_samples
@@ -83,7 +118,7 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
         save_rank_state(ctx, label, opt, None, {"epoch": epoch, "step": step, "early": ctx.early.to_json(),
                                                 "samples_seen": samples_seen,
                                                 **ctx.history_file.checkpoint(history)},
-                        own=reducer.state_arrays(), same_as=ctx.layout.fold_ranks(ctx.role.group, ctx.role.fold)[0])
+                        own=reducer.state_arrays(), same_as=replica.twin)
         # Every rank's file is on disk before the directory is committed.
         collectives.barrier(comm, f"checkpoint {label}")
         if rank == 0:
@@ -94,7 +129,7 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
     def begin_epoch(epoch: int) -> list[np.ndarray]:
         nonlocal tally, sizes, n_batches
         tally = EpochTally()
-        batches = plan.epoch(epoch, rank)
+        batches = plan.epoch(epoch, replica.index)
         sizes, n_batches = plan.step_sizes(epoch), len(batches)
         return batches
 
@@ -104,10 +139,11 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
         t0 = time.perf_counter()
         sent = reducer.bytes_sent  # the buckets start during backward
         x, y = ctx.data.train_batch(indices)
-        share = allreduce_sgd.sample_share(sizes[step], rank)
-        stats = backend.compute_gradients(x, y, scale=share)
+        share = allreduce_sgd.sample_share(sizes[step], replica.index)
+        stats = replica.gradients(x, y, scale=share)
         t1 = time.perf_counter()
         trailer[:] = (stats.n, stats.loss_sum, stats.metric_sum, float(ctx.stop.requested))
+        replica.share_sums(trailer)
         reducer.finish(trailer)
         report.bytes_sent += reducer.bytes_sent - sent
         t2 = time.perf_counter()
@@ -125,7 +161,7 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
         if marks is not None and marks.due(samples_seen):
             # Every rank passes the mark at the same step (the trailer's global count).
             marks.passed(samples_seen)
-            val = _validate(ctx, comm, val_indices, size, None if shared_statistics else model_state)
+            val = _validate(ctx, replica, val_indices, None if shared_statistics else model_state)
             if ctx.is_leader:
                 ctx.log.emit("val", sample_validation(samples_seen, val, backend.metric_name),
                              step=epoch * n_batches + step + 1, epoch=epoch)
@@ -143,7 +179,7 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
         nonlocal stop_reason
         val = None
         if (epoch + 1) % ctx.options.validate_every == 0 or epoch + 1 == ctx.options.epochs:
-            val = _validate(ctx, comm, val_indices, size, None if shared_statistics else model_state)
+            val = _validate(ctx, replica, val_indices, None if shared_statistics else model_state)
         metrics = epoch_metrics(epoch, tally, val, time.time() - tally.started, backend.metric_name, samples_seen)
         metrics.update(lr_metrics(ctx.worker_lr, None, epoch))
         history.append(metrics)
@@ -166,24 +202,24 @@ def run_allreduce(ctx: RankContext) -> RunResult | None:
     ctx.log.emit("run", {"status": "stopped" if stop_reason else "completed", "reason": reason,
                          "allreduce": reducer.way, **faults})
     ctx.log.close()
+    final = replica.final_arrays()
     if rank != 0:
         return None
-    return write_final(ctx.run_dir, backend.named_arrays(), history, reason, time.time() - started, faults)
+    return write_final(ctx.run_dir, final, history, reason, time.time() - started, faults)
 
 
-def _validate(ctx: RankContext, comm, indices: np.ndarray, size: int,
-              model_state: Staging | None) -> BatchStats:
-    """Each rank evaluates its slice of the validation set; the sums are added up.
-    `model_state`: the statistics to average first (None: they are the same everywhere)."""
+def _validate(ctx: RankContext, replica: Replica, indices: np.ndarray, model_state: Staging | None) -> BatchStats:
+    """Each replica evaluates its slice of the validation set; the sums are added up over
+    the run. `model_state`: the statistics to average first (None: the same everywhere)."""
     collectives = ctx.peers.collectives
     if model_state is not None and len(model_state.device):
-        # BatchNorm statistics differ per rank (each saw its own batches): use their mean.
-        collectives.allreduce(comm, model_state, "the validation")
+        # BatchNorm statistics differ per replica (each saw its own batches): use their mean.
+        collectives.allreduce(replica.comm, model_state, "the validation")
         state = model_state.device
-        state /= f32(size)
+        state /= f32(replica.count)
     x, y = ctx.data.val_batch(indices)
-    local = ctx.backend.evaluate(x, y) if len(indices) else BatchStats()
+    local = replica.evaluate(x, y)
     sums = np.array([local.loss_sum, local.metric_sum, local.n], np.float64)
-    collectives.allreduce(comm, sums, "the validation")
+    collectives.allreduce(ctx.comms.run, sums, "the validation")
     return BatchStats(float(sums[0]), float(sums[1]), int(sums[2]))
 

@@ -9,8 +9,13 @@ ends the batch with its own parameters' gradient, of the whole batch.
 
 Towards the master the stages are one worker: the rule runs on each stage's part of the
 buffers (every rule is elementwise), the leader (stage 0) gathers the parts into the
-whole model's message and scatters the master's reply back. The master holds the whole
-model, the stages in a row, and never knows the worker is a pipeline.
+whole model's message (encoded with --compression, as a plain worker's) and scatters the
+master's reply back. The master holds the whole model, the stages in a row, and never
+knows the worker is a pipeline.
+
+Under --topology allreduce there is no master: each worker is a pipeline replica, and
+stage s of every replica reduces its gradient with the others' stage s (StageReplica,
+on the allreduce role's loop).
 """
 
 from __future__ import annotations
@@ -21,14 +26,20 @@ import numpy as np
 
 from nbdist.backends.base import BatchStats
 from nbdist.backends.stages import TorchStage
+from nbdist.roles.allreduce import Replica, run_allreduce
 from nbdist.roles.worker import Worker
 from nbdist.train.context import RankContext
 from nbdist.train.pipeline_schedule import FORWARD, schedule
+from nbdist.train.progress import RunResult
 from nbdist.transport import messages as m
+from nbdist.transport.compression import Compressor, make_codec
 from nbdist.transport.pipeline import StageLinks, StageParts
 from nbdist.transport.staging import Staging
 
-__all__ = ["StageRunner", "PipelineWorker", "run_pipeline_worker", "stage_layout"]
+__all__ = ["StageRunner", "PipelineWorker", "StageReplica", "run_pipeline_worker", "run_pipeline_replicas",
+           "stage_layout"]
+
+EVALUATE_ROWS = 1024  # samples of a validation part sent between stages at once
 
 
 class StageRunner:
@@ -51,7 +62,7 @@ class StageRunner:
         micro = len(bounds) - 1
         shapes: dict[int, tuple[int, ...]] = {}
         stats = BatchStats()
-        stage.begin_batch()
+        stage.begin_batch(micro)
         started = time.perf_counter()
         idle = 0.0
         for kind, i in schedule(self.schedule_name, stage.index, links.count, micro):
@@ -80,12 +91,29 @@ class StageRunner:
                 input_grad = stage.backward(i, output_grad)
             if input_grad is not None:
                 links.send_gradient(input_grad)
+        stage.end_batch()
         t0 = time.perf_counter()
         links.flush()
         ended = time.perf_counter()
         idle += ended - t0
         self.idle_s += idle
         self.busy_s += ended - started - idle
+        return stats
+
+    def evaluate(self, x: np.ndarray, y: np.ndarray, rows_per_part: int = EVALUATE_ROWS) -> BatchStats:
+        """The validation of (x, y) through the stages, `rows_per_part` samples at a time:
+        its loss and metric sums on the last stage (zero on the others)."""
+        stage, links = self.stage, self.links
+        stats = BatchStats()
+        for start in range(0, len(y), rows_per_part):
+            part = slice(start, min(start + rows_per_part, len(y)))
+            rows = part.stop - part.start
+            inputs = x[part] if stage.first else links.receive_activation(rows)
+            if stage.last:
+                stats.add(stage.evaluate(inputs, y[part]))
+            else:
+                links.send_activation(stage.infer(inputs), rows)
+                links.flush()  # one part's activations held at a time
         return stats
 
 
@@ -98,23 +126,43 @@ def stage_layout(sizes: list[int], floats: list[int]) -> tuple[list[int], list[i
     return params, state
 
 
+def stage_runner(ctx: RankContext) -> StageRunner:
+    """This rank's stage of its worker (or replica), linked to its neighbours."""
+    links = StageLinks(ctx.comms.worker, ctx.peers.collectives, ctx.role.proc, ctx.comms.worker.Get_size())
+    return StageRunner(ctx.backend, links, ctx.options.pipeline_schedule, ctx.options.micro_batches)
+
+
+def stage_parts(ctx: RankContext) -> tuple[StageParts, StageParts]:
+    """The stages' parameters and states as parts of the whole model's (collective over
+    the worker's processes)."""
+    backend, collectives, comm = ctx.backend, ctx.peers.collectives, ctx.comms.worker
+    sizes = collectives.allgather(comm, [backend.num_params, len(backend.state)], "the pipeline stages' sizes")
+    params, floats = [int(s[0]) for s in sizes], [int(s[1]) for s in sizes]
+    param_offsets, state_offsets = stage_layout(params, floats)
+    return (StageParts(comm, collectives, params, param_offsets),
+            StageParts(comm, collectives, floats, state_offsets))
+
+
 class PipelineWorker(Worker):
     def __init__(self, ctx: RankContext):
         super().__init__(ctx)
-        backend, collectives = ctx.backend, ctx.peers.collectives
-        stage, count = ctx.role.proc, self.procs
-        self.links = StageLinks(self.wcomm, collectives, stage, count)
-        self.runner = StageRunner(backend, self.links, ctx.options.pipeline_schedule, ctx.options.micro_batches)
-        sizes = collectives.allgather(self.wcomm, [backend.num_params, len(backend.state)],
-                                      "the pipeline stages' sizes")
-        params, floats = [int(s[0]) for s in sizes], [int(s[1]) for s in sizes]
-        param_offsets, state_offsets = stage_layout(params, floats)
-        self.param_parts = StageParts(self.wcomm, collectives, params, param_offsets)
-        self.state_parts = StageParts(self.wcomm, collectives, floats, state_offsets)
+        backend = ctx.backend
+        self.runner = stage_runner(ctx)
+        self.param_parts, self.state_parts = stage_parts(ctx)
+        params, floats = self.param_parts.total, self.state_parts.total
+        # --compression: the leader encodes the whole model's message, as a plain worker
+        # its own (Worker._exchange); the stages hold different parameters, so there is no
+        # gradient to reduce between them.
+        self.reduction, codec = None, None
+        if ctx.compression is not None:
+            blocks = self.param_parts.gather_blocks(backend.param_blocks(), "the pipeline stages' parameter shapes")
+            codec = make_codec(ctx.compression, params, blocks) if self.leader else None
+        self.compressor = Compressor(codec) if codec is not None else None
         # The leader's message and reply hold the whole model; each stage's own part of
         # them is what its rule writes and reads.
-        self.out = m.Message(sum(params), sum(floats)) if self.leader else m.Message(0, 0)
-        self.whole_reply = np.empty(sum(params) if self.leader else 0, np.float32)
+        self.out = (m.Message(params, floats, codec.wire_size if codec is not None else 0) if self.leader
+                    else m.Message(0, 0))
+        self.whole_reply = np.empty(params if self.leader else 0, np.float32)
         self.channel.reply_payload = self.whole_reply  # the leader receives the whole model's reply
         stage_message = np.empty(backend.num_params, np.float32)
         self.message = Staging.of_host(stage_message, self.rule_params, backend.copier)
@@ -157,3 +205,51 @@ class PipelineWorker(Worker):
 
 def run_pipeline_worker(ctx: RankContext) -> None:
     PipelineWorker(ctx).run()
+
+
+class StageReplica(Replica):
+    """One pipeline stage of a replica (--topology allreduce --worker-parallel pipeline).
+
+    The run is N replicas of P stage ranks each: replica w takes shard w of each batch
+    through its stages, and stage s reduces its gradient with stage s of the other
+    replicas (the layout's `stage` communicator, the stage's own bucketed reducer) and
+    steps its own optimiser. The batch's sums come from the last stages: a replica's
+    stages add up their trailers (its stops too) before the reduction, so every rank
+    holds the run's. Validation runs through the stages; the final weights are the whole
+    model, the stages in a row, as replica 0's first stage gathers them."""
+
+    def __init__(self, ctx: RankContext):
+        super().__init__(ctx)
+        role = ctx.role
+        self.comm = ctx.comms.stage
+        self.index, self.count = role.worker, ctx.layout.workers
+        self.twin = ctx.layout.fold_ranks(role.group, role.fold)[0] + role.proc  # replica 0's stage
+        self.runner = stage_runner(ctx)
+
+    def gradients(self, x, y, scale: float) -> BatchStats:
+        return self.runner.gradients(x, y, scale)
+
+    def share_sums(self, trailer: np.ndarray) -> None:
+        self.ctx.peers.collectives.allreduce(self.ctx.comms.worker, trailer, "the pipeline stages' batch sums")
+
+    def evaluate(self, x, y) -> BatchStats:
+        return self.runner.evaluate(x, y)
+
+    def final_arrays(self) -> dict[str, np.ndarray] | None:
+        ctx = self.ctx
+        if ctx.role.worker != 0:
+            return None
+        backend, first = ctx.backend, ctx.role.proc == 0
+        whole = ctx.make_replica() if first else None  # the stages in a row, as a master holds them
+        for parts, mine, into in zip(stage_parts(ctx), (backend.params, backend.state),
+                                     (whole.params, whole.state) if first else (None, None)):
+            target = Staging(into, whole.copier) if first else None
+            parts.gather(Staging(mine, backend.copier).to_host(), target.to_host() if first else None,
+                         "the pipeline stages' final weights")
+            if first:
+                target.to_device()
+        return whole.named_arrays() if first else None
+
+
+def run_pipeline_replicas(ctx: RankContext) -> RunResult | None:
+    return run_allreduce(ctx, StageReplica(ctx))

@@ -188,6 +188,10 @@ def _what_next(ctx: RankContext, failure: RunFailure, options: TrainOptions, att
 
 def _train_in_role(ctx: RankContext) -> RunResult | None:
     if ctx.options.topology == "allreduce":
+        if ctx.options.worker_parallel == "pipeline":
+            from nbdist.roles.pipeline import run_pipeline_replicas
+
+            return run_pipeline_replicas(ctx)
         from nbdist.roles.allreduce import run_allreduce
 
         return run_allreduce(ctx)

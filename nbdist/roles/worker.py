@@ -279,6 +279,7 @@ class Worker:
         ctx = self.ctx
         ctx.algorithm.worker_message(self.rule_state, self.rule_params, self.message.device)
         self.message.to_host()
+        self._collect_message()
         if self.compressor is not None:
             # Kept for a checkpoint of the state before this message (SNAPSHOT, STOP).
             self.carried_before = {k: v.copy() for k, v in self.compressor.state_arrays().items()}
@@ -314,7 +315,6 @@ class Worker:
 
     def _round_trip(self, epoch: int, flags: int) -> float:
         """Leader: send, await the reply; every process of the worker gets the reply."""
-        self._collect_message()
         if self.leader:
             self.channel.expect_reply()
             self._send(m.UPDATE, epoch, flags)

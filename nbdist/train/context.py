@@ -307,6 +307,9 @@ def prepare(
         worker_lr, master_lr = plan_learning_rates(options, layout, algorithm, backend, *starting_lrs)
         if not stage_process:
             _probe(backend, data, definition.source)
+        elif options.topology == "allreduce" and role.worker == 0 and role.proc == 0:
+            # Pipeline replicas have no master to probe the whole model for them: their first rank does.
+            _probe(make_replica(), data, definition.source)
         if options.topology == "allreduce":  # e.g. nccl for a model on the CPU: one error, here
             choose_reducer(options.allreduce_backend, backend.rule_grads, compressed=options.compression != "none")
         check_metric_names(options, trial, reported_metrics(backend.metric_name, staleness=algorithm is not None))
@@ -446,8 +449,12 @@ def check_data_size(data: Data, layout: Layout, options: TrainOptions) -> None:
         if count == 0:
             raise DataError(f"the {which} set is empty ({data.n_train} training and {data.n_val} validation "
                             f"samples): give the model's data {which} samples, or {flag} files that hold some")
-    # Each worker takes its own shard (master-worker); in allreduce, every rank does.
-    shards = layout.workers * layout.masters if layout.masters else layout.n_ranks
+    # Each worker takes its own shard (master-worker); in allreduce, every rank does, but
+    # the stages of a pipeline replica share one.
+    if layout.masters:
+        shards = layout.workers * layout.masters
+    else:
+        shards = layout.workers if options.worker_parallel == "pipeline" else layout.n_ranks
     # A master-worker worker of several processes splits each of its batches between them.
     procs = layout.procs_per_worker if layout.masters else 1
     try:

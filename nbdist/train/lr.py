@@ -86,12 +86,13 @@ class LrPlan:
         return self.target(epoch) * self.warmup(progress)
 
 
-def combined_workers(layout: Layout) -> int:
+def combined_workers(layout: Layout, worker_parallel: str = "allreduce") -> int:
     """W: the workers whose gradients a combined step takes. Allreduce: every rank of the
-    run takes its own batch. Master-worker: every worker reaching the centre (one group of
-    --procs-per-worker processes is one worker; with --masters > 1, all masters' workers)."""
+    run takes its own batch, except pipeline replicas, whose stages share one. Master-worker:
+    every worker reaching the centre (one group of --procs-per-worker processes is one
+    worker; with --masters > 1, all masters' workers)."""
     if layout.topology == "allreduce":
-        return layout.ranks_per_run
+        return layout.workers if worker_parallel == "pipeline" else layout.ranks_per_run
     return layout.workers * layout.masters
 
 
@@ -110,7 +111,7 @@ def plan_learning_rates(options: TrainOptions, layout: Layout, algorithm: Algori
     if worker_lr is None and own is not None:
         worker_lr = own.learning_rate
     synchronous = options.topology == "allreduce" or options.synchronous
-    scale = SCALES[options.lr_scaling](combined_workers(layout))
+    scale = SCALES[options.lr_scaling](combined_workers(layout, options.worker_parallel))
     # Only what steps on the combined gradient of the W workers is scaled (see above).
     worker_scale = scale if options.topology == "allreduce" or (own is not None and synchronous) else 1.0
     master_scale = scale if synchronous else 1.0

@@ -25,11 +25,13 @@ import numpy as np
 from mpi4py import MPI
 
 from nbdist.transport.collectives import Collectives
+from nbdist.transport.compression import Block
 
 __all__ = ["StageLinks", "StageParts"]
 
 TAG_SHAPE, TAG_ACTIVATION, TAG_GRADIENT = 31, 32, 33
 MAX_DIMS = 8
+BLOCK_WORDS = 3 + MAX_DIMS  # a parameter block gathered: start, stop, dimensions, shape
 
 
 class StageLinks:
@@ -97,7 +99,8 @@ def _float32(array: np.ndarray) -> np.ndarray:
 class StageParts:
     """The stages' flat buffers as one: the worker's leader (stage 0) gathers every
     stage's part of a buffer into the whole model's (its message to the master) and
-    scatters the whole (the master's weights, its reply) back into the parts.
+    scatters the whole (the master's weights, its reply) back into the parts; and the
+    parameters' shapes, for a codec of the whole message (--compression).
 
     `sizes[s]`: stage s's floats; `offsets[s]`: where they start in the whole buffer."""
 
@@ -109,6 +112,27 @@ class StageParts:
     def gather(self, part: np.ndarray, whole: np.ndarray | None, what: str) -> None:
         target = [whole, self.counts, self.displs, MPI.FLOAT] if whole is not None else None
         self.collectives.wait(self.comm, self.comm.Igatherv(part, target, root=0), what)
+
+    def gather_blocks(self, blocks: list[Block], what: str) -> list[Block] | None:
+        """The leader: every stage's parameter blocks (start, stop, shape) as stretches of
+        the whole buffer, in the order of the buffer (a whole model's param_blocks(), which a
+        codec for the whole model's message needs); None on the other stages."""
+        here = self.displs[self.comm.Get_rank()]
+        mine = np.zeros((len(blocks), BLOCK_WORDS), np.int64)
+        for row, (start, stop, shape) in zip(mine, blocks):
+            if len(shape) > MAX_DIMS:
+                raise ValueError(f"a parameter of {len(shape)} dimensions; at most {MAX_DIMS} in a pipeline stage")
+            row[:3] = start + here, stop + here, len(shape)
+            row[3: 3 + len(shape)] = shape
+        counts = [int(c) * BLOCK_WORDS for c in self.collectives.allgather(self.comm, len(blocks), what)]
+        leader = self.comm.Get_rank() == 0
+        every = np.empty(sum(counts), np.int64) if leader else None
+        target = [every, counts, np.cumsum([0, *counts[:-1]]).tolist(), MPI.INT64_T] if leader else None
+        self.collectives.wait(self.comm, self.comm.Igatherv(mine.ravel(), target, root=0), what)
+        if not leader:
+            return None
+        rows = every.reshape(-1, BLOCK_WORDS)
+        return sorted((int(r[0]), int(r[1]), tuple(int(d) for d in r[3: 3 + r[2]])) for r in rows)
 
     def scatter(self, whole: np.ndarray | None, part: np.ndarray, what: str) -> None:
         source = [whole, self.counts, self.displs, MPI.FLOAT] if whole is not None else None

@@ -22,7 +22,7 @@ from mpi4py import MPI  # noqa: E402
 from nbdist.layout import Layout, LayoutError  # noqa: E402
 from rank_main import run_or_abort  # noqa: E402
 
-FIELDS = ("run", "group", "block", "masters", "worker", "leaders")
+FIELDS = ("run", "group", "block", "masters", "worker", "leaders", "stage")
 
 
 def expected_members(layout: Layout, rank: int) -> dict[str, list[int] | None]:
@@ -47,6 +47,8 @@ def expected_members(layout: Layout, rank: int) -> dict[str, list[int] | None]:
     elif me.is_leader:
         out["leaders"] = [r.rank for r in sorted(
             (r for r in same_fold if r.is_leader), key=lambda r: r.worker)]
+    if layout.topology == "allreduce" and layout.procs_per_worker > 1 and me.kind == "worker":
+        out["stage"] = [r.rank for r in sorted((r for r in same_fold if r.proc == me.proc), key=lambda r: r.worker)]
     if me.kind == "worker":
         out["worker"] = [r.rank for r in sorted(
             (r for r in same_fold if r.master == me.master and r.worker == me.worker),
