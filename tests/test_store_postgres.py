@@ -413,9 +413,11 @@ SPACE = "lr=log(3e-3,0.5) hidden=int(8,64)"
 
 def _job(tmp_path, name: str, database: str, *study: str) -> subprocess.Popen:
     """`python -m nbdist launch -n 3 study ...` (1 coordinator, 1 master, 1 worker),
-    its output in tmp_path/NAME.log and its runs in tmp_path/NAME."""
+    its output in tmp_path/NAME.log and its runs in tmp_path/NAME. A trial trains 20
+    epochs of the digits MLP, about a second on an idle machine: long enough to be killed
+    in the middle of one."""
     argv = [sys.executable, "-m", "nbdist", "launch", "-n", "3", "study", "--model", "examples/digits_mlp.py",
-            "--searcher", "random", "--workers", "1", "--epochs", "3", "--seed", "1", "--store", database,
+            "--searcher", "random", "--workers", "1", "--epochs", "20", "--seed", "1", "--store", database,
             "--runs-dir", str(tmp_path / name), *study]
     with open(tmp_path / f"{name}.log", "w") as log:
         return subprocess.Popen(argv, cwd=ROOT, env=mpi_env(), stdout=log, stderr=subprocess.STDOUT,
@@ -430,9 +432,7 @@ def test_two_concurrent_mpiexec_jobs_share_a_study_one_killed(tmp_path, postgres
     from nbdist.dashboard.sources import StoreSource, run_choices
     from nbdist.dashboard.study_view import StudyPlots
 
-    # Enough trials that both jobs finish some while the first still runs: on an idle
-    # machine a trial takes a fraction of a second, and the second job starts seconds late.
-    trials = 30
+    trials = 14
     a = _job(tmp_path, "a", database, "--space", SPACE, "--trials", str(trials), "--study-name", "shared")
     jobs = [a]
     seen_live = 0  # trials the dashboard's study view picked up while the jobs ran
@@ -455,7 +455,7 @@ def test_two_concurrent_mpiexec_jobs_share_a_study_one_killed(tmp_path, postgres
                 job_a = _coordinator(store, a)
                 # A trial a asked for a moment ago: its fold run is still starting when a dies.
                 cut = [t.number for t in rows if t.state == "running" and t.owner == job_a
-                       and time.time() - t.started < 1.0]
+                       and time.time() - t.started < 0.3]
                 if len({t.owner for t in rows if t.state == "complete"}) == 2 and cut:
                     break
                 time.sleep(0.2)
