@@ -8,7 +8,7 @@ rank hands to MPI per step, samples/s of the epochs after the first, the final v
 accuracy, and each as a ratio against `none`. Rank order and data are the same for every
 run (same seed), so the accuracies differ by what the compression changed.
 
-Usage: python bench/compression.py [--quick]   (--quick: 3 epochs instead of 6)
+Usage: python bench/compression.py [--quick] [--epochs N]   (default 20 epochs; --quick: 3)
 """
 
 from __future__ import annotations
@@ -29,9 +29,11 @@ COMPRESSIONS = ["none", "fp16", "bf16", "topk(0.01)", "powersgd(4)"]
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="3 epochs per compression instead of 6")
+    p.add_argument("--quick", action="store_true", help="3 epochs per compression instead of --epochs")
+    p.add_argument("--epochs", type=int, default=20,
+                   help="epochs per compression (default 20: 240 steps, enough for the MLP to learn digits)")
     args = p.parse_args()
-    epochs = 3 if args.quick else 6
+    epochs = 3 if args.quick else args.epochs
     header(f"--compression on {RANKS} allreduce ranks, large MLP on digits, {epochs} epochs each")
     argv = [str(Path(__file__).with_name("_compression_worker.py")), "--plan", json.dumps(COMPRESSIONS),
             "--epochs", str(epochs)]
