@@ -37,6 +37,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/keras_overhead.py
 	$(BIN)/python bench/sync_batchnorm.py
 	$(BIN)/python bench/compression.py
+	$(BIN)/python bench/pipeline.py
 	$(BIN)/python bench/hpo_parallel.py
 	$(BIN)/python bench/faults.py
 	$(BIN)/python bench/convergence.py --quick
