@@ -144,6 +144,8 @@ def stage_parts(ctx: RankContext) -> tuple[StageParts, StageParts]:
 
 
 class PipelineWorker(Worker):
+    replicas = False  # each process holds one stage: no gradient to sum between them
+
     def __init__(self, ctx: RankContext):
         super().__init__(ctx)
         backend = ctx.backend
@@ -151,9 +153,8 @@ class PipelineWorker(Worker):
         self.param_parts, self.state_parts = stage_parts(ctx)
         params, floats = self.param_parts.total, self.state_parts.total
         # --compression: the leader encodes the whole model's message, as a plain worker
-        # its own (Worker._exchange); the stages hold different parameters, so there is no
-        # gradient to reduce between them.
-        self.reduction, codec = None, None
+        # its own (Worker._exchange).
+        codec = None
         if ctx.compression is not None:
             blocks = self.param_parts.gather_blocks(backend.param_blocks(), "the pipeline stages' parameter shapes")
             codec = make_codec(ctx.compression, params, blocks) if self.leader else None

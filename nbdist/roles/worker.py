@@ -45,16 +45,22 @@ from nbdist.transport.worker_channel import WorkerChannel
 
 __all__ = ["run_worker"]
 
+
 class _Leave(Exception):
     """This worker is done with the run early: stopped, dropped or lost (the run goes on)."""
 
 
 class Worker:
+    # Whether the worker's processes each hold the whole model and sum their gradients
+    # (roles/pipeline.py's PipelineWorker: each holds one stage, and builds its own message).
+    replicas = True
+
     def __init__(self, ctx: RankContext):
         self.ctx = ctx
         role, backend = ctx.role, ctx.backend
         self.block, self.wcomm = ctx.comms.block, ctx.comms.worker
         self.leader, self.procs = role.is_leader, self.wcomm.Get_size()
+        reduces = self.procs > 1 and self.replicas  # a gradient summed over the worker's processes
         # The rule runs where the model lives (torch tensors on its device, or numpy views);
         # MPI reads the flat buffers only through their staging (zero-copy on the host).
         self.rule_params, self.rule_grads = backend.rule_params, backend.rule_grads
@@ -62,8 +68,8 @@ class Worker:
         self.model_state = Staging(backend.state, backend.copier)
         # Compressed, the worker's gradient goes through host memory (the codecs are numpy).
         self.grads = (Staging(backend.grads, backend.copier, cuda_aware=False if ctx.compression else None)
-                      if self.procs > 1 else None)
-        if self.procs > 1:
+                      if reduces else None)
+        if reduces:
             synchronise_batchnorm(ctx, self.wcomm)  # --sync-batchnorm: over the worker's processes
         n, s = backend.num_params, len(backend.state)
         self.opt = backend.make_optimizer(ctx.worker_optimizer) if ctx.worker_optimizer else None
@@ -79,11 +85,12 @@ class Worker:
         self.version = 0
         # --compression: the leader encodes its message (one point: _exchange); a worker of
         # several processes also reduces its gradient through the codec (_reduce_gradient).
-        codec = make_codec(ctx.compression, n, backend.param_blocks()) if ctx.compression is not None else None
+        compressed = ctx.compression is not None and self.replicas
+        codec = make_codec(ctx.compression, n, backend.param_blocks()) if compressed else None
         self.compressor = Compressor(codec) if codec is not None and self.leader else None
         self.carried_before: dict[str, np.ndarray] = {}  # the compressor's state before the last message
         self.reduction = (compressed_reduction(self.wcomm, ctx.compression, n, [(0, n)], backend.param_blocks())
-                          if ctx.compression is not None and self.procs > 1 else None)
+                          if compressed and reduces else None)
         self.out = m.Message(n, s, codec.wire_size if codec is not None else 0)
         self.reply_header = m.new_header(self.workers)
         self.reply_payload = np.empty(n, np.float32)

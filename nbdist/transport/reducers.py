@@ -48,15 +48,12 @@ class Reducer(ABC):
 
     way: str  # how the buckets travel, for benchmarks and messages
     bytes_sent: int  # the gradient bytes this rank handed over to be reduced, over the run
-
     buckets: list[tuple[int, int]]  # [start, stop) of each bucket of the flat gradient
-
-    def _bucket_ready(self, index: int) -> None:
-        self.start(index)
 
     @abstractmethod
     def start(self, index: int) -> None:
-        """Start summing bucket `index` of the gradient, which backward no longer writes."""
+        """Start summing bucket `index` of the gradient, which backward no longer writes
+        (the backend's bucket hook)."""
 
     @abstractmethod
     def finish(self, trailer: np.ndarray) -> None:
@@ -96,7 +93,7 @@ class MpiReducer(Reducer):
         self.staging = Staging(backend.rule_grads, backend.copier, cuda_aware=False if compression else None)
         self.requests: list[MPI.Request] = []
         self.finish_wait = finish_wait or wait_all
-        self.buckets = backend.bucket_hooks(bucket_floats, self._bucket_ready)
+        self.buckets = backend.bucket_hooks(bucket_floats, self.start)
         self.compressed = None if compression is None else compressed_reduction(
             comm, compression, backend.num_params, self.buckets, backend.param_blocks())
         self.plain_bytes = 0
@@ -157,7 +154,7 @@ class TorchReducer(Reducer):
         self.works: list[Any] = []
         self.bytes_sent = 0
         self.finish_wait = finish_wait or wait_for
-        self.buckets = backend.bucket_hooks(bucket_floats, self._bucket_ready)
+        self.buckets = backend.bucket_hooks(bucket_floats, self.start)
 
     @property
     def way(self) -> str:
