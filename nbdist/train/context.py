@@ -311,7 +311,7 @@ def prepare(
             # Pipeline replicas have no master to probe the whole model for them: their first rank does.
             _probe(make_replica(), data, definition.source)
         if options.topology == "allreduce":  # e.g. nccl for a model on the CPU: one error, here
-            choose_reducer(options.allreduce_backend, backend.rule_grads, compressed=options.compression != "none")
+            choose_reducer(options.allreduce_backend, backend.rule_grads, compressed=compression is not None)
         check_metric_names(options, trial, reported_metrics(backend.metric_name, staleness=algorithm is not None))
         if comm.Get_rank() == 0:  # the run leader, who writes the run directory (last: it may create --runs-dir)
             _check_run_dir_writable(options)
