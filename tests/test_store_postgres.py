@@ -413,11 +413,11 @@ SPACE = "lr=log(3e-3,0.5) hidden=int(8,64)"
 
 def _job(tmp_path, name: str, database: str, *study: str) -> subprocess.Popen:
     """`python -m nbdist launch -n 3 study ...` (1 coordinator, 1 master, 1 worker),
-    its output in tmp_path/NAME.log and its runs in tmp_path/NAME. A trial trains 20
-    epochs of the digits MLP, about a second on an idle machine: long enough to be killed
-    in the middle of one."""
+    its output in tmp_path/NAME.log and its runs in tmp_path/NAME. A trial trains 60
+    epochs of the digits MLP, over a second on an idle machine: long enough to be killed
+    in the middle of one (at 20 epochs, 0.4 s, one ended between the look and the kill)."""
     argv = [sys.executable, "-m", "nbdist", "launch", "-n", "3", "study", "--model", "examples/digits_mlp.py",
-            "--searcher", "random", "--workers", "1", "--epochs", "20", "--seed", "1", "--store", database,
+            "--searcher", "random", "--workers", "1", "--epochs", "60", "--seed", "1", "--store", database,
             "--runs-dir", str(tmp_path / name), *study]
     with open(tmp_path / f"{name}.log", "w") as log:
         return subprocess.Popen(argv, cwd=ROOT, env=mpi_env(), stdout=log, stderr=subprocess.STDOUT,
