@@ -1,7 +1,9 @@
-"""The nbdist side of overhead.py; run under mpiexec (-n 2 master-worker, -n 1 allreduce).
+"""Each run of overhead.py, in a process of its own under mpiexec (-n 2 master-worker,
+-n 1 allreduce and plain), so that every run starts and is launched alike.
 
-Calls nbdist.train on the digits images with the model and options overhead.py chose, and
-prints the leader's per-epoch history (nbdist's own samples/s accounting).
+`--topology plain` runs overhead.py's plain PyTorch loop; the others call nbdist.train on
+the digits images with the model and options overhead.py chose. Prints the per-epoch
+history (for nbdist, the leader's own samples/s accounting).
 """
 
 from __future__ import annotations
@@ -18,18 +20,23 @@ from _common import emit  # noqa: E402
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
-    p.add_argument("--topology", choices=("master-worker", "allreduce"), required=True)
+    p.add_argument("--topology", choices=("master-worker", "allreduce", "plain"), required=True)
     p.add_argument("--optimizer", required=True)
     p.add_argument("--epochs", type=int, required=True)
     p.add_argument("--batch-size", type=int, required=True)
     p.add_argument("--runs-dir", required=True)
+    p.add_argument("--busy-poll", default="auto")
     args = p.parse_args()
 
     import nbdist
-    from overhead import MODELS, load_data
+    from overhead import MODELS, load_data, plain_loop
+
+    if args.topology == "plain":
+        emit({"history": plain_loop(args.model, args.epochs, args.batch_size)})
+        return
 
     options = dict(epochs=args.epochs, batch_size=args.batch_size, runs_dir=args.runs_dir, quiet=True,
-                   validate_every=10**6, seed=0)
+                   validate_every=10**6, seed=0, busy_poll=args.busy_poll)
     if args.topology == "master-worker":
         options.update(topology="master-worker", algorithm="downpour", workers=1, sync_every=1,
                        master_optimizer=args.optimizer)

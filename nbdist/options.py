@@ -39,6 +39,9 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 # model whose gradients they allreduce, or each one pipeline stage of it.
 WORKER_PARALLELS = ("allreduce", "pipeline")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+# How a rank waits for its peers (transport/waiting.py): polling without sleeping, or
+# between short sleeps; auto picks by whether the node's ranks fit its cores.
+BUSY_POLLS = ("auto", "on", "off")
 DEFAULT_LR_SCALING = "none"
 
 
@@ -136,6 +139,12 @@ class TrainOptions:
     device: str = _opt("auto", "where a PyTorch worker's model lives: auto (cuda where torch sees a GPU, else the "
                                "CPU with numpy views), cuda (GPU local_rank mod gpus; not yet run on a GPU) or cpu "
                                "(the GPU path's tensors and staging, run on the CPU)", choices=DEVICES)
+    busy_poll: str = _opt(
+        "auto", "how a rank waits for its peers: on (it polls without sleeping: the shortest reply times and a core "
+                "that stays warm, but one busy core per waiting rank), off (it polls between short sleeps that give "
+                "the core away) or auto (on where this node's ranks of the launch, times --threads, fit the cores "
+                "they may run on; off when oversubscribed or when the launcher does not say how many ranks share "
+                "the node)", choices=BUSY_POLLS)
     bucket_mb: float = _opt(2.0, "allreduce bucket size in MB (gradients reduced while backward runs)")
     compression: str = _opt(
         "none", "what gradients and worker-to-master messages travel as: none, fp16, bf16, topk(RATIO) (the RATIO "
@@ -170,6 +179,8 @@ class TrainOptions:
         if self.momentum_correction not in MOMENTUM_CORRECTIONS:
             raise OptionsError(f"unknown --momentum-correction {self.momentum_correction!r}; choose one of: "
                                f"{', '.join(MOMENTUM_CORRECTIONS)}")
+        if self.busy_poll not in BUSY_POLLS:
+            raise OptionsError(f"unknown --busy-poll {self.busy_poll!r}; choose one of: {', '.join(BUSY_POLLS)}")
         if self.device not in DEVICES:
             raise OptionsError(f"unknown --device {self.device!r}; choose one of: {', '.join(DEVICES)}")
         positive = ("epochs", "batch_size", "masters", "procs_per_worker", "validate_every", "threads", "d_steps",

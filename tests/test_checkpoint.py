@@ -519,3 +519,55 @@ def test_scalar_saved_with_shape_one_still_loads():
     state = EASGD().new_worker_state(2, 4)
     state.load_arrays({"count": np.array([3]), "sync_every": np.array(5)})
     assert (state.count, state.sync_every) == (3, 5) and type(state.count) is int
+
+
+def test_the_writer_thread_writes_in_order_and_says_what_is_on_disk(tmp_path):
+    """A master's shares and commits run on the writer's thread, in order: a share is
+    reported written only after its files are there, and a commit after it finds them."""
+    from nbdist.train.writer import CheckpointWriter
+
+    cps, writer = Checkpoints(tmp_path), CheckpointWriter()
+    params = np.arange(4, dtype=np.float32)
+    for label in ("epoch-0001", "epoch-0002"):
+        snapshot = {"model": {"params": params.copy()}}
+        writer.submit(lambda label=label, snapshot=snapshot: cps.write_rank(label, 0, snapshot, {"rank": 0}),
+                      name=label)
+        writer.submit(lambda label=label: cps.commit(label, {"label": label}))
+        params += 10  # the master moves on: the writer has its copy
+    assert writer.finish(timeout=60) == ["epoch-0001", "epoch-0002"]
+    assert writer.written() == []
+    assert cps.latest().name == "epoch-0002"
+    arrays, _ = cps.read_rank(tmp_path / "checkpoints" / "epoch-0001", 0)
+    assert arrays["model"]["params"].tolist() == [0, 1, 2, 3]
+
+
+def test_a_failed_checkpoint_write_is_raised_in_the_master_naming_it_and_nothing_after_it_runs(tmp_path):
+    from nbdist.train.writer import CheckpointWriteFailed, CheckpointWriter
+
+    ran, writer = [], CheckpointWriter()
+
+    def full_disk() -> None:
+        raise OSError(28, "No space left on device")
+
+    writer.submit(full_disk, name="epoch-0003")
+    writer.submit(lambda: ran.append("commit"))
+    with pytest.raises(CheckpointWriteFailed, match="writing checkpoint epoch-0003 failed: .*No space left"):
+        writer.finish(timeout=60)
+    assert ran == []
+    with pytest.raises(CheckpointWriteFailed, match="epoch-0003"):
+        writer.written()
+
+
+def test_queued_writes_that_never_finish_end_the_wait_with_one_error(tmp_path):
+    import threading
+
+    from nbdist.train.writer import CheckpointWriteFailed, CheckpointWriter
+
+    hung, writer = threading.Event(), CheckpointWriter()
+    writer.submit(lambda: hung.wait(30), name="epoch-0001")
+    try:
+        with pytest.raises(CheckpointWriteFailed, match="did not finish within 0 s .*hung"):
+            writer.finish(timeout=0.2)
+    finally:
+        hung.set()
+    assert writer.finish(timeout=60) == ["epoch-0001"]

@@ -90,6 +90,7 @@ def test_defaults_validate():
 @pytest.mark.parametrize("changes, message", [
     ({"topology": "ring"}, "unknown topology 'ring'"),
     ({"device": "gpu"}, "unknown --device 'gpu'; choose one of: auto, cpu, cuda"),
+    ({"busy_poll": "yes"}, "unknown --busy-poll 'yes'; choose one of: auto, on, off"),
     ({"epochs": 0}, "--epochs must be at least 1"),
     ({"batch_size": -3}, "--batch-size must be at least 1"),
     ({"masters": 0}, "--masters must be at least 1"),
@@ -195,7 +196,7 @@ def test_argparse_round_trip_of_every_field(tmp_path):
                    runs_dir="elsewhere", store="runs/other.db", run_name="r1",
                    threads=2, bucket_mb=4.0, compression="topk(0.05)", allreduce_backend="gloo", quiet=True,
                    train="t_*.h5", val="v.h5", cache_dir="/tmp/c",
-                   device="cpu",
+                   device="cpu", busy_poll="off",
                    data_keys="x,y", gan=True, d_steps=2, lr_scaling="sqrt", warmup_epochs=1.5,
                    worker_lr_schedule="steplr(step_size=2)", master_lr_schedule="cosineannealinglr(T_max=4)",
                    trace_updates=True, precision="bf16", sync_batchnorm=True)

@@ -75,11 +75,11 @@ from nbdist.roles.master import (
     Client,
     Master,
     average_state,
-    commit_ready_checkpoints,
+    finish_checkpoints,
     open_master,
     open_tallies,
     restore_tallies,
-    serve,
+    serve_and_settle,
     settle_centre,
     share_initial_weights,
     worker_clients,
@@ -175,8 +175,8 @@ class SubMaster(Master):
         extra = {"version": self.version, "next_epoch": self.next_epoch, "pulled_version": self.pulled_version,
                  "unpushed_samples": self.samples_seen - self.samples_pushed,
                  "members": self.members.to_json(), "lr": self.lr.to_json(), **open_tallies(self, label)}
-        save_rank_state(self.ctx, label, self.opt, self.rule_state, extra, {"pulled": self.pulled})
-        self.master_wrote.add(label)
+        save_rank_state(self.ctx, label, self.opt, self.rule_state, extra, {"pulled": self.pulled},
+                        writer=self.writer)
 
     def commit(self, label: str) -> None:
         # Complete below this rank: acknowledge it to the top master, which commits.
@@ -266,13 +266,13 @@ def run_sub_master(ctx: RankContext) -> None:
     else:
         share_initial_weights(ctx)
         me.pulled[:] = me.center
-    serve(me)
+    serve_and_settle(me)
 
     # Every worker has said DONE (or failed); as at the top master, the stop checkpoint
     # is acknowledged only when every worker stopped on the same STOP.
     if me.stopping and not me.error:
         me.save(me.stop_label)
-        commit_ready_checkpoints(me)
+    finish_checkpoints(me)
     me.send_done()
     ctx.log.emit("phase", dict(me.phases), step=me.version, epoch=me.next_epoch)
     if me.error:

@@ -35,6 +35,7 @@ from nbdist.train.context import RankContext, master_share
 from nbdist.train.loop import NonFiniteLoss, TrainReport, check_loss, run_epochs
 from nbdist.train.lr import WorkerLr, rule_lr
 from nbdist.train.state import load_rank_state, save_rank_state
+from nbdist.train.writer import CheckpointWriter
 from nbdist.transport import messages as m
 from nbdist.transport.compression import Compressor, make_codec
 from nbdist.transport.deadlines import Silence
@@ -100,6 +101,11 @@ class Worker:
         self.sync = BatchStats()  # since the last message: its header's sums
         self.report = TrainReport(ctx, ("compute", "send", "wait"))
         self.pending_ack = m.NO_CHECKPOINT
+        # A worker of one process writes its checkpoint shares on a thread (train/writer.py)
+        # and acknowledges each in the first message after it is on disk; the processes of a
+        # bigger worker write at once, since the leader acknowledges for all of them.
+        self.writer = CheckpointWriter() if self.procs == 1 else None
+        self.writing: dict[str, float] = {}  # label -> its acknowledgement code, once written
         self.totals = np.zeros(3, np.float64)
         self.overflows = 0  # fp16 gradients left out (_overflowed)
         self.master_rank = next(r for r in ctx.layout.fold_ranks(role.group, role.fold)
@@ -135,7 +141,7 @@ class Worker:
         if ctx.checkpoint_due(epoch + 1) and (ctx.options.synchronous or last):
             label = m.label_of(epoch + 1)
             self._save(label, epoch + 1, 0)
-            self.pending_ack = m.label_code(label)
+            self._acknowledge(label, m.label_code(label))
 
     def _start(self) -> tuple[int, int]:
         """(epoch, step) to start from: a resume's saved position, or the master's weights."""
@@ -298,13 +304,13 @@ class Worker:
             # Not applied: save the state from before this update, then send it again.
             label = m.label_of(float(self.reply_header[m.CHECKPOINT]))
             self._save(label, epoch, step, before_message=True)
-            self.pending_ack = m.label_code(label)
+            self._acknowledge(label, m.label_code(label))
         self.sync = BatchStats()
         if kind == m.STOP:
             # The master discarded this window: resume redoes it.
             stop_code = float(self.reply_header[m.CHECKPOINT])
             self._save(m.label_of(stop_code), epoch, step, before_message=True)
-            self.pending_ack = stop_code
+            self._acknowledge(m.label_of(stop_code), stop_code)
             if self.leader:
                 self._send(m.DONE, epoch, 0)
             self._report(epoch, step)
@@ -346,6 +352,10 @@ class Worker:
 
     def _send(self, kind: float, epoch: int, flags: int) -> None:
         """Leader only: one message to the master (header | payload | state)."""
+        if self.writer is not None and kind == m.DONE:
+            self._written(self.writer.finish())  # its last message: every share must be on disk
+        elif self.writer is not None and kind == m.UPDATE:
+            self._written(self.writer.written())
         out, sync = self.out, self.sync
         out.header[m.KIND] = kind
         out.header[m.VERSION] = self.version
@@ -414,10 +424,23 @@ class Worker:
         master did not apply: a resume sends it again)."""
         save_rank_state(self.ctx, label, self.opt, self.rule_state,
                         {"version": self.version, "epoch": epoch, "step": step, "members": list(self.members)},
-                        own=self._carried(before_message), same_as=self._twin())
+                        own=self._carried(before_message), same_as=self._twin(), writer=self.writer)
         if self.procs > 1:
             # The leader acknowledges for all the worker's processes.
             self.ctx.peers.collectives.barrier(self.wcomm, "the worker's checkpoint")
+
+    def _acknowledge(self, label: str, code: float) -> None:
+        """Say in a message to the master that this worker's share of `label` is written:
+        the next one, or with the writer, the first after it is on disk."""
+        if self.writer is None:
+            self.pending_ack = code
+        else:
+            self.writing[label] = code
+            self._written(self.writer.written())
+
+    def _written(self, labels: list[str]) -> None:
+        for label in labels:
+            self.pending_ack = self.writing.pop(label, self.pending_ack)
 
     def _carried(self, before_message: bool = False) -> dict[str, np.ndarray]:
         """What the codecs carry from step to step, for this rank's share of a checkpoint."""

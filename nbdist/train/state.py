@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ from nbdist.algorithms.arrays import copy_into, to_numpy
 from nbdist.algorithms.base import RuleState
 from nbdist.backends.base import FlatOptimizer
 from nbdist.train.checkpoint import CheckpointError
+from nbdist.train.writer import CheckpointWriter
 
 __all__ = ["save_rank_state", "load_rank_state"]
 
@@ -22,12 +24,13 @@ IDENTICAL_ON_TWINS = ("model/params", "opt", "rule")
 
 def save_rank_state(ctx: Any, label: str, opt: FlatOptimizer | None, rule_state: RuleState | None,
                     extra: dict[str, Any], own: dict[str, np.ndarray] | None = None,
-                    same_as: int | None = None) -> None:
+                    same_as: int | None = None, writer: CheckpointWriter | None = None) -> None:
     """`own`: arrays only this kind of rank has (a sub-master's last pulled centre).
     `same_as`: the world rank that holds this rank's weights, optimiser and rule state
     bit for bit (an allreduce run's rank 0, a worker's leader process); this rank then
     writes only the rest and reads those from that rank's file (passing its own rank is
-    the same as None)."""
+    the same as None). `writer`: write on its thread, from copies taken now (the share is
+    written once the writer says `label`), instead of before returning."""
     backend = ctx.backend
     arrays = {
         # Host copies of buffers on a device (zero-copy views on the host path).
@@ -38,8 +41,16 @@ def save_rank_state(ctx: Any, label: str, opt: FlatOptimizer | None, rule_state:
         "own": own or {},
     }
     meta = {"rank": ctx.role.rank, "role": ctx.role.kind, **extra}
-    ctx.checkpoints.write_rank(label, ctx.comms.world.Get_rank(), arrays, meta, same_as=same_as,
-                               shared=IDENTICAL_ON_TWINS)
+    rank = ctx.comms.world.Get_rank()
+    if writer is None:
+        ctx.checkpoints.write_rank(label, rank, arrays, meta, same_as=same_as, shared=IDENTICAL_ON_TWINS)
+        return
+    # The weights and optimiser state move on with the next update: the writer gets copies.
+    arrays = {group: {name: np.array(value, copy=True) for name, value in named.items()}
+              for group, named in arrays.items()}
+    meta = copy.deepcopy(meta)
+    writer.submit(lambda: ctx.checkpoints.write_rank(label, rank, arrays, meta, same_as=same_as,
+                                                     shared=IDENTICAL_ON_TWINS), name=label)
 
 
 def load_rank_state(ctx: Any, path: Path, opt: FlatOptimizer | None,

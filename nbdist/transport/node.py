@@ -8,10 +8,12 @@ from typing import Any
 
 from mpi4py import MPI
 
-__all__ = ["local_rank", "world"]
+__all__ = ["local_rank", "ranks_fit_cores", "world"]
 
 # Open MPI's mpiexec sets the first; srun the second.
 LOCAL_RANK_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
+# How many ranks of the launch share this node: Open MPI's mpiexec says so.
+LOCAL_SIZE_VARIABLE = "OMPI_COMM_WORLD_LOCAL_SIZE"
 
 
 def local_rank(comm: Any) -> int:
@@ -27,6 +29,19 @@ def local_rank(comm: Any) -> int:
         return node.Get_rank()
     finally:
         node.Free()
+
+
+def ranks_fit_cores(threads: int = 1) -> bool:
+    """Whether this node's ranks of the launch, `threads` busy threads each, fit the cores
+    this process may run on: then a rank that polls without sleeping takes no core another
+    rank needs. False when oversubscribed, and when the launcher does not say how many
+    ranks share the node (srun, a singleton), since polling on a shared core would slow
+    the rank that computes. A rank bound to fewer cores than its node's ranks counts as
+    not fitting: without asking the others, it cannot tell whether they share its core."""
+    local = os.environ.get(LOCAL_SIZE_VARIABLE, "")
+    if not local.isdigit():
+        return False
+    return int(local) * max(threads, 1) <= len(os.sched_getaffinity(0))
 
 
 def world() -> Any:

@@ -63,11 +63,18 @@ sub-master takes differently). The MPI side is transport/master_channel.py.
 from __future__ import annotations
 
 from nbdist.roles.master.clients import SUB_MASTER, WORKER, Client, worker_clients
-from nbdist.roles.master.epochs import average_state, commit_ready_checkpoints, open_tallies, restore_tallies
+from nbdist.roles.master.epochs import (
+    average_state,
+    commit_ready_checkpoints,
+    finish_checkpoints,
+    open_tallies,
+    restore_tallies,
+)
 from nbdist.roles.master.replies import settle_centre
-from nbdist.roles.master.run import open_master, run_master, serve, share_initial_weights
+from nbdist.roles.master.run import open_master, run_master, serve, serve_and_settle, share_initial_weights
 from nbdist.roles.master.state import Master
 
 __all__ = ["Master", "Client", "run_master", "worker_clients", "share_initial_weights", "open_master", "serve",
-           "settle_centre", "average_state", "open_tallies", "restore_tallies", "commit_ready_checkpoints", "WORKER",
-           "SUB_MASTER"]
+           "serve_and_settle",
+           "settle_centre", "average_state", "open_tallies", "restore_tallies", "commit_ready_checkpoints",
+           "finish_checkpoints", "WORKER", "SUB_MASTER"]

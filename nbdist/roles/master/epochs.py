@@ -19,7 +19,8 @@ if TYPE_CHECKING:
     from nbdist.roles.master.state import Master
 
 __all__ = ["tally_message", "note_checkpoint_ack", "open_tallies", "restore_tallies", "collect_validation",
-           "validate_by_samples", "finish_epoch", "average_state", "commit_ready_checkpoints"]
+           "validate_by_samples", "finish_epoch", "average_state", "commit_ready_checkpoints",
+           "finish_checkpoints"]
 
 
 def tally_message(me: Master, i: int, msg: m.Message) -> None:
@@ -119,9 +120,18 @@ def average_state(me: Master) -> None:
         state[:] = np.average(me.states, axis=0, weights=[c.weight for c in me.clients])
 
 
+def finish_checkpoints(me: Master) -> None:
+    """At the end of a run: wait for this rank's writes, commit what is complete, wait for
+    the commits (the run's last checkpoint must be in place before its final files)."""
+    me.master_wrote.update(me.writer.finish())
+    commit_ready_checkpoints(me)
+    me.writer.finish()
+
+
 def commit_ready_checkpoints(me: Master) -> None:
     """Commit what every client still expected has written; the snapshot in progress
     ends with its commit (and the next due one starts)."""
+    me.master_wrote.update(me.writer.written())
     needed = set(range(len(me.clients))) - me.failed - set(me.dropped)
     for label in sorted(me.master_wrote):
         have = me.acks.get(label, set())

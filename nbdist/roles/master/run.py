@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -15,6 +16,7 @@ from nbdist.roles.master.epochs import (
     average_state,
     collect_validation,
     commit_ready_checkpoints,
+    finish_checkpoints,
     restore_tallies,
     validate_by_samples,
 )
@@ -28,12 +30,13 @@ from nbdist.train.lr import master_lr_for
 from nbdist.train.progress import EpochTally, RunResult, write_final
 from nbdist.train.state import load_rank_state
 from nbdist.train.validation import BackgroundValidator, SampledValidation
+from nbdist.train.writer import CheckpointWriteFailed
 from nbdist.transport import messages as m
 from nbdist.transport.faults import kill_frozen
 from nbdist.transport.master_channel import MasterChannel
 from nbdist.transport.pool import BodyPool
 
-__all__ = ["ASYNC_BODIES", "run_master", "open_master", "share_initial_weights", "serve"]
+__all__ = ["ASYNC_BODIES", "run_master", "open_master", "share_initial_weights", "serve", "serve_and_settle"]
 
 
 # Bodies an asynchronous master receives into, whatever its number of clients: two lets
@@ -41,6 +44,9 @@ __all__ = ["ASYNC_BODIES", "run_master", "open_master", "share_initial_weights",
 # A synchronous round streams its workers' bodies through as many: one the rule works
 # on, the next one being received.
 ASYNC_BODIES = 2
+# How long a failing master waits for its queued checkpoint writes before it gives up on
+# them (the last committed checkpoint stands).
+SETTLE_SECONDS = 30.0
 
 
 def run_master(ctx: RankContext) -> RunResult:
@@ -68,7 +74,7 @@ def run_master(ctx: RankContext) -> RunResult:
         me.sampled = SampledValidation(ctx.options.validate_every_samples, me.samples_seen,
                                        BackgroundValidator(ctx.make_replica, *ctx.data.val_arrays()),
                                        ctx.backend.metric_name)
-    started = serve(me)
+    started = serve_and_settle(me)
 
     collect_validation(me, block=True)
     if me.sampled is not None:
@@ -78,7 +84,7 @@ def run_master(ctx: RankContext) -> RunResult:
     # is the state.
     if me.stopping and not me.error:
         me.save(me.stop_label)
-        commit_ready_checkpoints(me)
+    finish_checkpoints(me)
     ctx.checkpoints.discard_incomplete()
     ctx.log.emit("phase", dict(me.phases), step=me.version, epoch=me.next_epoch)
     if me.error:
@@ -142,6 +148,17 @@ def share_initial_weights(ctx: RankContext) -> None:
         ctx.peers.collectives.bcast(ctx.comms.masters, state)
     ctx.peers.collectives.bcast(ctx.comms.block, params)
     ctx.peers.collectives.bcast(ctx.comms.block, state)
+
+
+def serve_and_settle(me: Master) -> float:
+    """`serve`; when it fails, the checkpoint writes already queued are finished first (briefly),
+    so that a restart reads the checkpoints as they stand, not half-way through a commit."""
+    try:
+        return serve(me)
+    except BaseException:
+        with contextlib.suppress(CheckpointWriteFailed):
+            me.writer.finish(timeout=SETTLE_SECONDS)
+        raise
 
 
 def serve(me: Master) -> float:

@@ -22,6 +22,7 @@ from nbdist.train.context import RankContext
 from nbdist.train.progress import EpochTally
 from nbdist.train.state import save_rank_state
 from nbdist.train.validation import BackgroundValidator, SampledValidation
+from nbdist.train.writer import CheckpointWriter
 from nbdist.transport import messages as m
 from nbdist.transport.faults import RankLost, RankSilent, kill_frozen
 from nbdist.transport.master_channel import MasterChannel
@@ -65,7 +66,8 @@ class Master:
     history: list = field(default_factory=list)
     tallies: dict = field(default_factory=dict)
     acks: dict = field(default_factory=dict)  # checkpoint label -> clients that wrote it
-    master_wrote: set = field(default_factory=set)
+    master_wrote: set = field(default_factory=set)  # labels whose share this rank has written (fsynced)
+    writer: CheckpointWriter = field(default_factory=CheckpointWriter)  # its shares and commits, off the loop
     failed: set = field(default_factory=set)
     epoch_clock: float = field(default_factory=time.time)  # when the previous epoch ended
     validator: BackgroundValidator | None = None
@@ -166,16 +168,15 @@ class Master:
                  "samples_seen": self.samples_seen,
                  **ctx.history_file.checkpoint(self.history), "members": self.members.to_json(),
                  "lr": self.lr.to_json(), **open_tallies(self, label)}
-        save_rank_state(ctx, label, self.opt, self.rule_state, extra)
-        self.master_wrote.add(label)
+        save_rank_state(ctx, label, self.opt, self.rule_state, extra, writer=self.writer)
 
     def commit(self, label: str) -> None:
         """Every client and this rank wrote `label`: make it the run's latest checkpoint."""
         ctx = self.ctx
-        ctx.checkpoints.commit(label, {"label": label, "layout": ctx.layout.to_dict(),
-                                       "options": ctx.options.to_dict(), "version": self.version,
-                                       "finished": sorted(self.clients[i].world_rank for i in self.finished),
-                                       "world_ranks": ctx.world_ranks, "time": time.time()})
+        meta = {"label": label, "layout": ctx.layout.to_dict(), "options": ctx.options.to_dict(),
+                "version": self.version, "finished": sorted(self.clients[i].world_rank for i in self.finished),
+                "world_ranks": ctx.world_ranks, "time": time.time()}
+        self.writer.submit(lambda: ctx.checkpoints.commit(label, meta))
 
     def lose(self, i: int, cause: str, gone: bool) -> None:
         """Client i died (`gone`) or froze. Asynchronous workers are dropped and the run goes
