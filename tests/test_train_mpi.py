@@ -667,6 +667,31 @@ def _epoch_records_exist(run_dir: Path) -> bool:
     return any('"kind":"epoch"' in p.read_text(errors="replace") for p in metrics.glob("rank-*.jsonl"))
 
 
+SLOW_VALIDATION = str(ROOT / "tests" / "models" / "digits_mlp_slow_validation.py")
+
+
+@pytest.mark.timeout(300)
+def test_an_asynchronous_master_serves_its_workers_while_it_validates_a_checkpointed_epoch(tmp_path):
+    """Each epoch is validated in the background and checkpointed (the default): the
+    master used to wait for that validation before writing its share of the snapshot,
+    and every worker waited with it. The model's validation sleeps 0.5 s (its training
+    steps 0.02 s, so epochs outlast validations): updates must go on being applied in the
+    0.4 s before each of the first two epochs' validations ended (the epoch record)."""
+    argv = [sys.executable, "-m", "nbdist", "launch", "-n", "3", "train", "--model", SLOW_VALIDATION,
+            "--epochs", "3", "--batch-size", "16", "--trace-updates", "--runs-dir", str(tmp_path),
+            "--run-name", "run", "--quiet"]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run = tmp_path / "run"
+    applied = [r["time"] for r in read_log(run, "update")]
+    validated = sorted(r["time"] for r in read_log(run, "epoch"))
+    assert len(validated) == 3 and applied
+    for end in validated[:2]:
+        during = [t for t in applied if end - 0.4 <= t <= end]
+        assert during, f"no update applied in the 0.4 s before the validation that ended at {end}"
+    assert json.loads((run / "checkpoints" / "LATEST.json").read_text())["label"] == "epoch-0003"
+
+
 @pytest.mark.timeout(300)
 def test_a_stop_while_the_ranks_start_is_kept_and_checkpointed(tmp_path):
     # SLURM's --signal can come at any time, even while the job is still starting: it

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import copy
+from copy import deepcopy
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +14,7 @@ from nbdist.backends.base import FlatOptimizer
 from nbdist.train.checkpoint import CheckpointError
 from nbdist.train.writer import CheckpointWriter
 
-__all__ = ["save_rank_state", "load_rank_state"]
+__all__ = ["save_rank_state", "rank_state_arrays", "write_rank_state", "load_rank_state"]
 
 # What ranks that step the same optimiser on the same reduced gradient hold bit for bit.
 # Not the model state: BatchNorm statistics come from each rank's own batches and are
@@ -31,6 +31,14 @@ def save_rank_state(ctx: Any, label: str, opt: FlatOptimizer | None, rule_state:
     writes only the rest and reads those from that rank's file (passing its own rank is
     the same as None). `writer`: write on its thread, from copies taken now (the share is
     written once the writer says `label`), instead of before returning."""
+    arrays = rank_state_arrays(ctx, opt, rule_state, own, copy=writer is not None)
+    write_rank_state(ctx, label, arrays, extra, same_as, writer)
+
+
+def rank_state_arrays(ctx: Any, opt: FlatOptimizer | None, rule_state: RuleState | None,
+                      own: dict[str, np.ndarray] | None = None, copy: bool = True) -> dict[str, dict[str, np.ndarray]]:
+    """What this rank's share of a checkpoint holds, as it is now: with `copy`, arrays of
+    their own (the weights and optimiser state move on with the next update)."""
     backend = ctx.backend
     arrays = {
         # Host copies of buffers on a device (zero-copy views on the host path).
@@ -40,15 +48,22 @@ def save_rank_state(ctx: Any, label: str, opt: FlatOptimizer | None, rule_state:
         "rng": backend.rng_state(),
         "own": own or {},
     }
+    if not copy:
+        return arrays
+    return {group: {name: np.array(value, copy=True) for name, value in named.items()}
+            for group, named in arrays.items()}
+
+
+def write_rank_state(ctx: Any, label: str, arrays: dict[str, dict[str, np.ndarray]], extra: dict[str, Any],
+                     same_as: int | None = None, writer: CheckpointWriter | None = None) -> None:
+    """Write `arrays` (rank_state_arrays) and this rank's scalars `extra` as its share of
+    `label`; on the writer's thread if given (then `arrays` must be copies)."""
     meta = {"rank": ctx.role.rank, "role": ctx.role.kind, **extra}
     rank = ctx.comms.world.Get_rank()
     if writer is None:
         ctx.checkpoints.write_rank(label, rank, arrays, meta, same_as=same_as, shared=IDENTICAL_ON_TWINS)
         return
-    # The weights and optimiser state move on with the next update: the writer gets copies.
-    arrays = {group: {name: np.array(value, copy=True) for name, value in named.items()}
-              for group, named in arrays.items()}
-    meta = copy.deepcopy(meta)
+    meta = deepcopy(meta)
     writer.submit(lambda: ctx.checkpoints.write_rank(label, rank, arrays, meta, same_as=same_as,
                                                      shared=IDENTICAL_ON_TWINS), name=label)
 

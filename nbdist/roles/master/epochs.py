@@ -72,6 +72,7 @@ def collect_validation(me: Master, block: bool) -> None:
     if done is not None:
         (epoch, tally, seconds, seen), val = done
         finish_epoch(me, epoch, tally, seconds, val, seen)
+        me.flush_saves()  # the shares that waited for this epoch's place in the history
 
 
 def validate_by_samples(me: Master) -> None:

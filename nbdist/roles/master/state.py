@@ -20,7 +20,7 @@ from nbdist.roles.master.epochs import (
 from nbdist.roles.membership import EpochMembers
 from nbdist.train.context import RankContext
 from nbdist.train.progress import EpochTally
-from nbdist.train.state import save_rank_state
+from nbdist.train.state import rank_state_arrays, write_rank_state
 from nbdist.train.validation import BackgroundValidator, SampledValidation
 from nbdist.train.writer import CheckpointWriter
 from nbdist.transport import messages as m
@@ -68,6 +68,7 @@ class Master:
     acks: dict = field(default_factory=dict)  # checkpoint label -> clients that wrote it
     master_wrote: set = field(default_factory=set)  # labels whose share this rank has written (fsynced)
     writer: CheckpointWriter = field(default_factory=CheckpointWriter)  # its shares and commits, off the loop
+    unwritten: list = field(default_factory=list)  # (label, arrays, scalars) taken, awaiting a validation
     failed: set = field(default_factory=set)
     epoch_clock: float = field(default_factory=time.time)  # when the previous epoch ended
     validator: BackgroundValidator | None = None
@@ -128,6 +129,7 @@ class Master:
         ctx = self.ctx
         label = m.label_of(epoch + 1) if ctx.checkpoint_due(epoch + 1) else None
         if not ((epoch + 1) % ctx.options.validate_every == 0 or epoch + 1 == ctx.options.epochs):
+            collect_validation(self, block=True)  # the epochs enter the history in order
             finish_epoch(self, epoch, tally, seconds, None, self.samples_seen)
         elif ctx.options.synchronous:
             # Inline, after this round's replies went out: the workers compute meanwhile, and
@@ -158,17 +160,28 @@ class Master:
         self.save(label)
 
     def save(self, label: str) -> None:
-        """Write this rank's share of checkpoint `label`."""
-        ctx = self.ctx
-        # An asynchronous epoch enters the history when its background validation ends:
-        # a snapshot taken before then would resume past an epoch its history lacks.
-        collect_validation(self, block=True)
+        """Write this rank's share of checkpoint `label` (on the writer's thread), as it is now.
+
+        An asynchronous epoch enters the history when its background validation ends, and
+        a snapshot written before then would resume past an epoch its history lacks. So the
+        share is taken now and written, with the history and the early-stopping state, once
+        that validation is in (flush_saves): the workers are served meanwhile, instead of
+        all waiting on the master's validation at every checkpointed epoch."""
         average_state(self)
-        extra = {"version": self.version, "next_epoch": self.next_epoch, "early": ctx.early.to_json(),
-                 "samples_seen": self.samples_seen,
-                 **ctx.history_file.checkpoint(self.history), "members": self.members.to_json(),
-                 "lr": self.lr.to_json(), **open_tallies(self, label)}
-        save_rank_state(ctx, label, self.opt, self.rule_state, extra, writer=self.writer)
+        now = {"version": self.version, "next_epoch": self.next_epoch, "samples_seen": self.samples_seen,
+               "members": self.members.to_json(), "lr": self.lr.to_json(), **open_tallies(self, label)}
+        self.unwritten.append((label, rank_state_arrays(self.ctx, self.opt, self.rule_state), now))
+        self.flush_saves()
+
+    def flush_saves(self) -> None:
+        """Hand the shares taken by `save` to the writer once no validation is running."""
+        if self.validator.busy:
+            return
+        ctx = self.ctx
+        for label, arrays, now in self.unwritten:
+            extra = {**now, "early": ctx.early.to_json(), **ctx.history_file.checkpoint(self.history)}
+            write_rank_state(ctx, label, arrays, extra, writer=self.writer)
+        self.unwritten.clear()
 
     def commit(self, label: str) -> None:
         """Every client and this rank wrote `label`: make it the run's latest checkpoint."""
