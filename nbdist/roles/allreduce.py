@@ -23,6 +23,7 @@ go on from the last checkpoint on fewer ranks (roles/runner.py).
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import numpy as np
@@ -38,6 +39,7 @@ from nbdist.train.lr import WorkerLr, lr_metrics
 from nbdist.train.progress import EpochTally, RunResult, epoch_metrics, format_epoch, sample_validation, write_final
 from nbdist.train.state import load_rank_state, save_rank_state
 from nbdist.train.validation import SampleMarks
+from nbdist.train.writer import SETTLE_SECONDS, CheckpointWriteFailed, CheckpointWriter
 from nbdist.transport.reducers import make_reducer
 from nbdist.transport.staging import Staging
 
@@ -114,17 +116,36 @@ def run_allreduce(ctx: RankContext, replica: Replica | None = None) -> RunResult
     report = TrainReport(ctx, ("compute", "wait", "update"))
     tally, sizes, n_batches = EpochTally(), [], 0
 
+    # Each rank writes its share on a thread (train/writer.py), from copies: the ranks go on
+    # training. Once its share is on disk a rank starts a barrier for that checkpoint (in
+    # the same order on every rank); when the barrier is done, every rank's is, and rank 0
+    # commits it (on its writer, after its own share). The barriers have a communicator of
+    # their own: each rank starts one between other steps' gradient buckets, and
+    # collectives on one communicator must start in the same order on every rank.
+    writer = CheckpointWriter()
+    checkpoint_comm = comm.Dup()
+    agreeing: list = []  # (label, barrier) of the shares this rank has written, oldest first
+
     def save(label: str, epoch: int, step: int) -> None:
         save_rank_state(ctx, label, opt, None, {"epoch": epoch, "step": step, "early": ctx.early.to_json(),
                                                 "samples_seen": samples_seen,
                                                 **ctx.history_file.checkpoint(history)},
-                        own=reducer.state_arrays(), same_as=replica.twin)
-        # Every rank's file is on disk before the directory is committed.
-        collectives.barrier(comm, f"checkpoint {label}")
-        if rank == 0:
-            ctx.checkpoints.commit(label, {"label": label, "layout": ctx.layout.to_dict(),
-                                           "options": ctx.options.to_dict(), "world_ranks": ctx.world_ranks,
-                                           "time": time.time()})
+                        own=reducer.state_arrays(), same_as=replica.twin, writer=writer)
+
+    def settle_checkpoints(block: bool) -> None:
+        """Start the barriers of the shares written since, commit the checkpoints every rank
+        has written; `block`: until every checkpoint saved is committed."""
+        for label in writer.finish() if block else writer.written():
+            agreeing.append((label, collectives.start_barrier(checkpoint_comm, f"checkpoint {label}")))
+        while agreeing and (block or agreeing[0][1].done()):
+            label, barrier = agreeing.pop(0)
+            barrier.wait()
+            if rank == 0:
+                meta = {"label": label, "layout": ctx.layout.to_dict(), "options": ctx.options.to_dict(),
+                        "world_ranks": ctx.world_ranks, "time": time.time()}
+                writer.submit(lambda label=label, meta=meta: ctx.checkpoints.commit(label, meta))
+        if block:
+            writer.finish()
 
     def begin_epoch(epoch: int) -> list[np.ndarray]:
         nonlocal tally, sizes, n_batches
@@ -172,6 +193,7 @@ def run_allreduce(ctx: RankContext, replica: Replica | None = None) -> RunResult
             stop_reason = ctx.stop.reason or "stopped: requested on another rank"
             save(f"stopped-{epoch:04d}{step + 1:06d}", epoch, step + 1)
             return True
+        settle_checkpoints(block=False)
         return False
 
     def end_epoch(epoch: int) -> bool:
@@ -194,7 +216,16 @@ def run_allreduce(ctx: RankContext, replica: Replica | None = None) -> RunResult
             stop_reason = decision.reason
         return decision.stop
 
-    epoch = run_epochs(start_epoch, start_step, ctx.options.epochs, begin_epoch, train_step, end_epoch)
+    try:
+        epoch = run_epochs(start_epoch, start_step, ctx.options.epochs, begin_epoch, train_step, end_epoch)
+        settle_checkpoints(block=True)
+    except BaseException:
+        # A restart reads the checkpoints: not while this rank's writer is still at one.
+        with contextlib.suppress(CheckpointWriteFailed):
+            writer.finish(timeout=SETTLE_SECONDS)
+        raise
+    finally:
+        checkpoint_comm.Free()
     report.emit(epoch, 0)
     reducer.close()
     reason = stop_reason or f"completed {ctx.options.epochs} epochs"

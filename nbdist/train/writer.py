@@ -25,11 +25,14 @@ from typing import Callable
 
 from nbdist.errors import TrainingError
 
-__all__ = ["CheckpointWriter", "CheckpointWriteFailed"]
+__all__ = ["CheckpointWriter", "CheckpointWriteFailed", "FINISH_SECONDS", "SETTLE_SECONDS"]
 
 # How long the end of a run waits for the writes still queued: a disk that takes longer
 # for a few files is hung (an NFS server gone), and the run says so instead of waiting.
 FINISH_SECONDS = 300.0
+# How long a rank whose run failed waits for its queued writes before it gives up on them
+# (the last committed checkpoint stands).
+SETTLE_SECONDS = 30.0
 
 
 class CheckpointWriteFailed(TrainingError):

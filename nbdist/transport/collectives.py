@@ -23,9 +23,9 @@ from mpi4py import MPI
 
 from nbdist.transport.faults import RankLost, RankSilent, RunFailure, failed_ranks
 from nbdist.transport.staging import Staging
-from nbdist.transport.waiting import CommFailure, WaitTimeout, wait_all, wait_for
+from nbdist.transport.waiting import CommFailure, WaitTimeout, test_all, wait_all, wait_for
 
-__all__ = ["Collectives"]
+__all__ = ["Collectives", "Pending"]
 
 # Longest text of one rank in a polled allgather (set-up errors, host names).
 OBJECT_BYTES = 4096
@@ -105,6 +105,10 @@ class Collectives:
     def barrier(self, comm: Any, what: str) -> None:
         self.wait(comm, comm.Ibarrier(), what)
 
+    def start_barrier(self, comm: Any, what: str) -> "Pending":
+        """A barrier the rank goes on past: `done()` says whether every rank reached it."""
+        return Pending(self, comm, [comm.Ibarrier()], what)
+
     def allgather(self, comm: Any, value: Any, what: str) -> list[Any]:
         """Small JSON-able values from every rank (set-up verdicts, host names)."""
         data = json.dumps(value).encode()
@@ -120,6 +124,27 @@ class Collectives:
             size = int(np.frombuffer(row[:4].tobytes(), np.uint32)[0])
             out.append(json.loads(row[4: 4 + size].tobytes().decode()))
         return out
+
+
+class Pending:
+    """A collective started and left running: looked at with `done()` (False while a
+    member has not reached it; the RunFailure that names a dead member once MPI reports
+    one), or waited for with the run's deadline."""
+
+    __slots__ = ("collectives", "comm", "requests", "what")
+
+    def __init__(self, collectives: Collectives, comm: Any, requests: list, what: str):
+        self.collectives, self.comm, self.requests, self.what = collectives, comm, requests, what
+
+    def done(self) -> bool:
+        try:
+            return test_all(self.requests)
+        except CommFailure:
+            run = self.collectives.run if self.collectives.run is not None else self.comm
+            raise self.collectives._lost(self.comm, self.what, failed_ranks(self.comm, run)) from None
+
+    def wait(self) -> None:
+        self.collectives.wait_all(self.comm, self.requests, self.what)
 
 
 def _host_side(buffer: "np.ndarray | Staging") -> Any:

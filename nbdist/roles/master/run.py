@@ -30,7 +30,7 @@ from nbdist.train.lr import master_lr_for
 from nbdist.train.progress import EpochTally, RunResult, write_final
 from nbdist.train.state import load_rank_state
 from nbdist.train.validation import BackgroundValidator, SampledValidation
-from nbdist.train.writer import CheckpointWriteFailed
+from nbdist.train.writer import SETTLE_SECONDS, CheckpointWriteFailed
 from nbdist.transport import messages as m
 from nbdist.transport.faults import kill_frozen
 from nbdist.transport.master_channel import MasterChannel
@@ -44,9 +44,6 @@ __all__ = ["ASYNC_BODIES", "run_master", "open_master", "share_initial_weights",
 # A synchronous round streams its workers' bodies through as many: one the rule works
 # on, the next one being received.
 ASYNC_BODIES = 2
-# How long a failing master waits for its queued checkpoint writes before it gives up on
-# them (the last committed checkpoint stands).
-SETTLE_SECONDS = 30.0
 
 
 def run_master(ctx: RankContext) -> RunResult:
