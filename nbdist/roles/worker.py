@@ -439,6 +439,8 @@ class Worker:
             self._written(self.writer.written())
 
     def _written(self, labels: list[str]) -> None:
+        # A message carries one acknowledgement: of shares written together, the latest
+        # (its checkpoint supersedes the earlier one, which then never becomes the latest).
         for label in labels:
             self.pending_ack = self.writing.pop(label, self.pending_ack)
 
