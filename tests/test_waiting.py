@@ -8,7 +8,7 @@ import os
 import pytest
 
 from nbdist.transport import waiting
-from nbdist.transport.node import ranks_fit_cores
+from nbdist.transport.node import polling_suits_node, ranks_fit_cores
 
 
 @pytest.fixture
@@ -46,3 +46,16 @@ def test_ranks_fit_cores_counts_the_launchers_ranks_on_the_node_against_the_usab
     else:
         monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", value)
     assert ranks_fit_cores(threads) is fit
+
+
+@pytest.mark.parametrize(("hub", "job", "polls"), [(None, None, True), ("ada", None, False), ("ada", "123", True)])
+def test_auto_keeps_a_notebooks_ranks_on_a_shared_login_node_sleeping(monkeypatch, hub, job, polls):
+    """Under JupyterHub the node is a login node shared with others, unless the server
+    runs inside a batch job (batchspawner), whose allocation is the user's."""
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "1")
+    for name, value in (("JUPYTERHUB_USER", hub), ("SLURM_JOB_ID", job), ("PBS_JOBID", None)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    assert polling_suits_node() is polls

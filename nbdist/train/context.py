@@ -40,7 +40,7 @@ from nbdist.train.progress import reported_metrics
 from nbdist.train.stopping import EarlyStopping, StopFlag
 from nbdist.transport.agreement import agree
 from nbdist.transport.compression import make_codec, parse_compression
-from nbdist.transport.node import local_rank, ranks_fit_cores
+from nbdist.transport.node import local_rank, polling_suits_node
 from nbdist.transport.peers import Peers
 from nbdist.transport.reducers import choose as choose_reducer
 from nbdist.transport.waiting import poll_without_sleeping
@@ -270,7 +270,7 @@ def prepare(
     try:
         options = _check_gan(options.validate())
         poll_without_sleeping(options.busy_poll == "on"
-                              or (options.busy_poll == "auto" and ranks_fit_cores(options.threads)))
+                              or (options.busy_poll == "auto" and polling_suits_node(options.threads)))
         layout = Layout.for_world(
             comm.Get_size(), workers=options.workers, masters=options.masters,
             procs_per_worker=options.procs_per_worker, topology=options.topology,

@@ -8,12 +8,16 @@ from typing import Any
 
 from mpi4py import MPI
 
-__all__ = ["local_rank", "ranks_fit_cores", "world"]
+__all__ = ["local_rank", "polling_suits_node", "ranks_fit_cores", "world"]
 
 # Open MPI's mpiexec sets the first; srun the second.
 LOCAL_RANK_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
 # How many ranks of the launch share this node: Open MPI's mpiexec says so.
 LOCAL_SIZE_VARIABLE = "OMPI_COMM_WORLD_LOCAL_SIZE"
+# A JupyterHub single-user server sets the first; a batch job (SLURM, PBS) one of the
+# others: the node is then the job's allocation, not a login node shared with others.
+JUPYTERHUB_VARIABLE = "JUPYTERHUB_USER"
+BATCH_JOB_VARIABLES = ("SLURM_JOB_ID", "PBS_JOBID")
 
 
 def local_rank(comm: Any) -> int:
@@ -42,6 +46,15 @@ def ranks_fit_cores(threads: int = 1) -> bool:
     if not local.isdigit():
         return False
     return int(local) * max(threads, 1) <= len(os.sched_getaffinity(0))
+
+
+def polling_suits_node(threads: int = 1) -> bool:
+    """--busy-poll auto: whether this rank's waits may keep its core busy. Where the
+    node's ranks fit its cores, except under JupyterHub outside a batch job: a notebook's
+    engines on a login node share it with other people, whose cores look idle now."""
+    if os.environ.get(JUPYTERHUB_VARIABLE) and not any(os.environ.get(v) for v in BATCH_JOB_VARIABLES):
+        return False
+    return ranks_fit_cores(threads)
 
 
 def world() -> Any:
