@@ -23,24 +23,27 @@ asynchrony adds momentum of its own, and momentum on top of it diverges; with th
 momentum as given and as nbdist corrects it by default (nbdist/train/asynchrony.py).
 
 Usage: python bench/convergence.py [--quick] [--seeds 10] [--algorithms gem,adag]
-       [--no-digits] [--no-jets]
+       [--workers 16] [--no-single] [--no-digits] [--no-jets] [--extra '...']
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import ROOT, header, table  # noqa: E402
-from nbdist.metrics import samples_to_reach, validation_curve  # noqa: E402
+
+from nbdist.metrics import read_log, samples_to_reach, staleness_entries, validation_curve  # noqa: E402
 
 JET_MODEL = str(ROOT / "examples" / "jet_cnn.py")
 DIGITS_MODEL = str(ROOT / "examples" / "digits_cnn.py")
@@ -62,6 +65,8 @@ class Run:
     # (cumulative training samples, validation accuracy), in the order validated
     curve: list[tuple[int, float]] = field(default_factory=list)
     error: str = ""
+    # staleness -> updates the master applied with it (asynchronous rules)
+    staleness: Counter = field(default_factory=Counter)
 
     @property
     def best(self) -> float:
@@ -119,12 +124,34 @@ def train(algorithm: str, workers: int, seed: int, extra: list[str], runs_dir: P
         run.error = lines[0] if lines else f"exit {done.returncode}"
     if (runs_dir / name / "metrics").is_dir():
         run.curve = validation_curve(runs_dir / name, "val_acc")
+        for record in read_log(runs_dir / name, "updates"):
+            for _, staleness, updates in staleness_entries(record):
+                run.staleness[staleness] += updates
     return run
+
+
+def staleness_text(counts: Counter) -> str:
+    """The staleness of a run's updates in a few numbers: mean, the share at 0, the 99th
+    percentile and the maximum."""
+    total = sum(counts.values())
+    if not total:
+        return ""
+    mean = sum(s * n for s, n in counts.items()) / total
+    seen, p99 = 0, 0
+    for s in sorted(counts):
+        seen += counts[s]
+        if seen >= 0.99 * total:
+            p99 = s
+            break
+    return f"; staleness mean {mean:.2f}, {counts[0] / total:.0%} at 0, p99 {p99}, max {max(counts)}"
 
 
 def say(run: Run, seconds: float) -> None:
     state = f"error: {run.error}" if run.error else f"best {run.best:.3f}" + (" COLLAPSED" if run.collapsed else "")
+    state += staleness_text(run.staleness)
     print(f"   {run.algorithm:9s} {run.workers:2d} workers seed {run.seed}: {state} ({seconds:.0f} s)", flush=True)
+    if run.collapsed and run.curve:  # where it fell, and whether it came back
+        print("      val acc by samples: " + " ".join(f"{n // 1000}k:{acc:.2f}" for n, acc in run.curve), flush=True)
 
 
 # ----------------------------------------------------------------------------- jets
@@ -138,7 +165,8 @@ def jets(args: argparse.Namespace, runs_dir: Path) -> bool:
     rows, met = [], True
     for algorithm in args.algorithms:
         runs: dict[int, list[Run]] = {}
-        for workers in (1, args.workers):
+        runs[1] = []
+        for workers in ((args.workers,) if args.no_single else (1, args.workers)):
             runs[workers] = []
             for seed in seeds:
                 t0 = time.perf_counter()
@@ -153,8 +181,9 @@ def jets(args: argparse.Namespace, runs_dir: Path) -> bool:
     table(rows, ["algorithm", "best, 1 w", f"best, {args.workers} w", "gap (points)",
                  f"samples to {REACH:.0%}, {args.workers} w / 1 w", f"collapsed ({args.workers} w)",
                  "collapsed (1 w)"])
-    print(f"aim gap <= {GAP_AIM:g} point, samples <= {SAMPLES_AIM:g}x, no collapse: "
-          f"{'met' if met else 'not met'}")
+    if not args.no_single:
+        print(f"aim gap <= {GAP_AIM:g} point, samples <= {SAMPLES_AIM:g}x, no collapse: "
+              f"{'met' if met else 'not met'}")
     return met
 
 
@@ -219,13 +248,15 @@ def main() -> None:
     parser.add_argument("--digits-seeds", type=int, default=None)
     parser.add_argument("--no-jets", action="store_true")
     parser.add_argument("--no-digits", action="store_true")
+    parser.add_argument("--no-single", action="store_true",
+                        help="skip the 1-worker runs (collapses at --workers only; no gap or samples ratio)")
     parser.add_argument("--cache", default="~/.cache/nbdist/bench", help="where the jet sample is kept")
     parser.add_argument("--extra", default="", help="more train options for every run, e.g. '--lr-scaling sqrt'")
     args = parser.parse_args()
     args.seeds = args.seeds or (3 if args.quick else 10)
     args.digits_seeds = args.digits_seeds or (1 if args.quick else 3)
     args.algorithms = [a for a in args.algorithms.split(",") if a]
-    args.extra = args.extra.split()
+    args.extra = shlex.split(args.extra)  # quoted values keep their spaces: "sgd(lr=0.05, momentum=0.5)"
     unknown = sorted(set(args.algorithms) - set(ALGORITHMS + OTHER_ALGORITHMS))
     if unknown:
         parser.error(f"unknown algorithm(s) {', '.join(unknown)}; choose from {', '.join(ALGORITHMS + OTHER_ALGORITHMS)}")

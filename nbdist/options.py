@@ -80,7 +80,10 @@ class TrainOptions:
     master_optimizer: str | None = _opt(None, "master optimizer (downpour), e.g. sgd(lr=0.05) or adam(lr=1e-3)")
     momentum_correction: str = _opt(
         "auto", "auto: an asynchronous master's momentum is lowered by the 1 - 1/workers that asynchrony adds "
-        "(Mitliagkas et al. 2016); off: kept as given (a total of 1 or more gets a warning)",
+        "(Mitliagkas et al. 2016); where there is no momentum to lower, each update's lr (downpour's default "
+        "master, from 8 workers) or each update (adag) is divided by 1 + its staleness (Jiang et al. 2017); "
+        "off: kept as given "
+        "(a total of 1 or more gets a warning)",
         choices=MOMENTUM_CORRECTIONS)
     lr_scaling: str = _opt(
         DEFAULT_LR_SCALING,

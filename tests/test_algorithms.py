@@ -477,6 +477,17 @@ def test_adag_and_dynsgd_as_published(rule):
         np.testing.assert_array_equal(reply, center)
 
 
+def test_adag_with_the_staleness_discount_is_dynsgd():
+    """What a run sets for ADAG under --momentum-correction auto (train/asynchrony.py):
+    centre += update / (staleness + 1), as DynSGD's master does."""
+    adag = ADAG()
+    adag.discount_stale = True
+    center, _ = master_round(adag, PAYLOADS[:1], SAMPLES[:1], [STALE])
+    assert_close(center, C0 + PAYLOADS[0] / (STALE + 1))
+    assert_close(center, master_round(DynSGD(), PAYLOADS[:1], SAMPLES[:1], [STALE])[0], rtol=0, atol=0)
+    assert not ADAG().discount_stale and DynSGD().discount_stale
+
+
 def test_dynsgd_workers_are_adags():
     adag, dyn = ADAG(), DynSGD()
     assert dyn.name == "dynsgd" and dyn.sends_weights and dyn.default_sync_every == adag.default_sync_every

@@ -1,12 +1,20 @@
-"""The master's momentum corrected for the momentum asynchrony adds (train/asynchrony.py)."""
+"""The master's momentum, or its lr per update, corrected for the momentum asynchrony adds
+(train/asynchrony.py)."""
 
 import pytest
 
+from nbdist.algorithms import make_algorithm
 from nbdist.errors import OptionsError
 from nbdist.options import TrainOptions
 from nbdist.specs import parse_spec
-from nbdist.train.asynchrony import corrected_momentum, implicit_momentum, worker_momentum_warning
-from nbdist.train.context import DEFAULT_WORKER_OPTIMIZER
+from nbdist.train.asynchrony import (
+    corrected_momentum,
+    implicit_momentum,
+    optimisers_for_asynchrony,
+    staleness_lr_factor,
+    worker_momentum_warning,
+)
+from nbdist.train.context import DEFAULT_MASTER_OPTIMIZER, DEFAULT_WORKER_OPTIMIZER
 
 
 def test_implicit_momentum_is_one_minus_one_over_workers():
@@ -30,13 +38,44 @@ def test_auto_lowers_the_master_momentum_by_the_implicit_one():
 @pytest.mark.parametrize("workers, synchronous, text", [
     (1, False, "sgd(lr=0.05, momentum=0.9)"),  # one worker: no asynchrony
     (8, True, "sgd(lr=0.05, momentum=0.9)"),  # synchronous rounds: every update from the current centre
-    (8, False, "sgd(lr=0.1)"),  # no momentum to correct
-    (8, False, "adam(lr=0.001)"),
+    (1, False, "sgd(lr=0.1)"),
+    (8, True, "sgd(lr=0.1)"),
+    (7, False, "sgd(lr=0.1)"),  # a master without momentum: corrected from STALE_LR_FROM = 8 workers
 ])
 def test_nothing_to_correct(workers, synchronous, text):
     spec = parse_spec(text)
     kept = corrected_momentum(spec, workers, synchronous, "auto")
-    assert kept.spec == spec and kept.note == ""
+    assert kept.spec == spec and kept.note == "" and not kept.stale_lr
+
+
+@pytest.mark.parametrize("text", ["sgd(lr=0.1)", "sgd(lr=0.1, momentum=0)", "adam(lr=0.001)"])
+def test_a_master_without_momentum_divides_each_updates_lr_by_one_plus_its_staleness(text):
+    spec = parse_spec(text)
+    fixed = corrected_momentum(spec, 8, synchronous=False, correction="auto")
+    assert fixed.spec == spec and fixed.stale_lr and not fixed.warning
+    assert "has no momentum to lower: the lr of each update is divided by 1 + its staleness" in fixed.note
+    assert "1 - 1/8 = 0.88" in fixed.note and "Zhang et al. 2016" in fixed.note
+    off = corrected_momentum(spec, 8, synchronous=False, correction="off")
+    assert off.spec == spec and not off.stale_lr and off.note == ""
+
+
+def test_the_staleness_lr_factor_is_one_over_one_plus_staleness():
+    # Zhang et al. 2016 / Jiang et al. 2017: lr / (1 + staleness); a fresh update keeps it all.
+    assert [staleness_lr_factor(s) for s in (0, 1, 3, 7, 15)] == [1.0, 1 / 2, 1 / 4, 1 / 8, 1 / 16]
+    # At the queue model's mean staleness W - 1 it is 1 - (1 - 1/W): the implicit momentum cancelled.
+    for workers in (2, 4, 8, 16):
+        assert staleness_lr_factor(workers - 1) == pytest.approx(1.0 - implicit_momentum(workers))
+
+
+def test_the_run_is_told_which_correction_its_master_gets():
+    downpour = make_algorithm(parse_spec("downpour"))
+    plain = optimisers_for_asynchrony(downpour, parse_spec(DEFAULT_MASTER_OPTIMIZER), None, 8, False, "auto")
+    assert plain.optimizer == parse_spec(DEFAULT_MASTER_OPTIMIZER) and plain.stale_lr
+    assert [n.warning for n in plain.notices] == [False]
+    heavy = optimisers_for_asynchrony(downpour, parse_spec("sgd(lr=0.05, momentum=0.9)"), None, 4, False, "auto")
+    assert heavy.optimizer.kwargs["momentum"] == pytest.approx(0.15) and not heavy.stale_lr
+    gem = optimisers_for_asynchrony(make_algorithm(parse_spec("gem")), None, None, 8, False, "auto")
+    assert (gem.optimizer, gem.stale_lr, gem.notices) == (None, False, [])
 
 
 def test_off_keeps_the_momentum_and_warns_when_the_total_reaches_one():
@@ -56,8 +95,6 @@ def test_an_unknown_correction_is_one_error_with_the_choices():
 
 
 def test_many_adag_workers_with_momentum_get_a_warning_that_says_what_to_use():
-    from nbdist.algorithms import make_algorithm
-
     takes = {name: make_algorithm(parse_spec(name)).centre_takes_worker_steps
              for name in ("adag", "dynsgd", "easgd", "gem", "downpour")}
     assert takes == {"adag": True, "dynsgd": False, "easgd": False, "gem": False, "downpour": False}
@@ -65,6 +102,25 @@ def test_many_adag_workers_with_momentum_get_a_warning_that_says_what_to_use():
     text = worker_momentum_warning("adag", default, 8, synchronous=False)
     assert "the centre can collapse" in text and "momentum below 0.12" in text
     assert "--worker-optimizer 'sgd(lr=0.05, momentum=0.062)'" in text and "--algorithm dynsgd" in text
+    assert "drop --momentum-correction off (the default discounts adag's stale updates" in text
     assert worker_momentum_warning("adag", default, 4, False) == ""  # not seen to collapse at 4
     assert worker_momentum_warning("adag", default, 8, True) == ""  # synchronous rounds
     assert worker_momentum_warning("adag", parse_spec("sgd(lr=0.1, momentum=0.1)"), 8, False) == ""
+
+
+def test_adag_updates_get_the_staleness_discount_by_default_and_as_published_when_off():
+    adag, default = make_algorithm(parse_spec("adag")), parse_spec(DEFAULT_WORKER_OPTIMIZER)
+    auto = optimisers_for_asynchrony(adag, None, default, 8, False, "auto")
+    assert auto.stale_updates and not auto.stale_lr and auto.optimizer is None
+    [note] = auto.notices
+    assert not note.warning and "1 - 1/8 = 0.88" in note.text
+    assert "each update is scaled by 1 / (1 + its staleness) before it is added" in note.text
+    assert "DynSGD's discount, Jiang et al. 2017" in note.text and "--momentum-correction off" in note.text
+    # Off: ADAG as published, and the warning for its workers' momentum at 8 workers.
+    off = optimisers_for_asynchrony(adag, None, default, 8, False, "off")
+    assert not off.stale_updates and [n.warning for n in off.notices] == [True]
+    # Nothing stale to discount: synchronous rounds, one worker; DynSGD discounts anyway.
+    for workers, synchronous in ((8, True), (1, False)):
+        assert not optimisers_for_asynchrony(adag, None, default, workers, synchronous, "auto").stale_updates
+    dynsgd = optimisers_for_asynchrony(make_algorithm(parse_spec("dynsgd")), None, default, 8, False, "auto")
+    assert (dynsgd.stale_updates, dynsgd.notices) == (False, [])

@@ -128,6 +128,26 @@ def test_master_position_in_samples_resumes_exactly(backend):
     assert run(updates, resume_at=4) == straight
 
 
+def test_a_stale_update_of_a_master_without_momentum_takes_a_smaller_lr(backend):
+    """train/asynchrony.py: lr / (1 + staleness) per update, on top of schedule and warm-up;
+    only the master's plan, and the epoch records keep the plan's lr."""
+    opt = backend.make_optimizer(parse_spec("sgd(lr=0.1)"), np.zeros(3, np.float32))
+    plan = LrPlan(0.1, warmup_epochs=1.0, stale_lr=True)
+    master = MasterLr(plan, opt, epoch_samples=100)
+    lrs = []
+    for samples, staleness in [(50, 0), (50, 3), (50, 0), (50, 7)]:
+        master.before_update(samples, staleness)
+        lrs.append(opt.learning_rate)
+    warm = WARMUP_START + (1 - WARMUP_START) * 0.5  # half-way through the warm-up epoch
+    assert lrs == pytest.approx([0.1 * WARMUP_START, 0.1 * warm / 4, 0.1, 0.1 / 8])
+    assert lr_metrics(None, plan, 0) == {"master_lr": pytest.approx(0.1)}
+    assert LrPlan(0.1).update_lr(0, 0.0, 7) == 0.1  # without the correction, staleness changes nothing
+    opts = TrainOptions(algorithm="downpour", workers=8, sync_every=2)  # workers with local steps too
+    worker, master_plan = plan_learning_rates(opts, Layout(workers=8), _resolve_rules(opts)[0], backend, 0.05, 0.1,
+                                              master_stale_lr=True)
+    assert master_plan.stale_lr and not worker.stale_lr
+
+
 # ------------------------------------------------------------------------ bad input
 def test_an_unknown_schedule_lists_the_known_ones(backend):
     with pytest.raises(SpecError) as err:

@@ -17,6 +17,12 @@ update as it is:
 The normalisation is ADAG's whole answer to staleness: there is no 1/(1 + staleness)
 discount (that is DynSGD, nbdist.algorithms.dynsgd). A synchronous round adds the
 sample-weighted mean of its updates (one average step, not W of them).
+
+The rule adds the updates as they are unless `discount_stale` is set: then each update
+is first scaled by 1 / (1 + staleness), DynSGD's discount. DynSGD always sets it; a run
+sets it for ADAG by default, when several workers push asynchronously (the correction
+for the momentum asynchrony adds, nbdist.train.asynchrony; `--momentum-correction off`
+keeps ADAG as published).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from nbdist.algorithms.arrays import Array, zeros_like_buffer
+from nbdist.algorithms.arrays import Array, f32, zeros_like_buffer
 from nbdist.algorithms.base import Algorithm, RuleState, Update, weighted_mean
 from nbdist.backends.base import FlatOptimizer
 
@@ -41,6 +47,8 @@ class ADAG(Algorithm):
     sends_weights = True
     centre_takes_worker_steps = True
     default_sync_every = 4
+    # Each update scaled by 1 / (1 + staleness) before it is added (see above).
+    discount_stale = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -67,5 +75,15 @@ class ADAG(Algorithm):
         state.pulled[...] = reply
 
     def master_apply(self, state, center, updates: Sequence[Update], opt: FlatOptimizer | None):
+        if self.discount_stale:
+            for u in updates:
+                discount(u)
         center += weighted_mean(updates)
         return [center] * len(updates)
+
+
+def discount(u: Update) -> Update:
+    """Scale a stale update by 1 / (1 + staleness), in place (Jiang et al. 2017)."""
+    if u.staleness:
+        u.payload *= f32(1.0 / (1.0 + u.staleness))
+    return u

@@ -12,18 +12,14 @@ this update. The workers are ADAG's (nbdist.algorithms.adag): `sync_every` local
 with their own optimiser, then the displacement since the pull normalised by the window,
 (x_local - x_pulled) / sync_every. (dist-keras' DynSGDWorker sends the displacement
 without dividing it; normalised, `--sync-every` does not change the step size, and
-DynSGD differs from ADAG in the discount alone.) A synchronous round is never stale: it
-adds the sample-weighted mean of its updates, as ADAG does.
+DynSGD differs from ADAG in the discount alone: ADAG's `discount_stale`, always set.) A
+synchronous round is never stale: it adds the sample-weighted mean of its updates, as ADAG
+does.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
-
 from nbdist.algorithms.adag import ADAG
-from nbdist.algorithms.arrays import f32
-from nbdist.algorithms.base import Update, weighted_mean
-from nbdist.backends.base import FlatOptimizer
 
 
 class DynSGD(ADAG):
@@ -31,19 +27,4 @@ class DynSGD(ADAG):
     # Its updates are rescaled by staleness: at 8 workers on the jet images it did not
     # collapse where ADAG did (bench/convergence.py), so no warning for its momentum.
     centre_takes_worker_steps = False
-
-    def master_apply(self, state, center, updates: Sequence[Update], opt: FlatOptimizer | None):
-        for u in updates:
-            _discount(u)
-        center += weighted_mean(updates)
-        return [center] * len(updates)
-
-    def master_round(self, state, center, updates: Iterable[Update], samples, opt, out):
-        return super().master_round(state, center, map(_discount, updates), samples, opt, out)
-
-
-def _discount(u: Update) -> Update:
-    """Scale a stale update by 1 / (1 + staleness), in place."""
-    if u.staleness:
-        u.payload *= f32(1.0 / (1.0 + u.staleness))
-    return u
+    discount_stale = True

@@ -1,4 +1,5 @@
-"""The momentum that asynchrony adds, and the master momentum corrected for it.
+"""The momentum that asynchrony adds, and what a run corrects for it: the master's
+momentum, or where there is none to lower, the lr of each update by its staleness.
 
 Mitliagkas, Zhang, Hadjis and Ré ("Asynchrony begets momentum, with an application to
 deep learning", 2016) show that W workers pushing gradients asynchronously to one centre
@@ -13,10 +14,34 @@ explicit momentum is lowered by the implicit one, as Mitliagkas et al. prescribe
     implicit  = 1 - 1/W
     explicit <- max(0, explicit - implicit)
 
-With `--momentum-correction off` the momentum stays as given, and a set-up whose total
-reaches 1 gets a warning that says why and what to use instead. Synchronous rounds add
-no momentum (every update is computed from the current centre), and neither does one
-worker.
+A master optimiser with no momentum of its own (Downpour's default `sgd(lr=0.1)`, or
+Adam) has nothing to lower. From 8 workers (STALE_LR_FROM) the same correction then goes
+to its learning rate, in the per-update form that needs no model of the queue: each
+update is applied with
+
+    lr / (1 + staleness)
+
+staleness being the updates the master applied since the worker's pull (measured, as
+each update is applied). That is the staleness-dependent learning rate of Zhang, Gupta,
+Lian and Liu ("Staleness-aware Async-SGD for Distributed Deep Learning", IJCAI 2016: the
+lr divided by the staleness) in the form of DynSGD (Jiang et al., SIGMOD 2017), whose
+fresh update has staleness 0. The queue model's mean staleness W - 1 gives the factor
+1/W, i.e. the step 1 - (1 - 1/W) that cancels the implicit momentum on average, while an
+update computed from the current centre (one worker, or workers that take turns) keeps
+the whole lr.
+
+A rule whose master adds the workers' window steps as they are (ADAG) has neither a
+momentum nor an lr to correct: its updates themselves are scaled by 1 / (1 + staleness)
+before they are added, which is DynSGD's rule (Jiang et al. 2017). Measured on the jet
+images (bench/convergence.py, 2026-11-25), ADAG as published collapsed or never learned
+in 5 of 5 seeds at 8 workers and 3 of 3 at 16; discounted, in none of 13 at 8 and 5 at
+16. The workers' momentum (0.9 by default) is left as it is: correcting it by 1 - 1/W
+also stopped the collapses at 8 workers but slowed ADAG on digits at 4.
+
+With `--momentum-correction off` the momentum and lr stay as given, and a set-up whose
+total reaches 1 gets a warning that says why and what to use instead. Synchronous rounds
+add no momentum (every update is computed from the current centre), and neither does
+one worker.
 """
 
 from __future__ import annotations
@@ -26,13 +51,20 @@ from dataclasses import dataclass
 from nbdist.algorithms import Algorithm
 from nbdist.specs import Spec
 
-__all__ = ["implicit_momentum", "CorrectedMomentum", "corrected_momentum", "worker_momentum_warning", "Notice",
+__all__ = ["implicit_momentum", "staleness_lr_factor", "CorrectedMomentum", "corrected_momentum",
+           "worker_momentum_warning", "stale_updates_note", "Notice", "MasterForAsynchrony",
            "optimisers_for_asynchrony"]
 
 # Workers from which a centre that takes their steps as they are (ADAG) was seen to
 # collapse with the workers' default momentum 0.9: every one of 3 seeds at 8 workers on
 # the jet images, with lr 0.1 and with 0.05, none at 4 on digits (bench/convergence.py).
 COLLAPSE_SEEN_FROM = 8
+# Workers from which a master with no momentum gets the per-update lr correction: with
+# 8 (and 16) workers Downpour's default master collapsed or never learned on the jet
+# images in 5 of 5 (3 of 3) seeds without it, and with it every run learned (early dips
+# in 4 of 13, 4 of 5); with 4 on digits it slowed Downpour below the test suite's 0.90
+# in 12 epochs (0.886), where the implicit momentum had not harmed it.
+STALE_LR_FROM = 8
 # The optimiser argument that is a heavy-ball momentum (torch's SGD and RMSprop, Keras'
 # SGD and RMSprop); Adam's beta1 averages gradients but its steps are normalised, and
 # the analysis does not carry over to it.
@@ -44,29 +76,50 @@ def implicit_momentum(workers: int) -> float:
     return 1.0 - 1.0 / max(workers, 1)
 
 
+def staleness_lr_factor(staleness: int) -> float:
+    """What the lr of an update `staleness` versions old is multiplied by, on a master
+    with no momentum to lower (Zhang et al. 2016; Jiang et al. 2017)."""
+    return 1.0 / (1.0 + max(int(staleness), 0))
+
+
+def _implicit_source(workers: int) -> str:
+    return (f"asynchrony with {workers} workers adds a momentum of its own, about 1 - 1/{workers} = "
+            f"{implicit_momentum(workers):.2f}")
+
+
 @dataclass(frozen=True, slots=True)
 class CorrectedMomentum:
     spec: Spec  # the optimiser to build
     note: str = ""  # what the user is told at the start (empty: nothing to say)
     warning: bool = False  # the note is a warning: the set-up is known to diverge
+    stale_lr: bool = False  # each update's lr is multiplied by staleness_lr_factor
 
 
 def corrected_momentum(spec: Spec | None, workers: int, synchronous: bool, correction: str) -> CorrectedMomentum | None:
     """The master optimiser `spec` with its momentum corrected for `workers` asynchronous
-    workers (or left, with a warning when the total reaches 1).
+    workers (or left, with a warning when the total reaches 1); one without momentum
+    keeps its spec and gets the per-update lr correction (`stale_lr`).
 
     Only the master's: the workers' local optimisers (EASGD, ADAG, DynSGD) reach the centre
     through their windows' displacements, not step by step. Correcting ADAG's workers the
     same way stopped its collapses on jets at 8 workers (3 of 3 seeds without, 0 of 3
     with), but made it learn digits more slowly at 4 (0.88 instead of 0.90 after 12
-    epochs): not a default without more evidence (bench/convergence.py)."""
+    epochs): ADAG's updates get the staleness discount instead (optimisers_for_asynchrony)."""
     if spec is None:
         return None
     explicit = float(spec.kwargs.get(MOMENTUM_ARGUMENT, 0.0) or 0.0)
-    if synchronous or workers < 2 or explicit <= 0.0:
+    if synchronous or workers < 2:
         return CorrectedMomentum(spec)
     implicit = implicit_momentum(workers)
-    source = f"asynchrony with {workers} workers adds a momentum of its own, about 1 - 1/{workers} = {implicit:.2f}"
+    source = _implicit_source(workers)
+    if explicit <= 0.0:
+        if correction == "off" or workers < STALE_LR_FROM:
+            return CorrectedMomentum(spec)
+        return CorrectedMomentum(spec, (
+            f"{source} (Mitliagkas et al. 2016), and the master's {spec.name} has no momentum to lower: the lr "
+            f"of each update is divided by 1 + its staleness (Zhang et al. 2016, Jiang et al. 2017), the whole "
+            f"lr for an update from the current centre; --momentum-correction off keeps it as given"),
+            stale_lr=True)
     if correction == "off":
         if explicit + implicit < 1.0:
             return CorrectedMomentum(spec)
@@ -99,7 +152,8 @@ def worker_momentum_warning(algorithm: str, spec: Spec | None, workers: int, syn
             f"adds a momentum of about {implicit:.2f} to the workers' {explicit:g}: the centre can collapse (ADAG "
             f"at 8 workers did in 3 of 3 runs on jet images); give the workers a momentum below {1.0 / workers:.2g}, "
             f"e.g. --worker-optimizer 'sgd(lr=0.05, momentum={round(1.0 / workers / 2, 3):g})', or use --algorithm "
-            f"dynsgd (ADAG with a staleness discount: it did not collapse there) or gem")
+            f"dynsgd (ADAG with a staleness discount: it did not collapse there) or gem, or drop "
+            f"--momentum-correction off (the default discounts {algorithm}'s stale updates as DynSGD does)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,13 +162,36 @@ class Notice:
     warning: bool  # stderr, even with --quiet; else a note on stdout
 
 
+def stale_updates_note(algorithm: str, workers: int) -> str:
+    """What a run of a rule whose centre adds the workers' steps as they are (ADAG) is told
+    when its updates get the staleness discount."""
+    return (f"{_implicit_source(workers)} (Mitliagkas et al. 2016), and {algorithm}'s master adds the workers' "
+            f"steps with no momentum to lower: each update is scaled by 1 / (1 + its staleness) before it is "
+            f"added (DynSGD's discount, Jiang et al. 2017), whole for an update from the current centre; "
+            f"--momentum-correction off adds them as they are")
+
+
+@dataclass(frozen=True, slots=True)
+class MasterForAsynchrony:
+    optimizer: Spec | None  # the master optimiser to build (None: the rule has none)
+    stale_lr: bool  # each update's lr multiplied by staleness_lr_factor (train/lr.py applies it)
+    stale_updates: bool  # the rule scales each update by staleness_lr_factor (ADAG's discount_stale)
+    notices: list[Notice]
+
+
 def optimisers_for_asynchrony(algorithm: Algorithm, master: Spec | None, worker: Spec | None, workers: int,
-                              synchronous: bool, correction: str) -> tuple[Spec | None, list[Notice]]:
-    """The master optimiser to build (its momentum corrected) and what the run leader
-    tells the user about the momentum of either optimiser."""
+                              synchronous: bool, correction: str) -> MasterForAsynchrony:
+    """The master optimiser to build (its momentum, or its lr per update, corrected),
+    whether a rule that adds the workers' steps as they are discounts stale ones, and what
+    the run leader tells the user about either."""
     fixed = corrected_momentum(master, workers, synchronous, correction)
     notices = [Notice(fixed.note, fixed.warning)] if fixed is not None and fixed.note else []
-    if algorithm.centre_takes_worker_steps:
+    stale_updates = (algorithm.centre_takes_worker_steps and correction == "auto" and not synchronous
+                     and workers >= 2)
+    if stale_updates:
+        notices.append(Notice(stale_updates_note(algorithm.name, workers), warning=False))
+    elif algorithm.centre_takes_worker_steps:
         warning = worker_momentum_warning(algorithm.name, worker, workers, synchronous)
         notices += [Notice(warning, warning=True)] if warning else []
-    return (fixed.spec if fixed is not None else None), notices
+    return MasterForAsynchrony(fixed.spec if fixed is not None else None, fixed is not None and fixed.stale_lr,
+                               stale_updates, notices)

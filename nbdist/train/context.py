@@ -278,7 +278,7 @@ def prepare(
         role = layout.role(comm.Get_rank())
         algorithm, sync_every, worker_opt, master_opt = _resolve_rules(options)
         compression = _resolve_compression(options, algorithm)
-        notices = []
+        notices, stale_lr = [], False
         if algorithm is not None:
             # Every worker of the run moves the one centre, through its master or a
             # sub-master's merged push: a synchronous round of EASGD under sub-masters
@@ -286,8 +286,11 @@ def prepare(
             # Asynchronous, they all add to the momentum the centre moves with.
             workers = combined_workers(layout)
             algorithm.bind(workers)
-            master_opt, notices = optimisers_for_asynchrony(algorithm, master_opt, worker_opt, workers,
-                                                            options.synchronous, options.momentum_correction)
+            asynchrony = optimisers_for_asynchrony(algorithm, master_opt, worker_opt, workers,
+                                                   options.synchronous, options.momentum_correction)
+            master_opt, stale_lr, notices = asynchrony.optimizer, asynchrony.stale_lr, asynchrony.notices
+            if asynchrony.stale_updates:
+                algorithm.discount_stale = True  # ADAG: DynSGD's discount (train/asynchrony.py)
         resume_from, damaged = (_find_resume(options, layout) if restart_of is None
                                 else Checkpoints(restart_of).latest_intact())
         configure_frameworks(options.threads, options.seed)
@@ -307,7 +310,8 @@ def prepare(
         notices += convert_for_sync(options, layout, backend)
         starting_lrs = [backend.check_optimizer(spec) if spec is not None else None
                         for spec in (worker_opt, master_opt)]
-        worker_lr, master_lr = plan_learning_rates(options, layout, algorithm, backend, *starting_lrs)
+        worker_lr, master_lr = plan_learning_rates(options, layout, algorithm, backend, *starting_lrs,
+                                                   master_stale_lr=stale_lr)
         if not stage_process:
             _probe(backend, data, definition.source)
         elif options.topology == "allreduce" and role.worker == 0 and role.proc == 0:

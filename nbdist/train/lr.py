@@ -37,6 +37,7 @@ from nbdist.errors import OptionsError
 from nbdist.layout import Layout
 from nbdist.options import LR_SCALINGS, TrainOptions
 from nbdist.specs import Spec, SpecError, parse_spec
+from nbdist.train.asynchrony import staleness_lr_factor
 
 __all__ = ["LrPlan", "TakesLearningRate", "WorkerLr", "MasterLr", "master_lr_for", "plan_learning_rates",
            "combined_workers", "rule_lr", "lr_metrics", "WARMUP_START", "SCALES"]
@@ -65,6 +66,9 @@ class LrPlan:
     scale: float = 1.0
     schedule: LrSchedule | None = None
     warmup_epochs: float = 0.0
+    # An asynchronous master with no momentum to lower: each update's lr is divided by
+    # 1 + its staleness (train/asynchrony.py); the epoch records keep the plan's lr.
+    stale_lr: bool = False
 
     @property
     def warmup_start(self) -> float:
@@ -85,6 +89,11 @@ class LrPlan:
         """The lr of a step taken at `progress` epochs into training, in `epoch`."""
         return self.target(epoch) * self.warmup(progress)
 
+    def update_lr(self, epoch: int, progress: float, staleness: int) -> float:
+        """The lr of a master's update `staleness` versions old, taken at `progress`."""
+        lr = self.lr(epoch, progress)
+        return lr * staleness_lr_factor(staleness) if self.stale_lr else lr
+
 
 def combined_workers(layout: Layout, worker_parallel: str = "allreduce") -> int:
     """W: the workers whose gradients a combined step takes. Allreduce: every rank of the
@@ -102,10 +111,12 @@ def rule_lr(algorithm: Algorithm | None) -> TakesLearningRate | None:
 
 
 def plan_learning_rates(options: TrainOptions, layout: Layout, algorithm: Algorithm | None, backend: Backend,
-                        worker_lr: float | None, master_lr: float | None) -> tuple[LrPlan | None, LrPlan | None]:
+                        worker_lr: float | None, master_lr: float | None,
+                        master_stale_lr: bool = False) -> tuple[LrPlan | None, LrPlan | None]:
     """(the workers' plan, the master's plan), None where the run has no such lr.
     `worker_lr`, `master_lr`: the lr the worker and master optimisers start with (None:
-    no such optimiser). Set-up, on every rank: a schedule that cannot run, or one given
+    no such optimiser); `master_stale_lr`: the master's update lr is divided by 1 +
+    staleness (train/asynchrony.py). Set-up, on every rank: a schedule that cannot run, or one given
     for an optimiser the run does not have, is one error here."""
     own = rule_lr(algorithm)
     if worker_lr is None and own is not None:
@@ -125,7 +136,8 @@ def plan_learning_rates(options: TrainOptions, layout: Layout, algorithm: Algori
             plans.append(None)
             continue
         schedule = _schedule(backend, parse_spec(text, what=flag), base, flag) if text else None
-        plans.append(LrPlan(float(base), plan_scale, schedule, float(options.warmup_epochs)))
+        plans.append(LrPlan(float(base), plan_scale, schedule, float(options.warmup_epochs),
+                            stale_lr=master_stale_lr and name == "master"))
     return plans[0], plans[1]
 
 
@@ -186,11 +198,12 @@ class MasterLr:
         self.samples = 0
         self.current: float | None = None
 
-    def before_update(self, samples: int) -> None:
-        """Called before each step of the optimiser, with the samples behind it."""
+    def before_update(self, samples: int, staleness: int = 0) -> None:
+        """Called before each step of the optimiser, with the samples behind it and its
+        staleness (0 for a synchronous round)."""
         if self.plan is not None:
             progress = self.samples / self.epoch_samples
-            lr = self.plan.lr(int(progress), progress)
+            lr = self.plan.update_lr(int(progress), progress, staleness)
             if lr != self.current:
                 self.opt.set_learning_rate(lr)
                 self.current = lr

@@ -41,7 +41,7 @@ def apply_updates(me: Master, updates: list[tuple[int, Update]]) -> list[tuple[i
         start = me.center.copy() if from_workers and from_masters else None
         waited = me.phases["wait"]  # a synchronous round receives its bodies as it goes
         if from_workers:
-            me.lr.before_update(sum(u.samples for _, u in from_workers))
+            me.lr.before_update(sum(u.samples for _, u in from_workers), max(u.staleness for _, u in from_workers))
             replies += _apply_rule(me, from_workers)
         if from_masters:
             _merge_masters(me, start, len(from_workers), from_masters)
