@@ -20,7 +20,7 @@ sample-weighted mean of its updates (one average step, not W of them).
 
 The rule adds the updates as they are unless `discount_stale` is set: then each update
 is first scaled by 1 / (1 + staleness), DynSGD's discount. DynSGD always sets it; a run
-sets it for ADAG by default, when several workers push asynchronously (the correction
+sets it for ADAG by default from 8 asynchronous workers (the correction
 for the momentum asynchrony adds, nbdist.train.asynchrony; `--momentum-correction off`
 keeps ADAG as published).
 """
