@@ -26,6 +26,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -35,7 +36,7 @@ from nbdist.train.stopping import stop_caught_early
 from nbdist.transport.faults import ULFM_ARGS, ULFM_ENV
 
 __all__ = ["mpi_env", "find_mpiexec", "mpiexec_command", "MPIExecNotFound", "launch", "STOP_GRACE", "ULFM_ARGS",
-           "allocation_mpi_args"]
+           "allocation_mpi_args", "remove_stale_session_dirs"]
 
 # How long a stopping job may take (its final checkpoint) before the launcher kills it.
 STOP_GRACE = 600.0
@@ -50,6 +51,39 @@ class MPIExecNotFound(RuntimeError):
     pass
 
 
+# Open MPI 5's mpiexec (prterun) keeps its PMIx rendezvous files in TMPDIR/ompi.<its PID>.
+SESSION_DIR_PREFIX = "ompi."
+LAUNCHER_NAMES = ("prterun", "mpiexec", "mpirun", "prte")
+
+
+def remove_stale_session_dirs(tmp: str | None = None) -> list[Path]:
+    """Remove the session directories that mpiexecs killed with SIGKILL left behind (this
+    user's, whose mpiexec is gone); returns them. A later mpiexec that gets the same PID
+    (PIDs wrap at 32,768 on many systems: a test suite here went through 11,000 in 11
+    minutes) cannot start its PMIx server there and fails with "The PMIx server's listener
+    thread failed to start"."""
+    removed = []
+    for directory in Path(tmp or tempfile.gettempdir()).glob(SESSION_DIR_PREFIX + "*"):
+        pid = directory.name[len(SESSION_DIR_PREFIX):]
+        try:
+            if not pid.isdigit() or directory.stat().st_uid != os.getuid() or _launcher_alive(int(pid)):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(directory, ignore_errors=True)
+        removed.append(directory)
+    return removed
+
+
+def _launcher_alive(pid: int) -> bool:
+    """Whether `pid` is a running mpiexec (a PID reused by another program is not)."""
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+    except OSError:
+        return False
+    return Path(command).name in LAUNCHER_NAMES
+
+
 def mpi_env(base: dict[str, str] | None = None, *, local: bool = True, interface: str | None = None) -> dict[str, str]:
     """A copy of `base` (default: os.environ) with what nbdist's MPI runs need.
 
@@ -57,6 +91,7 @@ def mpi_env(base: dict[str, str] | None = None, *, local: bool = True, interface
     and open no network port. `interface`: the network interface the ranks and Open MPI's
     daemons use between nodes (e.g. ib0, eth1), instead of every interface."""
     env = dict(os.environ if base is None else base)
+    remove_stale_session_dirs(env.get("TMPDIR"))  # before the mpiexec that may reuse a PID
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")

@@ -192,3 +192,31 @@ def test_sigterm_stops_a_10m_parameter_run_with_a_final_checkpoint_that_resumes(
     summary = json.loads((run / "summary.json").read_text())
     assert summary["stop_reason"] == f"completed {stopped_at + 1} epochs"
     assert [h["epoch"] for h in summary["history"]] == list(range(1, stopped_at + 2))
+
+
+def test_a_killed_mpiexecs_session_directory_is_removed_before_the_next_mpiexec_starts(tmp_path):
+    """prterun keeps its PMIx files in TMPDIR/ompi.<its PID>, and SIGKILL leaves them: a
+    later mpiexec given the same PID (PIDs wrap at 32,768 here) failed to start ("The PMIx
+    server's listener thread failed to start", 13 tests of one whole-suite run). mpi_env()
+    removes the directory of an mpiexec that is gone, never that of one still running."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    stale = tmp_path / f"ompi.{gone.pid}"
+    (stale / "1" / "0").mkdir(parents=True)
+    (stale / "pmix.vm.tool").write_text("")
+    running = subprocess.Popen(["bash", "-c", "exec -a prterun sleep 60"])
+    alive = tmp_path / f"ompi.{running.pid}"
+    alive.mkdir()
+    unrelated = tmp_path / "ompi.not-a-pid"
+    unrelated.mkdir()
+    try:
+        deadline = time.monotonic() + 10
+        while not Path(f"/proc/{running.pid}/cmdline").read_bytes().startswith(b"prterun"):
+            assert time.monotonic() < deadline, "the stand-in prterun did not start"
+            time.sleep(0.01)
+        mpi_env({"TMPDIR": str(tmp_path)})
+        assert not stale.exists()
+        assert alive.exists() and unrelated.exists()
+    finally:
+        running.kill()
+        running.wait()
