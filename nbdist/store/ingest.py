@@ -55,8 +55,13 @@ def record_checkpoints(store: RunStore, run_id: str, run_dir: Path) -> None:
     if not root.is_dir():
         return
     for meta in root.glob("*/meta.json"):
-        if not meta.parent.name.startswith("."):
-            store.add_checkpoint(run_id, meta.parent.name, meta.parent, meta.stat().st_mtime)
+        if meta.parent.name.startswith("."):
+            continue
+        try:
+            committed = meta.stat().st_mtime
+        except FileNotFoundError:
+            continue  # pruned since the listing (--keep-checkpoints), by the writer's thread
+        store.add_checkpoint(run_id, meta.parent.name, meta.parent, committed)
 
 
 class RunFeed:
