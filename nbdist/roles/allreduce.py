@@ -23,7 +23,6 @@ go on from the last checkpoint on fewer ranks (roles/runner.py).
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import numpy as np
@@ -39,7 +38,7 @@ from nbdist.train.lr import WorkerLr, lr_metrics
 from nbdist.train.progress import EpochTally, RunResult, epoch_metrics, format_epoch, sample_validation, write_final
 from nbdist.train.state import load_rank_state, save_rank_state
 from nbdist.train.validation import SampleMarks
-from nbdist.train.writer import SETTLE_SECONDS, CheckpointWriteFailed, CheckpointWriter
+from nbdist.train.writer import CheckpointWriter
 from nbdist.transport.reducers import make_reducer
 from nbdist.transport.staging import Staging
 
@@ -220,9 +219,7 @@ def run_allreduce(ctx: RankContext, replica: Replica | None = None) -> RunResult
         epoch = run_epochs(start_epoch, start_step, ctx.options.epochs, begin_epoch, train_step, end_epoch)
         settle_checkpoints(block=True)
     except BaseException:
-        # A restart reads the checkpoints: not while this rank's writer is still at one.
-        with contextlib.suppress(CheckpointWriteFailed):
-            writer.finish(timeout=SETTLE_SECONDS)
+        writer.settle()  # a restart reads the checkpoints: not while this rank's writer is at one
         raise
     finally:
         checkpoint_comm.Free()

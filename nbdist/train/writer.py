@@ -18,6 +18,7 @@ a run and before a restart reads the checkpoints.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -82,6 +83,13 @@ class CheckpointWriter:
                     f"checkpoint writes did not finish within {timeout:.0f} s ({pending} still queued): the disk "
                     f"under the run directory is hung or far too slow; the last committed checkpoint stands")
             time.sleep(0.001)
+
+    def settle(self) -> None:
+        """When a run fails: let the writes already queued finish (SETTLE_SECONDS at most),
+        so that a restart reads the checkpoints as they stand, not half-way through a
+        commit. A write that failed, or did not finish, leaves the last committed one."""
+        with contextlib.suppress(CheckpointWriteFailed):
+            self.finish(timeout=SETTLE_SECONDS)
 
     def _work(self) -> None:
         while True:

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import Any
 
@@ -30,7 +29,6 @@ from nbdist.train.lr import master_lr_for
 from nbdist.train.progress import EpochTally, RunResult, write_final
 from nbdist.train.state import load_rank_state
 from nbdist.train.validation import BackgroundValidator, SampledValidation
-from nbdist.train.writer import SETTLE_SECONDS, CheckpointWriteFailed
 from nbdist.transport import messages as m
 from nbdist.transport.faults import kill_frozen
 from nbdist.transport.master_channel import MasterChannel
@@ -153,8 +151,7 @@ def serve_and_settle(me: Master) -> float:
     try:
         return serve(me)
     except BaseException:
-        with contextlib.suppress(CheckpointWriteFailed):
-            me.writer.finish(timeout=SETTLE_SECONDS)
+        me.writer.settle()
         raise
 
 
