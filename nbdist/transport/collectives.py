@@ -53,9 +53,13 @@ class Collectives:
         try:
             wait_all(requests, timeout=self.timeout())
         except CommFailure:
-            raise self._lost(comm, what, failed_ranks(comm, self.run if self.run is not None else comm)) from None
+            raise self.failed(comm, what) from None
         except WaitTimeout as exc:
             raise self._silent(comm, what, exc) from None
+
+    def failed(self, comm: Any, what: str) -> RunFailure:
+        """The failure of a collective on `comm` that MPI reported: the ranks it knows died."""
+        return self._lost(comm, what, failed_ranks(comm, self.run if self.run is not None else comm))
 
     def wait_for(self, comm: Any, done: Callable[[], bool], what: str) -> None:
         """`wait_all` for work outside MPI among the ranks of `comm` (a torch.distributed
@@ -140,8 +144,7 @@ class Pending:
         try:
             return test_all(self.requests)
         except CommFailure:
-            run = self.collectives.run if self.collectives.run is not None else self.comm
-            raise self.collectives._lost(self.comm, self.what, failed_ranks(self.comm, run)) from None
+            raise self.collectives.failed(self.comm, self.what) from None
 
     def wait(self) -> None:
         self.collectives.wait_all(self.comm, self.requests, self.what)
