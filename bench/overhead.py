@@ -102,8 +102,10 @@ def middle_rate(history: list[dict]) -> float:
     return sum(h["samples"] for h in middle) / sum(h["seconds"] for h in middle)
 
 
-def nbdist_run(n: int, topology: str, model: str, epochs: int, batch_size: int, busy_poll: str = "auto"
-               ) -> list[dict]:
+def launched_run(n: int, topology: str, model: str, epochs: int, batch_size: int, busy_poll: str = "auto"
+                 ) -> list[dict]:
+    """One run (`topology` plain, master-worker or allreduce) as a fresh `mpiexec -n n`
+    process; its per-epoch history."""
     from _common import run_mpi
 
     with tempfile.TemporaryDirectory(prefix="nbdist-bench-") as runs:
@@ -143,12 +145,12 @@ def main() -> None:
           f"{rounds} rounds")
     print()
 
-    plain = [nbdist_run(1, "plain", args.model, epochs, args.batch_size)]
+    plain = [launched_run(1, "plain", args.model, epochs, args.batch_size)]
     nbdist: dict[str, list[list[dict]]] = {label: [] for label, *_ in RUNS}
     for _ in range(rounds):
         for label, n, topology, busy_poll in RUNS:
-            nbdist[label].append(nbdist_run(n, topology, args.model, epochs, args.batch_size, busy_poll))
-        plain.append(nbdist_run(1, "plain", args.model, epochs, args.batch_size))
+            nbdist[label].append(launched_run(n, topology, args.model, epochs, args.batch_size, busy_poll))
+        plain.append(launched_run(1, "plain", args.model, epochs, args.batch_size))
     plain_rates = [middle_rate(h) for h in plain]
     plain_median = statistics.median(plain_rates)
     # Round i's nbdist runs lie between plain runs i and i+1.
