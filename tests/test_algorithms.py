@@ -559,6 +559,19 @@ def test_gem_as_published():
         np.testing.assert_array_equal(reply, center)
 
 
+def test_gem_with_the_staleness_discount_adds_each_update_over_one_plus_its_staleness():
+    """What a run sets for GEM under --momentum-correction auto from 8 workers
+    (train/asynchrony.py): centre += update / (staleness + 1), one update after another."""
+    gem = GEM()
+    gem.discount_stale = True
+    center, replies = master_round(gem, PAYLOADS[:1], SAMPLES[:1], [STALE])
+    assert_close(center, C0 + PAYLOADS[0] / (STALE + 1))
+    np.testing.assert_array_equal(replies[0], center)
+    center, _ = master_round(gem, PAYLOADS[:1], SAMPLES[:1], [0])  # a fresh one, whole
+    assert_close(center, C0 + PAYLOADS[0])
+    assert not GEM().discount_stale
+
+
 @pytest.mark.parametrize("rule", [Downpour, EASGD, GEM, ADAG, DynSGD], ids=lambda r: r.name)
 def test_a_synchronous_round_of_equal_updates_moves_the_centre_as_one(rule):
     """--synchronous does not multiply the step by the number of workers: a round of W

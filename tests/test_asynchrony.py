@@ -11,6 +11,7 @@ from nbdist.train.asynchrony import (
     corrected_momentum,
     implicit_momentum,
     optimisers_for_asynchrony,
+    published_gem_warning,
     staleness_lr_factor,
     worker_momentum_warning,
 )
@@ -74,7 +75,8 @@ def test_the_run_is_told_which_correction_its_master_gets():
     assert [n.warning for n in plain.notices] == [False]
     heavy = optimisers_for_asynchrony(downpour, parse_spec("sgd(lr=0.05, momentum=0.9)"), None, 4, False, "auto")
     assert heavy.optimizer.kwargs["momentum"] == pytest.approx(0.15) and not heavy.stale_lr
-    gem = optimisers_for_asynchrony(make_algorithm(parse_spec("gem")), None, None, 8, False, "auto")
+    # GEM has no master optimiser to correct (its updates' discount: the test below).
+    gem = optimisers_for_asynchrony(make_algorithm(parse_spec("gem")), None, None, 4, False, "auto")
     assert (gem.optimizer, gem.stale_lr, gem.notices) == (None, False, [])
 
 
@@ -125,3 +127,23 @@ def test_adag_updates_get_the_staleness_discount_by_default_and_as_published_whe
         assert not optimisers_for_asynchrony(adag, None, default, workers, synchronous, "auto").stale_updates
     dynsgd = optimisers_for_asynchrony(make_algorithm(parse_spec("dynsgd")), None, default, 8, False, "auto")
     assert (dynsgd.stale_updates, dynsgd.notices) == (False, [])
+
+
+def test_gem_updates_get_the_staleness_discount_from_8_workers_and_a_warning_as_published_at_16():
+    gem = make_algorithm(parse_spec("gem"))
+    auto = optimisers_for_asynchrony(gem, None, None, 8, False, "auto")
+    assert auto.stale_updates and not auto.stale_lr and auto.optimizer is None
+    [note] = auto.notices
+    assert not note.warning and "gem's master adds the workers' updates" in note.text
+    assert "each update is scaled by 1 / (1 + its staleness)" in note.text
+    for workers, synchronous in ((8, True), (1, False), (7, False)):
+        assert not optimisers_for_asynchrony(gem, None, None, workers, synchronous, "auto").stale_updates
+    # As published: nothing below 16 workers, a warning that says what to do from 16.
+    assert optimisers_for_asynchrony(gem, None, None, 8, False, "off").notices == []
+    off = optimisers_for_asynchrony(gem, None, None, 16, False, "off")
+    assert not off.stale_updates
+    [warning] = off.notices
+    assert warning.warning and "collapsed in 3 of 4 runs" in warning.text
+    assert "drop --momentum-correction off" in warning.text and "--synchronous" in warning.text
+    assert published_gem_warning(gem, 16, True, "off") == ""
+    assert published_gem_warning(make_algorithm(parse_spec("easgd")), 16, False, "off") == ""

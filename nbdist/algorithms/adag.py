@@ -30,8 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from nbdist.algorithms.arrays import Array, f32, zeros_like_buffer
-from nbdist.algorithms.base import Algorithm, RuleState, Update, weighted_mean
+from nbdist.algorithms.arrays import Array, zeros_like_buffer
+from nbdist.algorithms.base import Algorithm, RuleState, Update, discount, weighted_mean
 from nbdist.backends.base import FlatOptimizer
 
 
@@ -46,9 +46,8 @@ class ADAG(Algorithm):
     name = "adag"
     sends_weights = True
     centre_takes_worker_steps = True
+    auto_stale_discount = True  # see above
     default_sync_every = 4
-    # Each update scaled by 1 / (1 + staleness) before it is added (see above).
-    discount_stale = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -80,10 +79,3 @@ class ADAG(Algorithm):
                 discount(u)
         center += weighted_mean(updates)
         return [center] * len(updates)
-
-
-def discount(u: Update) -> Update:
-    """Scale a stale update by 1 / (1 + staleness), in place (Jiang et al. 2017)."""
-    if u.staleness:
-        u.payload *= f32(1.0 / (1.0 + u.staleness))
-    return u

@@ -85,6 +85,12 @@ class Algorithm(ABC):
     # rescaling): the workers' momentum then reaches the centre, and with many workers
     # its total with asynchrony's can make the centre collapse (train/asynchrony.py).
     centre_takes_worker_steps: ClassVar[bool] = False
+    # Under --momentum-correction auto, from train/asynchrony.COLLAPSE_SEEN_FROM
+    # asynchronous workers, the master scales each update by 1 / (1 + staleness) before
+    # it adds it (discount_stale, set on the instance by the run): the rules whose master
+    # adds updates as they are and was seen to collapse without it (ADAG, GEM).
+    auto_stale_discount: ClassVar[bool] = False
+    discount_stale: bool = False
     # A worker's message is its weights themselves (EASGD), not a step: a codec that sends
     # a part and keeps the rest for later (--compression topk, powersgd) does not fit.
     sends_weights_themselves: ClassVar[bool] = False
@@ -185,6 +191,13 @@ def mean_factors(samples: Sequence[int]) -> list[float]:
     if total <= 0:
         weights, total = [1.0] * len(weights), float(len(weights))
     return [f32(w / total) for w in weights]
+
+
+def discount(u: Update) -> Update:
+    """Scale a stale update by 1 / (1 + staleness), in place (DynSGD, Jiang et al. 2017)."""
+    if u.staleness:
+        u.payload *= f32(1.0 / (1.0 + u.staleness))
+    return u
 
 
 def weighted_mean(updates: Sequence[Update]) -> Array:

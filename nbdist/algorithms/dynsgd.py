@@ -27,4 +27,5 @@ class DynSGD(ADAG):
     # Its updates are rescaled by staleness: at 8 workers on the jet images it did not
     # collapse where ADAG did (bench/convergence.py), so no warning for its momentum.
     centre_takes_worker_steps = False
+    auto_stale_discount = False  # it always discounts
     discount_stale = True

@@ -130,6 +130,10 @@ class Worker:
             if not self._leave_lost(failure):
                 raise
         finally:
+            if self.writer is not None:
+                # A restart reads the checkpoints: not while this worker's writer is at one
+                # (a no-op after the DONE message, which waited for every write).
+                self.writer.settle()
             ctx.log.close()
 
     def _end_epoch(self, epoch: int) -> None:

@@ -30,14 +30,17 @@ fresh update has staleness 0. The queue model's mean staleness W - 1 gives the f
 update computed from the current centre (one worker, or workers that take turns) keeps
 the whole lr.
 
-A rule whose master adds the workers' window steps as they are (ADAG) has neither a
+A rule whose master adds the workers' updates as they are (ADAG, GEM) has neither a
 momentum nor an lr to correct: from 8 workers (COLLAPSE_SEEN_FROM) its updates themselves
 are scaled by 1 / (1 + staleness) before they are added, which is DynSGD's rule (Jiang et
-al. 2017). Measured on the jet
-images (bench/convergence.py, 2026-11-25), ADAG as published collapsed or never learned
-in 5 of 5 seeds at 8 workers and 3 of 3 at 16; discounted, in none of 13 at 8 and 5 at
-16. The workers' momentum (0.9 by default) is left as it is: correcting it by 1 - 1/W
-also stopped the collapses at 8 workers but slowed ADAG on digits at 4.
+al. 2017). Measured on the jet images (bench/convergence.py, 2026-11-25):
+- ADAG as published collapsed or never learned in 5 of 5 seeds at 8 workers and 3 of 3
+  at 16; discounted, in none of 13 at 8 and 5 at 16. The workers' momentum (0.9 by
+  default) is left as it is: correcting it by 1 - 1/W also stopped the collapses at 8
+  workers but slowed ADAG on digits at 4.
+- GEM as published collapsed in 3 of 4 seeds at 16 workers (and in 3 of 8, with 2 more
+  that never learned, the day before); discounted, in none of 8 at 16 and 6 at 8, with
+  the same best accuracy at 8 (why GEM needs it: nbdist.algorithms.gem).
 
 With `--momentum-correction off` the momentum and lr stay as given, and a set-up whose
 total reaches 1 gets a warning that says why and what to use instead. Synchronous rounds
@@ -53,14 +56,16 @@ from nbdist.algorithms import Algorithm
 from nbdist.specs import Spec
 
 __all__ = ["implicit_momentum", "staleness_lr_factor", "CorrectedMomentum", "corrected_momentum",
-           "worker_momentum_warning", "stale_updates_note", "Notice", "MasterForAsynchrony",
+           "worker_momentum_warning", "stale_updates_note", "published_gem_warning", "Notice", "MasterForAsynchrony",
            "optimisers_for_asynchrony"]
 
 # Workers from which a centre that takes their steps as they are (ADAG) was seen to
 # collapse with the workers' default momentum 0.9: every one of 3 seeds at 8 workers on
 # the jet images, with lr 0.1 and with 0.05, none at 4 on digits (bench/convergence.py).
 # From there its updates get the staleness discount by default; below, the discount slowed
-# ADAG on digits at 4 workers to 0.897 after 12 epochs (the test suite asks 0.90).
+# ADAG on digits at 4 workers to 0.897 after 12 epochs (the test suite asks 0.90). GEM's
+# (Algorithm.auto_stale_discount) start here too: it held at 8 (one early dip in 3 seeds)
+# and fell apart at 16, and with the discount its best accuracy at 8 was the same.
 COLLAPSE_SEEN_FROM = 8
 # Workers from which a master with no momentum gets the per-update lr correction: with
 # 8 (and 16) workers Downpour's default master collapsed or never learned on the jet
@@ -68,6 +73,9 @@ COLLAPSE_SEEN_FROM = 8
 # in 4 of 13, 4 of 5); with 4 on digits it slowed Downpour below the test suite's 0.90
 # in 12 epochs (0.886), where the implicit momentum had not harmed it.
 STALE_LR_FROM = 8
+# Workers from which GEM as published (--momentum-correction off) was seen to collapse on
+# the jet images: 3 of 4 seeds at 16 (2026-11-25); at 8, one early dip in 3.
+GEM_COLLAPSE_SEEN_FROM = 16
 # The optimiser argument that is a heavy-ball momentum (torch's SGD and RMSprop, Keras'
 # SGD and RMSprop); Adam's beta1 averages gradients but its steps are normalised, and
 # the analysis does not carry over to it.
@@ -166,19 +174,30 @@ class Notice:
 
 
 def stale_updates_note(algorithm: str, workers: int) -> str:
-    """What a run of a rule whose centre adds the workers' steps as they are (ADAG) is told
-    when its updates get the staleness discount."""
+    """What a run of a rule whose centre adds the workers' updates as they are (ADAG, GEM)
+    is told when its updates get the staleness discount."""
     return (f"{_implicit_source(workers)} (Mitliagkas et al. 2016), and {algorithm}'s master adds the workers' "
-            f"steps with no momentum to lower: each update is scaled by 1 / (1 + its staleness) before it is "
+            f"updates with no momentum to lower: each update is scaled by 1 / (1 + its staleness) before it is "
             f"added (DynSGD's discount, Jiang et al. 2017), whole for an update from the current centre; "
             f"--momentum-correction off adds them as they are")
+
+
+def published_gem_warning(algorithm: Algorithm, workers: int, synchronous: bool, correction: str) -> str:
+    """A warning for GEM as published (--momentum-correction off) with as many workers as
+    it was seen to fall apart at; empty when there is nothing to say."""
+    if algorithm.name != "gem" or correction != "off" or synchronous or workers < GEM_COLLAPSE_SEEN_FROM:
+        return ""
+    return (f"gem as published, with {workers} asynchronous workers, answers the energy it sees missing from "
+            f"every worker at once and a cycle late: at 16 workers on jet images it collapsed in 3 of 4 runs; "
+            f"drop --momentum-correction off (the default discounts stale updates: it did not collapse), or "
+            f"use --synchronous")
 
 
 @dataclass(frozen=True, slots=True)
 class MasterForAsynchrony:
     optimizer: Spec | None  # the master optimiser to build (None: the rule has none)
     stale_lr: bool  # each update's lr multiplied by staleness_lr_factor (train/lr.py applies it)
-    stale_updates: bool  # the rule scales each update by staleness_lr_factor (ADAG's discount_stale)
+    stale_updates: bool  # the rule scales each update by staleness_lr_factor (discount_stale: ADAG, GEM)
     notices: list[Notice]
 
 
@@ -189,12 +208,15 @@ def optimisers_for_asynchrony(algorithm: Algorithm, master: Spec | None, worker:
     the run leader tells the user about either."""
     fixed = corrected_momentum(master, workers, synchronous, correction)
     notices = [Notice(fixed.note, fixed.warning)] if fixed is not None and fixed.note else []
-    stale_updates = (algorithm.centre_takes_worker_steps and correction == "auto" and not synchronous
+    stale_updates = (algorithm.auto_stale_discount and correction == "auto" and not synchronous
                      and workers >= COLLAPSE_SEEN_FROM)
     if stale_updates:
         notices.append(Notice(stale_updates_note(algorithm.name, workers), warning=False))
     elif algorithm.centre_takes_worker_steps:
         warning = worker_momentum_warning(algorithm.name, worker, workers, synchronous)
+        notices += [Notice(warning, warning=True)] if warning else []
+    else:
+        warning = published_gem_warning(algorithm, workers, synchronous, correction)
         notices += [Notice(warning, warning=True)] if warning else []
     return MasterForAsynchrony(fixed.spec if fixed is not None else None, fixed is not None and fixed.stale_lr,
                                stale_updates, notices)

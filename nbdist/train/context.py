@@ -290,7 +290,7 @@ def prepare(
                                                    options.synchronous, options.momentum_correction)
             master_opt, stale_lr, notices = asynchrony.optimizer, asynchrony.stale_lr, asynchrony.notices
             if asynchrony.stale_updates:
-                algorithm.discount_stale = True  # ADAG: DynSGD's discount (train/asynchrony.py)
+                algorithm.discount_stale = True  # ADAG, GEM: DynSGD's discount (train/asynchrony.py)
         resume_from, damaged = (_find_resume(options, layout) if restart_of is None
                                 else Checkpoints(restart_of).latest_intact())
         configure_frameworks(options.threads, options.seed)
