@@ -46,6 +46,25 @@ ABANDON_SECONDS = 10.0
 # How much later than the MPI peers of a dead engine the client may hear of its death.
 DEATH_NOTICE_SECONDS = 1.0
 
+# How often a blocking wait wakes to let the main thread see a Ctrl-C. The kernel may give
+# a process's SIGINT to another thread; a main thread asleep on a lock with no timeout then
+# sees it only when the lock is released (a whole-suite run saw a block of 140 s run to
+# its end). A timed wait returns to the interpreter, which raises KeyboardInterrupt.
+INTERRUPT_CHECK_SECONDS = 0.2
+
+
+def wait_interruptibly(done: threading.Event, timeout: float | None) -> bool:
+    """`done.wait(timeout)`, woken every INTERRUPT_CHECK_SECONDS so that KeyboardInterrupt
+    is raised within that time of a Ctrl-C; whether `done` was set."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        left = INTERRUPT_CHECK_SECONDS if deadline is None else min(INTERRUPT_CHECK_SECONDS,
+                                                                     deadline - time.monotonic())
+        if left <= 0:
+            return done.is_set()
+        if done.wait(left):
+            return True
+
 
 class JobError(TrainingError):
     """A job that failed: the message names the rank(s) and what happened there."""
@@ -190,7 +209,7 @@ class Job:
         failed, TimeoutError if `timeout` seconds pass first. A failed rank or a dead
         engine ends the job within FAILURE_GRACE_SECONDS + ABANDON_SECONDS."""
         try:
-            if not self._done.wait(timeout):
+            if not wait_interruptibly(self._done, timeout):
                 raise TimeoutError(f"the job is still {self.status} after {timeout} s")
         except KeyboardInterrupt:
             try:

@@ -29,7 +29,7 @@ from nbdist.hpo.runner import (
     new_study_name,
 )
 from nbdist.hpo.trial import Trial, fold_of_run, trial_options
-from nbdist.job import JobError
+from nbdist.job import JobError, wait_interruptibly
 from nbdist.layout import Layout
 from nbdist.options import StudyOptions, TrainOptions
 
@@ -224,7 +224,7 @@ class Study:
     def wait(self, timeout: float | None = None) -> "Study":
         """Until the study ends (KeyboardInterrupt stops it; --resume-study continues it)."""
         try:
-            if not self._done.wait(timeout):
+            if not wait_interruptibly(self._done, timeout):
                 raise TimeoutError(f"the study is still {self.status} after {timeout} s")
         except KeyboardInterrupt:
             self.stop()

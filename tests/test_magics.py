@@ -17,7 +17,7 @@ from IPython.core.interactiveshell import InteractiveShell  # noqa: E402
 
 import nbdist  # noqa: E402
 from nbdist.errors import UserError  # noqa: E402
-from nbdist.job import JobError  # noqa: E402
+from nbdist.job import JobError, wait_interruptibly  # noqa: E402
 from nbdist.options import TrainOptions, flag  # noqa: E402
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(600)]
@@ -166,6 +166,26 @@ def test_kernel_interrupt_during_block_stops_the_job(cluster, shell, tmp_path, c
     assert "interrupted; the job stopped" in capsys.readouterr().out
     assert shell.run_cell_magic("distnn", f"train --epochs 1 --block {_opts(tmp_path)}",
                                 MODEL_CELL).status == "completed"
+
+
+@pytest.mark.parametrize("timeout", [None, 30.0])
+def test_a_ctrl_c_the_kernel_gives_another_thread_still_interrupts_a_blocked_wait(timeout):
+    # Linux may hand a process's SIGINT to any thread that does not block it; a main thread
+    # asleep on a lock with no timeout then sees it only when the lock is released (a
+    # whole-suite run saw test_kernel_interrupt_during_block_stops_the_job's job run to its end).
+    done = threading.Event()
+
+    def ctrl_c_to_this_thread() -> None:
+        time.sleep(0.3)
+        signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+        time.sleep(10.0)
+        done.set()  # the end of the job, had the interrupt been missed
+
+    threading.Thread(target=ctrl_c_to_this_thread, daemon=True).start()
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        wait_interruptibly(done, timeout)
+    assert time.monotonic() - start < 2.0 and not done.is_set()
 
 
 def test_history_grows_while_training(cluster, shell, tmp_path):
