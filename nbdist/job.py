@@ -46,10 +46,11 @@ ABANDON_SECONDS = 10.0
 # How much later than the MPI peers of a dead engine the client may hear of its death.
 DEATH_NOTICE_SECONDS = 1.0
 
-# How often a blocking wait wakes to let the main thread see a Ctrl-C. The kernel may give
-# a process's SIGINT to another thread; a main thread asleep on a lock with no timeout then
-# sees it only when the lock is released (a whole-suite run saw a block of 140 s run to
-# its end). A timed wait returns to the interpreter, which raises KeyboardInterrupt.
+# How often a blocking wait wakes to let the main thread see a Ctrl-C. A SIGINT that a
+# thread other than the main one takes (Linux gives a process's signal to another thread
+# when the main one already has one pending; signal.pthread_kill) leaves a main thread
+# asleep on a lock with no timeout until the lock is released: the whole job. A timed wait
+# returns to the interpreter, which raises KeyboardInterrupt.
 INTERRUPT_CHECK_SECONDS = 0.2
 
 

@@ -144,6 +144,16 @@ def test_stop_ends_every_rank_and_the_next_cell_trains(cluster, shell, tmp_path)
     assert [h["epoch"] for h in again.result.history][-1] == epochs_done + 1
 
 
+@pytest.fixture
+def ctrl_c_raises():
+    """Python's own SIGINT handler, as in a kernel: a shell that started the suite in the
+    background (`pytest &`) hands it SIGINT ignored, and then no interrupt arrives at all."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.usefixtures("ctrl_c_raises")
 def test_kernel_interrupt_during_block_stops_the_job(cluster, shell, tmp_path, capsys):
     magics = shell.magics_manager.registry["DistnnMagics"]
     interrupted_at: list[float] = []
@@ -168,11 +178,11 @@ def test_kernel_interrupt_during_block_stops_the_job(cluster, shell, tmp_path, c
                                 MODEL_CELL).status == "completed"
 
 
+@pytest.mark.usefixtures("ctrl_c_raises")
 @pytest.mark.parametrize("timeout", [None, 30.0])
 def test_a_ctrl_c_the_kernel_gives_another_thread_still_interrupts_a_blocked_wait(timeout):
-    # Linux may hand a process's SIGINT to any thread that does not block it; a main thread
-    # asleep on a lock with no timeout then sees it only when the lock is released (a
-    # whole-suite run saw test_kernel_interrupt_during_block_stops_the_job's job run to its end).
+    # A SIGINT taken by another thread than the main one leaves a main thread asleep on a
+    # lock with no timeout until the lock is released (nbdist/job.py).
     done = threading.Event()
 
     def ctrl_c_to_this_thread() -> None:

@@ -14,8 +14,8 @@ The rescaling runs on the workers (they see the centre at every pull), which kee
 the master's work to one addition per update. GEM is an asynchronous rule; a synchronous
 round adds the sample-weighted mean of its W updates (one proxy step, not W of them).
 
-Where the authors' code (github.com/montefiore-institute/gradient-energy-matching,
-code/gem.py) differs: its parameter server serves one worker at a time, and a worker pulls
+How this differs from the authors' code (github.com/montefiore-institute/gradient-energy-matching,
+code/gem.py): its parameter server serves one worker at a time, and a worker pulls
 the centre just before it sends, so |c| reaches up to the moment its update is applied.
 Here a worker's pull is the master's reply to its previous update, and the update it
 sends next was scaled by a |c| one computation older: the updates of the other W - 1
@@ -27,7 +27,8 @@ asynchronous workers (nbdist.train.asynchrony): the master scales each update by
 1 / (1 + staleness), DynSGD's discount, before adding it, which takes each worker's answer
 down to about its 1/W share, while the energy matching raises pi where the centre then
 moves too little. Measured: none of 8 runs collapsed at 16 workers (mean best 0.932), none
-of 6 at 8 (0.946; without the discount 1 of 3 dipped to chance, best 0.945). `--momentum-correction off` keeps the rule above.
+of 6 at 8 (0.946; without the discount 1 of 3 dipped to chance, best 0.945).
+`--momentum-correction off` keeps the rule above.
 """
 
 from __future__ import annotations
