@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from nbdist.algorithms.arrays import Array, zeros_like_buffer
-from nbdist.algorithms.base import Algorithm, RuleState, Update, discount, weighted_mean
+from nbdist.algorithms.base import Algorithm, RuleState, Update
 from nbdist.backends.base import FlatOptimizer
 
 
@@ -74,8 +74,4 @@ class ADAG(Algorithm):
         state.pulled[...] = reply
 
     def master_apply(self, state, center, updates: Sequence[Update], opt: FlatOptimizer | None):
-        if self.discount_stale:
-            for u in updates:
-                discount(u)
-        center += weighted_mean(updates)
-        return [center] * len(updates)
+        return self.add_updates(center, updates)

@@ -164,6 +164,16 @@ class Algorithm(ABC):
         mean = accumulate_mean(out, (u.payload for u in updates), mean_factors(samples))
         return self.master_apply(state, center, [Update(mean, 0, int(sum(samples)))], opt)[0]
 
+    def add_updates(self, center: Array, updates: Sequence[Update]) -> list[Array]:
+        """master_apply for a rule whose master adds the updates as they are (ADAG, GEM):
+        their sample-weighted mean into `center`, each first scaled by 1 / (1 + staleness)
+        when `discount_stale` is set; the centre is every reply."""
+        if self.discount_stale:
+            for u in updates:
+                discount(u)
+        center += weighted_mean(updates)
+        return [center] * len(updates)
+
     def worker_round_reply(self, state: RuleState, params: Array, reply: Array) -> None:
         """Apply the reply of a synchronous round (`master_round`'s) to the local weights."""
         self.worker_reply(state, params, reply)

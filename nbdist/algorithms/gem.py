@@ -39,7 +39,7 @@ from typing import Sequence
 import numpy as np
 
 from nbdist.algorithms.arrays import Array, namespace, zeros_like_buffer
-from nbdist.algorithms.base import MOMENTUM, Algorithm, RuleState, Update, discount, weighted_mean
+from nbdist.algorithms.base import MOMENTUM, Algorithm, RuleState, Update
 from nbdist.backends.base import FlatOptimizer
 from nbdist.specs import ValueRange
 
@@ -132,8 +132,4 @@ class GEM(Algorithm):
         params[...] = reply
 
     def master_apply(self, state, center, updates: Sequence[Update], opt: FlatOptimizer | None):
-        if self.discount_stale:
-            for u in updates:
-                discount(u)
-        center += weighted_mean(updates)
-        return [center] * len(updates)
+        return self.add_updates(center, updates)
