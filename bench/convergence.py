@@ -64,6 +64,9 @@ class Run:
     seed: int
     # (cumulative training samples, validation accuracy), in the order validated
     curve: list[tuple[int, float]] = field(default_factory=list)
+    # cumulative training samples -> validation loss: a dip to chance with a loss near
+    # ln 2 is an undecided model, one with a loss far above it a diverged one
+    losses: dict[int, float] = field(default_factory=dict)
     error: str = ""
     # staleness -> updates the master applied with it (asynchronous rules)
     staleness: Counter = field(default_factory=Counter)
@@ -124,6 +127,7 @@ def train(algorithm: str, workers: int, seed: int, extra: list[str], runs_dir: P
         run.error = lines[0] if lines else f"exit {done.returncode}"
     if (runs_dir / name / "metrics").is_dir():
         run.curve = validation_curve(runs_dir / name, "val_acc")
+        run.losses = dict(validation_curve(runs_dir / name, "val_loss"))
         for record in read_log(runs_dir / name, "updates"):
             for _, staleness, updates in staleness_entries(record):
                 run.staleness[staleness] += updates
@@ -150,8 +154,9 @@ def say(run: Run, seconds: float) -> None:
     state = f"error: {run.error}" if run.error else f"best {run.best:.3f}" + (" COLLAPSED" if run.collapsed else "")
     state += staleness_text(run.staleness)
     print(f"   {run.algorithm:9s} {run.workers:2d} workers seed {run.seed}: {state} ({seconds:.0f} s)", flush=True)
-    if run.collapsed and run.curve:  # where it fell, and whether it came back
-        print("      val acc by samples: " + " ".join(f"{n // 1000}k:{acc:.2f}" for n, acc in run.curve), flush=True)
+    if run.collapsed and run.curve:  # where it fell, whether it came back, and how (the loss)
+        print("      val acc/loss by samples: " + " ".join(
+            f"{n // 1000}k:{acc:.2f}/{run.losses.get(n, float('nan')):.2f}" for n, acc in run.curve), flush=True)
 
 
 # ----------------------------------------------------------------------------- jets

@@ -31,9 +31,22 @@ def test_auto_lowers_the_master_momentum_by_the_implicit_one():
     assert not fixed.warning
     assert "the master's momentum 0.9 is lowered to 0.15" in fixed.note
     assert "1 - 1/4 = 0.75" in fixed.note
-    # The total never reaches 1: at 16 workers 0.9 - 0.9375 is clipped at 0.
+    assert not fixed.stale_lr
+    # The total never reaches 1: at 16 workers 0.9 - 0.9375 is clipped at 0, and the
+    # excess goes to each update's lr, as for a master that never had a momentum.
     at16 = corrected_momentum(parse_spec("sgd(lr=0.05, momentum=0.9, nesterov=True)"), 16, False, "auto")
     assert at16.spec.kwargs["momentum"] == 0.0 and at16.spec.kwargs["nesterov"] is False
+    assert at16.stale_lr and not at16.warning
+    assert "more than the master's momentum 0.9: it is lowered to 0" in at16.note
+    assert "the lr of each update is divided by 1 + its staleness" in at16.note
+    # Below STALE_LR_FROM (8) workers a momentum lowered to 0 is all the correction there is,
+    # as for a master that has none: 0.5 - 0.75 at 4 workers.
+    at4 = corrected_momentum(parse_spec("sgd(lr=0.05, momentum=0.5)"), 4, False, "auto")
+    assert at4.spec.kwargs["momentum"] == 0.0 and not at4.stale_lr
+    assert "is lowered to 0 so that the total stays 0.75" in at4.note
+    # At 8 workers 0.9 stays above the implicit 0.875: lowered to 0.025, the lr kept.
+    at8 = corrected_momentum(parse_spec("sgd(lr=0.05, momentum=0.9)"), 8, False, "auto")
+    assert at8.spec.kwargs["momentum"] == pytest.approx(0.025) and not at8.stale_lr
 
 
 @pytest.mark.parametrize("workers, synchronous, text", [
