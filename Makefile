@@ -41,6 +41,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/hpo_parallel.py
 	$(BIN)/python bench/faults.py
 	$(BIN)/python bench/convergence.py --quick
+	$(BIN)/python bench/noise_scale.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
