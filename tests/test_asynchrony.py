@@ -69,8 +69,15 @@ def test_a_master_without_momentum_divides_each_updates_lr_by_one_plus_its_stale
     assert fixed.spec == spec and fixed.stale_lr and not fixed.warning
     assert "has no momentum to lower: the lr of each update is divided by 1 + its staleness" in fixed.note
     assert "1 - 1/8 = 0.88" in fixed.note and "Zhang et al. 2016" in fixed.note
+    # The early swings Downpour was seen to make with it, and the rules that did not.
+    assert "fell back to chance once or twice" in fixed.note and "gem, adag and easgd did not" in fixed.note
+    # As given, the lr is kept, and the run is warned: that set-up collapsed on jets.
     off = corrected_momentum(spec, 8, synchronous=False, correction="off")
-    assert off.spec == spec and not off.stale_lr and off.note == ""
+    assert off.spec == spec and not off.stale_lr and off.warning
+    assert "is not divided by the updates' staleness" in off.note and "5 of 5 runs at 8 workers" in off.note
+    assert "drop --momentum-correction off" in off.note and "--algorithm gem" in off.note
+    # Below STALE_LR_FROM workers there is nothing to say either way.
+    assert corrected_momentum(spec, 7, synchronous=False, correction="off").note == ""
 
 
 def test_the_staleness_lr_factor_is_one_over_one_plus_staleness():
