@@ -134,8 +134,8 @@ def corrected_momentum(spec: Spec | None, workers: int, synchronous: bool, corre
         if correction == "off":
             return CorrectedMomentum(spec, (
                 f"{source} (Mitliagkas et al. 2016), and with --momentum-correction off the lr of the master's "
-                f"{spec.name} is not divided by the updates' staleness: on jet images Downpour so collapsed or "
-                f"never learned in 5 of 5 runs at 8 workers and 3 of 3 at 16; drop --momentum-correction off, or "
+                f"{spec.name} is not divided by the updates' staleness: on jet images Downpour's default sgd(lr=0.1) "
+                f"so collapsed or never learned in 5 of 5 runs at 8 workers and 3 of 3 at 16; drop --momentum-correction off, or "
                 f"use --algorithm gem or --synchronous"), warning=True)
         return CorrectedMomentum(spec, (
             f"{source} (Mitliagkas et al. 2016), and the master's {spec.name} has no momentum to lower: the lr "
