@@ -98,8 +98,12 @@ def wait_for(condition, timeout: float, what: str, describe=lambda: ""):
 
 
 def _described(process: psutil.Process) -> str:
+    """The process, with when it started and its parent: a stray found at the end of the
+    module is matched to the test that started it by its start time."""
     try:
-        return f"pid {process.pid}: {' '.join(process.cmdline())[:200]}"
+        started = time.strftime("%H:%M:%S", time.localtime(process.create_time()))
+        return (f"pid {process.pid} (started {started}, parent {process.ppid()}): "
+                f"{' '.join(process.cmdline())[:400]}")
     except psutil.Error:
         return f"pid {process.pid} (gone)"
 
