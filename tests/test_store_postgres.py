@@ -361,6 +361,30 @@ def _two_coordinators(database: str, objective, joined: threading.Event | None =
     return results
 
 
+def test_a_study_is_resumable_from_the_moment_it_appears_in_the_store(tmp_path, monkeypatch):
+    """A job that joins with --resume-study as soon as the study is listed (as
+    _two_coordinators does) must find the searcher's state there: the first job wrote the
+    study's row and its state in two steps once, and a joiner in between failed with
+    "has no saved searcher state" (seen in a whole-suite run)."""
+    database = str(tmp_path / "s.db")
+    seen: list = []
+    join = RunStore.join_study
+
+    def join_and_look(store, study, job):  # the creator's first write after its INSERT
+        with RunStore(database) as other:
+            seen.append(other.study(study).get("searcher_state"))
+        return join(store, study, job)
+
+    monkeypatch.setattr(RunStore, "join_study", join_and_look)
+    optimize(lambda params: params["x"] ** 2, space="x=real(0,1)", searcher="random", trials=2, store=database,
+             study_name="s", say=lambda line: None)
+    assert seen and "searcher" in seen[0], seen
+    monkeypatch.setattr(RunStore, "join_study", join)
+    resumed = optimize(lambda params: params["x"] ** 2, space="x=real(0,1)", searcher="random", trials=3,
+                       store=database, resume_study="s", say=lambda line: None)
+    assert len(resumed.trials) == 3
+
+
 @pytest.mark.parametrize("kind", ["postgresql", "sqlite"])
 def test_two_coordinators_share_one_study_and_run_every_trial_once(kind, request, tmp_path):
     """Every trial number once, every point told once, both did trials."""

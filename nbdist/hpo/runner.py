@@ -199,15 +199,17 @@ class StudyRunner:
         self.searcher = make_searcher(self.study.searcher, self.study.space, direction=self.study.resolved_direction,
                                       seed=self.train.seed, trials=self.study.trials)
         if self.store is not None:
-            # One INSERT decides which of two jobs starting the same study at once creates it.
+            # One INSERT decides which of two jobs starting the same study at once creates it,
+            # and writes the searcher's state with it: a job that joins with --resume-study
+            # as soon as the study is in the store finds a state to resume from.
             if not self.store.create_study(self.name, searcher=self.study.searcher, space=str(self.searcher.space),
                                            options={"study": self.study.to_dict(), "train": self.train.to_dict()},
-                                           objective=self.study.objective, direction=self.study.resolved_direction):
+                                           objective=self.study.objective, direction=self.study.resolved_direction,
+                                           searcher_state=self._state()):
                 raise StudyError(f"the store {self.store.label} has a study named {self.name!r} already: continue "
                                  f"it (or join the jobs that run it) with --resume-study {self.name}, or give "
                                  f"another --study-name")
             self.store.join_study(self.name, self.job)
-            self._save_state()
 
     def _resume(self) -> None:
         if self.store is None:
@@ -286,10 +288,13 @@ class StudyRunner:
         number, self.next_number = self.next_number, self.next_number + 1
         return number
 
+    def _state(self) -> dict[str, Any]:
+        """What the store keeps of the searcher and the pruner, to resume them."""
+        return {"searcher": self.searcher.state(), "pruner": self.pruner.state() if self.pruner else []}
+
     def _save_state(self) -> None:
         if self.store is not None:
-            self.store.save_searcher_state(self.name, {"searcher": self.searcher.state(),
-                                                       "pruner": self.pruner.state() if self.pruner else []})
+            self.store.save_searcher_state(self.name, self._state())
 
     # -- the loop ------------------------------------------------------------------------
     def run(self) -> StudyResult:

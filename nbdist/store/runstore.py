@@ -268,16 +268,18 @@ class RunStore:
 
     # -- studies and trials (the coordinators write them; the dashboard reads them) ----
     def create_study(self, study_id: str, *, searcher: str, space: Any, options: dict[str, Any],
-                     objective: str, direction: str) -> bool:
-        """A new study; False (and nothing written) when the store has one of that name."""
+                     objective: str, direction: str, searcher_state: Any = None) -> bool:
+        """A new study; False (and nothing written) when the store has one of that name.
+        The searcher's state goes in the same row: a job that joins the study as soon as
+        it appears (--resume-study) finds it complete."""
         now = time.time()
         with self._write() as conn:
             return conn.execute(
                 """INSERT INTO studies (id, status, searcher, space, options, objective, direction, started,
-                                        heartbeat, host, pid)
-                   VALUES (?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING""",
+                                        heartbeat, host, pid, searcher_state)
+                   VALUES (?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING""",
                 (study_id, searcher, _json(space), _json(_no_passwords(options)), objective, direction, now, now,
-                 socket.gethostname(), os.getpid()),
+                 socket.gethostname(), os.getpid(), _json(searcher_state)),
             ).rowcount == 1
 
     def begin_study(self, study_id: str, **settings: Any) -> None:
