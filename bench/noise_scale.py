@@ -13,8 +13,8 @@ on the jet sample bench/convergence.py uses (generated once, cached): plain PyTo
 workers' default optimiser sgd(lr=0.05, momentum=0.9), batch 32. At each mark of training
 samples it takes the squared norms of the mean gradient of 150 batches of 32 and 18 of 256
 per pass over the 4,800 jets in random order (`--passes`, default 4), at the current
-weights, and gives
-B_simple with the samples ratio it predicts for 8 and 16 workers of 32. One worker reaches
+weights, and gives B_simple with the samples ratio it predicts for 8 and 16 workers of 32.
+One worker reaches
 98% of its best accuracy within its first 2,400 to 12,000 samples (bench/convergence.py):
 the marks after 0 and before 12,000 are the ones the samples ratio is decided on, and the
 last line takes the most favourable of them. Each mark pools the seeds (tr(Sigma) and
@@ -48,15 +48,15 @@ AIM_WORKERS, AIM_RATIO = 8, 1.5
 EARLY = 12000
 
 
-def load_jets(pattern: str) -> tuple[np.ndarray, np.ndarray]:
-    import h5py
+def load_jets(train_glob: str, val_glob: str) -> tuple[np.ndarray, np.ndarray]:
+    """Every training jet, read as a run reads them (nbdist's HDF5 files, their default keys)."""
+    from nbdist.data.files import HDF5Data
 
-    xs, ys = [], []
-    for path in sorted(Path(pattern).parent.glob(Path(pattern).name)):
-        with h5py.File(path, "r") as f:
-            xs.append(f["features"][:])
-            ys.append(f["labels"][:])
-    return np.concatenate(xs), np.concatenate(ys)
+    data = HDF5Data(train_glob, val_glob)
+    try:
+        return data.train_batch(np.arange(data.n_train))
+    finally:
+        data.close()
 
 
 def gradient_sq_norms(model, loss_fn, x, y, batch: int, batches: int, passes: int,
@@ -123,8 +123,7 @@ def main() -> None:
     seeds = args.seeds or (1 if args.quick else 3)
     marks = sorted({int(m) for m in args.marks.split(",") if m.strip()})
     header("noise scale: how many samples a step of the jet task can use (McCandlish et al. 2018)")
-    train_glob, _ = jet_sample(Path(args.cache).expanduser())
-    x, y = load_jets(train_glob)
+    x, y = load_jets(*jet_sample(Path(args.cache).expanduser()))
     runs = []
     for seed in range(seeds):
         t0 = time.perf_counter()

@@ -77,10 +77,14 @@ STALE_LR_FROM = 8
 # Workers from which GEM as published (--momentum-correction off) was seen to collapse on
 # the jet images: 3 of 4 seeds at 16 (2026-11-25); at 8, one early dip in 3.
 GEM_COLLAPSE_SEEN_FROM = 16
-# Workers from which Downpour with its lr discounted by staleness (the default) was seen
-# to fall back to chance early on, for a validation or two, before it learned on: on the
-# jet images 7 of 12 runs at 16 workers, 6 of 33 at 8 (bench/convergence.py, 2026-11-25/26).
-DIPS_SEEN_FROM = 8
+# What a master whose lr is discounted by staleness (from STALE_LR_FROM workers) is also
+# told: Downpour so fell back to chance early on, for a validation or two, before it
+# learned on, in 7 of 12 runs at 16 workers and 6 of 33 at 8 on the jet images
+# (bench/convergence.py, 2026-11-25/26).
+EARLY_DIPS = (". The centre's first epochs can still swing: on jet images Downpour's validation fell back to "
+              "chance once or twice within its first 11,000 samples, then learned on, in 6 of 33 runs at 8 "
+              "workers and 7 of 12 at 16; gem, adag and easgd did not (at 16: 0 of 4 each), and --synchronous "
+              "takes no stale step")
 # The optimiser argument that is a heavy-ball momentum (torch's SGD and RMSprop, Keras'
 # SGD and RMSprop); Adam's beta1 averages gradients but its steps are normalised, and
 # the analysis does not carry over to it.
@@ -134,14 +138,14 @@ def corrected_momentum(spec: Spec | None, workers: int, synchronous: bool, corre
         if correction == "off":
             return CorrectedMomentum(spec, (
                 f"{source} (Mitliagkas et al. 2016), and with --momentum-correction off the lr of the master's "
-                f"{spec.name} is not divided by the updates' staleness: on jet images Downpour's default sgd(lr=0.1) "
-                f"so collapsed or never learned in 5 of 5 runs at 8 workers and 3 of 3 at 16; drop --momentum-correction off, or "
-                f"use --algorithm gem or --synchronous"), warning=True)
+                f"{spec.name} is not divided by the updates' staleness: on jet images Downpour's default "
+                f"sgd(lr=0.1) so collapsed or never learned in 5 of 5 runs at 8 workers and 3 of 3 at 16; drop "
+                f"--momentum-correction off, or use --algorithm gem or --synchronous"), warning=True)
         return CorrectedMomentum(spec, (
             f"{source} (Mitliagkas et al. 2016), and the master's {spec.name} has no momentum to lower: the lr "
             f"of each update is divided by 1 + its staleness (Zhang et al. 2016, Jiang et al. 2017), the whole "
             f"lr for an update from the current centre; --momentum-correction off keeps it as given"
-            f"{early_dips_text(workers)}"), stale_lr=True)
+            f"{EARLY_DIPS}"), stale_lr=True)
     if correction == "off":
         if explicit + implicit < 1.0:
             return CorrectedMomentum(spec)
@@ -170,17 +174,6 @@ def corrected_momentum(spec: Spec | None, workers: int, synchronous: bool, corre
         f"{source} (Mitliagkas et al. 2016): the master's momentum {explicit:g} is lowered to "
         f"{corrected:g} so that the total stays {max(explicit, implicit):.2f}; --momentum-correction "
         f"off keeps it as given"))
-
-
-def early_dips_text(workers: int) -> str:
-    """What a Downpour run with as many workers as its early dips were seen at is told
-    (empty below): validations that fall back to chance for a while, then learn on."""
-    if workers < DIPS_SEEN_FROM:
-        return ""
-    return (". The centre's first epochs can still swing: on jet images Downpour's validation fell back to "
-            "chance once or twice within its first 11,000 samples, then learned on, in 6 of 33 runs at 8 "
-            "workers and 7 of 12 at 16; gem, adag and easgd did not (at 16: 0 of 4 each), and --synchronous "
-            "takes no stale step")
 
 
 def worker_momentum_warning(algorithm: str, spec: Spec | None, workers: int, synchronous: bool) -> str:
