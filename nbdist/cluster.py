@@ -526,7 +526,11 @@ class Cluster:
             except Exception:  # noqa: BLE001 - already gone
                 pass
             # A controller stopped while it still starts its schedulers can leave them
-            # orphaned (seen under load after a refused engines job): they go too.
+            # orphaned (seen under load after a refused engines job): they go too, those
+            # forked after the list above included (they are in the controller's group).
+            if controller:
+                listed = {p.pid for p in controller}
+                controller += [p for p in watchdog.process_groups([controller[0].pid]) if p.pid not in listed]
             watchdog.take_down([p for p in controller if p.is_running()], grace=5.0)
         if self.owned:
             for key in list(self._watchdogs):

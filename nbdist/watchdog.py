@@ -114,6 +114,21 @@ def _cancel(job: str | None) -> None:
             pass
 
 
+def process_groups(leaders: list[int]) -> list[psutil.Process]:
+    """The processes of the process groups that `leaders` (pids of processes started in a
+    session of their own: ipyparallel's controller, mpiexec) lead, the leaders' own pids
+    left out. A child forked while its leader was being stopped, and orphaned by it (one of
+    the controller's schedulers), is no longer below the leader but still in its group."""
+    groups, found = set(leaders), []
+    for process in psutil.process_iter():
+        try:
+            if process.pid not in groups and process.pid != os.getpid() and os.getpgid(process.pid) in groups:
+                found.append(process)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
 def watch(parent: psutil.Process, roots: list[psutil.Process], remove: str | None = None,
           scancel: str | None = None) -> bool:
     """Until `parent` dies (then take the tree down and return True) or the roots end (False)."""
@@ -131,6 +146,7 @@ def watch(parent: psutil.Process, roots: list[psutil.Process], remove: str | Non
         if not _alive(parent):
             _cancel(scancel)
             known.update(_tree(roots))
+            known.update({p.pid: p for p in process_groups([r.pid for r in roots])})
             take_down([p for p in known.values() if _alive(p)])
             if remove:
                 try:
