@@ -31,8 +31,8 @@ from mpi4py import MPI  # noqa: E402
 from torch import nn  # noqa: E402
 
 from nbdist.backends.torch import TorchBackend  # noqa: E402
-from nbdist.transport.reducers import MpiReducer  # noqa: E402
 from nbdist.specs import parse_spec  # noqa: E402
+from nbdist.transport.reducers import MpiReducer  # noqa: E402
 
 DATA_SAMPLES = 4096
 
@@ -74,8 +74,12 @@ def hot_loop(comm, sizes, args, bucket_mb: float) -> dict:
     if len(set(checksums)) != 1:
         raise RuntimeError(f"replicas diverged (checksums {checksums}): the reduction is broken")
     samples = args.steps * args.batch_size * size
-    return {"bucket_mb": bucket_mb, "buckets": len(reducer.buckets),
-            "samples_per_s": samples / min(rounds), "median_samples_per_s": samples / float(np.median(rounds))}
+    return {
+        "bucket_mb": bucket_mb,
+        "buckets": len(reducer.buckets),
+        "samples_per_s": samples / min(rounds),
+        "median_samples_per_s": samples / float(np.median(rounds)),
+    }
 
 
 def via_train(comm, sizes, args) -> dict | None:
@@ -89,10 +93,18 @@ def via_train(comm, sizes, args) -> dict | None:
     xv, yv = synthetic(64, sizes[0], sizes[-1], seed=8)
     data = ArrayData(x, y, xv, yv, name="synthetic")
     runs = args.runs_dir or tempfile.mkdtemp(prefix="nbdist-bench-")
-    result = nbdist.train(lambda: mlp(sizes), data=data, comm=comm, topology="allreduce",
-                          epochs=args.train_epochs, batch_size=args.batch_size,
-                          worker_optimizer=f"sgd(lr={args.lr})", runs_dir=runs, quiet=True,
-                          validate_every=10**6)  # nbdist's default bucket size
+    result = nbdist.train(
+        lambda: mlp(sizes),
+        data=data,
+        comm=comm,
+        topology="allreduce",
+        epochs=args.train_epochs,
+        batch_size=args.batch_size,
+        worker_optimizer=f"sgd(lr={args.lr})",
+        runs_dir=runs,
+        quiet=True,
+        validate_every=10**6,
+    )  # nbdist's default bucket size
     if result is None:
         return None
     middle = result.history[1:-1] or result.history[-1:]
@@ -103,8 +115,11 @@ def via_train(comm, sizes, args) -> dict | None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--plan", required=True,
-                   help='JSON: {"small": {"steps":..,"warmup":..,"rounds":..,"buckets":[..],"train_steps":..}, ...}')
+    p.add_argument(
+        "--plan",
+        required=True,
+        help='JSON: {"small": {"steps":..,"warmup":..,"rounds":..,"buckets":[..],"train_steps":..}, ...}',
+    )
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--train-epochs", type=int, default=0, help="also run nbdist.train (0: skip)")

@@ -13,8 +13,8 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import numpy as np
 
@@ -135,8 +135,9 @@ def run_mpi(n: int, argv: list[str], *, timeout: float = 300) -> list[dict]:
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
         raise SystemExit(f"{' '.join(cmd)} failed with exit code {proc.returncode}")
-    results = [json.loads(line[len(RESULT_PREFIX):]) for line in proc.stdout.splitlines()
-               if line.startswith(RESULT_PREFIX)]
+    results = [
+        json.loads(line[len(RESULT_PREFIX) :]) for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)
+    ]
     if not results:
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
         raise SystemExit(f"{' '.join(cmd)} printed no result")

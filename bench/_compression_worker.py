@@ -29,10 +29,20 @@ from nbdist.metrics import read_log  # noqa: E402
 def one_run(comm, compression: str, args) -> dict | None:
     sizes = (64, *MLPS["large"][1:])
     runs = args.runs_dir or tempfile.mkdtemp(prefix="nbdist-bench-")
-    result = nbdist.train(lambda: mlp(sizes), data=digits(), comm=comm, topology="allreduce",
-                          epochs=args.epochs, batch_size=args.batch_size, compression=compression,
-                          worker_optimizer=f"adam(lr={args.lr})", runs_dir=runs,
-                          run_name=f"compression-{compression}", quiet=True, seed=0)
+    result = nbdist.train(
+        lambda: mlp(sizes),
+        data=digits(),
+        comm=comm,
+        topology="allreduce",
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        compression=compression,
+        worker_optimizer=f"adam(lr={args.lr})",
+        runs_dir=runs,
+        run_name=f"compression-{compression}",
+        quiet=True,
+        seed=0,
+    )
     if result is None:
         return None
     later = result.history[1:] or result.history
@@ -40,14 +50,18 @@ def one_run(comm, compression: str, args) -> dict | None:
     seconds = sum(h["seconds"] for h in later)
     steps = len(result.history) * math.ceil(result.history[0]["samples"] / (args.batch_size * comm.Get_size()))
     sent = sum(r["values"].get("bytes_sent", 0) for r in read_log(result.run_dir, "train") if r["rank"] == 0)
-    return {"compression": compression, "samples_per_s": samples / seconds,
-            "val_acc": result.final["val_acc"], "bytes_per_step": sent / steps,
-            "params": sum(p.numel() for p in mlp(sizes).parameters())}
+    return {
+        "compression": compression,
+        "samples_per_s": samples / seconds,
+        "val_acc": result.final["val_acc"],
+        "bytes_per_step": sent / steps,
+        "params": sum(p.numel() for p in mlp(sizes).parameters()),
+    }
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--plan", required=True, help='JSON list of --compression values')
+    p.add_argument("--plan", required=True, help="JSON list of --compression values")
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-3)

@@ -51,12 +51,19 @@ def allreduce(comm, sizes, args, request: DeviceRequest, precision: str) -> dict
     backend = TorchBackend(mlp(sizes), nn.CrossEntropyLoss(), precision=precision)
     backend.place(request)
     opt = backend.make_optimizer(parse_spec(f"sgd(lr={args.lr})"))
-    reducer = make_reducer(args.allreduce_backend, comm, backend, max(1, int(args.bucket_mb * 2**20 / 4)),
-                           Collectives(lambda: WAIT_SECONDS))
+    reducer = make_reducer(
+        args.allreduce_backend,
+        comm,
+        backend,
+        max(1, int(args.bucket_mb * 2**20 / 4)),
+        Collectives(lambda: WAIT_SECONDS),
+    )
     x_np, y_np = synthetic(DATA_SAMPLES, sizes[0], sizes[-1], seed=1 + rank)
     x_all, y_all = torch.from_numpy(x_np).to(backend.device), torch.from_numpy(y_np).to(backend.device)
-    batches = [torch.from_numpy(b).to(backend.device) for b in batch_indices(DATA_SAMPLES, args.batch_size, 64,
-                                                                             seed=100 + rank)]
+    batches = [
+        torch.from_numpy(b).to(backend.device)
+        for b in batch_indices(DATA_SAMPLES, args.batch_size, 64, seed=100 + rank)
+    ]
     trailer = np.zeros(4, np.float32)
 
     def step(k: int) -> None:
@@ -119,8 +126,9 @@ def staging(comm, floats: int, args, request: DeviceRequest) -> list[dict]:
             trip()
         _synchronize(device)
         seconds = (time.perf_counter() - t0) / args.steps
-        results.append({"floats": floats, "way": out.way, "ms_per_trip": seconds * 1e3,
-                        "gb_per_s": 2 * 4 * floats / seconds / 1e9})
+        results.append(
+            {"floats": floats, "way": out.way, "ms_per_trip": seconds * 1e3, "gb_per_s": 2 * 4 * floats / seconds / 1e9}
+        )
     return results
 
 
@@ -139,8 +147,11 @@ def main() -> None:
     comm = MPI.COMM_WORLD
     request = DeviceRequest(args.device, local_rank(comm))
     if args.part == "allreduce":
-        results = {f"{model}/{precision}": allreduce(comm, MLPS[model], run, request, precision)
-                   for model in plan["models"] for precision in plan["precisions"]}
+        results = {
+            f"{model}/{precision}": allreduce(comm, MLPS[model], run, request, precision)
+            for model in plan["models"]
+            for precision in plan["precisions"]
+        }
     else:
         results = [r for floats in plan["floats"] for r in staging(comm, floats, run, request)]
     if comm.Get_rank() == (0 if args.part == "allreduce" else 1):

@@ -81,8 +81,16 @@ def protocol_worker(ctx, epochs: int, steps: int) -> None:
     version = 0
     for epoch in range(epochs):
         for step in range(steps):
-            out.header[: m.CHECKPOINT + 1] = (m.UPDATE, version, epoch, 1, 2.3, 0.0,
-                                              m.EPOCH_END if step == steps - 1 else 0, m.NO_CHECKPOINT)
+            out.header[: m.CHECKPOINT + 1] = (
+                m.UPDATE,
+                version,
+                epoch,
+                1,
+                2.3,
+                0.0,
+                m.EPOCH_END if step == steps - 1 else 0,
+                m.NO_CHECKPOINT,
+            )
             header_req = block.Irecv(reply_header, source=0, tag=m.TAG_REPLY_HEADER)
             payload_req = block.Irecv(reply_payload, source=0, tag=m.TAG_REPLY)
             for part, tag in out.parts():
@@ -134,10 +142,20 @@ def measure(comm, params: int, optimizer: str, updates: int, workers: str, runs:
     n_workers = comm.Get_size() - 1
     epochs = 2
     steps = max(2, updates // epochs)
-    options = TrainOptions(topology="master-worker", algorithm="downpour", workers=n_workers,
-                           epochs=epochs, batch_size=1, sync_every=1, master_optimizer=optimizer,
-                           validate_every=10**6, runs_dir=runs, checkpoint_every=0,
-                           quiet=True, trace_updates=True)
+    options = TrainOptions(
+        topology="master-worker",
+        algorithm="downpour",
+        workers=n_workers,
+        epochs=epochs,
+        batch_size=1,
+        sync_every=1,
+        master_optimizer=optimizer,
+        validate_every=10**6,
+        runs_dir=runs,
+        checkpoint_every=0,
+        quiet=True,
+        trace_updates=True,
+    )
     ctx = prepare(options, definition(params, n_workers * steps), comm, StopFlag())
     assert ctx.backend.num_params == params
     try:
@@ -158,22 +176,32 @@ def measure(comm, params: int, optimizer: str, updates: int, workers: str, runs:
         return None
     times = np.array([r["time"] for r in read_log(ctx.run_dir, "update")])
     phases = [r["values"] for r in read_log(ctx.run_dir, "phase")][-1]
-    window = times[len(times) // 5:]  # the first fifth is warm-up
+    window = times[len(times) // 5 :]  # the first fifth is warm-up
     steady = np.diff(window)
     count = len(times)
-    return {"params": params, "optimizer": optimizer, "workers": workers, "updates": count,
-            "ms_per_update": float(np.mean(steady)) * 1e3, "median_ms": float(np.median(steady)) * 1e3,
-            "cpu_ms_per_update": cpu.seconds_between(window[0], window[-1]) / len(steady) * 1e3,
-            "wait_ms": phases["wait"] / count * 1e3, "apply_ms": phases["update"] / count * 1e3,
-            "reply_ms": phases["reply"] / count * 1e3, "run_s": total,
-            "memcpy_ms": (copy_before + copy_after) / 2}
+    return {
+        "params": params,
+        "optimizer": optimizer,
+        "workers": workers,
+        "updates": count,
+        "ms_per_update": float(np.mean(steady)) * 1e3,
+        "median_ms": float(np.median(steady)) * 1e3,
+        "cpu_ms_per_update": cpu.seconds_between(window[0], window[-1]) / len(steady) * 1e3,
+        "wait_ms": phases["wait"] / count * 1e3,
+        "apply_ms": phases["update"] / count * 1e3,
+        "reply_ms": phases["reply"] / count * 1e3,
+        "run_s": total,
+        "memcpy_ms": (copy_before + copy_after) / 2,
+    }
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--configs", required=True,
-                   help='JSON list of {"params": N, "optimizer": spec, "updates": per worker, '
-                        '"workers": "protocol" | "real"}')
+    p.add_argument(
+        "--configs",
+        required=True,
+        help='JSON list of {"params": N, "optimizer": spec, "updates": per worker, "workers": "protocol" | "real"}',
+    )
     p.add_argument("--runs-dir", default=None)
     args = p.parse_args()
 

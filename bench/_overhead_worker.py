@@ -28,18 +28,27 @@ def main() -> None:
     p.add_argument("--busy-poll", default="auto")
     args = p.parse_args()
 
-    import nbdist
     from overhead import MODELS, load_data, plain_loop
+
+    import nbdist
 
     if args.topology == "plain":
         emit({"history": plain_loop(args.model, args.epochs, args.batch_size)})
         return
 
-    options = dict(epochs=args.epochs, batch_size=args.batch_size, runs_dir=args.runs_dir, quiet=True,
-                   validate_every=10**6, seed=0, busy_poll=args.busy_poll)
+    options = dict(
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        runs_dir=args.runs_dir,
+        quiet=True,
+        validate_every=10**6,
+        seed=0,
+        busy_poll=args.busy_poll,
+    )
     if args.topology == "master-worker":
-        options.update(topology="master-worker", algorithm="downpour", workers=1, sync_every=1,
-                       master_optimizer=args.optimizer)
+        options.update(
+            topology="master-worker", algorithm="downpour", workers=1, sync_every=1, master_optimizer=args.optimizer
+        )
     else:
         options.update(topology="allreduce", worker_optimizer=args.optimizer)
     result = nbdist.train(MODELS[args.model], data=load_data(args.model), **options)

@@ -50,8 +50,9 @@ def cut(model: nn.Sequential, count: int) -> list[nn.Module]:
     def bounds(cuts: tuple[int, ...]) -> list[tuple[int, int]]:
         return list(zip((0, *cuts), (*cuts, len(blocks))))
 
-    best = min(combinations(range(1, len(blocks)), count - 1),
-               key=lambda cuts: max(sum(sizes[a:b]) for a, b in bounds(cuts)))
+    best = min(
+        combinations(range(1, len(blocks)), count - 1), key=lambda cuts: max(sum(sizes[a:b]) for a, b in bounds(cuts))
+    )
     return [nn.Sequential(*(m for block in blocks[a:b] for m in block)) for a, b in bounds(best)]
 
 
@@ -83,8 +84,9 @@ def main() -> None:
         runner = None
     else:
         backend = TorchStage(cut(model, count)[stage], stage, count)
-        runner = StageRunner(backend, StageLinks(comm, Collectives(lambda: 300.0), stage, count),
-                             args.schedule, args.micro_batches)
+        runner = StageRunner(
+            backend, StageLinks(comm, Collectives(lambda: 300.0), stage, count), args.schedule, args.micro_batches
+        )
 
         def gradients(x, y):
             runner.gradients(x if stage == 0 else None, y)
@@ -113,9 +115,17 @@ def main() -> None:
             if runner:
                 idle, busy = runner.idle_s - idle0, runner.busy_s - busy0
                 idle_of_best = idle / (idle + busy)
-    emit({"stage": stage, "stages": count, "params": backend.num_params,
-          "samples_per_s": args.steps * args.batch_size / best, "bubble": idle_of_best,
-          "samples": args.steps * args.batch_size, "cpu_s": cpu_of_best})
+    emit(
+        {
+            "stage": stage,
+            "stages": count,
+            "params": backend.num_params,
+            "samples_per_s": args.steps * args.batch_size / best,
+            "bubble": idle_of_best,
+            "samples": args.steps * args.batch_size,
+            "cpu_s": cpu_of_best,
+        }
+    )
 
 
 if __name__ == "__main__":

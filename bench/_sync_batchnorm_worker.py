@@ -27,9 +27,17 @@ def main() -> None:
 
     for round_ in range(args.rounds):
         for synchronised in (False, True):
-            result = nbdist.train(str(ROOT / "examples" / "digits_cnn.py"), topology="allreduce", epochs=args.epochs,
-                                  sync_batchnorm=synchronised, validate_every=10**6, seed=0, quiet=True,
-                                  runs_dir=args.runs_dir, store="off")
+            result = nbdist.train(
+                str(ROOT / "examples" / "digits_cnn.py"),
+                topology="allreduce",
+                epochs=args.epochs,
+                sync_batchnorm=synchronised,
+                validate_every=10**6,
+                seed=0,
+                quiet=True,
+                runs_dir=args.runs_dir,
+                store="off",
+            )
             if result is not None:
                 emit({"round": round_, "synchronised": synchronised, "history": result.history})
 

@@ -79,8 +79,10 @@ def _ddp_rank(rank: int, world: int, port: int, plan: dict, cfg: dict, queue) ->
                 dist.barrier()
                 rounds.append(time.perf_counter() - t0)
             samples = p["steps"] * cfg["batch_size"] * world
-            results[model] = {"samples_per_s": samples / min(rounds),
-                              "median_samples_per_s": samples / float(np.median(rounds))}
+            results[model] = {
+                "samples_per_s": samples / min(rounds),
+                "median_samples_per_s": samples / float(np.median(rounds)),
+            }
             del net, opt
         if rank == 0:
             queue.put(results)
@@ -105,8 +107,17 @@ def run_ddp(plan: dict, cfg: dict) -> dict:
 
 # ----------------------------------------------------------------------------- nbdist side
 def run_nbdist(plan: dict, cfg: dict, train_epochs: int) -> dict:
-    argv = [str(Path(__file__).with_name("_allreduce_worker.py")), "--plan", json.dumps(plan),
-            "--batch-size", str(cfg["batch_size"]), "--lr", str(cfg["lr"]), "--train-epochs", str(train_epochs)]
+    argv = [
+        str(Path(__file__).with_name("_allreduce_worker.py")),
+        "--plan",
+        json.dumps(plan),
+        "--batch-size",
+        str(cfg["batch_size"]),
+        "--lr",
+        str(cfg["lr"]),
+        "--train-epochs",
+        str(train_epochs),
+    ]
     with tempfile.TemporaryDirectory(prefix="nbdist-bench-") as runs:
         return run_mpi(RANKS, argv + ["--runs-dir", runs])[0]["models"]
 
@@ -119,10 +130,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer steps, bucket sizes and launches (about 40 s)")
     p.add_argument("--batch-size", type=int, default=32, help="samples per rank per step (default 32)")
-    p.add_argument("--buckets", type=float, nargs="+", default=None,
-                   help="bucket sizes (MB) for the large model's sweep (default 0.5 2 8 32)")
-    p.add_argument("--launches", type=int, default=None,
-                   help="alternating nbdist/DDP launches, best kept (default 2, quick 1)")
+    p.add_argument(
+        "--buckets",
+        type=float,
+        nargs="+",
+        default=None,
+        help="bucket sizes (MB) for the large model's sweep (default 0.5 2 8 32)",
+    )
+    p.add_argument(
+        "--launches", type=int, default=None, help="alternating nbdist/DDP launches, best kept (default 2, quick 1)"
+    )
     args = p.parse_args()
 
     header(f"nbdist allreduce vs PyTorch DDP (gloo), {RANKS} ranks, SGD, batch {args.batch_size}/rank")
@@ -131,15 +148,23 @@ def main() -> None:
     if DEFAULT_BUCKET_MB not in sweep:
         sweep = [DEFAULT_BUCKET_MB, *sweep]
     plan = {
-        "small": dict(steps=200 if q else 500, warmup=30 if q else 50, rounds=3 if q else 5,
-                      buckets=[DEFAULT_BUCKET_MB], train_steps=100 if q else 200),
-        "large": dict(steps=5 if q else 8, warmup=2 if q else 3, rounds=2 if q else 3,
-                      buckets=sweep, train_steps=8 if q else 10),
+        "small": dict(
+            steps=200 if q else 500,
+            warmup=30 if q else 50,
+            rounds=3 if q else 5,
+            buckets=[DEFAULT_BUCKET_MB],
+            train_steps=100 if q else 200,
+        ),
+        "large": dict(
+            steps=5 if q else 8, warmup=2 if q else 3, rounds=2 if q else 3, buckets=sweep, train_steps=8 if q else 10
+        ),
     }
     cfg = dict(batch_size=args.batch_size, lr=0.01)
     launches = args.launches or (1 if q else 2)
-    print(f"   models: small {MLPS['small']} = {count_params(MLPS['small']):,} parameters, "
-          f"large {MLPS['large']} = {count_params(MLPS['large']):,} parameters")
+    print(
+        f"   models: small {MLPS['small']} = {count_params(MLPS['small']):,} parameters, "
+        f"large {MLPS['large']} = {count_params(MLPS['large']):,} parameters"
+    )
     print(f"   {launches} alternating launch(es) per side; each keeps its best round after warm-up")
 
     nb: dict = {m: {"loops": {}, "train": None} for m in plan}
@@ -168,8 +193,15 @@ def main() -> None:
             t = nb[model]["train"]["samples_per_s"]
             rows.append([label, "nbdist.train (run_allreduce)", t, d, t / d])
     for mb, r in sorted(nb["large"]["loops"].items()):
-        sweep_rows.append([mb, r["buckets"], r["samples_per_s"], r["median_samples_per_s"],
-                           r["samples_per_s"] / ddp["large"]["samples_per_s"]])
+        sweep_rows.append(
+            [
+                mb,
+                r["buckets"],
+                r["samples_per_s"],
+                r["median_samples_per_s"],
+                r["samples_per_s"] / ddp["large"]["samples_per_s"],
+            ]
+        )
     table(rows, ["model", "nbdist measured as", "nbdist samples/s", "DDP samples/s", "ratio"])
     print("large MLP, bucket sizes (nbdist hot loop; a bucket never splits a tensor; DDP: its default 25 MB):")
     table(sweep_rows, ["bucket MB", "buckets", "best samples/s", "median samples/s", "vs DDP"])

@@ -31,9 +31,28 @@ TOPOLOGIES = {"allreduce": ["--topology", "allreduce"], "master-worker": []}
 
 
 def train(source: Path, runs: Path, name: str, ranks: int, epochs: int, argv: list[str]) -> Path:
-    cmd = mpiexec_command(ranks, ["-m", "nbdist", "train", "--model", str(ROOT / "examples" / "digits_mlp.py"),
-                                  "--epochs", str(epochs), "--checkpoint-every", "1", "--runs-dir", str(runs),
-                                  "--run-name", name, "--store", "off", "--quiet", *argv])
+    cmd = mpiexec_command(
+        ranks,
+        [
+            "-m",
+            "nbdist",
+            "train",
+            "--model",
+            str(ROOT / "examples" / "digits_mlp.py"),
+            "--epochs",
+            str(epochs),
+            "--checkpoint-every",
+            "1",
+            "--runs-dir",
+            str(runs),
+            "--run-name",
+            name,
+            "--store",
+            "off",
+            "--quiet",
+            *argv,
+        ],
+    )
     env = mpi_env()
     env["PYTHONPATH"] = str(source)  # that checkout's nbdist, whatever is installed
     done = subprocess.run(cmd, cwd=source, env=env, capture_output=True, text=True, timeout=900)
@@ -49,9 +68,13 @@ def disk_use(run: Path) -> dict[str, int]:
     stats = [os.stat(p) for p in files]
     kept = [p for p in (run / "checkpoints").iterdir() if p.is_dir() and not p.name.startswith(".")]
     latest = json.loads((run / "checkpoints" / "LATEST.json").read_text())["label"]
-    return {"checkpoints": len(kept), "files": len(files), "bytes": sum(s.st_size for s in stats),
-            "disk": sum(s.st_blocks * 512 for s in stats),
-            "latest": sum(p.stat().st_size for p in (run / "checkpoints" / latest).iterdir())}
+    return {
+        "checkpoints": len(kept),
+        "files": len(files),
+        "bytes": sum(s.st_size for s in stats),
+        "disk": sum(s.st_blocks * 512 for s in stats),
+        "latest": sum(p.stat().st_size for p in (run / "checkpoints" / latest).iterdir()),
+    }
 
 
 def main() -> None:
@@ -66,17 +89,29 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="nbdist-ckpt-disk-") as tmp:
         for code, source in sources.items():
             for topology, argv in TOPOLOGIES.items():
-                run = train(source, Path(tmp) / code.strip("-").replace(" ", "-"), topology, args.ranks,
-                            args.epochs, argv)
+                run = train(
+                    source, Path(tmp) / code.strip("-").replace(" ", "-"), topology, args.ranks, args.epochs, argv
+                )
                 use = used[code, topology] = disk_use(run)
-                rows.append([code, topology, use["checkpoints"], use["files"], f"{use['bytes'] / 1024:,.0f}",
-                             f"{use['disk'] / 1024:,.0f}", f"{use['latest'] / 1024:,.0f}"])
+                rows.append(
+                    [
+                        code,
+                        topology,
+                        use["checkpoints"],
+                        use["files"],
+                        f"{use['bytes'] / 1024:,.0f}",
+                        f"{use['disk'] / 1024:,.0f}",
+                        f"{use['latest'] / 1024:,.0f}",
+                    ]
+                )
     table(rows, ["code", "topology", "checkpoints", "files", "KiB in files", "KiB on disk", "KiB in the latest"])
     if args.before:
         for topology in TOPOLOGIES:
             now, then = used["this checkout", topology], used["--before", topology]
-            print(f"{topology}: {then['bytes'] / now['bytes']:.1f}x fewer bytes, "
-                  f"{then['disk'] / now['disk']:.1f}x less disk than before")
+            print(
+                f"{topology}: {then['bytes'] / now['bytes']:.1f}x fewer bytes, "
+                f"{then['disk'] / now['disk']:.1f}x less disk than before"
+            )
 
 
 if __name__ == "__main__":

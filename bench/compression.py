@@ -30,22 +30,42 @@ COMPRESSIONS = ["none", "fp16", "bf16", "topk(0.01)", "powersgd(4)"]
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="3 epochs per compression instead of --epochs")
-    p.add_argument("--epochs", type=int, default=20,
-                   help="epochs per compression (default 20: 240 steps, enough for the MLP to learn digits)")
+    p.add_argument(
+        "--epochs",
+        type=int,
+        default=20,
+        help="epochs per compression (default 20: 240 steps, enough for the MLP to learn digits)",
+    )
     args = p.parse_args()
     epochs = 3 if args.quick else args.epochs
     header(f"--compression on {RANKS} allreduce ranks, large MLP on digits, {epochs} epochs each")
-    argv = [str(Path(__file__).with_name("_compression_worker.py")), "--plan", json.dumps(COMPRESSIONS),
-            "--epochs", str(epochs)]
+    argv = [
+        str(Path(__file__).with_name("_compression_worker.py")),
+        "--plan",
+        json.dumps(COMPRESSIONS),
+        "--epochs",
+        str(epochs),
+    ]
     with tempfile.TemporaryDirectory(prefix="nbdist-bench-") as runs:
         runs_out = run_mpi(RANKS, argv + ["--runs-dir", runs], timeout=3000)[0]["runs"]
     base = runs_out[0]
     print(f"{base['params']:,} parameters: {4 * base['params'] / 1e6:.1f} MB of fp32 gradient per step")
-    rows = [[r["compression"], r["bytes_per_step"] / 1e6, base["bytes_per_step"] / r["bytes_per_step"],
-             r["samples_per_s"], r["samples_per_s"] / base["samples_per_s"], r["val_acc"],
-             r["val_acc"] - base["val_acc"]] for r in runs_out]
-    table(rows, ["compression", "MB sent/rank/step", "x less than none", "samples/s", "x none",
-                 "final val_acc", "vs none"])
+    rows = [
+        [
+            r["compression"],
+            r["bytes_per_step"] / 1e6,
+            base["bytes_per_step"] / r["bytes_per_step"],
+            r["samples_per_s"],
+            r["samples_per_s"] / base["samples_per_s"],
+            r["val_acc"],
+            r["val_acc"] - base["val_acc"],
+        ]
+        for r in runs_out
+    ]
+    table(
+        rows,
+        ["compression", "MB sent/rank/step", "x less than none", "samples/s", "x none", "final val_acc", "vs none"],
+    )
 
 
 if __name__ == "__main__":

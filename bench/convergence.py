@@ -99,10 +99,26 @@ def jet_sample(cache: Path) -> tuple[str, str]:
     out = cache / f"jets-{JETS['signal']}-{JETS['events']}-{JETS['files']}"
     if not (out / "done").exists():
         print(f"   generating the jet sample in {out} (once; a few minutes)", flush=True)
-        subprocess.run([sys.executable, "-m", "nbdist", "datasets", "jet-images", "--out", str(out),
-                        "--signal", JETS["signal"], "--events", str(JETS["events"]),
-                        "--files", str(JETS["files"]), "--overwrite"],
-                       check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "nbdist",
+                "datasets",
+                "jet-images",
+                "--out",
+                str(out),
+                "--signal",
+                JETS["signal"],
+                "--events",
+                str(JETS["events"]),
+                "--files",
+                str(JETS["files"]),
+                "--overwrite",
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
         (out / "done").write_text("ok\n")
     return str(out / "train_*.h5"), str(out / "val_*.h5")
 
@@ -115,8 +131,26 @@ def train(algorithm: str, workers: int, seed: int, extra: list[str], runs_dir: P
         ranks, rule = workers, ["--topology", "allreduce"]
     else:
         ranks, rule = workers + 1, ["--algorithm", algorithm]
-    argv = [sys.executable, "-m", "nbdist", "launch", "-n", str(ranks), "train", *rule, "--seed", str(seed),
-            "--runs-dir", str(runs_dir), "--run-name", name, "--quiet", "--checkpoint-every", "0", *extra]
+    argv = [
+        sys.executable,
+        "-m",
+        "nbdist",
+        "launch",
+        "-n",
+        str(ranks),
+        "train",
+        *rule,
+        "--seed",
+        str(seed),
+        "--runs-dir",
+        str(runs_dir),
+        "--run-name",
+        name,
+        "--quiet",
+        "--checkpoint-every",
+        "0",
+        *extra,
+    ]
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=RUN_DEADLINE)
     except subprocess.TimeoutExpired:
@@ -155,15 +189,29 @@ def say(run: Run, seconds: float) -> None:
     state += staleness_text(run.staleness)
     print(f"   {run.algorithm:9s} {run.workers:2d} workers seed {run.seed}: {state} ({seconds:.0f} s)", flush=True)
     if run.collapsed and run.curve:  # where it fell, whether it came back, and how (the loss)
-        print("      val acc/loss by samples: " + " ".join(
-            f"{n // 1000}k:{acc:.2f}/{run.losses.get(n, float('nan')):.2f}" for n, acc in run.curve), flush=True)
+        print(
+            "      val acc/loss by samples: "
+            + " ".join(f"{n // 1000}k:{acc:.2f}/{run.losses.get(n, float('nan')):.2f}" for n, acc in run.curve),
+            flush=True,
+        )
 
 
 # ----------------------------------------------------------------------------- jets
 def jets(args: argparse.Namespace, runs_dir: Path) -> bool:
     train_glob, val_glob = jet_sample(Path(args.cache).expanduser())
-    extra = ["--model", JET_MODEL, "--train", train_glob, "--val", val_glob, "--epochs", str(args.epochs),
-             "--batch-size", "32", *args.extra]
+    extra = [
+        "--model",
+        JET_MODEL,
+        "--train",
+        train_glob,
+        "--val",
+        val_glob,
+        "--epochs",
+        str(args.epochs),
+        "--batch-size",
+        "32",
+        *args.extra,
+    ]
     if args.validate_every_samples:
         extra += ["--validate-every-samples", str(args.validate_every_samples)]
     seeds = range(args.seeds)
@@ -171,7 +219,7 @@ def jets(args: argparse.Namespace, runs_dir: Path) -> bool:
     for algorithm in args.algorithms:
         runs: dict[int, list[Run]] = {}
         runs[1] = []
-        for workers in ((args.workers,) if args.no_single else (1, args.workers)):
+        for workers in (args.workers,) if args.no_single else (1, args.workers):
             runs[workers] = []
             for seed in seeds:
                 t0 = time.perf_counter()
@@ -181,14 +229,24 @@ def jets(args: argparse.Namespace, runs_dir: Path) -> bool:
         rows.append(row)
         met &= ok
     print()
-    print(f"== jets: best val acc and samples to {REACH:.0%} of the 1-worker best, 1 vs {args.workers} workers, "
-          f"{args.seeds} seeds, {args.epochs} epochs, batch 32 per worker")
-    table(rows, ["algorithm", "best, 1 w", f"best, {args.workers} w", "gap (points)",
-                 f"samples to {REACH:.0%}, {args.workers} w / 1 w", f"collapsed ({args.workers} w)",
-                 "collapsed (1 w)"])
+    print(
+        f"== jets: best val acc and samples to {REACH:.0%} of the 1-worker best, 1 vs {args.workers} workers, "
+        f"{args.seeds} seeds, {args.epochs} epochs, batch 32 per worker"
+    )
+    table(
+        rows,
+        [
+            "algorithm",
+            "best, 1 w",
+            f"best, {args.workers} w",
+            "gap (points)",
+            f"samples to {REACH:.0%}, {args.workers} w / 1 w",
+            f"collapsed ({args.workers} w)",
+            "collapsed (1 w)",
+        ],
+    )
     if not args.no_single:
-        print(f"aim gap <= {GAP_AIM:g} point, samples <= {SAMPLES_AIM:g}x, no collapse: "
-              f"{'met' if met else 'not met'}")
+        print(f"aim gap <= {GAP_AIM:g} point, samples <= {SAMPLES_AIM:g}x, no collapse: {'met' if met else 'not met'}")
     return met
 
 
@@ -217,8 +275,12 @@ def summarise(algorithm: str, single: list[Run], many: list[Run]) -> tuple[list,
 def digits(args: argparse.Namespace, runs_dir: Path) -> None:
     momentum = ["--master-optimizer", "sgd(lr=0.05, momentum=0.9)"]
     setups = {
-        "downpour, master momentum 0.9 as given (--momentum-correction off)":
-            ["downpour", *momentum, "--momentum-correction", "off"],
+        "downpour, master momentum 0.9 as given (--momentum-correction off)": [
+            "downpour",
+            *momentum,
+            "--momentum-correction",
+            "off",
+        ],
         "downpour, master momentum 0.9 corrected (the default)": ["downpour", *momentum],
         "gem (defaults)": ["gem"],
     }
@@ -230,8 +292,13 @@ def digits(args: argparse.Namespace, runs_dir: Path) -> None:
             finals = []
             for seed in range(args.digits_seeds):
                 t0 = time.perf_counter()
-                run = train(algorithm, workers, seed,
-                            ["--model", DIGITS_MODEL, "--epochs", "20", *options, *args.extra], runs_dir)
+                run = train(
+                    algorithm,
+                    workers,
+                    seed,
+                    ["--model", DIGITS_MODEL, "--epochs", "20", *options, *args.extra],
+                    runs_dir,
+                )
                 say(run, time.perf_counter() - t0)
                 finals.append(run.curve[-1][1] if run.curve else float("nan"))
             row.append(statistics.fmean(finals))
@@ -248,13 +315,20 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--epochs", type=int, default=12)
     parser.add_argument("--algorithms", default=",".join(ALGORITHMS))
-    parser.add_argument("--validate-every-samples", type=int, default=1200,
-                        help="validate every N samples as well as each epoch (finer samples-to-accuracy; 0: per epoch only)")
+    parser.add_argument(
+        "--validate-every-samples",
+        type=int,
+        default=1200,
+        help="validate every N samples as well as each epoch (finer samples-to-accuracy; 0: per epoch only)",
+    )
     parser.add_argument("--digits-seeds", type=int, default=None)
     parser.add_argument("--no-jets", action="store_true")
     parser.add_argument("--no-digits", action="store_true")
-    parser.add_argument("--no-single", action="store_true",
-                        help="skip the 1-worker runs (collapses at --workers only; no gap or samples ratio)")
+    parser.add_argument(
+        "--no-single",
+        action="store_true",
+        help="skip the 1-worker runs (collapses at --workers only; no gap or samples ratio)",
+    )
     parser.add_argument("--cache", default="~/.cache/nbdist/bench", help="where the jet sample is kept")
     parser.add_argument("--extra", default="", help="more train options for every run, e.g. '--lr-scaling sqrt'")
     args = parser.parse_args()
@@ -264,7 +338,9 @@ def main() -> None:
     args.extra = shlex.split(args.extra)  # quoted values keep their spaces: "sgd(lr=0.05, momentum=0.5)"
     unknown = sorted(set(args.algorithms) - set(ALGORITHMS + OTHER_ALGORITHMS))
     if unknown:
-        parser.error(f"unknown algorithm(s) {', '.join(unknown)}; choose from {', '.join(ALGORITHMS + OTHER_ALGORITHMS)}")
+        parser.error(
+            f"unknown algorithm(s) {', '.join(unknown)}; choose from {', '.join(ALGORITHMS + OTHER_ALGORITHMS)}"
+        )
     header("convergence: 1 worker against many, samples to accuracy, collapses")
     print(f"   {time.strftime('%Y-%m-%d')}", flush=True)
     with tempfile.TemporaryDirectory(prefix="nbdist-convergence-") as tmp:

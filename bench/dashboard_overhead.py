@@ -66,8 +66,14 @@ def middle_throughput(job, after: float = 0.0) -> float:
 def train(cluster, epochs: int, runs_dir: str):
     import nbdist
 
-    return nbdist.train(str(ROOT / "examples" / "digits_cnn.py"), cluster=cluster, topology="allreduce",
-                        epochs=epochs, quiet=True, runs_dir=runs_dir)
+    return nbdist.train(
+        str(ROOT / "examples" / "digits_cnn.py"),
+        cluster=cluster,
+        topology="allreduce",
+        epochs=epochs,
+        quiet=True,
+        runs_dir=runs_dir,
+    )
 
 
 def with_dashboard(cluster, epochs: int, runs_dir: str, browser) -> tuple[float, int, float, float]:
@@ -85,8 +91,14 @@ def with_dashboard(cluster, epochs: int, runs_dir: str, browser) -> tuple[float,
     job = train(cluster, epochs, runs_dir)
     board = dashboard(job=job)
     port, token = free_port("127.0.0.1"), dashboard_token()
-    server = pn.serve({"job": lambda: board.start().page}, port=port, address="127.0.0.1", show=False,
-                      threaded=True, auth_provider=TokenAuth(token))
+    server = pn.serve(
+        {"job": lambda: board.start().page},
+        port=port,
+        address="127.0.0.1",
+        show=False,
+        threaded=True,
+        auth_provider=TokenAuth(token),
+    )
     page = browser.new_page(viewport={"width": 1150, "height": 2000})
     deadline = time.monotonic() + 60
     while True:  # the server thread starts listening a moment later
@@ -132,9 +144,17 @@ def main() -> int:
     header("dashboard overhead: digits CNN, allreduce on a 4-engine notebook cluster, dashboard off vs on")
     off, on, received, costs = [], [], [], []
     with tempfile.TemporaryDirectory() as runs_dir, nbdist.Cluster(n=4) as cluster, sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-            "--disable-sync", "--no-first-run"])
+        browser = pw.chromium.launch(
+            executable_path=CHROMIUM,
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--no-first-run",
+            ],
+        )
         train(cluster, 2, runs_dir).wait()  # warm-up: imports and first-touch on every engine
         for _ in range(rounds):
             off.append(middle_throughput(train(cluster, epochs, runs_dir).wait()))
@@ -144,9 +164,13 @@ def main() -> int:
             costs.append((client_cpu, browser_cpu))
         browser.close()
     ratio = statistics.median(on) / statistics.median(off)
-    table([[f"round {i + 1}", f"{a:,.0f}", f"{b:,.0f}", f"{b / a:.3f}", n, f"{c:.2f}", f"{w:.2f}"]
-           for i, (a, b, n, (c, w)) in enumerate(zip(off, on, received, costs))],
-          ["", "off samples/s", "on samples/s", "on/off", "points drawn", "client cpu/s", "chromium cpu/s"])
+    table(
+        [
+            [f"round {i + 1}", f"{a:,.0f}", f"{b:,.0f}", f"{b / a:.3f}", n, f"{c:.2f}", f"{w:.2f}"]
+            for i, (a, b, n, (c, w)) in enumerate(zip(off, on, received, costs))
+        ],
+        ["", "off samples/s", "on samples/s", "on/off", "points drawn", "client cpu/s", "chromium cpu/s"],
+    )
     print(f"median: off {statistics.median(off):,.0f} samples/s, on {statistics.median(on):,.0f} samples/s")
     aim("dashboard on vs off, training throughput", 0.98, ratio)
     return 0

@@ -64,8 +64,10 @@ def _ddp_rank(rank: int, world: int, port: int, plan: dict, cfg: dict, queue) ->
             scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
             x_np, y_np = synthetic(DATA_SAMPLES, sizes[0], sizes[-1], seed=1 + rank)
             x_all, y_all = torch.from_numpy(x_np).to(device), torch.from_numpy(y_np).to(device)
-            batches = [torch.from_numpy(b).to(device)
-                       for b in batch_indices(DATA_SAMPLES, cfg["batch_size"], 64, seed=100 + rank)]
+            batches = [
+                torch.from_numpy(b).to(device)
+                for b in batch_indices(DATA_SAMPLES, cfg["batch_size"], 64, seed=100 + rank)
+            ]
 
             def step(k: int) -> None:
                 idx = batches[k % 64]
@@ -115,9 +117,11 @@ def gpus_or_exit(dry_run: bool) -> int:
     if dry_run:
         return 2
     if not torch.cuda.is_available():
-        raise SystemExit(f"bench/gpu.py needs a GPU: torch {torch.__version__} (CUDA build: "
-                         f"{torch.version.cuda or 'none'}) sees none on {socket.gethostname()}; run it on a GPU node "
-                         f"with a CUDA build of torch (or --cpu-dry-run to check the script)")
+        raise SystemExit(
+            f"bench/gpu.py needs a GPU: torch {torch.__version__} (CUDA build: "
+            f"{torch.version.cuda or 'none'}) sees none on {socket.gethostname()}; run it on a GPU node "
+            f"with a CUDA build of torch (or --cpu-dry-run to check the script)"
+        )
     return torch.cuda.device_count()
 
 
@@ -132,15 +136,25 @@ def main() -> None:
     device = "cpu" if args.cpu_dry_run else "cuda"
     q = args.quick
     header(f"nbdist on {'the CPU (dry run)' if args.cpu_dry_run else f'{gpus} GPU(s)'}, batch {args.batch_size}/rank")
-    plan = dict(models=args.models.split(","), precisions=["fp32", "bf16", "fp16"], steps=50 if q else 200,
-                warmup=10 if q else 20, rounds=2 if q else 3)
+    plan = dict(
+        models=args.models.split(","),
+        precisions=["fp32", "bf16", "fp16"],
+        steps=50 if q else 200,
+        warmup=10 if q else 20,
+        rounds=2 if q else 3,
+    )
     cfg = dict(batch_size=args.batch_size, lr=0.01, device=device)
     common = ["--device", device, "--batch-size", str(args.batch_size)]
 
     torch_way = "gloo" if args.cpu_dry_run else "nccl"
-    nb = {way: run_mpi(gpus, [WORKER, "--part", "allreduce", "--plan", json.dumps(plan), "--allreduce-backend", way,
-                              *common], timeout=600)[0]
-          for way in (torch_way, "mpi")}
+    nb = {
+        way: run_mpi(
+            gpus,
+            [WORKER, "--part", "allreduce", "--plan", json.dumps(plan), "--allreduce-backend", way, *common],
+            timeout=600,
+        )[0]
+        for way in (torch_way, "mpi")
+    }
     ddp = run_ddp(gpus, plan, cfg)
     rows = []
     for model in plan["models"]:
@@ -148,19 +162,43 @@ def main() -> None:
         for precision in plan["precisions"]:
             key = f"{model}/{precision}"
             ours, mpi = nb[torch_way]["results"][key], nb["mpi"]["results"][key]
-            rows.append([f"{model} ({n:,} params)", precision, ours["samples_per_s"], mpi["way"],
-                         mpi["samples_per_s"], ddp[key], ours["samples_per_s"] / ddp[key],
-                         mpi["samples_per_s"] / ddp[key]])
-    print(f"1. allreduce over {gpus} rank(s), nbdist ({torch_way}; MPI, "
-          f"{'CUDA-aware' if nb['mpi']['cuda_aware'] else 'not CUDA-aware'}) vs DDP ({torch_way}):")
-    table(rows, ["model", "precision", f"nbdist {torch_way} samples/s", "nbdist mpi staging", "nbdist mpi samples/s",
-                 "DDP samples/s", f"{torch_way}/DDP", "mpi/DDP"])
+            rows.append(
+                [
+                    f"{model} ({n:,} params)",
+                    precision,
+                    ours["samples_per_s"],
+                    mpi["way"],
+                    mpi["samples_per_s"],
+                    ddp[key],
+                    ours["samples_per_s"] / ddp[key],
+                    mpi["samples_per_s"] / ddp[key],
+                ]
+            )
+    print(
+        f"1. allreduce over {gpus} rank(s), nbdist ({torch_way}; MPI, "
+        f"{'CUDA-aware' if nb['mpi']['cuda_aware'] else 'not CUDA-aware'}) vs DDP ({torch_way}):"
+    )
+    table(
+        rows,
+        [
+            "model",
+            "precision",
+            f"nbdist {torch_way} samples/s",
+            "nbdist mpi staging",
+            "nbdist mpi samples/s",
+            "DDP samples/s",
+            f"{torch_way}/DDP",
+            "mpi/DDP",
+        ],
+    )
 
     trips = dict(steps=20 if q else 100, warmup=5, floats=[2**20, 10 * 2**20])
     st = run_mpi(2, [WORKER, "--part", "staging", "--plan", json.dumps(trips), *common], timeout=600)[0]
     print("2. a worker's flat buffer to a host master and back (1 master + 1 worker, 2 ranks):")
-    table([[f"{r['floats'] / 2**20:.0f}M floats", r["way"], r["ms_per_trip"], r["gb_per_s"]] for r in st["results"]],
-          ["buffer", "staging", "ms per round trip", "GB/s"])
+    table(
+        [[f"{r['floats'] / 2**20:.0f}M floats", r["way"], r["ms_per_trip"], r["gb_per_s"]] for r in st["results"]],
+        ["buffer", "staging", "ms per round trip", "GB/s"],
+    )
     if not st["cuda_aware"]:
         print("   device-direct not measured: this MPI is not CUDA-aware (MPIX_Query_cuda_support() is 0)")
 

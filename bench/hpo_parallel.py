@@ -34,6 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import aim, aim_at_most, header, table  # noqa: E402
+
 from nbdist.hpo import BayesSearcher, RandomSearcher  # noqa: E402
 from nbdist.hpo.functions import BRANIN_MIN, BRANIN_SPACE, branin, drive  # noqa: E402
 
@@ -64,8 +65,13 @@ def skopt_run(seed: int) -> tuple[int | None, int]:
     # one BLAS thread, as nbdist's searcher uses: threads only spin on matrices this small
     with threadpool_limits(limits=1, user_api="blas"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        result = gp_minimize(lambda x: branin({"x1": x[0], "x2": x[1]}), dims, n_calls=BUDGET, random_state=seed,
-                             callback=lambda res: res.func_vals[-1] <= TARGET)
+        result = gp_minimize(
+            lambda x: branin({"x1": x[0], "x2": x[1]}),
+            dims,
+            n_calls=BUDGET,
+            random_state=seed,
+            callback=lambda res: res.func_vals[-1] <= TARGET,
+        )
     return to_target(list(result.func_vals)), len(result.func_vals)
 
 
@@ -89,14 +95,35 @@ def branin_half(seeds: int) -> list[list]:
     rows = []
     for name, (runs, cpu_ms) in results.items():
         reached = [n for n in runs if n is not None]
-        rows.append([name, f"{len(reached)}/{seeds}", len(reached) / max(peer_reached, 1),
-                     statistics.median(reached) if reached else float("nan"),
-                     " ".join(str(n) if n is not None else "-" for n in runs), cpu_ms, cpu_ms / peer_cpu])
-    table(rows, ["searcher", "reached in 30", "vs gp_minimize", "median evals (reached)",
-                 "evaluations per seed (- = not in 30)", "cpu ms/eval", "vs gp_minimize"])
+        rows.append(
+            [
+                name,
+                f"{len(reached)}/{seeds}",
+                len(reached) / max(peer_reached, 1),
+                statistics.median(reached) if reached else float("nan"),
+                " ".join(str(n) if n is not None else "-" for n in runs),
+                cpu_ms,
+                cpu_ms / peer_cpu,
+            ]
+        )
+    table(
+        rows,
+        [
+            "searcher",
+            "reached in 30",
+            "vs gp_minimize",
+            "median evals (reached)",
+            "evaluations per seed (- = not in 30)",
+            "cpu ms/eval",
+            "vs gp_minimize",
+        ],
+    )
     ours_runs, ours_cpu = results["nbdist bayes"]
-    aim("seeds where nbdist bayes reaches 1% in 30, vs gp_minimize", 1.0,
-        sum(n is not None for n in ours_runs) / max(peer_reached, 1))
+    aim(
+        "seeds where nbdist bayes reaches 1% in 30, vs gp_minimize",
+        1.0,
+        sum(n is not None for n in ours_runs) / max(peer_reached, 1),
+    )
     aim_at_most("nbdist bayes coordinator CPU per evaluation vs gp_minimize", 1.0, ours_cpu / peer_cpu)
     return rows
 
@@ -109,11 +136,34 @@ def study_seconds_per_trial(groups: int, trials: int, runs_dir: str) -> float:
     from nbdist.launch import mpi_env, mpiexec_command
 
     root = Path(__file__).resolve().parent.parent
-    argv = ["-m", "nbdist", "study", "--model", str(root / "examples" / "digits_mlp.py"), "--space",
-            "lr=log(1e-2,0.5) hidden=int(16,64)", "--searcher", "random", "--trials", str(trials), "--groups",
-            str(groups), "--workers", "1", "--epochs", "4", "--seed", "3", "--runs-dir", runs_dir, "--store", "off"]
-    done = subprocess.run(mpiexec_command(1 + 2 * groups, argv), env=mpi_env(), capture_output=True, text=True,
-                          timeout=1800)
+    argv = [
+        "-m",
+        "nbdist",
+        "study",
+        "--model",
+        str(root / "examples" / "digits_mlp.py"),
+        "--space",
+        "lr=log(1e-2,0.5) hidden=int(16,64)",
+        "--searcher",
+        "random",
+        "--trials",
+        str(trials),
+        "--groups",
+        str(groups),
+        "--workers",
+        "1",
+        "--epochs",
+        "4",
+        "--seed",
+        "3",
+        "--runs-dir",
+        runs_dir,
+        "--store",
+        "off",
+    ]
+    done = subprocess.run(
+        mpiexec_command(1 + 2 * groups, argv), env=mpi_env(), capture_output=True, text=True, timeout=1800
+    )
     match = re.search(r"nbdist: study \S+: (\d+) trials done in ([0-9.]+)s", done.stdout)
     if done.returncode != 0 or match is None:
         raise RuntimeError(f"the study with {groups} groups failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
@@ -124,16 +174,23 @@ def groups_half(rounds: int, trials: int) -> None:
     """N_G = 2 vs N_G = 1 wall time per completed trial, same run, best of `rounds` each."""
     import tempfile
 
-    print(f"\ngroups: a study of {trials} trials on digits (1 master + 1 worker per group, 4 epochs), "
-          f"N_G = 1 vs N_G = 2, {rounds} alternating rounds\n")
+    print(
+        f"\ngroups: a study of {trials} trials on digits (1 master + 1 worker per group, 4 epochs), "
+        f"N_G = 1 vs N_G = 2, {rounds} alternating rounds\n"
+    )
     times: dict[int, list[float]] = {1: [], 2: []}
     with tempfile.TemporaryDirectory() as runs_dir:
         for _ in range(rounds):
             for groups in (1, 2):
                 times[groups].append(study_seconds_per_trial(groups, trials, runs_dir))
     one, two = min(times[1]), min(times[2])
-    table([[f"N_G = {g}", f"{1 + 2 * g}", " ".join(f"{t:.2f}" for t in times[g]), f"{min(times[g]):.2f}"]
-           for g in (1, 2)], ["groups", "ranks", "s per trial, each round", "best"])
+    table(
+        [
+            [f"N_G = {g}", f"{1 + 2 * g}", " ".join(f"{t:.2f}" for t in times[g]), f"{min(times[g]):.2f}"]
+            for g in (1, 2)
+        ],
+        ["groups", "ranks", "s per trial, each round", "best"],
+    )
     aim("N_G = 2 vs N_G = 1, trials per second (2 cores shared)", 1.0, one / two)
 
 

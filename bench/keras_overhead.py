@@ -66,8 +66,11 @@ def keras_loop(hidden, data, batch_size: int, epochs: int) -> float:
     import keras
 
     model = build(hidden)
-    model.compile(loss="sparse_categorical_crossentropy", metrics=["accuracy"],
-                  optimizer=keras.optimizers.SGD(learning_rate=0.05, momentum=0.9))
+    model.compile(
+        loss="sparse_categorical_crossentropy",
+        metrics=["accuracy"],
+        optimizer=keras.optimizers.SGD(learning_rate=0.05, momentum=0.9),
+    )
     seconds = []
     for epoch in batches(data.n_train, batch_size, epochs):
         t0 = time.process_time()
@@ -99,9 +102,17 @@ def nbdist_train(hidden, data, batch_size: int, epochs: int) -> float:
     import nbdist
 
     with tempfile.TemporaryDirectory(prefix="nbdist-bench-") as runs:
-        result = nbdist.train(lambda: build(hidden), data=data, comm=MPI.COMM_SELF, topology="allreduce",
-                              worker_optimizer=OPTIMIZER, epochs=epochs, batch_size=batch_size,
-                              runs_dir=runs, quiet=True)
+        result = nbdist.train(
+            lambda: build(hidden),
+            data=data,
+            comm=MPI.COMM_SELF,
+            topology="allreduce",
+            worker_optimizer=OPTIMIZER,
+            epochs=epochs,
+            batch_size=batch_size,
+            runs_dir=runs,
+            quiet=True,
+        )
     middle = result.history[1:-1] or result.history
     return sum(h["samples"] for h in middle) / sum(h["seconds"] for h in middle)
 
@@ -121,8 +132,10 @@ def main() -> None:
 
     data = digits()
     header("nbdist's Keras backend against Keras's own train step")
-    print(f"   keras {keras.__version__}, tensorflow {tf.__version__}; digits {tuple(data.x_train.shape)} train; "
-          f"{OPTIMIZER}; {epochs} epochs per run, best of {rounds} alternating rounds")
+    print(
+        f"   keras {keras.__version__}, tensorflow {tf.__version__}; digits {tuple(data.x_train.shape)} train; "
+        f"{OPTIMIZER}; {epochs} epochs per run, best of {rounds} alternating rounds"
+    )
     print()
     rows, met = [], True
     for name, (hidden, batch_size) in SIZES.items():
@@ -132,9 +145,11 @@ def main() -> None:
                 best[key] = max(best[key], run(hidden, data, batch_size, epochs))
         peer, step, train = best["keras"], best["step"], best["train"]
         label = f"{name} MLP 64-{'-'.join(map(str, hidden))}-10, batch {batch_size}"
-        rows += [[f"{label}: keras train_on_batch", peer, 1.0],
-                 [f"{label}: nbdist step", step, step / peer],
-                 [f"{label}: nbdist.train allreduce, 1 rank", train, train / peer]]
+        rows += [
+            [f"{label}: keras train_on_batch", peer, 1.0],
+            [f"{label}: nbdist step", step, step / peer],
+            [f"{label}: nbdist.train allreduce, 1 rank", train, train / peer],
+        ]
         met &= aim(f"nbdist step vs keras, {name}", AIM, step / peer)
     print()
     table(rows, ["run", "samples/s", "vs keras"])

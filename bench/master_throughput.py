@@ -28,7 +28,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
-
 from _common import aim_at_most, header, run_mpi, table  # noqa: E402
 
 OPTIMIZERS = {"sgd": "sgd(lr=0.01)", "adam": "adam(lr=0.001)"}
@@ -73,8 +72,13 @@ def in_process(n: int, spec: str, repeat: int) -> tuple[float, float]:
 def mpi_masters(configs: list[dict]) -> list[dict]:
     """All the MPI measurements in one `mpiexec -n 3` job (one start-up)."""
     with tempfile.TemporaryDirectory(prefix="nbdist-bench-") as runs:
-        argv = [str(Path(__file__).with_name("_master_worker.py")), "--configs", json.dumps(configs),
-                "--runs-dir", runs]
+        argv = [
+            str(Path(__file__).with_name("_master_worker.py")),
+            "--configs",
+            json.dumps(configs),
+            "--runs-dir",
+            runs,
+        ]
         return run_mpi(3, argv, timeout=600)[0]["results"]
 
 
@@ -88,9 +92,17 @@ def main() -> None:
 
     sizes = (1_000_000, 10_000_000)
     kinds = ["protocol", "real"] if args.real_workers else ["protocol"]
-    configs = [{"params": n, "optimizer": spec, "workers": kind,
-                "updates": (60 if n < 5e6 else 24) if q else (300 if n < 5e6 else 80)}
-               for n in sizes for spec in OPTIMIZERS.values() for kind in kinds]
+    configs = [
+        {
+            "params": n,
+            "optimizer": spec,
+            "workers": kind,
+            "updates": (60 if n < 5e6 else 24) if q else (300 if n < 5e6 else 80),
+        }
+        for n in sizes
+        for spec in OPTIMIZERS.values()
+        for kind in kinds
+    ]
     t0 = time.time()
     mpi = mpi_masters(configs)
     print(f"   MPI master runs: {time.time() - t0:.0f} s", flush=True)
@@ -109,19 +121,47 @@ def main() -> None:
             name = next(k for k, v in OPTIMIZERS.items() if v == r["optimizer"])
             where = "MPI master" if r["workers"] == "protocol" else "MPI, run_worker"
             copy = r["memcpy_ms"]
-            rows.append([label, name, where, r["ms_per_update"], 1e3 / r["ms_per_update"], copy,
-                         r["ms_per_update"] / copy])
-            mpi_rows.append([label, name, r["workers"], r["ms_per_update"], r["wait_ms"], r["apply_ms"],
-                             r["reply_ms"], r["cpu_ms_per_update"], r["cpu_ms_per_update"] / copy, r["updates"]])
+            rows.append(
+                [label, name, where, r["ms_per_update"], 1e3 / r["ms_per_update"], copy, r["ms_per_update"] / copy]
+            )
+            mpi_rows.append(
+                [
+                    label,
+                    name,
+                    r["workers"],
+                    r["ms_per_update"],
+                    r["wait_ms"],
+                    r["apply_ms"],
+                    r["reply_ms"],
+                    r["cpu_ms_per_update"],
+                    r["cpu_ms_per_update"] / copy,
+                    r["updates"],
+                ]
+            )
             if r["workers"] == "protocol":
                 ratios[(where, name, n)] = r["ms_per_update"] / copy
     print()
     table(rows, ["params", "optimizer", "measured", "ms/update", "updates/s", "memcpy ms", "ratio"])
     print("MPI master, per update (its phase totals / updates; wait includes receiving the message):")
-    table(mpi_rows, ["params", "optimizer", "workers", "ms/update", "wait ms", "apply ms", "reply ms", "CPU ms",
-                     "CPU ratio", "updates"])
-    print("(CPU ms: the master loop's own CPU time per update over the same updates, its polling included;\n"
-          " CPU ratio: that over the memcpy. The aim is on ms/update, the wall time.)")
+    table(
+        mpi_rows,
+        [
+            "params",
+            "optimizer",
+            "workers",
+            "ms/update",
+            "wait ms",
+            "apply ms",
+            "reply ms",
+            "CPU ms",
+            "CPU ratio",
+            "updates",
+        ],
+    )
+    print(
+        "(CPU ms: the master loop's own CPU time per update over the same updates, its polling included;\n"
+        " CPU ratio: that over the memcpy. The aim is on ms/update, the wall time.)"
+    )
     for (where, name, n), ratio in ratios.items():
         aim_at_most(f"{where}, {name}, {n / 1e6:g}M params: ms/update over memcpy ms", AIM, ratio)
 

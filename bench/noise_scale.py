@@ -59,16 +59,16 @@ def load_jets(train_glob: str, val_glob: str) -> tuple[np.ndarray, np.ndarray]:
         data.close()
 
 
-def gradient_sq_norms(model, loss_fn, x, y, batch: int, batches: int, passes: int,
-                      rng: np.random.Generator) -> list[float]:
+def gradient_sq_norms(
+    model, loss_fn, x, y, batch: int, batches: int, passes: int, rng: np.random.Generator
+) -> list[float]:
     """|mean gradient over a batch|^2 for `batches` batches in each of `passes` passes
     over the data in random order, in training mode (BatchNorm on the batch, as a worker's
     step is) with the BatchNorm statistics left as they were."""
     import torch
 
     saved = [b.clone() for b in model.buffers()]
-    order = np.concatenate([rng.permutation(len(y))[: batch * batches].reshape(batches, batch)
-                            for _ in range(passes)])
+    order = np.concatenate([rng.permutation(len(y))[: batch * batches].reshape(batches, batch) for _ in range(passes)])
     norms = []
     for idx in order:
         model.zero_grad(set_to_none=True)
@@ -115,8 +115,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1 seed instead of 3")
     parser.add_argument("--seeds", type=int, default=None)
-    parser.add_argument("--marks", default="0,600,1200,2400,3600,4800,7200,9600,12000,19200",
-                        help="training samples at which to measure, comma-separated")
+    parser.add_argument(
+        "--marks",
+        default="0,600,1200,2400,3600,4800,7200,9600,12000,19200",
+        help="training samples at which to measure, comma-separated",
+    )
     parser.add_argument("--passes", type=int, default=4, help="passes over the data per measurement")
     parser.add_argument("--cache", default="~/.cache/nbdist/bench", help="where the jet sample is kept")
     args = parser.parse_args()
@@ -128,33 +131,48 @@ def main() -> None:
     for seed in range(seeds):
         t0 = time.perf_counter()
         runs.append(one_run(seed, marks, args.passes, x, y))
-        print(f"   seed {seed}: B_simple " + "  ".join(f"{m}: {n.b_simple:.0f}" for m, n in runs[-1].items())
-              + f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
+        print(
+            f"   seed {seed}: B_simple "
+            + "  ".join(f"{m}: {n.b_simple:.0f}" for m, n in runs[-1].items())
+            + f"  ({time.perf_counter() - t0:.0f} s)",
+            flush=True,
+        )
     rows, by_mark = [], {}
     for mark in marks:
         by_mark[mark] = pooled([r[mark] for r in runs])
-        rows.append([mark, round(by_mark[mark]), f"{samples_ratio(by_mark[mark], AIM_WORKERS, BATCH):.2f}x",
-                     f"{samples_ratio(by_mark[mark], 16, BATCH):.2f}x"])
+        rows.append(
+            [
+                mark,
+                round(by_mark[mark]),
+                f"{samples_ratio(by_mark[mark], AIM_WORKERS, BATCH):.2f}x",
+                f"{samples_ratio(by_mark[mark], 16, BATCH):.2f}x",
+            ]
+        )
     print()
-    print(f"== B_simple along a one-worker run (batch {BATCH}, sgd(lr=0.05, momentum=0.9)), {seeds} seed(s) pooled; "
-          f"the samples W workers of {BATCH} need over one worker, by the model")
+    print(
+        f"== B_simple along a one-worker run (batch {BATCH}, sgd(lr=0.05, momentum=0.9)), {seeds} seed(s) pooled; "
+        f"the samples W workers of {BATCH} need over one worker, by the model"
+    )
     table(rows, ["training samples", "B_simple", f"{AIM_WORKERS} workers", "16 workers"])
     # (1 + W b / B) / (1 + b / B) <= r  <=>  B >= b (W - r) / (r - 1)
     floor = BATCH * (AIM_WORKERS - AIM_RATIO) / (AIM_RATIO - 1)
     early = [m for m in marks if 0 < m < EARLY]  # trained, and before one worker is at its best
     if early:  # the most favourable point of that phase: the largest noise scale
         best = max(early, key=lambda m: by_mark[m])
-        print(f"aim samples <= {AIM_RATIO:g}x at {AIM_WORKERS} workers of {BATCH} needs B_noise >= {floor:.0f}; "
-              f"the largest B_simple from {early[0]} to {early[-1]} samples: {by_mark[best]:.0f} at {best} "
-              f"({samples_ratio(by_mark[best], AIM_WORKERS, BATCH):.2f}x: "
-              f"{'within reach' if by_mark[best] >= floor else 'out of reach by the model'})")
+        print(
+            f"aim samples <= {AIM_RATIO:g}x at {AIM_WORKERS} workers of {BATCH} needs B_noise >= {floor:.0f}; "
+            f"the largest B_simple from {early[0]} to {early[-1]} samples: {by_mark[best]:.0f} at {best} "
+            f"({samples_ratio(by_mark[best], AIM_WORKERS, BATCH):.2f}x: "
+            f"{'within reach' if by_mark[best] >= floor else 'out of reach by the model'})"
+        )
 
 
 def pooled(scales: list[NoiseScale]) -> float:
     """B_simple of several measurements: tr(Sigma) and |G|^2 averaged apart, then divided
     (as the paper averages them: one estimate with |G|^2 near 0 would shoot up alone)."""
-    return NoiseScale(statistics.fmean(n.gradient_sq for n in scales),
-                      statistics.fmean(n.trace_sigma for n in scales)).b_simple
+    return NoiseScale(
+        statistics.fmean(n.gradient_sq for n in scales), statistics.fmean(n.trace_sigma for n in scales)
+    ).b_simple
 
 
 if __name__ == "__main__":

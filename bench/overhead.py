@@ -45,9 +45,15 @@ def cnn():
     from torch import nn
 
     return nn.Sequential(
-        nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(64 * 4 * 4, 128), nn.ReLU(), nn.Linear(128, 10),
+        nn.Conv2d(1, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(32, 64, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(64 * 4 * 4, 128),
+        nn.ReLU(),
+        nn.Linear(128, 10),
     )
 
 
@@ -102,16 +108,31 @@ def middle_rate(history: list[dict]) -> float:
     return sum(h["samples"] for h in middle) / sum(h["seconds"] for h in middle)
 
 
-def launched_run(n: int, topology: str, model: str, epochs: int, batch_size: int, busy_poll: str = "auto"
-                 ) -> list[dict]:
+def launched_run(
+    n: int, topology: str, model: str, epochs: int, batch_size: int, busy_poll: str = "auto"
+) -> list[dict]:
     """One run (`topology` plain, master-worker or allreduce) as a fresh `mpiexec -n n`
     process; its per-epoch history."""
     from _common import run_mpi
 
     with tempfile.TemporaryDirectory(prefix="nbdist-bench-") as runs:
-        argv = [str(Path(__file__).with_name("_overhead_worker.py")), "--model", model, "--topology", topology,
-                "--optimizer", OPTIMIZER, "--epochs", str(epochs), "--batch-size", str(batch_size),
-                "--runs-dir", runs, "--busy-poll", busy_poll]
+        argv = [
+            str(Path(__file__).with_name("_overhead_worker.py")),
+            "--model",
+            model,
+            "--topology",
+            topology,
+            "--optimizer",
+            OPTIMIZER,
+            "--epochs",
+            str(epochs),
+            "--batch-size",
+            str(batch_size),
+            "--runs-dir",
+            runs,
+            "--busy-poll",
+            busy_poll,
+        ]
         return run_mpi(n, argv)[0]["history"]
 
 
@@ -120,9 +141,11 @@ def param_count(model: str) -> int:
 
 
 # The nbdist runs of a round: (label, ranks, topology, --busy-poll).
-RUNS = [("nbdist master-worker (1 master + 1 worker, downpour)", 2, "master-worker", "auto"),
-        ("nbdist allreduce (1 rank)", 1, "allreduce", "auto"),
-        ("nbdist master-worker, --busy-poll off (waits sleep)", 2, "master-worker", "off")]
+RUNS = [
+    ("nbdist master-worker (1 master + 1 worker, downpour)", 2, "master-worker", "auto"),
+    ("nbdist allreduce (1 rank)", 1, "allreduce", "auto"),
+    ("nbdist master-worker, --busy-poll off (waits sleep)", 2, "master-worker", "off"),
+]
 
 
 def main() -> None:
@@ -140,9 +163,11 @@ def main() -> None:
     data = load_data(args.model)
 
     header("nbdist overhead on one worker against a plain PyTorch loop")
-    print(f"   model {args.model}: {param_count(args.model):,} parameters; data digits "
-          f"{tuple(data.x_train.shape)} train; batch {args.batch_size}; {OPTIMIZER}; {epochs} epochs per run; "
-          f"{rounds} rounds")
+    print(
+        f"   model {args.model}: {param_count(args.model):,} parameters; data digits "
+        f"{tuple(data.x_train.shape)} train; batch {args.batch_size}; {OPTIMIZER}; {epochs} epochs per run; "
+        f"{rounds} rounds"
+    )
     print()
 
     plain = [launched_run(1, "plain", args.model, epochs, args.batch_size)]
@@ -163,9 +188,15 @@ def main() -> None:
     for label, *_ in RUNS:
         rates = [middle_rate(h) for h in nbdist[label]]
         ratios[label] = statistics.median(rates) / plain_median
-        rows.append([label, statistics.median(rates), ratios[label],
-                     " ".join(f"{rate / ref:.2f}" for rate, ref in zip(rates, around)),
-                     nbdist[label][-1][-1]["train_loss"]])
+        rows.append(
+            [
+                label,
+                statistics.median(rates),
+                ratios[label],
+                " ".join(f"{rate / ref:.2f}" for rate, ref in zip(rates, around)),
+                nbdist[label][-1][-1]["train_loss"],
+            ]
+        )
     table(rows, ["run", "samples/s (median)", "vs plain (medians)", "each round", f"train loss, epoch {epochs}"])
     print(f"   plain loop runs: {', '.join(f'{r:,.0f}' for r in plain_rates)} samples/s")
     print()

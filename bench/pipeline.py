@@ -36,10 +36,13 @@ WORKER = str(Path(__file__).resolve().parent / "_pipeline_worker.py")
 
 def measure(ranks: int, micro: int, schedule: str, common: list[str]) -> dict:
     results = run_mpi(ranks, [WORKER, "--micro-batches", str(micro), "--schedule", schedule, *common], timeout=600)
-    return {"samples_per_s": min(r["samples_per_s"] for r in results), "bubble": max(r["bubble"] for r in results),
-            # Samples per CPU second of all the stages together: what pipelining costs in
-            # work, whatever share of the cores the load leaves the ranks.
-            "per_cpu_s": results[0]["samples"] / sum(r["cpu_s"] for r in results)}
+    return {
+        "samples_per_s": min(r["samples_per_s"] for r in results),
+        "bubble": max(r["bubble"] for r in results),
+        # Samples per CPU second of all the stages together: what pipelining costs in
+        # work, whatever share of the cores the load leaves the ranks.
+        "per_cpu_s": results[0]["samples"] / sum(r["cpu_s"] for r in results),
+    }
 
 
 def main() -> None:
@@ -49,24 +52,51 @@ def main() -> None:
     args = parser.parse_args()
     steps, rounds = ("4", "2") if args.quick else ("10", "3")
     common = ["--model", "large", "--batch-size", "256", "--steps", steps, "--rounds", rounds]
-    header(f"pipeline stages vs one process: large MLP ({count_params(MLPS['large']) / 1e6:.1f}M parameters), "
-           f"batch 256, {args.micro_batches} micro-batches")
+    header(
+        f"pipeline stages vs one process: large MLP ({count_params(MLPS['large']) / 1e6:.1f}M parameters), "
+        f"batch 256, {args.micro_batches} micro-batches"
+    )
     first = measure(1, 0, "gpipe", common)
     # One stage of the whole model through the StageRunner: what cutting a batch into
     # micro-batches costs (smaller matrix products) before any stage sends anything.
     runs = [(1, "gpipe", measure(1, args.micro_batches, "gpipe", common))]
-    runs += [(stages, schedule, measure(stages, args.micro_batches, schedule, common))
-             for stages in (2, 4) for schedule in ("gpipe", "1f1b")]
+    runs += [
+        (stages, schedule, measure(stages, args.micro_batches, schedule, common))
+        for stages in (2, 4)
+        for schedule in ("gpipe", "1f1b")
+    ]
     # The one process again after the pipelines, keeping its faster run (errs against them).
     again = measure(1, 0, "gpipe", common)
     one, one_cpu = (max(first[k], again[k]) for k in ("samples_per_s", "per_cpu_s"))
     rows = [["one process", 1, "-", one, "1.00x", one_cpu, "1.00x", "-", "-"]]
     for stages, schedule, got in runs:
-        rows.append([f"{stages} stage{'s' if stages > 1 else ''}, {args.micro_batches} micro-batches", stages, schedule, got["samples_per_s"], f"{got['samples_per_s'] / one:.2f}x",
-                     got["per_cpu_s"], f"{got['per_cpu_s'] / one_cpu:.2f}x", f"{got['bubble']:.2f}",
-                     f"{ideal_bubble(stages, args.micro_batches):.2f}"])
-    table(rows, ["run", "ranks", "schedule", "samples/s", "vs one process", "samples/CPU s", "vs one process",
-                 "bubble measured", "bubble (p-1)/(m+p-1)"])
+        rows.append(
+            [
+                f"{stages} stage{'s' if stages > 1 else ''}, {args.micro_batches} micro-batches",
+                stages,
+                schedule,
+                got["samples_per_s"],
+                f"{got['samples_per_s'] / one:.2f}x",
+                got["per_cpu_s"],
+                f"{got['per_cpu_s'] / one_cpu:.2f}x",
+                f"{got['bubble']:.2f}",
+                f"{ideal_bubble(stages, args.micro_batches):.2f}",
+            ]
+        )
+    table(
+        rows,
+        [
+            "run",
+            "ranks",
+            "schedule",
+            "samples/s",
+            "vs one process",
+            "samples/CPU s",
+            "vs one process",
+            "bubble measured",
+            "bubble (p-1)/(m+p-1)",
+        ],
+    )
 
 
 if __name__ == "__main__":

@@ -40,13 +40,26 @@ def main() -> None:
 
     header(f"synchronised BatchNorm: digits CNN, allreduce on {args.ranks} ranks, {rounds} rounds of {epochs} epochs")
     with tempfile.TemporaryDirectory() as runs_dir:
-        results = run_mpi(args.ranks, [str(HERE / "_sync_batchnorm_worker.py"), "--epochs", str(epochs),
-                                       "--rounds", str(rounds), "--runs-dir", runs_dir], timeout=900)
+        results = run_mpi(
+            args.ranks,
+            [
+                str(HERE / "_sync_batchnorm_worker.py"),
+                "--epochs",
+                str(epochs),
+                "--rounds",
+                str(rounds),
+                "--runs-dir",
+                runs_dir,
+            ],
+            timeout=900,
+        )
     rates = {False: [], True: []}
     for result in results:
         rates[result["synchronised"]].append(middle_rate(result["history"]))
-    rows = [[f"round {k + 1}", plain, synced, synced / plain]
-            for k, (plain, synced) in enumerate(zip(rates[False], rates[True]))]
+    rows = [
+        [f"round {k + 1}", plain, synced, synced / plain]
+        for k, (plain, synced) in enumerate(zip(rates[False], rates[True]))
+    ]
     best_plain, best_synced = max(rates[False]), max(rates[True])
     rows.append(["best", best_plain, best_synced, best_synced / best_plain])
     table(rows, ["", "plain samples/s", "synchronised samples/s", "ratio"])

@@ -16,14 +16,17 @@ latent_dim = 16
 
 def build_generator():
     return nn.Sequential(
-        nn.Linear(latent_dim, 128), nn.LeakyReLU(0.2),
-        nn.Linear(128, 64), nn.Tanh(),  # pixels in [-1, 1], as the data below
+        nn.Linear(latent_dim, 128),
+        nn.LeakyReLU(0.2),
+        nn.Linear(128, 64),
+        nn.Tanh(),  # pixels in [-1, 1], as the data below
     )
 
 
 def build_discriminator():
     return nn.Sequential(
-        nn.Linear(64, 128), nn.LeakyReLU(0.2),
+        nn.Linear(64, 128),
+        nn.LeakyReLU(0.2),
         nn.Linear(128, 1),  # one logit: real or generated
     )
 

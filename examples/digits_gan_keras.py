@@ -14,19 +14,25 @@ latent_dim = 16
 
 
 def build_generator():
-    return keras.Sequential([
-        keras.Input(shape=(latent_dim,)),
-        keras.layers.Dense(128), keras.layers.LeakyReLU(0.2),
-        keras.layers.Dense(64, activation="tanh"),  # pixels in [-1, 1], as the data below
-    ])
+    return keras.Sequential(
+        [
+            keras.Input(shape=(latent_dim,)),
+            keras.layers.Dense(128),
+            keras.layers.LeakyReLU(0.2),
+            keras.layers.Dense(64, activation="tanh"),  # pixels in [-1, 1], as the data below
+        ]
+    )
 
 
 def build_discriminator():
-    return keras.Sequential([
-        keras.Input(shape=(64,)),
-        keras.layers.Dense(128), keras.layers.LeakyReLU(0.2),
-        keras.layers.Dense(1),  # one logit: real or generated
-    ])
+    return keras.Sequential(
+        [
+            keras.Input(shape=(64,)),
+            keras.layers.Dense(128),
+            keras.layers.LeakyReLU(0.2),
+            keras.layers.Dense(1),  # one logit: real or generated
+        ]
+    )
 
 
 def load_data():

@@ -13,11 +13,13 @@ import nbdist.datasets
 
 
 def build_model():
-    model = keras.Sequential([
-        keras.Input(shape=(64,)),
-        keras.layers.Dense(64, activation="relu"),
-        keras.layers.Dense(10, activation="softmax"),
-    ])
+    model = keras.Sequential(
+        [
+            keras.Input(shape=(64,)),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(10, activation="softmax"),
+        ]
+    )
     model.compile(loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     return model
 

@@ -23,10 +23,20 @@ class PixelScale(nn.Module):
 def build_model():
     return nn.Sequential(
         PixelScale(),
-        nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),  # 16 x 16
-        nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),     # 8 x 8
-        nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(4),  # 4 x 4
-        nn.Flatten(), nn.Linear(256, 32), nn.ReLU(), nn.Linear(32, 2),
+        nn.Conv2d(1, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.MaxPool2d(2),  # 16 x 16
+        nn.Conv2d(8, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),  # 8 x 8
+        nn.Conv2d(16, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(4),  # 4 x 4
+        nn.Flatten(),
+        nn.Linear(256, 32),
+        nn.ReLU(),
+        nn.Linear(32, 2),
     )
 
 

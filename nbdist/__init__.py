@@ -6,8 +6,18 @@ from nbdist.cluster import Cluster
 from nbdist.layout import Layout
 from nbdist.options import StudyOptions, TrainOptions
 
-__all__ = ["train", "study", "Study", "Cluster", "Layout", "TrainOptions", "StudyOptions", "data", "datasets",
-           "load_ipython_extension"]
+__all__ = [
+    "train",
+    "study",
+    "Study",
+    "Cluster",
+    "Layout",
+    "TrainOptions",
+    "StudyOptions",
+    "data",
+    "datasets",
+    "load_ipython_extension",
+]
 __version__ = "0.1.0"
 
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from nbdist.errors import OptionsError
 from nbdist.options import STUDY_SKIPS, StudyOptions, TrainOptions, saved_run_options
@@ -22,9 +23,17 @@ if TYPE_CHECKING:
 __all__ = ["train", "submit", "study", "submit_study"]
 
 
-def train(model: "Callable[[], Any] | str | Path", *, data: Any = None, loss: Any = None,
-          metric: Any = "accuracy", comm: Any = None, cluster: "Cluster | None" = None,
-          block: bool = False, **options: Any) -> "RunResult | Job | None":
+def train(
+    model: Callable[[], Any] | str | Path,
+    *,
+    data: Any = None,
+    loss: Any = None,
+    metric: Any = "accuracy",
+    comm: Any = None,
+    cluster: Cluster | None = None,
+    block: bool = False,
+    **options: Any,
+) -> RunResult | Job | None:
     """Train a model on MPI ranks.
 
     Under mpiexec (no `cluster`), every rank calls this; it trains on the ranks of `comm`
@@ -62,18 +71,20 @@ def _absolute(patterns: str) -> str:
     return ",".join(os.path.abspath(os.path.expanduser(p.strip())) for p in patterns.split(",") if p.strip())
 
 
-def _for_the_engines(options: TrainOptions, *, cell: str | None, model: Any,
-                     data: Any) -> tuple[TrainOptions, Any]:
+def _for_the_engines(options: TrainOptions, *, cell: str | None, model: Any, data: Any) -> tuple[TrainOptions, Any]:
     """The options and the model as the engines need them: paths made absolute from the
     notebook's directory (the engines may run elsewhere), a model file named once."""
     from nbdist.data.base import Data
 
     if data is not None and isinstance(data, Data):
-        raise OptionsError("with a cluster, pass data as a function that loads it (each engine "
-                           "loads its own shard), not as arrays: data=lambda: nbdist.datasets.digits()")
+        raise OptionsError(
+            "with a cluster, pass data as a function that loads it (each engine "
+            "loads its own shard), not as arrays: data=lambda: nbdist.datasets.digits()"
+        )
     if cell is None and model is None and not options.model:
-        raise OptionsError("nothing to train: give a model function, a --model file or a cell that "
-                           "defines build_model() or model")
+        raise OptionsError(
+            "nothing to train: give a model function, a --model file or a cell that defines build_model() or model"
+        )
     if isinstance(model, Path):
         model = str(model)
     if model is None and options.model:
@@ -82,8 +93,11 @@ def _for_the_engines(options: TrainOptions, *, cell: str | None, model: Any,
         model = str(Path(model).resolve())
         options = options.replace(model=model)
     options = options.replace(runs_dir=str(Path(options.runs_dir).resolve()))
-    if store_path(options.store, options.runs_dir) is not None and options.store is not None \
-            and not is_url(options.store):
+    if (
+        store_path(options.store, options.runs_dir) is not None
+        and options.store is not None
+        and not is_url(options.store)
+    ):
         options = options.replace(store=str(Path(options.store).resolve()))
     if options.resume:
         saved_run_options(options.resume)  # a missing or wrong directory is an error now, in the cell
@@ -102,9 +116,18 @@ def _store_for(options: TrainOptions) -> str | None:
     return database
 
 
-def submit(cluster: "Cluster", options: TrainOptions, *, cell: str | None = None, model: Any = None,
-           loss: Any = None, metric: Any = "accuracy", data: Any = None, block: bool = False,
-           show_progress: bool = True) -> "Job":
+def submit(
+    cluster: Cluster,
+    options: TrainOptions,
+    *,
+    cell: str | None = None,
+    model: Any = None,
+    loss: Any = None,
+    metric: Any = "accuracy",
+    data: Any = None,
+    block: bool = False,
+    show_progress: bool = True,
+) -> Job:
     """Start a training on every engine of `cluster`; the magics and train() end here."""
     from nbdist import engine
     from nbdist.job import Job
@@ -114,19 +137,39 @@ def submit(cluster: "Cluster", options: TrainOptions, *, cell: str | None = None
     cluster.check_alive()
     # Checked here, before any engine is busy, with the rules the ranks apply.
     options.validate()
-    layout = Layout.for_world(cluster.n, workers=options.workers, masters=options.masters,
-                              procs_per_worker=options.procs_per_worker, topology=options.topology)
+    layout = Layout.for_world(
+        cluster.n,
+        workers=options.workers,
+        masters=options.masters,
+        procs_per_worker=options.procs_per_worker,
+        topology=options.topology,
+    )
     database = _store_for(options)
     async_result = cluster.view.apply_async(
-        engine.run_training, options.to_dict(), cell=cell, model=model, loss=loss, metric=metric, data=data,
+        engine.run_training,
+        options.to_dict(),
+        cell=cell,
+        model=model,
+        loss=loss,
+        metric=metric,
+        data=data,
     )
     job = Job(cluster, async_result, options, layout=layout.to_dict(), store=database, show_progress=show_progress)
     return job.wait() if block else job
 
 
-def study(model: "Callable[..., Any] | str | Path | None" = None, *, data: Any = None, loss: Any = None,
-          metric: Any = "accuracy", comm: Any = None, cluster: "Cluster | None" = None, block: bool = False,
-          show_progress: bool = True, **options: Any) -> "Study | StudyResult | None":
+def study(
+    model: Callable[..., Any] | str | Path | None = None,
+    *,
+    data: Any = None,
+    loss: Any = None,
+    metric: Any = "accuracy",
+    comm: Any = None,
+    cluster: Cluster | None = None,
+    block: bool = False,
+    show_progress: bool = True,
+    **options: Any,
+) -> Study | StudyResult | None:
     """A hyper-parameter study: a searcher proposes parameters, groups of ranks train them.
 
     `model` is a function `build_model(params)` (or a model file defining it); the
@@ -144,8 +187,14 @@ def study(model: "Callable[..., Any] | str | Path | None" = None, *, data: Any =
         from nbdist.notebook_study import Study
 
         train_options, model = _for_the_engines(train_options, cell=None, model=model, data=data)
-        handle = Study(cluster, study_options, train_options, store=_store_for(train_options),
-                       what=dict(model=model, loss=loss, metric=metric, data=data), show_progress=show_progress)
+        handle = Study(
+            cluster,
+            study_options,
+            train_options,
+            store=_store_for(train_options),
+            what=dict(model=model, loss=loss, metric=metric, data=data),
+            show_progress=show_progress,
+        )
         return handle.wait() if block else handle
     from nbdist.roles.batch_study import run_study
 
@@ -154,14 +203,21 @@ def study(model: "Callable[..., Any] | str | Path | None" = None, *, data: Any =
     return run_study(study_options, train_options, definition_of(model, loss=loss, metric=metric, data=data), comm)
 
 
-def submit_study(cluster: "Cluster", study_options: StudyOptions, train_options: TrainOptions, *, cell: str,
-                 show_progress: bool = True) -> "Study":
+def submit_study(
+    cluster: Cluster, study_options: StudyOptions, train_options: TrainOptions, *, cell: str, show_progress: bool = True
+) -> Study:
     """A study whose model is a notebook cell (the %%distnn study magic)."""
     from nbdist.notebook_study import Study
 
     train_options, _ = _for_the_engines(train_options, cell=cell, model=None, data=None)
-    return Study(cluster, study_options, train_options, store=_store_for(train_options), what=dict(cell=cell),
-                 show_progress=show_progress)
+    return Study(
+        cluster,
+        study_options,
+        train_options,
+        store=_store_for(train_options),
+        what=dict(cell=cell),
+        show_progress=show_progress,
+    )
 
 
 def _study_options(options: dict[str, Any]) -> tuple[StudyOptions, TrainOptions]:
@@ -172,6 +228,7 @@ def _study_options(options: dict[str, Any]) -> tuple[StudyOptions, TrainOptions]
     unknown = sorted(set(options) - study_names - train_names)
     if unknown:
         raise OptionsError(f"unknown option(s) for a study: {', '.join(unknown)}")
-    study, train = resolve_options({k: v for k, v in options.items() if k in study_names},
-                                   {k: v for k, v in options.items() if k in train_names})
+    study, train = resolve_options(
+        {k: v for k, v in options.items() if k in study_names}, {k: v for k, v in options.items() if k in train_names}
+    )
     return study.validate(), train.validate()

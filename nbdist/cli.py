@@ -44,67 +44,109 @@ def build_parser() -> argparse.ArgumentParser:
     add_study_arguments(study)
 
     launch = sub.add_parser(
-        "launch", help="run train, study or datasets on N MPI ranks of this environment's mpiexec, surviving "
-                       "dead ranks (MPI fault tolerance) and stopping gracefully on SIGTERM/SIGUSR1/Ctrl-C",
+        "launch",
+        help="run train, study or datasets on N MPI ranks of this environment's mpiexec, surviving "
+        "dead ranks (MPI fault tolerance) and stopping gracefully on SIGTERM/SIGUSR1/Ctrl-C",
         description="Like `mpiexec -n N python -m nbdist COMMAND ...`, with Open MPI's settings for fault "
-                    "tolerance and, on one node, shared memory only; SIGTERM, SIGUSR1 (SLURM's --signal) and Ctrl-C "
-                    "stop every rank at a step boundary with a final checkpoint, and the job exits 0.")
+        "tolerance and, on one node, shared memory only; SIGTERM, SIGUSR1 (SLURM's --signal) and Ctrl-C "
+        "stop every rank at a step boundary with a final checkpoint, and the job exits 0.",
+    )
     launch.add_argument("-n", "--ranks", type=int, required=True, help="number of MPI ranks")
     launch.add_argument("--hosts", default=None, help="hosts and slots for mpiexec --host, e.g. node1:4,node2:4")
     launch.add_argument("--hostfile", default=None, help="a hostfile for mpiexec --hostfile")
-    launch.add_argument("--interface", default=None,
-                        help="network interface between nodes (e.g. ib0); one node uses shared memory only")
-    launch.add_argument("--stop-grace", type=float, default=None,
-                        help="seconds a stopping run may take for its final checkpoint before it is killed "
-                             "(default: 600)")
-    launch.add_argument("launched", nargs=argparse.REMAINDER, metavar="COMMAND ...",
-                        help="train, study or datasets and its options")
+    launch.add_argument(
+        "--interface", default=None, help="network interface between nodes (e.g. ib0); one node uses shared memory only"
+    )
+    launch.add_argument(
+        "--stop-grace",
+        type=float,
+        default=None,
+        help="seconds a stopping run may take for its final checkpoint before it is killed (default: 600)",
+    )
+    launch.add_argument(
+        "launched", nargs=argparse.REMAINDER, metavar="COMMAND ...", help="train, study or datasets and its options"
+    )
 
     slurm = sub.add_parser(
-        "slurm-script", help="write (or submit) an sbatch script that runs train, study or datasets on a SLURM "
-                             "allocation through launch",
+        "slurm-script",
+        help="write (or submit) an sbatch script that runs train, study or datasets on a SLURM "
+        "allocation through launch",
         description="An sbatch script running `python -m nbdist launch -n $SLURM_NTASKS COMMAND ...` with this "
-                    "Python, mpiexec --bind-to none inside the allocation, and SIGUSR1 before the time limit "
-                    "(--signal=B:USR1@S) for a final checkpoint; printed, or written with --write.")
+        "Python, mpiexec --bind-to none inside the allocation, and SIGUSR1 before the time limit "
+        "(--signal=B:USR1@S) for a final checkpoint; printed, or written with --write.",
+    )
     slurm.add_argument("-n", "--ntasks", type=int, required=True, help="MPI ranks (sbatch --ntasks)")
     slurm.add_argument("-N", "--nodes", type=int, default=None, help="nodes the ranks spread over (sbatch --nodes)")
-    slurm.add_argument("--interface", default=None,
-                       help="network interface between the nodes (launch --interface), e.g. ib0 or 10.1.0.0/16")
+    slurm.add_argument(
+        "--interface",
+        default=None,
+        help="network interface between the nodes (launch --interface), e.g. ib0 or 10.1.0.0/16",
+    )
     slurm.add_argument("--partition", default=None, help="sbatch --partition (default: the cluster's)")
     slurm.add_argument("--time", default=None, help="time limit, e.g. 01:30:00 or 2-00 (sbatch --time)")
     slurm.add_argument("--account", default=None, help="sbatch --account")
     slurm.add_argument("--job-name", default=None, help="sbatch --job-name (default: nbdist-COMMAND)")
     slurm.add_argument("--output", default=None, help="the job's output file, e.g. logs/%%x-%%j.out (sbatch --output)")
-    slurm.add_argument("--signal-seconds", type=int, default=None,
-                       help="seconds before the time limit that the run is told to stop and checkpoint (default: 300)")
-    slurm.add_argument("--chdir", default=None,
-                       help="the job's working directory (default: this one; the COMMAND's paths are relative to it)")
+    slurm.add_argument(
+        "--signal-seconds",
+        type=int,
+        default=None,
+        help="seconds before the time limit that the run is told to stop and checkpoint (default: 300)",
+    )
+    slurm.add_argument(
+        "--chdir",
+        default=None,
+        help="the job's working directory (default: this one; the COMMAND's paths are relative to it)",
+    )
     slurm.add_argument("--write", default=None, metavar="FILE", help="write the script to FILE (default: print it)")
     slurm.add_argument("--submit", action="store_true", help="also submit it with sbatch and print the job id")
-    slurm.add_argument("launched", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
-                       help="train, study or datasets and its options, after --")
+    slurm.add_argument(
+        "launched",
+        nargs=argparse.REMAINDER,
+        metavar="-- COMMAND ...",
+        help="train, study or datasets and its options, after --",
+    )
 
     board = sub.add_parser("dashboard", help="serve the live dashboard of a run store (or export one run)")
     board.add_argument("--store", default="runs/nbdist.db", help="the run store (default: runs/nbdist.db)")
     board.add_argument("--address", default=None, help="interface to listen on (default: localhost only)")
     board.add_argument("--port", type=int, default=5006, help="port (0: any free port)")
-    board.add_argument("--unix-socket", default=None, metavar="PATH",
-                       help="listen on this Unix socket instead of a TCP port (behind jupyter-server-proxy)")
+    board.add_argument(
+        "--unix-socket",
+        default=None,
+        metavar="PATH",
+        help="listen on this Unix socket instead of a TCP port (behind jupyter-server-proxy)",
+    )
     board.add_argument("--prefix", default="", help="URL prefix, e.g. behind a proxy")
-    board.add_argument("--token-file", default=None, metavar="PATH",
-                       help="file holding the token every request must carry, readable only by you (default: "
-                            "$NBDIST_DASHBOARD_TOKEN, else a random one; the URL printed at start carries it)")
+    board.add_argument(
+        "--token-file",
+        default=None,
+        metavar="PATH",
+        help="file holding the token every request must carry, readable only by you (default: "
+        "$NBDIST_DASHBOARD_TOKEN, else a random one; the URL printed at start carries it)",
+    )
     # Refused with its own message: a token on the command line is visible in `ps` (and
     # without this, argparse would take --token for an abbreviation of --token-file).
     board.add_argument("--token", dest="token_on_command_line", default=None, help=argparse.SUPPRESS)
     board.add_argument("--run", default=None, help="the run to show first (default: the newest)")
-    board.add_argument("--allow-websocket-origin", action="append", default=None, metavar="HOST[:PORT]",
-                       help="hosts whose pages may open the websocket, e.g. a reverse proxy's "
-                            "(default: this server's own names)")
-    board.add_argument("--export", default=None, metavar="FILE.html",
-                       help="write the run's dashboard to one HTML file instead of serving")
-    board.add_argument("--create", action="store_true",
-                       help="start an empty store when --store does not exist yet (before the first run)")
+    board.add_argument(
+        "--allow-websocket-origin",
+        action="append",
+        default=None,
+        metavar="HOST[:PORT]",
+        help="hosts whose pages may open the websocket, e.g. a reverse proxy's (default: this server's own names)",
+    )
+    board.add_argument(
+        "--export",
+        default=None,
+        metavar="FILE.html",
+        help="write the run's dashboard to one HTML file instead of serving",
+    )
+    board.add_argument(
+        "--create",
+        action="store_true",
+        help="start an empty store when --store does not exist yet (before the first run)",
+    )
 
     store = sub.add_parser("store", help="the run store: import run directories")
     store_sub = store.add_subparsers(dest="action", required=True)
@@ -125,8 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     datasets = sub.add_parser("datasets", help="make datasets offline (under mpiexec: on every rank)")
     kinds = datasets.add_subparsers(dest="dataset", required=True)
-    jets = kinds.add_parser("jet-images", help="boosted top or W jets against QCD jets, Pythia 8 + FastJet, "
-                                               "as HDF5 files of eta-phi images")
+    jets = kinds.add_parser(
+        "jet-images", help="boosted top or W jets against QCD jets, Pythia 8 + FastJet, as HDF5 files of eta-phi images"
+    )
     jets.add_argument("--out", required=True, help="directory for train_NNN.h5 and val_NNN.h5")
     jets.add_argument("--signal", default="top", choices=("top", "w"))
     jets.add_argument("--events", type=int, default=2000, help="jet images in all, half signal, half QCD")
@@ -137,8 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
     jets.add_argument("--pt-min", type=float, default=550.0, help="jet pT window, GeV")
     jets.add_argument("--pt-max", type=float, default=650.0)
     jets.add_argument("--eta-max", type=float, default=2.0)
-    jets.add_argument("--no-underlying-event", action="store_true",
-                      help="switch off multiple parton interactions (about twice as fast)")
+    jets.add_argument(
+        "--no-underlying-event",
+        action="store_true",
+        help="switch off multiple parton interactions (about twice as fast)",
+    )
     jets.add_argument("--seed", type=int, default=0)
     jets.add_argument("--overwrite", action="store_true", help="replace other samples' files in --out")
     return parser
@@ -165,9 +211,11 @@ def _train(args: argparse.Namespace) -> int:
         final = result.final
         shown = "  ".join(f"{k} {v:.4f}" for k, v in final.items() if k.startswith("val_"))
         print(f"nbdist: {result.stop_reason} in {result.seconds:.1f}s  {shown}", flush=True)
-        print(f"nbdist: results in {result.run_dir} (final weights {result.weights_path}, "
-              f"metric log {result.run_dir / 'metrics'}, checkpoints {result.run_dir / 'checkpoints'})",
-              flush=True)
+        print(
+            f"nbdist: results in {result.run_dir} (final weights {result.weights_path}, "
+            f"metric log {result.run_dir / 'metrics'}, checkpoints {result.run_dir / 'checkpoints'})",
+            flush=True,
+        )
     return 0
 
 
@@ -199,12 +247,20 @@ def _launch(args: argparse.Namespace) -> int:
 
     if not args.launched or args.launched[0] not in LAUNCHABLE:
         given = f" (got {args.launched[0]!r})" if args.launched else ""
-        raise UserError(f"launch runs one of: {', '.join(LAUNCHABLE)}{given}, e.g. python -m nbdist launch -n 4 "
-                        f"train --model examples/digits_mlp.py")
+        raise UserError(
+            f"launch runs one of: {', '.join(LAUNCHABLE)}{given}, e.g. python -m nbdist launch -n 4 "
+            f"train --model examples/digits_mlp.py"
+        )
     if args.ranks < 1:
         raise UserError(f"-n must be at least 1, got {args.ranks}")
-    return launch(args.ranks, args.launched, hosts=args.hosts, hostfile=args.hostfile, interface=args.interface,
-                  stop_grace=STOP_GRACE if args.stop_grace is None else args.stop_grace)
+    return launch(
+        args.ranks,
+        args.launched,
+        hosts=args.hosts,
+        hostfile=args.hostfile,
+        interface=args.interface,
+        stop_grace=STOP_GRACE if args.stop_grace is None else args.stop_grace,
+    )
 
 
 def _slurm_script(args: argparse.Namespace) -> int:
@@ -216,14 +272,24 @@ def _slurm_script(args: argparse.Namespace) -> int:
     launched = args.launched[1:] if args.launched[:1] == ["--"] else args.launched
     if not launched or launched[0] not in LAUNCHABLE:
         given = f" (got {launched[0]!r})" if launched else ""
-        raise UserError(f"slurm-script runs one of: {', '.join(LAUNCHABLE)}{given}, after --, e.g. python -m nbdist "
-                        f"slurm-script -n 4 --time 01:00:00 -- train --model examples/digits_mlp.py")
+        raise UserError(
+            f"slurm-script runs one of: {', '.join(LAUNCHABLE)}{given}, after --, e.g. python -m nbdist "
+            f"slurm-script -n 4 --time 01:00:00 -- train --model examples/digits_mlp.py"
+        )
     _check_arguments(launched)
-    script = BatchScript(ntasks=args.ntasks, launched=tuple(launched), nodes=args.nodes, interface=args.interface,
-                         partition=args.partition, time=args.time,
-                         account=args.account, job_name=args.job_name, output=args.output,
-                         signal_seconds=SIGNAL_SECONDS if args.signal_seconds is None else args.signal_seconds,
-                         workdir=str(Path(args.chdir or ".").resolve()))
+    script = BatchScript(
+        ntasks=args.ntasks,
+        launched=tuple(launched),
+        nodes=args.nodes,
+        interface=args.interface,
+        partition=args.partition,
+        time=args.time,
+        account=args.account,
+        job_name=args.job_name,
+        output=args.output,
+        signal_seconds=SIGNAL_SECONDS if args.signal_seconds is None else args.signal_seconds,
+        workdir=str(Path(args.chdir or ".").resolve()),
+    )
     text = script.text()
     if args.write:
         Path(args.write).write_text(text)
@@ -233,11 +299,14 @@ def _slurm_script(args: argparse.Namespace) -> int:
     if args.submit:
         command = ["sbatch", "--parsable", *([args.write] if args.write else [])]
         try:
-            done = subprocess.run(command, input=None if args.write else text, capture_output=True, text=True,
-                                  timeout=120)
+            done = subprocess.run(
+                command, input=None if args.write else text, capture_output=True, text=True, timeout=120
+            )
         except FileNotFoundError:
-            raise UserError("sbatch not found: --submit needs SLURM's commands on PATH (or leave it out and "
-                            "submit the script where they are)") from None
+            raise UserError(
+                "sbatch not found: --submit needs SLURM's commands on PATH (or leave it out and "
+                "submit the script where they are)"
+            ) from None
         if done.returncode != 0:
             raise UserError(f"sbatch refused the job: {done.stderr.strip() or done.stdout.strip()}")
         print(f"nbdist: submitted batch job {done.stdout.strip().split(';')[0]}", flush=True)
@@ -262,8 +331,14 @@ def _check_arguments(launched: list[str]) -> None:
 def _layout(args: argparse.Namespace) -> int:
     from nbdist.layout import Layout
 
-    options = dict(masters=args.masters, procs_per_worker=args.procs_per_worker, groups=args.groups,
-                   folds=args.folds, topology=args.topology, coordinator=args.coordinator)
+    options = dict(
+        masters=args.masters,
+        procs_per_worker=args.procs_per_worker,
+        groups=args.groups,
+        folds=args.folds,
+        topology=args.topology,
+        coordinator=args.coordinator,
+    )
     if args.ranks is not None:
         layout = Layout.for_world(args.ranks, workers=args.workers, **options)
     else:
@@ -286,9 +361,17 @@ def _dashboard(args: argparse.Namespace) -> int:
         return 0
     if args.unix_socket is not None and args.address is not None:
         raise UserError("--unix-socket and --address exclude each other: the server listens on one of them")
-    serve(args.store, address=args.address or "127.0.0.1", port=args.port, prefix=args.prefix,
-          token=dashboard_token(args.token_file), unix_socket=args.unix_socket, run=args.run,
-          allow_origin=args.allow_websocket_origin, create=args.create)
+    serve(
+        args.store,
+        address=args.address or "127.0.0.1",
+        port=args.port,
+        prefix=args.prefix,
+        token=dashboard_token(args.token_file),
+        unix_socket=args.unix_socket,
+        run=args.run,
+        allow_origin=args.allow_websocket_origin,
+        create=args.create,
+    )
     return 0
 
 
@@ -312,17 +395,36 @@ def _datasets(args: argparse.Namespace) -> int:
     from nbdist.datasets import jet_images
 
     comm = MPI.COMM_WORLD if MPI.COMM_WORLD.Get_size() > 1 else None
-    sample = jet_images(args.out, signal=args.signal, events=args.events, files=args.files,
-                        val_fraction=args.val_fraction, pixels=args.pixels, radius=args.radius,
-                        pt_range=(args.pt_min, args.pt_max), eta_max=args.eta_max,
-                        underlying_event=not args.no_underlying_event, seed=args.seed, comm=comm,
-                        overwrite=args.overwrite)
+    sample = jet_images(
+        args.out,
+        signal=args.signal,
+        events=args.events,
+        files=args.files,
+        val_fraction=args.val_fraction,
+        pixels=args.pixels,
+        radius=args.radius,
+        pt_range=(args.pt_min, args.pt_max),
+        eta_max=args.eta_max,
+        underlying_event=not args.no_underlying_event,
+        seed=args.seed,
+        comm=comm,
+        overwrite=args.overwrite,
+    )
     if _world_rank() == 0:
         print(f"nbdist: {sample}", flush=True)
     return 0
 
 
-COMMANDS = {"train": _train, "study": _study, "launch": _launch, "slurm-script": _slurm_script, "layout": _layout, "dashboard": _dashboard, "store": _store, "datasets": _datasets}
+COMMANDS = {
+    "train": _train,
+    "study": _study,
+    "launch": _launch,
+    "slurm-script": _slurm_script,
+    "layout": _layout,
+    "dashboard": _dashboard,
+    "store": _store,
+    "datasets": _datasets,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -48,8 +48,7 @@ __all__ = ["Cluster", "ClusterError", "DeadEngine", "EngineInfo", "current_clust
 
 ENGINE_KINDS = ("mpi", "slurm")
 LOOPBACK = "127.0.0.1"
-HEAL_HINT = ("heal the cluster with  %distnn cluster start  (in Python: cluster.heal()), "
-             "which restarts its engines")
+HEAL_HINT = "heal the cluster with  %distnn cluster start  (in Python: cluster.heal()), which restarts its engines"
 # How long a stopped engine set's engines get to unregister before the new set starts
 # (they then get their ranks as engine ids again).
 UNREGISTER_SECONDS = 10.0
@@ -59,7 +58,7 @@ SIGNAL_SECONDS = 5.0
 # How often a SLURM engines job's state is asked of squeue while the engines start.
 QUEUE_POLL_SECONDS = 1.0
 
-_current: "Cluster | None" = None
+_current: Cluster | None = None
 
 
 class ClusterError(UserError):
@@ -90,11 +89,12 @@ def _launcher_exited(engine_set: Any) -> bool:
         return True
 
 
-def current_cluster() -> "Cluster":
+def current_cluster() -> Cluster:
     """The cluster started last in this process (what the magics use)."""
     if _current is None or not _current.running:
-        raise ClusterError("no cluster is running: start one with  %distnn cluster start -n 4  "
-                           "(or nbdist.Cluster(n=4).start())")
+        raise ClusterError(
+            "no cluster is running: start one with  %distnn cluster start -n 4  (or nbdist.Cluster(n=4).start())"
+        )
     return _current
 
 
@@ -102,13 +102,15 @@ def interface_address(interface: str) -> str:
     """The IPv4 address of a network interface (eth0, ib0, ...), for the controller to listen on."""
     interfaces = psutil.net_if_addrs()
     if interface not in interfaces:
-        raise ClusterError(f"no network interface {interface!r} on this host; choose one of: "
-                           f"{', '.join(sorted(interfaces))}")
+        raise ClusterError(
+            f"no network interface {interface!r} on this host; choose one of: {', '.join(sorted(interfaces))}"
+        )
     for address in interfaces[interface]:
         if address.family == socket.AF_INET:
             return address.address
-    raise ClusterError(f"network interface {interface!r} has no IPv4 address; choose another of: "
-                       f"{', '.join(sorted(interfaces))}")
+    raise ClusterError(
+        f"network interface {interface!r} has no IPv4 address; choose another of: {', '.join(sorted(interfaces))}"
+    )
 
 
 class Cluster:
@@ -118,11 +120,24 @@ class Cluster:
     other hosts do not. For engines on several nodes, `interface="ib0"` (the address of
     that interface) or `ip="10.1.2.3"` say where it listens and where engines connect."""
 
-    def __init__(self, n: int = 4, *, engines: str = "mpi", mpiexec: str | None = None,
-                 mpi_args: list[str] | tuple[str, ...] = (), start_timeout: float = 120.0,
-                 cluster_id: str | None = None, profile: str | None = None, interface: str | None = None,
-                 ip: str | None = None, partition: str | None = None, time: str | None = None,
-                 account: str | None = None, nodes: int | None = None, **ipp_options: Any):
+    def __init__(
+        self,
+        n: int = 4,
+        *,
+        engines: str = "mpi",
+        mpiexec: str | None = None,
+        mpi_args: list[str] | tuple[str, ...] = (),
+        start_timeout: float = 120.0,
+        cluster_id: str | None = None,
+        profile: str | None = None,
+        interface: str | None = None,
+        ip: str | None = None,
+        partition: str | None = None,
+        time: str | None = None,
+        account: str | None = None,
+        nodes: int | None = None,
+        **ipp_options: Any,
+    ):
         if int(n) < 1:
             raise ClusterError(f"a cluster needs at least 1 engine, got n={n}")
         if engines not in ENGINE_KINDS:
@@ -165,7 +180,7 @@ class Cluster:
     def running(self) -> bool:
         return self.client is not None
 
-    def start(self) -> "Cluster":
+    def start(self) -> Cluster:
         """Start the cluster; on a running one with dead engines, replace them (heal)."""
         global _current
         if self.running:
@@ -175,15 +190,23 @@ class Cluster:
         if importlib.util.find_spec("ipyparallel") is None:
             raise ClusterError("ipyparallel is not installed: pip install 'nbdist[notebook]'")
         if importlib.util.find_spec("mpi4py") is None:
-            raise ClusterError("mpi4py is not installed in this Python: the engines need it "
-                               "(pip install mpi4py, built against your MPI)")
+            raise ClusterError(
+                "mpi4py is not installed in this Python: the engines need it "
+                "(pip install mpi4py, built against your MPI)"
+            )
         import ipyparallel as ipp
 
         config = self._launcher_config()
         # The controller's address, on the command line so that a profile's config cannot
         # widen it: every socket it opens listens there, and the engines connect there.
-        kwargs: dict[str, Any] = {"engines": self.engines, "n": self.n, "config": config,
-                                  "log_level": 40, "controller_ip": self.ip, **self.ipp_options}
+        kwargs: dict[str, Any] = {
+            "engines": self.engines,
+            "n": self.n,
+            "config": config,
+            "log_level": 40,
+            "controller_ip": self.ip,
+            **self.ipp_options,
+        }
         if self.encrypted:
             # Beyond loopback other hosts reach the controller: CurveZMQ encrypts and
             # authenticates every connection (engines and this client get its key through
@@ -197,7 +220,8 @@ class Cluster:
         if self.engines == "slurm":
             # Beside the engines' log in the profile, not in the notebook's directory.
             self._ipp.config.SlurmEngineSetLauncher.batch_file_name = os.path.join(
-                self._ipp.profile_dir, "log", f"nbdist-engines-{self._ipp.cluster_id}.sbatch")
+                self._ipp.profile_dir, "log", f"nbdist-engines-{self._ipp.cluster_id}.sbatch"
+            )
         try:
             self._ipp.start_controller_sync()
             self._watch("controller", self._ipp.controller, remove=self._ipp.cluster_file)
@@ -216,8 +240,10 @@ class Cluster:
                 raise ClusterError(f"SLURM refused the engines job: {refused}") from None
             output = self._engine_output()
             self._teardown()
-            raise ClusterError(f"the cluster did not start: {type(exc).__name__}: {exc}"
-                               + (f"\nengine output:\n{output}" if output else "")) from None
+            raise ClusterError(
+                f"the cluster did not start: {type(exc).__name__}: {exc}"
+                + (f"\nengine output:\n{output}" if output else "")
+            ) from None
         self.client = client
         self._map_ranks(client.ids)
         _current = self
@@ -242,8 +268,10 @@ class Cluster:
             # Only what mpi_env() adds: the launcher merges it over os.environ. Engines on
             # this node only (no --host/--hostfile among the mpiexec arguments) talk
             # through shared memory and open no MPI port; across nodes, over `interface`.
-            several_nodes = (any(a.startswith(("--host", "-host", "--hostfile", "-hostfile")) for a in self.mpi_args)
-                             or int(os.environ.get("SLURM_JOB_NUM_NODES", "1")) > 1)
+            several_nodes = (
+                any(a.startswith(("--host", "-host", "--hostfile", "-hostfile")) for a in self.mpi_args)
+                or int(os.environ.get("SLURM_JOB_NUM_NODES", "1")) > 1
+            )
             env = mpi_env(local=not several_nodes, interface=self.interface)
             if "SLURM_JOB_ID" in os.environ and not several_nodes:
                 # In a one-node allocation (salloc) mpiexec would start its daemon through
@@ -259,7 +287,8 @@ class Cluster:
             except MPIExecNotFound as exc:
                 raise ClusterError(str(exc)) from None
             config.SlurmEngineSetLauncher.batch_template = engines_batch_template(
-                [command, *ULFM_ARGS, *self.mpi_args], **self.slurm)
+                [command, *ULFM_ARGS, *self.mpi_args], **self.slurm
+            )
             # To the batch shell, which exec made mpiexec: it forwards the signal to every
             # engine (plain `scancel -s` skips the batch step, where mpiexec runs).
             config.SlurmEngineSetLauncher.signal_command = ["scancel", "--batch", "-s"]
@@ -270,7 +299,7 @@ class Cluster:
         return config
 
     @classmethod
-    def attach(cls, cluster_id: str = "", profile: str | None = None) -> "Cluster":
+    def attach(cls, cluster_id: str = "", profile: str | None = None) -> Cluster:
         """Use MPI engines started elsewhere: `ipcluster start --engines=mpi -n 8`, another
         notebook, or JupyterHub's cluster panel. stop() then only disconnects. Dead engines
         are replaced by a new engine set started from here with this environment's mpiexec
@@ -306,7 +335,8 @@ class Cluster:
                 raise ClusterError(
                     f"cluster {cluster_id!r} has dead engines ({missing or 'see its status'}) that were not "
                     f"started by ipyparallel's Cluster (mpiexec ipengine by hand?), so they cannot be restarted "
-                    f"from here: restart them where they were started, then attach again")
+                    f"from here: restart them where they were started, then attach again"
+                )
             print(f"nbdist: {cluster.heal(missing=missing)}", flush=True)
         return cluster
 
@@ -438,7 +468,9 @@ class Cluster:
         view = self.client[list(ids)]
         replies = view.apply_sync(engine.describe_engine)
         uuids = dict(self.client._engines)
-        infos = [EngineInfo(engine_id=eid, uuid=uuids.get(eid, ""), **reply) for eid, reply in zip(view.targets, replies)]
+        infos = [
+            EngineInfo(engine_id=eid, uuid=uuids.get(eid, ""), **reply) for eid, reply in zip(view.targets, replies)
+        ]
         sizes = {i.size for i in infos}
         if sizes != {size or len(infos)}:
             self.stop()
@@ -462,8 +494,10 @@ class Cluster:
             raise ClusterError(f"a cluster needs at least 1 engine, got n={n}")
         if self._controller_exited():
             if not self.owned:
-                raise ClusterError(f"the controller of cluster {self.id} has exited, and it was started elsewhere: "
-                                   f"%distnn cluster stop, then start a cluster with  %distnn cluster start -n {n}")
+                raise ClusterError(
+                    f"the controller of cluster {self.id} has exited, and it was started elsewhere: "
+                    f"%distnn cluster stop, then start a cluster with  %distnn cluster start -n {n}"
+                )
             self._teardown()
             self.n = n
             self.start()
@@ -550,7 +584,7 @@ class Cluster:
         except psutil.Error:
             return []
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -604,9 +638,12 @@ class Cluster:
             raise ClusterError(f"the cluster's controller has exited; {HEAL_HINT}")
         dead = self.dead_engines(engines=engines)
         if dead:
-            raise ClusterError(f"{len(dead)} of {self.n} engines {'is' if len(dead) == 1 else 'are'} dead: "
-                               + "; ".join(map(str, dead[:4])) + ("; ..." if len(dead) > 4 else "")
-                               + f"; {HEAL_HINT}")
+            raise ClusterError(
+                f"{len(dead)} of {self.n} engines {'is' if len(dead) == 1 else 'are'} dead: "
+                + "; ".join(map(str, dead[:4]))
+                + ("; ..." if len(dead) > 4 else "")
+                + f"; {HEAL_HINT}"
+            )
 
     @property
     def id(self) -> str:
@@ -616,9 +653,11 @@ class Cluster:
         """Engines, ranks, hosts and whether each is alive, and the rank layout a run would use."""
         if not self.running:
             return "nbdist cluster: not running"
-        lines = [f"nbdist cluster: {self.n} MPI engines ({self.engines}{'' if self.owned else ', attached'}), "
-                 f"cluster id {self.id}, profile {self._ipp.profile_dir}, controller on {self.ip}"
-                 + (" (CurveZMQ)" if self.encrypted else "")]
+        lines = [
+            f"nbdist cluster: {self.n} MPI engines ({self.engines}{'' if self.owned else ', attached'}), "
+            f"cluster id {self.id}, profile {self._ipp.profile_dir}, controller on {self.ip}"
+            + (" (CurveZMQ)" if self.encrypted else "")
+        ]
         if self._controller_exited():
             return "\n".join(lines + [f"the controller has exited; {HEAL_HINT}"])
         dead = {d.engine_id: d for d in self.dead_engines()}
@@ -631,8 +670,10 @@ class Cluster:
             lines.append(f"  {i.rank:>4}  {i.engine_id:>6}  {i.host:<20} {i.pid:<8} {state}")
         if dead:
             ranks = sorted(d.rank for d in dead.values())
-            lines.append(f"{len(dead)} of {self.n} engines dead (rank{'s' if len(ranks) > 1 else ''} "
-                         f"{', '.join(map(str, ranks))}): {HEAL_HINT}")
+            lines.append(
+                f"{len(dead)} of {self.n} engines dead (rank{'s' if len(ranks) > 1 else ''} "
+                f"{', '.join(map(str, ranks))}): {HEAL_HINT}"
+            )
             return "\n".join(lines)
         if layout is None:
             from nbdist.layout import Layout

@@ -25,10 +25,12 @@ from pathlib import Path
 from nbdist.launch import mpi_env, mpiexec_command
 
 RUNS = [
-    ("easgd, async, 1 master + 4 workers", 5,
-     ["--topology", "master-worker", "--algorithm", "easgd"]),
-    ("gem, async, 1 master + 4 workers", 5,
-     ["--topology", "master-worker", "--algorithm", "gem(lr=0.05, momentum=0.9, kappa=1.0)"]),
+    ("easgd, async, 1 master + 4 workers", 5, ["--topology", "master-worker", "--algorithm", "easgd"]),
+    (
+        "gem, async, 1 master + 4 workers",
+        5,
+        ["--topology", "master-worker", "--algorithm", "gem(lr=0.05, momentum=0.9, kappa=1.0)"],
+    ),
     ("allreduce, 4 ranks", 4, ["--topology", "allreduce"]),
 ]
 
@@ -48,9 +50,25 @@ def main(argv: list[str] | None = None) -> int:
     for title, ranks, extra in RUNS:
         name = f"{stamp}-{extra[1]}-{extra[3].split('(')[0] if len(extra) > 3 else 'sgd'}"
         print(f"\n=== {title}: mpiexec -n {ranks} python -m nbdist train {' '.join(extra)}", flush=True)
-        cmd = mpiexec_command(ranks, ["-m", "nbdist", "train", "--model", args.model,
-                                      "--epochs", str(args.epochs), "--checkpoint-every", "5",
-                                      "--runs-dir", args.runs_dir, "--run-name", name, *extra])
+        cmd = mpiexec_command(
+            ranks,
+            [
+                "-m",
+                "nbdist",
+                "train",
+                "--model",
+                args.model,
+                "--epochs",
+                str(args.epochs),
+                "--checkpoint-every",
+                "5",
+                "--runs-dir",
+                args.runs_dir,
+                "--run-name",
+                name,
+                *extra,
+            ],
+        )
         started = time.time()
         done = subprocess.run(cmd, env=mpi_env())
         if done.returncode != 0:
@@ -59,8 +77,15 @@ def main(argv: list[str] | None = None) -> int:
             return done.returncode
         summary = json.loads((Path(args.runs_dir) / name / "summary.json").read_text())
         final = summary["final"]
-        rows.append((title, final.get("val_acc", float("nan")), final.get("val_loss", float("nan")),
-                     time.time() - started, Path(args.runs_dir) / name))
+        rows.append(
+            (
+                title,
+                final.get("val_acc", float("nan")),
+                final.get("val_loss", float("nan")),
+                time.time() - started,
+                Path(args.runs_dir) / name,
+            )
+        )
 
     _stop(server)
     if not args.no_dashboard:
@@ -70,13 +95,16 @@ def main(argv: list[str] | None = None) -> int:
         for *_, path in rows:
             export_html(store, path / "dashboard.html", run=path.name)
 
-    print("\n=== digits CNN, {} epochs".format(args.epochs))
+    print(f"\n=== digits CNN, {args.epochs} epochs")
     print(f"{'set-up':<38} {'val_acc':>8} {'val_loss':>9} {'wall s':>7}  results")
     for title, acc, loss, wall, path in rows:
         print(f"{title:<38} {acc:8.4f} {loss:9.4f} {wall:7.1f}  {path}")
-    print("\nEach results directory holds metrics/ (per-rank JSON-lines metric log), checkpoints/, "
-          "final/model.safetensors, summary.json" + ("" if args.no_dashboard else " and dashboard.html")
-          + f"; every run is in the run store {store}:\n  python -m nbdist dashboard --store {store}")
+    print(
+        "\nEach results directory holds metrics/ (per-rank JSON-lines metric log), checkpoints/, "
+        "final/model.safetensors, summary.json"
+        + ("" if args.no_dashboard else " and dashboard.html")
+        + f"; every run is in the run store {store}:\n  python -m nbdist dashboard --store {store}"
+    )
     return 0
 
 
@@ -89,12 +117,22 @@ def _serve_dashboard(store: Path) -> subprocess.Popen | None:
     log.unlink(missing_ok=True)
     # Yours alone: the URL it holds carries the dashboard's token.
     with open(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as out:
-        server = subprocess.Popen([sys.executable, "-m", "nbdist", "dashboard", "--store", str(store), "--port", "0"],
-                                  stdout=out, stderr=subprocess.STDOUT, text=True)
+        server = subprocess.Popen(
+            [sys.executable, "-m", "nbdist", "dashboard", "--store", str(store), "--port", "0"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and server.poll() is None:
-        url = next((line.split(" at ")[-1].strip() for line in log.read_text().splitlines()
-                    if line.startswith("nbdist: dashboard of")), None)
+        url = next(
+            (
+                line.split(" at ")[-1].strip()
+                for line in log.read_text().splitlines()
+                if line.startswith("nbdist: dashboard of")
+            ),
+            None,
+        )
         if url:
             print(f"\n=== live dashboard: {url}  (open it to watch the runs)", flush=True)
             return server

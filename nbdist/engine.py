@@ -16,15 +16,25 @@ import signal
 import socket
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from nbdist.backends.base import ModelError
 from nbdist.errors import UserError
 from nbdist.transport.faults import RunFailure
 
-__all__ = ["EngineOutcome", "describe_engine", "install_idle_stop_handler", "run_training", "open_study",
-           "close_study", "run_trial", "CELL_FILENAME", "LIVE_PREFIX"]
+__all__ = [
+    "EngineOutcome",
+    "describe_engine",
+    "install_idle_stop_handler",
+    "run_training",
+    "open_study",
+    "close_study",
+    "run_trial",
+    "CELL_FILENAME",
+    "LIVE_PREFIX",
+]
 
 CELL_FILENAME = "<distnn cell>"
 LIVE_PREFIX = "nbdist-records-"  # keys of the record batches published to the client
@@ -52,8 +62,13 @@ def describe_engine() -> dict[str, Any]:
     from nbdist.transport.faults import ulfm_enabled
 
     world = MPI.COMM_WORLD
-    return {"rank": world.Get_rank(), "size": world.Get_size(), "host": socket.gethostname(),
-            "pid": os.getpid(), "fault_tolerant": ulfm_enabled()}
+    return {
+        "rank": world.Get_rank(),
+        "size": world.Get_size(),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "fault_tolerant": ulfm_enabled(),
+    }
 
 
 def install_idle_stop_handler() -> None:
@@ -100,8 +115,7 @@ def _where(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}{line}"
 
 
-def _definition(cell: str | None, model: Callable[..., Any] | str | None, loss: Any, metric: Any,
-                data: Any) -> Any:
+def _definition(cell: str | None, model: Callable[..., Any] | str | None, loss: Any, metric: Any, data: Any) -> Any:
     """What the job trains, built on this engine: the cell's names, a model file, or functions."""
     from nbdist.train.definition import definition_of
 
@@ -156,9 +170,16 @@ def _as_outcome(work: Callable[[Any, Any], Any], live: bool) -> EngineOutcome:
             publisher.close()
 
 
-def run_training(options: dict[str, Any], *, cell: str | None = None,
-                 model: Callable[[], Any] | str | None = None, loss: Any = None,
-                 metric: Any = "accuracy", data: Any = None, live: bool = True) -> EngineOutcome:
+def run_training(
+    options: dict[str, Any],
+    *,
+    cell: str | None = None,
+    model: Callable[[], Any] | str | None = None,
+    loss: Any = None,
+    metric: Any = "accuracy",
+    data: Any = None,
+    live: bool = True,
+) -> EngineOutcome:
     """One rank's part of a notebook job: collective over COMM_WORLD."""
     from mpi4py import MPI
 
@@ -168,8 +189,9 @@ def run_training(options: dict[str, Any], *, cell: str | None = None,
     opts = TrainOptions.from_dict(options)
     definition = _definition(cell, model, loss, metric, data)
     # The notebook records the run in the store (the Job), not the engines.
-    return _as_outcome(lambda stop, sink: run_rank(opts, definition, MPI.COMM_WORLD, stop, sink=sink, record=False),
-                       live)
+    return _as_outcome(
+        lambda stop, sink: run_rank(opts, definition, MPI.COMM_WORLD, stop, sink=sink, record=False), live
+    )
 
 
 # The communicators of the studies open on this engine: split once when the study starts
@@ -192,9 +214,20 @@ def close_study(study: str) -> None:
         comms.free()
 
 
-def run_trial(study: str, number: int, params: dict[str, Any], train: dict[str, Any], options: dict[str, Any], *,
-              cell: str | None = None, model: Callable[..., Any] | str | None = None, loss: Any = None,
-              metric: Any = "accuracy", data: Any = None, live: bool = True) -> EngineOutcome:
+def run_trial(
+    study: str,
+    number: int,
+    params: dict[str, Any],
+    train: dict[str, Any],
+    options: dict[str, Any],
+    *,
+    cell: str | None = None,
+    model: Callable[..., Any] | str | None = None,
+    loss: Any = None,
+    metric: Any = "accuracy",
+    data: Any = None,
+    live: bool = True,
+) -> EngineOutcome:
     """One rank's part of a study's trial: collective over this engine's group (its fold
     runs in parallel). The outcome's result is a FoldOutcome on each fold's leader."""
     from nbdist.options import StudyOptions, TrainOptions
@@ -207,5 +240,19 @@ def run_trial(study: str, number: int, params: dict[str, Any], train: dict[str, 
         return EngineOutcome(MPI.COMM_WORLD.Get_rank(), error=f"study {study!r} is not open on this engine")
     definition = _definition(cell, model, loss, metric, data)
     train_options, study_options = TrainOptions.from_dict(train), StudyOptions.from_dict(options)
-    return _as_outcome(lambda stop, sink: train_fold(study, number, params, train_options, study_options, definition,
-                                                     comms.run, comms.role.fold, stop, sink=sink, record=False), live)
+    return _as_outcome(
+        lambda stop, sink: train_fold(
+            study,
+            number,
+            params,
+            train_options,
+            study_options,
+            definition,
+            comms.run,
+            comms.role.fold,
+            stop,
+            sink=sink,
+            record=False,
+        ),
+        live,
+    )

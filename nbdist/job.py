@@ -59,8 +59,9 @@ def wait_interruptibly(done: threading.Event, timeout: float | None) -> bool:
     is raised within that time of a Ctrl-C; whether `done` was set."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
-        left = INTERRUPT_CHECK_SECONDS if deadline is None else min(INTERRUPT_CHECK_SECONDS,
-                                                                     deadline - time.monotonic())
+        left = (
+            INTERRUPT_CHECK_SECONDS if deadline is None else min(INTERRUPT_CHECK_SECONDS, deadline - time.monotonic())
+        )
         if left <= 0:
             return done.is_set()
         if done.wait(left):
@@ -80,9 +81,18 @@ class Job:
     trial on one group): stops and give-ups are then signalled to those engines only.
     `study`: the study a trial job's runs belong to, for the store."""
 
-    def __init__(self, cluster: Any, async_result: Any, options: TrainOptions, *, layout: dict[str, Any],
-                 store: str | None = None, show_progress: bool = True, engines: list[int] | None = None,
-                 study: str | None = None):
+    def __init__(
+        self,
+        cluster: Any,
+        async_result: Any,
+        options: TrainOptions,
+        *,
+        layout: dict[str, Any],
+        store: str | None = None,
+        show_progress: bool = True,
+        engines: list[int] | None = None,
+        study: str | None = None,
+    ):
         self.cluster = cluster
         self.options = options
         self.layout = layout
@@ -205,7 +215,7 @@ class Job:
         return dashboard(job=self, period_ms=period_ms).servable()
 
     # -- control ----------------------------------------------------------------------
-    def wait(self, timeout: float | None = None) -> "Job":
+    def wait(self, timeout: float | None = None) -> Job:
         """Block until the job ends (KeyboardInterrupt stops it). Raises JobError if it
         failed, TimeoutError if `timeout` seconds pass first. A failed rank or a dead
         engine ends the job within FAILURE_GRACE_SECONDS + ABANDON_SECONDS."""
@@ -216,14 +226,17 @@ class Job:
             try:
                 self.stop()
             finally:
-                print(f"nbdist: interrupted; the job {self.status}"
-                      + (f": {self.result.stop_reason}" if self.status == "stopped" else ""), flush=True)
+                print(
+                    f"nbdist: interrupted; the job {self.status}"
+                    + (f": {self.result.stop_reason}" if self.status == "stopped" else ""),
+                    flush=True,
+                )
             return self
         if self._error is not None:
             raise self._error
         return self
 
-    def stop(self, timeout: float = 30.0, abandon_timeout: float = ABANDON_SECONDS) -> "Job":
+    def stop(self, timeout: float = 30.0, abandon_timeout: float = ABANDON_SECONDS) -> Job:
         """Ask every rank to stop at its next step boundary (a final checkpoint is written
         when checkpointing is on) and wait for them. Ranks still running after `timeout`
         seconds are told to give up (SIGUSR2, no checkpoint), and those still running
@@ -235,12 +248,14 @@ class Job:
                 self._stop_requested = True
                 self._signal(signal.SIGUSR1)
             self._abandon_seconds = abandon_timeout
-            self._abandon_by(time.monotonic() + timeout,
-                             f"did not stop within {timeout:g} s of the stop request (SIGUSR1)")
+            self._abandon_by(
+                time.monotonic() + timeout, f"did not stop within {timeout:g} s of the stop request (SIGUSR1)"
+            )
             # The monitor thread ends the job by then, whatever the ranks do.
             if not self._done.wait(timeout + abandon_timeout + 10 * POLL_SECONDS + 5.0):
-                raise JobError(f"the job did not end within {timeout + abandon_timeout:g} s of the stop request; "
-                               f"{HEAL_HINT}")
+                raise JobError(
+                    f"the job did not end within {timeout + abandon_timeout:g} s of the stop request; {HEAL_HINT}"
+                )
         if self._error is not None and self._abandon_why:
             raise self._error
         return self
@@ -286,8 +301,11 @@ class Job:
         try:
             self.cluster.signal(signum, engines=self.engines)
         except Exception as exc:  # noqa: BLE001 - the escalation goes on without this signal
-            print(f"nbdist: could not signal the job's ranks ({signal.Signals(signum).name}): "
-                  f"{type(exc).__name__}: {exc}", flush=True)
+            print(
+                f"nbdist: could not signal the job's ranks ({signal.Signals(signum).name}): "
+                f"{type(exc).__name__}: {exc}",
+                flush=True,
+            )
 
     def _abandon_by(self, when: float, why: str = "") -> None:
         """SIGUSR2 at `when` (monotonic) unless the job has ended or an earlier one is due."""
@@ -336,23 +354,38 @@ class Job:
             for run_id, batch in by_run.items():
                 if run_id not in self._feeds:
                     run_dir = Path(self.options.resume or Path(self.options.runs_dir) / run_id)
-                    self._feeds[run_id] = RunFeed(self.store, run_id, run_dir, options=self.options.to_dict(),
-                                                  layout=self.layout, study=self.study, trial=batch[0]["trial"])
+                    self._feeds[run_id] = RunFeed(
+                        self.store,
+                        run_id,
+                        run_dir,
+                        options=self.options.to_dict(),
+                        layout=self.layout,
+                        study=self.study,
+                        trial=batch[0]["trial"],
+                    )
                 self._feeds[run_id].add(batch)
             if final:
                 for run_id, feed in self._feeds.items():
                     feed.end(*self._ending(run_id))
         except Exception as exc:  # noqa: BLE001 - the training matters more than its record
             self.store_error = f"{type(exc).__name__}: {exc}"
-            print(f"nbdist: the run store {store_label(self.store)} failed, the job goes on unrecorded: "
-                  f"{self.store_error}",
-                  flush=True)
+            print(
+                f"nbdist: the run store {store_label(self.store)} failed, the job goes on unrecorded: "
+                f"{self.store_error}",
+                flush=True,
+            )
 
     def _ending(self, run_id: str) -> tuple[str, str | None, dict[str, Any] | None]:
         if self._error is not None:
             return "failed", str(self._error), None
-        result = next((o.result for o in self._outcomes or []
-                       if o.result is not None and getattr(o.result, "run_id", None) == run_id), None)
+        result = next(
+            (
+                o.result
+                for o in self._outcomes or []
+                if o.result is not None and getattr(o.result, "run_id", None) == run_id
+            ),
+            None,
+        )
         if result is None:
             return "failed", "the job ended without a result", None
         if getattr(result, "error", None):
@@ -383,26 +416,35 @@ class Job:
         self._outcomes = outcomes
         stuck_ranks = [self._ranks[self._engine_ids.index(e)] for e in stuck]
         if stuck:
-            self.cluster.mark_stuck(stuck, f"still running a job {self._abandon_seconds:g} s after being told to "
-                                           f"give up (SIGUSR2)")
+            self.cluster.mark_stuck(
+                stuck, f"still running a job {self._abandon_seconds:g} s after being told to give up (SIGUSR2)"
+            )
         # The ranks that gave up because of another's failure say nothing new.
         errors = [o for o in outcomes if o.error and not o.abandoned and o.rank not in stuck_ranks]
         gave_up = any(o.abandoned for o in outcomes)
         if not errors and not stuck_ranks and not gave_up:
             return
-        if dead and not stuck_ranks and any(o.result is not None for o in outcomes) and \
-                all(o.rank in dead for o in errors):
+        if (
+            dead
+            and not stuck_ranks
+            and any(o.result is not None for o in outcomes)
+            and all(o.rank in dead for o in errors)
+        ):
             # The run went on without them (an asynchronous master dropped them, or the
             # ranks left restarted from the last checkpoint) and ended well.
-            self.warning = (f"{_one_error(errors, len(outcomes), dead)}; the run went on without "
-                            f"{_ranks(sorted(dead))} and ended well; {HEAL_HINT}")
+            self.warning = (
+                f"{_one_error(errors, len(outcomes), dead)}; the run went on without "
+                f"{_ranks(sorted(dead))} and ended well; {HEAL_HINT}"
+            )
             print(f"nbdist: {self.warning}", flush=True)
             return
         first = _one_error(errors, len(outcomes), dead) if errors else None
         said = [str(first) if first is not None else f"the ranks {self._abandon_why or 'were told to give up'}"]
         if stuck_ranks:
-            said.append(f"{_ranks(stuck_ranks)} still running {self._abandon_seconds:g} s after being told to give "
-                        f"up (SIGUSR2): blocked in MPI or in the model's code")
+            said.append(
+                f"{_ranks(stuck_ranks)} still running {self._abandon_seconds:g} s after being told to give "
+                f"up (SIGUSR2): blocked in MPI or in the model's code"
+            )
         elif first is None:
             said.append("they gave up (SIGUSR2), without a final checkpoint; the cluster is ready for the next job")
         if stuck_ranks or dead:
@@ -497,18 +539,21 @@ class _Progress:
                 latest[r["rank"]] = r["values"]
         speed = sum(v.get("samples_per_s") or 0.0 for v in latest.values())
         losses = [v["loss"] for v in latest.values() if v.get("loss") is not None]
-        state = {"status": job.status, "epoch": epochs[-1]["epoch"] if epochs else 0,
-                 "epochs": job.options.epochs, "samples_per_s": speed,
-                 "loss": sum(losses) / len(losses) if losses else None,
-                 "seconds": (job.ended or time.time()) - job.started}
+        state = {
+            "status": job.status,
+            "epoch": epochs[-1]["epoch"] if epochs else 0,
+            "epochs": job.options.epochs,
+            "samples_per_s": speed,
+            "loss": sum(losses) / len(losses) if losses else None,
+            "seconds": (job.ended or time.time()) - job.started,
+        }
         if epochs:
             state.update({k: v for k, v in epochs[-1].items() if k.startswith("val_")})
         return state
 
     def _text(self) -> str:
         s = self.summary()
-        parts = [f"nbdist {s['status']}", f"epoch {s['epoch']}/{s['epochs']}",
-                 f"{s['samples_per_s']:.0f} samples/s"]
+        parts = [f"nbdist {s['status']}", f"epoch {s['epoch']}/{s['epochs']}", f"{s['samples_per_s']:.0f} samples/s"]
         if s["loss"] is not None:
             parts.append(f"loss {s['loss']:.4f}")
         parts += [f"{k} {v:.4f}" for k, v in s.items() if k.startswith("val_") and v is not None]
@@ -522,6 +567,7 @@ class _Progress:
 
     def _repr_html_(self) -> str:
         s = self.summary()
-        return (f'<div><progress value="{s["epoch"]}" max="{s["epochs"]}" style="width:16em"></progress> '
-                f'<code>{html.escape(self._text())}</code></div>')
-
+        return (
+            f'<div><progress value="{s["epoch"]}" max="{s["epochs"]}" style="width:16em"></progress> '
+            f"<code>{html.escape(self._text())}</code></div>"
+        )

@@ -29,14 +29,24 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from nbdist.train.stopping import stop_caught_early
 from nbdist.transport.faults import ULFM_ARGS, ULFM_ENV
 
-__all__ = ["mpi_env", "find_mpiexec", "mpiexec_command", "MPIExecNotFound", "launch", "STOP_GRACE", "ULFM_ARGS",
-           "allocation_mpi_args", "remove_stale_session_dirs"]
+__all__ = [
+    "mpi_env",
+    "find_mpiexec",
+    "mpiexec_command",
+    "MPIExecNotFound",
+    "launch",
+    "STOP_GRACE",
+    "ULFM_ARGS",
+    "allocation_mpi_args",
+    "remove_stale_session_dirs",
+]
 
 # How long a stopping job may take (its final checkpoint) before the launcher kills it.
 STOP_GRACE = 600.0
@@ -64,7 +74,7 @@ def remove_stale_session_dirs(tmp: str | None = None) -> list[Path]:
     thread failed to start"."""
     removed = []
     for directory in Path(tmp or tempfile.gettempdir()).glob(SESSION_DIR_PREFIX + "*"):
-        pid = directory.name[len(SESSION_DIR_PREFIX):]
+        pid = directory.name[len(SESSION_DIR_PREFIX) :]
         try:
             if not pid.isdigit() or directory.stat().st_uid != os.getuid() or _launcher_alive(int(pid)):
                 continue
@@ -158,8 +168,15 @@ def _block_stop_signals() -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
 
 
-def launch(n: int, argv: list[str], *, hosts: str | None = None, hostfile: str | None = None,
-           interface: str | None = None, stop_grace: float = STOP_GRACE) -> int:
+def launch(
+    n: int,
+    argv: list[str],
+    *,
+    hosts: str | None = None,
+    hostfile: str | None = None,
+    interface: str | None = None,
+    stop_grace: float = STOP_GRACE,
+) -> int:
     """Run `python -m nbdist ARGV` on `n` ranks; returns the job's exit status."""
     local = not (hosts or hostfile or int(os.environ.get("SLURM_JOB_NUM_NODES", "1")) > 1)
     mpi_args: list[str] = []
@@ -169,10 +186,14 @@ def launch(n: int, argv: list[str], *, hosts: str | None = None, hostfile: str |
         mpi_args += ["--hostfile", hostfile]
     mpi_args += allocation_mpi_args()
     command = mpiexec_command(n, ["-m", "nbdist", *argv], mpi_args=mpi_args)
-    job = subprocess.Popen(command, env=mpi_env(local=local, interface=interface), preexec_fn=_block_stop_signals,
-                           start_new_session=True, stderr=subprocess.PIPE)
-    forwarder = threading.Thread(target=_forward_stderr, args=(job.stderr,), name="nbdist-launch-stderr",
-                                 daemon=True)
+    job = subprocess.Popen(
+        command,
+        env=mpi_env(local=local, interface=interface),
+        preexec_fn=_block_stop_signals,
+        start_new_session=True,
+        stderr=subprocess.PIPE,
+    )
+    forwarder = threading.Thread(target=_forward_stderr, args=(job.stderr,), name="nbdist-launch-stderr", daemon=True)
     forwarder.start()
     started = time.monotonic()
     stopping: list[float] = []
@@ -184,8 +205,12 @@ def launch(n: int, argv: list[str], *, hosts: str | None = None, hostfile: str |
             return
         if not stopping:
             stopping.append(time.monotonic())
-            print(f"nbdist: {signal.Signals(signum).name}: every rank stops at its next step and the run writes its "
-                  f"final checkpoint (Ctrl-C again to kill it at once)", file=sys.stderr, flush=True)
+            print(
+                f"nbdist: {signal.Signals(signum).name}: every rank stops at its next step and the run writes its "
+                f"final checkpoint (Ctrl-C again to kill it at once)",
+                file=sys.stderr,
+                flush=True,
+            )
         if time.monotonic() - started >= RANKS_CATCH_AFTER:
             job.send_signal(signal.SIGUSR1)  # prterun forwards it to every rank
         else:
@@ -205,8 +230,11 @@ def launch(n: int, argv: list[str], *, hosts: str | None = None, hostfile: str |
                     held.clear()
                     job.send_signal(signal.SIGUSR1)
                 if stopping and time.monotonic() - stopping[0] > stop_grace:
-                    print(f"nbdist: the run did not stop within {stop_grace:.0f} s; killing it", file=sys.stderr,
-                          flush=True)
+                    print(
+                        f"nbdist: the run did not stop within {stop_grace:.0f} s; killing it",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     _kill(job)
     finally:
         for sig, handler in previous.items():

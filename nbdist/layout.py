@@ -90,9 +90,7 @@ def _plural(count: int | str, word: str) -> str:
 def _count(name: str, value: Any) -> int:
     # bool is an int to Python, but `workers=True` is a bug, not a count.
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise LayoutError(
-            f"{name} must be a whole number >= 1, got {value!r}: set {_FLAG[name]} to 1 or more"
-        )
+        raise LayoutError(f"{name} must be a whole number >= 1, got {value!r}: set {_FLAG[name]} to 1 or more")
     return int(value)
 
 
@@ -124,8 +122,7 @@ class Layout:
     def __post_init__(self) -> None:
         if self.topology not in TOPOLOGIES:
             raise LayoutError(
-                f"unknown topology {self.topology!r}: use --topology master-worker or "
-                f"--topology allreduce"
+                f"unknown topology {self.topology!r}: use --topology master-worker or --topology allreduce"
             )
         for name in ("workers", "procs_per_worker", "groups", "folds"):
             object.__setattr__(self, name, _count(name, getattr(self, name)))
@@ -231,10 +228,7 @@ class Layout:
 
     def role(self, rank: int) -> Role:
         if not 0 <= rank < self.n_ranks:
-            raise LayoutError(
-                f"rank {rank} is outside this layout of {self.n_ranks} ranks "
-                f"(0-{self.n_ranks - 1})"
-            )
+            raise LayoutError(f"rank {rank} is outside this layout of {self.n_ranks} ranks (0-{self.n_ranks - 1})")
         return self.roles[rank]
 
     def fold_ranks(self, group: int, fold: int) -> list[int]:
@@ -284,8 +278,13 @@ class Layout:
         def worker_nodes(ranks: list[int]) -> list[dict[str, Any]]:
             p = self.procs_per_worker
             return [
-                {"kind": "worker", "index": w, "rank": ranks[w * p],
-                 "ranks": ranks[w * p:(w + 1) * p], "children": []}
+                {
+                    "kind": "worker",
+                    "index": w,
+                    "rank": ranks[w * p],
+                    "ranks": ranks[w * p : (w + 1) * p],
+                    "children": [],
+                }
                 for w in range(len(ranks) // p)
             ]
 
@@ -299,19 +298,26 @@ class Layout:
                     per_master = len(ranks) // self.masters
                     children = []
                     for m in range(self.masters):
-                        own = ranks[m * per_master:(m + 1) * per_master]
-                        children.append({"kind": "master", "index": m, "top": m == 0,
-                                         "rank": own[0], "ranks": own,
-                                         "children": worker_nodes(own[1:])})
+                        own = ranks[m * per_master : (m + 1) * per_master]
+                        children.append(
+                            {
+                                "kind": "master",
+                                "index": m,
+                                "top": m == 0,
+                                "rank": own[0],
+                                "ranks": own,
+                                "children": worker_nodes(own[1:]),
+                            }
+                        )
                 folds.append({"kind": "fold", "index": f, "ranks": ranks, "children": children})
-            nodes.append({"kind": "group", "index": g,
-                          "ranks": [r for fold in folds for r in fold["ranks"]],
-                          "children": folds})
-        options = {name: getattr(self, name) for name in
-                   ("topology", "workers", "masters", "procs_per_worker", "groups", "folds",
-                    "coordinator")}
-        return {"options": options, "n_ranks": self.n_ranks, "describe": self.describe(),
-                "nodes": nodes}
+            nodes.append(
+                {"kind": "group", "index": g, "ranks": [r for fold in folds for r in fold["ranks"]], "children": folds}
+            )
+        options = {
+            name: getattr(self, name)
+            for name in ("topology", "workers", "masters", "procs_per_worker", "groups", "folds", "coordinator")
+        }
+        return {"options": options, "n_ranks": self.n_ranks, "describe": self.describe(), "nodes": nodes}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Layout:
@@ -338,8 +344,7 @@ class Layout:
             kids = node["children"]
             for i, kid in enumerate(kids):
                 last = i == len(kids) - 1
-                draw(kid, label(kid), prefix + below, "└── " if last else "├── ",
-                     "    " if last else "│   ")
+                draw(kid, label(kid), prefix + below, "└── " if last else "├── ", "    " if last else "│   ")
 
         for node in self.to_dict()["nodes"]:
             if node["kind"] == "coordinator":
@@ -406,8 +411,9 @@ class Layout:
             comms.leaders = split(run_index if role.is_leader else undefined, role.worker or 0)
             if self.procs_per_worker > 1:
                 is_worker = role.kind == "worker"
-                comms.stage = split(run_index * self.procs_per_worker + role.proc if is_worker else undefined,
-                                    role.worker or 0)
+                comms.stage = split(
+                    run_index * self.procs_per_worker + role.proc if is_worker else undefined, role.worker or 0
+                )
         return comms
 
 

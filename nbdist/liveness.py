@@ -19,8 +19,9 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable, Protocol
+from typing import Any, Protocol
 
 import psutil
 
@@ -96,8 +97,9 @@ class Liveness:
         if process_gone(engine.host, engine.pid):
             return "its process is gone", self._unregistered.get(engine.uuid, now)
         if engine.uuid in self._unregistered or client._engines.get(engine.engine_id) != engine.uuid:
-            return "the controller dropped it (its engine exited or missed heartbeats)", \
-                self._unregistered.get(engine.uuid, now)
+            return "the controller dropped it (its engine exited or missed heartbeats)", self._unregistered.get(
+                engine.uuid, now
+            )
         if engine.uuid in self._stuck:
             why, since = self._stuck[engine.uuid]
             return f"stuck: {why}", since

@@ -28,29 +28,41 @@ class _commands(ArgDecorator):
     """The sub-commands of %distnn, built on the train options' own parser."""
 
     def add_to_parser(self, parser: MagicArgumentParser, group: Any) -> None:
-        sub = parser.add_subparsers(dest="command", metavar="{cluster,train,study,last,stop}",
-                                    parser_class=MagicArgumentParser)
+        sub = parser.add_subparsers(
+            dest="command", metavar="{cluster,train,study,last,stop}", parser_class=MagicArgumentParser
+        )
         cluster = sub.add_parser("cluster", help="start, stop or describe the MPI engines")
         actions = cluster.add_subparsers(dest="action", parser_class=MagicArgumentParser)
-        start = actions.add_parser("start", help="start MPI engines (or reuse the running cluster, "
-                                                 "replacing its engines if any is dead)")
+        start = actions.add_parser(
+            "start", help="start MPI engines (or reuse the running cluster, replacing its engines if any is dead)"
+        )
         start.add_argument("-n", type=int, default=4, help="number of engines (MPI ranks)")
-        start.add_argument("--engines", default="mpi", choices=("mpi", "slurm"),
-                           help="launcher: mpiexec here, or a SLURM job (the same as --slurm)")
-        start.add_argument("--slurm", action="store_true",
-                           help="submit the engines as a SLURM job (sbatch; mpiexec inside the allocation)")
+        start.add_argument(
+            "--engines",
+            default="mpi",
+            choices=("mpi", "slurm"),
+            help="launcher: mpiexec here, or a SLURM job (the same as --slurm)",
+        )
+        start.add_argument(
+            "--slurm",
+            action="store_true",
+            help="submit the engines as a SLURM job (sbatch; mpiexec inside the allocation)",
+        )
         start.add_argument("--partition", default=None, help="with --slurm: the partition (sbatch --partition)")
         start.add_argument("--time", default=None, help="with --slurm: the time limit, e.g. 01:00:00")
         start.add_argument("--account", default=None, help="with --slurm: the account to charge")
         start.add_argument("--nodes", type=int, default=None, help="with --slurm: nodes the engines spread over")
         start.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the engines")
         where = start.add_mutually_exclusive_group()
-        where.add_argument("--interface", default=None,
-                           help="network interface the controller listens on, for engines on other nodes "
-                                "(default: 127.0.0.1 only)")
+        where.add_argument(
+            "--interface",
+            default=None,
+            help="network interface the controller listens on, for engines on other nodes (default: 127.0.0.1 only)",
+        )
         where.add_argument("--ip", default=None, help="address the controller listens on (instead of --interface)")
-        attach = actions.add_parser("attach", help="use engines started elsewhere (ipcluster, another notebook); "
-                                                   "dead engines are replaced")
+        attach = actions.add_parser(
+            "attach", help="use engines started elsewhere (ipcluster, another notebook); dead engines are replaced"
+        )
         attach.add_argument("--cluster-id", default="", help="the cluster's id (ipcluster list)")
         attach.add_argument("--profile", default=None, help="the IPython profile it was started with")
         actions.add_parser("stop", help="stop the engines (an attached cluster: disconnect)")
@@ -60,15 +72,21 @@ class _commands(ArgDecorator):
         add_arguments(train)
         train.add_argument("--block", action="store_true", help="wait for the training to end")
         train.add_argument("--no-progress", action="store_true", help="no live progress line")
-        train.add_argument("--dashboard", action="store_true",
-                           help="show the live dashboard (throughput, staleness, loss, timeline) under the cell")
+        train.add_argument(
+            "--dashboard",
+            action="store_true",
+            help="show the live dashboard (throughput, staleness, loss, timeline) under the cell",
+        )
 
         study = sub.add_parser("study", help="a hyper-parameter study; the cell defines build_model(params)")
         add_study_arguments(study)
         study.add_argument("--block", action="store_true", help="wait for the study to end")
         study.add_argument("--no-progress", action="store_true", help="no live lines under the cell")
-        study.add_argument("--dashboard", action="store_true",
-                           help="show the study's live dashboard (population, trials, best so far) under the cell")
+        study.add_argument(
+            "--dashboard",
+            action="store_true",
+            help="show the study's live dashboard (population, trials, best so far) under the cell",
+        )
 
         sub.add_parser("last", help="the last job started from a cell")
         sub.add_parser("stop", help="stop the last job on every rank")
@@ -86,8 +104,10 @@ def _cell_or_model(cell: str | None, model_file: str | None, command: str, defin
     """The cell body (None when empty); exactly one of it and --model must give the model."""
     if cell is None or not cell.strip():
         if not model_file:
-            raise UsageError(f"%distnn {command} needs a cell body that defines {defines} "
-                             f"(%%distnn {command} ...) or --model FILE.py")
+            raise UsageError(
+                f"%distnn {command} needs a cell body that defines {defines} "
+                f"(%%distnn {command} ...) or --model FILE.py"
+            )
         return None
     if model_file:
         raise UsageError("give the model either as the cell body or as --model, not both")
@@ -145,11 +165,21 @@ class DistnnMagics(Magics):
                 args.engines = "slurm"
             if running is not None:
                 return self._restart(running, args)
-            print(f"nbdist: starting {args.n} MPI engines{' as a SLURM job' if args.engines == 'slurm' else ''} ...",
-                  flush=True)
-            started = clusters.Cluster(n=args.n, engines=args.engines, start_timeout=args.timeout,
-                                       interface=args.interface, ip=args.ip, partition=args.partition,
-                                       time=args.time, account=args.account, nodes=args.nodes).start()
+            print(
+                f"nbdist: starting {args.n} MPI engines{' as a SLURM job' if args.engines == 'slurm' else ''} ...",
+                flush=True,
+            )
+            started = clusters.Cluster(
+                n=args.n,
+                engines=args.engines,
+                start_timeout=args.timeout,
+                interface=args.interface,
+                ip=args.ip,
+                partition=args.partition,
+                time=args.time,
+                account=args.account,
+                nodes=args.nodes,
+            ).start()
             print(started.status())
             return started
         if args.action == "attach":
@@ -172,15 +202,17 @@ class DistnnMagics(Magics):
     def _restart(running: Any, args: argparse.Namespace) -> Any:
         """`cluster start` on a running cluster: reuse it, or replace its dead engines."""
         if running.engines != args.engines:
-            raise UsageError(f"a cluster of {running.n} {running.engines} engines is running; "
-                             f"%distnn cluster stop first")
+            raise UsageError(
+                f"a cluster of {running.n} {running.engines} engines is running; %distnn cluster stop first"
+            )
         healthy = not running.broken()
         if healthy and running.n == args.n:
             print(f"nbdist: reusing the running cluster ({running.n} engines)")
             return running
         if healthy:
-            raise UsageError(f"a cluster of {running.n} {running.engines} engines is running; "
-                             f"%distnn cluster stop first")
+            raise UsageError(
+                f"a cluster of {running.n} {running.engines} engines is running; %distnn cluster stop first"
+            )
         print(f"nbdist: {running.heal(n=args.n)}", flush=True)
         print(running.status())
         return running
@@ -191,25 +223,29 @@ class DistnnMagics(Magics):
 
         options = options_from_args(args)
         cell = _cell_or_model(cell, options.model, "train", "the model")
-        return self._started(submit(current_cluster(), options, cell=cell, block=False,
-                                    show_progress=not args.no_progress), args)
+        return self._started(
+            submit(current_cluster(), options, cell=cell, block=False, show_progress=not args.no_progress), args
+        )
 
     def _study(self, args: argparse.Namespace, cell: str | None) -> Any:
         from nbdist.api import study, submit_study
         from nbdist.cluster import current_cluster
-
         from nbdist.hpo.runner import resolve_options
 
         study_options, train_options = resolve_options(*study_options_from_args(args))
         cell = _cell_or_model(cell, train_options.model, "study", "build_model(params)")
         if cell is None:
-            options = {**study_options.to_dict(), **{k: v for k, v in train_options.to_dict().items()
-                                                      if k not in STUDY_SKIPS}}
-            handle = study(train_options.model, cluster=current_cluster(), show_progress=not args.no_progress,
-                           **options)
+            options = {
+                **study_options.to_dict(),
+                **{k: v for k, v in train_options.to_dict().items() if k not in STUDY_SKIPS},
+            }
+            handle = study(
+                train_options.model, cluster=current_cluster(), show_progress=not args.no_progress, **options
+            )
         else:
-            handle = submit_study(current_cluster(), study_options, train_options, cell=cell,
-                                  show_progress=not args.no_progress)
+            handle = submit_study(
+                current_cluster(), study_options, train_options, cell=cell, show_progress=not args.no_progress
+            )
         return self._started(handle, args)
 
     def _started(self, handle: Any, args: argparse.Namespace) -> Any:

@@ -39,17 +39,32 @@ CLOSE_SECONDS = 30.0
 
 
 class EngineGroups(TrialExecutor):
-    def __init__(self, cluster: Any, layout: Layout, study: str, train: TrainOptions, options: StudyOptions,
-                 store: str | None, what: dict[str, Any]):
+    def __init__(
+        self,
+        cluster: Any,
+        layout: Layout,
+        study: str,
+        train: TrainOptions,
+        options: StudyOptions,
+        store: str | None,
+        what: dict[str, Any],
+    ):
         from nbdist import engine
 
         self.cluster, self.layout, self.study = cluster, layout, study
         self.train, self.options, self.store, self.what = train, options, store, what
         self.groups = layout.groups
-        self.engines = [[cluster.engine_of(r) for f in range(layout.folds) for r in layout.fold_ranks(g, f)]
-                        for g in range(layout.groups)]
-        self.run_layout = Layout.for_world(layout.ranks_per_run, workers=train.workers, masters=train.masters,
-                                           procs_per_worker=train.procs_per_worker, topology=train.topology).to_dict()
+        self.engines = [
+            [cluster.engine_of(r) for f in range(layout.folds) for r in layout.fold_ranks(g, f)]
+            for g in range(layout.groups)
+        ]
+        self.run_layout = Layout.for_world(
+            layout.ranks_per_run,
+            workers=train.workers,
+            masters=train.masters,
+            procs_per_worker=train.procs_per_worker,
+            topology=train.topology,
+        ).to_dict()
         self.jobs: dict[int, tuple[Any, Trial, int]] = {}  # group -> (job, trial, records read)
         cluster.view.apply_sync(engine.open_study, study, layout.to_dict())
 
@@ -61,10 +76,25 @@ class EngineGroups(TrialExecutor):
         # instead of failing every trial given to its group.
         self.cluster.check_alive(engines=self.engines[group])
         view = self.cluster.client[self.engines[group]]
-        result = view.apply_async(engine.run_trial, self.study, trial.number, trial.params, self.train.to_dict(),
-                                  self.options.to_dict(), **self.what)
-        job = Job(self.cluster, result, trial_options(self.train, trial.params), layout=self.run_layout,
-                  store=self.store, show_progress=False, engines=self.engines[group], study=self.study)
+        result = view.apply_async(
+            engine.run_trial,
+            self.study,
+            trial.number,
+            trial.params,
+            self.train.to_dict(),
+            self.options.to_dict(),
+            **self.what,
+        )
+        job = Job(
+            self.cluster,
+            result,
+            trial_options(self.train, trial.params),
+            layout=self.run_layout,
+            store=self.store,
+            show_progress=False,
+            engines=self.engines[group],
+            study=self.study,
+        )
         self.jobs[group] = (job, trial, 0)
 
     def poll(self, timeout: float) -> list[EpochReport | TrialFinished]:
@@ -134,16 +164,30 @@ class EngineGroups(TrialExecutor):
 class Study:
     """A study running on a notebook's cluster; the coordinator runs on a thread of the kernel."""
 
-    def __init__(self, cluster: Any, options: StudyOptions, train: TrainOptions, *, what: dict[str, Any],
-                 store: str | None, show_progress: bool = True):
+    def __init__(
+        self,
+        cluster: Any,
+        options: StudyOptions,
+        train: TrainOptions,
+        *,
+        what: dict[str, Any],
+        store: str | None,
+        show_progress: bool = True,
+    ):
         from nbdist.hpo.trial import check_study
 
         check_study(options, train)
         cluster.check_alive()
         self.options, self.train, self.store = options, train, store
-        self.layout = Layout.for_world(cluster.n, workers=train.workers, masters=train.masters,
-                                       procs_per_worker=train.procs_per_worker, topology=train.topology,
-                                       groups=options.groups, folds=options.folds)
+        self.layout = Layout.for_world(
+            cluster.n,
+            workers=train.workers,
+            masters=train.masters,
+            procs_per_worker=train.procs_per_worker,
+            topology=train.topology,
+            groups=options.groups,
+            folds=options.folds,
+        )
         self.lines: list[str] = []
         self._display: _Lines | None = None
         self.name = options.resume_study or new_study_name(options)
@@ -205,8 +249,18 @@ class Study:
         spread over the folds, state (complete, pruned, failed) and generation."""
         import pandas as pd
 
-        rows = [{"trial": r["number"], **r["params"], "fom": r["fom"], "fom_std": r["fom_std"], "state": r["state"],
-                 "generation": r["generation"], "error": r["error"]} for r in list(self.runner.results)]
+        rows = [
+            {
+                "trial": r["number"],
+                **r["params"],
+                "fom": r["fom"],
+                "fom_std": r["fom_std"],
+                "state": r["state"],
+                "generation": r["generation"],
+                "error": r["error"],
+            }
+            for r in list(self.runner.results)
+        ]
         frame = pd.DataFrame(rows)
         return frame.sort_values("trial").reset_index(drop=True) if not frame.empty else frame
 
@@ -221,7 +275,7 @@ class Study:
         return best[1] if best else None
 
     # -- control -------------------------------------------------------------------------
-    def wait(self, timeout: float | None = None) -> "Study":
+    def wait(self, timeout: float | None = None) -> Study:
         """Until the study ends (KeyboardInterrupt stops it; --resume-study continues it)."""
         try:
             if not wait_interruptibly(self._done, timeout):
@@ -234,7 +288,7 @@ class Study:
             raise self._error
         return self
 
-    def stop(self, timeout: float = 60.0) -> "Study":
+    def stop(self, timeout: float = 60.0) -> Study:
         """Stop the running trials at their next step boundary and end the study."""
         self.runner.stop("stopped")
         if not self._done.wait(timeout):
@@ -251,7 +305,9 @@ class Study:
 
     def __repr__(self) -> str:
         best = f", best {self.options.objective} {self.best_fom:.4g}" if self.best_fom is not None else ""
-        return f"<nbdist.Study {self.name} {self.status}: {len(self.runner.results)}/{self.options.trials} trials{best}>"
+        return (
+            f"<nbdist.Study {self.name} {self.status}: {len(self.runner.results)}/{self.options.trials} trials{best}>"
+        )
 
     def _repr_html_(self) -> str:
         return f"<code>{html.escape(repr(self))}</code>"
@@ -265,7 +321,7 @@ class _Lines:
         self.study, self.handle = study, handle
 
     @classmethod
-    def under_the_cell(cls, study: Study) -> "_Lines | None":
+    def under_the_cell(cls, study: Study) -> _Lines | None:
         try:
             from IPython import get_ipython
             from IPython.display import display
@@ -285,7 +341,13 @@ class _Lines:
         return "\n".join([repr(self.study), *self.study.lines[-12:]])
 
 
-def study_on_cluster(cluster: Any, options: StudyOptions, train: TrainOptions, *, store: str | None,
-                     show_progress: bool = True, **what: Any) -> Study:
+def study_on_cluster(
+    cluster: Any,
+    options: StudyOptions,
+    train: TrainOptions,
+    *,
+    store: str | None,
+    show_progress: bool = True,
+    **what: Any,
+) -> Study:
     return Study(cluster, options, train, what=what, store=store, show_progress=show_progress)
-

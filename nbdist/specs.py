@@ -12,13 +12,22 @@ import ast
 import difflib
 import inspect
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from nbdist.errors import UserError
 
-__all__ = ["Spec", "SpecError", "ValueRange", "parse_spec", "check_kwargs", "unknown_name", "did_you_mean",
-           "check_value_kinds"]
+__all__ = [
+    "Spec",
+    "SpecError",
+    "ValueRange",
+    "parse_spec",
+    "check_kwargs",
+    "unknown_name",
+    "did_you_mean",
+    "check_value_kinds",
+]
 
 
 class SpecError(UserError, ValueError):
@@ -36,12 +45,13 @@ class Spec:
         args = ", ".join(f"{k}={v!r}" for k, v in self.kwargs.items())
         return f"{self.name}({args})"
 
-    def with_defaults(self, **defaults: Any) -> "Spec":
+    def with_defaults(self, **defaults: Any) -> Spec:
         return Spec(self.name, {**defaults, **self.kwargs})
 
 
-def parse_spec(text: "str | Spec | Mapping[str, Any]", *, what: str = "option",
-               positional: Mapping[str, str] | None = None) -> Spec:
+def parse_spec(
+    text: str | Spec | Mapping[str, Any], *, what: str = "option", positional: Mapping[str, str] | None = None
+) -> Spec:
     """`adam(lr=0.01)` -> Spec('adam', {'lr': 0.01}); a Spec or {'name':..., ...} passes.
     `positional`: the names that take their one parameter by position too, and what it
     is called (`topk(0.01)` == `topk(ratio=0.01)` with {'topk': 'ratio'})."""
@@ -59,8 +69,7 @@ def parse_spec(text: "str | Spec | Mapping[str, Any]", *, what: str = "option",
         node = ast.parse(source, mode="eval").body
     except SyntaxError:
         raise SpecError(
-            f"cannot read {what} {source!r}: write a name, or name(key=value, ...), "
-            f"e.g. adam(lr=0.001)"
+            f"cannot read {what} {source!r}: write a name, or name(key=value, ...), e.g. adam(lr=0.001)"
         ) from None
     if isinstance(node, ast.Name):
         return Spec(node.id.lower())
@@ -89,8 +98,7 @@ def _literal_kwargs(keywords: list[ast.keyword], source: str, what: str) -> dict
         except (ValueError, TypeError, RecursionError):
             # literal_eval raises TypeError for e.g. {[1]} (an unhashable set member).
             raise SpecError(
-                f"{what} {source!r}: the value of {kw.arg} must be a literal "
-                f"(number, string, tuple, True/False/None)"
+                f"{what} {source!r}: the value of {kw.arg} must be a literal (number, string, tuple, True/False/None)"
             ) from None
     return kwargs
 

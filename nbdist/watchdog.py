@@ -41,8 +41,9 @@ LIST_SECONDS = 2.0
 TERM_SECONDS = 2.0
 
 
-def start(parent: psutil.Process, roots: list[psutil.Process], remove: str | None = None,
-          scancel: str | None = None) -> subprocess.Popen:
+def start(
+    parent: psutil.Process, roots: list[psutil.Process], remove: str | None = None, scancel: str | None = None
+) -> subprocess.Popen:
     """Start a watchdog that ends `roots` and their descendants when `parent` dies (and
     cancels the SLURM job `scancel`); it leaves quietly when the roots end first."""
     argv = [sys.executable, os.path.abspath(__file__), "--parent", _ident(parent)]
@@ -52,8 +53,14 @@ def start(parent: psutil.Process, roots: list[psutil.Process], remove: str | Non
         argv += ["--remove", remove]
     if scancel:
         argv += ["--scancel", str(scancel)]
-    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True, close_fds=True)
+    return subprocess.Popen(
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        close_fds=True,
+    )
 
 
 def _ident(process: psutil.Process) -> str:
@@ -108,8 +115,13 @@ def take_down(processes: list[psutil.Process], grace: float = TERM_SECONDS) -> N
 def _cancel(job: str | None) -> None:
     if job:
         try:
-            subprocess.run(["scancel", job], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL, timeout=60)
+            subprocess.run(
+                ["scancel", job],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                timeout=60,
+            )
         except (OSError, subprocess.TimeoutExpired):
             pass
 
@@ -129,8 +141,9 @@ def process_groups(leaders: list[int]) -> list[psutil.Process]:
     return found
 
 
-def watch(parent: psutil.Process, roots: list[psutil.Process], remove: str | None = None,
-          scancel: str | None = None) -> bool:
+def watch(
+    parent: psutil.Process, roots: list[psutil.Process], remove: str | None = None, scancel: str | None = None
+) -> bool:
     """Until `parent` dies (then take the tree down and return True) or the roots end (False)."""
     known: dict[int, psutil.Process] = {}
     listed = 0.0

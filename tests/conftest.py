@@ -42,8 +42,7 @@ class BatchedRuns:
 
     def run(self, name: str) -> Path:
         assert self.codes.get(name) == 0, (
-            f"run {name!r}: exit status {self.codes.get(name)} (job status {self.returncode})\n"
-            f"{self.output[-6000:]}"
+            f"run {name!r}: exit status {self.codes.get(name)} (job status {self.returncode})\n{self.output[-6000:]}"
         )
         return self.runs_dir / name
 
@@ -69,9 +68,7 @@ def run_mpi(n: int, argv: list[str], *, timeout: float = 120, cwd: Path | None =
     """Run `mpiexec -n n python <argv>`; a run that outlives `timeout` fails the test."""
     cmd = mpiexec_command(n, argv)
     try:
-        proc = subprocess.run(
-            cmd, cwd=cwd or ROOT, env=mpi_env(), capture_output=True, text=True, timeout=timeout
-        )
+        proc = subprocess.run(cmd, cwd=cwd or ROOT, env=mpi_env(), capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
         out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
         err = (exc.stderr or b"").decode() if isinstance(exc.stderr, bytes) else (exc.stderr or "")
@@ -83,8 +80,12 @@ def run_python(argv: list[str], *, timeout: float = 120, cwd: Path | None = None
     """Run `python <argv>` (one process, no mpiexec) with the MPI environment."""
     try:
         proc = subprocess.run(
-            [sys.executable, *argv], cwd=cwd or ROOT, env=mpi_env(), capture_output=True,
-            text=True, timeout=timeout,
+            [sys.executable, *argv],
+            cwd=cwd or ROOT,
+            env=mpi_env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
         )
     except subprocess.TimeoutExpired:
         pytest.fail(f"python {' '.join(argv)} hung for {timeout}s")
@@ -113,9 +114,27 @@ def jet_sample(tmp_path_factory):
     MPI ranks, as a user would make them."""
     pytest.importorskip("pythia8mc")
     out = tmp_path_factory.mktemp("jets") / "jets"
-    done = run_mpi(2, ["-m", "nbdist", "datasets", "jet-images", "--signal", "top", "--out", str(out),
-                       "--events", str(JET_SAMPLE["events"]), "--files", str(JET_SAMPLE["files"]),
-                       "--no-underlying-event", "--seed", str(JET_SAMPLE["seed"])], timeout=300)
+    done = run_mpi(
+        2,
+        [
+            "-m",
+            "nbdist",
+            "datasets",
+            "jet-images",
+            "--signal",
+            "top",
+            "--out",
+            str(out),
+            "--events",
+            str(JET_SAMPLE["events"]),
+            "--files",
+            str(JET_SAMPLE["files"]),
+            "--no-underlying-event",
+            "--seed",
+            str(JET_SAMPLE["seed"]),
+        ],
+        timeout=300,
+    )
     assert done.returncode == 0, done.output
     from nbdist.datasets import jet_images
 
@@ -131,8 +150,9 @@ class OutputLines:
     def __init__(self, proc: subprocess.Popen):
         self.lines: list[str] = []
         self._queue: queue.Queue = queue.Queue()
-        threading.Thread(target=lambda: [self._queue.put(line) or self.lines.append(line) for line in proc.stdout],
-                         daemon=True).start()
+        threading.Thread(
+            target=lambda: [self._queue.put(line) or self.lines.append(line) for line in proc.stdout], daemon=True
+        ).start()
 
     def wait_for(self, pattern: str, timeout: float) -> re.Match | None:
         """The match of the first line (not yet waited past) that matches `pattern`; None

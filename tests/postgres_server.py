@@ -68,17 +68,36 @@ class Server:
         log = self.root / "server.log"
         options = f"-p {self.port} -k {self.root / 'sockets'} -c listen_addresses=127.0.0.1 -c fsync=off"
         started = subprocess.run(
-            [*self.as_user, str(self.bin / "pg_ctl"), "-D", str(self.data), "-l", str(log), "-w",
-             "-t", str(START_SECONDS), "-o", options, "start"], capture_output=True, text=True,
-            timeout=START_SECONDS + 30)
+            [
+                *self.as_user,
+                str(self.bin / "pg_ctl"),
+                "-D",
+                str(self.data),
+                "-l",
+                str(log),
+                "-w",
+                "-t",
+                str(START_SECONDS),
+                "-o",
+                options,
+                "start",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=START_SECONDS + 30,
+        )
         assert started.returncode == 0, started.stdout + started.stderr + (log.read_text() if log.exists() else "")
         _wait_ready(self)
 
     def halt(self) -> None:
         """Stop the server, keeping its data (start() brings it back), and wait it out."""
         pid = self.pid()
-        subprocess.run([*self.as_user, str(self.bin / "pg_ctl"), "-D", str(self.data), "stop", "-m", "fast",
-                        "-w", "-t", "30"], capture_output=True, text=True, timeout=60)
+        subprocess.run(
+            [*self.as_user, str(self.bin / "pg_ctl"), "-D", str(self.data), "stop", "-m", "fast", "-w", "-t", "30"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         if pid is not None:
             deadline = time.monotonic() + 30
             while _alive(pid):
@@ -129,9 +148,25 @@ def start() -> Server:
     pwfile.write_text(PASSWORD + "\n")
     if as_user:
         os.chown(pwfile, owner.pw_uid, owner.pw_gid)
-    made = subprocess.run([*as_user, str(binaries / "initdb"), "-D", str(data), "-U", USER, f"--pwfile={pwfile}",
-                           "--auth=scram-sha-256", "--no-sync", "-E", "UTF8", "--locale=C.UTF-8"],
-                          capture_output=True, text=True, timeout=120)
+    made = subprocess.run(
+        [
+            *as_user,
+            str(binaries / "initdb"),
+            "-D",
+            str(data),
+            "-U",
+            USER,
+            f"--pwfile={pwfile}",
+            "--auth=scram-sha-256",
+            "--no-sync",
+            "-E",
+            "UTF8",
+            "--locale=C.UTF-8",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert made.returncode == 0, made.stdout + made.stderr
     subprocess.run([*as_user, "mkdir", str(sockets)], check=True, timeout=30)
     server = Server(_free_port(), root, data, binaries, as_user)

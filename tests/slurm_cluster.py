@@ -21,6 +21,7 @@ needed or disturbed; the ports are free ones picked at start.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import secrets
 import shutil
@@ -28,7 +29,6 @@ import signal
 import socket
 import subprocess
 import time
-import ipaddress
 from pathlib import Path
 
 import psutil
@@ -44,8 +44,17 @@ NETNS_TOOLS = ("ip", "nsenter", "unshare")
 KILL_WAIT = 30
 
 # States a job leaves the queue in (scontrol's JobState).
-FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL",
-            "DEADLINE"}
+FINISHED = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "PREEMPTED",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+}
 
 
 class SlurmMissing(RuntimeError):
@@ -68,8 +77,12 @@ def _free_port() -> int:
 
 def _free_subnet() -> ipaddress.IPv4Network:
     """A private /24 that no interface here is on (other test runs make theirs too)."""
-    taken = {ipaddress.ip_interface(f"{a.address}/{a.netmask}").network
-             for addresses in psutil.net_if_addrs().values() for a in addresses if a.family == socket.AF_INET}
+    taken = {
+        ipaddress.ip_interface(f"{a.address}/{a.netmask}").network
+        for addresses in psutil.net_if_addrs().values()
+        for a in addresses
+        if a.family == socket.AF_INET
+    }
     for third in [os.getpid() % 200 + offset for offset in range(50)]:
         subnet = ipaddress.ip_network(f"10.77.{third % 250}.0/24")
         if not any(subnet.overlaps(other) for other in taken):
@@ -102,8 +115,7 @@ def _described(process: psutil.Process) -> str:
     module is matched to the test that started it by its start time."""
     try:
         started = time.strftime("%H:%M:%S", time.localtime(process.create_time()))
-        return (f"pid {process.pid} (started {started}, parent {process.ppid()}): "
-                f"{' '.join(process.cmdline())[:400]}")
+        return f"pid {process.pid} (started {started}, parent {process.ppid()}): {' '.join(process.cmdline())[:400]}"
     except psutil.Error:
         return f"pid {process.pid} (gone)"
 
@@ -154,12 +166,11 @@ class SlurmCluster:
     def command(self, *argv: str, timeout: float = 30, check: bool = True) -> subprocess.CompletedProcess:
         done = subprocess.run(list(argv), env=self.env, capture_output=True, text=True, timeout=timeout)
         if check and done.returncode != 0:
-            raise RuntimeError(f"{' '.join(argv)} exited {done.returncode}:\n{done.stdout}{done.stderr}\n"
-                               f"{self.logs()}")
+            raise RuntimeError(f"{' '.join(argv)} exited {done.returncode}:\n{done.stdout}{done.stderr}\n{self.logs()}")
         return done
 
     # ---------------------------------------------------------------- start / stop
-    def __enter__(self) -> "SlurmCluster":
+    def __enter__(self) -> SlurmCluster:
         try:
             self.start()
         except BaseException:
@@ -186,18 +197,37 @@ class SlurmCluster:
             self._make_second_node()
         self._write_conf()
         self._spawn("slurmctld", ["slurmctld", "-D", "-f", str(self.conf)])
-        wait_for(lambda: self.command("scontrol", "ping", check=False, timeout=10).stdout.count("UP"), timeout,
-              "slurmctld answering scontrol ping", self.logs)
+        wait_for(
+            lambda: self.command("scontrol", "ping", check=False, timeout=10).stdout.count("UP"),
+            timeout,
+            "slurmctld answering scontrol ping",
+            self.logs,
+        )
         self._spawn(f"slurmd-{self.node}", ["slurmd", "-D", "-N", self.node, "-f", str(self.conf)])
         if self.two_nodes:
             second = self.nodes[1]
             # Its own network namespace and hostname; `hostname` inside the new UTS
             # namespace only, then slurmd in its place (the script's arguments are ours).
             # nsenter, not `ip netns exec`: that remounts /sys, and slurmd wants the cgroup mount.
-            self._spawn(f"slurmd-{second}", ["nsenter", f"--net=/run/netns/{self.netns}", "unshare", "--uts",
-                                             "sh", "-c",
-                                             'hostname "$0" && exec "$@"', second,
-                                             "slurmd", "-D", "-N", second, "-f", str(self.conf)])
+            self._spawn(
+                f"slurmd-{second}",
+                [
+                    "nsenter",
+                    f"--net=/run/netns/{self.netns}",
+                    "unshare",
+                    "--uts",
+                    "sh",
+                    "-c",
+                    'hostname "$0" && exec "$@"',
+                    second,
+                    "slurmd",
+                    "-D",
+                    "-N",
+                    second,
+                    "-f",
+                    str(self.conf),
+                ],
+            )
         wait_for(self._nodes_idle, timeout, f"idle nodes {', '.join(self.nodes)} in sinfo", self.logs)
 
     def _make_second_node(self) -> None:
@@ -213,13 +243,15 @@ class SlurmCluster:
         first, second = (str(subnet.network_address + i) for i in (1, 2))
         # Both ends of the veth pair have one name, as a cluster's nodes have (ib0 on each):
         # what --interface names is the same on both nodes.
-        steps = [["ip", "netns", "add", netns],
-                 ["ip", "link", "add", netns, "type", "veth", "peer", "name", netns, "netns", netns],
-                 ["ip", "addr", "add", f"{first}/{subnet.prefixlen}", "dev", netns],
-                 ["ip", "link", "set", netns, "up"],
-                 ["ip", "-n", netns, "addr", "add", f"{second}/{subnet.prefixlen}", "dev", netns],
-                 ["ip", "-n", netns, "link", "set", netns, "up"],
-                 ["ip", "-n", netns, "link", "set", "lo", "up"]]
+        steps = [
+            ["ip", "netns", "add", netns],
+            ["ip", "link", "add", netns, "type", "veth", "peer", "name", netns, "netns", netns],
+            ["ip", "addr", "add", f"{first}/{subnet.prefixlen}", "dev", netns],
+            ["ip", "link", "set", netns, "up"],
+            ["ip", "-n", netns, "addr", "add", f"{second}/{subnet.prefixlen}", "dev", netns],
+            ["ip", "-n", netns, "link", "set", netns, "up"],
+            ["ip", "-n", netns, "link", "set", "lo", "up"],
+        ]
         for step in steps:
             done = subprocess.run(step, capture_output=True, text=True, timeout=30)
             if done.returncode != 0:
@@ -243,16 +275,27 @@ class SlurmCluster:
         os.chmod(key, 0o400)
         munge = self.root / "munge"
         # --force: munged refuses to run as root without it.
-        self._spawn("munged", ["munged", "--foreground", "--force", f"--socket={self.munge_socket}",
-                               f"--key-file={key}", f"--pid-file={munge / 'munged.pid'}",
-                               f"--seed-file={munge / 'munged.seed'}", f"--log-file={self.root / 'log' / 'munged.log'}"])
+        self._spawn(
+            "munged",
+            [
+                "munged",
+                "--foreground",
+                "--force",
+                f"--socket={self.munge_socket}",
+                f"--key-file={key}",
+                f"--pid-file={munge / 'munged.pid'}",
+                f"--seed-file={munge / 'munged.seed'}",
+                f"--log-file={self.root / 'log' / 'munged.log'}",
+            ],
+        )
 
         def credential_round_trips() -> bool:
             encoded = subprocess.run(["munge", "-n", "-S", str(self.munge_socket)], capture_output=True, timeout=10)
             if encoded.returncode != 0:
                 return False
-            decoded = subprocess.run(["unmunge", "-S", str(self.munge_socket)], input=encoded.stdout,
-                                     capture_output=True, timeout=10)
+            decoded = subprocess.run(
+                ["unmunge", "-S", str(self.munge_socket)], input=encoded.stdout, capture_output=True, timeout=10
+            )
             return decoded.returncode == 0 and b"Success" in decoded.stdout
 
         wait_for(credential_round_trips, timeout, "munge credential round trip", self.logs)
@@ -292,29 +335,35 @@ class SlurmCluster:
             f"SlurmctldLogFile={root / 'log' / 'slurmctld.log'}",
             f"SlurmdLogFile={root / 'log' / 'slurmd-%n.log'}",
             "SlurmdParameters=config_overrides",  # more CPUs than the machine has
-            *[f"NodeName={node} NodeAddr={address} CPUs={self.cpus} RealMemory={self.memory_mb} State=UNKNOWN"
-              for node, address in self.addresses.items()],
+            *[
+                f"NodeName={node} NodeAddr={address} CPUs={self.cpus} RealMemory={self.memory_mb} State=UNKNOWN"
+                for node, address in self.addresses.items()
+            ],
             f"PartitionName={self.partition} Nodes={self.node} Default=YES MaxTime=INFINITE State=UP "
             "OverSubscribe=FORCE:4",
         ]
         if self.two_nodes:
-            lines.append(f"PartitionName={self.two_node_partition} Nodes={','.join(self.nodes)} MaxTime=INFINITE "
-                         "State=UP OverSubscribe=FORCE:4")
+            lines.append(
+                f"PartitionName={self.two_node_partition} Nodes={','.join(self.nodes)} MaxTime=INFINITE "
+                "State=UP OverSubscribe=FORCE:4"
+            )
         self.conf.write_text("\n".join(lines) + "\n")
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         out = open(self.root / "log" / f"{name}.out", "w")
         self._logs.append(out)
-        self.daemons[name] = subprocess.Popen(argv, env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                                              stdin=subprocess.DEVNULL, start_new_session=True)
+        self.daemons[name] = subprocess.Popen(
+            argv, env=self.env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
 
     def _nodes_idle(self) -> bool:
         for name, daemon in self.daemons.items():
             if daemon.poll() is not None:
                 raise RuntimeError(f"{name} exited {daemon.returncode}\n{self.logs()}")
         states = self.command("sinfo", "-h", "-N", "-o", "%N %t", check=False, timeout=10).stdout.split("\n")
-        return {line.split()[0]: line.split()[1] for line in states if line.strip()} == dict.fromkeys(self.nodes,
-                                                                                                       "idle")
+        return {line.split()[0]: line.split()[1] for line in states if line.strip()} == dict.fromkeys(
+            self.nodes, "idle"
+        )
 
     def stop(self, timeout: float = 30) -> list[str]:
         """Cancel every job, stop every daemon this cluster started (slurmd, slurmctld, then
@@ -351,8 +400,11 @@ class SlurmCluster:
         self.command("scancel", "--full", "--signal=KILL", *queued, check=False, timeout=10)
         self.command("scancel", *queued, check=False, timeout=10)
         try:
-            wait_for(lambda: not self.command("squeue", "-h", "-o", "%i", check=False, timeout=10).stdout.split(),
-                  timeout, "empty queue after scancel")
+            wait_for(
+                lambda: not self.command("squeue", "-h", "-o", "%i", check=False, timeout=10).stdout.split(),
+                timeout,
+                "empty queue after scancel",
+            )
         except TimeoutError:
             pass  # what is left is killed below and reported
 
@@ -389,8 +441,14 @@ class SlurmCluster:
     # ---------------------------------------------------------------- jobs
     def sbatch(self, script: Path, *options: str, cwd: Path | None = None) -> str:
         """Submit `script`; returns the job id."""
-        done = subprocess.run(["sbatch", "--parsable", *options, str(script)], env=self.env, capture_output=True,
-                              text=True, timeout=30, cwd=cwd)
+        done = subprocess.run(
+            ["sbatch", "--parsable", *options, str(script)],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            cwd=cwd,
+        )
         if done.returncode != 0:
             raise RuntimeError(f"sbatch {script} exited {done.returncode}:\n{done.stdout}{done.stderr}")
         return done.stdout.strip().split(";")[0]

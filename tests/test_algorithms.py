@@ -68,20 +68,34 @@ class Simulation:
     and every message and reply goes through the transport's staging, as on a GPU.
     """
 
-    def __init__(self, algorithm, model: nn.Module, k: int, *, worker_opt: str | None = None,
-                 master_opt: str | None = None, sync_every: int = 1, synchronous: bool = False,
-                 tensors: bool = False):
+    def __init__(
+        self,
+        algorithm,
+        model: nn.Module,
+        k: int,
+        *,
+        worker_opt: str | None = None,
+        master_opt: str | None = None,
+        sync_every: int = 1,
+        synchronous: bool = False,
+        tensors: bool = False,
+    ):
         self.algorithm, self.k, self.synchronous = algorithm, k, synchronous
         algorithm.bind(k)
         self.master = self._backend(model, tensors)
         self.center = self.master.rule_params
         n = self.master.num_params
         self.master_state = algorithm.new_master_state(n, like=self.center)
-        self.master_opt = (self.master.make_optimizer(parse_spec(master_opt))
-                           if master_opt and algorithm.uses_master_optimizer else None)
+        self.master_opt = (
+            self.master.make_optimizer(parse_spec(master_opt))
+            if master_opt and algorithm.uses_master_optimizer
+            else None
+        )
         self.workers = [self._backend(model, tensors) for _ in range(k)]
-        self.worker_opts = [w.make_optimizer(parse_spec(worker_opt))
-                            if worker_opt and algorithm.uses_worker_optimizer else None for w in self.workers]
+        self.worker_opts = [
+            w.make_optimizer(parse_spec(worker_opt)) if worker_opt and algorithm.uses_worker_optimizer else None
+            for w in self.workers
+        ]
         self.worker_states = [algorithm.new_worker_state(n, sync_every, like=w.rule_params) for w in self.workers]
         self.version = 0
         self.worker_versions = [0] * k
@@ -144,8 +158,9 @@ class Simulation:
 def test_downpour_one_worker_is_plain_training(opt, synchronous):
     model = make_model()
     batches = make_batches(12, 7, seed=1)
-    sim = Simulation(Downpour(), model, 1, worker_opt="sgd(lr=0.5)", master_opt=opt,
-                     sync_every=1, synchronous=synchronous)
+    sim = Simulation(
+        Downpour(), model, 1, worker_opt="sgd(lr=0.5)", master_opt=opt, sync_every=1, synchronous=synchronous
+    )
     start = sim.center.copy()
     sim.run([batches])
     expected = reference_run(model, opt, batches)
@@ -213,8 +228,9 @@ def test_easgd_zero_force_means_independent_workers(synchronous):
     model = make_model()
     opt = "sgd(lr=0.1, momentum=0.9)"
     data = [make_batches(9, 5, seed=10 + i) for i in range(2)]
-    sim = Simulation(EASGD(elastic_force=0.0, elastic_momentum=0.5), model, 2, worker_opt=opt,
-                     sync_every=2, synchronous=synchronous)
+    sim = Simulation(
+        EASGD(elastic_force=0.0, elastic_momentum=0.5), model, 2, worker_opt=opt, sync_every=2, synchronous=synchronous
+    )
     start = sim.center.copy()
     sim.run(data)
     assert sim.version > 4  # they did talk to the master
@@ -268,9 +284,15 @@ def easgd_formula(alpha: float, momentum: float):
     return record
 
 
-@pytest.mark.parametrize("force, lr, momentum", [
-    (0.25, 1.0, 0.0), (0.25, 0.5, 0.0), (0.25, 0.5, 0.5), (0.5, 0.25, 0.75),
-])
+@pytest.mark.parametrize(
+    "force, lr, momentum",
+    [
+        (0.25, 1.0, 0.0),
+        (0.25, 0.5, 0.0),
+        (0.25, 0.5, 0.5),
+        (0.5, 0.25, 0.75),
+    ],
+)
 def test_easgd_elastic_step_follows_the_formula(force, lr, momentum):
     got = easgd_two_rounds(EASGD(elastic_force=force, elastic_lr=lr, elastic_momentum=momentum))
     want = easgd_formula(lr * force, momentum)
@@ -315,8 +337,9 @@ def test_easgd_default_elastic_force():
     assert explicit.params["elastic_force"] == 0.5 and explicit.alpha == pytest.approx(0.5)
 
 
-@pytest.mark.parametrize("kwargs", [{"elastic_momentum": 1.0}, {"elastic_momentum": -0.1},
-                                    {"elastic_force": -1.0}, {"elastic_lr": -0.5}])
+@pytest.mark.parametrize(
+    "kwargs", [{"elastic_momentum": 1.0}, {"elastic_momentum": -0.1}, {"elastic_force": -1.0}, {"elastic_lr": -0.5}]
+)
 def test_easgd_rejects_bad_parameters(kwargs):
     with pytest.raises(ValueError, match="easgd"):
         EASGD(**kwargs)
@@ -324,16 +347,19 @@ def test_easgd_rejects_bad_parameters(kwargs):
         make_algorithm(Spec("easgd", kwargs))
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("easgd(elastic_force=-1)", "easgd: elastic_force must be >= 0, got -1"),
-    ("easgd(elastic_lr='fast')", "easgd: elastic_lr must be a number >= 0, got 'fast'"),
-    ("easgd(elastic_momentum=1.0)", "easgd: elastic_momentum must be in [0, 1), got 1.0"),
-    ("gem(lr=-1)", "gem: lr must be > 0, got -1"),
-    ("gem(momentum=1.5)", "gem: momentum must be in [0, 1), got 1.5"),
-    ("gem(kappa=0)", "gem: kappa must be > 0, got 0"),
-    ("gem(epsilon=0)", "gem: epsilon must be > 0, got 0"),
-    ("gem(lr=1e999)", "gem: lr must be a number > 0, got inf"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("easgd(elastic_force=-1)", "easgd: elastic_force must be >= 0, got -1"),
+        ("easgd(elastic_lr='fast')", "easgd: elastic_lr must be a number >= 0, got 'fast'"),
+        ("easgd(elastic_momentum=1.0)", "easgd: elastic_momentum must be in [0, 1), got 1.0"),
+        ("gem(lr=-1)", "gem: lr must be > 0, got -1"),
+        ("gem(momentum=1.5)", "gem: momentum must be in [0, 1), got 1.5"),
+        ("gem(kappa=0)", "gem: kappa must be > 0, got 0"),
+        ("gem(epsilon=0)", "gem: epsilon must be > 0, got 0"),
+        ("gem(lr=1e999)", "gem: lr must be a number > 0, got inf"),
+    ],
+)
 def test_rule_arguments_out_of_range_name_the_range(spec, message):
     with pytest.raises(SpecError) as err:
         make_algorithm(parse_spec(spec))
@@ -576,6 +602,7 @@ def test_gem_with_the_staleness_discount_adds_each_update_over_one_plus_its_stal
 def test_a_synchronous_round_of_equal_updates_moves_the_centre_as_one(rule):
     """--synchronous does not multiply the step by the number of workers: a round of W
     identical updates moves the centre exactly as one of them does."""
+
     def move(count):
         algo = rule()
         algo.bind(count)
@@ -589,8 +616,11 @@ def test_a_synchronous_round_of_equal_updates_moves_the_centre_as_one(rule):
 
 
 @pytest.mark.parametrize("tensors", [False, True], ids=["numpy", "torch-worker"])
-@pytest.mark.parametrize("rule", [Downpour, lambda: EASGD(elastic_momentum=0.5), GEM, ADAG, DynSGD],
-                         ids=["downpour", "easgd", "gem", "adag", "dynsgd"])
+@pytest.mark.parametrize(
+    "rule",
+    [Downpour, lambda: EASGD(elastic_momentum=0.5), GEM, ADAG, DynSGD],
+    ids=["downpour", "easgd", "gem", "adag", "dynsgd"],
+)
 def test_a_streamed_synchronous_round_gives_master_apply_bit_for_bit(rule, tensors):
     """master_round, drawing one payload at a time (each clobbered once the next is drawn,
     as the master's pooled buffers are), then worker_round_reply on each worker's weights
@@ -611,9 +641,12 @@ def test_a_streamed_synchronous_round_gives_master_apply_bit_for_bit(rule, tenso
         params = [torch.from_numpy(x) if tensors else x for x in workers]  # views: the same weights
         worker_states = [algo.new_worker_state(64, 1, like=p) for p in params]
         for samples in ([5, 7, 12], [9]):
-            sent = [inputs.normal(size=64).astype(F32) if not algo.sends_weights else x.copy()
-                    for x in workers[:len(samples)]]
+            sent = [
+                inputs.normal(size=64).astype(F32) if not algo.sends_weights else x.copy()
+                for x in workers[: len(samples)]
+            ]
             if streamed:
+
                 def draw(sent, samples):
                     buffer = np.empty(64, F32)
                     for payload, n in zip(sent, samples):
@@ -622,11 +655,10 @@ def test_a_streamed_synchronous_round_gives_master_apply_bit_for_bit(rule, tenso
                         buffer[...] = np.nan  # the pool's next body
 
                 reply = algo.master_round(state, center, draw(sent, samples), samples, opt, np.empty(64, F32))
-                for p, ws in zip(params, worker_states[:len(samples)]):
+                for p, ws in zip(params, worker_states[: len(samples)]):
                     algo.worker_round_reply(ws, p, torch.from_numpy(reply.copy()) if tensors else reply.copy())
             else:
-                replies = algo.master_apply(state, center, [Update(p.copy(), 0, n) for p, n in zip(sent, samples)],
-                                            opt)
+                replies = algo.master_apply(state, center, [Update(p.copy(), 0, n) for p, n in zip(sent, samples)], opt)
                 for p, ws, r in zip(params, worker_states, replies):
                     algo.worker_reply(ws, p, torch.from_numpy(r.copy()) if tensors else r.copy())
         results.append((center, [to_numpy(v) for v in state.to_arrays().values()], start, workers))

@@ -72,8 +72,11 @@ ROLES_STILL_ON_MPI: set[str] = set()
 
 
 def test_role_loops_leave_mpi_to_the_transport():
-    on_mpi = {path.name for path in (PACKAGE / "roles").glob("*.py")
-              if "mpi4py" in {name.split(".")[0] for name in _imports(path)}}
+    on_mpi = {
+        path.name
+        for path in (PACKAGE / "roles").glob("*.py")
+        if "mpi4py" in {name.split(".")[0] for name in _imports(path)}
+    }
     assert not on_mpi - ROLES_STILL_ON_MPI, f"role loops importing mpi4py: {sorted(on_mpi - ROLES_STILL_ON_MPI)}"
     off_mpi = ROLES_STILL_ON_MPI - on_mpi
     assert not off_mpi, f"no longer on MPI, take off the list: {sorted(off_mpi)}"

@@ -49,13 +49,16 @@ def test_auto_lowers_the_master_momentum_by_the_implicit_one():
     assert at8.spec.kwargs["momentum"] == pytest.approx(0.025) and not at8.stale_lr
 
 
-@pytest.mark.parametrize("workers, synchronous, text", [
-    (1, False, "sgd(lr=0.05, momentum=0.9)"),  # one worker: no asynchrony
-    (8, True, "sgd(lr=0.05, momentum=0.9)"),  # synchronous rounds: every update from the current centre
-    (1, False, "sgd(lr=0.1)"),
-    (8, True, "sgd(lr=0.1)"),
-    (7, False, "sgd(lr=0.1)"),  # a master without momentum: corrected from STALE_LR_FROM = 8 workers
-])
+@pytest.mark.parametrize(
+    "workers, synchronous, text",
+    [
+        (1, False, "sgd(lr=0.05, momentum=0.9)"),  # one worker: no asynchrony
+        (8, True, "sgd(lr=0.05, momentum=0.9)"),  # synchronous rounds: every update from the current centre
+        (1, False, "sgd(lr=0.1)"),
+        (8, True, "sgd(lr=0.1)"),
+        (7, False, "sgd(lr=0.1)"),  # a master without momentum: corrected from STALE_LR_FROM = 8 workers
+    ],
+)
 def test_nothing_to_correct(workers, synchronous, text):
     spec = parse_spec(text)
     kept = corrected_momentum(spec, workers, synchronous, "auto")
@@ -115,10 +118,11 @@ def test_an_unknown_correction_is_one_error_with_the_choices():
         TrainOptions(momentum_correction="yes").validate()
 
 
-
 def test_many_adag_workers_with_momentum_get_a_warning_that_says_what_to_use():
-    takes = {name: make_algorithm(parse_spec(name)).centre_takes_worker_steps
-             for name in ("adag", "dynsgd", "easgd", "gem", "downpour")}
+    takes = {
+        name: make_algorithm(parse_spec(name)).centre_takes_worker_steps
+        for name in ("adag", "dynsgd", "easgd", "gem", "downpour")
+    }
     assert takes == {"adag": True, "dynsgd": False, "easgd": False, "gem": False, "downpour": False}
     default = parse_spec(DEFAULT_WORKER_OPTIMIZER)
     text = worker_momentum_warning("adag", default, 8, synchronous=False)

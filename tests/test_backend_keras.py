@@ -34,8 +34,14 @@ def data(n: int = 64, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     return x, y
 
 
-def mlp(seed: int = 1, loss: str = "sparse_categorical_crossentropy", batchnorm: bool = False,
-        dropout: float = 0.0, compile: bool = True, inputs: bool = True) -> "keras.Model":
+def mlp(
+    seed: int = 1,
+    loss: str = "sparse_categorical_crossentropy",
+    batchnorm: bool = False,
+    dropout: float = 0.0,
+    compile: bool = True,
+    inputs: bool = True,
+) -> keras.Model:
     keras.utils.set_random_seed(seed)
     layers = [keras.Input(shape=(8,))] if inputs else []
     layers += [keras.layers.Dense(16, activation="relu", kernel_regularizer=keras.regularizers.l2(1e-3))]
@@ -93,10 +99,13 @@ def test_gradient_is_scaled_and_the_model_variables_are_left_alone():
     assert all(np.array_equal(a, np.asarray(v.numpy())) for a, v in zip(before, model.weights))
 
 
-@pytest.mark.parametrize("metric, name", [
-    ("sparse_categorical_crossentropy", "sparse_categorical_crossentropy"),  # a function
-    (lambda: keras.metrics.SparseTopKCategoricalAccuracy(k=2, name="top2"), "top2"),  # a Metric object
-])
+@pytest.mark.parametrize(
+    "metric, name",
+    [
+        ("sparse_categorical_crossentropy", "sparse_categorical_crossentropy"),  # a function
+        (lambda: keras.metrics.SparseTopKCategoricalAccuracy(k=2, name="top2"), "top2"),  # a Metric object
+    ],
+)
 def test_evaluate_uses_the_compiled_loss_and_metric(metric, name):
     x, y = data(200)
     model = mlp()
@@ -183,8 +192,10 @@ def test_a_torch_optimizer_for_a_keras_model_is_one_clear_message():
     backend = backend_for(mlp(), sample=data()[0])
     with pytest.raises(SpecError) as info:
         backend.make_optimizer(parse_spec("rprop(lr=0.01)"))
-    assert str(info.value).startswith("'rprop' is a PyTorch optimizer (torch.optim), but the model is a "
-                                      "Keras model: choose one of keras.optimizers: adadelta, ")
+    assert str(info.value).startswith(
+        "'rprop' is a PyTorch optimizer (torch.optim), but the model is a "
+        "Keras model: choose one of keras.optimizers: adadelta, "
+    )
 
 
 def test_the_optimizer_hints_match_the_frameworks():
@@ -217,10 +228,13 @@ def test_a_model_without_an_input_is_built_from_the_sample():
         backend_for(mlp(inputs=False))
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda: keras.layers.Dense(3), "a Keras Dense layer, not a model"),
-    (lambda: mlp(compile=False), "the Keras model has no loss: compile it"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: keras.layers.Dense(3), "a Keras Dense layer, not a model"),
+        (lambda: mlp(compile=False), "the Keras model has no loss: compile it"),
+    ],
+)
 def test_models_that_cannot_be_trained(make, message):
     with pytest.raises(ModelError, match=message):
         backend_for(make(), sample=data()[0])
@@ -254,10 +268,17 @@ def test_final_weights_load_with_set_weights():
 # ---------------------------------------------------------------------------- GAN
 def test_keras_gan_backend_alternates_and_lays_out_generator_first():
     keras.utils.set_random_seed(0)
-    generator = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
-                                  keras.layers.BatchNormalization(), keras.layers.Dense(8)])
-    discriminator = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, activation="relu"),
-                                      keras.layers.Dense(1, activation="sigmoid")])
+    generator = keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(8, activation="relu"),
+            keras.layers.BatchNormalization(),
+            keras.layers.Dense(8),
+        ]
+    )
+    discriminator = keras.Sequential(
+        [keras.Input((8,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1, activation="sigmoid")]
+    )
     x = (np.random.default_rng(0).normal(size=(64, 8)) + 1).astype(np.float32)
     backend = gan_backend(GanModel(generator, discriminator, latent_dim=4, d_steps=2), sample=x)
     assert isinstance(backend, KerasGanBackend)
@@ -278,8 +299,12 @@ def test_keras_gan_backend_alternates_and_lays_out_generator_first():
     assert backend.generate(np.zeros((3, 4), np.float32)).shape == (3, 8)
     names = backend.named_arrays()
     generator.set_weights([names[k] for k in sorted(names) if k.startswith("generator/")])
-    np.testing.assert_allclose(np.asarray(generator(np.ones((2, 4), np.float32), training=False)),
-                               backend.generate(np.ones((2, 4), np.float32)), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(generator(np.ones((2, 4), np.float32), training=False)),
+        backend.generate(np.ones((2, 4), np.float32)),
+        rtol=1e-5,
+        atol=1e-6,
+    )
 
 
 # ---------------------------------------------------------------------- frameworks
@@ -318,8 +343,11 @@ def test_learning_rate_set_between_compiled_steps_and_schedules_by_name():
     assert opt.learning_rate == pytest.approx(0.05)
     schedule = backend.checked_lr_schedule(parse_spec("ExponentialDecay(decay_steps=1, decay_rate=0.5)"), 0.2)
     assert [schedule.lr_at(e) for e in range(3)] == pytest.approx([0.2, 0.1, 0.05])
-    with pytest.raises(SpecError, match=r"unknown Keras learning-rate schedule .* 'cosine' \(did you mean "
-                                        r"'cosinedecay'\?\); choose one of: cosinedecay, cosinedecayrestarts"):
+    with pytest.raises(
+        SpecError,
+        match=r"unknown Keras learning-rate schedule .* 'cosine' \(did you mean "
+        r"'cosinedecay'\?\); choose one of: cosinedecay, cosinedecayrestarts",
+    ):
         backend.checked_lr_schedule(parse_spec("cosine"), 0.2)
     with pytest.raises(SpecError, match="'cosinedecay' takes no parameter 'steps'; it takes: initial_learning_rate"):
         backend.checked_lr_schedule(parse_spec("cosinedecay(steps=3)"), 0.2)
@@ -338,17 +366,26 @@ def test_digits_learns_in_each_precision(precision, tmp_path):
 
     import nbdist
 
-    result = nbdist.train(os.path.join(ROOT, "examples", "digits_keras.py"), comm=MPI.COMM_SELF,
-                          topology="allreduce", epochs=3, precision=precision, runs_dir=str(tmp_path),
-                          store="off", quiet=True)
+    result = nbdist.train(
+        os.path.join(ROOT, "examples", "digits_keras.py"),
+        comm=MPI.COMM_SELF,
+        topology="allreduce",
+        epochs=3,
+        precision=precision,
+        runs_dir=str(tmp_path),
+        store="off",
+        quiet=True,
+    )
     assert result.history[-1]["val_acc"] >= 0.85
     # The policy was set while build_model() ran (the backend checks the model's), then put back.
     assert keras.mixed_precision.global_policy().name == "float32"
 
 
 def test_fp16_skips_an_overflowed_step_and_the_model_must_be_made_under_the_policy(restores_the_dtype_policy):
-    with pytest.raises(ModelError, match="--precision fp16: the Keras model was made with the dtype policy "
-                                         "'float32', not 'mixed_float16'"):
+    with pytest.raises(
+        ModelError,
+        match="--precision fp16: the Keras model was made with the dtype policy 'float32', not 'mixed_float16'",
+    ):
         KerasBackend(mlp(), precision="fp16")
     keras.mixed_precision.set_global_policy("mixed_float16")
     mixed = mlp()
@@ -380,10 +417,21 @@ def test_sync_batchnorm_with_a_keras_model_is_one_clear_error(tmp_path):
     import nbdist
     from nbdist.errors import UserError
 
-    with pytest.raises(UserError, match=r"^--sync-batchnorm is for PyTorch models: a Keras model trains as one traced "
-                                        r"TensorFlow function .* drop --sync-batchnorm .* or use a PyTorch model$"):
-        nbdist.train(os.path.join(ROOT, "examples", "digits_keras.py"), comm=MPI.COMM_SELF, topology="allreduce",
-                     sync_batchnorm=True, epochs=1, runs_dir=str(tmp_path), store="off", quiet=True)
+    with pytest.raises(
+        UserError,
+        match=r"^--sync-batchnorm is for PyTorch models: a Keras model trains as one traced "
+        r"TensorFlow function .* drop --sync-batchnorm .* or use a PyTorch model$",
+    ):
+        nbdist.train(
+            os.path.join(ROOT, "examples", "digits_keras.py"),
+            comm=MPI.COMM_SELF,
+            topology="allreduce",
+            sync_batchnorm=True,
+            epochs=1,
+            runs_dir=str(tmp_path),
+            store="off",
+            quiet=True,
+        )
     assert not any(tmp_path.iterdir())  # refused at set-up: no run directory
 
 
@@ -398,6 +446,9 @@ def test_keras_pipeline_stages_are_one_error():
         return [keras.Sequential([keras.layers.Dense(16)]), keras.Sequential([keras.layers.Dense(10)])]
 
     definition = definition_from_namespace({"build_stages": build_stages}, "model file k.py")
-    with pytest.raises(ModelError, match=r"pipeline is PyTorch only: stage 0 of build_stages\(\) is a Sequential, "
-                                         r"not a torch.nn.Module"):
+    with pytest.raises(
+        ModelError,
+        match=r"pipeline is PyTorch only: stage 0 of build_stages\(\) is a Sequential, "
+        r"not a torch.nn.Module",
+    ):
         stage_model(definition.make_stages(2))

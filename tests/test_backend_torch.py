@@ -19,8 +19,9 @@ F32 = np.float32
 
 def mlp(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 6), nn.Tanh(), nn.Linear(6, 4), nn.ReLU(),
-                         nn.Linear(4, 3))
+    return nn.Sequential(
+        nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 6), nn.Tanh(), nn.Linear(6, 4), nn.ReLU(), nn.Linear(4, 3)
+    )
 
 
 def data(n: int = 9, seed: int = 0, features: int = 5):
@@ -252,8 +253,9 @@ def test_evaluate_sums_loss_and_correct_predictions():
 def test_binary_accuracy_and_custom_metric():
     torch.manual_seed(0)
     model = nn.Linear(3, 1)
-    backend = TorchBackend(model, loss=lambda out, y: nn.functional.binary_cross_entropy_with_logits(
-        out.reshape(-1), y))
+    backend = TorchBackend(
+        model, loss=lambda out, y: nn.functional.binary_cross_entropy_with_logits(out.reshape(-1), y)
+    )
     rng = np.random.default_rng(0)
     x = rng.normal(size=(12, 3)).astype(F32)
     y = (rng.random(12) > 0.5).astype(F32)
@@ -296,14 +298,17 @@ def test_optimizer_bad_kwarg_and_bad_value_are_clear():
         backend.make_optimizer(parse_spec("adam(lr=0.1, betas=(1.5, 0.9))"))
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("sgd(lr=-1.0)", "optimizer sgd(lr=-1.0): Invalid learning rate: -1.0"),
-    ("sgd(lr='fast')", "optimizer sgd(lr='fast'): lr must be a number, got 'fast'"),
-    ("adam(betas=(1.5, 0.9))", "optimizer adam(betas=(1.5, 0.9)): Invalid beta parameter at index 0: 1.5"),
-    ("adam(amsgrad='yes')", "optimizer adam(amsgrad='yes'): amsgrad must be True or False, got 'yes'"),
-    # torch takes alpha=2, and its first step is a square root of a negative number.
-    ("rmsprop(alpha=2)", "optimizer rmsprop(alpha=2): one step from zero weights with a unit gradient gives nan"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("sgd(lr=-1.0)", "optimizer sgd(lr=-1.0): Invalid learning rate: -1.0"),
+        ("sgd(lr='fast')", "optimizer sgd(lr='fast'): lr must be a number, got 'fast'"),
+        ("adam(betas=(1.5, 0.9))", "optimizer adam(betas=(1.5, 0.9)): Invalid beta parameter at index 0: 1.5"),
+        ("adam(amsgrad='yes')", "optimizer adam(amsgrad='yes'): amsgrad must be True or False, got 'yes'"),
+        # torch takes alpha=2, and its first step is a square root of a negative number.
+        ("rmsprop(alpha=2)", "optimizer rmsprop(alpha=2): one step from zero weights with a unit gradient gives nan"),
+    ],
+)
 def test_check_optimizer_builds_and_steps_it_on_a_scratch_buffer(spec, message):
     backend = TorchBackend(mlp())
     before = backend.params.copy()
@@ -413,8 +418,16 @@ def digits_run(model: str, precision: str, runs_dir) -> dict:
     import nbdist
 
     root = __import__("pathlib").Path(__file__).resolve().parent.parent
-    result = nbdist.train(root / "examples" / model, comm=MPI.COMM_SELF, topology="allreduce", epochs=3,
-                          precision=precision, runs_dir=str(runs_dir), store="off", quiet=True)
+    result = nbdist.train(
+        root / "examples" / model,
+        comm=MPI.COMM_SELF,
+        topology="allreduce",
+        epochs=3,
+        precision=precision,
+        runs_dir=str(runs_dir),
+        store="off",
+        quiet=True,
+    )
     return result.history[-1]
 
 
@@ -423,7 +436,7 @@ def test_digits_learns_in_each_precision(precision, tmp_path):
     assert digits_run("digits_mlp.py", precision, tmp_path)["val_acc"] >= 0.85
 
 
-def overflowing_fp16(scale: float) -> tuple[TorchBackend, "object"]:
+def overflowing_fp16(scale: float) -> tuple[TorchBackend, object]:
     backend = TorchBackend(mlp(), precision="fp16")
     backend.loss_scale.scale = scale
     return backend, backend.make_optimizer(parse_spec("sgd(lr=0.1, momentum=0.9)"))
@@ -474,8 +487,12 @@ def test_fp16_resumes_exactly_with_the_loss_scale(tmp_path):
     steps(a, opt_a, 3)
     assert opt_a.skipped == 3 and not np.isfinite(a.grads).all()  # the scale halves at the next backward
     ckpt = Checkpoints(tmp_path)
-    ckpt.write_rank("epoch-0001", 0, {"model": {"params": a.params, "state": a.state},
-                                      "opt": opt_a.state_arrays(), "rng": a.rng_state()}, {})
+    ckpt.write_rank(
+        "epoch-0001",
+        0,
+        {"model": {"params": a.params, "state": a.state}, "opt": opt_a.state_arrays(), "rng": a.rng_state()},
+        {},
+    )
     ckpt.commit("epoch-0001", {})
     steps(a, opt_a, 20)
     arrays, _ = Checkpoints.read_rank(ckpt.latest(), 0)

@@ -30,8 +30,19 @@ TIMEOUT = 120
 
 
 def train(mpirun, n: int, tmp_path: Path, *args: str, model: str = MLP):
-    argv = ["-m", "nbdist", "train", "--model", model, "--epochs", "3", "--runs-dir", str(tmp_path / "runs"),
-            "--quiet", *args]
+    argv = [
+        "-m",
+        "nbdist",
+        "train",
+        "--model",
+        model,
+        "--epochs",
+        "3",
+        "--runs-dir",
+        str(tmp_path / "runs"),
+        "--quiet",
+        *args,
+    ]
     return mpirun(n, argv, timeout=TIMEOUT)
 
 
@@ -96,7 +107,9 @@ def test_nan_loss_from_the_model_file(mpirun, tmp_path, topology, n):
 
     with RunStore(tmp_path / "runs" / "nbdist.db") as store:
         run = store.run(runs[0].name)
-    assert run.status == "failed" and "loss became nan" in run.reason.lower() and "lower the learning rate" in run.reason
+    assert (
+        run.status == "failed" and "loss became nan" in run.reason.lower() and "lower the learning rate" in run.reason
+    )
 
 
 # --------------------------------------------------------------- cases in one job
@@ -155,102 +168,203 @@ MASTER_WORKER_METRICS = "this run reports val_loss, val_acc, train_loss, train_a
 # name -> (argv, text the one error line must hold, regular expression or None)
 CASES = {
     "unknown-algorithm": (["--algorithm", "easgdd"], ["unknown algorithm 'easgdd'", "did you mean 'easgd'?"], None),
-    "unknown-optimizer": (["--algorithm", "easgd", "--worker-optimizer", "adamm"],
-                          ["unknown PyTorch optimizer 'adamm'", "did you mean 'adam'?"], None),
-    "unknown-algorithm-parameter": (["--algorithm", "easgd(elastic_forse=0.5)"],
-                                    ["'elastic_forse'", "it takes: elastic_force"], None),
-    "easgd-with-allreduce": (["--algorithm", "easgd", "--topology", "allreduce"],
-                             ["easgd is a master/worker algorithm", "--topology master-worker"], None),
+    "unknown-optimizer": (
+        ["--algorithm", "easgd", "--worker-optimizer", "adamm"],
+        ["unknown PyTorch optimizer 'adamm'", "did you mean 'adam'?"],
+        None,
+    ),
+    "unknown-algorithm-parameter": (
+        ["--algorithm", "easgd(elastic_forse=0.5)"],
+        ["'elastic_forse'", "it takes: elastic_force"],
+        None,
+    ),
+    "easgd-with-allreduce": (
+        ["--algorithm", "easgd", "--topology", "allreduce"],
+        ["easgd is a master/worker algorithm", "--topology master-worker"],
+        None,
+    ),
     "model-missing": (["--model", "{tmp}/no_such_model.py"], ["no_such_model.py", "not found"], None),
-    "model-without-build-model": (["--model", "{tmp}/no_build.py"],
-                                  ["no_build.py", "defines no build_model()"], None),
+    "model-without-build-model": (["--model", "{tmp}/no_build.py"], ["no_build.py", "defines no build_model()"], None),
     "model-syntax-error": (["--model", "{tmp}/broken.py"], ["broken.py", "syntax error on line 4"], None),
-    "build-model-raises": (["--model", "{tmp}/raises.py"],
-                           ["raises.py", "build_model() failed", "RuntimeError: no GPU on this login node"], None),
-    "model-cannot-take-the-data": (["--model", "{tmp}/wrong_size.py"],
-                                   ["wrong_size.py", "cannot take the data", "(64,)"], None),
-    "huge-lr-easgd": (["--algorithm", "easgd", "--worker-optimizer", "sgd(lr=1e30)"],
-                      ["lower the learning rate"], r"loss became nan"),
-    "huge-lr-allreduce": (["--topology", "allreduce", "--worker-optimizer", "sgd(lr=1e30)"],
-                          ["lower the learning rate"], r"loss became nan"),
+    "build-model-raises": (
+        ["--model", "{tmp}/raises.py"],
+        ["raises.py", "build_model() failed", "RuntimeError: no GPU on this login node"],
+        None,
+    ),
+    "model-cannot-take-the-data": (
+        ["--model", "{tmp}/wrong_size.py"],
+        ["wrong_size.py", "cannot take the data", "(64,)"],
+        None,
+    ),
+    "huge-lr-easgd": (
+        ["--algorithm", "easgd", "--worker-optimizer", "sgd(lr=1e30)"],
+        ["lower the learning rate"],
+        r"loss became nan",
+    ),
+    "huge-lr-allreduce": (
+        ["--topology", "allreduce", "--worker-optimizer", "sgd(lr=1e30)"],
+        ["lower the learning rate"],
+        r"loss became nan",
+    ),
     # Optimisers are built on every rank during set-up, so that the role that steps one
     # (a worker, the master) does not fail alone while the others wait for it.
-    "worker-optimizer-negative-lr": (["--algorithm", "easgd", "--worker-optimizer", "sgd(lr=-1.0)"],
-                                     ["optimizer sgd(lr=-1.0): Invalid learning rate: -1.0"], None),
-    "master-optimizer-negative-lr": (["--master-optimizer", "sgd(lr=-0.1)"],
-                                     ["optimizer sgd(lr=-0.1): Invalid learning rate: -0.1"], None),
-    "master-optimizer-string-lr-synchronous": (["--master-optimizer", "sgd(lr='fast')", "--synchronous"],
-                                               ["optimizer sgd(lr='fast'): lr must be a number, got 'fast'"], None),
+    "worker-optimizer-negative-lr": (
+        ["--algorithm", "easgd", "--worker-optimizer", "sgd(lr=-1.0)"],
+        ["optimizer sgd(lr=-1.0): Invalid learning rate: -1.0"],
+        None,
+    ),
+    "master-optimizer-negative-lr": (
+        ["--master-optimizer", "sgd(lr=-0.1)"],
+        ["optimizer sgd(lr=-0.1): Invalid learning rate: -0.1"],
+        None,
+    ),
+    "master-optimizer-string-lr-synchronous": (
+        ["--master-optimizer", "sgd(lr='fast')", "--synchronous"],
+        ["optimizer sgd(lr='fast'): lr must be a number, got 'fast'"],
+        None,
+    ),
     "worker-optimizer-bad-betas-synchronous": (
         ["--algorithm", "easgd", "--worker-optimizer", "adam(betas=(1.5, 0.9))", "--synchronous"],
-        ["optimizer adam(betas=(1.5, 0.9)): Invalid beta parameter at index 0: 1.5"], None),
-    "allreduce-optimizer-negative-lr": (["--topology", "allreduce", "--worker-optimizer", "sgd(lr=-1.0)"],
-                                        ["Invalid learning rate: -1.0"], None),
-    "rule-argument-out-of-range": (["--algorithm", "gem(momentum=1.5)"],
-                                   ["gem: momentum must be in [0, 1), got 1.5"], None),
-    "monitor-typo": (["--monitor", "val_lsos", "--early-stopping", "2"],
-                     ["--monitor val_lsos: ", MASTER_WORKER_METRICS, "(did you mean 'val_loss'?)"], None),
-    "target-typo": (["--target", "val_acu > 0.5"],
-                    ["--target 'val_acu > 0.5': ", MASTER_WORKER_METRICS, "(did you mean 'val_acc'?)"], None),
-    "allreduce-reports-no-staleness": (["--topology", "allreduce", "--target", "staleness_mean < 2"],
-                                       ["this run reports val_loss, val_acc, train_loss, train_acc, epoch, samples, "
-                                        "seconds, samples_per_s"], None),
-    "study-objective-typo": (["study", "--space", "lr=log(1e-3,0.3)", "--trials", "4", "--objective", "val_acu",
-                              "--topology", "allreduce"],
-                             ["--objective val_acu: this run reports val_loss, val_acc, train_loss",
-                              "(did you mean 'val_acc'?)"], None),
-    "validate-every-samples-below-a-batch": (["--validate-every-samples", "0"], [
-        "--validate-every-samples must be at least one batch (--batch-size 32), got 0"], None),
+        ["optimizer adam(betas=(1.5, 0.9)): Invalid beta parameter at index 0: 1.5"],
+        None,
+    ),
+    "allreduce-optimizer-negative-lr": (
+        ["--topology", "allreduce", "--worker-optimizer", "sgd(lr=-1.0)"],
+        ["Invalid learning rate: -1.0"],
+        None,
+    ),
+    "rule-argument-out-of-range": (
+        ["--algorithm", "gem(momentum=1.5)"],
+        ["gem: momentum must be in [0, 1), got 1.5"],
+        None,
+    ),
+    "monitor-typo": (
+        ["--monitor", "val_lsos", "--early-stopping", "2"],
+        ["--monitor val_lsos: ", MASTER_WORKER_METRICS, "(did you mean 'val_loss'?)"],
+        None,
+    ),
+    "target-typo": (
+        ["--target", "val_acu > 0.5"],
+        ["--target 'val_acu > 0.5': ", MASTER_WORKER_METRICS, "(did you mean 'val_acc'?)"],
+        None,
+    ),
+    "allreduce-reports-no-staleness": (
+        ["--topology", "allreduce", "--target", "staleness_mean < 2"],
+        ["this run reports val_loss, val_acc, train_loss, train_acc, epoch, samples, seconds, samples_per_s"],
+        None,
+    ),
+    "study-objective-typo": (
+        ["study", "--space", "lr=log(1e-3,0.3)", "--trials", "4", "--objective", "val_acu", "--topology", "allreduce"],
+        ["--objective val_acu: this run reports val_loss, val_acc, train_loss", "(did you mean 'val_acc'?)"],
+        None,
+    ),
+    "validate-every-samples-below-a-batch": (
+        ["--validate-every-samples", "0"],
+        ["--validate-every-samples must be at least one batch (--batch-size 32), got 0"],
+        None,
+    ),
     "resume-missing-directory": (["--resume", "{tmp}/no_such_run"], ["no_such_run: no such directory"], None),
     "resume-not-a-run-directory": (["--resume", "{tmp}"], ["not a run directory (no options.json in it)"], None),
-    "runs-dir-under-a-file": (["--runs-dir", "{tmp}/a_file/runs"],
-                              ["--runs-dir {tmp}/a_file/runs: {tmp}/a_file is a file, not a directory"], None),
-    "fewer-samples-than-workers": (["--model", "{tmp}/one_sample.py", "--topology", "allreduce"],
-                                   ["too few training samples for 2 workers: 1 with --batch-size 32",
-                                    "use at most 1 worker"], None),
+    "runs-dir-under-a-file": (
+        ["--runs-dir", "{tmp}/a_file/runs"],
+        ["--runs-dir {tmp}/a_file/runs: {tmp}/a_file is a file, not a directory"],
+        None,
+    ),
+    "fewer-samples-than-workers": (
+        ["--model", "{tmp}/one_sample.py", "--topology", "allreduce"],
+        ["too few training samples for 2 workers: 1 with --batch-size 32", "use at most 1 worker"],
+        None,
+    ),
     "empty-validation-set": (["--model", "{tmp}/no_val.py"], ["the validation set is empty"], None),
-    "unknown-lr-schedule": (["--master-lr-schedule", "steplrr(step_size=2)"],
-                            ["--master-lr-schedule: unknown torch learning-rate schedule (torch.optim.lr_scheduler) "
-                             "'steplrr' (did you mean 'steplr'?); choose one of: constantlr, cosineannealinglr"], None),
-    "lr-schedule-bad-argument": (["--algorithm", "easgd", "--worker-lr-schedule", "cosineannealinglr(tmax=3)"],
-                                 ["--worker-lr-schedule: learning-rate schedule 'cosineannealinglr' takes no "
-                                  "parameter 'tmax'; it takes: T_max, eta_min"], None),
+    "unknown-lr-schedule": (
+        ["--master-lr-schedule", "steplrr(step_size=2)"],
+        [
+            "--master-lr-schedule: unknown torch learning-rate schedule (torch.optim.lr_scheduler) "
+            "'steplrr' (did you mean 'steplr'?); choose one of: constantlr, cosineannealinglr"
+        ],
+        None,
+    ),
+    "lr-schedule-bad-argument": (
+        ["--algorithm", "easgd", "--worker-lr-schedule", "cosineannealinglr(tmax=3)"],
+        [
+            "--worker-lr-schedule: learning-rate schedule 'cosineannealinglr' takes no "
+            "parameter 'tmax'; it takes: T_max, eta_min"
+        ],
+        None,
+    ),
     "bad-lr-scaling": (["--lr-scaling", "cubic"], ["--lr-scaling 'cubic': choose one of none, linear, sqrt"], None),
-    "gan-sync-batchnorm": (["--gan", "--sync-batchnorm"], ["--sync-batchnorm does not apply to --gan: a GAN trains "
-                                                          "with one process per worker"], None),
-    "pipeline-of-one-process": (["--worker-parallel", "pipeline"],
-                                ["--worker-parallel pipeline needs --procs-per-worker 2 or more"], None),
-    "pipeline-sync-batchnorm": (["--worker-parallel", "pipeline", "--procs-per-worker", "2", "--sync-batchnorm"],
-                                ["--sync-batchnorm does not apply to --worker-parallel pipeline"], None),
-    "micro-batches-without-pipeline": (["--micro-batches", "8"], [
-        "--micro-batches applies to pipeline workers: add --worker-parallel pipeline"], None),
-    "allreduce-backend-typo": (["--topology", "allreduce", "--allreduce-backend", "ncll"],
-                               ["--allreduce-backend 'ncll': choose one of auto, mpi, nccl, gloo"], None),
-    "nccl-without-a-gpu": (["--topology", "allreduce", "--allreduce-backend", "nccl"],
-                           ["--allreduce-backend nccl reduces gradients on GPUs; this model's are on cpu",
-                            "use --allreduce-backend mpi or gloo"], None),
-    "compression-on-gloo": (["--topology", "allreduce", "--allreduce-backend", "gloo", "--compression", "fp16"],
-                            ["--compression runs on the MPI reducer", "use --allreduce-backend mpi or auto"], None),
-    "allreduce-backend-with-master-worker": (["--allreduce-backend", "gloo"],
-                                             ["--allreduce-backend gloo applies to --topology allreduce"], None),
+    "gan-sync-batchnorm": (
+        ["--gan", "--sync-batchnorm"],
+        ["--sync-batchnorm does not apply to --gan: a GAN trains with one process per worker"],
+        None,
+    ),
+    "pipeline-of-one-process": (
+        ["--worker-parallel", "pipeline"],
+        ["--worker-parallel pipeline needs --procs-per-worker 2 or more"],
+        None,
+    ),
+    "pipeline-sync-batchnorm": (
+        ["--worker-parallel", "pipeline", "--procs-per-worker", "2", "--sync-batchnorm"],
+        ["--sync-batchnorm does not apply to --worker-parallel pipeline"],
+        None,
+    ),
+    "micro-batches-without-pipeline": (
+        ["--micro-batches", "8"],
+        ["--micro-batches applies to pipeline workers: add --worker-parallel pipeline"],
+        None,
+    ),
+    "allreduce-backend-typo": (
+        ["--topology", "allreduce", "--allreduce-backend", "ncll"],
+        ["--allreduce-backend 'ncll': choose one of auto, mpi, nccl, gloo"],
+        None,
+    ),
+    "nccl-without-a-gpu": (
+        ["--topology", "allreduce", "--allreduce-backend", "nccl"],
+        [
+            "--allreduce-backend nccl reduces gradients on GPUs; this model's are on cpu",
+            "use --allreduce-backend mpi or gloo",
+        ],
+        None,
+    ),
+    "compression-on-gloo": (
+        ["--topology", "allreduce", "--allreduce-backend", "gloo", "--compression", "fp16"],
+        ["--compression runs on the MPI reducer", "use --allreduce-backend mpi or auto"],
+        None,
+    ),
+    "allreduce-backend-with-master-worker": (
+        ["--allreduce-backend", "gloo"],
+        ["--allreduce-backend gloo applies to --topology allreduce"],
+        None,
+    ),
 }
 
 # name -> the same, for a job of 4 ranks: a top master, a sub-master, a worker under each.
 SUB_MASTER_CASES = {
-    "sub-masters-worker-optimizer": (["--masters", "2", "--algorithm", "easgd", "--worker-optimizer", "sgd(lr=-1.0)"],
-                                     ["optimizer sgd(lr=-1.0): Invalid learning rate: -1.0"], None),
-    "sub-masters-master-optimizer": (["--masters", "2", "--master-optimizer", "adam(betas=(1.5, 0.9))"],
-                                     ["optimizer adam(betas=(1.5, 0.9)): Invalid beta parameter"], None),
+    "sub-masters-worker-optimizer": (
+        ["--masters", "2", "--algorithm", "easgd", "--worker-optimizer", "sgd(lr=-1.0)"],
+        ["optimizer sgd(lr=-1.0): Invalid learning rate: -1.0"],
+        None,
+    ),
+    "sub-masters-master-optimizer": (
+        ["--masters", "2", "--master-optimizer", "adam(betas=(1.5, 0.9))"],
+        ["optimizer adam(betas=(1.5, 0.9)): Invalid beta parameter"],
+        None,
+    ),
 }
 
 PIPELINE = str(ROOT / "examples" / "digits_pipeline.py")
 # The same job of 4 ranks: a master and one worker of 3 pipeline stages.
 PIPELINE_CASES = {
-    "pipeline-without-stages": (["--worker-parallel", "pipeline", "--procs-per-worker", "3"],
-                                ["digits_mlp.py defines no build_stages()", "list of 3 modules"], None),
-    "pipeline-stage-count": (["--model", PIPELINE, "--worker-parallel", "pipeline", "--procs-per-worker", "3"],
-                             ["build_stages() must return a list of 3 modules", "--procs-per-worker 3",
-                              "got 2 stages"], None),
+    "pipeline-without-stages": (
+        ["--worker-parallel", "pipeline", "--procs-per-worker", "3"],
+        ["digits_mlp.py defines no build_stages()", "list of 3 modules"],
+        None,
+    ),
+    "pipeline-stage-count": (
+        ["--model", PIPELINE, "--worker-parallel", "pipeline", "--procs-per-worker", "3"],
+        ["build_stages() must return a list of 3 modules", "--procs-per-worker 3", "got 2 stages"],
+        None,
+    ),
 }
 
 
@@ -273,7 +387,7 @@ def _cut(text: str, count: int) -> tuple[list[str], list[int]]:
         assert marker, f"no end marker for run {i}:\n{text}"
         parts.append(text[: marker.start()])
         codes.append(int(marker.group(1)))
-        text = text[marker.end():]
+        text = text[marker.end() :]
     return parts, codes
 
 

@@ -73,8 +73,11 @@ def test_write_commit_latest_read(tmp_path):
 
 def test_empty_and_scalar_arrays_survive(tmp_path):
     ckpt = Checkpoints(tmp_path)
-    arrays = {"model": {"params": np.arange(3, dtype=np.float32), "state": np.zeros(0, np.float32)},
-              "opt": {}, "rule": EASGD().new_worker_state(3, 4).to_arrays()}
+    arrays = {
+        "model": {"params": np.arange(3, dtype=np.float32), "state": np.zeros(0, np.float32)},
+        "opt": {},
+        "rule": EASGD().new_worker_state(3, 4).to_arrays(),
+    }
     ckpt.write_rank("a", 0, arrays, {})
     path = ckpt.commit("a", {})
     back, _ = Checkpoints.read_rank(path, 0)
@@ -263,8 +266,10 @@ def test_resume_names_the_damaged_checkpoint_and_uses_the_previous(tmp_path):
     (tmp_path / "checkpoints" / "epoch-0003" / "rank-00001.json").unlink()
     path, problems = _find_resume(TrainOptions(resume=str(tmp_path)), Layout(workers=1))
     assert path == tmp_path / "checkpoints" / "epoch-0002"
-    assert problems == [f"checkpoint {tmp_path / 'checkpoints' / 'epoch-0003'} is damaged: rank-00000.safetensors "
-                        f"is truncated (364 of 728 bytes) (and 1 more damaged file)"]
+    assert problems == [
+        f"checkpoint {tmp_path / 'checkpoints' / 'epoch-0003'} is damaged: rank-00000.safetensors "
+        f"is truncated (364 of 728 bytes) (and 1 more damaged file)"
+    ]
 
 
 def test_no_intact_checkpoint_left_is_one_clear_error(tmp_path):
@@ -305,8 +310,9 @@ def test_checkpoints_written_before_digests_still_resume_and_are_checked(tmp_pat
     (root / "epoch-0002" / "rank-00000.json").unlink()
     path, problems = ckpt.latest_intact()
     assert path == root / "epoch-0001"
-    assert problems == [f"checkpoint {root / 'epoch-0002'} is damaged: rank-00000.json is missing "
-                        f"(and 1 more damaged file)"]
+    assert problems == [
+        f"checkpoint {root / 'epoch-0002'} is damaged: rank-00000.json is missing (and 1 more damaged file)"
+    ]
     arrays, meta = Checkpoints.read_rank(path, 1)
     assert_same(rank_arrays(1), arrays)
     with pytest.raises(CheckpointError, match="the state of rank 1 cannot be read"):
@@ -330,7 +336,7 @@ def test_keep_n_prunes_the_oldest_in_commit_order_never_latest(tmp_path):
         assert Checkpoints.read_meta(path)["sequence"] == n
         assert ckpt.latest() == path
         kept = sorted(p.name for p in root.iterdir() if p.is_dir())
-        assert kept == sorted(order[max(0, n - 2): n]), kept
+        assert kept == sorted(order[max(0, n - 2) : n]), kept
     # Re-committing an older label makes it the newest.
     write_all(ckpt, "epoch-0002")
     ckpt.commit("epoch-0002", {"label": "again"})
@@ -345,10 +351,13 @@ def test_a_rank_sharing_a_copy_reads_the_owners_weights_and_its_own_rng(tmp_path
     ckpt = Checkpoints(tmp_path)
     owner = rank_arrays(0)
     owner["model"]["state"] = np.arange(3, dtype=np.float32)
-    twin = {"model": {"params": owner["model"]["params"].copy(), "state": np.full(3, 7, np.float32)},
-            "opt": {k: v.copy() for k, v in owner["opt"].items()},
-            "rule": {k: v.copy() for k, v in owner["rule"].items()},
-            "rng": rank_arrays(1)["rng"], "own": {"pulled": np.ones(4, np.float32)}}
+    twin = {
+        "model": {"params": owner["model"]["params"].copy(), "state": np.full(3, 7, np.float32)},
+        "opt": {k: v.copy() for k, v in owner["opt"].items()},
+        "rule": {k: v.copy() for k, v in owner["rule"].items()},
+        "rng": rank_arrays(1)["rng"],
+        "own": {"pulled": np.ones(4, np.float32)},
+    }
     ckpt.write_rank("e", 0, owner, {"rank": 0}, same_as=0, shared=IDENTICAL_ON_TWINS)  # itself: writes all
     ckpt.write_rank("e", 1, twin, {"rank": 1}, same_as=0, shared=IDENTICAL_ON_TWINS)
     path = ckpt.commit("e", {})
@@ -392,8 +401,9 @@ def test_history_is_stored_once_and_a_resume_reads_the_checkpoints_share(tmp_pat
     legacy = HistoryFile(tmp_path / "legacy", writer=True)
     (tmp_path / "legacy").mkdir()
     assert legacy.resume({"history": records[:2], "epoch": 2}) == records[:2]
-    assert [json.loads(line) for line in (tmp_path / "legacy" / "history.jsonl").read_text().splitlines()] \
-        == records[:2]
+    assert [json.loads(line) for line in (tmp_path / "legacy" / "history.jsonl").read_text().splitlines()] == records[
+        :2
+    ]
     # A damaged file: the records before the damage, and one warning.
     file.write_text(file.read_text()[:-40])  # into the third line
     capsys.readouterr()
@@ -494,8 +504,12 @@ def test_training_resumes_exactly_from_a_checkpoint(tmp_path):
     algo.worker_start(state_a, a.params)
     steps(a, opt_a, state_a, batches[:2])
     ckpt = Checkpoints(tmp_path)
-    ckpt.write_rank("epoch-0001", 1, {"model": {"params": a.params, "state": a.state},
-                                      "opt": opt_a.state_arrays(), "rule": state_a.to_arrays()}, {"step": 2})
+    ckpt.write_rank(
+        "epoch-0001",
+        1,
+        {"model": {"params": a.params, "state": a.state}, "opt": opt_a.state_arrays(), "rule": state_a.to_arrays()},
+        {"step": 2},
+    )
     ckpt.commit("epoch-0001", {})
     steps(a, opt_a, state_a, batches[2:])
 
@@ -530,8 +544,9 @@ def test_the_writer_thread_writes_in_order_and_says_what_is_on_disk(tmp_path):
     params = np.arange(4, dtype=np.float32)
     for label in ("epoch-0001", "epoch-0002"):
         snapshot = {"model": {"params": params.copy()}}
-        writer.submit(lambda label=label, snapshot=snapshot: cps.write_rank(label, 0, snapshot, {"rank": 0}),
-                      name=label)
+        writer.submit(
+            lambda label=label, snapshot=snapshot: cps.write_rank(label, 0, snapshot, {"rank": 0}), name=label
+        )
         writer.submit(lambda label=label: cps.commit(label, {"label": label}))
         params += 10  # the master moves on: the writer has its copy
     assert writer.finish(timeout=60) == ["epoch-0001", "epoch-0002"]

@@ -19,10 +19,10 @@ import pytest
 pytest.importorskip("ipyparallel")
 jupyter_client = pytest.importorskip("jupyter_client")
 import psutil  # noqa: E402
-
 from conftest import ROOT, listening  # noqa: E402
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(300)]
+
 
 class Kernel:
     """A kernel that runs cells and hands back what they printed, or their error."""
@@ -98,8 +98,10 @@ def test_a_dead_engine_ends_the_job_naming_its_rank_and_host(kernel, cluster_in_
     assert cluster_in_kernel in {ip for ip, _ in sockets} <= {cluster_in_kernel, "127.0.0.1"}, sockets
 
     engines = kernel.value("[[i.rank, i.engine_id, i.host, i.pid] for i in nbdist.cluster.current_cluster().info]")
-    kernel.run(f"job = nbdist.train('{ROOT}/examples/digits_mlp.py', cluster=nbdist.cluster.current_cluster(), "
-               f"epochs=5000, quiet=True, runs_dir={str(tmp_path)!r})")
+    kernel.run(
+        f"job = nbdist.train('{ROOT}/examples/digits_mlp.py', cluster=nbdist.cluster.current_cluster(), "
+        f"epochs=5000, quiet=True, runs_dir={str(tmp_path)!r})"
+    )
     deadline = time.monotonic() + 120
     while not kernel.value("len(job.records)"):
         assert time.monotonic() < deadline, "the job never streamed a record"

@@ -33,10 +33,15 @@ def test_fp16_and_bf16_round_trip_within_their_precision_in_half_the_words(codec
 
 
 def test_fp16_bits_are_numpys_conversion_including_subnormals_infinities_and_nan():
-    values = np.concatenate([RNG.standard_normal(20000) * 10.0 ** RNG.uniform(-12, 6, 20000),
-                             [0.0, -0.0, np.inf, -np.inf, 65504, 65520, 65519.99, 6e-8, 2.98e-8, 2.99e-8]])
-    x = np.concatenate([values.astype(np.float32), RNG.integers(0, 2**32, 20000, dtype=np.uint64).astype(
-        np.uint32).view(np.float32)])  # every kind of bit pattern
+    values = np.concatenate(
+        [
+            RNG.standard_normal(20000) * 10.0 ** RNG.uniform(-12, 6, 20000),
+            [0.0, -0.0, np.inf, -np.inf, 65504, 65520, 65519.99, 6e-8, 2.98e-8, 2.99e-8],
+        ]
+    )
+    x = np.concatenate(
+        [values.astype(np.float32), RNG.integers(0, 2**32, 20000, dtype=np.uint64).astype(np.uint32).view(np.float32)]
+    )  # every kind of bit pattern
     wire, out = _round_trip(Fp16(x.size), x)
     finite = ~np.isnan(x)
     with np.errstate(over="ignore"):
@@ -106,9 +111,13 @@ def test_the_compression_option_parses_or_names_the_choices():
     assert parse_compression("powersgd(4)") == Spec("powersgd", {"rank": 4})
     assert TrainOptions(compression="bf16").validate().compression == "bf16"
     choices = "none, fp16, bf16, topk(RATIO), powersgd(RANK)"
-    for bad, said in [("zip", "unknown --compression 'zip'"), ("topk(1.5)", "ratio must be in (0, 1], got 1.5"),
-                      ("powersgd(0)", "rank must be >= 1, got 0"), ("fp16(2)", "cannot read --compression"),
-                      ("powersgd(2.5)", "rank must be a whole number")]:
+    for bad, said in [
+        ("zip", "unknown --compression 'zip'"),
+        ("topk(1.5)", "ratio must be in (0, 1], got 1.5"),
+        ("powersgd(0)", "rank must be >= 1, got 0"),
+        ("fp16(2)", "cannot read --compression"),
+        ("powersgd(2.5)", "rank must be a whole number"),
+    ]:
         with pytest.raises(SpecError) as info:
             TrainOptions(compression=bad).validate()
         assert said in str(info.value), str(info.value)

@@ -25,13 +25,12 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("panel")
+from conftest import ROOT, OutputLines, listening  # noqa: E402
 from playwright.sync_api import sync_playwright  # noqa: E402
 
 from nbdist.dashboard.serve import free_port  # noqa: E402
 from nbdist.launch import mpi_env, mpiexec_command  # noqa: E402
 from nbdist.store import RunStore  # noqa: E402
-
-from conftest import ROOT, OutputLines, listening  # noqa: E402
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(600)]
 
@@ -52,9 +51,15 @@ class Server:
     """A `python -m nbdist ...` server process and the URL it printed."""
 
     def __init__(self, argv: list[str], timeout: float = 120, env: dict | None = None):
-        self.proc = subprocess.Popen([sys.executable, "-m", "nbdist", *argv], cwd=ROOT, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                                     env={**os.environ, **(env or {})})
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "nbdist", *argv],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )
         self.lines = OutputLines(self.proc)
         match = self.lines.wait_for(r"nbdist: dashboard of .* at (http\S+)", timeout)
         if match is None:
@@ -79,9 +84,17 @@ def browser():
             pytest.fail("Debian's chromium is missing: .ci/run installs it (apt-get install chromium)")
         pytest.skip("Debian's chromium is not installed (apt-get install chromium; .ci/run does)")
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-            "--disable-sync", "--no-first-run"])
+        browser = playwright.chromium.launch(
+            executable_path=CHROMIUM,
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--no-first-run",
+            ],
+        )
         yield browser
         browser.close()
 
@@ -110,10 +123,28 @@ def _header(page) -> str:
 def test_live_dashboard_of_a_training_run_in_chromium(tmp_path, browser):
     store = tmp_path / "nbdist.db"
     train = subprocess.Popen(
-        mpiexec_command(3, ["-m", "nbdist", "train", "--model", "examples/digits_mlp.py", "--epochs", "100000",
-                            "--runs-dir", str(tmp_path), "--quiet"]),
-        cwd=ROOT, env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True)
+        mpiexec_command(
+            3,
+            [
+                "-m",
+                "nbdist",
+                "train",
+                "--model",
+                "examples/digits_mlp.py",
+                "--epochs",
+                "100000",
+                "--runs-dir",
+                str(tmp_path),
+                "--quiet",
+            ],
+        ),
+        cwd=ROOT,
+        env=mpi_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     server = None
     try:
         server = Server(["dashboard", "--store", str(store), "--create", "--port", "0"])  # before the run made it
@@ -124,12 +155,18 @@ def test_live_dashboard_of_a_training_run_in_chromium(tmp_path, browser):
         page.on("pageerror", lambda error: page_errors.append(str(error)))
         page.goto(server.url, timeout=120_000)
         # The plots of the run appear (the dashboard may have started before the run).
-        counts = _wait(lambda: (c := _counts(page)) and all(v for v in c.values()) and c, 120,
-                       "the live plots never showed the run's points")
+        counts = _wait(
+            lambda: (c := _counts(page)) and all(v for v in c.values()) and c,
+            120,
+            "the live plots never showed the run's points",
+        )
         # New points arrive while the page is open.
         for name in ("throughput", "staleness", "loss-by-samples"):
-            _wait(lambda: (page.evaluate(COUNT_POINTS, f"nbdist-{name}") or 0) > counts[name], 60,
-                  f"no new points reached the {name} plot")
+            _wait(
+                lambda: (page.evaluate(COUNT_POINTS, f"nbdist-{name}") or 0) > counts[name],
+                60,
+                f"no new points reached the {name} plot",
+            )
         run_id = next(p.name for p in tmp_path.iterdir() if p.is_dir())
         header = _header(page)
         assert run_id in header and "running" in header and "1 master + 2 workers" in header
@@ -150,14 +187,20 @@ def test_live_dashboard_of_a_training_run_in_chromium(tmp_path, browser):
 
     # The same run, exported as one HTML file, opens offline with its plots drawn.
     export = tmp_path / "dashboard.html"
-    done = subprocess.run([sys.executable, "-m", "nbdist", "dashboard", "--store", str(store), "--export",
-                           str(export)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "nbdist", "dashboard", "--store", str(store), "--export", str(export)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     page = browser.new_page(viewport={"width": 1150, "height": 2000})
     page.route("**/*", lambda route: route.abort() if not route.request.url.startswith("file:") else route.continue_())
     page.goto(export.as_uri())
-    exported = _wait(lambda: (c := _counts(page)) and all(v for v in c.values()) and c, 60,
-                     "the exported page drew no plots")
+    exported = _wait(
+        lambda: (c := _counts(page)) and all(v for v in c.values()) and c, 60, "the exported page drew no plots"
+    )
     assert exported["throughput"] > 0 and exported["loss-by-samples"] > 0
     assert "stopped" in _header(page)
     page.screenshot(path=str(ARTIFACTS / "dashboard-export.png"), full_page=True)
@@ -191,9 +234,18 @@ def _unfollowed(url: str, headers: dict | None = None, unix_socket: str | None =
 
 def _handshake(url: str, headers: dict, unix_socket: str | None = None) -> int:
     """The HTTP status a websocket handshake gets (101: the socket opened)."""
-    return _unfollowed(url, {"Connection": "Upgrade", "Upgrade": "websocket", "Sec-WebSocket-Version": "13",
-                             "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ==",
-                             "Sec-WebSocket-Protocol": "bokeh, token", **headers}, unix_socket)[0]
+    return _unfollowed(
+        url,
+        {
+            "Connection": "Upgrade",
+            "Upgrade": "websocket",
+            "Sec-WebSocket-Version": "13",
+            "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ==",
+            "Sec-WebSocket-Protocol": "bokeh, token",
+            **headers,
+        },
+        unix_socket,
+    )[0]
 
 
 class _UnixHTTPConnection(http.client.HTTPConnection):
@@ -237,8 +289,10 @@ def _first_bokeh_message(url: str, headers: dict, session: str) -> str | None:
 
 def test_the_dashboard_needs_its_token_on_localhost_too(tmp_path):
     RunStore(tmp_path / "nbdist.db").close()
-    server = Server(["dashboard", "--store", str(tmp_path / "nbdist.db"), "--port", "0"],
-                    env={"NBDIST_DASHBOARD_TOKEN": "from-the-environment"})
+    server = Server(
+        ["dashboard", "--store", str(tmp_path / "nbdist.db"), "--port", "0"],
+        env={"NBDIST_DASHBOARD_TOKEN": "from-the-environment"},
+    )
     try:
         assert "(no runs yet)" in server.output and "Launching server" not in server.output
         assert server.url.startswith("http://127.0.0.1:") and server.url.endswith("/nbdist?token=from-the-environment")
@@ -256,10 +310,17 @@ def test_the_dashboard_needs_its_token_on_localhost_too(tmp_path):
         socket_url, origin = bare + "/ws", {"Origin": f"http://127.0.0.1:{port}"}
         assert _handshake(socket_url, origin) == 403
         assert _handshake(socket_url, {**origin, "Cookie": f"nbdist-dashboard-token-{port}=wrong"}) == 403
-        assert _handshake(socket_url, {**origin, "Cookie": f"nbdist-dashboard-token-{port}=from-the-environment"}) == 101
+        assert (
+            _handshake(socket_url, {**origin, "Cookie": f"nbdist-dashboard-token-{port}=from-the-environment"}) == 101
+        )
         # A page of another site may not use a visitor's cookie to read the runs.
-        assert _handshake(socket_url, {"Origin": "http://elsewhere.example",
-                                       "Cookie": f"nbdist-dashboard-token-{port}=from-the-environment"}) == 403
+        assert (
+            _handshake(
+                socket_url,
+                {"Origin": "http://elsewhere.example", "Cookie": f"nbdist-dashboard-token-{port}=from-the-environment"},
+            )
+            == 403
+        )
     finally:
         server.stop()
 
@@ -267,8 +328,20 @@ def test_the_dashboard_needs_its_token_on_localhost_too(tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text("from-the-file\n")
     token_file.chmod(0o600)
-    server = Server(["dashboard", "--store", str(tmp_path / "nbdist.db"), "--address", "0.0.0.0", "--port", "0",
-                     "--token-file", str(token_file)], env={"NBDIST_DASHBOARD_TOKEN": "from-the-environment"})
+    server = Server(
+        [
+            "dashboard",
+            "--store",
+            str(tmp_path / "nbdist.db"),
+            "--address",
+            "0.0.0.0",
+            "--port",
+            "0",
+            "--token-file",
+            str(token_file),
+        ],
+        env={"NBDIST_DASHBOARD_TOKEN": "from-the-environment"},
+    )
     try:
         assert server.url.endswith("/nbdist?token=from-the-file")
         local = re.sub(r"//[^:/]+:", "//127.0.0.1:", server.url)
@@ -288,9 +361,26 @@ class PanelServe:
         auth = ["--auth-module", "dashboards/token_auth.py"] if auth_module else []
         environment = {k: v for k, v in os.environ.items() if k != "NBDIST_DASHBOARD_TOKEN"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "panel", "serve", "dashboards/nbdist_dashboard.py", "--port", str(port), *auth,
-             "--args", "--store", str(store)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            start_new_session=True, env={**environment, **env})
+            [
+                sys.executable,
+                "-m",
+                "panel",
+                "serve",
+                "dashboards/nbdist_dashboard.py",
+                "--port",
+                str(port),
+                *auth,
+                "--args",
+                "--store",
+                str(store),
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+            env={**environment, **env},
+        )
         self.lines = OutputLines(self.proc)
         self.url = f"http://127.0.0.1:{port}/nbdist_dashboard"
         if self.lines.wait_for(r"Bokeh app running at", 120) is None:
@@ -390,24 +480,45 @@ def test_behind_jupyter_server_proxy_the_dashboard_works_and_opens_no_port(tmp_p
     _needs("jupyter_server_proxy", "pip install jupyter-server-proxy==4.6.0 (in the notebook extra)")
     RunStore(tmp_path / "nbdist.db").close()
     port = free_port("127.0.0.1")
-    env = dict(os.environ, JUPYTER_TOKEN=JUPYTER_TOKEN, NBDIST_STORE=str(tmp_path / "nbdist.db"),
-               JUPYTER_CONFIG_DIR=str(tmp_path / "config"), JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    env = dict(
+        os.environ,
+        JUPYTER_TOKEN=JUPYTER_TOKEN,
+        NBDIST_STORE=str(tmp_path / "nbdist.db"),
+        JUPYTER_CONFIG_DIR=str(tmp_path / "config"),
+        JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    )
     env.pop("NBDIST_DASHBOARD_TOKEN", None)
-    jupyter = subprocess.Popen([sys.executable, "-m", "jupyter_server", "--no-browser", "--allow-root",
-                                "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}", "--ServerApp.port_retries=0",
-                                f"--ServerApp.root_dir={tmp_path}"],
-                               cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True)
+    jupyter = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jupyter_server",
+            "--no-browser",
+            "--allow-root",
+            "--ServerApp.ip=127.0.0.1",
+            f"--ServerApp.port={port}",
+            "--ServerApp.port_retries=0",
+            f"--ServerApp.root_dir={tmp_path}",
+        ],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     output: list[str] = []
     threading.Thread(target=lambda: output.extend(jupyter.stdout), daemon=True).start()
     base, hub = f"http://127.0.0.1:{port}", {"Authorization": f"token {JUPYTER_TOKEN}"}
     try:
-        _wait(lambda: _get_or_none(f"{base}/api/status", hub) == 200, 120,
-              "the Jupyter server did not answer")
+        _wait(lambda: _get_or_none(f"{base}/api/status", hub) == 200, 120, "the Jupyter server did not answer")
         page_url = f"{base}/{PROXY_NAME}/nbdist"
         status, page, _ = _get(page_url, headers=hub)  # starts the dashboard (jupyter-server-proxy waits for it)
-        assert status == 200 and "Bokeh" in page and "<title>nbdist dashboard</title>" in page, (status, "".join(output))
+        assert status == 200 and "Bokeh" in page and "<title>nbdist dashboard</title>" in page, (
+            status,
+            "".join(output),
+        )
         # Jupyter's own authentication stands in front of it.
         status, headers, _ = _unfollowed(page_url)
         assert status == 302 and "/login" in headers["Location"], (status, headers)
@@ -421,8 +532,11 @@ def test_behind_jupyter_server_proxy_the_dashboard_works_and_opens_no_port(tmp_p
         # page of another site cannot add: then the proxy accepts the socket and passes it on.)
         assert _first_bokeh_message(socket_url, {**hub, "Origin": "http://elsewhere.example"}, session) is None
 
-        servers = [p for p in psutil.Process(jupyter.pid).children(recursive=True)
-                   if "dashboard" in p.cmdline() and "nbdist" in p.cmdline()]
+        servers = [
+            p
+            for p in psutil.Process(jupyter.pid).children(recursive=True)
+            if "dashboard" in p.cmdline() and "nbdist" in p.cmdline()
+        ]
         assert len(servers) == 1, [p.cmdline() for p in psutil.Process(jupyter.pid).children(recursive=True)]
         dashboard = servers[0]
         assert listening([dashboard]) == set(), "the dashboard listens on a TCP port"
@@ -434,9 +548,14 @@ def test_behind_jupyter_server_proxy_the_dashboard_works_and_opens_no_port(tmp_p
         status, _, body = _unfollowed(page_url, unix_socket=unix_socket)
         assert status == 403 and "token required" in body
         token = dashboard.environ()["NBDIST_DASHBOARD_TOKEN"]
-        assert _handshake(f"http://127.0.0.1:{port}/{PROXY_NAME}/nbdist/ws",
-                          {"Authorization": f"token {token}", "Origin": "http://elsewhere.example"},
-                          unix_socket=unix_socket) == 403
+        assert (
+            _handshake(
+                f"http://127.0.0.1:{port}/{PROXY_NAME}/nbdist/ws",
+                {"Authorization": f"token {token}", "Origin": "http://elsewhere.example"},
+                unix_socket=unix_socket,
+            )
+            == 403
+        )
     finally:
         os.killpg(jupyter.pid, signal.SIGTERM)
         try:
@@ -467,16 +586,38 @@ def test_the_study_view_shows_recorded_trials(tmp_path, browser):
 
     store_path = tmp_path / "nbdist.db"
     with RunStore(store_path) as store:
-        store.begin_study("digits-evo", searcher="evolution", space={"lr": "log(1e-4,1e-1)"}, options={},
-                          objective="val_loss", direction="minimize")
+        store.begin_study(
+            "digits-evo",
+            searcher="evolution",
+            space={"lr": "log(1e-4,1e-1)"},
+            options={},
+            objective="val_loss",
+            direction="minimize",
+        )
         foms = [0.9, 0.7, 0.8, 0.5, 0.6, 0.4]
         for number, fom in enumerate(foms):
-            store.record_trial("digits-evo", number, params={"lr": 10 ** -(1 + number % 3), "hidden": 16 * (number + 1),
-                                                             "optimizer": ["adam", "sgd"][number % 2]},
-                               state="complete", fom=fom, fom_std=0.05, folds=[fom - 0.05, fom + 0.05],
-                               generation=number // 3, ended=float(number))
-        store.record_trial("digits-evo", 6, params={"lr": 1.0, "hidden": 8, "optimizer": "sgd"}, state="failed",
-                           error="the loss became nan")
+            store.record_trial(
+                "digits-evo",
+                number,
+                params={
+                    "lr": 10 ** -(1 + number % 3),
+                    "hidden": 16 * (number + 1),
+                    "optimizer": ["adam", "sgd"][number % 2],
+                },
+                state="complete",
+                fom=fom,
+                fom_std=0.05,
+                folds=[fom - 0.05, fom + 0.05],
+                generation=number // 3,
+                ended=float(number),
+            )
+        store.record_trial(
+            "digits-evo",
+            6,
+            params={"lr": 1.0, "hidden": 8, "optimizer": "sgd"},
+            state="failed",
+            error="the loss became nan",
+        )
         store.record_trial("digits-evo", 7, params={"lr": 0.01, "hidden": 8, "optimizer": "sgd"}, state="running")
     board = dashboard(store_path, study="digits-evo", live=False)
     data = board.study.trials.data
@@ -488,8 +629,16 @@ def test_the_study_view_shows_recorded_trials(tmp_path, browser):
     paths, axes = board.study.parallel.data
     assert axes == ["hidden", "lr", "optimizer", "val_loss"] and len(paths) == 6
     with RunStore(store_path) as store:
-        store.record_trial("digits-evo", 7, params={"lr": 0.01, "hidden": 8, "optimizer": "sgd"}, state="complete",
-                           fom=0.3, fom_std=0.01, generation=2, ended=99.0)
+        store.record_trial(
+            "digits-evo",
+            7,
+            params={"lr": 0.01, "hidden": 8, "optimizer": "sgd"},
+            state="complete",
+            fom=0.3,
+            fom_std=0.01,
+            generation=2,
+            ended=99.0,
+        )
     assert board.study.update() == 1 and board.study.trials.data["best"].tolist()[-1] == 0.3
 
     export = export_html(store_path, tmp_path / "study.html", study="digits-evo")

@@ -17,8 +17,18 @@ from nbdist.layout import Layout  # noqa: E402
 
 
 def _rec(kind, rank, t, role="master", **values):
-    return {"run": "r", "trial": None, "rank": rank, "role": role, "kind": kind, "step": 0, "epoch": 0,
-            "time": t, "values": values, "seq": 0}
+    return {
+        "run": "r",
+        "trial": None,
+        "rank": rank,
+        "role": role,
+        "kind": kind,
+        "step": 0,
+        "epoch": 0,
+        "time": t,
+        "values": values,
+        "seq": 0,
+    }
 
 
 def test_staleness_is_drawn_against_the_queue_models_n_minus_1():
@@ -30,7 +40,8 @@ def test_staleness_is_drawn_against_the_queue_models_n_minus_1():
 
     plots = RunPlots(list(range(5)), [1, 2, 3, 4], staleness_reference=queue_model_staleness(layout, {}))
     frames = RunFrames("master-worker", t0=0.0).ingest(
-        [_rec("update", 0, 1.0 + i / 10, source_rank=1 + i % 4, staleness=s) for i, s in enumerate([0, 1, 2, 3, 3, 5])])
+        [_rec("update", 0, 1.0 + i / 10, source_rank=1 + i % 4, staleness=s) for i, s in enumerate([0, 1, 2, 3, 3, 5])]
+    )
     plots.send(frames)
     # The mean over every worker's updates of the interval, as its own line.
     assert plots.staleness_mean.data == {"t": [1.5], "staleness": [14 / 6]}
@@ -50,10 +61,13 @@ def test_staleness_is_drawn_against_the_queue_models_n_minus_1():
 
 def test_validations_every_n_samples_are_drawn_between_the_epochs():
     plots = RunPlots([0, 1, 2], [1, 2], every_samples=400)
-    frames = RunFrames("master-worker", t0=0.0).ingest([
-        _rec("val", 0, 1.0, samples_seen=450, val_loss=1.2, val_acc=0.3, version=15),
-        _rec("val", 0, 2.0, samples_seen=810, val_loss=0.9, val_acc=0.5, version=27),
-        _rec("epoch", 0, 2.5, epoch=1, samples=1437, samples_seen=1527, val_loss=0.7, val_acc=0.72)])
+    frames = RunFrames("master-worker", t0=0.0).ingest(
+        [
+            _rec("val", 0, 1.0, samples_seen=450, val_loss=1.2, val_acc=0.3, version=15),
+            _rec("val", 0, 2.0, samples_seen=810, val_loss=0.9, val_acc=0.5, version=27),
+            _rec("epoch", 0, 2.5, epoch=1, samples=1437, samples_seen=1527, val_loss=0.7, val_acc=0.72),
+        ]
+    )
     # An epoch record's own samples_seen (the centre validated), not the epochs' sum.
     assert frames.epochs["samples_seen"].tolist() == [1527]
     plots.send(frames)
@@ -72,8 +86,14 @@ def test_a_studys_page_is_drawn_before_its_first_trial_ends(tmp_path):
     from nbdist.store import RunStore
 
     with RunStore(tmp_path / "nbdist.db") as store:
-        store.begin_study("s", searcher="random", space={"lr": "log(1e-3,1e-1)"}, options={},
-                          objective="val_loss", direction="minimize")
+        store.begin_study(
+            "s",
+            searcher="random",
+            space={"lr": "log(1e-3,1e-1)"},
+            options={},
+            objective="val_loss",
+            direction="minimize",
+        )
         store.record_trial("s", 0, params={"lr": 0.01}, state="running")
     board = dashboard(tmp_path / "nbdist.db", study="s", live=False)
     page = json.dumps(json_item(board.page.get_root()))  # what a browser receives: no error making it

@@ -148,8 +148,7 @@ def _free_port() -> int:
 @pytest.mark.timeout(420)
 def test_allreduce_matches_pytorch_ddp_on_gloo(allreduce_weights, pyrun, tmp_path):
     ddp_file = tmp_path / "ddp.safetensors"
-    done = pyrun([str(SCRIPTS / "ddp_reference.py"), str(ddp_file), str(STEPS), str(_free_port())],
-                 timeout=180)
+    done = pyrun([str(SCRIPTS / "ddp_reference.py"), str(ddp_file), str(STEPS), str(_free_port())], timeout=180)
     assert done.returncode == 0, done.output
     ddp = load_file(str(ddp_file))
     ours = load_file(str(allreduce_weights / "2-equal.safetensors"))
@@ -185,8 +184,9 @@ ROUND_RUNS = {
 BATCHNORM_RUNS = {
     "allreduce-bn": dict(ranks=3, topology="allreduce", worker_optimizer=common.OPTIMIZER),
     # 1 master + 2 workers of 2 processes each (their gradient allreduced between them).
-    "procs2-bn": dict(ranks=5, algorithm="easgd", synchronous=True, workers=2, procs_per_worker=2,
-                      worker_optimizer=common.OPTIMIZER),
+    "procs2-bn": dict(
+        ranks=5, algorithm="easgd", synchronous=True, workers=2, procs_per_worker=2, worker_optimizer=common.OPTIMIZER
+    ),
 }
 # Allreduce runs whose buckets go through a torch.distributed gloo group made from the MPI
 # ranks (the code NCCL runs on GPUs), each compared with the MPI run of the same name:
@@ -207,27 +207,64 @@ def api_runs(tmp_path_factory):
     from conftest import run_mpi
 
     runs_dir = tmp_path_factory.mktemp("api")
-    base = dict(topology="master-worker", epochs=API_EPOCHS, batch_size=API_BATCH, seed=API_SEED,
-                runs_dir=str(runs_dir), quiet=True)
-    runs = [dict(base, run_name=name, ranks=2, algorithm="downpour", sync_every=1, **extra)
-            for name, extra in DOWNPOUR_RUNS.items()]
-    runs += [dict(base, run_name=name, ranks=3, algorithm="easgd(elastic_force=0.0)",
-                  worker_optimizer=common.OPTIMIZER, **extra)
-             for name, extra in EASGD_RUNS.items()]
-    runs += [dict(base, run_name=name, ranks=1 + ROUND_WORKERS, n_train=ROUND_TRAIN, synchronous=True,
-                  sync_every=1, **extra)
-             for name, extra in ROUND_RUNS.items()]
-    runs.append(dict(base, run_name="easgd-elastic-sync", ranks=3, algorithm="easgd", synchronous=True,
-                     worker_optimizer=common.OPTIMIZER))
+    base = dict(
+        topology="master-worker",
+        epochs=API_EPOCHS,
+        batch_size=API_BATCH,
+        seed=API_SEED,
+        runs_dir=str(runs_dir),
+        quiet=True,
+    )
+    runs = [
+        dict(base, run_name=name, ranks=2, algorithm="downpour", sync_every=1, **extra)
+        for name, extra in DOWNPOUR_RUNS.items()
+    ]
+    runs += [
+        dict(
+            base,
+            run_name=name,
+            ranks=3,
+            algorithm="easgd(elastic_force=0.0)",
+            worker_optimizer=common.OPTIMIZER,
+            **extra,
+        )
+        for name, extra in EASGD_RUNS.items()
+    ]
+    runs += [
+        dict(base, run_name=name, ranks=1 + ROUND_WORKERS, n_train=ROUND_TRAIN, synchronous=True, sync_every=1, **extra)
+        for name, extra in ROUND_RUNS.items()
+    ]
+    runs.append(
+        dict(
+            base,
+            run_name="easgd-elastic-sync",
+            ranks=3,
+            algorithm="easgd",
+            synchronous=True,
+            worker_optimizer=common.OPTIMIZER,
+        )
+    )
     runs += [dict(base, run_name=name, batchnorm=True, **extra) for name, extra in BATCHNORM_RUNS.items()]
     runs.append(dict(base, run_name="allreduce-2", ranks=2, topology="allreduce", worker_optimizer=common.OPTIMIZER))
-    runs += [dict(next(r for r in runs if r["run_name"] == mpi), run_name=name, allreduce_backend="gloo",
-                  **({"device": "cpu"} if "bn" in name else {}))
-             for name, mpi in GLOO_COMPARED.items()]
-    runs += [dict(run, run_name=run["run_name"] + "-device", device="cpu")
-             for run in runs if run["run_name"] in DEVICE_COMPARED]
-    halves = [dict(run, run_name=run["run_name"] + "-device-half", device="cpu", epochs=API_EPOCHS - 1)
-              for run in runs if run["run_name"] in DEVICE_RESUMED]
+    runs += [
+        dict(
+            next(r for r in runs if r["run_name"] == mpi),
+            run_name=name,
+            allreduce_backend="gloo",
+            **({"device": "cpu"} if "bn" in name else {}),
+        )
+        for name, mpi in GLOO_COMPARED.items()
+    ]
+    runs += [
+        dict(run, run_name=run["run_name"] + "-device", device="cpu")
+        for run in runs
+        if run["run_name"] in DEVICE_COMPARED
+    ]
+    halves = [
+        dict(run, run_name=run["run_name"] + "-device-half", device="cpu", epochs=API_EPOCHS - 1)
+        for run in runs
+        if run["run_name"] in DEVICE_RESUMED
+    ]
     runs += halves + [dict(run, epochs=API_EPOCHS, resume=str(runs_dir / run["run_name"])) for run in halves]
     spec = runs_dir / "runs.json"
     spec.write_text(json.dumps(runs))
@@ -316,10 +353,15 @@ def assert_same_run_as_on_the_host(name: str, run: Path, resumed: bool = False) 
     # BatchNorm's integer batch counter is no float state: checkpoints do not hold it (on
     # the numpy path neither), so a resumed run counts from zero again.
     counters = {k for k in on_host if k.endswith("num_batches_tracked")}
-    assert_weights_close({k: v for k, v in got.items() if k not in counters},
-                         {k: v for k, v in on_host.items() if k not in counters}, tol=1e-6)
-    history, expected = ({h["epoch"]: h["val_loss"] for h in json.loads((r / "summary.json").read_text())["history"]}
-                         for r in (run, host))
+    assert_weights_close(
+        {k: v for k, v in got.items() if k not in counters},
+        {k: v for k, v in on_host.items() if k not in counters},
+        tol=1e-6,
+    )
+    history, expected = (
+        {h["epoch"]: h["val_loss"] for h in json.loads((r / "summary.json").read_text())["history"]}
+        for r in (run, host)
+    )
     # A resumed run's history holds every epoch, the ones before its checkpoint too.
     assert set(history) == set(expected) == set(range(1, API_EPOCHS + 1)), (sorted(history), resumed)
     np.testing.assert_allclose([history[e] for e in history], [expected[e] for e in history], rtol=1e-6)
@@ -347,8 +389,9 @@ def test_allreduce_on_a_gloo_group_equals_the_mpi_path(api_runs, name):
     expected = load_file(str(mpi / "final" / "model.safetensors"))
     assert moved(expected, initial) > 0.05
     assert_weights_close(load_file(str(run / "final" / "model.safetensors")), expected, tol=1e-6)
-    history, reference = ([h["val_loss"] for h in json.loads((r / "summary.json").read_text())["history"]]
-                          for r in (run, mpi))
+    history, reference = (
+        [h["val_loss"] for h in json.loads((r / "summary.json").read_text())["history"]] for r in (run, mpi)
+    )
     assert len(history) == API_EPOCHS
     np.testing.assert_allclose(history, reference, rtol=1e-6)
 

@@ -36,8 +36,13 @@ class Launched:
     def __init__(self, tmp_path: Path, ranks: int, *args: str):
         self.log_path = tmp_path / "output.txt"
         self.log = open(self.log_path, "w+")
-        self.proc = subprocess.Popen([sys.executable, "-m", "nbdist", "launch", "-n", str(ranks), "train", *args],
-                                     cwd=ROOT, env=mpi_env(), stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "nbdist", "launch", "-n", str(ranks), "train", *args],
+            cwd=ROOT,
+            env=mpi_env(),
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
 
     @property
     def output(self) -> str:
@@ -88,8 +93,25 @@ def _epochs_logged(run_dir: Path) -> int:
 @pytest.mark.timeout(400)
 def test_a_dead_and_a_frozen_asynchronous_worker_are_dropped_and_the_run_completes(tmp_path):
     run = tmp_path / "run"
-    job = Launched(tmp_path, 5, "--model", MLP, "--algorithm", "easgd", "--epochs", "500", "--batch-size", "16",
-                   "--peer-timeout", "2", "--runs-dir", str(tmp_path), "--run-name", "run", "--quiet")
+    job = Launched(
+        tmp_path,
+        5,
+        "--model",
+        MLP,
+        "--algorithm",
+        "easgd",
+        "--epochs",
+        "500",
+        "--batch-size",
+        "16",
+        "--peer-timeout",
+        "2",
+        "--runs-dir",
+        str(tmp_path),
+        "--run-name",
+        "run",
+        "--quiet",
+    )
     job.wait_for(lambda: _epochs_logged(run) >= 5, "fifth epoch")
     dead, frozen = job.rank(2), job.rank(3)
     dead.kill()
@@ -122,9 +144,27 @@ def test_a_dead_and_a_frozen_asynchronous_worker_are_dropped_and_the_run_complet
 @pytest.mark.timeout(400)
 def test_an_allreduce_rank_killed_with_max_restarts_restarts_on_the_survivors(tmp_path):
     run = tmp_path / "run"
-    job = Launched(tmp_path, 4, "--model", MLP, "--topology", "allreduce", "--epochs", "150", "--batch-size", "8",
-                   "--max-restarts", "1", "--peer-timeout", "5", "--runs-dir", str(tmp_path), "--run-name", "run",
-                   "--quiet")
+    job = Launched(
+        tmp_path,
+        4,
+        "--model",
+        MLP,
+        "--topology",
+        "allreduce",
+        "--epochs",
+        "150",
+        "--batch-size",
+        "8",
+        "--max-restarts",
+        "1",
+        "--peer-timeout",
+        "5",
+        "--runs-dir",
+        str(tmp_path),
+        "--run-name",
+        "run",
+        "--quiet",
+    )
     job.wait_for(lambda: _epochs_logged(run) >= 3, "third epoch")
     job.rank(2).kill()
     assert job.finish() == 0, job.output
@@ -149,9 +189,29 @@ def test_a_rank_killed_in_an_allreduce_on_a_gloo_group_is_named_and_the_survivor
     fails when the peer's sockets close, MPI names the dead rank, and the survivors go on
     on a new group of 2 (the old one's works left behind do not hold them up)."""
     run = tmp_path / "run"
-    job = Launched(tmp_path, 3, "--model", MLP, "--topology", "allreduce", "--allreduce-backend", "gloo",
-                   "--epochs", "20", "--batch-size", "8", "--max-restarts", "1", "--peer-timeout", "5",
-                   "--runs-dir", str(tmp_path), "--run-name", "run", "--quiet")
+    job = Launched(
+        tmp_path,
+        3,
+        "--model",
+        MLP,
+        "--topology",
+        "allreduce",
+        "--allreduce-backend",
+        "gloo",
+        "--epochs",
+        "20",
+        "--batch-size",
+        "8",
+        "--max-restarts",
+        "1",
+        "--peer-timeout",
+        "5",
+        "--runs-dir",
+        str(tmp_path),
+        "--run-name",
+        "run",
+        "--quiet",
+    )
     job.wait_for(lambda: _epochs_logged(run) >= 3, "third epoch")
     job.rank(1).kill()
     assert job.finish() == 0, job.output
@@ -169,8 +229,20 @@ def test_a_rank_killed_in_an_allreduce_on_a_gloo_group_is_named_and_the_survivor
 @pytest.mark.timeout(400)
 def test_sigterm_stops_a_10m_parameter_run_with_a_final_checkpoint_that_resumes(tmp_path):
     run = tmp_path / "run"
-    job = Launched(tmp_path, 3, "--model", BIG_MLP, "--algorithm", "easgd", "--epochs", "100", "--runs-dir",
-                   str(tmp_path), "--run-name", "run")
+    job = Launched(
+        tmp_path,
+        3,
+        "--model",
+        BIG_MLP,
+        "--algorithm",
+        "easgd",
+        "--epochs",
+        "100",
+        "--runs-dir",
+        str(tmp_path),
+        "--run-name",
+        "run",
+    )
     job.wait_for(lambda: _epochs_logged(run) >= 1, "first epoch")
     job.proc.send_signal(signal.SIGTERM)  # what SLURM and PBS send before the time limit
     assert job.finish() == 0, job.output
@@ -184,9 +256,26 @@ def test_sigterm_stops_a_10m_parameter_run_with_a_final_checkpoint_that_resumes(
     stopped_at = summary["epochs_run"]
     assert summary["stop_reason"].startswith("stopped") and stopped_at < 100
 
-    again = subprocess.run([sys.executable, "-m", "nbdist", "launch", "-n", "3", "train", "--resume", str(run),
-                            "--epochs", str(stopped_at + 1)], cwd=ROOT, env=mpi_env(), capture_output=True,
-                           text=True, timeout=300)
+    again = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nbdist",
+            "launch",
+            "-n",
+            "3",
+            "train",
+            "--resume",
+            str(run),
+            "--epochs",
+            str(stopped_at + 1),
+        ],
+        cwd=ROOT,
+        env=mpi_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert again.returncode == 0, again.stdout + again.stderr
     assert f"resumed from {run}/checkpoints/{latest}" in again.stdout, again.stdout
     summary = json.loads((run / "summary.json").read_text())

@@ -36,8 +36,13 @@ def files(tmp_path) -> dict:
         paths.append(write(train_dir / f"train_{i}.h5", np.arange(start, start + n)))
         start += n
     write(train_dir / "val_0.h5", np.arange(1000, 1010))
-    return {"dir": train_dir, "train": str(train_dir / "train_*.h5"), "val": str(train_dir / "val_0.h5"),
-            "paths": paths, "n": start}
+    return {
+        "dir": train_dir,
+        "train": str(train_dir / "train_*.h5"),
+        "val": str(train_dir / "val_0.h5"),
+        "paths": paths,
+        "n": start,
+    }
 
 
 def ids_of(x: np.ndarray) -> np.ndarray:
@@ -177,8 +182,10 @@ def test_a_missing_dataset_name_says_which_names_the_file_has(files, tmp_path):
     write(tmp_path / "other.h5", np.arange(4), keys=("images", "y"))
     with pytest.raises(DataError) as err:
         HDF5Data(f"{files['train']},{tmp_path / 'other.h5'}", files["val"])
-    assert str(err.value) == (f"--train: {tmp_path / 'other.h5'} has no dataset 'features' (it has: images, y); "
-                              f"name the features and labels datasets with --data-keys FEATURES,LABELS")
+    assert str(err.value) == (
+        f"--train: {tmp_path / 'other.h5'} has no dataset 'features' (it has: images, y); "
+        f"name the features and labels datasets with --data-keys FEATURES,LABELS"
+    )
     data = HDF5Data(str(tmp_path / "other.h5"), str(tmp_path / "other.h5"), keys=("images", "y"))
     assert data.n_train == 4
     data.close()
@@ -192,8 +199,11 @@ def test_shapes_that_disagree_between_files(files, tmp_path):
         f"--train: the files disagree: {odd} holds 'features' of shape (3, 3) float32 and 'labels' of () "
         f"int64 per sample, {files['paths'][0]} holds (2, 3) float32 and () int64"
     )
-    with pytest.raises(DataError, match=r"^--val holds samples of shape \(3, 3\) with labels \(\), "
-                                        r"--train holds \(2, 3\) with \(\)$"):
+    with pytest.raises(
+        DataError,
+        match=r"^--val holds samples of shape \(3, 3\) with labels \(\), "
+        r"--train holds \(2, 3\) with \(\)$",
+    ):
         HDF5Data(files["train"], str(odd))
 
 
@@ -221,9 +231,24 @@ def test_file_options_are_checked_together():
 def test_a_missing_file_on_the_command_line_is_one_line(files, pyrun, tmp_path):
     model = tmp_path / "model.py"
     model.write_text("from torch import nn\nmodel = nn.Sequential(nn.Flatten(), nn.Linear(6, 2))\n")
-    done = pyrun(["-m", "nbdist", "train", "--model", str(model), "--topology", "allreduce",
-                  "--train", str(files["dir"] / "train_*.h5") + ",missing.h5", "--val", files["val"],
-                  "--runs-dir", str(tmp_path / "runs")], timeout=120)
+    done = pyrun(
+        [
+            "-m",
+            "nbdist",
+            "train",
+            "--model",
+            str(model),
+            "--topology",
+            "allreduce",
+            "--train",
+            str(files["dir"] / "train_*.h5") + ",missing.h5",
+            "--val",
+            files["val"],
+            "--runs-dir",
+            str(tmp_path / "runs"),
+        ],
+        timeout=120,
+    )
     assert done.returncode == 2, done.output
     assert done.stderr.strip() == "nbdist: error: --train: file 'missing.h5' not found"
 
@@ -233,8 +258,12 @@ def test_a_file_that_cannot_be_read_while_training_stops_the_run(files, mpirun, 
     bad = files["dir"] / "train_3.h5"  # its metadata is fine; its compressed data is not
     ids = np.arange(1000, 1000 + SIZES[3])
     with h5py.File(bad, "w") as fh:
-        fh.create_dataset("features", data=np.broadcast_to(ids[:, None, None], (len(ids), 2, 3)).astype(np.float32),
-                          chunks=(4, 2, 3), compression="gzip")
+        fh.create_dataset(
+            "features",
+            data=np.broadcast_to(ids[:, None, None], (len(ids), 2, 3)).astype(np.float32),
+            chunks=(4, 2, 3),
+            compression="gzip",
+        )
         fh["labels"] = (ids % 2).astype(np.int64)
         chunks = [fh["features"].id.get_chunk_info(i) for i in range(fh["features"].id.get_num_chunks())]
     with open(bad, "r+b") as raw:
@@ -243,8 +272,26 @@ def test_a_file_that_cannot_be_read_while_training_stops_the_run(files, mpirun, 
             raw.write(b"\xff" * chunk.size)
     model = tmp_path / "model.py"
     model.write_text("from torch import nn\nmodel = nn.Sequential(nn.Flatten(), nn.Linear(6, 2))\n")
-    done = mpirun(2, ["-m", "nbdist", "train", "--model", str(model), "--topology", "allreduce",
-                      "--train", files["train"], "--val", files["val"], "--epochs", "2",
-                      "--runs-dir", str(tmp_path / "runs")], timeout=120)
+    done = mpirun(
+        2,
+        [
+            "-m",
+            "nbdist",
+            "train",
+            "--model",
+            str(model),
+            "--topology",
+            "allreduce",
+            "--train",
+            files["train"],
+            "--val",
+            files["val"],
+            "--epochs",
+            "2",
+            "--runs-dir",
+            str(tmp_path / "runs"),
+        ],
+        timeout=120,
+    )
     assert done.returncode != 0, done.output
     assert f"DataReadError: --train: cannot read {bad}" in done.stderr, done.output

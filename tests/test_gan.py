@@ -174,7 +174,11 @@ def test_a_gan_is_defined_by_generator_discriminator_and_latent_dim():
     definition = definition_from_namespace(ns, "the cell")
     built = definition.make_gan(d_steps=2)
     assert (built.generator, built.discriminator, built.latent_dim, built.d_steps) == (
-        gan.generator, gan.discriminator, 4, 2)
+        gan.generator,
+        gan.discriminator,
+        4,
+        2,
+    )
     with pytest.raises(ModelError, match="defines a generator and a discriminator but no model: train them with --gan"):
         definition.make_model()
     with pytest.raises(ModelError, match="defines no latent_dim"):
@@ -186,12 +190,15 @@ def test_a_gan_is_defined_by_generator_discriminator_and_latent_dim():
     assert isinstance(ready_made, GanModel) and ready_made.d_steps == 3
 
 
-@pytest.mark.parametrize("changes, message", [
-    (dict(topology="allreduce"), "--gan trains on the master-worker topology"),
-    (dict(procs_per_worker=2), "drop --procs-per-worker"),
-    (dict(algorithm="downpour"), "downpour sends gradients"),
-    (dict(algorithm="gem"), "gem sends gradients"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(topology="allreduce"), "--gan trains on the master-worker topology"),
+        (dict(procs_per_worker=2), "drop --procs-per-worker"),
+        (dict(algorithm="downpour"), "downpour sends gradients"),
+        (dict(algorithm="gem"), "gem sends gradients"),
+    ],
+)
 def test_options_that_cannot_train_a_gan_are_one_error(changes, message):
     with pytest.raises(OptionsError, match=message):
         _check_gan(TrainOptions(gan=True, **changes))
@@ -200,8 +207,9 @@ def test_options_that_cannot_train_a_gan_are_one_error(changes, message):
 def test_gan_defaults_are_easgd_with_rmsprop_watching_val_mmd_and_adag_is_allowed():
     options = _check_gan(TrainOptions(gan=True))
     assert (options.algorithm, options.worker_optimizer, options.monitor) == ("easgd", "rmsprop(lr=0.001)", "val_mmd")
-    options = _check_gan(TrainOptions(gan=True, algorithm="adag", worker_optimizer="adam(lr=1e-4)",
-                                      monitor="val_d_fake"))
+    options = _check_gan(
+        TrainOptions(gan=True, algorithm="adag", worker_optimizer="adam(lr=1e-4)", monitor="val_d_fake")
+    )
     assert (options.algorithm, options.worker_optimizer, options.monitor) == ("adag", "adam(lr=1e-4)", "val_d_fake")
     assert _check_gan(TrainOptions()) == TrainOptions()
     with pytest.raises(OptionsError, match="--d-steps applies to GANs: add --gan"):

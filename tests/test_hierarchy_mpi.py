@@ -42,14 +42,17 @@ EPOCHS = 12
 MOMENTUM_MASTER = "sgd(lr=0.1, momentum=0.9)"
 EVERY_SAMPLES = 400
 # Every update recorded (--trace-updates): the tests read which client each master served.
-ACCURACY_RUNS = {name: [*argv, "--trace-updates"] for name, argv in {
-    # Also validates every N samples (test_the_top_master_validates_every_n_samples).
-    "downpour": ["--algorithm", "downpour", "--validate-every-samples", str(EVERY_SAMPLES)],
-    "downpour-sync": ["--algorithm", "downpour", "--synchronous", "--master-optimizer", MOMENTUM_MASTER],
-    "easgd": ["--algorithm", "easgd"],
-    "easgd-sync": ["--algorithm", "easgd", "--synchronous"],
-    "adag": ["--algorithm", "adag"],
-}.items()}
+ACCURACY_RUNS = {
+    name: [*argv, "--trace-updates"]
+    for name, argv in {
+        # Also validates every N samples (test_the_top_master_validates_every_n_samples).
+        "downpour": ["--algorithm", "downpour", "--validate-every-samples", str(EVERY_SAMPLES)],
+        "downpour-sync": ["--algorithm", "downpour", "--synchronous", "--master-optimizer", MOMENTUM_MASTER],
+        "easgd": ["--algorithm", "easgd"],
+        "easgd-sync": ["--algorithm", "easgd", "--synchronous"],
+        "adag": ["--algorithm", "adag"],
+    }.items()
+}
 STOP_EPOCHS = 300
 RESUMED_EPOCHS = 16
 RESUME = ["--algorithm", "downpour", "--synchronous", "--master-optimizer", MOMENTUM_MASTER]
@@ -90,8 +93,14 @@ def _run_job(argvs: list[list[str]], runs_dir: Path, stop_run: Path, timeout: fl
     spec.write_text(json.dumps(argvs))
     output = runs_dir / "output.txt"
     with open(output, "w") as log:
-        proc = subprocess.Popen(mpiexec_command(RANKS, [HIERARCHY_RUNS, str(spec)]), cwd=ROOT, env=mpi_env(),
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            mpiexec_command(RANKS, [HIERARCHY_RUNS, str(spec)]),
+            cwd=ROOT,
+            env=mpi_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             deadline = time.monotonic() + timeout
             while not _epoch_logged(stop_run) and proc.poll() is None:
@@ -125,15 +134,28 @@ def job(tmp_path_factory):
     runs["nan"] = ["--model", str(nan_model), "--epochs", "3"]
     runs["stop-at-sub-epoch-end"] = ["--model", MLP, "--epochs", "6", *RESUME]
     # The resumes keep every checkpoint: the tests read the stop checkpoints they resumed from.
-    runs["stop-at-sub-epoch-end-resume"] = ["--resume", str(runs_dir / "stop-at-sub-epoch-end"), "--epochs", "4",
-                                            "--keep-checkpoints", "1000"]
+    runs["stop-at-sub-epoch-end-resume"] = [
+        "--resume",
+        str(runs_dir / "stop-at-sub-epoch-end"),
+        "--epochs",
+        "4",
+        "--keep-checkpoints",
+        "1000",
+    ]
     # Stopped by the signal once it logged an epoch, then resumed in the same directory.
     runs["stop"] = ["--model", MLP, "--epochs", str(STOP_EPOCHS)]
-    runs["stop-resume"] = ["--resume", str(runs_dir / "stop"), "--epochs", str(RESUMED_EPOCHS),
-                           "--keep-checkpoints", "1000"]
+    runs["stop-resume"] = [
+        "--resume",
+        str(runs_dir / "stop"),
+        "--epochs",
+        str(RESUMED_EPOCHS),
+        "--keep-checkpoints",
+        "1000",
+    ]
     names = list(runs)
-    argvs = [[*runs[name], "--masters", "2", "--runs-dir", str(runs_dir), "--run-name", name, "--quiet"]
-             for name in names]
+    argvs = [
+        [*runs[name], "--masters", "2", "--runs-dir", str(runs_dir), "--run-name", name, "--quiet"] for name in names
+    ]
     output, returncode = _run_job(argvs, runs_dir, runs_dir / "stop", timeout=500)
     found = re.findall(r"nbdist-test: run (\d+) rc=(-?\d+)", output)
     return BatchedRuns(output, returncode, runs_dir, {names[int(i)]: int(rc) for i, rc in found})
@@ -214,8 +236,9 @@ def test_synchronous_resume_with_sub_masters_is_exact(job):
     summary_a = json.loads((a / "summary.json").read_text())
     summary_b = json.loads((b / "summary.json").read_text())
     assert [h["epoch"] for h in summary_b["history"]] == [1, 2, 3, 4]
-    np.testing.assert_allclose([h["val_loss"] for h in summary_b["history"]],
-                               [h["val_loss"] for h in summary_a["history"]], rtol=1e-6)
+    np.testing.assert_allclose(
+        [h["val_loss"] for h in summary_b["history"]], [h["val_loss"] for h in summary_a["history"]], rtol=1e-6
+    )
 
 
 @pytest.mark.timeout(900)
@@ -272,7 +295,8 @@ def test_sigusr1_stops_all_six_ranks_and_commits_a_checkpoint(job):
     # Committed, with every rank's share: both masters and all four workers.
     assert (stopped[0] / "meta.json").exists()
     assert sorted(p.name for p in stopped[0].glob("rank-*.safetensors")) == [
-        f"rank-{r:05d}.safetensors" for r in range(RANKS)]
+        f"rank-{r:05d}.safetensors" for r in range(RANKS)
+    ]
     assert not list(root.glob(".tmp-*"))
 
 
@@ -339,8 +363,11 @@ def test_a_synchronous_round_under_a_sub_master_equals_one_master(spec):
         algorithm = make_algorithm(parse_spec(spec))
         algorithm.bind(4)
         centre = start.copy()
-        opt = (TorchFlatOptimizer(torch.optim.SGD, parse_spec("sgd(lr=0.1)"), centre)
-               if algorithm.uses_master_optimizer else None)
+        opt = (
+            TorchFlatOptimizer(torch.optim.SGD, parse_spec("sgd(lr=0.1)"), centre)
+            if algorithm.uses_master_optimizer
+            else None
+        )
         return algorithm, algorithm.new_master_state(50), centre, opt
 
     def apply(start, workers):

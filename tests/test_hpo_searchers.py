@@ -12,8 +12,16 @@ import numpy as np
 import pytest
 
 from nbdist.errors import UserError
-from nbdist.hpo import (SEARCHERS, BayesSearcher, EvolutionSearcher, GridSearcher, RandomSearcher, SearcherError,
-                        make_searcher, restore_searcher)
+from nbdist.hpo import (
+    SEARCHERS,
+    BayesSearcher,
+    EvolutionSearcher,
+    GridSearcher,
+    RandomSearcher,
+    SearcherError,
+    make_searcher,
+    restore_searcher,
+)
 from nbdist.hpo.evolution import crossover, elite_count, mutation, mutation_fraction, tournament
 from nbdist.hpo.functions import BRANIN_SPACE, branin
 from nbdist.specs import SpecError
@@ -23,8 +31,11 @@ MIXED = "lr=log(1e-4,1e-1) hidden=int(16,256) optimizer=cat(adam,sgd,rmsprop)"
 
 def quadratic(p: dict) -> float:
     """A made-up figure of merit on MIXED, lowest at lr=1e-2, hidden=100, sgd."""
-    return ((math.log10(p["lr"]) + 2) ** 2 + ((p["hidden"] - 100) / 100) ** 2
-            + {"adam": 0.5, "sgd": 0.0, "rmsprop": 1.0}[p["optimizer"]])
+    return (
+        (math.log10(p["lr"]) + 2) ** 2
+        + ((p["hidden"] - 100) / 100) ** 2
+        + {"adam": 0.5, "sgd": 0.0, "rmsprop": 1.0}[p["optimizer"]]
+    )
 
 
 # Cheap settings for the tests that exercise the interface rather than the search itself.
@@ -50,16 +61,24 @@ def test_registry_and_specs():
     assert make_searcher("evolution(population=8)", MIXED, trials=30).generations == 4
     assert make_searcher("evolution(population=8, generations=2)", MIXED, trials=30).generations == 2
     assert isinstance(make_searcher("bayes", MIXED, trials=30), BayesSearcher)
-    with pytest.raises(SpecError, match=r"unknown searcher 'bayesian' \(did you mean 'bayes'\?\); "
-                                        r"choose one of: bayes, evolution, grid, random"):
+    with pytest.raises(
+        SpecError,
+        match=r"unknown searcher 'bayesian' \(did you mean 'bayes'\?\); "
+        r"choose one of: bayes, evolution, grid, random",
+    ):
         make_searcher("bayesian", MIXED)
-    with pytest.raises(SpecError, match="searcher 'evolution' takes no parameter 'pop'; it takes: direction, "
-                                        "seed, population, generations, reevaluate_elite"):
+    with pytest.raises(
+        SpecError,
+        match="searcher 'evolution' takes no parameter 'pop'; it takes: direction, "
+        "seed, population, generations, reevaluate_elite",
+    ):
         make_searcher("evolution(pop=4)", MIXED)
-    for spec, message in [("evolution(population=1)", "evolution population must be an integer >= 2, got 1"),
-                          ("bayes(acq_func='gp_hedge')", "bayes acq_func must be one of EI, LCB, PI, got 'gp_hedge'"),
-                          ("bayes(noise=0)", "bayes noise must be 'gaussian' .* or a positive variance, got 0"),
-                          ("grid(points=0)", "grid points must be a positive integer, got 0")]:
+    for spec, message in [
+        ("evolution(population=1)", "evolution population must be an integer >= 2, got 1"),
+        ("bayes(acq_func='gp_hedge')", "bayes acq_func must be one of EI, LCB, PI, got 'gp_hedge'"),
+        ("bayes(noise=0)", "bayes noise must be 'gaussian' .* or a positive variance, got 0"),
+        ("grid(points=0)", "grid points must be a positive integer, got 0"),
+    ]:
         with pytest.raises(SearcherError, match=message) as err:
             make_searcher(spec, MIXED)
         assert isinstance(err.value, UserError)
@@ -165,10 +184,14 @@ def test_grid_enumerates_every_combination_once():
     assert s.planned == 12
     points = s.ask(5) + s.ask(5) + s.ask(5)
     assert len(points) == 12 and s.exhausted and s.ask(3) == []
-    assert points[:3] == [{"x": 0.0, "n": 1, "act": "relu"}, {"x": 0.0, "n": 1, "act": "tanh"},
-                          {"x": 0.0, "n": 2, "act": "relu"}]
+    assert points[:3] == [
+        {"x": 0.0, "n": 1, "act": "relu"},
+        {"x": 0.0, "n": 1, "act": "tanh"},
+        {"x": 0.0, "n": 2, "act": "relu"},
+    ]
     assert {(p["x"], p["n"], p["act"]) for p in points} == {
-        (x, n, a) for x in (0.0, 0.5, 1.0) for n in (1, 2) for a in ("relu", "tanh")}
+        (x, n, a) for x in (0.0, 0.5, 1.0) for n in (1, 2) for a in ("relu", "tanh")
+    }
 
 
 # ----------------------------------------------------------------------------- evolution
@@ -185,8 +208,8 @@ def test_mutation_formula_by_hand():
     # m = (1 - r1^((1 - g/G)^3)) * (p_max - p if r2 > 0.5 else p_low - p)
     # g=1, G=2: exponent (1/2)^3 = 0.125; r1 = 0.5: 1 - 0.5^0.125 = 0.0829960
     assert mutation_fraction(0.5, 1, 2) == pytest.approx(0.08299596)
-    assert mutation(2.0, 0.5, 0.7, 1, 2, 0.0, 10.0) == pytest.approx(2.0 + 0.08299596 * 8.0)   # 2.66397
-    assert mutation(2.0, 0.5, 0.3, 1, 2, 0.0, 10.0) == pytest.approx(2.0 - 0.08299596 * 2.0)   # 1.83401
+    assert mutation(2.0, 0.5, 0.7, 1, 2, 0.0, 10.0) == pytest.approx(2.0 + 0.08299596 * 8.0)  # 2.66397
+    assert mutation(2.0, 0.5, 0.3, 1, 2, 0.0, 10.0) == pytest.approx(2.0 - 0.08299596 * 2.0)  # 1.83401
     assert mutation(2.0, 0.5, 0.5, 1, 2, 0.0, 10.0) == pytest.approx(1.83401, abs=1e-5)  # r2 = 0.5 goes low
     # g=0: exponent 1, m = (1 - r1) * distance: r1 = 0.25 moves 3/4 of the way
     assert mutation(2.0, 0.25, 0.9, 0, 4, 0.0, 10.0) == pytest.approx(2.0 + 0.75 * 8.0)
@@ -271,7 +294,7 @@ def test_evolution_categories_settle():
         return points
 
     q = np.mean([p["act"] != "a" for p in generation()])
-    children = generation()[elite_count(400):]
+    children = generation()[elite_count(400) :]
     # a tournament winner is not 'a' when both members drawn are not (about q^2), the
     # fitter parent A when both winners are not: (q^2)^2; then P(switch) = P(r2 < 1 - r1) = 1/2
     a_not = (q**2) ** 2
@@ -292,8 +315,7 @@ def test_bayes_asks_distinct_points_around_pending_ones():
         s.tell(p, branin(p))
     # one design point still pending: the model's points avoid it and each other
     model = s.ask(3)
-    near = [min(abs(q["x1"] - p["x1"]) + abs(q["x2"] - p["x2"]) for p in design + model if p is not q)
-            for q in model]
+    near = [min(abs(q["x1"] - p["x1"]) + abs(q["x2"] - p["x2"]) for p in design + model if p is not q) for q in model]
     assert min(near) > 0.05
     assert s.theta is not None and len(s.theta) == 4  # amplitude, two length scales, noise
 

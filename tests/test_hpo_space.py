@@ -23,25 +23,33 @@ def test_compact_form_gives_the_dimensions():
     # blanks inside and around, commas or semicolons between parts, the other spellings
     other = parse_space(" lr = log(1e-4, 1e-1),hidden=int( 16 ,256 ); optimizer=CAT(adam, sgd, rmsprop) ")
     assert other == space
-    assert parse_space("a=real(0,1) b=uniform(0,1) c=loguniform(1,10) d=logint(1,1000)") == Space({
-        "a": Real(0, 1), "b": Real(0, 1), "c": Real(1, 10, "log-uniform"), "d": Integer(1, 1000, "log-uniform")})
+    assert parse_space("a=real(0,1) b=uniform(0,1) c=loguniform(1,10) d=logint(1,1000)") == Space(
+        {"a": Real(0, 1), "b": Real(0, 1), "c": Real(1, 10, "log-uniform"), "d": Integer(1, 1000, "log-uniform")}
+    )
 
 
 def test_text_and_json_round_trips():
     space = parse_space(EXAMPLE + " act=cat('a b', 3, 2.5, True, None, '7') drop=real(0,0.5)")
     assert space["act"].categories == ("a b", 3, 2.5, True, None, "7")
-    assert str(space) == ("lr=log(0.0001,0.1) hidden=int(16,256) optimizer=cat(adam,sgd,rmsprop) "
-                          "act=cat('a b',3,2.5,True,None,'7') drop=real(0.0,0.5)")
+    assert str(space) == (
+        "lr=log(0.0001,0.1) hidden=int(16,256) optimizer=cat(adam,sgd,rmsprop) "
+        "act=cat('a b',3,2.5,True,None,'7') drop=real(0.0,0.5)"
+    )
     assert parse_space(str(space)) == space
     assert Space.from_json(json.loads(json.dumps(space.to_json()))) == space
 
 
 def test_skopt_dimensions_and_dicts_are_accepted():
-    from skopt.space import Categorical as SkCategorical, Integer as SkInteger, Real as SkReal
+    from skopt.space import Categorical as SkCategorical
+    from skopt.space import Integer as SkInteger
+    from skopt.space import Real as SkReal
 
     expected = parse_space(EXAMPLE)
-    skopt_list = [SkReal(1e-4, 1e-1, prior="log-uniform", name="lr"), SkInteger(16, 256, name="hidden"),
-                  SkCategorical(["adam", "sgd", "rmsprop"], name="optimizer")]
+    skopt_list = [
+        SkReal(1e-4, 1e-1, prior="log-uniform", name="lr"),
+        SkInteger(16, 256, name="hidden"),
+        SkCategorical(["adam", "sgd", "rmsprop"], name="optimizer"),
+    ]
     assert as_space(skopt_list) == expected
     assert as_space(dict(zip(["lr", "hidden", "optimizer"], skopt_list))) == expected
     mixed = {"lr": "log(1e-4,1e-1)", "hidden": Integer(16, 256), "optimizer": "cat(adam,sgd,rmsprop)"}
@@ -58,8 +66,10 @@ def test_samples_are_plain_python_values_from_the_priors():
     space = parse_space(EXAMPLE + " n=int(0,2)")
     rng = np.random.default_rng(0)
     points = [space.sample(rng) for _ in range(3000)]
-    assert all(type(p["lr"]) is float and type(p["hidden"]) is int and type(p["n"]) is int
-               and type(p["optimizer"]) is str for p in points)
+    assert all(
+        type(p["lr"]) is float and type(p["hidden"]) is int and type(p["n"]) is int and type(p["optimizer"]) is str
+        for p in points
+    )
     lr = np.array([p["lr"] for p in points])
     assert lr.min() >= 1e-4 and lr.max() <= 1e-1
     # log-uniform: each of the three decades gets about a third of the draws
@@ -77,7 +87,10 @@ def test_samples_are_plain_python_values_from_the_priors():
 def test_coerce_checks_and_converts_values():
     space = parse_space(EXAMPLE)
     assert space.coerce({"optimizer": "sgd", "lr": np.float64(0.01), "hidden": np.int64(32)}) == {
-        "lr": 0.01, "hidden": 32, "optimizer": "sgd"}
+        "lr": 0.01,
+        "hidden": 32,
+        "optimizer": "sgd",
+    }
     assert type(space.coerce({"lr": 0.01, "hidden": 32.0, "optimizer": "sgd"})["hidden"]) is int
     for params, message in [
         ({"lr": 0.5, "hidden": 32, "optimizer": "sgd"}, r"parameter 'lr': 0.5 is outside \[0.0001, 0.1\]"),
@@ -103,29 +116,50 @@ def test_grids():
 HELP = "e.g. 'lr=log(1e-4,1e-1) hidden=int(16,256) optimizer=cat(adam,sgd,rmsprop)'"
 
 
-@pytest.mark.parametrize("text, message", [
-    ("lr=log(1e-4", "'lr=log(1e-4': missing ')'"),
-    ("lr=lgo(1e-4,1e-1)", "'lr=lgo(1e-4,1e-1)': unknown kind 'lgo' (did you mean 'log'?); "
-                          "choose one of: cat, int, log, logint, loguniform, real, uniform"),
-    ("lr=log(1e-4)", "'lr=log(1e-4)': expected 2 numbers (low,high), got 1; "
-                     "write log(low,high) for a log-uniform real, 0 < low"),
-    ("lr=log(a,1e-1)", "'lr=log(a,1e-1)': 'a' is not a number; write log(low,high) for a log-uniform real, 0 < low"),
-    ("lr=log(0,1e-1)", "'lr=log(0,1e-1)': a log-uniform prior needs low > 0, got low=0.0; "
-                       "write log(low,high) for a log-uniform real, 0 < low"),
-    ("x=real(1,0)", "'x=real(1,0)': low must be below high, got low=1.0, high=0.0; "
-                    "write real(low,high) for a uniform real"),
-    ("x=real(0,)", "'x=real(0,)': an argument is empty; write real(low,high) for a uniform real"),
-    ("n=int(1.5,4)", "'n=int(1.5,4)': low must be an integer, got 1.5; "
-                     "write int(low,high) for integers from low to high included"),
-    ("o=cat()", "'o=cat()': no category given; write cat(a,b,...) for one of the categories"),
-    ("o=cat(adam,adam)", "'o=cat(adam,adam)': category 'adam' is given twice; "
-                         "write cat(a,b,...) for one of the categories"),
-    ("lr=log(1e-4,1e-1) hidden=int(16,256) lr=real(0,1)", "'lr=real(0,1)': parameter 'lr' is given twice"),
-    ("1lr=real(0,1)", "'1lr=real(0,1)': parameter name '1lr' must be a Python identifier (letters, digits, _)"),
-    ("lr log(1e-4,1e-1)", f"cannot read 'lr log(1e-4,1e-1)' in the space: write name=kind(args), {HELP}"),
-    ("lr=log(1e-4,1e-1) hidden", f"cannot read 'hidden' in the space: write name=kind(args), {HELP}"),
-    ("   ", f"the space is empty; write {HELP}"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("lr=log(1e-4", "'lr=log(1e-4': missing ')'"),
+        (
+            "lr=lgo(1e-4,1e-1)",
+            "'lr=lgo(1e-4,1e-1)': unknown kind 'lgo' (did you mean 'log'?); "
+            "choose one of: cat, int, log, logint, loguniform, real, uniform",
+        ),
+        (
+            "lr=log(1e-4)",
+            "'lr=log(1e-4)': expected 2 numbers (low,high), got 1; write log(low,high) for a log-uniform real, 0 < low",
+        ),
+        (
+            "lr=log(a,1e-1)",
+            "'lr=log(a,1e-1)': 'a' is not a number; write log(low,high) for a log-uniform real, 0 < low",
+        ),
+        (
+            "lr=log(0,1e-1)",
+            "'lr=log(0,1e-1)': a log-uniform prior needs low > 0, got low=0.0; "
+            "write log(low,high) for a log-uniform real, 0 < low",
+        ),
+        (
+            "x=real(1,0)",
+            "'x=real(1,0)': low must be below high, got low=1.0, high=0.0; write real(low,high) for a uniform real",
+        ),
+        ("x=real(0,)", "'x=real(0,)': an argument is empty; write real(low,high) for a uniform real"),
+        (
+            "n=int(1.5,4)",
+            "'n=int(1.5,4)': low must be an integer, got 1.5; "
+            "write int(low,high) for integers from low to high included",
+        ),
+        ("o=cat()", "'o=cat()': no category given; write cat(a,b,...) for one of the categories"),
+        (
+            "o=cat(adam,adam)",
+            "'o=cat(adam,adam)': category 'adam' is given twice; write cat(a,b,...) for one of the categories",
+        ),
+        ("lr=log(1e-4,1e-1) hidden=int(16,256) lr=real(0,1)", "'lr=real(0,1)': parameter 'lr' is given twice"),
+        ("1lr=real(0,1)", "'1lr=real(0,1)': parameter name '1lr' must be a Python identifier (letters, digits, _)"),
+        ("lr log(1e-4,1e-1)", f"cannot read 'lr log(1e-4,1e-1)' in the space: write name=kind(args), {HELP}"),
+        ("lr=log(1e-4,1e-1) hidden", f"cannot read 'hidden' in the space: write name=kind(args), {HELP}"),
+        ("   ", f"the space is empty; write {HELP}"),
+    ],
+)
 def test_malformed_spaces_name_the_bad_part(text, message):
     with pytest.raises(SpaceError) as err:
         parse_space(text)

@@ -12,10 +12,10 @@ import pytest
 h5py = pytest.importorskip("h5py")
 pytest.importorskip("pythia8mc")
 
+from conftest import JET_SAMPLE, ROOT  # noqa: E402
+
 from nbdist.datasets import jet_images  # noqa: E402
 from nbdist.datasets.jet_images import DatasetError, _spec  # noqa: E402
-
-from conftest import JET_SAMPLE, ROOT  # noqa: E402
 
 TOP_MASS = 172.5
 
@@ -60,8 +60,10 @@ def test_generation_is_deterministic_for_a_seed(jet_sample, tmp_path):
     for name in original:
         np.testing.assert_array_equal(remade[name], original[name], err_msg=name)
     # Another seed gives other Pythia seeds for every file and process.
-    spec, other = _spec("top", 2000, 6, 0.2, 32, 0.8, (550, 650), 2.0, False, 7), \
-        _spec("top", 2000, 6, 0.2, 32, 0.8, (550, 650), 2.0, False, 8)
+    spec, other = (
+        _spec("top", 2000, 6, 0.2, 32, 0.8, (550, 650), 2.0, False, 7),
+        _spec("top", 2000, 6, 0.2, 32, 0.8, (550, 650), 2.0, False, 8),
+    )
     for job in spec.jobs:
         assert spec.seed_of(job, "top") != other.seed_of(job, "top")
         assert spec.fingerprint(job) != other.fingerprint(job)
@@ -83,8 +85,7 @@ def test_top_jets_are_heavier_and_three_pronged(jet_sample):
 
 
 def test_w_jets_carry_the_w_mass_and_two_prongs(tmp_path):
-    sample = jet_images(tmp_path / "w", signal="w", events=20, files=1, underlying_event=False, seed=3,
-                        progress=False)
+    sample = jet_images(tmp_path / "w", signal="w", events=20, files=1, underlying_event=False, seed=3, progress=False)
     assert (sample.made, sample.reused) == (2, 0)
     data = sample.load()  # everything in memory: an ArrayData for load_data()
     assert (data.n_train, data.n_val, data.num_classes) == (16, 4, 2)
@@ -103,10 +104,31 @@ def test_a_cnn_trained_on_the_files_separates_top_from_qcd(jet_sample, mpirun, t
     from sklearn.metrics import roc_auc_score
 
     cache = tmp_path / "node-cache"
-    done = mpirun(3, ["-m", "nbdist", "train", "--model", str(ROOT / "examples" / "jet_cnn.py"),
-                      "--topology", "allreduce", "--epochs", "4", "--train", jet_sample.train,
-                      "--val", jet_sample.val, "--cache-dir", str(cache), "--runs-dir", str(tmp_path / "runs"),
-                      "--run-name", "cnn"], timeout=240)
+    done = mpirun(
+        3,
+        [
+            "-m",
+            "nbdist",
+            "train",
+            "--model",
+            str(ROOT / "examples" / "jet_cnn.py"),
+            "--topology",
+            "allreduce",
+            "--epochs",
+            "4",
+            "--train",
+            jet_sample.train,
+            "--val",
+            jet_sample.val,
+            "--cache-dir",
+            str(cache),
+            "--runs-dir",
+            str(tmp_path / "runs"),
+            "--run-name",
+            "cnn",
+        ],
+        timeout=240,
+    )
     assert done.returncode == 0, done.output
     summary = json.loads((tmp_path / "runs" / "cnn" / "summary.json").read_text())
     assert [h["samples"] for h in summary["history"]] == [1600] * 4  # every jet once per epoch
@@ -130,7 +152,10 @@ def test_bad_requests_are_one_clear_error(tmp_path, jet_sample):
     # Another sample's files in the directory would mix in under the same glob.
     foreign = tmp_path / "mixed"
     shutil.copytree(jet_sample.directory, foreign)
-    with pytest.raises(DatasetError, match=r"already holds 8 file\(s\) of another sample \(train_000\.h5, "
-                                           r"train_001\.h5, train_002\.h5, train_003\.h5 \.\.\.\)"):
+    with pytest.raises(
+        DatasetError,
+        match=r"already holds 8 file\(s\) of another sample \(train_000\.h5, "
+        r"train_001\.h5, train_002\.h5, train_003\.h5 \.\.\.\)",
+    ):
         jet_images(foreign, **{**JET_SAMPLE, "seed": 8})
     assert len(list(foreign.glob("*.h5"))) == 8  # nothing removed without overwrite=True

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import BatchedRuns
 from safetensors.numpy import load_file
 
-from conftest import BatchedRuns
 from nbdist.metrics import read_log
 
 pytestmark = pytest.mark.mpi
@@ -67,22 +67,46 @@ def _epochs(name: str) -> int:
 
 
 def _runs(runs_dir: Path) -> tuple[list[str], list[list[str]]]:
-    runs: dict[str, list[str]] = {f"keras-{name}": ["--model", KERAS_MLP, *argv]
-                                  for name, argv in ACCURACY_RUNS.items()}
-    runs.update({name: ["--gan", "--model", model, "--workers", "3", *GAN_OPTIONS[name]]
-                 for name, model in GANS.items()})
+    runs: dict[str, list[str]] = {
+        f"keras-{name}": ["--model", KERAS_MLP, *argv] for name, argv in ACCURACY_RUNS.items()
+    }
+    runs.update(
+        {name: ["--gan", "--model", model, "--workers", "3", *GAN_OPTIONS[name]] for name, model in GANS.items()}
+    )
     for name in RESUMES:
         runs[f"{name}-B"] = [*runs[name], "--epochs", str(_epochs(name) // 2)]
         runs[name] += ["--checkpoint-every", "1"]
     for name in list(runs):
         if "--epochs" not in runs[name]:
             runs[name] += ["--epochs", str(_epochs(name))]
-    runs["keras-early-stopping"] = ["--model", KERAS_MLP, "--epochs", "30", "--topology", "allreduce",
-                                    "--worker-optimizer", "sgd(lr=1e-6)", "--early-stopping", "1",
-                                    "--min-delta", "0.001"]
+    runs["keras-early-stopping"] = [
+        "--model",
+        KERAS_MLP,
+        "--epochs",
+        "30",
+        "--topology",
+        "allreduce",
+        "--worker-optimizer",
+        "sgd(lr=1e-6)",
+        "--early-stopping",
+        "1",
+        "--min-delta",
+        "0.001",
+    ]
     # val_mmd cannot improve by 1.0 (it is below 1): stops after the second validation.
-    runs["gan-early-stopping"] = ["--gan", "--model", GAN_KERAS, "--epochs", "30", "--early-stopping", "1",
-                                  "--monitor", "val_mmd", "--min-delta", "1.0"]
+    runs["gan-early-stopping"] = [
+        "--gan",
+        "--model",
+        GAN_KERAS,
+        "--epochs",
+        "30",
+        "--early-stopping",
+        "1",
+        "--monitor",
+        "val_mmd",
+        "--min-delta",
+        "1.0",
+    ]
     runs.update(ERRORS)
     names = list(runs)
     argvs = [[*runs[name], "--runs-dir", str(runs_dir), "--run-name", name, "--quiet"] for name in names]
@@ -108,7 +132,7 @@ def _cut(text: str, count: int) -> list[str]:
         marker = re.search(rf"^nbdist-test: run {i} rc=(-?\d+)$", text, re.MULTILINE)
         assert marker, f"no end marker for run {i}:\n{text[-4000:]}"
         parts.append(text[: marker.start()])
-        text = text[marker.end():]
+        text = text[marker.end() :]
     return parts
 
 
@@ -122,8 +146,11 @@ def job(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("keras")
     names, argvs = _runs(out / "runs")
-    spec = {"downpour": DOWNPOUR, "runs": argvs,
-            "gans": {str(out / "runs" / name): model for name, model in GANS.items()}}
+    spec = {
+        "downpour": DOWNPOUR,
+        "runs": argvs,
+        "gans": {str(out / "runs" / name): model for name, model in GANS.items()},
+    }
     (out / "spec.json").write_text(json.dumps(spec))
     done = run_mpi(4, [str(SCRIPTS / "keras_job.py"), str(out), str(out / "spec.json")], timeout=420)
     assert done.returncode == 0, done.output[-8000:]
@@ -174,9 +201,11 @@ def test_keras_model_learns_digits_with_every_algorithm(job, name):
 # ------------------------------------------------------------------------------- GANs
 def _mmd(x: np.ndarray, y: np.ndarray, width: float) -> float:
     """The test's own fixed two-sample statistic: biased MMD^2, one Gaussian kernel."""
+
     def k(a, b):
         d = (a * a).sum(1)[:, None] + (b * b).sum(1)[None, :] - 2 * a @ b.T
         return np.exp(-np.maximum(d, 0) / (2 * width**2))
+
     return float(k(x, x).mean() + k(y, y).mean() - 2 * k(x, y).mean())
 
 
@@ -239,8 +268,9 @@ def test_keras_and_gan_runs_resume_exactly(job, name):
     a, b = job.run(name), job.run(f"{name}-B")
     job.run(f"{name}-B-resumed")
     epochs = _epochs(name)
-    assert re.search(rf"resumed from \S*/{name}-B/checkpoints/epoch-{epochs // 2:04d} at epoch {epochs // 2 + 1}\b",
-                     job.stdout), job.stdout
+    assert re.search(
+        rf"resumed from \S*/{name}-B/checkpoints/epoch-{epochs // 2:04d} at epoch {epochs // 2 + 1}\b", job.stdout
+    ), job.stdout
     weights_a = load_file(str(a / "final" / "model.safetensors"))
     weights_b = load_file(str(b / "final" / "model.safetensors"))
     # Keras paths hold per-process layer counters (dense_7): the keys' index and
@@ -276,11 +306,21 @@ def test_early_stopping(job, name):
 
 # ------------------------------------------------------------------------ bad input
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name, needles", [
-    ("keras-torch-optimizer", ["'rprop' is a PyTorch optimizer (torch.optim)", "the model is a Keras model",
-                               "keras.optimizers", "rmsprop"]),
-    ("gan-downpour", ["--gan trains with easgd, adag or dynsgd", "downpour sends gradients"]),
-])
+@pytest.mark.parametrize(
+    "name, needles",
+    [
+        (
+            "keras-torch-optimizer",
+            [
+                "'rprop' is a PyTorch optimizer (torch.optim)",
+                "the model is a Keras model",
+                "keras.optimizers",
+                "rmsprop",
+            ],
+        ),
+        ("gan-downpour", ["--gan trains with easgd, adag or dynsgd", "downpour sends gradients"]),
+    ],
+)
 def test_mixed_or_unsupported_input_is_one_clear_error(job, name, needles):
     assert job.codes[name] == 2
     err = job.stderr[name]

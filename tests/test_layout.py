@@ -23,8 +23,9 @@ COUNTS = list(itertools.product((1, 2, 3), (1, 2), (1, 2), (1, 3), (1, 2), (Fals
 
 @pytest.mark.parametrize("workers,masters,procs,groups,folds,coordinator", COUNTS)
 def test_master_worker_rank_count_matches_formula(workers, masters, procs, groups, folds, coordinator):
-    layout = Layout(workers=workers, masters=masters, procs_per_worker=procs, groups=groups,
-                    folds=folds, coordinator=coordinator)
+    layout = Layout(
+        workers=workers, masters=masters, procs_per_worker=procs, groups=groups, folds=folds, coordinator=coordinator
+    )
     expected = int(coordinator) + groups * folds * (masters + masters * workers * procs)
     assert layout.n_ranks == expected
     assert len(layout.roles) == expected
@@ -37,8 +38,15 @@ def test_master_worker_rank_count_matches_formula(workers, masters, procs, group
 
 @pytest.mark.parametrize("workers,masters,procs,groups,folds,coordinator", COUNTS)
 def test_allreduce_rank_count_matches_formula(workers, masters, procs, groups, folds, coordinator):
-    layout = Layout(workers=workers, masters=masters, procs_per_worker=procs, groups=groups,
-                    folds=folds, coordinator=coordinator, topology=AR)
+    layout = Layout(
+        workers=workers,
+        masters=masters,
+        procs_per_worker=procs,
+        groups=groups,
+        folds=folds,
+        coordinator=coordinator,
+        topology=AR,
+    )
     assert layout.masters == 0  # ignored whatever was passed
     assert layout.n_ranks == int(coordinator) + groups * folds * workers * procs
     assert all(r.kind in ("coordinator", "worker") for r in layout.roles)
@@ -47,8 +55,15 @@ def test_allreduce_rank_count_matches_formula(workers, masters, procs, groups, f
 
 def test_defaults_are_one_master_one_worker():
     layout = Layout()
-    assert (layout.topology, layout.workers, layout.masters, layout.procs_per_worker,
-            layout.groups, layout.folds, layout.coordinator) == (MW, 1, 1, 1, 1, 1, False)
+    assert (
+        layout.topology,
+        layout.workers,
+        layout.masters,
+        layout.procs_per_worker,
+        layout.groups,
+        layout.folds,
+        layout.coordinator,
+    ) == (MW, 1, 1, 1, 1, 1, False)
     assert layout.n_ranks == 2
 
 
@@ -60,6 +75,7 @@ def test_layout_is_immutable_and_comparable():
 
 
 # -- roles -----------------------------------------------------------------------------
+
 
 def test_roles_two_masters_two_workers_two_procs():
     layout = Layout(workers=2, masters=2, procs_per_worker=2)
@@ -137,10 +153,21 @@ def test_out_of_range_queries_raise():
 
 # -- validation ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name,value", [
-    ("workers", 0), ("workers", -1), ("masters", 0), ("procs_per_worker", 0), ("groups", 0),
-    ("folds", 0), ("workers", 1.5), ("workers", "2"), ("workers", True),
-])
+
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("workers", 0),
+        ("workers", -1),
+        ("masters", 0),
+        ("procs_per_worker", 0),
+        ("groups", 0),
+        ("folds", 0),
+        ("workers", 1.5),
+        ("workers", "2"),
+        ("workers", True),
+    ],
+)
 def test_bad_counts_are_rejected_with_the_option_name(name, value):
     with pytest.raises(LayoutError) as info:
         Layout(**{name: value})
@@ -166,18 +193,22 @@ def test_coordinator_must_be_bool():
 
 # -- for_world -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("size,options,workers", [
-    (2, {}, 1),
-    (6, {}, 5),
-    (4, {"masters": 2}, 1),
-    (6, {"masters": 2}, 2),
-    (10, {"masters": 2, "procs_per_worker": 2}, 2),
-    (11, {"groups": 2, "coordinator": True}, 4),
-    (5, {"topology": AR, "coordinator": True, "procs_per_worker": 2}, 2),
-    (8, {"topology": AR, "groups": 2, "folds": 2}, 2),
-    (1, {"topology": AR}, 1),
-    (25, {"masters": 2, "groups": 2, "folds": 2, "coordinator": True}, 2),
-])
+
+@pytest.mark.parametrize(
+    "size,options,workers",
+    [
+        (2, {}, 1),
+        (6, {}, 5),
+        (4, {"masters": 2}, 1),
+        (6, {"masters": 2}, 2),
+        (10, {"masters": 2, "procs_per_worker": 2}, 2),
+        (11, {"groups": 2, "coordinator": True}, 4),
+        (5, {"topology": AR, "coordinator": True, "procs_per_worker": 2}, 2),
+        (8, {"topology": AR, "groups": 2, "folds": 2}, 2),
+        (1, {"topology": AR}, 1),
+        (25, {"masters": 2, "groups": 2, "folds": 2, "coordinator": True}, 2),
+    ],
+)
 def test_for_world_infers_workers(size, options, workers):
     layout = Layout.for_world(size, **options)
     assert layout.workers == workers
@@ -185,18 +216,29 @@ def test_for_world_infers_workers(size, options, workers):
     assert layout == Layout(workers=workers, **options)
 
 
-@pytest.mark.parametrize("size,options,formula,valid,fixes", [
-    (5, {"masters": 2}, "2 + 2 x W", "(4, 6, 8, ...)", "-n 4 (W = 1) or -n 6 (W = 2)"),
-    (1, {}, "1 + W", "(2, 3, 4, ...)", "-n 2 (W = 1)"),
-    (3, {"masters": 2, "procs_per_worker": 2, "coordinator": True}, "3 + 4 x W",
-     "(7, 11, 15, ...)", "-n 7 (W = 1)"),
-    (7, {"topology": AR, "procs_per_worker": 2}, "2 x W", "(2, 4, 6, ...)",
-     "-n 6 (W = 3) or -n 8 (W = 4)"),
-    (20, {"groups": 2, "folds": 3}, "6 + 6 x W", "(12, 18, 24, ...)",
-     "-n 18 (W = 2) or -n 24 (W = 3)"),
-    (6, {"topology": AR, "groups": 2, "coordinator": True}, "1 + 2 x W", "(3, 5, 7, ...)",
-     "-n 5 (W = 2) or -n 7 (W = 3)"),
-])
+@pytest.mark.parametrize(
+    "size,options,formula,valid,fixes",
+    [
+        (5, {"masters": 2}, "2 + 2 x W", "(4, 6, 8, ...)", "-n 4 (W = 1) or -n 6 (W = 2)"),
+        (1, {}, "1 + W", "(2, 3, 4, ...)", "-n 2 (W = 1)"),
+        (
+            3,
+            {"masters": 2, "procs_per_worker": 2, "coordinator": True},
+            "3 + 4 x W",
+            "(7, 11, 15, ...)",
+            "-n 7 (W = 1)",
+        ),
+        (7, {"topology": AR, "procs_per_worker": 2}, "2 x W", "(2, 4, 6, ...)", "-n 6 (W = 3) or -n 8 (W = 4)"),
+        (20, {"groups": 2, "folds": 3}, "6 + 6 x W", "(12, 18, 24, ...)", "-n 18 (W = 2) or -n 24 (W = 3)"),
+        (
+            6,
+            {"topology": AR, "groups": 2, "coordinator": True},
+            "1 + 2 x W",
+            "(3, 5, 7, ...)",
+            "-n 5 (W = 2) or -n 7 (W = 3)",
+        ),
+    ],
+)
 def test_for_world_error_states_the_valid_sizes(size, options, formula, valid, fixes):
     with pytest.raises(LayoutError) as info:
         Layout.for_world(size, **options)
@@ -216,8 +258,9 @@ def test_for_world_error_describes_the_layout_asked_for():
     assert "5 ranks cannot be laid out as 2 masters x (1 + W workers)" in str(info.value)
     with pytest.raises(LayoutError) as info:
         Layout.for_world(4, coordinator=True, groups=2, procs_per_worker=3)
-    assert ("cannot be laid out as 1 coordinator + 2 groups x 1 fold x "
-            "(1 master + W workers of 3 processes)") in str(info.value)
+    assert ("cannot be laid out as 1 coordinator + 2 groups x 1 fold x (1 master + W workers of 3 processes)") in str(
+        info.value
+    )
 
 
 def test_for_world_with_workers_given_checks_the_size():
@@ -254,30 +297,36 @@ def test_for_world_validates_other_options_first():
 
 # -- printing --------------------------------------------------------------------------
 
+
 def test_describe():
     assert Layout(workers=4, groups=2, coordinator=True).describe() == (
-        "11 ranks: 1 coordinator + 2 groups x 1 fold x (1 master + 4 workers)")
+        "11 ranks: 1 coordinator + 2 groups x 1 fold x (1 master + 4 workers)"
+    )
     assert Layout(workers=5).describe() == "6 ranks: 1 master + 5 workers"
     assert Layout(workers=1).describe() == "2 ranks: 1 master + 1 worker"
     assert Layout(workers=2, masters=2).describe() == "6 ranks: 2 masters x (1 + 2 workers)"
     assert Layout(workers=2, masters=2, procs_per_worker=2, folds=3).describe() == (
-        "30 ranks: 1 group x 3 folds x 2 masters x (1 + 2 workers of 2 processes)")
+        "30 ranks: 1 group x 3 folds x 2 masters x (1 + 2 workers of 2 processes)"
+    )
     assert Layout(workers=1, topology=AR).describe() == "1 rank: 1 worker"
     assert Layout(workers=2, procs_per_worker=2, topology=AR, coordinator=True).describe() == (
-        "5 ranks: 1 coordinator + 2 workers of 2 processes")
+        "5 ranks: 1 coordinator + 2 workers of 2 processes"
+    )
 
 
 def test_tree_master_worker_two_masters():
-    assert Layout(workers=2, masters=2).tree() == "\n".join([
-        "master-worker layout, 6 ranks: 2 masters x (1 + 2 workers)",
-        "fold 0 (group 0)  ranks 0-5",
-        "├── master 0 [top master]  rank 0",
-        "│   ├── worker 0  rank 1",
-        "│   └── worker 1  rank 2",
-        "└── master 1 [sub-master]  rank 3",
-        "    ├── worker 0  rank 4",
-        "    └── worker 1  rank 5",
-    ])
+    assert Layout(workers=2, masters=2).tree() == "\n".join(
+        [
+            "master-worker layout, 6 ranks: 2 masters x (1 + 2 workers)",
+            "fold 0 (group 0)  ranks 0-5",
+            "├── master 0 [top master]  rank 0",
+            "│   ├── worker 0  rank 1",
+            "│   └── worker 1  rank 2",
+            "└── master 1 [sub-master]  rank 3",
+            "    ├── worker 0  rank 4",
+            "    └── worker 1  rank 5",
+        ]
+    )
 
 
 def test_tree_multi_process_workers_show_rank_ranges():
@@ -330,8 +379,15 @@ def test_to_dict_round_trips_through_json():
     assert json.loads(json.dumps(data)) == data
     assert Layout.from_dict(json.loads(json.dumps(data))) == layout
     assert data["n_ranks"] == 21 and data["describe"] == layout.describe()
-    assert data["options"] == {"topology": MW, "workers": 2, "masters": 2, "procs_per_worker": 2,
-                               "groups": 2, "folds": 1, "coordinator": True}
+    assert data["options"] == {
+        "topology": MW,
+        "workers": 2,
+        "masters": 2,
+        "procs_per_worker": 2,
+        "groups": 2,
+        "folds": 1,
+        "coordinator": True,
+    }
     coord, group0, group1 = data["nodes"]
     assert coord == {"kind": "coordinator", "rank": 0, "ranks": [0], "children": []}
     assert group1["kind"] == "group" and group1["index"] == 1 and group1["ranks"] == list(range(11, 21))
@@ -339,8 +395,7 @@ def test_to_dict_round_trips_through_json():
     assert fold["kind"] == "fold" and fold["ranks"] == list(range(1, 11))
     top, sub = fold["children"]
     assert (top["kind"], top["top"], top["rank"], sub["top"], sub["rank"]) == ("master", True, 1, False, 6)
-    assert top["children"][1] == {"kind": "worker", "index": 1, "rank": 4, "ranks": [4, 5],
-                                  "children": []}
+    assert top["children"][1] == {"kind": "worker", "index": 1, "rank": 4, "ranks": [4, 5], "children": []}
 
 
 def test_to_dict_nodes_cover_roles():
@@ -362,22 +417,27 @@ def test_module_imports_without_mpi():
     assert mod.__all__ == ["Layout", "Role", "LayoutError", "Communicators"]
     assert Communicators.__slots__
     # Building and printing layouts must not pull in MPI or torch.
-    code = ("import sys; from nbdist.layout import Layout; Layout(workers=3).tree(); "
-            "assert 'mpi4py' not in sys.modules and 'torch' not in sys.modules")
+    code = (
+        "import sys; from nbdist.layout import Layout; Layout(workers=3).tree(); "
+        "assert 'mpi4py' not in sys.modules and 'torch' not in sys.modules"
+    )
     root = Path(__file__).resolve().parent.parent
-    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
 
 
 # -- real MPI --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("n,options", [
-    (6, {"workers": 2, "masters": 2}),
-    (6, {"workers": 1, "masters": 2, "procs_per_worker": 2}),
-    (5, {"workers": 2, "procs_per_worker": 2, "topology": AR, "coordinator": True}),
-    (7, {"workers": 2, "groups": 2, "coordinator": True}),
-])
+
+@pytest.mark.parametrize(
+    "n,options",
+    [
+        (6, {"workers": 2, "masters": 2}),
+        (6, {"workers": 1, "masters": 2, "procs_per_worker": 2}),
+        (5, {"workers": 2, "procs_per_worker": 2, "topology": AR, "coordinator": True}),
+        (7, {"workers": 2, "groups": 2, "coordinator": True}),
+    ],
+)
 def test_split_under_mpiexec(mpirun, n, options):
     result = mpirun(n, ["tests/mpi_scripts/layout_split.py", json.dumps(options)], timeout=60)
     assert result.returncode == 0, result.output

@@ -67,14 +67,29 @@ def test_worker_steps_take_the_warmup_lr_step_by_step(backend):
 
 
 def test_a_named_torch_schedule_per_epoch_with_scaling_on_top(backend):
-    worker, _ = plans(backend, topology="allreduce", algorithm=None, workers=4, lr_scaling="sqrt",
-                      worker_optimizer="sgd(lr=0.1)", worker_lr_schedule="StepLR(step_size=2, gamma=0.5)")
+    worker, _ = plans(
+        backend,
+        topology="allreduce",
+        algorithm=None,
+        workers=4,
+        lr_scaling="sqrt",
+        worker_optimizer="sgd(lr=0.1)",
+        worker_lr_schedule="StepLR(step_size=2, gamma=0.5)",
+    )
     assert [worker.lr(e, e + 0.5) for e in range(5)] == pytest.approx(
-        [0.2, 0.2, 0.1, 0.1, 0.05])  # sqrt(4) = 2 times torch's StepLR
-    cosine, _ = plans(backend, topology="allreduce", algorithm=None, workers=2,
-                      worker_optimizer="sgd(lr=0.1)", worker_lr_schedule="cosineannealinglr(T_max=4)")
+        [0.2, 0.2, 0.1, 0.1, 0.05]
+    )  # sqrt(4) = 2 times torch's StepLR
+    cosine, _ = plans(
+        backend,
+        topology="allreduce",
+        algorithm=None,
+        workers=2,
+        worker_optimizer="sgd(lr=0.1)",
+        worker_lr_schedule="cosineannealinglr(T_max=4)",
+    )
     assert [cosine.lr(e, e) for e in range(5)] == pytest.approx(
-        [0.05 * (1 + math.cos(math.pi * e / 4)) for e in range(5)])
+        [0.05 * (1 + math.cos(math.pi * e / 4)) for e in range(5)]
+    )
     assert lr_metrics(cosine, None, 1) == {"worker_lr": pytest.approx(cosine.lr(1, 2.0))}
 
 
@@ -90,7 +105,8 @@ def test_only_steps_on_the_combined_gradient_are_scaled(backend):
     assert (master.scale, master.warmup_epochs) == (1.0, 1.0)
     # GEM's own lr, synchronous and not; EASGD's workers step locally.
     assert plans(backend, algorithm="gem(lr=0.05)", synchronous=True, lr_scaling="sqrt")[0].scale == pytest.approx(
-        math.sqrt(2))
+        math.sqrt(2)
+    )
     gem_async = plans(backend, algorithm="gem(lr=0.05)", lr_scaling="sqrt")[0]
     assert (gem_async.base, gem_async.scale) == (pytest.approx(0.05), 1.0)
     assert plans(backend, algorithm="easgd", synchronous=True, lr_scaling="linear")[0].scale == 1.0
@@ -143,8 +159,9 @@ def test_a_stale_update_of_a_master_without_momentum_takes_a_smaller_lr(backend)
     assert lr_metrics(None, plan, 0) == {"master_lr": pytest.approx(0.1)}
     assert LrPlan(0.1).update_lr(0, 0.0, 7) == 0.1  # without the correction, staleness changes nothing
     opts = TrainOptions(algorithm="downpour", workers=8, sync_every=2)  # workers with local steps too
-    worker, master_plan = plan_learning_rates(opts, Layout(workers=8), _resolve_rules(opts)[0], backend, 0.05, 0.1,
-                                              master_stale_lr=True)
+    worker, master_plan = plan_learning_rates(
+        opts, Layout(workers=8), _resolve_rules(opts)[0], backend, 0.05, 0.1, master_stale_lr=True
+    )
     assert master_plan.stale_lr and not worker.stale_lr
 
 
@@ -158,11 +175,17 @@ def test_an_unknown_schedule_lists_the_known_ones(backend):
 
 
 def test_a_schedule_argument_it_does_not_take(backend):
-    with pytest.raises(SpecError, match=r"--worker-lr-schedule: learning-rate schedule 'steplr' takes no "
-                                        r"parameter 'step'; it takes: step_size, gamma"):
+    with pytest.raises(
+        SpecError,
+        match=r"--worker-lr-schedule: learning-rate schedule 'steplr' takes no "
+        r"parameter 'step'; it takes: step_size, gamma",
+    ):
         plans(backend, algorithm="easgd", worker_lr_schedule="steplr(step=2)")
-    with pytest.raises(SpecError, match=r"--worker-lr-schedule: learning-rate schedule steplr\(step_size='two'\): "
-                                        r"TypeError"):
+    with pytest.raises(
+        SpecError,
+        match=r"--worker-lr-schedule: learning-rate schedule steplr\(step_size='two'\): "
+        r"TypeError",
+    ):
         plans(backend, algorithm="easgd", worker_lr_schedule="steplr(step_size='two')")
 
 
@@ -175,10 +198,13 @@ def test_a_schedule_for_an_optimizer_the_run_does_not_have(backend):
         plans(backend, worker_lr_schedule="steplr(step_size=2)")
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"lr_scaling": "squared"}, "--lr-scaling 'squared': choose one of none, linear, sqrt"),
-    ({"warmup_epochs": -1.0}, "--warmup-epochs must be 0 (no warm-up) or more, got -1.0"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"lr_scaling": "squared"}, "--lr-scaling 'squared': choose one of none, linear, sqrt"),
+        ({"warmup_epochs": -1.0}, "--warmup-epochs must be 0 (no warm-up) or more, got -1.0"),
+    ],
+)
 def test_bad_lr_options(changes, message):
     with pytest.raises(OptionsError) as err:
         TrainOptions(**changes).validate()

@@ -68,11 +68,14 @@ def test_engines_are_mapped_to_ranks(cluster, shell, capsys):
     assert shell.run_line_magic("distnn", "cluster start -n 4") is cluster
 
 
-@pytest.mark.parametrize("options, threshold", [
-    ("--topology master-worker --algorithm gem --workers 3 --epochs 4", 0.85),
-    ("--topology master-worker --algorithm easgd --workers 3 --epochs 4 --synchronous", 0.85),
-    ("--topology allreduce --epochs 6", 0.85),
-])
+@pytest.mark.parametrize(
+    "options, threshold",
+    [
+        ("--topology master-worker --algorithm gem --workers 3 --epochs 4", 0.85),
+        ("--topology master-worker --algorithm easgd --workers 3 --epochs 4 --synchronous", 0.85),
+        ("--topology allreduce --epochs 6", 0.85),
+    ],
+)
 def test_train_each_topology_from_a_cell(cluster, shell, tmp_path, options, threshold):
     job = shell.run_cell_magic("distnn", f"train {options} --block {_opts(tmp_path)}", MODEL_CELL)
     assert job.status == "completed", job
@@ -117,16 +120,23 @@ def test_python_api_trains_on_the_cluster(cluster, shell, tmp_path):
         "    return digits(val_fraction=0.25)\n"
     )
     build_model, load_data = shell.user_ns["build_model"], shell.user_ns["load_data"]
-    job = nbdist.train(build_model, data=load_data, cluster=cluster, topology="allreduce", epochs=3,
-                       block=True, quiet=True, runs_dir=str(tmp_path))
+    job = nbdist.train(
+        build_model,
+        data=load_data,
+        cluster=cluster,
+        topology="allreduce",
+        epochs=3,
+        block=True,
+        quiet=True,
+        runs_dir=str(tmp_path),
+    )
     assert job.status == "completed" and job.result.final["val_acc"] > 0.8
     with pytest.raises(UserError, match="function that loads it"):
         nbdist.train(build_model, data=load_data(), cluster=cluster, runs_dir=str(tmp_path))
 
 
 def test_stop_ends_every_rank_and_the_next_cell_trains(cluster, shell, tmp_path):
-    job = shell.run_cell_magic("distnn", f"train --epochs 5000 --checkpoint-every 1000 {_opts(tmp_path)}",
-                               MODEL_CELL)
+    job = shell.run_cell_magic("distnn", f"train --epochs 5000 --checkpoint-every 1000 {_opts(tmp_path)}", MODEL_CELL)
     assert not job.done
     _wait_for_records(job)
     job.stop(timeout=5)  # raises TimeoutError if any rank is still training after 5 s
@@ -138,7 +148,8 @@ def test_stop_ends_every_rank_and_the_next_cell_trains(cluster, shell, tmp_path)
     # The next cell resumes it, on the same cluster, to the end of the epoch it stopped in.
     epochs_done = len(job.epochs)
     again = shell.run_cell_magic(
-        "distnn", f"train --resume {job.result.run_dir} --epochs {epochs_done + 1} --block --quiet", MODEL_CELL)
+        "distnn", f"train --resume {job.result.run_dir} --epochs {epochs_done + 1} --block --quiet", MODEL_CELL
+    )
     assert again.status == "completed", again
     assert again.result.run_dir == job.result.run_dir
     assert [h["epoch"] for h in again.result.history][-1] == epochs_done + 1
@@ -174,8 +185,9 @@ def test_kernel_interrupt_during_block_stops_the_job(cluster, shell, tmp_path, c
     assert job.done and job.status == "stopped", job
     assert job.ended - interrupted_at[0] < 5.0
     assert "interrupted; the job stopped" in capsys.readouterr().out
-    assert shell.run_cell_magic("distnn", f"train --epochs 1 --block {_opts(tmp_path)}",
-                                MODEL_CELL).status == "completed"
+    assert (
+        shell.run_cell_magic("distnn", f"train --epochs 1 --block {_opts(tmp_path)}", MODEL_CELL).status == "completed"
+    )
 
 
 @pytest.mark.usefixtures("ctrl_c_raises")
@@ -199,8 +211,7 @@ def test_a_ctrl_c_the_kernel_gives_another_thread_still_interrupts_a_blocked_wai
 
 
 def test_history_grows_while_training(cluster, shell, tmp_path):
-    job = shell.run_cell_magic("distnn", f"train --topology allreduce --epochs 5000 {_opts(tmp_path)}",
-                               MODEL_CELL)
+    job = shell.run_cell_magic("distnn", f"train --topology allreduce --epochs 5000 {_opts(tmp_path)}", MODEL_CELL)
     try:
         _wait_for_records(job)
         counts = [len(job.records)]
@@ -249,9 +260,11 @@ def build_model(params):
 
 def test_a_study_from_a_cell_trains_its_trials_on_two_groups_at_once(cluster, shell, tmp_path):
     # The options go on over the cell's first lines, continued with a backslash as in a shell.
-    result = shell.run_cell(f'%%distnn study --space "lr=log(3e-3,0.5) hidden=int(8,64)" --searcher random \\\n'
-                            f'    --trials 4 --groups 2 --workers 1 --epochs 2 \\\n'
-                            f'    --block {_opts(tmp_path)}\n{STUDY_CELL}')
+    result = shell.run_cell(
+        f'%%distnn study --space "lr=log(3e-3,0.5) hidden=int(8,64)" --searcher random \\\n'
+        f"    --trials 4 --groups 2 --workers 1 --epochs 2 \\\n"
+        f"    --block {_opts(tmp_path)}\n{STUDY_CELL}"
+    )
     assert result.error_in_exec is None, result.error_in_exec
     study = result.result
     assert study.status == "completed", study
@@ -276,9 +289,7 @@ def test_a_study_from_a_cell_trains_its_trials_on_two_groups_at_once(cluster, sh
 
 def test_error_in_the_cell_on_one_rank_is_one_error_naming_it(cluster, shell, tmp_path):
     cell = MODEL_CELL + (
-        "from mpi4py import MPI\n"
-        "if MPI.COMM_WORLD.Get_rank() == 2:\n"
-        "    raise ValueError('no data on this node')\n"
+        "from mpi4py import MPI\nif MPI.COMM_WORLD.Get_rank() == 2:\n    raise ValueError('no data on this node')\n"
     )
     with pytest.raises(JobError) as caught:
         shell.run_cell_magic("distnn", f"train --epochs 2 --block {_opts(tmp_path)}", cell)
@@ -315,12 +326,12 @@ FLAKY_CELL = FAILING_CELL.format(rank=2, failure='raise RuntimeError("illegal me
 def test_failure_on_one_rank_while_training_is_one_error(cluster, shell, tmp_path, topology):
     # The others wait for the failed rank's next message; the client makes them give up.
     with pytest.raises(JobError) as caught:
-        shell.run_cell_magic("distnn", f"train --topology {topology} --epochs 50 --block {_opts(tmp_path)}",
-                             FLAKY_CELL)
+        shell.run_cell_magic("distnn", f"train --topology {topology} --epochs 50 --block {_opts(tmp_path)}", FLAKY_CELL)
     assert str(caught.value).startswith("RuntimeError: illegal memory access (on rank 2)")
     assert "in forward" in caught.value.detail  # the rank's own traceback, kept for the curious
-    assert shell.run_cell_magic("distnn", f"train --epochs 1 --block {_opts(tmp_path)}",
-                                MODEL_CELL).status == "completed"
+    assert (
+        shell.run_cell_magic("distnn", f"train --epochs 1 --block {_opts(tmp_path)}", MODEL_CELL).status == "completed"
+    )
 
 
 def test_bad_input_on_the_engines_is_one_error(cluster, shell, tmp_path):
@@ -332,14 +343,16 @@ def test_bad_input_on_the_engines_is_one_error(cluster, shell, tmp_path):
 def test_bad_optimizer_arguments_are_one_error_in_the_cell_and_the_next_cell_trains(cluster, shell, tmp_path):
     # The workers' optimiser is built on every rank during set-up: the job fails whole, at
     # once, instead of the workers failing alone while the master waits for them.
-    job = shell.run_cell_magic("distnn", f'train --algorithm easgd --worker-optimizer "sgd(lr=-1.0)" '
-                                         f'{_opts(tmp_path)}', MODEL_CELL)
+    job = shell.run_cell_magic(
+        "distnn", f'train --algorithm easgd --worker-optimizer "sgd(lr=-1.0)" {_opts(tmp_path)}', MODEL_CELL
+    )
     with pytest.raises(UserError) as caught:
         job.wait(timeout=60)
     assert str(caught.value) == "optimizer sgd(lr=-1.0): Invalid learning rate: -1.0"
     assert job.status == "failed"
-    assert shell.run_cell_magic("distnn", f"train --epochs 1 --block {_opts(tmp_path)}",
-                                MODEL_CELL).status == "completed"
+    assert (
+        shell.run_cell_magic("distnn", f"train --epochs 1 --block {_opts(tmp_path)}", MODEL_CELL).status == "completed"
+    )
 
 
 def test_bad_magic_options_print_the_usage_error(cluster, shell, capsys):
@@ -399,8 +412,9 @@ def test_attach_to_a_running_cluster(cluster, tmp_path):
     try:
         assert not attached.owned and attached.n == 4
         assert [i.pid for i in attached.info] == [i.pid for i in cluster.info]
-        job = nbdist.train("examples/digits_mlp.py", cluster=attached, epochs=1, block=True, quiet=True,
-                           runs_dir=str(tmp_path))
+        job = nbdist.train(
+            "examples/digits_mlp.py", cluster=attached, epochs=1, block=True, quiet=True, runs_dir=str(tmp_path)
+        )
         assert job.status == "completed"
     finally:
         attached.stop()
@@ -412,7 +426,6 @@ def test_attach_to_a_running_cluster(cluster, tmp_path):
 
 def test_the_controller_listens_on_loopback_only(cluster):
     import psutil
-
     from conftest import listening
 
     controller = cluster._ipp.controller.process
@@ -445,8 +458,12 @@ def test_a_dead_engine_is_survived_with_a_restart_reported_and_start_replaces_it
 
     # Allreduce cannot go on without a rank: with --max-restarts the ranks left restart
     # from the last checkpoint on their own (a job that cannot: test_cluster_faults.py).
-    job = shell.run_cell_magic("distnn", f"train --topology allreduce --epochs 60 --batch-size 8 --max-restarts 1 "
-                                         f"--peer-timeout 5 --no-progress {_opts(tmp_path)}", MODEL_CELL)
+    job = shell.run_cell_magic(
+        "distnn",
+        f"train --topology allreduce --epochs 60 --batch-size 8 --max-restarts 1 "
+        f"--peer-timeout 5 --no-progress {_opts(tmp_path)}",
+        MODEL_CELL,
+    )
     deadline = time.monotonic() + 120
     while sum(r["kind"] == "epoch" for r in job.records) < 2:  # a checkpoint to restart from
         assert not job.done and time.monotonic() < deadline, job
@@ -460,23 +477,30 @@ def test_a_dead_engine_is_survived_with_a_restart_reported_and_start_replaces_it
     restarts = [r["values"] for r in job.records if r["kind"] == "restart" and r["rank"] == 0]
     assert len(restarts) == 1 and restarts[0]["ranks"] == 3, restarts
     # Said once, led by the rank that died, with its host, and how to heal the cluster.
-    assert job.warning.startswith(f"rank 2 (engine {victim.engine_id} on {victim.host}, pid {victim.pid}) died: "
-                                  f"its process is gone; the run went on without rank 2 and ended well"), job.warning
-    assert job.warning.endswith("heal the cluster with  %distnn cluster start  (in Python: cluster.heal()), "
-                                "which restarts its engines")
+    assert job.warning.startswith(
+        f"rank 2 (engine {victim.engine_id} on {victim.host}, pid {victim.pid}) died: "
+        f"its process is gone; the run went on without rank 2 and ended well"
+    ), job.warning
+    assert job.warning.endswith(
+        "heal the cluster with  %distnn cluster start  (in Python: cluster.heal()), which restarts its engines"
+    )
     capsys.readouterr()
     shell.run_line_magic("distnn", "cluster status")
     status = capsys.readouterr().out
     assert f"     2  {victim.engine_id:>6}  {victim.host:<20} {victim.pid:<8} dead: its process is gone" in status
-    with pytest.raises(ClusterError, match=rf"rank 2 \(engine {victim.engine_id} on {victim.host}, pid {victim.pid}\): "
-                                           rf"its process is gone.*%distnn cluster start"):
+    with pytest.raises(
+        ClusterError,
+        match=rf"rank 2 \(engine {victim.engine_id} on {victim.host}, pid {victim.pid}\): "
+        rf"its process is gone.*%distnn cluster start",
+    ):
         shell.run_cell_magic("distnn", f"train --epochs 1 --block {_opts(tmp_path)}", MODEL_CELL)
     assert shell.run_line_magic("distnn", "cluster start -n 4") is cluster
     out = capsys.readouterr().out
     assert f"rank 2 (engine {victim.engine_id}) was dead: its process is gone" in out
     assert "; restarted 4 engines" in out and "dead" not in out.split("restarted 4 engines")[1]
-    assert shell.run_cell_magic("distnn", f"train --epochs 1 --block {_opts(tmp_path)}",
-                                MODEL_CELL).status == "completed"
+    assert (
+        shell.run_cell_magic("distnn", f"train --epochs 1 --block {_opts(tmp_path)}", MODEL_CELL).status == "completed"
+    )
 
 
 def test_ranks_that_ignore_a_stop_are_left_behind_and_heal_replaces_them(cluster, shell, tmp_path, capsys):
@@ -501,19 +525,25 @@ def test_ranks_that_ignore_a_stop_are_left_behind_and_heal_replaces_them(cluster
     assert str(caught.value) == (
         "the ranks did not stop within 2 s of the stop request (SIGUSR1); rank 1 still running 2 s after being "
         "told to give up (SIGUSR2): blocked in MPI or in the model's code; heal the cluster with  "
-        "%distnn cluster start  (in Python: cluster.heal()), which restarts its engines")
+        "%distnn cluster start  (in Python: cluster.heal()), which restarts its engines"
+    )
     capsys.readouterr()
     shell.run_line_magic("distnn", "cluster status")
     rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.startswith("     ")}
     assert "dead: stuck: still running a job 2 s after being told to give up" in rows["1"]
     assert all(rows[r].rstrip().endswith("alive") for r in ("0", "2", "3")), rows
     # The next job fails at once, naming the engine and the cure.
-    with pytest.raises(ClusterError, match=rf"^1 of 4 engines is dead: rank 1 \(engine {stuck.engine_id} on "
-                                           rf"{stuck.host}, pid {stuck.pid}\): stuck: .*%distnn cluster start"):
+    with pytest.raises(
+        ClusterError,
+        match=rf"^1 of 4 engines is dead: rank 1 \(engine {stuck.engine_id} on "
+        rf"{stuck.host}, pid {stuck.pid}\): stuck: .*%distnn cluster start",
+    ):
         shell.run_cell_magic("distnn", f"train --epochs 1 --block {_opts(tmp_path)}", MODEL_CELL)
     # Healing takes the stuck engine down with its engine set (the test above trains on a
     # healed cluster).
     said = cluster.heal()
-    assert said.startswith(f"rank 1 (engine {stuck.engine_id}) was dead: stuck: ") and said.endswith("restarted 4 engines")
+    assert said.startswith(f"rank 1 (engine {stuck.engine_id}) was dead: stuck: ") and said.endswith(
+        "restarted 4 engines"
+    )
     assert not psutil.pid_exists(stuck.pid)
     assert sorted(i.rank for i in cluster.info) == [0, 1, 2, 3] and not cluster.dead_engines()

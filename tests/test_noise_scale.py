@@ -7,8 +7,9 @@ import pytest
 from nbdist.metrics.noise_scale import samples_ratio, simple_noise_scale
 
 
-def batch_mean_sq_norms(gradient: np.ndarray, per_sample_var: float, batch: int, batches: int,
-                        rng: np.random.Generator) -> list[float]:
+def batch_mean_sq_norms(
+    gradient: np.ndarray, per_sample_var: float, batch: int, batches: int, rng: np.random.Generator
+) -> list[float]:
     """|mean gradient of a batch|^2 for `batches` batches whose per-sample gradients are
     `gradient` plus independent noise of variance `per_sample_var` in every coordinate."""
     noise = rng.normal(0.0, np.sqrt(per_sample_var / batch), size=(batches, gradient.size))

@@ -59,8 +59,7 @@ def test_tutorial_executes_top_to_bottom(path, tmp_path, request):
         made_by_mpiexec = _hand_over_the_jet_sample(request, tmp_path)
     nb = nbformat.read(path, as_version=4)
     # Run where a reader would have their own working directory: runs/ goes there.
-    client = NotebookClient(nb, timeout=300, kernel_name="python3",
-                            resources={"metadata": {"path": str(tmp_path)}})
+    client = NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
     client.execute()  # a failing cell, including the notebook's own final checks, raises here
     text = _outputs_text(nb)
     assert "Traceback" not in text
@@ -97,13 +96,18 @@ def test_tutorial_executes_top_to_bottom(path, tmp_path, request):
 
 def test_binder_postbuild_loads_the_extension_in_new_kernels(tmp_path):
     # repo2docker runs postBuild from the repository root, in the environment it built.
-    env = dict(os.environ, IPYTHONDIR=str(tmp_path / "ipython"),
-               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-    done = subprocess.run(["bash", "binder/postBuild"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
+    env = dict(
+        os.environ,
+        IPYTHONDIR=str(tmp_path / "ipython"),
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    )
+    done = subprocess.run(["bash", "binder/postBuild"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
-        "print(sorted(get_ipython().extension_manager.loaded))\n%distnn cluster status")])
+    nb = nbformat.v4.new_notebook(
+        cells=[
+            nbformat.v4.new_code_cell("print(sorted(get_ipython().extension_manager.loaded))\n%distnn cluster status")
+        ]
+    )
     client = NotebookClient(nb, timeout=60, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
     client.execute(env=env)  # a new kernel, as binder starts one, reading the profile postBuild wrote
     text = _outputs_text(nb)

@@ -16,21 +16,21 @@ import secrets
 import signal
 import subprocess
 import sys
-from pathlib import Path
 from html.parser import HTMLParser
+from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
 
 pytest.importorskip("panel")
-from nbdist.dashboard import export_html  # noqa: E402
-from nbdist.dashboard.serve import free_port  # noqa: E402
-from nbdist.layout import Layout  # noqa: E402
-from nbdist.store import RunStore  # noqa: E402
-from nbdist.launch import mpi_env  # noqa: E402
-
 from conftest import ROOT, OutputLines  # noqa: E402
 from test_dashboard import Server, _wait, browser  # noqa: E402,F401  (the same Chromium, server and waits)
+
+from nbdist.dashboard import export_html  # noqa: E402
+from nbdist.dashboard.serve import free_port  # noqa: E402
+from nbdist.launch import mpi_env  # noqa: E402
+from nbdist.layout import Layout  # noqa: E402
+from nbdist.store import RunStore  # noqa: E402
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(300)]
 
@@ -63,6 +63,7 @@ def _cells(release: Path) -> list[str]:
         "study = %distnn last\nstudy.dashboard()",
         "study.wait(timeout=240)\nprint(study.status)\n%distnn cluster stop",
     ]
+
 
 # The points each named figure draws, over every Bokeh document on the page (one per
 # displayed dashboard): the rows of its renderers' data sources.
@@ -108,16 +109,38 @@ class JupyterLab:
 
     def __init__(self, directory: Path, timeout: float = 120):
         self.token, port = secrets.token_hex(16), free_port("127.0.0.1")
-        env = mpi_env(dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-                           JUPYTER_CONFIG_DIR=str(directory / ".jupyter"),
-                           JUPYTER_RUNTIME_DIR=str(directory / ".runtime")))
+        env = mpi_env(
+            dict(
+                os.environ,
+                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+                JUPYTER_CONFIG_DIR=str(directory / ".jupyter"),
+                JUPYTER_RUNTIME_DIR=str(directory / ".runtime"),
+            )
+        )
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", "--ip", "127.0.0.1",
-             "--port", str(port), f"--IdentityProvider.token={self.token}", "--LabApp.expose_app_in_browser=True",
-             f"--LabApp.user_settings_dir={directory / '.settings'}",
-             f"--LabApp.workspaces_dir={directory / '.workspaces'}", f"--ServerApp.root_dir={directory}"],
-            cwd=directory, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "jupyterlab",
+                "--no-browser",
+                "--allow-root",
+                "--ip",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                f"--IdentityProvider.token={self.token}",
+                "--LabApp.expose_app_in_browser=True",
+                f"--LabApp.user_settings_dir={directory / '.settings'}",
+                f"--LabApp.workspaces_dir={directory / '.workspaces'}",
+                f"--ServerApp.root_dir={directory}",
+            ],
+            cwd=directory,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         self.url = f"http://127.0.0.1:{port}"
         self.output = OutputLines(self.proc)
         if self.output.wait_for(rf"127\.0\.0\.1:{port}/lab", timeout) is None:
@@ -166,11 +189,28 @@ class OfflinePage:
 
 
 def _write_notebook(path: Path, cells: list[str]) -> None:
-    path.write_text(json.dumps({"cells": [
-        {"cell_type": "code", "execution_count": None, "id": f"cell-{i}", "metadata": {}, "outputs": [],
-         "source": source} for i, source in enumerate(cells)], "metadata": {"kernelspec": {
-             "display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}},
-        "nbformat": 4, "nbformat_minor": 5}))
+    path.write_text(
+        json.dumps(
+            {
+                "cells": [
+                    {
+                        "cell_type": "code",
+                        "execution_count": None,
+                        "id": f"cell-{i}",
+                        "metadata": {},
+                        "outputs": [],
+                        "source": source,
+                    }
+                    for i, source in enumerate(cells)
+                ],
+                "metadata": {
+                    "kernelspec": {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
+                },
+                "nbformat": 4,
+                "nbformat_minor": 5,
+            }
+        )
+    )
 
 
 def _drawn_trials(n: int) -> dict[str, int]:
@@ -187,8 +227,11 @@ def _study_points(offline: OfflinePage) -> dict[str, int | None]:
 def _drawn_plots(page, cell: int) -> int:
     """Plots (canvases of non-zero size) under a cell."""
     canvases = page.locator(".jp-Notebook .jp-Cell").nth(cell).locator("canvas")
-    return sum(1 for i in range(canvases.count())
-               if (box := canvases.nth(i).bounding_box()) and box["width"] > 0 and box["height"] > 0)
+    return sum(
+        1
+        for i in range(canvases.count())
+        if (box := canvases.nth(i).bounding_box()) and box["width"] > 0 and box["height"] > 0
+    )
 
 
 def test_dashboards_under_notebook_cells_draw_without_the_internet(tmp_path, browser):
@@ -214,8 +257,11 @@ def test_dashboards_under_notebook_cells_draw_without_the_internet(tmp_path, bro
         run(2)
         # job.dashboard(): the plots are drawn under the cell and gain points while the job trains.
         names = ("throughput", "loss-by-samples", "cpu")
-        counts = _wait(lambda: (c := {n: offline.points(n) for n in names}) and all(c.values()) and c, 120,
-                       f"the job's dashboard drew no points (errors: {offline.errors})")
+        counts = _wait(
+            lambda: (c := {n: offline.points(n) for n in names}) and all(c.values()) and c,
+            120,
+            f"the job's dashboard drew no points (errors: {offline.errors})",
+        )
         for name in names:
             _wait(lambda: (offline.points(name) or 0) > counts[name], 60, f"no new points reached the {name} plot")
         assert _drawn_plots(page, 2) >= 8
@@ -226,12 +272,18 @@ def test_dashboards_under_notebook_cells_draw_without_the_internet(tmp_path, bro
         # every plot of the study.
         run(4)
         run(5)
-        _wait(lambda: _study_points(offline) == _drawn_trials(2), 120,
-              f"the study's dashboard did not show its first two trials (errors: {offline.errors})")
+        _wait(
+            lambda: _study_points(offline) == _drawn_trials(2),
+            120,
+            f"the study's dashboard did not show its first two trials (errors: {offline.errors})",
+        )
         assert _drawn_plots(page, 5) >= 3
         release.touch()
-        _wait(lambda: _study_points(offline) == _drawn_trials(TRIALS), 180,
-              f"the study's plots did not all show its {TRIALS} trials (errors: {offline.errors})")
+        _wait(
+            lambda: _study_points(offline) == _drawn_trials(TRIALS),
+            180,
+            f"the study's plots did not all show its {TRIALS} trials (errors: {offline.errors})",
+        )
         page.screenshot(path=str(ARTIFACTS / "notebook-offline-study.png"), full_page=True)
         page.evaluate(RUN_CELL, 6)  # the study's end, the cluster stopped (else JupyterLab's shutdown stops it)
         _wait(lambda: page.evaluate(KERNEL_IDLE) == "idle", 240, "the last cell did not end")
@@ -255,13 +307,38 @@ def test_dashboards_under_notebook_cells_draw_without_the_internet(tmp_path, bro
 def _store_with_a_run(path: Path) -> Path:
     """A run store holding one finished two-worker run of five epochs."""
     with RunStore(path) as store:
-        store.begin_run("r1", run_dir=None, options={"topology": "allreduce", "epochs": 5},
-                        layout=Layout.for_world(2, topology="allreduce").to_dict())
-        store.add_records([{"run": "r1", "trial": None, "rank": 0, "role": "worker", "kind": "epoch", "step": e,
-                            "epoch": e, "time": 1.0 + e, "seq": e, "values": {
-                                "epoch": e + 1, "train_loss": 1.0 / (e + 1), "val_loss": 1.1 / (e + 1), "val_acc": 0.5,
-                                "samples": 100, "samples_seen": 100 * (e + 1), "seconds": 1.0, "samples_per_s": 100.0}}
-                           for e in range(5)])
+        store.begin_run(
+            "r1",
+            run_dir=None,
+            options={"topology": "allreduce", "epochs": 5},
+            layout=Layout.for_world(2, topology="allreduce").to_dict(),
+        )
+        store.add_records(
+            [
+                {
+                    "run": "r1",
+                    "trial": None,
+                    "rank": 0,
+                    "role": "worker",
+                    "kind": "epoch",
+                    "step": e,
+                    "epoch": e,
+                    "time": 1.0 + e,
+                    "seq": e,
+                    "values": {
+                        "epoch": e + 1,
+                        "train_loss": 1.0 / (e + 1),
+                        "val_loss": 1.1 / (e + 1),
+                        "val_acc": 0.5,
+                        "samples": 100,
+                        "samples_seen": 100 * (e + 1),
+                        "seconds": 1.0,
+                        "samples_per_s": 100.0,
+                    },
+                }
+                for e in range(5)
+            ]
+        )
         store.end_run("r1", "completed")
     return path
 

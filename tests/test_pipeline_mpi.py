@@ -14,11 +14,10 @@ tests/test_train_mpi.py's jobs; bad input in tests/test_bad_input.py.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import json
 import re
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -147,6 +146,8 @@ def test_compressed_pipeline_replicas_learn_digits(gradients):
     run = learnt_digits(gradients, "replicas-topk")
     # The same steps as replicas-learn, each stage's buckets in fewer bytes (a tenth of
     # the values, and their indices).
-    sent = {name: sum(r["values"]["bytes_sent"] for r in read_log(run.parent / name, "train"))
-            for name in ("replicas-learn", "replicas-topk")}
+    sent = {
+        name: sum(r["values"]["bytes_sent"] for r in read_log(run.parent / name, "train"))
+        for name in ("replicas-learn", "replicas-topk")
+    }
     assert 0 < sent["replicas-topk"] < sent["replicas-learn"] / 4, sent

@@ -37,12 +37,15 @@ def test_reported_metrics_are_the_names_epoch_metrics_writes():
 MASTER_WORKER = reported_metrics("acc", staleness=True)
 
 
-@pytest.mark.parametrize("options, study, given, close", [
-    (TrainOptions(monitor="val_lsos"), None, "--monitor val_lsos", "val_loss"),
-    (TrainOptions(target="val_acu > 0.5"), None, "--target 'val_acu > 0.5'", "val_acc"),
-    (TrainOptions(), StudyOptions(objective="val_acu"), "--objective val_acu", "val_acc"),
-    (TrainOptions(), StudyOptions(goal="val_accuracy > 0.9"), "--goal 'val_accuracy > 0.9'", "val_acc"),
-])
+@pytest.mark.parametrize(
+    "options, study, given, close",
+    [
+        (TrainOptions(monitor="val_lsos"), None, "--monitor val_lsos", "val_loss"),
+        (TrainOptions(target="val_acu > 0.5"), None, "--target 'val_acu > 0.5'", "val_acc"),
+        (TrainOptions(), StudyOptions(objective="val_acu"), "--objective val_acu", "val_acc"),
+        (TrainOptions(), StudyOptions(goal="val_accuracy > 0.9"), "--goal 'val_accuracy > 0.9'", "val_acc"),
+    ],
+)
 def test_a_metric_the_run_does_not_report_is_one_error_listing_those_it_does(options, study, given, close):
     trial = TrialTag("s", 0, watched_metrics(study)) if study else None
     with pytest.raises(MetricNameError) as err:
@@ -67,24 +70,47 @@ def test_an_empty_validation_set_is_not_a_divergence():
 
 # ------------------------------------------------------------------------- data sizes
 def arrays(n_train: int, n_val: int = 5) -> ArrayData:
-    return ArrayData(np.zeros((n_train, 3), np.float32), np.zeros(n_train, np.int64),
-                     np.zeros((n_val, 3), np.float32), np.zeros(n_val, np.int64))
+    return ArrayData(
+        np.zeros((n_train, 3), np.float32),
+        np.zeros(n_train, np.int64),
+        np.zeros((n_val, 3), np.float32),
+        np.zeros(n_val, np.int64),
+    )
 
 
-@pytest.mark.parametrize("n, layout, batch_size, message", [
-    (1, Layout(workers=2, topology="allreduce"), 32,
-     "too few training samples for 2 workers: 1 with --batch-size 32 leave a worker without a batch at some step; "
-     "use at most 1 worker, or give more training samples"),
-    (3, Layout(workers=2, topology="allreduce"), 1,
-     "too few training samples for 2 workers: 3 with --batch-size 1 leave a worker without a batch at some step; "
-     "use --batch-size 2 or more, or fewer workers"),
-    (2, Layout(workers=1, masters=3), 32,  # sub-masters' workers share the one training set
-     "too few training samples for 3 workers: 2 with --batch-size 32 leave a worker without a batch at some step; "
-     "use at most 2 workers, or give more training samples"),
-    (5, Layout(workers=2, procs_per_worker=3), 32,
-     "too few training samples for 2 workers: 5 with --batch-size 32 leave a worker without at least 3 samples "
-     "(one per process) at some step; use at most 1 worker, or give more training samples"),
-])
+@pytest.mark.parametrize(
+    "n, layout, batch_size, message",
+    [
+        (
+            1,
+            Layout(workers=2, topology="allreduce"),
+            32,
+            "too few training samples for 2 workers: 1 with --batch-size 32 leave a worker without a batch at some step; "
+            "use at most 1 worker, or give more training samples",
+        ),
+        (
+            3,
+            Layout(workers=2, topology="allreduce"),
+            1,
+            "too few training samples for 2 workers: 3 with --batch-size 1 leave a worker without a batch at some step; "
+            "use --batch-size 2 or more, or fewer workers",
+        ),
+        (
+            2,
+            Layout(workers=1, masters=3),
+            32,  # sub-masters' workers share the one training set
+            "too few training samples for 3 workers: 2 with --batch-size 32 leave a worker without a batch at some step; "
+            "use at most 2 workers, or give more training samples",
+        ),
+        (
+            5,
+            Layout(workers=2, procs_per_worker=3),
+            32,
+            "too few training samples for 2 workers: 5 with --batch-size 32 leave a worker without at least 3 samples "
+            "(one per process) at some step; use at most 1 worker, or give more training samples",
+        ),
+    ],
+)
 def test_too_few_samples_name_the_counts_and_the_fix(n, layout, batch_size, message):
     with pytest.raises(DataError) as err:
         check_data_size(arrays(n), layout, TrainOptions(batch_size=batch_size))
@@ -94,8 +120,9 @@ def test_too_few_samples_name_the_counts_and_the_fix(n, layout, batch_size, mess
 def test_the_sample_check_agrees_with_the_plan_the_workers_train_on():
     """Passes exactly when every worker's process gets a sample at every step of the
     topologies' own ShardPlan; and a suggested --batch-size works."""
-    for n, workers, batch, procs, topology in itertools.product(range(1, 12), (1, 2, 3), (1, 2, 5), (1, 2),
-                                                               ("master-worker", "allreduce")):
+    for n, workers, batch, procs, topology in itertools.product(
+        range(1, 12), (1, 2, 3), (1, 2, 5), (1, 2), ("master-worker", "allreduce")
+    ):
         layout = Layout(workers=workers, procs_per_worker=procs, topology=topology)
         shards = workers if topology == "master-worker" else layout.n_ranks
         each = procs if topology == "master-worker" else 1
@@ -128,8 +155,10 @@ def _resume_args(path) -> argparse.Namespace:
 
 
 def test_resume_of_what_is_not_a_run_directory_says_so(tmp_path):
-    for path, problem in [(tmp_path / "no_such_run", "no such directory"),
-                          (tmp_path, "not a run directory (no options.json in it)")]:
+    for path, problem in [
+        (tmp_path / "no_such_run", "no such directory"),
+        (tmp_path, "not a run directory (no options.json in it)"),
+    ]:
         with pytest.raises(OptionsError) as err:
             options_from_args(_resume_args(path))
         assert str(err.value).startswith(f"--resume {path}: {problem}")
@@ -150,16 +179,19 @@ def test_resume_from_a_notebook_is_checked_in_the_kernel(tmp_path):
 
 
 # ------------------------------------------------------------------ kinds of values
-@pytest.mark.parametrize("changes, message", [
-    ({"epochs": "5"}, "--epochs must be a whole number, got '5'"),
-    ({"workers": 2.5}, "--workers must be a whole number or None, got 2.5"),
-    ({"synchronous": "yes"}, "--synchronous must be True or False, got 'yes'"),
-    ({"min_delta": float("nan")}, "--min-delta must be a number, got nan"),
-    ({"algorithm": 3}, "--algorithm must be a string or None, got 3"),
-    ({"bucket_mb": 0}, "--bucket-mb must be above 0, got 0"),
-    ({"min_delta": -0.1}, "--min-delta must be 0 or more"),
-    ({"run_name": "exp/1"}, "--run-name 'exp/1': a directory name inside --runs-dir, without '/'"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"epochs": "5"}, "--epochs must be a whole number, got '5'"),
+        ({"workers": 2.5}, "--workers must be a whole number or None, got 2.5"),
+        ({"synchronous": "yes"}, "--synchronous must be True or False, got 'yes'"),
+        ({"min_delta": float("nan")}, "--min-delta must be a number, got nan"),
+        ({"algorithm": 3}, "--algorithm must be a string or None, got 3"),
+        ({"bucket_mb": 0}, "--bucket-mb must be above 0, got 0"),
+        ({"min_delta": -0.1}, "--min-delta must be 0 or more"),
+        ({"run_name": "exp/1"}, "--run-name 'exp/1': a directory name inside --runs-dir, without '/'"),
+    ],
+)
 def test_option_values_of_the_wrong_kind_from_python(changes, message):
     with pytest.raises(OptionsError) as err:
         TrainOptions(**changes).validate()

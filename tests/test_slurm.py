@@ -24,15 +24,14 @@ from pathlib import Path
 
 import psutil
 import pytest
+from conftest import OutputLines
+from slurm_cluster import FINISHED, KILL_WAIT, SlurmCluster, slurm_missing, wait_for
 
 from nbdist.cli import main
 from nbdist.errors import UserError
 from nbdist.metrics import read_log
 from nbdist.slurm import BatchScript, time_limit_seconds
 from nbdist.store import RunStore
-
-from conftest import OutputLines
-from slurm_cluster import FINISHED, KILL_WAIT, SlurmCluster, slurm_missing, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB_TIMEOUT = 240  # a job's whole life, queue included: a hung job fails its test
@@ -58,8 +57,14 @@ def slurm(tmp_path_factory):
 
 def _write_script(path: Path, *options: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """`python -m nbdist slurm-script OPTIONS`, as a user runs it, from the repository."""
-    done = subprocess.run([sys.executable, "-m", "nbdist", "slurm-script", *options], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "nbdist", "slurm-script", *options],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     return done
 
@@ -74,13 +79,21 @@ def _started(slurm: SlurmCluster, job: str, script: Path, output: Path) -> str:
     """The job once its ranks run (their first line, `nbdist: N ranks: ...`); a job whose
     prterun failed as it started is submitted again, once."""
     said = lambda: output.read_text(errors="replace") if output.exists() else ""  # noqa: E731
-    wait_for(lambda: re.search(r"^nbdist: \d+ ranks", said(), re.M) or slurm.job(job)["JobState"] in FINISHED,
-             JOB_TIMEOUT, f"ranks of job {job} started", said)
+    wait_for(
+        lambda: re.search(r"^nbdist: \d+ ranks", said(), re.M) or slurm.job(job)["JobState"] in FINISHED,
+        JOB_TIMEOUT,
+        f"ranks of job {job} started",
+        said,
+    )
     if PRTERUN_START_FAILURE in said() and slurm.job(job)["JobState"] == "FAILED":
         print(f"job {job}: Open MPI's launcher failed to start; submitting again:\n{said()}")
         job = slurm.sbatch(script)
-        wait_for(lambda: re.search(r"^nbdist: \d+ ranks", said(), re.M) or slurm.job(job)["JobState"] in FINISHED,
-                 JOB_TIMEOUT, f"ranks of job {job} started", said)
+        wait_for(
+            lambda: re.search(r"^nbdist: \d+ ranks", said(), re.M) or slurm.job(job)["JobState"] in FINISHED,
+            JOB_TIMEOUT,
+            f"ranks of job {job} started",
+            said,
+        )
     return job
 
 
@@ -95,27 +108,66 @@ def _finished(slurm: SlurmCluster, job: str, output: Path) -> str:
 
 # ------------------------------------------------------------------ the script, no SLURM
 def test_the_script_execs_the_launcher_with_mpiexec_settings_and_the_signal():
-    script = BatchScript(ntasks=8, launched=("train", "--model", "my model.py", "--epochs", "5"), nodes=2,
-                         interface="ib0", partition="gpu", time="1-12:00", account="phys", job_name="jets run",
-                         output="logs/%x-%j.out",
-                         signal_seconds=600, workdir="/scratch/me", python="/opt/venv/bin/python")
+    script = BatchScript(
+        ntasks=8,
+        launched=("train", "--model", "my model.py", "--epochs", "5"),
+        nodes=2,
+        interface="ib0",
+        partition="gpu",
+        time="1-12:00",
+        account="phys",
+        job_name="jets run",
+        output="logs/%x-%j.out",
+        signal_seconds=600,
+        workdir="/scratch/me",
+        python="/opt/venv/bin/python",
+    )
     text = script.text()
     assert text.startswith("#!/bin/bash\n")
     sbatch = [line.removeprefix("#SBATCH ") for line in text.splitlines() if line.startswith("#SBATCH ")]
     assert sbatch == [line.removeprefix("#SBATCH ") for line in script.sbatch_options()]
-    assert sbatch == ['--job-name="jets run"', "--ntasks=8", "--nodes=2", "--partition=gpu", "--time=1-12:00",
-                      "--account=phys", "--output=logs/%x-%j.out", "--chdir=/scratch/me", "--signal=B:USR1@600"]
+    assert sbatch == [
+        '--job-name="jets run"',
+        "--ntasks=8",
+        "--nodes=2",
+        "--partition=gpu",
+        "--time=1-12:00",
+        "--account=phys",
+        "--output=logs/%x-%j.out",
+        "--chdir=/scratch/me",
+        "--signal=B:USR1@600",
+    ]
     # exec: the launcher replaces the batch shell, which is what B: signals.
-    assert text.splitlines()[-1] == ("exec /opt/venv/bin/python -m nbdist launch -n \"$SLURM_NTASKS\" --interface ib0 "
-                                     "train --model 'my model.py' --epochs 5")
+    assert text.splitlines()[-1] == (
+        'exec /opt/venv/bin/python -m nbdist launch -n "$SLURM_NTASKS" --interface ib0 '
+        "train --model 'my model.py' --epochs 5"
+    )
     assert time_limit_seconds("1-12:00") == 36 * 3600 and time_limit_seconds("90") == 5400
     assert time_limit_seconds("01:30:00") == 5400 and time_limit_seconds("2:30") == 150
 
 
 def test_option_strings_are_quoted_never_run(tmp_path, capsys):
     marker = tmp_path / "ran"
-    assert main(["slurm-script", "-n", "2", "--chdir", str(tmp_path), "--write", str(tmp_path / "job.sh"), "--",
-                 "train", "--model", f"m.py; touch {marker}", "--run-name", "$(touch x)"]) == 0
+    assert (
+        main(
+            [
+                "slurm-script",
+                "-n",
+                "2",
+                "--chdir",
+                str(tmp_path),
+                "--write",
+                str(tmp_path / "job.sh"),
+                "--",
+                "train",
+                "--model",
+                f"m.py; touch {marker}",
+                "--run-name",
+                "$(touch x)",
+            ]
+        )
+        == 0
+    )
     text = (tmp_path / "job.sh").read_text()
     assert f"--model 'm.py; touch {marker}' --run-name '$(touch x)'" in text
     # bash -n parses it: one command, its arguments whole.
@@ -123,20 +175,29 @@ def test_option_strings_are_quoted_never_run(tmp_path, capsys):
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["-n", "4", "--", "trian", "--model", "m.py"], "slurm-script runs one of: train, study, datasets (got 'trian')"),
-    (["-n", "4"], "slurm-script runs one of: train, study, datasets, after --"),
-    (["-n", "4", "--", "train", "--bogus"], "in the nbdist command after --: unrecognized arguments: --bogus"),
-    (["-n", "4", "--", "train", "--epochs", "x"], "in the nbdist command after --: argument --epochs"),
-    (["-n", "0", "--", "train"], "--ntasks must be at least 1, got 0"),
-    (["-n", "2", "--nodes", "3", "--", "train"], "--nodes must be between 1 and --ntasks (2), got 3"),
-    (["-n", "4", "--time", "1:2:3:4", "--", "train"], "--time '1:2:3:4' is not a SLURM time limit"),
-    (["-n", "4", "--time", "6", "--", "train"], "--time 6 (360 s) leaves no time to train before the stop signal 300 s "
-                                                "before its end (SLURM may send it up to 60 s earlier still)"),
-    (["-n", "4", "--signal-seconds", "0", "--", "train"], "--signal-seconds must be between 1 and 65535"),
-    (["-n", "4", "--job-name", 'a"b', "--", "train"], "--job-name 'a\"b': an #SBATCH value cannot"),
-    (["-n", "4", "--partition", "", "--", "train"], "--partition '': an #SBATCH value cannot be empty"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["-n", "4", "--", "trian", "--model", "m.py"],
+            "slurm-script runs one of: train, study, datasets (got 'trian')",
+        ),
+        (["-n", "4"], "slurm-script runs one of: train, study, datasets, after --"),
+        (["-n", "4", "--", "train", "--bogus"], "in the nbdist command after --: unrecognized arguments: --bogus"),
+        (["-n", "4", "--", "train", "--epochs", "x"], "in the nbdist command after --: argument --epochs"),
+        (["-n", "0", "--", "train"], "--ntasks must be at least 1, got 0"),
+        (["-n", "2", "--nodes", "3", "--", "train"], "--nodes must be between 1 and --ntasks (2), got 3"),
+        (["-n", "4", "--time", "1:2:3:4", "--", "train"], "--time '1:2:3:4' is not a SLURM time limit"),
+        (
+            ["-n", "4", "--time", "6", "--", "train"],
+            "--time 6 (360 s) leaves no time to train before the stop signal 300 s "
+            "before its end (SLURM may send it up to 60 s earlier still)",
+        ),
+        (["-n", "4", "--signal-seconds", "0", "--", "train"], "--signal-seconds must be between 1 and 65535"),
+        (["-n", "4", "--job-name", 'a"b', "--", "train"], "--job-name 'a\"b': an #SBATCH value cannot"),
+        (["-n", "4", "--partition", "", "--", "train"], "--partition '': an #SBATCH value cannot be empty"),
+    ],
+)
 def test_bad_input_is_one_line_naming_it(argv, message, capsys):
     assert main(["slurm-script", *argv]) == 2
     out, err = capsys.readouterr()
@@ -147,14 +208,18 @@ def test_bad_input_is_one_line_naming_it(argv, message, capsys):
 def test_engines_template_runs_one_mpiexec_in_the_allocation():
     from nbdist.slurm import engines_batch_template
 
-    template = engines_batch_template(["/opt/venv/bin/mpiexec", "--with-ft", "ulfm"], partition="gpu",
-                                      time="01:00:00", account="a{b}", nodes=2)
-    text = template.format(n=8, cluster_id="c1", output_file="/tmp/e.log", program_and_args="python -m ipyparallel.engine")
+    template = engines_batch_template(
+        ["/opt/venv/bin/mpiexec", "--with-ft", "ulfm"], partition="gpu", time="01:00:00", account="a{b}", nodes=2
+    )
+    text = template.format(
+        n=8, cluster_id="c1", output_file="/tmp/e.log", program_and_args="python -m ipyparallel.engine"
+    )
     assert "#SBATCH --ntasks=8" in text and "#SBATCH --job-name=nbdist-engines-c1" in text
     assert "#SBATCH --nodes=2" in text
     assert "#SBATCH --partition=gpu" in text and "#SBATCH --time=01:00:00" in text and "#SBATCH --account=a{b}" in text
-    assert text.splitlines()[-1] == ('exec /opt/venv/bin/mpiexec --with-ft ulfm -n "$SLURM_NTASKS" --bind-to none '
-                                     "python -m ipyparallel.engine")
+    assert text.splitlines()[-1] == (
+        'exec /opt/venv/bin/mpiexec --with-ft ulfm -n "$SLURM_NTASKS" --bind-to none python -m ipyparallel.engine'
+    )
 
 
 def test_slurm_options_without_slurm_engines_say_so():
@@ -180,11 +245,37 @@ def _need_two_nodes(slurm: SlurmCluster) -> None:
 def test_an_sbatch_train_on_two_nodes_completes_with_ranks_on_both(slurm, tmp_path):
     _need_two_nodes(slurm)
     script, output = tmp_path / "train.sh", tmp_path / "train.out"
-    _write_script(script, "-n", "4", "--nodes", "2", "--interface", slurm.interface, "--partition",
-                  slurm.two_node_partition, "--time", "10", "--job-name", "digits", "--output", str(output),
-                  "--write", str(script), "--",
-                  "train", "--model", "examples/digits_cnn.py", "--topology", "allreduce", "--epochs", "5",
-                  "--runs-dir", str(tmp_path), "--run-name", "cnn")
+    _write_script(
+        script,
+        "-n",
+        "4",
+        "--nodes",
+        "2",
+        "--interface",
+        slurm.interface,
+        "--partition",
+        slurm.two_node_partition,
+        "--time",
+        "10",
+        "--job-name",
+        "digits",
+        "--output",
+        str(output),
+        "--write",
+        str(script),
+        "--",
+        "train",
+        "--model",
+        "examples/digits_cnn.py",
+        "--topology",
+        "allreduce",
+        "--epochs",
+        "5",
+        "--runs-dir",
+        str(tmp_path),
+        "--run-name",
+        "cnn",
+    )
     between = psutil.net_io_counters(pernic=True)[slurm.interface]
     job = _started(slurm, slurm.sbatch(script), script, output)
     text = _finished(slurm, job, output)
@@ -210,11 +301,40 @@ def test_an_sbatch_train_on_two_nodes_completes_with_ranks_on_both(slurm, tmp_pa
 def test_a_submitted_study_runs_its_trials(slurm, tmp_path):
     output = tmp_path / "study.out"
     done = _write_script(
-        tmp_path / "study.sh", "-n", "5", "--time", "00:15:00", "--output", str(output), "--submit",
-        "--write", str(tmp_path / "study.sh"), "--",
-        "study", "--model", "examples/digits_mlp.py", "--space", "lr=log(3e-3,0.5) hidden=int(8,64)",
-        "--searcher", "random", "--trials", "4", "--groups", "2", "--workers", "1", "--epochs", "2", "--seed", "1",
-        "--runs-dir", str(tmp_path), "--study-name", "batch", env=slurm.env)
+        tmp_path / "study.sh",
+        "-n",
+        "5",
+        "--time",
+        "00:15:00",
+        "--output",
+        str(output),
+        "--submit",
+        "--write",
+        str(tmp_path / "study.sh"),
+        "--",
+        "study",
+        "--model",
+        "examples/digits_mlp.py",
+        "--space",
+        "lr=log(3e-3,0.5) hidden=int(8,64)",
+        "--searcher",
+        "random",
+        "--trials",
+        "4",
+        "--groups",
+        "2",
+        "--workers",
+        "1",
+        "--epochs",
+        "2",
+        "--seed",
+        "1",
+        "--runs-dir",
+        str(tmp_path),
+        "--study-name",
+        "batch",
+        env=slurm.env,
+    )
     assert done.stdout.splitlines()[-1].startswith("nbdist: submitted batch job "), done.stdout
     job = _started(slurm, done.stdout.split()[-1], tmp_path / "study.sh", output)
     text = _finished(slurm, job, output)
@@ -242,9 +362,31 @@ EPOCHS_UNTIL_STOPPED = 20000
 def test_the_signal_before_the_time_limit_stops_at_a_checkpoint_that_resumes(slurm, tmp_path):
     run = tmp_path / "run"
     script, output = tmp_path / "long.sh", tmp_path / "long.out"
-    _write_script(script, "-n", "3", "--time", "10", "--signal-seconds", "120", "--output", str(output),
-                  "--write", str(script), "--", "train", "--model", "examples/digits_mlp.py", "--algorithm", "easgd",
-                  "--epochs", str(EPOCHS_UNTIL_STOPPED), "--runs-dir", str(tmp_path), "--run-name", "run")
+    _write_script(
+        script,
+        "-n",
+        "3",
+        "--time",
+        "10",
+        "--signal-seconds",
+        "120",
+        "--output",
+        str(output),
+        "--write",
+        str(script),
+        "--",
+        "train",
+        "--model",
+        "examples/digits_mlp.py",
+        "--algorithm",
+        "easgd",
+        "--epochs",
+        str(EPOCHS_UNTIL_STOPPED),
+        "--runs-dir",
+        str(tmp_path),
+        "--run-name",
+        "run",
+    )
     job = _started(slurm, slurm.sbatch(script), script, output)
     wait_for(lambda: _epochs_logged(run) >= 1 or slurm.job(job)["JobState"] != "RUNNING", JOB_TIMEOUT, "first epoch")
     # What slurmctld sends at --signal=B:USR1@120: SIGUSR1 to the batch shell only.
@@ -253,18 +395,39 @@ def test_the_signal_before_the_time_limit_stops_at_a_checkpoint_that_resumes(slu
     assert "nbdist: SIGUSR1: every rank stops at its next step" in text, text
     summary = json.loads((run / "summary.json").read_text())
     stopped_at = summary["epochs_run"]
-    assert summary["stop_reason"].startswith("stopped") and 1 <= stopped_at < EPOCHS_UNTIL_STOPPED, summary["stop_reason"]
+    assert summary["stop_reason"].startswith("stopped") and 1 <= stopped_at < EPOCHS_UNTIL_STOPPED, summary[
+        "stop_reason"
+    ]
     latest = json.loads((run / "checkpoints" / "LATEST.json").read_text())["label"]
     assert latest.startswith("stopped-"), latest
     assert sorted(p.name for p in (run / "checkpoints" / latest).glob("rank-*.safetensors")) == [
-        "rank-00000.safetensors", "rank-00001.safetensors", "rank-00002.safetensors"]
+        "rank-00000.safetensors",
+        "rank-00001.safetensors",
+        "rank-00002.safetensors",
+    ]
     assert read_log(run, "run") and {r["values"].get("status") for r in read_log(run, "run") if r["rank"] == 0} == {
-        "stopped"}
+        "stopped"
+    }
 
     # A second job goes on from the stop checkpoint.
     script, output = tmp_path / "resume.sh", tmp_path / "resume.out"
-    _write_script(script, "-n", "3", "--time", "10", "--output", str(output), "--write", str(script), "--",
-                  "train", "--resume", str(run), "--epochs", str(stopped_at + 1))
+    _write_script(
+        script,
+        "-n",
+        "3",
+        "--time",
+        "10",
+        "--output",
+        str(output),
+        "--write",
+        str(script),
+        "--",
+        "train",
+        "--resume",
+        str(run),
+        "--epochs",
+        str(stopped_at + 1),
+    )
     text = _finished(slurm, _started(slurm, slurm.sbatch(script), script, output), output)
     assert f"resumed from {run / 'checkpoints' / latest} at epoch" in text, text
     resumed = json.loads((run / "summary.json").read_text())
@@ -281,8 +444,9 @@ model = nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 
 
 @pytest.mark.mpi
 @pytest.mark.timeout(400)
-def test_notebook_engines_submitted_to_slurm_train_stop_and_leave_with_the_cluster(slurm, tmp_path, monkeypatch,
-                                                                                  capsys):
+def test_notebook_engines_submitted_to_slurm_train_stop_and_leave_with_the_cluster(
+    slurm, tmp_path, monkeypatch, capsys
+):
     pytest.importorskip("ipyparallel")
     from IPython.core.interactiveshell import InteractiveShell
 
@@ -297,7 +461,11 @@ def test_notebook_engines_submitted_to_slurm_train_stop_and_leave_with_the_clust
         assert f"engines job {job_id}: running on {slurm.node}" in out, out
         fields = slurm.job(job_id)
         assert (fields["JobState"], fields["NumTasks"], fields["Partition"], fields["TimeLimit"]) == (
-            "RUNNING", "3", slurm.partition, "00:10:00"), fields
+            "RUNNING",
+            "3",
+            slurm.partition,
+            "00:10:00",
+        ), fields
         # One MPI job of 3 ranks inside the allocation.
         assert sorted(i.rank for i in cluster.info) == [0, 1, 2] and {i.size for i in cluster.info} == {3}
         engines = [psutil.Process(i.pid) for i in cluster.info]
@@ -306,13 +474,15 @@ def test_notebook_engines_submitted_to_slurm_train_stop_and_leave_with_the_clust
         assert fields["Command"].endswith(f"/log/nbdist-engines-{cluster.id}.sbatch"), fields["Command"]
         assert not (Path.cwd() / "slurm_engine.sbatch").exists()
 
-        job = shell.run_cell_magic("distnn", f"train --topology allreduce --epochs 3 --block --quiet "
-                                             f"--runs-dir {tmp_path}", MODEL_CELL)
+        job = shell.run_cell_magic(
+            "distnn", f"train --topology allreduce --epochs 3 --block --quiet --runs-dir {tmp_path}", MODEL_CELL
+        )
         assert job.status == "completed" and job.result.final["val_acc"] > 0.8, job
 
         # job.stop(): SIGUSR1 through scancel --batch to mpiexec, forwarded to every engine.
-        job = shell.run_cell_magic("distnn", f"train --epochs 5000 --checkpoint-every 1000 --quiet "
-                                             f"--runs-dir {tmp_path}", MODEL_CELL)
+        job = shell.run_cell_magic(
+            "distnn", f"train --epochs 5000 --checkpoint-every 1000 --quiet --runs-dir {tmp_path}", MODEL_CELL
+        )
         wait_for(lambda: job.records or job.done, 120, "records from the long job")
         job.stop()
         job.wait(timeout=120)
@@ -337,8 +507,9 @@ def test_notebook_engines_submitted_to_slurm_train_stop_and_leave_with_the_clust
 
 @pytest.mark.mpi
 @pytest.mark.timeout(400)
-def test_notebook_engines_on_the_other_node_reach_the_controller_encrypted_and_train(slurm, tmp_path, monkeypatch,
-                                                                                     capsys):
+def test_notebook_engines_on_the_other_node_reach_the_controller_encrypted_and_train(
+    slurm, tmp_path, monkeypatch, capsys
+):
     """The controller listens on the interface between the nodes (CurveZMQ on); the
     engines, spread over both nodes by SLURM, connect to it from the other namespace."""
     pytest.importorskip("ipyparallel")
@@ -348,16 +519,20 @@ def test_notebook_engines_on_the_other_node_reach_the_controller_encrypted_and_t
     monkeypatch.setenv("SLURM_CONF", str(slurm.conf))
     shell = InteractiveShell.instance()
     shell.run_line_magic("load_ext", "nbdist")
-    cluster = shell.run_line_magic("distnn", f"cluster start -n 2 --slurm --nodes 2 --partition "
-                                             f"{slurm.two_node_partition} --interface {slurm.interface} --time 10")
+    cluster = shell.run_line_magic(
+        "distnn",
+        f"cluster start -n 2 --slurm --nodes 2 --partition "
+        f"{slurm.two_node_partition} --interface {slurm.interface} --time 10",
+    )
     try:
         out = capsys.readouterr().out
         job_id = re.search(r"nbdist: engines job (\d+): ", out).group(1)
         assert f"controller on {slurm.addresses[slurm.node]} (CurveZMQ)" in out, out
         assert {i.host for i in cluster.info} == set(slurm.nodes), cluster.status()
         assert slurm.job(job_id)["NumNodes"] == "2"
-        job = shell.run_cell_magic("distnn", f"train --topology allreduce --epochs 3 --block --quiet "
-                                             f"--runs-dir {tmp_path}", MODEL_CELL)
+        job = shell.run_cell_magic(
+            "distnn", f"train --topology allreduce --epochs 3 --block --quiet --runs-dir {tmp_path}", MODEL_CELL
+        )
         assert job.status == "completed" and job.result.final["val_acc"] > 0.8, job
     finally:
         shell.run_line_magic("distnn", "cluster stop")
@@ -379,8 +554,9 @@ time.sleep(600)
 @pytest.mark.timeout(400)
 def test_a_killed_kernel_takes_its_slurm_engines_job_with_it(slurm, tmp_path):
     log = open(tmp_path / "kernel.txt", "w+")
-    kernel = subprocess.Popen([sys.executable, "-c", KERNEL], cwd=ROOT, env=slurm.env, stdout=log,
-                              stderr=subprocess.STDOUT)
+    kernel = subprocess.Popen(
+        [sys.executable, "-c", KERNEL], cwd=ROOT, env=slurm.env, stdout=log, stderr=subprocess.STDOUT
+    )
     try:
         said = lambda: (tmp_path / "kernel.txt").read_text()  # noqa: E731
         wait_for(lambda: "PIDS" in said() or kernel.poll() is not None, 180, "engines started", said)
@@ -388,8 +564,7 @@ def test_a_killed_kernel_takes_its_slurm_engines_job_with_it(slurm, tmp_path):
         job = re.search(r"^JOB (\d+)$", said(), re.M).group(1)
         engines = [psutil.Process(int(pid)) for pid in re.search(r"^PIDS (.+)$", said(), re.M).group(1).split()]
         wait_for(lambda: "CONTROLLER" in said(), 30, "the controller's processes", said)
-        controller = [psutil.Process(int(pid))
-                      for pid in re.search(r"^CONTROLLER(.*)$", said(), re.M).group(1).split()]
+        controller = [psutil.Process(int(pid)) for pid in re.search(r"^CONTROLLER(.*)$", said(), re.M).group(1).split()]
         kernel.kill()  # kill -9: no atexit hook runs
         kernel.wait(timeout=30)
         assert slurm.wait_job(job, 60)["JobState"] == "CANCELLED"
@@ -397,9 +572,12 @@ def test_a_killed_kernel_takes_its_slurm_engines_job_with_it(slurm, tmp_path):
         gone, alive = psutil.wait_procs(engines + controller, timeout=60)
         assert not alive, alive
         # ...and the kernel's watchdogs leave once they have done it.
-        watchdogs = [p for p in psutil.process_iter(["cmdline"])
-                     if "watchdog.py" in " ".join(p.info["cmdline"] or []) and
-                     f"--parent {kernel.pid}:" in " ".join(p.info["cmdline"] or [])]
+        watchdogs = [
+            p
+            for p in psutil.process_iter(["cmdline"])
+            if "watchdog.py" in " ".join(p.info["cmdline"] or [])
+            and f"--parent {kernel.pid}:" in " ".join(p.info["cmdline"] or [])
+        ]
         gone, alive = psutil.wait_procs(watchdogs, timeout=60)
         assert not alive, alive
     finally:
@@ -429,15 +607,22 @@ with nbdist.Cluster(n=4, cluster_id=sys.argv[1]) as cluster:
 @pytest.mark.mpi
 @pytest.mark.timeout(400)
 def test_a_cluster_inside_an_salloc_allocation_serves_an_attached_notebook_and_stops_with_nothing_left(
-        slurm, tmp_path, capsys):
+    slurm, tmp_path, capsys
+):
     pytest.importorskip("ipyparallel")
     from IPython.core.interactiveshell import InteractiveShell
 
     # 4 engines in a 4-task allocation on this 2-core machine, started from inside it.
     cluster_id = f"salloc-{os.getpid()}"
-    owner = subprocess.Popen(["salloc", "-n", "4", "--time", "5", sys.executable, "-c", SALLOC_KERNEL, cluster_id],
-                             cwd=ROOT, env=slurm.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+    owner = subprocess.Popen(
+        ["salloc", "-n", "4", "--time", "5", sys.executable, "-c", SALLOC_KERNEL, cluster_id],
+        cwd=ROOT,
+        env=slurm.env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     said = OutputLines(owner)
     started: list[psutil.Process] = []
     try:
@@ -454,8 +639,9 @@ def test_a_cluster_inside_an_salloc_allocation_serves_an_attached_notebook_and_s
         assert "(mpi, attached)" in capsys.readouterr().out
         assert not attached.owned and sorted(i.rank for i in attached.info) == [0, 1, 2, 3]
         pids = sorted(i.pid for i in attached.info)
-        trained = shell.run_cell_magic("distnn", f"train --topology allreduce --epochs 3 --block --quiet "
-                                                 f"--runs-dir {tmp_path}", MODEL_CELL)
+        trained = shell.run_cell_magic(
+            "distnn", f"train --topology allreduce --epochs 3 --block --quiet --runs-dir {tmp_path}", MODEL_CELL
+        )
         assert trained.status == "completed" and trained.result.final["val_acc"] > 0.8, trained
         shell.run_line_magic("distnn", "cluster stop")
         assert all(psutil.pid_exists(pid) for pid in pids)  # left to their owner...

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import json
 import dataclasses
+import json
 
 import pytest
 
@@ -14,15 +14,18 @@ from nbdist.specs import Spec, SpecError, check_kwargs, parse_spec, unknown_name
 
 
 # ----------------------------------------------------------------------------- specs
-@pytest.mark.parametrize("text, name, kwargs", [
-    ("adam", "adam", {}),
-    ("  Adam  ", "adam", {}),
-    ("adam()", "adam", {}),
-    ("adam(lr=1e-3, betas=(0.9, 0.99))", "adam", {"lr": 1e-3, "betas": (0.9, 0.99)}),
-    ("sgd(lr=0.1, momentum=0.9, nesterov=True)", "sgd", {"lr": 0.1, "momentum": 0.9, "nesterov": True}),
-    ("easgd(elastic_force=None, elastic_lr=-0.5)", "easgd", {"elastic_force": None, "elastic_lr": -0.5}),
-    ("x(mode='fast', sizes=[1, 2])", "x", {"mode": "fast", "sizes": [1, 2]}),
-])
+@pytest.mark.parametrize(
+    "text, name, kwargs",
+    [
+        ("adam", "adam", {}),
+        ("  Adam  ", "adam", {}),
+        ("adam()", "adam", {}),
+        ("adam(lr=1e-3, betas=(0.9, 0.99))", "adam", {"lr": 1e-3, "betas": (0.9, 0.99)}),
+        ("sgd(lr=0.1, momentum=0.9, nesterov=True)", "sgd", {"lr": 0.1, "momentum": 0.9, "nesterov": True}),
+        ("easgd(elastic_force=None, elastic_lr=-0.5)", "easgd", {"elastic_force": None, "elastic_lr": -0.5}),
+        ("x(mode='fast', sizes=[1, 2])", "x", {"mode": "fast", "sizes": [1, 2]}),
+    ],
+)
 def test_parse_spec_forms(text, name, kwargs):
     spec = parse_spec(text)
     assert spec == Spec(name, kwargs)
@@ -37,22 +40,25 @@ def test_parse_spec_passes_specs_and_mappings():
         parse_spec({"lr": 0.5})
 
 
-@pytest.mark.parametrize("text, message", [
-    ("adam(0.001)", "keyword arguments only"),
-    ("adam(0.001, betas=(0.9, 0.99))", "keyword arguments only"),
-    ("adam(lr=x)", "must be a literal"),
-    ("adam(lr=1e-3 * 2)", "must be a literal"),
-    ("adam(lr=__import__('os').getcwd())", "must be a literal"),
-    ("adam(lr={[1]})", "must be a literal"),
-    ("adam(**opts)", r"\*\*kwargs is not allowed"),
-    ("adam(lr=0.1, lr=0.2)", "lr is given twice"),
-    ("adam(lr=", "cannot read"),
-    ("", "cannot read"),
-    ("adam lr=1", "cannot read"),
-    ("torch.optim.adam(lr=1)", "cannot read"),
-    ("42", "cannot read"),
-    ("'adam'", "cannot read"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("adam(0.001)", "keyword arguments only"),
+        ("adam(0.001, betas=(0.9, 0.99))", "keyword arguments only"),
+        ("adam(lr=x)", "must be a literal"),
+        ("adam(lr=1e-3 * 2)", "must be a literal"),
+        ("adam(lr=__import__('os').getcwd())", "must be a literal"),
+        ("adam(lr={[1]})", "must be a literal"),
+        ("adam(**opts)", r"\*\*kwargs is not allowed"),
+        ("adam(lr=0.1, lr=0.2)", "lr is given twice"),
+        ("adam(lr=", "cannot read"),
+        ("", "cannot read"),
+        ("adam lr=1", "cannot read"),
+        ("torch.optim.adam(lr=1)", "cannot read"),
+        ("42", "cannot read"),
+        ("'adam'", "cannot read"),
+    ],
+)
 def test_parse_spec_errors(text, message):
     with pytest.raises(SpecError, match=message) as err:
         parse_spec(text, what="--worker-optimizer")
@@ -87,25 +93,28 @@ def test_defaults_validate():
     assert opts.topology == "master-worker" and opts.epochs == 5 and opts.batch_size == 32
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"topology": "ring"}, "unknown topology 'ring'"),
-    ({"device": "gpu"}, "unknown --device 'gpu'; choose one of: auto, cpu, cuda"),
-    ({"busy_poll": "yes"}, "unknown --busy-poll 'yes'; choose one of: auto, on, off"),
-    ({"epochs": 0}, "--epochs must be at least 1"),
-    ({"batch_size": -3}, "--batch-size must be at least 1"),
-    ({"masters": 0}, "--masters must be at least 1"),
-    ({"procs_per_worker": 0}, "--procs-per-worker must be at least 1"),
-    ({"validate_every": 0}, "--validate-every must be at least 1"),
-    ({"threads": 0}, "--threads must be at least 1"),
-    ({"workers": 0}, "--workers must be at least 1"),
-    ({"sync_every": 0}, "--sync-every must be at least 1"),
-    ({"early_stopping": 0}, "--early-stopping must be at least 1"),
-    ({"checkpoint_every": -1}, "--checkpoint-every"),
-    ({"target": "val_acc ~ 0.9"}, "cannot read --target"),
-    ({"topology": "allreduce", "masters": 2}, "allreduce has no master"),
-    ({"precision": "fp8"}, r"--precision 'fp8': choose one of fp32, bf16, fp16$"),
-    ({"precision": "bf16", "gan": True}, "--gan trains in fp32"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"topology": "ring"}, "unknown topology 'ring'"),
+        ({"device": "gpu"}, "unknown --device 'gpu'; choose one of: auto, cpu, cuda"),
+        ({"busy_poll": "yes"}, "unknown --busy-poll 'yes'; choose one of: auto, on, off"),
+        ({"epochs": 0}, "--epochs must be at least 1"),
+        ({"batch_size": -3}, "--batch-size must be at least 1"),
+        ({"masters": 0}, "--masters must be at least 1"),
+        ({"procs_per_worker": 0}, "--procs-per-worker must be at least 1"),
+        ({"validate_every": 0}, "--validate-every must be at least 1"),
+        ({"threads": 0}, "--threads must be at least 1"),
+        ({"workers": 0}, "--workers must be at least 1"),
+        ({"sync_every": 0}, "--sync-every must be at least 1"),
+        ({"early_stopping": 0}, "--early-stopping must be at least 1"),
+        ({"checkpoint_every": -1}, "--checkpoint-every"),
+        ({"target": "val_acc ~ 0.9"}, "cannot read --target"),
+        ({"topology": "allreduce", "masters": 2}, "allreduce has no master"),
+        ({"precision": "fp8"}, r"--precision 'fp8': choose one of fp32, bf16, fp16$"),
+        ({"precision": "bf16", "gan": True}, "--gan trains in fp32"),
+    ],
+)
 def test_validate_errors(changes, message):
     with pytest.raises(OptionsError, match=message):
         TrainOptions(**changes).validate()
@@ -120,18 +129,32 @@ def test_from_dict_round_trip_and_unknown_keys():
 
 
 # ----------------------------------------------------------------------------- targets
-@pytest.mark.parametrize("text, metric, op, value", [
-    ("val_acc > 0.97", "val_acc", ">", 0.97),
-    ("val_acc>=0.97", "val_acc", ">=", 0.97),
-    ("  val_loss < 1e-3 ", "val_loss", "<", 1e-3),
-    ("train.loss <= -2", "train.loss", "<=", -2.0),
-])
+@pytest.mark.parametrize(
+    "text, metric, op, value",
+    [
+        ("val_acc > 0.97", "val_acc", ">", 0.97),
+        ("val_acc>=0.97", "val_acc", ">=", 0.97),
+        ("  val_loss < 1e-3 ", "val_loss", "<", 1e-3),
+        ("train.loss <= -2", "train.loss", "<=", -2.0),
+    ],
+)
 def test_parse_target(text, metric, op, value):
     assert parse_target(text) == Target(metric, op, value)
 
 
-@pytest.mark.parametrize("text", ["val_acc", "val_acc = 0.9", "> 0.9", "val_acc > abc", "val_acc > e",
-                                  "val_acc > 0.9.1", "1acc > 0.5", "val_acc > 0.9 and x"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "val_acc",
+        "val_acc = 0.9",
+        "> 0.9",
+        "val_acc > abc",
+        "val_acc > e",
+        "val_acc > 0.9.1",
+        "1acc > 0.5",
+        "val_acc > 0.9 and x",
+    ],
+)
 def test_parse_target_errors(text):
     with pytest.raises(OptionsError, match="--target"):
         parse_target(text)
@@ -165,13 +188,40 @@ def test_every_option_has_a_flag():
 
 
 def test_argparse_round_trip():
-    argv = ["--epochs", "3", "--algorithm", "easgd(elastic_force=0.5)", "--synchronous",
-            "--bucket-mb", "0.5", "--workers", "2", "--topology", "allreduce", "--min-delta", "1e-3",
-            "--target", "val_acc > 0.9", "--worker-optimizer", "adam(lr=1e-3)", "--sync-every", "4"]
+    argv = [
+        "--epochs",
+        "3",
+        "--algorithm",
+        "easgd(elastic_force=0.5)",
+        "--synchronous",
+        "--bucket-mb",
+        "0.5",
+        "--workers",
+        "2",
+        "--topology",
+        "allreduce",
+        "--min-delta",
+        "1e-3",
+        "--target",
+        "val_acc > 0.9",
+        "--worker-optimizer",
+        "adam(lr=1e-3)",
+        "--sync-every",
+        "4",
+    ]
     opts = options_from_args(parser().parse_args(argv))
-    expected = TrainOptions(epochs=3, algorithm="easgd(elastic_force=0.5)", synchronous=True, bucket_mb=0.5,
-                            workers=2, topology="allreduce", min_delta=1e-3, target="val_acc > 0.9",
-                            worker_optimizer="adam(lr=1e-3)", sync_every=4)
+    expected = TrainOptions(
+        epochs=3,
+        algorithm="easgd(elastic_force=0.5)",
+        synchronous=True,
+        bucket_mb=0.5,
+        workers=2,
+        topology="allreduce",
+        min_delta=1e-3,
+        target="val_acc > 0.9",
+        worker_optimizer="adam(lr=1e-3)",
+        sync_every=4,
+    )
     assert opts == expected
     assert type(opts.epochs) is int and type(opts.bucket_mb) is float and type(opts.workers) is int
     # Nothing given: the defaults, or the base (a resumed run's options) where given.
@@ -186,20 +236,59 @@ def test_argparse_round_trip_of_every_field(tmp_path):
     run = tmp_path / "x"  # --resume reads the run's saved options: a real run directory
     run.mkdir()
     (run / "options.json").write_text(json.dumps(TrainOptions().to_dict()))
-    changed = dict(model="m.py", topology="allreduce", algorithm="gem(lr=0.1)", synchronous=True, workers=3,
-                   masters=2, procs_per_worker=2, worker_parallel="pipeline", micro_batches=3,
-                   pipeline_schedule="gpipe", epochs=4, batch_size=16, sync_every=2,
-                   worker_optimizer="sgd(lr=0.2)", master_optimizer="adam", momentum_correction="off", seed=5,
-                   validate_every=2, validate_every_samples=500,
-                   early_stopping=3, monitor="val_acc", min_delta=0.01, target="val_loss < 0.2",
-                   checkpoint_every=3, keep_checkpoints=5, resume=str(run), max_restarts=2, peer_timeout=7.5,
-                   runs_dir="elsewhere", store="runs/other.db", run_name="r1",
-                   threads=2, bucket_mb=4.0, compression="topk(0.05)", allreduce_backend="gloo", quiet=True,
-                   train="t_*.h5", val="v.h5", cache_dir="/tmp/c",
-                   device="cpu", busy_poll="off",
-                   data_keys="x,y", gan=True, d_steps=2, lr_scaling="sqrt", warmup_epochs=1.5,
-                   worker_lr_schedule="steplr(step_size=2)", master_lr_schedule="cosineannealinglr(T_max=4)",
-                   trace_updates=True, precision="bf16", sync_batchnorm=True)
+    changed = dict(
+        model="m.py",
+        topology="allreduce",
+        algorithm="gem(lr=0.1)",
+        synchronous=True,
+        workers=3,
+        masters=2,
+        procs_per_worker=2,
+        worker_parallel="pipeline",
+        micro_batches=3,
+        pipeline_schedule="gpipe",
+        epochs=4,
+        batch_size=16,
+        sync_every=2,
+        worker_optimizer="sgd(lr=0.2)",
+        master_optimizer="adam",
+        momentum_correction="off",
+        seed=5,
+        validate_every=2,
+        validate_every_samples=500,
+        early_stopping=3,
+        monitor="val_acc",
+        min_delta=0.01,
+        target="val_loss < 0.2",
+        checkpoint_every=3,
+        keep_checkpoints=5,
+        resume=str(run),
+        max_restarts=2,
+        peer_timeout=7.5,
+        runs_dir="elsewhere",
+        store="runs/other.db",
+        run_name="r1",
+        threads=2,
+        bucket_mb=4.0,
+        compression="topk(0.05)",
+        allreduce_backend="gloo",
+        quiet=True,
+        train="t_*.h5",
+        val="v.h5",
+        cache_dir="/tmp/c",
+        device="cpu",
+        busy_poll="off",
+        data_keys="x,y",
+        gan=True,
+        d_steps=2,
+        lr_scaling="sqrt",
+        warmup_epochs=1.5,
+        worker_lr_schedule="steplr(step_size=2)",
+        master_lr_schedule="cosineannealinglr(T_max=4)",
+        trace_updates=True,
+        precision="bf16",
+        sync_batchnorm=True,
+    )
     assert set(changed) == {f.name for f in dataclasses.fields(TrainOptions)}
     opts = TrainOptions(**changed)
     argv = []
@@ -237,6 +326,7 @@ def test_downpour_pushing_every_batch_rejects_a_worker_optimizer():
 
     with pytest.raises(OptionsError, match="downpour with --sync-every 1 takes no worker optimizer"):
         _resolve_rules(TrainOptions(algorithm="downpour", worker_optimizer="sgd(lr=1e6)"))
-    algorithm, sync_every, worker, master = _resolve_rules(TrainOptions(algorithm="downpour", sync_every=4,
-                                                                        worker_optimizer="adam(lr=1e-3)"))
+    algorithm, sync_every, worker, master = _resolve_rules(
+        TrainOptions(algorithm="downpour", sync_every=4, worker_optimizer="adam(lr=1e-3)")
+    )
     assert sync_every == 4 and worker.name == "adam" and master.name == "sgd"

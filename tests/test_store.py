@@ -12,17 +12,26 @@ import time
 from collections import Counter
 
 import pytest
+from conftest import ROOT
 
 from nbdist.launch import mpi_env, mpiexec_command
 from nbdist.metrics import read_log
 from nbdist.store import SCHEMA_VERSION, RunStore, StoreError, import_run
 
-from conftest import ROOT
-
 
 def _record(run: str, rank: int, seq: int, kind: str = "train", **values) -> dict:
-    return {"run": run, "trial": None, "rank": rank, "role": "worker", "kind": kind, "step": seq, "epoch": 0,
-            "time": 1000.0 + seq, "values": values or {"loss": 1.0 / (seq + 1)}, "seq": seq}
+    return {
+        "run": run,
+        "trial": None,
+        "rank": rank,
+        "role": "worker",
+        "kind": kind,
+        "step": seq,
+        "epoch": 0,
+        "time": 1000.0 + seq,
+        "values": values or {"loss": 1.0 / (seq + 1)},
+        "seq": seq,
+    }
 
 
 def test_records_are_kept_once_and_polled_in_order(tmp_path):
@@ -40,8 +49,12 @@ def test_records_are_kept_once_and_polled_in_order(tmp_path):
         assert [r["kind"] for r in store.records("r1", kinds=["update"])[0]] == ["update"]
         store.end_run("r1", "completed", "completed 2 epochs", {"val_acc": 0.9})
         run = store.run("r1")
-        assert (run.status, run.final, run.options, run.layout) == ("completed", {"val_acc": 0.9}, {"epochs": 2},
-                                                                    {"workers": 2})
+        assert (run.status, run.final, run.options, run.layout) == (
+            "completed",
+            {"val_acc": 0.9},
+            {"epochs": 2},
+            {"workers": 2},
+        )
 
 
 def test_a_store_from_a_newer_nbdist_is_refused(tmp_path):
@@ -53,7 +66,8 @@ def test_a_store_from_a_newer_nbdist_is_refused(tmp_path):
         RunStore(path)
     assert str(caught.value) == (
         f"the run store {path} was written by a newer nbdist (schema {SCHEMA_VERSION + 1}; this nbdist reads "
-        f"up to {SCHEMA_VERSION}): upgrade nbdist, or give another --store")
+        f"up to {SCHEMA_VERSION}): upgrade nbdist, or give another --store"
+    )
 
 
 def test_a_file_that_is_not_a_store_is_refused(tmp_path):
@@ -84,25 +98,52 @@ def test_runs_whose_writer_vanished_are_marked_killed(tmp_path):
 
 def test_trials_and_studies_round_trip(tmp_path):
     with RunStore(tmp_path / "s.db") as store:
-        store.begin_study("st", searcher="evolution", space={"lr": "log(1e-4,1e-1)"}, options={"trials": 4},
-                          objective="val_loss", direction="minimize")
+        store.begin_study(
+            "st",
+            searcher="evolution",
+            space={"lr": "log(1e-4,1e-1)"},
+            options={"trials": 4},
+            objective="val_loss",
+            direction="minimize",
+        )
         store.record_trial("st", 0, params={"lr": 0.01}, state="running", generation=0, group=1, started=5.0)
-        store.record_trial("st", 0, params={"lr": 0.01}, state="complete", fom=0.3, fom_std=0.02,
-                           folds=[0.28, 0.32], generation=0, group=1, ended=9.0)
+        store.record_trial(
+            "st",
+            0,
+            params={"lr": 0.01},
+            state="complete",
+            fom=0.3,
+            fom_std=0.02,
+            folds=[0.28, 0.32],
+            generation=0,
+            group=1,
+            ended=9.0,
+        )
         store.record_trial("st", 1, params={"lr": 0.1}, state="failed", error="NaN loss")
         store.save_searcher_state("st", {"generation": 1})
         trials = store.trials("st")
         assert [(t.number, t.state, t.fom, t.folds, t.started, t.ended) for t in trials] == [
-            (0, "complete", 0.3, [0.28, 0.32], 5.0, 9.0), (1, "failed", None, [], None, None)]
+            (0, "complete", 0.3, [0.28, 0.32], 5.0, 9.0),
+            (1, "failed", None, [], None, None),
+        ]
         assert trials[1].error == "NaN loss"
         assert store.study("st")["searcher_state"] == {"generation": 1}
 
 
 def _start_batch(tmp_path, *extra: str, n: int = 3) -> subprocess.Popen:
-    cmd = mpiexec_command(n, ["-m", "nbdist", "train", "--model", "examples/digits_mlp.py", "--runs-dir",
-                              str(tmp_path), "--quiet", *extra])
-    return subprocess.Popen(cmd, cwd=ROOT, env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    cmd = mpiexec_command(
+        n,
+        ["-m", "nbdist", "train", "--model", "examples/digits_mlp.py", "--runs-dir", str(tmp_path), "--quiet", *extra],
+    )
+    return subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=mpi_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def _store_rows(tmp_path) -> list[tuple]:

@@ -13,16 +13,16 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
-
 import postgres_server
+import pytest
 from conftest import ROOT
+from postgres_server import PASSWORD
+
 from nbdist.hpo.inprocess import optimize
 from nbdist.launch import mpi_env
 from nbdist.store import SCHEMA_VERSION, RunStore, StoreError, mask_url
 from nbdist.store.dialects import PostgresDialect, SQLiteDialect
 from nbdist.store.schema import _MIGRATIONS
-from postgres_server import PASSWORD
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -49,8 +49,18 @@ def database(postgres):
 
 
 def _record(run: str, rank: int, seq: int, kind: str = "train", **values) -> dict:
-    return {"run": run, "trial": None, "rank": rank, "role": "worker", "kind": kind, "step": seq, "epoch": 0,
-            "time": 1000.0 + seq, "values": values or {"loss": 1.0 / (seq + 1)}, "seq": seq}
+    return {
+        "run": run,
+        "trial": None,
+        "rank": rank,
+        "role": "worker",
+        "kind": kind,
+        "step": seq,
+        "epoch": 0,
+        "time": 1000.0 + seq,
+        "values": values or {"loss": 1.0 / (seq + 1)},
+        "seq": seq,
+    }
 
 
 def test_a_run_written_to_postgres_reads_back(database):
@@ -69,14 +79,24 @@ def test_a_run_written_to_postgres_reads_back(database):
         store.add_checkpoint("r1", "epoch-1", "/runs/r1/checkpoints/epoch-1", 5.0)
         store.add_checkpoint("r1", "epoch-1", "/elsewhere", 6.0)  # kept once
         store.end_run("r1", "completed", "completed 2 epochs", {"val_acc": 0.9})
-        store.begin_study("s", searcher="random", space={"x": "real(0,1)"}, options={"train": {"store": database}},
-                          objective="fom", direction="minimize")
+        store.begin_study(
+            "s",
+            searcher="random",
+            space={"x": "real(0,1)"},
+            options={"train": {"store": database}},
+            objective="fom",
+            direction="minimize",
+        )
         store.record_trial("s", 0, params={"x": 0.5}, state="running", owner="job-a")
         store.record_trial("s", 0, params={"x": 0.5}, state="complete", fom=0.25, folds=[0.25])
     with RunStore(database, create=False) as store:  # another connection sees it all
         run = store.run("r1")
-        assert (run.status, run.final, run.layout, run.reason) == ("completed", {"val_acc": 0.9}, {"workers": 2},
-                                                                   "completed 2 epochs")
+        assert (run.status, run.final, run.layout, run.reason) == (
+            "completed",
+            {"val_acc": 0.9},
+            {"workers": 2},
+            "completed 2 epochs",
+        )
         # The options keep the store, never its password.
         assert run.options == {"epochs": 2, "store": database.replace(f":{PASSWORD}@", ":***@")}
         assert store.study("s")["options"]["train"]["store"] == run.options["store"]
@@ -92,8 +112,12 @@ def _terminate_others(database: str) -> int:
     import psycopg
 
     with psycopg.connect(database, autocommit=True) as admin:
-        return len(admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = "
-                                 "current_database() AND pid <> pg_backend_pid()").fetchall())
+        return len(
+            admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = "
+                "current_database() AND pid <> pg_backend_pid()"
+            ).fetchall()
+        )
 
 
 def test_a_lost_connection_is_made_again_and_a_cut_write_is_reported(postgres, database, monkeypatch):
@@ -116,8 +140,12 @@ def test_a_lost_connection_is_made_again_and_a_cut_write_is_reported(postgres, d
                 _terminate_others(database)
                 store.add_records([_record("r", 0, 7)])
         message = str(caught.value)
-        assert message.startswith(f"the connection to the run store {database.replace(PASSWORD, '***')} was lost "
-                                  f"during a write (") and "the write was not repeated" in message, message
+        assert (
+            message.startswith(
+                f"the connection to the run store {database.replace(PASSWORD, '***')} was lost during a write ("
+            )
+            and "the write was not repeated" in message
+        ), message
         assert [r["seq"] for r in store.records("r")[0]] == [0, 1, 2, 3, 4, 5]  # nothing of it was written
         assert store.add_records([_record("r", 0, i) for i in (6, 7)]) == 2
         # The server restarts: a reader waits for it (within RECONNECT_SECONDS), or says so.
@@ -162,8 +190,9 @@ def test_a_run_recorder_cut_in_the_middle_of_a_write_sends_its_records_again(tmp
             waiting = []
             while not waiting:
                 assert time.monotonic() < deadline, "the recorder's write never waited on the lock"
-                waiting = admin.execute("SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND "
-                                        "datname = current_database()").fetchall()
+                waiting = admin.execute(
+                    "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()"
+                ).fetchall()
                 time.sleep(0.05)
             admin.execute("SELECT pg_terminate_backend(%s)", waiting[0])
         recorder.finish("completed")
@@ -200,13 +229,16 @@ def test_a_postgres_store_that_is_not_there_or_not_a_store(postgres, database):
     assert str(caught.value) == f"no run store at {database.replace(PASSWORD, '***')} (it has no nbdist tables yet)"
 
 
-@pytest.mark.parametrize("url, problem", [
-    ("mysql://me@db:3306/nbdist", "unknown scheme 'mysql'"),
-    ("postgresql://me:pw@db:port/nbdist", "Port could not be cast to integer value as 'port'"),
-    ("postgresql://me:pw@db:5432", "no database name"),
-    ("postgresql://me:pw@db:5432/", "no database name"),
-    ("sqlite://runs/nbdist.db", "a SQLite URL is sqlite:///PATH"),
-])
+@pytest.mark.parametrize(
+    "url, problem",
+    [
+        ("mysql://me@db:3306/nbdist", "unknown scheme 'mysql'"),
+        ("postgresql://me:pw@db:port/nbdist", "Port could not be cast to integer value as 'port'"),
+        ("postgresql://me:pw@db:5432", "no database name"),
+        ("postgresql://me:pw@db:5432/", "no database name"),
+        ("sqlite://runs/nbdist.db", "a SQLite URL is sqlite:///PATH"),
+    ],
+)
 def test_bad_store_urls_name_the_problem_and_the_forms(url, problem):
     with pytest.raises(StoreError) as caught:
         RunStore(url)
@@ -221,8 +253,10 @@ def test_bad_store_urls_name_the_problem_and_the_forms(url, problem):
 
 def test_a_password_is_masked_wherever_a_url_carries_it():
     assert mask_url("postgresql://me:p%40ss@db:5432/nbdist") == "postgresql://me:***@db:5432/nbdist"
-    assert mask_url("postgresql://me@db/nbdist?password=zz&sslmode=require") == \
-        "postgresql://me@db/nbdist?password=***&sslmode=require"
+    assert (
+        mask_url("postgresql://me@db/nbdist?password=zz&sslmode=require")
+        == "postgresql://me@db/nbdist?password=***&sslmode=require"
+    )
     assert mask_url("postgresql://me@db/nbdist") == "postgresql://me@db/nbdist"
     assert mask_url("runs/nbdist.db") == "runs/nbdist.db"
 
@@ -252,8 +286,10 @@ def _schema_1_store(path) -> None:
         for statement in _MIGRATIONS[0]:
             conn.execute(statement.format(**SQLiteDialect.types))
         conn.execute("INSERT INTO runs (id, status, options, started) VALUES ('old', 'completed', '{}', 1.0)")
-        conn.execute("INSERT INTO records (run, rank, seq, kind, time, \"values\") VALUES ('old', 0, 0, 'train', 1.0, "
-                     "'{\"loss\": 2.0}')")
+        conn.execute(
+            "INSERT INTO records (run, rank, seq, kind, time, \"values\") VALUES ('old', 0, 0, 'train', 1.0, "
+            "'{\"loss\": 2.0}')"
+        )
         conn.execute("INSERT INTO trials (study, number, params, state) VALUES ('s', 0, '{\"x\": 1}', 'running')")
         conn.execute("PRAGMA user_version = 1")
 
@@ -281,7 +317,8 @@ def test_a_store_of_a_newer_schema_is_refused_in_either_database(tmp_path, datab
         RunStore(path)
     assert str(caught.value) == (
         f"the run store {path} was written by a newer nbdist (schema {SCHEMA_VERSION + 1}; this nbdist reads "
-        f"up to {SCHEMA_VERSION}): upgrade nbdist, or give another --store")
+        f"up to {SCHEMA_VERSION}): upgrade nbdist, or give another --store"
+    )
     RunStore(database).close()
     db = PostgresDialect(database, create=False)
     db.execute("UPDATE schema_version SET version = ?", (SCHEMA_VERSION + 1,))
@@ -290,7 +327,8 @@ def test_a_store_of_a_newer_schema_is_refused_in_either_database(tmp_path, datab
         RunStore(database)
     assert str(caught.value) == (
         f"the run store {database.replace(PASSWORD, '***')} was written by a newer nbdist (schema "
-        f"{SCHEMA_VERSION + 1}; this nbdist reads up to {SCHEMA_VERSION}): upgrade nbdist, or give another --store")
+        f"{SCHEMA_VERSION + 1}; this nbdist reads up to {SCHEMA_VERSION}): upgrade nbdist, or give another --store"
+    )
 
 
 def test_an_orphaned_trial_is_claimed_by_one_job_only(database):
@@ -335,8 +373,15 @@ def _two_coordinators(database: str, objective, joined: threading.Event | None =
 
     def run(name, **kwargs):
         try:
-            results[name] = optimize(objective, space="x=real(0,1)", searcher="random", store=database,
-                                     say=lambda line: None, **options, **kwargs)
+            results[name] = optimize(
+                objective,
+                space="x=real(0,1)",
+                searcher="random",
+                store=database,
+                say=lambda line: None,
+                **options,
+                **kwargs,
+            )
         except Exception as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
@@ -376,12 +421,26 @@ def test_a_study_is_resumable_from_the_moment_it_appears_in_the_store(tmp_path, 
         return join(store, study, job)
 
     monkeypatch.setattr(RunStore, "join_study", join_and_look)
-    optimize(lambda params: params["x"] ** 2, space="x=real(0,1)", searcher="random", trials=2, store=database,
-             study_name="s", say=lambda line: None)
+    optimize(
+        lambda params: params["x"] ** 2,
+        space="x=real(0,1)",
+        searcher="random",
+        trials=2,
+        store=database,
+        study_name="s",
+        say=lambda line: None,
+    )
     assert seen and "searcher" in seen[0], seen
     monkeypatch.setattr(RunStore, "join_study", join)
-    resumed = optimize(lambda params: params["x"] ** 2, space="x=real(0,1)", searcher="random", trials=3,
-                       store=database, resume_study="s", say=lambda line: None)
+    resumed = optimize(
+        lambda params: params["x"] ** 2,
+        space="x=real(0,1)",
+        searcher="random",
+        trials=3,
+        store=database,
+        resume_study="s",
+        say=lambda line: None,
+    )
     assert len(resumed.trials) == 3
 
 
@@ -440,12 +499,34 @@ def _job(tmp_path, name: str, database: str, *study: str) -> subprocess.Popen:
     its output in tmp_path/NAME.log and its runs in tmp_path/NAME. A trial trains 60
     epochs of the digits MLP, over a second on an idle machine: long enough to be killed
     in the middle of one (at 20 epochs, 0.4 s, one ended between the look and the kill)."""
-    argv = [sys.executable, "-m", "nbdist", "launch", "-n", "3", "study", "--model", "examples/digits_mlp.py",
-            "--searcher", "random", "--workers", "1", "--epochs", "60", "--seed", "1", "--store", database,
-            "--runs-dir", str(tmp_path / name), *study]
+    argv = [
+        sys.executable,
+        "-m",
+        "nbdist",
+        "launch",
+        "-n",
+        "3",
+        "study",
+        "--model",
+        "examples/digits_mlp.py",
+        "--searcher",
+        "random",
+        "--workers",
+        "1",
+        "--epochs",
+        "60",
+        "--seed",
+        "1",
+        "--store",
+        database,
+        "--runs-dir",
+        str(tmp_path / name),
+        *study,
+    ]
     with open(tmp_path / f"{name}.log", "w") as log:
-        return subprocess.Popen(argv, cwd=ROOT, env=mpi_env(), stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        return subprocess.Popen(
+            argv, cwd=ROOT, env=mpi_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
 
 def _log(tmp_path, name: str) -> str:
@@ -478,8 +559,11 @@ def test_two_concurrent_mpiexec_jobs_share_a_study_one_killed(tmp_path, postgres
                 rows = store.trials("shared")
                 job_a = _coordinator(store, a)
                 # A trial a asked for a moment ago: its fold run is still starting when a dies.
-                cut = [t.number for t in rows if t.state == "running" and t.owner == job_a
-                       and time.time() - t.started < 0.3]
+                cut = [
+                    t.number
+                    for t in rows
+                    if t.state == "running" and t.owner == job_a and time.time() - t.started < 0.3
+                ]
                 if len({t.owner for t in rows if t.state == "complete"}) == 2 and cut:
                     break
                 time.sleep(0.2)
@@ -499,8 +583,9 @@ def test_two_concurrent_mpiexec_jobs_share_a_study_one_killed(tmp_path, postgres
             _kill_tree(job)
     out_b = _log(tmp_path, "b")
     assert "resuming study shared: 0 trials finished" in out_b and "1 other job(s) run it too" in out_b, out_b
-    assert "of a job that is gone: taken over here" in out_b and f"nbdist: study shared: {trials} trials done" in out_b, \
-        out_b[-3000:]
+    assert (
+        "of a job that is gone: taken over here" in out_b and f"nbdist: study shared: {trials} trials done" in out_b
+    ), out_b[-3000:]
     for name in ("a", "b"):
         assert PASSWORD not in _log(tmp_path, name)
     with RunStore(database) as store:

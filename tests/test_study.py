@@ -89,8 +89,11 @@ def test_folds_partition_the_training_set_stratified_and_the_same_every_time():
 
 def test_figure_of_merit_and_run_names():
     assert fold_fom({"val_loss": 0.25, "val_acc": 0.9}, "val_loss") == 0.25
-    with pytest.raises(TrialError, match=r"the objective 'val_auc' is not a metric of the runs \(they have: "
-                                         r"val_acc, val_loss\)"):
+    with pytest.raises(
+        TrialError,
+        match=r"the objective 'val_auc' is not a metric of the runs \(they have: "
+        r"val_acc, val_loss\)",
+    ):
         fold_fom({"val_loss": 0.25, "val_acc": 0.9}, "val_auc")
     with pytest.raises(TrialError, match="is nan"):
         fold_fom({"val_loss": math.nan}, "val_loss")
@@ -125,8 +128,15 @@ def test_study_options_say_what_is_wrong():
 
 def test_a_study_of_a_function_finds_its_minimum_and_records_every_trial(tmp_path):
     store = str(tmp_path / "s.db")
-    result = optimize(lambda p: (p["x"] - 2.0) ** 2 + (p["k"] != "b"), space="x=real(-5,5) k=cat(a,b,c)",
-                      searcher="random", trials=25, store=store, study_name="quadratic", **QUIET)
+    result = optimize(
+        lambda p: (p["x"] - 2.0) ** 2 + (p["k"] != "b"),
+        space="x=real(-5,5) k=cat(a,b,c)",
+        searcher="random",
+        trials=25,
+        store=store,
+        study_name="quadratic",
+        **QUIET,
+    )
     assert len(result.trials) == 25 and result.reason == "25 trials done"
     assert result.best_params["k"] == "b" and abs(result.best_params["x"] - 2.0) < 1.0
     with RunStore(store) as s:
@@ -142,8 +152,15 @@ def test_failed_trials_are_recorded_and_the_study_goes_on(tmp_path):
             raise ValueError("diverged")
         return p["x"]
 
-    result = optimize(objective, space="x=real(0,1)", searcher="random", trials=12, store=str(tmp_path / "s.db"),
-                      study_name="f", **QUIET)
+    result = optimize(
+        objective,
+        space="x=real(0,1)",
+        searcher="random",
+        trials=12,
+        store=str(tmp_path / "s.db"),
+        study_name="f",
+        **QUIET,
+    )
     states = {r["state"] for r in result.trials}
     assert states == {"complete", "failed"} and len(result.trials) == 12
     failed = [r for r in result.trials if r["state"] == "failed"]
@@ -165,8 +182,7 @@ def test_the_pruner_stops_trials_that_fall_behind():
 
 
 def test_a_goal_ends_the_study_early():
-    result = optimize(lambda p: p["x"], space="x=real(0,1)", searcher="random", trials=50,
-                      goal="fom < 0.2", **QUIET)
+    result = optimize(lambda p: p["x"], space="x=real(0,1)", searcher="random", trials=50, goal="fom < 0.2", **QUIET)
     assert result.reason == "goal fom < 0.2 reached" and len(result.trials) < 50
     assert result.trials[-1]["fom"] < 0.2
 
@@ -182,15 +198,29 @@ def test_an_interrupted_study_resumes_and_trains_only_what_did_not_finish(tmp_pa
         return (p["x"] - 0.3) ** 2
 
     with pytest.raises(KeyboardInterrupt):
-        optimize(interrupt_after_five, space="x=real(0,1)", searcher="bayes(initial_points=4)", trials=10,
-                 store=store, study_name="resumable", **QUIET)
+        optimize(
+            interrupt_after_five,
+            space="x=real(0,1)",
+            searcher="bayes(initial_points=4)",
+            trials=10,
+            store=store,
+            study_name="resumable",
+            **QUIET,
+        )
     with RunStore(store) as s:
         assert s.study("resumable")["status"] == "interrupted"
         assert [t.state for t in s.trials("resumable")] == ["complete"] * 5 + ["running"]
     interrupted = calls[-1]
     calls.clear()
-    result = optimize(lambda p: calls.append(p["x"]) or (p["x"] - 0.3) ** 2, space="x=real(0,1)",
-                      searcher="bayes", trials=10, store=store, resume_study="resumable", **QUIET)
+    result = optimize(
+        lambda p: calls.append(p["x"]) or (p["x"] - 0.3) ** 2,
+        space="x=real(0,1)",
+        searcher="bayes",
+        trials=10,
+        store=store,
+        resume_study="resumable",
+        **QUIET,
+    )
     # The unfinished trial first, under its own number, then new ones up to the budget.
     assert calls[0] == interrupted and len(calls) == 5
     with RunStore(store) as s:

@@ -12,11 +12,10 @@ import time
 from collections import Counter
 
 import pytest
+from conftest import ROOT
 
 from nbdist.launch import mpi_env, mpiexec_command
 from nbdist.store import RunStore
-
-from conftest import ROOT
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(400)]
 
@@ -24,8 +23,26 @@ SPACE = "lr=log(3e-3,0.5) hidden=int(8,64)"
 
 
 def _study_argv(tmp_path, *extra: str) -> list[str]:
-    return ["-m", "nbdist", "study", "--model", "examples/digits_mlp.py", "--space", SPACE, "--searcher", "random",
-            "--workers", "1", "--epochs", "3", "--runs-dir", str(tmp_path), "--seed", "1", *extra]
+    return [
+        "-m",
+        "nbdist",
+        "study",
+        "--model",
+        "examples/digits_mlp.py",
+        "--space",
+        SPACE,
+        "--searcher",
+        "random",
+        "--workers",
+        "1",
+        "--epochs",
+        "3",
+        "--runs-dir",
+        str(tmp_path),
+        "--seed",
+        "1",
+        *extra,
+    ]
 
 
 def _runs_of(store: RunStore, study: str) -> dict[int, list]:
@@ -47,8 +64,11 @@ def _wait_gone(pid: int, timeout: float = 60) -> None:
 
 
 def test_a_study_on_digits_with_groups_and_folds(mpirun, tmp_path):
-    done = mpirun(9, _study_argv(tmp_path, "--trials", "6", "--groups", "2", "--folds", "2", "--study-name",
-                                 "digits"), timeout=300)
+    done = mpirun(
+        9,
+        _study_argv(tmp_path, "--trials", "6", "--groups", "2", "--folds", "2", "--study-name", "digits"),
+        timeout=300,
+    )
     assert done.returncode == 0, done.output[-4000:]
     assert "9 ranks: 1 coordinator + 2 groups x 2 folds x (1 master + 1 worker)" in done.stdout
     assert "nbdist: study digits: 6 trials done" in done.stdout
@@ -78,8 +98,15 @@ def test_a_study_on_digits_with_groups_and_folds(mpirun, tmp_path):
 def test_a_killed_study_resumes_with_only_its_unfinished_trials(tmp_path):
     # GEM: the space's lr is GEM's own (it has no optimiser), and its trials train.
     argv = _study_argv(tmp_path, "--trials", "6", "--groups", "2", "--study-name", "killed", "--algorithm", "gem")
-    job = subprocess.Popen(mpiexec_command(5, argv), cwd=ROOT, env=mpi_env(), stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    job = subprocess.Popen(
+        mpiexec_command(5, argv),
+        cwd=ROOT,
+        env=mpi_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 240
         while True:
@@ -107,9 +134,14 @@ def test_a_killed_study_resumes_with_only_its_unfinished_trials(tmp_path):
         before = {t.number: t.state for t in store.trials("killed")}
     finished_before = {n for n, s in before.items() if s == "complete"}
 
-    resumed = subprocess.run(mpiexec_command(5, _study_argv(tmp_path, "--groups", "2", "--resume-study", "killed",
-                                                            "--algorithm", "gem")),
-                             cwd=ROOT, env=mpi_env(), capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run(
+        mpiexec_command(5, _study_argv(tmp_path, "--groups", "2", "--resume-study", "killed", "--algorithm", "gem")),
+        cwd=ROOT,
+        env=mpi_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
     assert f"resuming study killed: {len(finished_before)} trials finished" in resumed.stdout, before
     recovered = int(resumed.stdout.split(" recovered from their runs")[0].split(", ")[-1])

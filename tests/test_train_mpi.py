@@ -24,9 +24,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import BatchedRuns
 from safetensors.numpy import load_file
 
-from conftest import BatchedRuns
 from nbdist.launch import mpi_env, mpiexec_command
 from nbdist.metrics import read_log
 from nbdist.specs import parse_spec
@@ -73,33 +73,104 @@ EXTRA_RUNS = {
         "cnn-master-worker": ["--model", CNN, "--epochs", "6", "--sync-batchnorm"],
         "cnn-allreduce": ["--model", CNN, "--epochs", "6", "--topology", "allreduce"],
         # Validated only at the end: the statistics of its earlier checkpoints are the ranks' own.
-        "cnn-allreduce-syncbn": ["--model", CNN, "--epochs", "6", "--topology", "allreduce", "--sync-batchnorm",
-                                 "--validate-every", "10"],
+        "cnn-allreduce-syncbn": [
+            "--model",
+            CNN,
+            "--epochs",
+            "6",
+            "--topology",
+            "allreduce",
+            "--sync-batchnorm",
+            "--validate-every",
+            "10",
+        ],
         "target": ["--model", MLP, "--epochs", "30", "--target", "val_acc > 0.5"],
         # A tiny lr: val_loss moves by far less than min_delta from one epoch to the next.
-        "early-stopping": ["--model", MLP, "--epochs", "30", "--topology", "allreduce",
-                           "--worker-optimizer", "sgd(lr=1e-6)", "--early-stopping", "1",
-                           "--min-delta", "0.001"],
+        "early-stopping": [
+            "--model",
+            MLP,
+            "--epochs",
+            "30",
+            "--topology",
+            "allreduce",
+            "--worker-optimizer",
+            "sgd(lr=1e-6)",
+            "--early-stopping",
+            "1",
+            "--min-delta",
+            "0.001",
+        ],
         # GEM's workers add up raw gradients (no optimiser to skip an overflowed one).
-        "gem-fp16-overflow": ["--model", LOSS_X1000, "--epochs", "4", "--algorithm", "gem(lr=0.00005)",
-                              "--precision", "fp16"],
+        "gem-fp16-overflow": [
+            "--model",
+            LOSS_X1000,
+            "--epochs",
+            "4",
+            "--algorithm",
+            "gem(lr=0.00005)",
+            "--precision",
+            "fp16",
+        ],
         # 1 master + 1 worker of 2 pipeline stages, GPipe, Downpour pushing every batch.
-        "pipeline-gpipe": ["--model", PIPELINE, "--epochs", str(EPOCHS), "--procs-per-worker", "2",
-                           "--worker-parallel", "pipeline", "--pipeline-schedule", "gpipe", *TRACE],
+        "pipeline-gpipe": [
+            "--model",
+            PIPELINE,
+            "--epochs",
+            str(EPOCHS),
+            "--procs-per-worker",
+            "2",
+            "--worker-parallel",
+            "pipeline",
+            "--pipeline-schedule",
+            "gpipe",
+            *TRACE,
+        ],
         # The same, its leader's whole-model message through PowerSGD (the stages' matrices).
-        "pipeline-powersgd": ["--model", PIPELINE, "--epochs", str(EPOCHS), "--procs-per-worker", "2",
-                              "--worker-parallel", "pipeline", "--pipeline-schedule", "gpipe", "--compression",
-                              "powersgd(2)", *TRACE],
+        "pipeline-powersgd": [
+            "--model",
+            PIPELINE,
+            "--epochs",
+            str(EPOCHS),
+            "--procs-per-worker",
+            "2",
+            "--worker-parallel",
+            "pipeline",
+            "--pipeline-schedule",
+            "gpipe",
+            "--compression",
+            "powersgd(2)",
+            *TRACE,
+        ],
     },
     5: {
         # 1 master + 2 workers of 2 processes each.
         "procs-per-worker-2": ["--model", MLP, "--epochs", str(EPOCHS), "--procs-per-worker", "2", *TRACE],
         # On the device path (torch tensors through the staging), as on a GPU.
-        "cnn-procs-per-worker-2-syncbn": ["--model", CNN, "--epochs", "6", "--procs-per-worker", "2",
-                                          "--sync-batchnorm", "--device", "cpu"],
+        "cnn-procs-per-worker-2-syncbn": [
+            "--model",
+            CNN,
+            "--epochs",
+            "6",
+            "--procs-per-worker",
+            "2",
+            "--sync-batchnorm",
+            "--device",
+            "cpu",
+        ],
         # 1 master + 2 workers of 2 pipeline stages, 1F1B, EASGD.
-        "pipeline-1f1b": ["--model", PIPELINE, "--epochs", str(EPOCHS), "--procs-per-worker", "2",
-                          "--worker-parallel", "pipeline", "--algorithm", "easgd", *TRACE],
+        "pipeline-1f1b": [
+            "--model",
+            PIPELINE,
+            "--epochs",
+            str(EPOCHS),
+            "--procs-per-worker",
+            "2",
+            "--worker-parallel",
+            "pipeline",
+            "--algorithm",
+            "easgd",
+            *TRACE,
+        ],
     },
 }
 # --compression: each codec on the allreduce and on workers' messages to a master (test_compression_*).
@@ -125,8 +196,10 @@ def _run_batch(n: int, runs: dict[str, list[str]], runs_dir: Path, timeout: floa
     from conftest import run_mpi
 
     names = list(runs)
-    argvs = [[*runs[name], "--runs-dir", str(runs_dir), "--run-name", name, "--quiet" if quiet else "--no-quiet"]
-             for name in names]
+    argvs = [
+        [*runs[name], "--runs-dir", str(runs_dir), "--run-name", name, "--quiet" if quiet else "--no-quiet"]
+        for name in names
+    ]
     spec = runs_dir / f"runs-{n}.json"
     runs_dir.mkdir(parents=True, exist_ok=True)
     spec.write_text(json.dumps(argvs))
@@ -148,11 +221,29 @@ RESUME_CONFIGS = {
     "easgd-sync": ["--algorithm", "easgd", "--synchronous"],
     "allreduce": ["--topology", "allreduce"],
     # Warm-up past the resumed checkpoint, scaling and a schedule (see LR_CONFIGS).
-    "downpour-sync-lr": ["--algorithm", "downpour", "--synchronous", "--master-optimizer", MOMENTUM_MASTER,
-                         "--lr-scaling", "linear", "--warmup-epochs", "3",
-                         "--master-lr-schedule", "steplr(step_size=1, gamma=0.7)"],
-    "allreduce-lr": ["--topology", "allreduce", "--lr-scaling", "sqrt", "--warmup-epochs", "2.5",
-                     "--worker-lr-schedule", "CosineAnnealingLR(T_max=4)"],
+    "downpour-sync-lr": [
+        "--algorithm",
+        "downpour",
+        "--synchronous",
+        "--master-optimizer",
+        MOMENTUM_MASTER,
+        "--lr-scaling",
+        "linear",
+        "--warmup-epochs",
+        "3",
+        "--master-lr-schedule",
+        "steplr(step_size=1, gamma=0.7)",
+    ],
+    "allreduce-lr": [
+        "--topology",
+        "allreduce",
+        "--lr-scaling",
+        "sqrt",
+        "--warmup-epochs",
+        "2.5",
+        "--worker-lr-schedule",
+        "CosineAnnealingLR(T_max=4)",
+    ],
     # The residuals and PowerSGD's warm start are in every rank's share of the checkpoint.
     "allreduce-powersgd": ["--topology", "allreduce", "--compression", "powersgd(1)"],
 }
@@ -220,12 +311,17 @@ def _model_states(checkpoint: Path, ranks: range) -> dict[int, np.ndarray]:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name, ranks, twins, epochs", [
-    ("cnn-allreduce-syncbn", 3, [(0, 1, 2)], (5, 6)),
-    # Asynchronous workers write their share of a checkpoint at the end (or when asked).
-    ("cnn-procs-per-worker-2-syncbn", 5, [(1, 2), (3, 4)], (6,))])
-def test_synchronised_batchnorm_learns_and_every_rank_of_a_batch_holds_the_same_statistics(batches, name, ranks,
-                                                                                           twins, epochs):
+@pytest.mark.parametrize(
+    "name, ranks, twins, epochs",
+    [
+        ("cnn-allreduce-syncbn", 3, [(0, 1, 2)], (5, 6)),
+        # Asynchronous workers write their share of a checkpoint at the end (or when asked).
+        ("cnn-procs-per-worker-2-syncbn", 5, [(1, 2), (3, 4)], (6,)),
+    ],
+)
+def test_synchronised_batchnorm_learns_and_every_rank_of_a_batch_holds_the_same_statistics(
+    batches, name, ranks, twins, epochs
+):
     """--sync-batchnorm over the allreduce ranks and over a worker's 2 processes (with
     --device cpu, the device path): the CNN
     learns, and the ranks that share each batch hold bit-identical running statistics in
@@ -286,8 +382,10 @@ def test_pipeline_workers_learn_digits(batches, n, name):
     assert sizes == [first + second] + [first, second] * (n // 2), sizes
     if name == "pipeline-powersgd":
         # The same messages as pipeline-gpipe's, each in far fewer bytes.
-        sent = {run: sum(r["values"]["bytes_sent"] for r in read_log(batches[n].run(run), "train") if r["rank"] == 1)
-                for run in ("pipeline-gpipe", name)}
+        sent = {
+            run: sum(r["values"]["bytes_sent"] for r in read_log(batches[n].run(run), "train") if r["rank"] == 1)
+            for run in ("pipeline-gpipe", name)
+        }
         assert 0 < sent[name] < sent["pipeline-gpipe"] / 4, sent
 
 
@@ -513,8 +611,7 @@ def resumed(batches):
     """Run A: 4 epochs at once; run B: 2 epochs (both in the -n 3 job), then B resumed to
     4 epochs in a new job, i.e. by other processes than the ones that checkpointed it."""
     first = batches[RESUME_RANKS]
-    second = {f"{name}-B": ["--resume", str(first.runs_dir / f"{name}-B"), "--epochs", "4"]
-              for name in RESUME_CONFIGS}
+    second = {f"{name}-B": ["--resume", str(first.runs_dir / f"{name}-B"), "--epochs", "4"] for name in RESUME_CONFIGS}
     truncated = first.run("allreduce-C") / TRUNCATED
     truncated.write_bytes(truncated.read_bytes()[:100])
     second["allreduce-C"] = ["--resume", str(first.runs_dir / "allreduce-C"), "--epochs", "4"]
@@ -538,8 +635,9 @@ def _assert_same_run(a: Path, b: Path) -> None:
     assert summary_b["epochs_run"] == 4
     assert [h["epoch"] for h in summary_b["history"]] == [1, 2, 3, 4]
     # The same run, so the same validation curve, epoch by epoch.
-    np.testing.assert_allclose([h["val_loss"] for h in summary_b["history"]],
-                               [h["val_loss"] for h in summary_a["history"]], rtol=1e-6)
+    np.testing.assert_allclose(
+        [h["val_loss"] for h in summary_b["history"]], [h["val_loss"] for h in summary_a["history"]], rtol=1e-6
+    )
     assert summary_b["stop_reason"] == "completed 4 epochs"
     # The samples seen went on from the checkpoint's count (these runs are synchronous: exact).
     assert [h["samples_seen"] for h in summary_b["history"]] == [h["samples_seen"] for h in summary_a["history"]]
@@ -556,8 +654,9 @@ def test_resume_continues_exactly(resumed, name):
     b = first.runs_dir / f"{name}-B"
     _assert_same_run(a, b)
     # The resume says where it picked up.
-    assert re.search(rf"resumed from \S*/{name}-B/checkpoints/epoch-0002 at epoch 3\b", second.done.stdout), \
+    assert re.search(rf"resumed from \S*/{name}-B/checkpoints/epoch-0002 at epoch 3\b", second.done.stdout), (
         second.done.stdout
+    )
     # The resumed part logged epochs 3 and 4 only (appended to the first part's log).
     epochs = [r["epoch"] for r in read_log(b, "epoch")]
     assert epochs == [1, 2, 3, 4], epochs
@@ -569,13 +668,15 @@ def test_resume_continues_exactly(resumed, name):
 # master and 3 allreduce ranks. Warm-up starts at the unscaled lr and reaches the scaled
 # one after E epochs; the schedule (StepLR, cosine annealing) multiplies per epoch.
 def _downpour_lr(e: int) -> float:
-    return 0.1 * 0.7 ** e * 2 * (0.5 + 0.5 * min(1.0, (e + 1) / 3))
+    return 0.1 * 0.7**e * 2 * (0.5 + 0.5 * min(1.0, (e + 1) / 3))
 
 
 def _allreduce_lr(e: int) -> float:
-    scale = 3 ** 0.5
+    scale = 3**0.5
     default_lr = parse_spec(DEFAULT_WORKER_OPTIMIZER).kwargs["lr"]  # allreduce-lr gives no optimiser
-    return default_lr * (1 + np.cos(np.pi * e / 4)) / 2 * scale * (1 / scale + (1 - 1 / scale) * min(1.0, (e + 1) / 2.5))
+    return (
+        default_lr * (1 + np.cos(np.pi * e / 4)) / 2 * scale * (1 / scale + (1 - 1 / scale) * min(1.0, (e + 1) / 2.5))
+    )
 
 
 LR_CONFIGS = {"downpour-sync-lr": ("master_lr", _downpour_lr), "allreduce-lr": ("worker_lr", _allreduce_lr)}
@@ -589,8 +690,9 @@ def test_the_recorded_lr_follows_warmup_scaling_and_schedule(resumed, name):
     for run in (f"{name}-A", f"{name}-B"):  # straight, and stopped after 2 epochs then resumed
         records = list(read_log(first.runs_dir / run, "epoch"))
         assert [r["epoch"] for r in records] == [1, 2, 3, 4]
-        np.testing.assert_allclose([r["values"][key] for r in records], [expected(e) for e in range(4)], rtol=1e-6,
-                                   err_msg=run)
+        np.testing.assert_allclose(
+            [r["values"][key] for r in records], [expected(e) for e in range(4)], rtol=1e-6, err_msg=run
+        )
         # Downpour's workers (--sync-every 1) take no steps of their own.
         assert "worker_lr" not in records[0]["values"] or key == "worker_lr"
 
@@ -604,8 +706,11 @@ def test_resume_falls_back_from_a_truncated_checkpoint(resumed):
     output = second.done.output
     warnings = [line for line in output.splitlines() if "damaged" in line]
     assert len(warnings) == 1, output  # one line, from one rank
-    assert re.fullmatch(rf"nbdist: warning: checkpoint {re.escape(str(damaged))} is damaged: rank-00000.safetensors "
-                        rf"is truncated \(100 of \d+ bytes\); resuming from epoch-0001", warnings[0]), warnings
+    assert re.fullmatch(
+        rf"nbdist: warning: checkpoint {re.escape(str(damaged))} is damaged: rank-00000.safetensors "
+        rf"is truncated \(100 of \d+ bytes\); resuming from epoch-0001",
+        warnings[0],
+    ), warnings
     assert "Traceback" not in output
     assert re.search(r"resumed from \S*/allreduce-C/checkpoints/epoch-0001 at epoch 2\b", second.done.stdout), output
     _assert_same_run(first.run("allreduce-A"), c)
@@ -677,9 +782,27 @@ def test_an_asynchronous_master_serves_its_workers_while_it_validates_a_checkpoi
     and every worker waited with it. The model's validation sleeps 0.5 s (its training
     steps 0.02 s, so epochs outlast validations): updates must go on being applied in the
     0.4 s before each of the first two epochs' validations ended (the epoch record)."""
-    argv = [sys.executable, "-m", "nbdist", "launch", "-n", "3", "train", "--model", SLOW_VALIDATION,
-            "--epochs", "3", "--batch-size", "16", "--trace-updates", "--runs-dir", str(tmp_path),
-            "--run-name", "run", "--quiet"]
+    argv = [
+        sys.executable,
+        "-m",
+        "nbdist",
+        "launch",
+        "-n",
+        "3",
+        "train",
+        "--model",
+        SLOW_VALIDATION,
+        "--epochs",
+        "3",
+        "--batch-size",
+        "16",
+        "--trace-updates",
+        "--runs-dir",
+        str(tmp_path),
+        "--run-name",
+        "run",
+        "--quiet",
+    ]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     run = tmp_path / "run"
@@ -696,10 +819,27 @@ def test_an_asynchronous_master_serves_its_workers_while_it_validates_a_checkpoi
 def test_a_stop_while_the_ranks_start_is_kept_and_checkpointed(tmp_path):
     # SLURM's --signal can come at any time, even while the job is still starting: it
     # used to kill the ranks before they caught it, and the job ended "completed" with no run.
-    argv = [sys.executable, "-m", "nbdist", "launch", "-n", "3", "train", "--model", MLP, "--epochs", "50",
-            "--runs-dir", str(tmp_path), "--run-name", "run", "--quiet"]
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    argv = [
+        sys.executable,
+        "-m",
+        "nbdist",
+        "launch",
+        "-n",
+        "3",
+        "train",
+        "--model",
+        MLP,
+        "--epochs",
+        "50",
+        "--runs-dir",
+        str(tmp_path),
+        "--run-name",
+        "run",
+        "--quiet",
+    ]
+    proc = subprocess.Popen(
+        argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         time.sleep(0.6)  # the launcher is running; its ranks are not yet
         proc.send_signal(signal.SIGUSR1)
@@ -720,11 +860,31 @@ def test_a_stop_while_the_ranks_start_is_kept_and_checkpointed(tmp_path):
 def test_sigusr1_stops_every_rank_and_checkpoints(tmp_path, topology, mpirun):
     ranks = 4
     run_dir = tmp_path / "run"
-    argv = ["-m", "nbdist", "train", "--model", MLP, "--topology", topology, "--epochs", "200",
-            "--runs-dir", str(tmp_path), "--run-name", "run", "--quiet"]
+    argv = [
+        "-m",
+        "nbdist",
+        "train",
+        "--model",
+        MLP,
+        "--topology",
+        topology,
+        "--epochs",
+        "200",
+        "--runs-dir",
+        str(tmp_path),
+        "--run-name",
+        "run",
+        "--quiet",
+    ]
     log = open(tmp_path / "output.txt", "w+")
-    proc = subprocess.Popen(mpiexec_command(ranks, argv), cwd=ROOT, env=mpi_env(), stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        mpiexec_command(ranks, argv),
+        cwd=ROOT,
+        env=mpi_env(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 150
         while not _epoch_records_exist(run_dir):
@@ -764,14 +924,17 @@ def test_sigusr1_stops_every_rank_and_checkpoints(tmp_path, topology, mpirun):
     # The stop checkpoint holds everything needed to go on, including the tallies of the
     # epochs the workers were in: resume it for one more epoch.
     epochs = summary["epochs_run"] + 1
-    done = mpirun(ranks, ["-m", "nbdist", "train", "--resume", str(run_dir), "--epochs", str(epochs),
-                          "--no-quiet"], timeout=150)
+    done = mpirun(
+        ranks, ["-m", "nbdist", "train", "--resume", str(run_dir), "--epochs", str(epochs), "--no-quiet"], timeout=150
+    )
     assert done.returncode == 0, done.output
     assert f"resumed from {root / latest} at epoch" in done.stdout, done.output
     resumed = json.loads((run_dir / "summary.json").read_text())
-    context = (f"stopped run: {summary['stop_reason']}, epochs {[h['epoch'] for h in summary['history']]}\n"
-               f"resumed run: {resumed['stop_reason']}, epochs {[h['epoch'] for h in resumed['history']]}\n"
-               f"{done.output}")
+    context = (
+        f"stopped run: {summary['stop_reason']}, epochs {[h['epoch'] for h in summary['history']]}\n"
+        f"resumed run: {resumed['stop_reason']}, epochs {[h['epoch'] for h in resumed['history']]}\n"
+        f"{done.output}"
+    )
     assert resumed["stop_reason"] == f"completed {epochs} epochs", context
     assert [h["epoch"] for h in resumed["history"]] == list(range(1, epochs + 1)), context
     # The history before the stop is kept as it was...

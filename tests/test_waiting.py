@@ -35,10 +35,13 @@ def test_a_wait_sleeps_between_polls_by_default_and_never_when_told_to_poll(slee
     assert sleeps
 
 
-@pytest.mark.parametrize(("ranks", "threads", "fit"), [("1", 1, True), ("CORES", 1, True), ("MORE", 1, False),
-                                                       ("CORES", 2, False), (None, 1, False), ("", 1, False)])
+@pytest.mark.parametrize(
+    ("ranks", "threads", "fit"),
+    [("1", 1, True), ("CORES", 1, True), ("MORE", 1, False), ("CORES", 2, False), (None, 1, False), ("", 1, False)],
+)
 def test_ranks_fit_cores_counts_the_launchers_ranks_on_the_node_against_the_usable_cores(
-        monkeypatch, ranks, threads, fit):
+    monkeypatch, ranks, threads, fit
+):
     cores = len(os.sched_getaffinity(0))
     value = {"CORES": str(cores), "MORE": str(cores + 1)}.get(ranks, ranks)
     if value is None:

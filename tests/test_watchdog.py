@@ -22,8 +22,7 @@ print(child, flush=True)
 
 
 def test_an_orphan_of_a_session_leader_is_found_by_its_group_and_taken_down():
-    leader = subprocess.Popen([sys.executable, "-c", LEADER], stdout=subprocess.PIPE, text=True,
-                              start_new_session=True)
+    leader = subprocess.Popen([sys.executable, "-c", LEADER], stdout=subprocess.PIPE, text=True, start_new_session=True)
     orphan = psutil.Process(int(leader.stdout.readline()))
     try:
         assert leader.wait(timeout=30) == 0

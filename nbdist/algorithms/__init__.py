@@ -10,12 +10,20 @@ from nbdist.algorithms.easgd import EASGD
 from nbdist.algorithms.gem import GEM
 from nbdist.specs import Spec, SpecError, check_kwargs, unknown_name
 
-__all__ = ["Algorithm", "RuleState", "Update", "Downpour", "EASGD", "GEM", "ADAG", "DynSGD",
-           "MASTER_WORKER_ALGORITHMS", "make_algorithm"]
+__all__ = [
+    "Algorithm",
+    "RuleState",
+    "Update",
+    "Downpour",
+    "EASGD",
+    "GEM",
+    "ADAG",
+    "DynSGD",
+    "MASTER_WORKER_ALGORITHMS",
+    "make_algorithm",
+]
 
-MASTER_WORKER_ALGORITHMS: dict[str, type[Algorithm]] = {
-    cls.name: cls for cls in (Downpour, EASGD, GEM, ADAG, DynSGD)
-}
+MASTER_WORKER_ALGORITHMS: dict[str, type[Algorithm]] = {cls.name: cls for cls in (Downpour, EASGD, GEM, ADAG, DynSGD)}
 
 
 def make_algorithm(spec: Spec) -> Algorithm:

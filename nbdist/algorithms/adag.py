@@ -27,8 +27,8 @@ keeps ADAG as published).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from nbdist.algorithms.arrays import Array, zeros_like_buffer
 from nbdist.algorithms.base import Algorithm, RuleState, Update

@@ -26,8 +26,9 @@ rules never name a framework.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar, Iterable, Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -116,9 +117,7 @@ class Algorithm(ABC):
         """Called once the worker holds the master's initial weights."""
 
     @abstractmethod
-    def worker_step(
-        self, state: RuleState, params: Array, grad: Array, opt: FlatOptimizer | None
-    ) -> bool:
+    def worker_step(self, state: RuleState, params: Array, grad: Array, opt: FlatOptimizer | None) -> bool:
         """Use one batch's gradient; True when the worker should now talk to its master."""
 
     @abstractmethod

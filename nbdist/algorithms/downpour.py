@@ -7,8 +7,8 @@ worker and sync_every=1 this is exactly the master optimiser on a single process
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from nbdist.algorithms.arrays import Array, zeros_like_buffer
 from nbdist.algorithms.base import Algorithm, RuleState, Update, weighted_mean

@@ -42,8 +42,8 @@ for that, give the workers a momentum optimiser, e.g.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -73,15 +73,12 @@ class EASGD(Algorithm):
     sends_weights_themselves = True
     default_sync_every = 4
 
-    def __init__(self, elastic_force: float | None = None, elastic_lr: float = 1.0,
-                 elastic_momentum: float = 0.0):
+    def __init__(self, elastic_force: float | None = None, elastic_lr: float = 1.0, elastic_momentum: float = 0.0):
         if elastic_force is not None:
             AT_LEAST_ZERO.check("easgd", "elastic_force", elastic_force)
         AT_LEAST_ZERO.check("easgd", "elastic_lr", elastic_lr)
         MOMENTUM.check("easgd", "elastic_momentum", elastic_momentum)
-        super().__init__(
-            elastic_force=elastic_force, elastic_lr=elastic_lr, elastic_momentum=elastic_momentum
-        )
+        super().__init__(elastic_force=elastic_force, elastic_lr=elastic_lr, elastic_momentum=elastic_momentum)
         self.momentum = np.float32(elastic_momentum)
         self.alpha = np.float32(elastic_lr * (elastic_force if elastic_force is not None else 0.9))
 

@@ -33,8 +33,8 @@ of 6 at 8 (0.946; without the discount 1 of 3 dipped to chance, best 0.945).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -64,8 +64,9 @@ class GEM(Algorithm):
     uses_worker_optimizer = False
     auto_stale_discount = True  # see above
 
-    def __init__(self, lr: float = 0.05, momentum: float = 0.9, kappa: float = 1.0,
-                 epsilon: float = 1e-12, pi_max: float = 5.0):
+    def __init__(
+        self, lr: float = 0.05, momentum: float = 0.9, kappa: float = 1.0, epsilon: float = 1e-12, pi_max: float = 5.0
+    ):
         super().__init__(lr=lr, momentum=momentum, kappa=kappa, epsilon=epsilon, pi_max=pi_max)
         for name, allowed in RANGES.items():
             allowed.check("gem", name, self.params[name])

@@ -11,8 +11,9 @@ one runs.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import array_api_compat
 import numpy as np
@@ -20,8 +21,17 @@ import numpy as np
 from nbdist.errors import UserError
 from nbdist.specs import Spec, SpecError
 
-__all__ = ["Backend", "FlatOptimizer", "LrSchedule", "BatchStats", "ModelError", "DeviceRequest", "step_on_scratch",
-           "DynamicLossScale", "OverflowSkipping"]
+__all__ = [
+    "Backend",
+    "FlatOptimizer",
+    "LrSchedule",
+    "BatchStats",
+    "ModelError",
+    "DeviceRequest",
+    "step_on_scratch",
+    "DynamicLossScale",
+    "OverflowSkipping",
+]
 
 # Floats of the buffer an optimiser is tried on during set-up: the checks of its
 # arguments' values do not depend on the model's size.
@@ -49,7 +59,7 @@ class BatchStats:
     metric_sum: float = 0.0
     n: int = 0
 
-    def add(self, other: "BatchStats") -> None:
+    def add(self, other: BatchStats) -> None:
         self.loss_sum += other.loss_sum
         self.metric_sum += other.metric_sum
         self.n += other.n
@@ -220,14 +230,18 @@ class Backend(ABC):
         """Move the model to the device `request` asks for. This framework's buffers stay
         on the host: only --device cuda cannot be honoured."""
         if request.choice == "cuda":
-            raise ModelError(f"--device cuda places PyTorch models; this {type(self).__name__} runs where its "
-                             f"framework puts it: use --device auto")
+            raise ModelError(
+                f"--device cuda places PyTorch models; this {type(self).__name__} runs where its "
+                f"framework puts it: use --device auto"
+            )
 
     def convert_batchnorm(self) -> int:
         """--sync-batchnorm: replace the model's BatchNorm layers by synchronised ones
         (plain BatchNorm until `reduce_batchnorm_over`); returns how many there were."""
-        raise ModelError(f"--sync-batchnorm synchronises the BatchNorm layers of PyTorch models "
-                         f"(torch.nn.BatchNorm1d/2d/3d); a {type(self).__name__} has none: drop --sync-batchnorm")
+        raise ModelError(
+            f"--sync-batchnorm synchronises the BatchNorm layers of PyTorch models "
+            f"(torch.nn.BatchNorm1d/2d/3d); a {type(self).__name__} has none: drop --sync-batchnorm"
+        )
 
     def reduce_batchnorm_over(self, reduce: Callable[[Any], None]) -> None:
         """From now on the converted layers sum their batch statistics, and in the backward
@@ -270,8 +284,10 @@ class Backend(ABC):
         except Exception as exc:  # noqa: BLE001 - the framework's own words name the argument
             raise SpecError(f"learning-rate schedule {spec}: {type(exc).__name__}: {exc}") from None
         if not all(np.isfinite(lr) and lr >= 0 for lr in lrs):
-            raise SpecError(f"learning-rate schedule {spec}: gives the learning rates {lrs} in its first epochs: "
-                            f"check the values of its arguments")
+            raise SpecError(
+                f"learning-rate schedule {spec}: gives the learning rates {lrs} in its first epochs: "
+                f"check the values of its arguments"
+            )
         return schedule
 
     @abstractmethod
@@ -323,6 +339,8 @@ def step_on_scratch(spec: Spec, make: Callable[[np.ndarray], FlatOptimizer], scr
     except Exception as exc:  # noqa: BLE001 - the framework's own words name the argument
         raise SpecError(f"optimizer {spec}: {type(exc).__name__}: {exc}") from None
     if not np.all(np.isfinite(scratch)):
-        raise SpecError(f"optimizer {spec}: one step from zero weights with a unit gradient gives "
-                        f"{scratch[~np.isfinite(scratch)][0]}: check the values of its arguments")
+        raise SpecError(
+            f"optimizer {spec}: one step from zero weights with a unit gradient gives "
+            f"{scratch[~np.isfinite(scratch)][0]}: check the values of its arguments"
+        )
     return lr

@@ -13,13 +13,22 @@ import contextlib
 import os
 import sys
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, ContextManager, Iterator
+from collections.abc import Iterator
+from typing import Any, ClassVar, ContextManager
 
 from nbdist.backends.base import Backend, ModelError
 from nbdist.specs import SpecError, unknown_name
 
-__all__ = ["Framework", "FRAMEWORKS", "TORCH", "KERAS", "framework_of", "configure_frameworks", "making_models",
-           "unknown_optimizer"]
+__all__ = [
+    "Framework",
+    "FRAMEWORKS",
+    "TORCH",
+    "KERAS",
+    "framework_of",
+    "configure_frameworks",
+    "making_models",
+    "unknown_optimizer",
+]
 
 
 class Framework(ABC):
@@ -59,8 +68,23 @@ class Framework(ABC):
 
 class TorchFramework(Framework):
     name, module, optimizers_module = "PyTorch", "torch", "torch.optim"
-    optimizer_hints = frozenset({"adadelta", "adafactor", "adagrad", "adam", "adamax", "adamw", "asgd", "muon",
-                                 "nadam", "radam", "rmsprop", "rprop", "sgd"})
+    optimizer_hints = frozenset(
+        {
+            "adadelta",
+            "adafactor",
+            "adagrad",
+            "adam",
+            "adamax",
+            "adamw",
+            "asgd",
+            "muon",
+            "nadam",
+            "radam",
+            "rmsprop",
+            "rprop",
+            "sgd",
+        }
+    )
 
     def owns(self, model: Any) -> bool:
         torch = sys.modules.get("torch")
@@ -87,8 +111,24 @@ class KerasFramework(Framework):
     """Keras 3 on TensorFlow (tf.keras is the same package from TensorFlow 2.16 on)."""
 
     name, module, optimizers_module = "Keras", "keras", "keras.optimizers"
-    optimizer_hints = frozenset({"adadelta", "adafactor", "adagrad", "adam", "adamax", "adamw", "ftrl", "lamb",
-                                 "lion", "muon", "nadam", "rmsprop", "schedulefreeadamw", "sgd"})
+    optimizer_hints = frozenset(
+        {
+            "adadelta",
+            "adafactor",
+            "adagrad",
+            "adam",
+            "adamax",
+            "adamw",
+            "ftrl",
+            "lamb",
+            "lion",
+            "muon",
+            "nadam",
+            "rmsprop",
+            "schedulefreeadamw",
+            "sgd",
+        }
+    )
 
     def owns(self, model: Any) -> bool:
         keras = sys.modules.get("keras")
@@ -152,8 +192,9 @@ def framework_of(model: Any) -> Framework:
             return framework
     kind = f"{type(model).__module__}.{type(model).__qualname__}"
     if type(model).__module__.split(".")[0] == "tf_keras":
-        raise ModelError(f"the model is a Keras 2 model ({kind}); nbdist trains Keras 3 models: "
-                         f"import keras (Keras 3), not tf_keras")
+        raise ModelError(
+            f"the model is a Keras 2 model ({kind}); nbdist trains Keras 3 models: import keras (Keras 3), not tf_keras"
+        )
     raise ModelError(f"the model is a {kind}; nbdist trains torch.nn.Module and keras.Model models")
 
 

@@ -19,18 +19,37 @@ as it does with PyTorch).
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from nbdist.backends.base import (SCRATCH_SIZE, Backend, BatchStats, DynamicLossScale, FlatOptimizer, LrSchedule,
-                                  ModelError, step_on_scratch)
+from nbdist.backends.base import (
+    SCRATCH_SIZE,
+    Backend,
+    BatchStats,
+    DynamicLossScale,
+    FlatOptimizer,
+    LrSchedule,
+    ModelError,
+    step_on_scratch,
+)
 from nbdist.backends.frameworks import KERAS, unknown_optimizer
 from nbdist.specs import Spec, SpecError, ValueRange, check_kwargs, unknown_name
 
-__all__ = ["KerasBackend", "DTYPE_POLICIES", "KerasFlatOptimizer", "KerasLrSchedule", "keras_optimizers", "keras_lr_schedules", "FlatVariables", "Traced", "aligned_zeros"]
+__all__ = [
+    "KerasBackend",
+    "DTYPE_POLICIES",
+    "KerasFlatOptimizer",
+    "KerasLrSchedule",
+    "keras_optimizers",
+    "keras_lr_schedules",
+    "FlatVariables",
+    "Traced",
+    "aligned_zeros",
+]
 
 # --precision as Keras' dtype policies: mixed ones keep the variables (here the flat
 # buffers) float32 and compute in the lower precision.
@@ -57,9 +76,15 @@ def keras_optimizers() -> dict[str, type]:
 # is an error with either framework instead of a run that diverges.
 _UNIT = ValueRange(0.0, 1.0, high_open=True)
 _AT_LEAST_ZERO = ValueRange(0.0)
-_VALUE_RANGES = {"learning_rate": _AT_LEAST_ZERO, "beta_1": _UNIT, "beta_2": _UNIT, "rho": ValueRange(0.0, 1.0),
-                 "epsilon": _AT_LEAST_ZERO, "weight_decay": _AT_LEAST_ZERO,
-                 "initial_accumulator_value": _AT_LEAST_ZERO}
+_VALUE_RANGES = {
+    "learning_rate": _AT_LEAST_ZERO,
+    "beta_1": _UNIT,
+    "beta_2": _UNIT,
+    "rho": ValueRange(0.0, 1.0),
+    "epsilon": _AT_LEAST_ZERO,
+    "weight_decay": _AT_LEAST_ZERO,
+    "initial_accumulator_value": _AT_LEAST_ZERO,
+}
 
 
 def _make_keras_optimizer(spec: Spec) -> keras.optimizers.Optimizer:
@@ -127,8 +152,11 @@ class KerasFlatOptimizer(FlatOptimizer):
 def keras_lr_schedules() -> dict[str, type]:
     """keras.optimizers.schedules classes by lower-case name."""
     base = keras.optimizers.schedules.LearningRateSchedule
-    return {value.__name__.lower(): value for value in vars(keras.optimizers.schedules).values()
-            if isinstance(value, type) and issubclass(value, base) and value is not base}
+    return {
+        value.__name__.lower(): value
+        for value in vars(keras.optimizers.schedules).values()
+        if isinstance(value, type) and issubclass(value, base) and value is not base
+    }
 
 
 class KerasLrSchedule(LrSchedule):
@@ -170,8 +198,7 @@ def _tensor(value: Any) -> tf.Tensor:
     own conversion of numpy arguments cost more than the small MLP's whole step."""
     if isinstance(value, tf.Tensor):
         return value
-    if (isinstance(value, np.ndarray) and value.size and value.flags.c_contiguous
-            and value.ctypes.data % ALIGNMENT == 0):
+    if isinstance(value, np.ndarray) and value.size and value.flags.c_contiguous and value.ctypes.data % ALIGNMENT == 0:
         try:
             return tf.experimental.dlpack.from_dlpack(value.__dlpack__())
         except (BufferError, TypeError, ValueError, tf.errors.OpError):
@@ -201,8 +228,10 @@ class Traced:
             function = tf.function(self._fn, input_signature=specs, autograph=False)
             self._concrete = function.get_concrete_function()
             self._dtypes = tuple(None if isinstance(s, list) else s.dtype for s in specs)
-        tensors = [[_tensor(v) for v in a] if isinstance(a, list) else self._typed(_tensor(a), dtype)
-                   for a, dtype in zip(args, self._dtypes)]
+        tensors = [
+            [_tensor(v) for v in a] if isinstance(a, list) else self._typed(_tensor(a), dtype)
+            for a, dtype in zip(args, self._dtypes)
+        ]
         return self._concrete(*tensors)
 
     @staticmethod
@@ -272,8 +301,12 @@ class FlatVariables:
             "state": [[v for v in vs if _is_float(v.dtype)] for vs in self.non_trainable],
             "others": [[v for v in vs if not _is_float(v.dtype)] for vs in self.non_trainable],
         }
-        return [(prefix + v.path, where, v) for where, group in groups.items()
-                for prefix, variables in zip(prefixes, group) for v in variables]
+        return [
+            (prefix + v.path, where, v)
+            for where, group in groups.items()
+            for prefix, variables in zip(prefixes, group)
+            for v in variables
+        ]
 
     # -- graph side -----------------------------------------------------------------
     @staticmethod
@@ -282,15 +315,16 @@ class FlatVariables:
         pieces = tf.split(flat, sizes) if variables else []
         return [tf.cast(tf.reshape(p, v.shape), v.dtype) for p, v in zip(pieces, variables)]
 
-    def unpack(self, params: "tf.Tensor | list", state: tf.Tensor, others: list) -> tuple[list, list]:
+    def unpack(self, params: tf.Tensor | list, state: tf.Tensor, others: list) -> tuple[list, list]:
         """Per model: its trainable values and its non-trainable values, in its own order.
         `params`: the flat buffer, or its parts model by model."""
         parts = params if isinstance(params, (list, tuple)) else tf.split(params, self.model_sizes)
         trainable = [self._cut(part, vs) for part, vs in zip(parts, self.trainable)]
         floats = self._cut(state, [v for vs in self.non_trainable for v in vs if _is_float(v.dtype)])
         floats_it, others_it = iter(floats), iter(others)
-        non_trainable = [[next(floats_it) if _is_float(v.dtype) else next(others_it) for v in vs]
-                         for vs in self.non_trainable]
+        non_trainable = [
+            [next(floats_it) if _is_float(v.dtype) else next(others_it) for v in vs] for vs in self.non_trainable
+        ]
         return trainable, non_trainable
 
     def pack(self, non_trainable: list[list[tf.Tensor]]) -> tuple[tf.Tensor, list[tf.Tensor]]:
@@ -326,19 +360,24 @@ def build_models(models: list[Any], samples: list[Any]) -> None:
         if model.built and model.weights:
             continue
         if sample is None:
-            raise ModelError("the Keras model has no weights yet: give it an input "
-                             "(keras.Input(shape=...)) or build it (model.build((None, ...)))")
+            raise ModelError(
+                "the Keras model has no weights yet: give it an input "
+                "(keras.Input(shape=...)) or build it (model.build((None, ...)))"
+            )
         try:
             model(sample[:2])
         except Exception as exc:
-            raise ModelError(f"the Keras model could not be built on inputs of shape "
-                             f"{tuple(np.shape(sample)[1:])}: {type(exc).__name__}: {exc}") from None
+            raise ModelError(
+                f"the Keras model could not be built on inputs of shape "
+                f"{tuple(np.shape(sample)[1:])}: {type(exc).__name__}: {exc}"
+            ) from None
 
 
 def check_model(model: Any, what: str = "model") -> None:
     if not isinstance(model, keras.Model):
-        raise ModelError(f"the {what} is a Keras {type(model).__name__} layer, not a model: wrap it, "
-                         f"e.g. keras.Sequential([layer])")
+        raise ModelError(
+            f"the {what} is a Keras {type(model).__name__} layer, not a model: wrap it, e.g. keras.Sequential([layer])"
+        )
 
 
 def check_policy(model: keras.Model, precision: str) -> None:
@@ -347,11 +386,16 @@ def check_policy(model: keras.Model, precision: str) -> None:
     policy = getattr(model.dtype_policy, "name", str(model.dtype_policy))
     if policy != DTYPE_POLICIES[precision]:
         matching = [name for name, known in DTYPE_POLICIES.items() if known == policy]
-        hint = f"give --precision {matching[0]} for this model" if matching else "make it with one of " + \
-            ", ".join(DTYPE_POLICIES.values())
-        raise ModelError(f"--precision {precision}: the Keras model was made with the dtype policy {policy!r}, "
-                         f"not {DTYPE_POLICIES[precision]!r}: make it inside build_model(), after nbdist has set "
-                         f"the policy (keras.mixed_precision.set_global_policy), or {hint}")
+        hint = (
+            f"give --precision {matching[0]} for this model"
+            if matching
+            else "make it with one of " + ", ".join(DTYPE_POLICIES.values())
+        )
+        raise ModelError(
+            f"--precision {precision}: the Keras model was made with the dtype policy {policy!r}, "
+            f"not {DTYPE_POLICIES[precision]!r}: make it inside build_model(), after nbdist has set "
+            f"the policy (keras.mixed_precision.set_global_policy), or {hint}"
+        )
 
 
 def call_kwargs(model: keras.Model, training: bool) -> dict[str, Any]:
@@ -360,8 +404,15 @@ def call_kwargs(model: keras.Model, training: bool) -> dict[str, Any]:
 
 
 class KerasBackend(Backend):
-    def __init__(self, model: keras.Model, loss: Any = None, metric: Any = "accuracy", *, sample: Any = None,
-                 precision: str = "fp32"):
+    def __init__(
+        self,
+        model: keras.Model,
+        loss: Any = None,
+        metric: Any = "accuracy",
+        *,
+        sample: Any = None,
+        precision: str = "fp32",
+    ):
         check_model(model)
         check_policy(model, precision)
         build_models([model], [sample])
@@ -386,7 +437,8 @@ class KerasBackend(Backend):
             "--sync-batchnorm is for PyTorch models: a Keras model trains as one traced TensorFlow function on "
             "flat buffers, and a synchronised BatchNormalization would need an MPI reduction inside that function, "
             "forward and backward; drop --sync-batchnorm (each process then normalises over its own batch, and "
-            "allreduce ranks average their statistics before each validation) or use a PyTorch model")
+            "allreduce ranks average their statistics before each validation) or use a PyTorch model"
+        )
 
     # -- graph side -------------------------------------------------------------------
     def _target(self, y: tf.Tensor, y_pred: tf.Tensor) -> tf.Tensor:
@@ -399,7 +451,8 @@ class KerasBackend(Backend):
     def _forward(self, params, state, others, x, y, kwargs):
         (trainable,), (non_trainable,) = self._flat.unpack(params, state, others)
         y_pred, non_trainable, extra = self.model.stateless_call(
-            trainable, non_trainable, x, return_losses=True, **kwargs)
+            trainable, non_trainable, x, return_losses=True, **kwargs
+        )
         # Under a mixed policy the output is bf16/fp16: the loss and metric are taken in
         # float32, as Keras' own compiled loss takes them.
         y_pred = tf.cast(y_pred, tf.float32)
@@ -432,8 +485,14 @@ class KerasBackend(Backend):
             self.loss_scale.settle(self.grads)
             loss_scale = self.loss_scale.scale
         grad, state, others, loss, metric = self._train(
-            self.params, self.state, self._flat.others, x, y, np.array(scale * loss_scale, np.float32),
-            np.array(1.0 / loss_scale, np.float32))
+            self.params,
+            self.state,
+            self._flat.others,
+            x,
+            y,
+            np.array(scale * loss_scale, np.float32),
+            np.array(1.0 / loss_scale, np.float32),
+        )
         np.copyto(self.grads, grad.numpy())
         if self.loss_scale is not None:
             self.loss_scale.pending = True
@@ -499,8 +558,9 @@ class KerasBackend(Backend):
         self._flat.reseed(seed)
 
 
-def named_arrays(flat: FlatVariables, models: list[keras.Model], params: np.ndarray, state: np.ndarray,
-                 prefixes: list[str]) -> dict[str, np.ndarray]:
+def named_arrays(
+    flat: FlatVariables, models: list[keras.Model], params: np.ndarray, state: np.ndarray, prefixes: list[str]
+) -> dict[str, np.ndarray]:
     """Each model's weights in `model.weights` order, as `<prefix><index>/<variable path>`:
     paths carry global layer counters (dense_7), so they differ between processes, but
     the zero-padded index sorts the keys in the order `model.set_weights` takes:
@@ -517,8 +577,11 @@ def named_arrays(flat: FlatVariables, models: list[keras.Model], params: np.ndar
         size = int(np.prod(v.shape))
         source = params if kind == "params" else state
         values[id(v)], offsets[kind] = source[start : start + size].reshape(v.shape), start + size
-    return {f"{prefix}{i:04d}/{v.path}": np.array(values[id(v)])
-            for prefix, model in zip(prefixes, models) for i, v in enumerate(model.weights)}
+    return {
+        f"{prefix}{i:04d}/{v.path}": np.array(values[id(v)])
+        for prefix, model in zip(prefixes, models)
+        for i, v in enumerate(model.weights)
+    }
 
 
 # -- the compiled loss and metric ---------------------------------------------------------
@@ -533,8 +596,10 @@ def _resolve_loss(model: keras.Model, loss: Any) -> tuple[Callable, bool]:
     of (target, prediction) returning the batch mean, and whether it is categorical."""
     identifier = model.loss if getattr(model, "compiled", False) and model.loss is not None else loss
     if identifier is None:
-        raise ModelError("the Keras model has no loss: compile it, e.g. model.compile(loss="
-                         "'sparse_categorical_crossentropy', metrics=['accuracy']), or define `loss`")
+        raise ModelError(
+            "the Keras model has no loss: compile it, e.g. model.compile(loss="
+            "'sparse_categorical_crossentropy', metrics=['accuracy']), or define `loss`"
+        )
     if isinstance(identifier, (list, tuple, dict)):
         raise ModelError("nbdist trains Keras models with one output and one loss; got several losses")
     if isinstance(identifier, str) and identifier.lower() in ("crossentropy", "ce"):

@@ -35,11 +35,15 @@ def check_stages(stages: list[Any]) -> None:
     """Every stage a torch module (a pipeline is PyTorch only), at least one parameter each."""
     for index, stage in enumerate(stages):
         if not isinstance(stage, nn.Module):
-            raise ModelError(f"--worker-parallel pipeline is PyTorch only: stage {index} of build_stages() is a "
-                             f"{type(stage).__name__}, not a torch.nn.Module")
+            raise ModelError(
+                f"--worker-parallel pipeline is PyTorch only: stage {index} of build_stages() is a "
+                f"{type(stage).__name__}, not a torch.nn.Module"
+            )
         if not any(p.requires_grad for p in stage.parameters()):
-            raise ModelError(f"--worker-parallel pipeline: stage {index} of build_stages() has no trainable "
-                             f"parameters; move its layers into a neighbouring stage")
+            raise ModelError(
+                f"--worker-parallel pipeline: stage {index} of build_stages() has no trainable "
+                f"parameters; move its layers into a neighbouring stage"
+            )
 
 
 def stage_model(stages: list[Any]) -> nn.Module:
@@ -76,8 +80,10 @@ class TorchStage(TorchBackend):
             x.requires_grad_(True)
         output = self.model(x)
         if not isinstance(output, torch.Tensor):
-            raise ModelError(f"--worker-parallel pipeline: stage {self.index} returned a {type(output).__name__}; "
-                             f"a stage returns one tensor")
+            raise ModelError(
+                f"--worker-parallel pipeline: stage {self.index} returned a {type(output).__name__}; "
+                f"a stage returns one tensor"
+            )
         self._saved[micro] = (None if self.first else x, output)
         if self.last:
             return None

@@ -16,14 +16,24 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from nbdist.backends.base import (SCRATCH_SIZE, Backend, BatchStats, DeviceRequest, DynamicLossScale, FlatOptimizer,
-                                  LrSchedule, ModelError, step_on_scratch)
+from nbdist.backends.base import (
+    SCRATCH_SIZE,
+    Backend,
+    BatchStats,
+    DeviceRequest,
+    DynamicLossScale,
+    FlatOptimizer,
+    LrSchedule,
+    ModelError,
+    step_on_scratch,
+)
 from nbdist.backends.frameworks import TORCH, unknown_optimizer
 from nbdist.specs import Spec, SpecError, check_kwargs, check_value_kinds, unknown_name
 
@@ -60,16 +70,25 @@ def _optimizer_class(spec: Spec) -> type[torch.optim.Optimizer]:
 # Schedulers an option string cannot build: they take functions (LambdaLR,
 # MultiplicativeLR) or other schedulers (SequentialLR, ChainedScheduler), or step on a
 # validation metric rather than by epoch (ReduceLROnPlateau).
-_UNNAMEABLE_SCHEDULES = {"lrscheduler", "_lrscheduler", "lambdalr", "multiplicativelr", "sequentiallr",
-                         "chainedscheduler", "reducelronplateau"}
+_UNNAMEABLE_SCHEDULES = {
+    "lrscheduler",
+    "_lrscheduler",
+    "lambdalr",
+    "multiplicativelr",
+    "sequentiallr",
+    "chainedscheduler",
+    "reducelronplateau",
+}
 
 
 def torch_lr_schedules() -> dict[str, type]:
     """torch.optim.lr_scheduler classes by lower-case name, those an option can name."""
     base = torch.optim.lr_scheduler.LRScheduler
-    return {value.__name__.lower(): value for value in vars(torch.optim.lr_scheduler).values()
-            if isinstance(value, type) and issubclass(value, base)
-            and value.__name__.lower() not in _UNNAMEABLE_SCHEDULES}
+    return {
+        value.__name__.lower(): value
+        for value in vars(torch.optim.lr_scheduler).values()
+        if isinstance(value, type) and issubclass(value, base) and value.__name__.lower() not in _UNNAMEABLE_SCHEDULES
+    }
 
 
 class TorchLrSchedule(LrSchedule):
@@ -110,7 +129,7 @@ class TorchFlatOptimizer(FlatOptimizer):
     parameters: 12 ms fused against ~50 ms for the default path on this kind of CPU).
     """
 
-    def __init__(self, cls: type[torch.optim.Optimizer], spec: Spec, params: "np.ndarray | torch.Tensor"):
+    def __init__(self, cls: type[torch.optim.Optimizer], spec: Spec, params: np.ndarray | torch.Tensor):
         self.spec = spec
         self._param = torch.as_tensor(params)
         kwargs = dict(spec.kwargs)
@@ -133,7 +152,7 @@ class TorchFlatOptimizer(FlatOptimizer):
         for group in self._opt.param_groups:
             group["lr"] = lr
 
-    def step(self, grad: "np.ndarray | torch.Tensor") -> None:
+    def step(self, grad: np.ndarray | torch.Tensor) -> None:
         self._param.grad = torch.as_tensor(grad)
         self._opt.step()
         self._param.grad = None
@@ -141,16 +160,15 @@ class TorchFlatOptimizer(FlatOptimizer):
     def state_arrays(self) -> dict[str, np.ndarray]:
         state = self._opt.state.get(self._param, {})
         return {
-            key: value.detach().cpu().numpy().copy()
-            for key, value in state.items()
-            if isinstance(value, torch.Tensor)
+            key: value.detach().cpu().numpy().copy() for key, value in state.items() if isinstance(value, torch.Tensor)
         }
 
     def load_state_arrays(self, arrays: dict[str, np.ndarray]) -> None:
         if not arrays:
             return
-        self._opt.state[self._param] = {k: torch.from_numpy(np.array(v)).to(self._param.device)
-                                        for k, v in arrays.items()}
+        self._opt.state[self._param] = {
+            k: torch.from_numpy(np.array(v)).to(self._param.device) for k, v in arrays.items()
+        }
 
 
 def _accuracy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -168,7 +186,7 @@ class TorchBackend(Backend):
         self,
         model: nn.Module,
         loss: Callable[[Any, Any], Any] | None = None,
-        metric: "str | Callable[[Any, Any], Any] | None" = "accuracy",
+        metric: str | Callable[[Any, Any], Any] | None = "accuracy",
         precision: str = "fp32",
     ):
         if not isinstance(model, nn.Module):
@@ -245,7 +263,7 @@ class TorchBackend(Backend):
     def num_params(self) -> int:
         return int(self._flat_params.numel())
 
-    def _set_metric(self, metric: "str | Callable | None") -> None:
+    def _set_metric(self, metric: str | Callable | None) -> None:
         if metric is None:
             self.metric_name, self._metric = None, None
         elif metric in ("accuracy", "acc"):
@@ -330,9 +348,7 @@ class TorchBackend(Backend):
                 start = hi
         if start < self.num_params:
             buckets.append((start, self.num_params))
-        self._bucket_of = [
-            next(i for i, (b0, b1) in enumerate(buckets) if b0 <= lo < b1) for lo, _ in self._slices
-        ]
+        self._bucket_of = [next(i for i, (b0, b1) in enumerate(buckets) if b0 <= lo < b1) for lo, _ in self._slices]
         self._bucket_sizes = [self._bucket_of.count(i) for i in range(len(buckets))]
         self._bucket_ranges = buckets
         self._on_ready = on_ready
@@ -351,8 +367,9 @@ class TorchBackend(Backend):
     # -- optimisers -------------------------------------------------------------------
     def check_optimizer(self, spec: Spec) -> float:
         cls = _optimizer_class(spec)
-        return step_on_scratch(spec, lambda scratch: TorchFlatOptimizer(cls, spec, scratch),
-                               np.zeros(SCRATCH_SIZE, np.float32))
+        return step_on_scratch(
+            spec, lambda scratch: TorchFlatOptimizer(cls, spec, scratch), np.zeros(SCRATCH_SIZE, np.float32)
+        )
 
     def make_optimizer(self, spec: Spec, params: np.ndarray | None = None) -> TorchFlatOptimizer:
         target = self.rule_params if params is None else params

@@ -19,7 +19,7 @@ Until a `reduce` is given, and in eval mode, a layer is plain BatchNorm.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -37,15 +37,17 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         xf = x.float()
         centred = xf - shift.view(shape)
         sums[:c] = centred.sum(dims)
-        sums[c: 2 * c] = (centred * centred).sum(dims)
+        sums[c : 2 * c] = (centred * centred).sum(dims)
         sums[2 * c] = x.numel() // c
         reduce(sums)
         count = float(sums[2 * c])
         if count <= 1:
-            raise ValueError(f"synchronised BatchNorm: expected more than 1 value per channel over all ranks when "
-                             f"training, got input of size {list(x.shape)} and {count:.0f} in all")
+            raise ValueError(
+                f"synchronised BatchNorm: expected more than 1 value per channel over all ranks when "
+                f"training, got input of size {list(x.shape)} and {count:.0f} in all"
+            )
         offset = sums[:c] / count
-        var = (sums[c: 2 * c] / count - offset * offset).clamp_min(0.0)
+        var = (sums[c : 2 * c] / count - offset * offset).clamp_min(0.0)
         mean = shift + offset
         invstd = torch.rsqrt(var + eps)
         xhat = (xf - mean.view(shape)) * invstd.view(shape)
@@ -68,12 +70,12 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:  # the same on every rank: the graph is the same
             sums = ctx.sums
             sums[:c] = sum_dy
-            sums[c: 2 * c] = sum_dy_xhat
+            sums[c : 2 * c] = sum_dy_xhat
             sums[2 * c] = 0.0
             ctx.reduce(sums)
-            mean_dy, mean_dy_xhat = sums[:c] / ctx.count, sums[c: 2 * c] / ctx.count
+            mean_dy, mean_dy_xhat = sums[:c] / ctx.count, sums[c : 2 * c] / ctx.count
             scale = invstd * weight if weight is not None else invstd
-            grad_x = ((dy - mean_dy.view(shape) - xhat * mean_dy_xhat.view(shape)) * scale.view(shape))
+            grad_x = (dy - mean_dy.view(shape) - xhat * mean_dy_xhat.view(shape)) * scale.view(shape)
             grad_x = grad_x.to(ctx.input_dtype)
         affine = weight is not None
         return grad_x, sum_dy_xhat if affine else None, sum_dy if affine else None, None, None, None, None
@@ -98,8 +100,9 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
 
     @classmethod
     def replacing(cls, layer: nn.modules.batchnorm._BatchNorm) -> SyncBatchNorm:
-        sync = cls(layer.num_features, layer.eps, layer.momentum, layer.affine, layer.track_running_stats,
-                   device="meta")
+        sync = cls(
+            layer.num_features, layer.eps, layer.momentum, layer.affine, layer.track_running_stats, device="meta"
+        )
         for name in ("weight", "bias", "running_mean", "running_var", "num_batches_tracked"):
             setattr(sync, name, getattr(layer, name))  # the same Parameter or buffer (or None)
         sync.train(layer.training)
@@ -114,10 +117,14 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         if self.track_running_stats:
             self.num_batches_tracked.add_(1)
             factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
-        shift = (self.running_mean.detach().float() if self.running_mean is not None
-                 else torch.zeros(x.shape[1], device=x.device))
-        out, mean, var = _SyncBatchNormFunction.apply(x, self.weight, self.bias, shift, self.eps, self.reduce,
-                                                      self._sums(x))
+        shift = (
+            self.running_mean.detach().float()
+            if self.running_mean is not None
+            else torch.zeros(x.shape[1], device=x.device)
+        )
+        out, mean, var = _SyncBatchNormFunction.apply(
+            x, self.weight, self.bias, shift, self.eps, self.reduce, self._sums(x)
+        )
         if self.track_running_stats:
             with torch.no_grad():
                 self.running_mean.mul_(1.0 - factor).add_(mean, alpha=factor)

@@ -34,9 +34,11 @@ def place(request: DeviceRequest) -> Placement:
         return Placement(torch.device("cuda", request.local_rank % gpus), tensors=True)
     if request.choice == "auto":
         return Placement(torch.device("cpu"), tensors=False)
-    raise ModelError(f"--device cuda: torch sees no GPU on {socket.gethostname()} "
-                     f"(torch.cuda.is_available() is False, torch {torch.__version__}, built for CUDA "
-                     f"{torch.version.cuda or 'none'}): use --device auto or cpu, or a CUDA build of torch")
+    raise ModelError(
+        f"--device cuda: torch sees no GPU on {socket.gethostname()} "
+        f"(torch.cuda.is_available() is False, torch {torch.__version__}, built for CUDA "
+        f"{torch.version.cuda or 'none'}): use --device auto or cpu, or a CUDA build of torch"
+    )
 
 
 class CudaCopier:

@@ -31,8 +31,17 @@ from tornado.websocket import WebSocketHandler
 
 from nbdist.errors import UserError
 
-__all__ = ["TOKEN_ENV", "TokenError", "TokenAuth", "dashboard_token", "token_on_command_line",
-           "SameOriginWebsocket", "cookie_name", "session_has_token", "TOKEN_REQUIRED_PAGE"]
+__all__ = [
+    "TOKEN_ENV",
+    "TokenError",
+    "TokenAuth",
+    "dashboard_token",
+    "token_on_command_line",
+    "SameOriginWebsocket",
+    "cookie_name",
+    "session_has_token",
+    "TOKEN_REQUIRED_PAGE",
+]
 
 TOKEN_ENV = "NBDIST_DASHBOARD_TOKEN"
 
@@ -63,8 +72,10 @@ def _read_token_file(path: Path) -> str:
         raise TokenError(f"--token-file {path} is not a file")
     # A token others can read (or replace) protects nothing.
     if mode & 0o077:
-        raise TokenError(f"--token-file {path} can be read or written by other users (mode "
-                         f"{stat.filemode(mode)}): make it yours alone with chmod 600 {path}")
+        raise TokenError(
+            f"--token-file {path} can be read or written by other users (mode "
+            f"{stat.filemode(mode)}): make it yours alone with chmod 600 {path}"
+        )
     token = path.read_text().strip()
     if not token:
         raise TokenError(f"--token-file {path} is empty: write the token into it")
@@ -73,9 +84,11 @@ def _read_token_file(path: Path) -> str:
 
 def token_on_command_line(option: str = "--token") -> TokenError:
     """The error for a token given as a command-line argument."""
-    return TokenError(f"{option} on the command line is visible to every user of this machine (ps): choose a "
-                      f"new token and put it in the environment ({TOKEN_ENV}=...) or in a file only you can "
-                      f"read (--token-file PATH, chmod 600), or give neither for a random one")
+    return TokenError(
+        f"{option} on the command line is visible to every user of this machine (ps): choose a "
+        f"new token and put it in the environment ({TOKEN_ENV}=...) or in a file only you can "
+        f"read (--token-file PATH, chmod 600), or give neither for a random one"
+    )
 
 
 def cookie_name(port: int | None) -> str:

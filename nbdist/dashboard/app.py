@@ -58,9 +58,13 @@ class _RunView:
         first = self.source.poll()
         frames = self.frames.ingest(first)
         metric = self.frames.metric_name or ("mmd" if info.options.get("gan") else "acc")
-        self.plots = RunPlots(ranks, workers, metric=metric,
-                              staleness_reference=queue_model_staleness(info.layout, info.options),
-                              every_samples=info.options.get("validate_every_samples"))
+        self.plots = RunPlots(
+            ranks,
+            workers,
+            metric=metric,
+            staleness_reference=queue_model_staleness(info.layout, info.options),
+            every_samples=info.options.get("validate_every_samples"),
+        )
         self.header = LiveMarkdown("", sizing_mode="stretch_width", name="nbdist-header")
         self.events = LiveMarkdown("", sizing_mode="stretch_width", name="nbdist-events")
         self.event_lines: list[str] = []
@@ -71,15 +75,19 @@ class _RunView:
         self.panel = pn.Column(
             self.header,
             self.events,
-            pn.Tabs(("by samples seen", pn.Row(bokeh(p.loss["samples_seen"]), bokeh(p.accuracy["samples_seen"]))),
-                    ("by wall time", pn.Row(bokeh(p.loss["t"]), bokeh(p.accuracy["t"])))),
+            pn.Tabs(
+                ("by samples seen", pn.Row(bokeh(p.loss["samples_seen"]), bokeh(p.accuracy["samples_seen"]))),
+                ("by wall time", pn.Row(bokeh(p.loss["t"]), bokeh(p.accuracy["t"]))),
+            ),
             pn.Row(bokeh(p.throughput.figure), bokeh(p.total_figure)),
             pn.Row(bokeh(p.staleness.figure), bokeh(p.staleness_figure)),
             pn.Column(bokeh(p.timeline_figure), pn.pane.HTML(phase_legend())),
             pn.Row(bokeh(p.cpu.figure), bokeh(p.memory.figure)),
             pn.Row(bokeh(p.bytes_sent.figure)),
-            pn.Row(pn.pane.HTML(layout_html(info.layout), name="nbdist-layout"),
-                   *([bokeh(p.gan_figure)] if info.options.get("gan") else [])),
+            pn.Row(
+                pn.pane.HTML(layout_html(info.layout), name="nbdist-layout"),
+                *([bokeh(p.gan_figure)] if info.options.get("gan") else []),
+            ),
         )
 
     def _show(self, records: list[dict[str, Any]], frames: Any) -> None:
@@ -106,11 +114,11 @@ class _RunView:
         epochs = info.options.get("epochs")
         if self.latest:
             parts.append(f"epoch {int(self.latest.get('epoch', 0))}/{epochs}")
-            parts += [f"{k} {v:.4f}" for k, v in self.latest.items()
-                      if k.startswith("val_") and isinstance(v, float)]
+            parts += [f"{k} {v:.4f}" for k, v in self.latest.items() if k.startswith("val_") and isinstance(v, float)]
         if info.started:
-            parts.append(f"{time.time() - info.started:.0f} s since start" if info.status == "running"
-                         else info.reason or "")
+            parts.append(
+                f"{time.time() - info.started:.0f} s since start" if info.status == "running" else info.reason or ""
+            )
         parts.append(f"{self.records} records")
         return "  ·  ".join(p for p in parts if p)
 
@@ -118,8 +126,16 @@ class _RunView:
 class Dashboard:
     """A run's dashboard, from a store (with pickers) or from a notebook job."""
 
-    def __init__(self, *, store: str | Path | None = None, job: Any = None, run: str | None = None,
-                 study: str | None = None, live: bool = True, period_ms: int = POLL_MS):
+    def __init__(
+        self,
+        *,
+        store: str | Path | None = None,
+        job: Any = None,
+        run: str | None = None,
+        study: str | None = None,
+        live: bool = True,
+        period_ms: int = POLL_MS,
+    ):
         if (store is None) == (job is None):
             raise ValueError("give the dashboard a store or a job")
         self.store_path = store if store is None or is_url(store) else Path(store)
@@ -149,17 +165,20 @@ class Dashboard:
         choices = run_choices(self._store)
         if run is not None and run not in choices.values():
             raise StoreError(f"no run {run!r} in the store {self._store.label}")
-        self.run_picker = pn.widgets.Select(label="run", options=choices, value=run or next(iter(choices.values()), None),
-                                            width=420)
-        self.compare_picker = pn.widgets.Select(label="compare with", options={"(none)": "", **choices}, value="",
-                                                width=420)
+        self.run_picker = pn.widgets.Select(
+            label="run", options=choices, value=run or next(iter(choices.values()), None), width=420
+        )
+        self.compare_picker = pn.widgets.Select(
+            label="compare with", options={"(none)": "", **choices}, value="", width=420
+        )
         self.run_picker.param.watch(lambda e: self.open_run(e.new), "value")
         self.compare_picker.param.watch(lambda e: self.compare(e.new), "value")
         widgets: list[Any] = [self.run_picker, self.compare_picker]
         studies = {s["id"]: s["id"] for s in self._store.studies()}
         if studies:
-            self.study_picker = pn.widgets.Select(label="study", options=studies, value=study or next(iter(studies)),
-                                                  width=300)
+            self.study_picker = pn.widgets.Select(
+                label="study", options=studies, value=study or next(iter(studies)), width=300
+            )
             self.study_picker.param.watch(lambda e: self.open_study(e.new), "value")
             widgets.append(self.study_picker)
             self.open_study(self.study_picker.value)
@@ -195,8 +214,11 @@ class Dashboard:
     def open_study(self, study_id: str) -> None:
         self.study = StudyPlots(self._store, study_id)
         self.study.update()
-        self.study_body[:] = [pn.pane.Markdown(f"### study {study_id}"),
-                              pn.Row(self.study.population, self.study.per_trial), self.study.parallel_plot]
+        self.study_body[:] = [
+            pn.pane.Markdown(f"### study {study_id}"),
+            pn.Row(self.study.population, self.study.per_trial),
+            self.study.parallel_plot,
+        ]
 
     # -- the live loop ------------------------------------------------------------------
     def _show(self, source: RecordSource, info: RunInfo) -> None:
@@ -244,7 +266,7 @@ class Dashboard:
         if self.study is not None:
             self.study.update()
 
-    def start(self) -> "Dashboard":
+    def start(self) -> Dashboard:
         """Poll the source while the page is shown (in this notebook or served session)."""
         if not self.live or self._started:
             return self
@@ -292,8 +314,15 @@ def _drain(source: StoreSource) -> list[dict[str, Any]]:
     return records
 
 
-def dashboard(store: str | Path | None = None, *, job: Any = None, run: str | None = None,
-              study: str | None = None, live: bool = True, period_ms: int = POLL_MS) -> Dashboard:
+def dashboard(
+    store: str | Path | None = None,
+    *,
+    job: Any = None,
+    run: str | None = None,
+    study: str | None = None,
+    live: bool = True,
+    period_ms: int = POLL_MS,
+) -> Dashboard:
     # Panel's notebook output loads Bokeh's and Panel's JavaScript from public CDNs by
     # default: a browser that cannot reach the internet (as on many HPC networks) then
     # draws nothing under the cell. Inline, the kernel sends it all (and a served page

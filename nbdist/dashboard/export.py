@@ -33,8 +33,13 @@ def export_html(store: str | Path, path: str | Path, *, run: str | None = None, 
     for model in root.select({"type": UIElement}):
         patch_inline_stylesheets(model)
     title = f"nbdist dashboard: {board.view.info.id if board.view else ''}"
-    save(doc, str(path), title=title, resources=INLINE,
-         template_variables={"app_favicon": _panel_icon(), "apple_icon": ""})  # else icons from the CDN
+    save(
+        doc,
+        str(path),
+        title=title,
+        resources=INLINE,
+        template_variables={"app_favicon": _panel_icon(), "apple_icon": ""},
+    )  # else icons from the CDN
     board.close()
     return path
 

@@ -28,8 +28,13 @@ PHASES = ("compute", "communicate", "wait")
 _PARTS = {
     "worker": {"compute_s": "compute", "send_s": "communicate", "wait_s": "wait"},
     "allreduce": {"compute_s": "compute", "update_s": "compute", "wait_s": "communicate"},
-    "master": {"update": "compute", "validate": "compute", "reply": "communicate", "uplink": "communicate",
-               "wait": "wait"},
+    "master": {
+        "update": "compute",
+        "validate": "compute",
+        "reply": "communicate",
+        "uplink": "communicate",
+        "wait": "wait",
+    },
 }
 
 
@@ -62,10 +67,21 @@ class Frames:
     events: list[tuple[float, str]] = field(default_factory=list)  # t, what happened (ranks lost, restarts)
 
     def empty(self) -> bool:
-        return not (self.throughput or self.bytes_sent or self.staleness or self.resources or self.ended
-                    or self.events) and all(
-            v is None for v in (self.total_throughput, self.staleness_counts, self.staleness_mean, self.train_loss,
-                                self.epochs, self.validations, self.timeline, self.gan))
+        return not (
+            self.throughput or self.bytes_sent or self.staleness or self.resources or self.ended or self.events
+        ) and all(
+            v is None
+            for v in (
+                self.total_throughput,
+                self.staleness_counts,
+                self.staleness_mean,
+                self.train_loss,
+                self.epochs,
+                self.validations,
+                self.timeline,
+                self.gan,
+            )
+        )
 
 
 GAN_KEYS = ("d_loss", "g_loss", "d_real", "d_fake")
@@ -116,14 +132,23 @@ class RunFrames:
             v = r["values"]
             self._rate.pop(v.get("rank"), None)
             where = f", host {v['host']}" if v.get("host") else ""
-            out.events.append((self._t(r["time"]), f"rank {v.get('rank')} ({v.get('role')} {v.get('worker')}{where}) "
-                                                    f"{v.get('cause')}: dropped, {v.get('workers_left')} workers go on"))
+            out.events.append(
+                (
+                    self._t(r["time"]),
+                    f"rank {v.get('rank')} ({v.get('role')} {v.get('worker')}{where}) "
+                    f"{v.get('cause')}: dropped, {v.get('workers_left')} workers go on",
+                )
+            )
         for r in restarts:
             v = r["values"]
             if r["rank"] == 0:  # every rank of the restart says so; one line
                 start = f"from checkpoint {v['checkpoint']}" if v.get("checkpoint") else "from the start"
-                out.events.append((self._t(r["time"]), f"restart {v.get('attempt')} on {v.get('ranks')} ranks "
-                                                        f"({v.get('layout')}), {start}"))
+                out.events.append(
+                    (
+                        self._t(r["time"]),
+                        f"restart {v.get('attempt')} on {v.get('ranks')} ranks ({v.get('layout')}), {start}",
+                    )
+                )
         out.events.sort()
 
     def _train(self, records: list[dict[str, Any]], out: Frames) -> None:
@@ -147,8 +172,7 @@ class RunFrames:
             if self.metric_name is None:
                 self.metric_name = next((k for k in v if k not in _TRAIN_KEYS and k not in GAN_KEYS), None)
             if samples and v.get("loss") is not None:
-                losses.append((t, self._samples_seen, v["loss"],
-                               v.get(self.metric_name) if self.metric_name else None))
+                losses.append((t, self._samples_seen, v["loss"], v.get(self.metric_name) if self.metric_name else None))
             if any(k in v for k in GAN_KEYS):
                 gan.append((t, self._samples_seen, *(v.get(k) for k in GAN_KEYS)))
             segments += self._segments(rank, t, phase_parts(v, kind))
@@ -174,16 +198,20 @@ class RunFrames:
         if not per_rank:
             return
         out.staleness = {
-            rank: pd.DataFrame([(max(t for t, _, _ in pts), _mean_staleness(pts), max(s for _, s, _ in pts))],
-                               columns=["t", "staleness", "max"])
+            rank: pd.DataFrame(
+                [(max(t for t, _, _ in pts), _mean_staleness(pts), max(s for _, s, _ in pts))],
+                columns=["t", "staleness", "max"],
+            )
             for rank, pts in per_rank.items()
         }
         every = [p for pts in per_rank.values() for p in pts]
-        out.staleness_mean = pd.DataFrame([(max(t for t, _, _ in every), _mean_staleness(every))],
-                                          columns=["t", "staleness"])
+        out.staleness_mean = pd.DataFrame(
+            [(max(t for t, _, _ in every), _mean_staleness(every))], columns=["t", "staleness"]
+        )
         out.staleness_counts = pd.DataFrame(
             [(rank, value, count) for (rank, value), count in sorted(self._staleness.items())],
-            columns=["rank", "staleness", "count"])
+            columns=["rank", "staleness", "count"],
+        )
 
     def _masters(self, records: list[dict[str, Any]], out: Frames) -> None:
         segments = []
@@ -245,8 +273,7 @@ class RunFrames:
 
 
 # The keys of a 'train' record that are not its metric.
-_TRAIN_KEYS = {"samples", "samples_per_s", "loss", "compute_s", "send_s", "wait_s", "update_s", "version",
-               "bytes_sent"}
+_TRAIN_KEYS = {"samples", "samples_per_s", "loss", "compute_s", "send_s", "wait_s", "update_s", "version", "bytes_sent"}
 
 
 def _mean_staleness(points: list[tuple[float, int, int]]) -> float:

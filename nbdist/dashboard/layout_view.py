@@ -11,8 +11,13 @@ from typing import Any
 
 __all__ = ["layout_html", "ROLE_COLORS"]
 
-ROLE_COLORS = {"coordinator": "#9467bd", "group": "#7f7f7f", "fold": "#bcbd22", "master": "#ff7f0e",
-               "worker": "#1f77b4"}
+ROLE_COLORS = {
+    "coordinator": "#9467bd",
+    "group": "#7f7f7f",
+    "fold": "#bcbd22",
+    "master": "#ff7f0e",
+    "worker": "#1f77b4",
+}
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -37,8 +42,10 @@ def _label(node: dict[str, Any]) -> str:
 
 def _node(node: dict[str, Any]) -> str:
     color = ROLE_COLORS.get(node["kind"], "#333")
-    badge = (f'<span class="nbdist-role nbdist-role-{node["kind"]}" style="background:{color};color:white;'
-             f'border-radius:3px;padding:0 5px;margin-right:6px">{html.escape(_label(node))}</span>')
+    badge = (
+        f'<span class="nbdist-role nbdist-role-{node["kind"]}" style="background:{color};color:white;'
+        f'border-radius:3px;padding:0 5px;margin-right:6px">{html.escape(_label(node))}</span>'
+    )
     children = "".join(_node(c) for c in node.get("children", []))
     inner = f"<ul style='list-style:none;padding-left:18px;margin:2px 0'>{children}</ul>" if children else ""
     return f"<li>{badge}<span style='color:#555'>{_ranks(node.get('ranks', []))}</span>{inner}</li>"
@@ -50,5 +57,7 @@ def layout_html(layout: dict[str, Any]) -> str:
         return "<i>no layout recorded for this run</i>"
     title = html.escape(f"{layout['options'].get('topology', '')} layout, {layout.get('describe', '')}")
     nodes = "".join(_node(n) for n in layout["nodes"])
-    return (f"<div class='nbdist-layout' style='font-family:monospace;font-size:12px'><b>{title}</b>"
-            f"<ul style='list-style:none;padding-left:0;margin:4px 0'>{nodes}</ul></div>")
+    return (
+        f"<div class='nbdist-layout' style='font-family:monospace;font-size:12px'><b>{title}</b>"
+        f"<ul style='list-style:none;padding-left:0;margin:4px 0'>{nodes}</ul></div>"
+    )

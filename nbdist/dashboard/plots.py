@@ -33,9 +33,17 @@ WIDTH, HEIGHT = 520, 270
 
 
 def _figure(name: str, title: str, xlabel: str, ylabel: str, **extra: Any) -> Any:
-    fig = figure(name=f"nbdist-{name}", title=title, width=extra.pop("width", WIDTH),
-                 height=extra.pop("height", HEIGHT), x_axis_label=xlabel, y_axis_label=ylabel,
-                 toolbar_location="above", tools="pan,box_zoom,wheel_zoom,reset,save", **extra)
+    fig = figure(
+        name=f"nbdist-{name}",
+        title=title,
+        width=extra.pop("width", WIDTH),
+        height=extra.pop("height", HEIGHT),
+        x_axis_label=xlabel,
+        y_axis_label=ylabel,
+        toolbar_location="above",
+        tools="pan,box_zoom,wheel_zoom,reset,save",
+        **extra,
+    )
     return fig
 
 
@@ -52,8 +60,17 @@ def _stream(source: ColumnDataSource, frame: pd.DataFrame, rollover: int = HISTO
 class _RankLines:
     """One line per rank, each on its own data source, legend outside the plot."""
 
-    def __init__(self, name: str, title: str, ranks: list[int], x: str, y: str, xlabel: str, ylabel: str,
-                 extra: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        name: str,
+        title: str,
+        ranks: list[int],
+        x: str,
+        y: str,
+        xlabel: str,
+        ylabel: str,
+        extra: tuple[str, ...] = (),
+    ):
         shown = ranks[:MAX_RANK_LINES]
         if len(ranks) > len(shown):
             title += f" (first {len(shown)} of {len(ranks)} ranks)"
@@ -92,68 +109,109 @@ class RunPlots:
     drawn across the staleness plot. `every_samples`: the run's --validate-every-samples
     (its validations between the epochs' are drawn as small points)."""
 
-    def __init__(self, ranks: list[int], worker_ranks: list[int], metric: str = "acc",
-                 staleness_reference: int | None = None, every_samples: int | None = None):
+    def __init__(
+        self,
+        ranks: list[int],
+        worker_ranks: list[int],
+        metric: str = "acc",
+        staleness_reference: int | None = None,
+        every_samples: int | None = None,
+    ):
         self.every_samples = every_samples
         self.metric = metric
         self.shown_ranks = ranks[:MAX_RANK_LINES]
         time_label = "wall time [s]"
-        self.throughput = _RankLines("throughput", "Throughput per rank", worker_ranks, "t", "samples_per_s",
-                                     time_label, "samples/s")
+        self.throughput = _RankLines(
+            "throughput", "Throughput per rank", worker_ranks, "t", "samples_per_s", time_label, "samples/s"
+        )
         self.total = ColumnDataSource({"t": [], "samples_per_s": []})
         self.total_figure = _figure("total-throughput", "Throughput, all workers", time_label, "samples/s")
         self.total_figure.line("t", "samples_per_s", source=self.total, color="black", line_width=2)
-        self.bytes_sent = _RankLines("bytes-sent", "Data sent per rank: gradients, messages (--compression)",
-                                     worker_ranks, "t", "mb_sent", time_label, "MB sent since the start")
+        self.bytes_sent = _RankLines(
+            "bytes-sent",
+            "Data sent per rank: gradients, messages (--compression)",
+            worker_ranks,
+            "t",
+            "mb_sent",
+            time_label,
+            "MB sent since the start",
+        )
 
-        self.staleness = _RankLines("staleness", "Gradient staleness per worker", worker_ranks, "t", "staleness",
-                                    time_label, "staleness (mean per point)", extra=("max",))
+        self.staleness = _RankLines(
+            "staleness",
+            "Gradient staleness per worker",
+            worker_ranks,
+            "t",
+            "staleness",
+            time_label,
+            "staleness (mean per point)",
+            extra=("max",),
+        )
         self.staleness_mean = ColumnDataSource({"t": [], "staleness": []})
         mean = self.staleness.figure.line("t", "staleness", source=self.staleness_mean, color="black", line_width=2.5)
         self.staleness.legend.items.insert(0, LegendItem(label="all workers", renderers=[mean]))
         self.staleness_reference = staleness_reference
         if staleness_reference is not None:
             # A glyph, not an annotation: the plot's range then always takes it in.
-            reference = self.staleness.figure.hspan(y=[staleness_reference], line_color="black", line_width=1.5,
-                                                    line_dash="dashed", name="nbdist-staleness-reference")
-            self.staleness.legend.items.insert(1, LegendItem(
-                label=f"queue model: n-1 = {staleness_reference}", renderers=[reference]))
+            reference = self.staleness.figure.hspan(
+                y=[staleness_reference],
+                line_color="black",
+                line_width=1.5,
+                line_dash="dashed",
+                name="nbdist-staleness-reference",
+            )
+            self.staleness.legend.items.insert(
+                1, LegendItem(label=f"queue model: n-1 = {staleness_reference}", renderers=[reference])
+            )
         self.staleness_ranks = [f"rank {r}" for r in worker_ranks[:MAX_RANK_LINES]]
         self.staleness_counts = ColumnDataSource({"staleness": [], **{r: [] for r in self.staleness_ranks}})
-        self.staleness_figure = _figure("staleness-distribution", "Staleness distribution (updates per value)",
-                                        "staleness", "updates")
+        self.staleness_figure = _figure(
+            "staleness-distribution", "Staleness distribution (updates per value)", "staleness", "updates"
+        )
         if self.staleness_ranks:
             self.staleness_figure.vbar_stack(
-                self.staleness_ranks, x="staleness", width=0.8, source=self.staleness_counts,
-                color=[_color(i) for i in range(len(self.staleness_ranks))], legend_label=self.staleness_ranks)
+                self.staleness_ranks,
+                x="staleness",
+                width=0.8,
+                source=self.staleness_counts,
+                color=[_color(i) for i in range(len(self.staleness_ranks))],
+                legend_label=self.staleness_ranks,
+            )
             self.staleness_figure.legend.location = "top_right"
 
         # One source per kind of curve, shared by the figures that draw it: a row
         # streamed once appears in all of them.
         self.train_loss = ColumnDataSource({"t": [], "samples_seen": [], "loss": [], "metric": []})
         val = f"val_{metric}"
-        self.epochs = ColumnDataSource({"epoch": [], "t": [], "samples_seen": [], "train_loss": [],
-                                        "val_loss": [], val: []})
+        self.epochs = ColumnDataSource(
+            {"epoch": [], "t": [], "samples_seen": [], "train_loss": [], "val_loss": [], val: []}
+        )
         self.compare = ColumnDataSource({"t": [], "samples_seen": [], "val_loss": [], val: []})
         self.validations = ColumnDataSource({"t": [], "samples_seen": [], "val_loss": [], val: []})
         self.loss = {x: self._curves("loss", x) for x in ("samples_seen", "t")}
         self.accuracy = {x: self._curves(metric, x) for x in ("samples_seen", "t")}
 
-        self.timeline = ColumnDataSource({"x0": [], "y0": [], "x1": [], "y1": [], "rank": [], "phase": [],
-                                          "color": []})
+        self.timeline = ColumnDataSource({"x0": [], "y0": [], "x1": [], "y1": [], "rank": [], "phase": [], "color": []})
         self.timeline_figure = _figure(
-            "timeline", "Timeline per rank: compute / communicate / wait", time_label, "rank",
-            width=2 * WIDTH + 20, height=max(180, 36 * len(self.shown_ranks) + 80))
-        self.timeline_figure.quad(left="x0", right="x1", bottom="y0", top="y1", color="color", line_alpha=0,
-                                  source=self.timeline)
+            "timeline",
+            "Timeline per rank: compute / communicate / wait",
+            time_label,
+            "rank",
+            width=2 * WIDTH + 20,
+            height=max(180, 36 * len(self.shown_ranks) + 80),
+        )
+        self.timeline_figure.quad(
+            left="x0", right="x1", bottom="y0", top="y1", color="color", line_alpha=0, source=self.timeline
+        )
         self.timeline_figure.yaxis.ticker = self.shown_ranks
         self.timeline_figure.add_tools(HoverTool(tooltips=[("rank", "@rank"), ("phase", "@phase")]))
 
         self.cpu = _RankLines("cpu", "CPU per rank", ranks, "t", "cpu_percent", time_label, "% of one core")
         self.memory = _RankLines("memory", "Memory per rank", ranks, "t", "rss_mb", time_label, "resident MB")
 
-        self.gan = ColumnDataSource({"t": [], "samples_seen": [], "d_loss": [], "g_loss": [], "d_real": [],
-                                     "d_fake": []})
+        self.gan = ColumnDataSource(
+            {"t": [], "samples_seen": [], "d_loss": [], "g_loss": [], "d_real": [], "d_fake": []}
+        )
         self.gan_figure = _figure("gan", "GAN: losses, D(x) and D(G(z))", "samples seen", "")
         for i, y in enumerate(("d_loss", "g_loss", "d_real", "d_fake")):
             self.gan_figure.line("samples_seen", y, source=self.gan, color=_color(i), legend_label=y)
@@ -169,8 +227,16 @@ class RunPlots:
         fig.line(x, val, source=self.epochs, color="#ff7f0e", line_width=3, legend_label=f"validation {title}")
         points = fig.scatter(x, val, source=self.epochs, color="#ff7f0e", size=6)
         labelled = {"legend_label": f"validation every {self.every_samples} samples"} if self.every_samples else {}
-        fig.scatter(x, val, source=self.validations, color="#ff7f0e", size=4, fill_alpha=0.3,
-                    name=f"nbdist-{name}-sampled", **labelled)
+        fig.scatter(
+            x,
+            val,
+            source=self.validations,
+            color="#ff7f0e",
+            size=4,
+            fill_alpha=0.3,
+            name=f"nbdist-{name}-sampled",
+            **labelled,
+        )
         fig.line(x, val, source=self.compare, color="gray", line_dash="dashed", legend_label="compared run")
         fig.add_tools(HoverTool(renderers=[points], tooltips=[("epoch", "@epoch"), (title, f"@{val}{{0.0000}}")]))
         fig.legend.location = "top_right" if what == "loss" else "bottom_right"
@@ -195,8 +261,11 @@ class RunPlots:
             _stream(self.validations, self._epoch_columns(frames.validations, self.validations))
         if frames.timeline is not None:
             timeline = frames.timeline[frames.timeline["rank"].isin(self.shown_ranks)]
-            _stream(self.timeline, timeline.assign(color=timeline["phase"].map(PHASE_COLORS)),
-                    rollover=6 * TIMELINE_SECONDS * max(len(self.shown_ranks), 1))
+            _stream(
+                self.timeline,
+                timeline.assign(color=timeline["phase"].map(PHASE_COLORS)),
+                rollover=6 * TIMELINE_SECONDS * max(len(self.shown_ranks), 1),
+            )
         self.cpu.send(frames.resources)
         self.memory.send(frames.resources)
         if frames.gan is not None:
@@ -222,12 +291,18 @@ class RunPlots:
 
     @property
     def figures(self) -> dict[str, Any]:
-        return {"throughput": self.throughput.figure, "total-throughput": self.total_figure,
-                "bytes-sent": self.bytes_sent.figure,
-                "staleness": self.staleness.figure, "staleness-distribution": self.staleness_figure,
-                "timeline": self.timeline_figure, "cpu": self.cpu.figure, "memory": self.memory.figure,
-                "gan": self.gan_figure, **{f.name.removeprefix("nbdist-"): f for f in
-                                           [*self.loss.values(), *self.accuracy.values()]}}
+        return {
+            "throughput": self.throughput.figure,
+            "total-throughput": self.total_figure,
+            "bytes-sent": self.bytes_sent.figure,
+            "staleness": self.staleness.figure,
+            "staleness-distribution": self.staleness_figure,
+            "timeline": self.timeline_figure,
+            "cpu": self.cpu.figure,
+            "memory": self.memory.figure,
+            "gan": self.gan_figure,
+            **{f.name.removeprefix("nbdist-"): f for f in [*self.loss.values(), *self.accuracy.values()]},
+        }
 
 
 def _metric_title(metric: str) -> str:
@@ -237,5 +312,7 @@ def _metric_title(metric: str) -> str:
 def phase_legend() -> str:
     swatches = "".join(
         f'<span style="display:inline-block;width:12px;height:12px;background:{PHASE_COLORS[p]};'
-        f'margin:0 4px 0 12px"></span>{p}' for p in PHASES)
+        f'margin:0 4px 0 12px"></span>{p}'
+        for p in PHASES
+    )
     return f"<div style='font-size:12px'>{swatches}</div>"

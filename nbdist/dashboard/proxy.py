@@ -33,10 +33,20 @@ def server_process() -> dict[str, Any]:
     store = os.environ.get("NBDIST_STORE", "runs/nbdist.db")
     token = secrets.token_urlsafe(32)
     return {
-        "command": [sys.executable, "-m", "nbdist", "dashboard", "--store", store, "--unix-socket", "{unix_socket}",
-                    "--prefix", "{base_url}" + PROXY_NAME,
-                    # Opened before the first run, it shows the runs to come.
-                    "--create"],
+        "command": [
+            sys.executable,
+            "-m",
+            "nbdist",
+            "dashboard",
+            "--store",
+            store,
+            "--unix-socket",
+            "{unix_socket}",
+            "--prefix",
+            "{base_url}" + PROXY_NAME,
+            # Opened before the first run, it shows the runs to come.
+            "--create",
+        ],
         "unix_socket": True,
         "environment": {TOKEN_ENV: token},
         "request_headers_override": {"Authorization": f"token {token}"},

@@ -42,15 +42,27 @@ def existing_store(store: str | Path) -> str | Path:
         inside = " (it holds one: --store " + str(path / STORE_FILE) + ")" if (path / STORE_FILE).is_file() else ""
         raise DashboardError(f"--store {store} is a directory, not a run store file{inside}")
     if not path.exists():
-        raise DashboardError(f"--store {store}: no such run store; runs record in RUNS_DIR/{STORE_FILE} "
-                             f"(runs/{STORE_FILE} by default) or in the --store they were given "
-                             f"(add --create to start the dashboard before the first run)")
+        raise DashboardError(
+            f"--store {store}: no such run store; runs record in RUNS_DIR/{STORE_FILE} "
+            f"(runs/{STORE_FILE} by default) or in the --store they were given "
+            f"(add --create to start the dashboard before the first run)"
+        )
     return path
 
 
-def serve(store: str | Path, *, address: str = "127.0.0.1", port: int = 5006, prefix: str = "",
-          token: str | None = None, unix_socket: str | Path | None = None, run: str | None = None,
-          allow_origin: list[str] | None = None, show: bool = False, create: bool = False) -> Any:
+def serve(
+    store: str | Path,
+    *,
+    address: str = "127.0.0.1",
+    port: int = 5006,
+    prefix: str = "",
+    token: str | None = None,
+    unix_socket: str | Path | None = None,
+    run: str | None = None,
+    allow_origin: list[str] | None = None,
+    show: bool = False,
+    create: bool = False,
+) -> Any:
     """Serve the dashboard of `store` until interrupted. Returns when the server stops.
     `token`: what every request must carry (default: $NBDIST_DASHBOARD_TOKEN, else a
     fresh random one). `unix_socket`: listen on this socket instead of `address`/`port`.
@@ -73,12 +85,20 @@ def serve(store: str | Path, *, address: str = "127.0.0.1", port: int = 5006, pr
         else:
             port = free_port(address) if port == 0 else port
             listen = {"address": address, "port": port, "websocket_origin": allow_origin or _origins(address, port)}
-        auth = TokenAuth(token, cookie=cookie_name(port if unix_socket is None else None),
-                         cookie_path=prefix.rstrip("/") + "/")
+        auth = TokenAuth(
+            token, cookie=cookie_name(port if unix_socket is None else None), cookie_path=prefix.rstrip("/") + "/"
+        )
         # Panel adds what the factory returns to each session's page: return the page, not .servable().
-        server = pn.serve({APP_PATH: lambda: dashboard(store, run=run).start().page}, prefix=prefix, show=False,
-                          start=False, verbose=False, title="nbdist dashboard", auth_provider=auth,
-                          **listen)
+        server = pn.serve(
+            {APP_PATH: lambda: dashboard(store, run=run).start().page},
+            prefix=prefix,
+            show=False,
+            start=False,
+            verbose=False,
+            title="nbdist dashboard",
+            auth_provider=auth,
+            **listen,
+        )
     except OSError as exc:
         raise _cannot_listen(exc, address, port, unix_socket) from None
     if unix_socket is not None and not allow_origin:
@@ -119,10 +139,14 @@ def _cannot_listen(exc: OSError, address: str, port: int, unix_socket: str | Pat
     if unix_socket is not None:
         return DashboardError(f"cannot listen on the Unix socket {unix_socket}: {exc.strerror or exc}")
     if exc.errno == errno.EADDRINUSE:
-        return DashboardError(f"port {port} on {address} is in use (another dashboard?): choose another with "
-                              f"--port, or --port 0 for any free port")
-    return DashboardError(f"cannot listen on {address} port {port}: {exc.strerror or exc}; --address takes an "
-                          f"interface of this machine: 127.0.0.1 (the default), or 0.0.0.0 for all")
+        return DashboardError(
+            f"port {port} on {address} is in use (another dashboard?): choose another with "
+            f"--port, or --port 0 for any free port"
+        )
+    return DashboardError(
+        f"cannot listen on {address} port {port}: {exc.strerror or exc}; --address takes an "
+        f"interface of this machine: 127.0.0.1 (the default), or 0.0.0.0 for all"
+    )
 
 
 def free_port(address: str) -> int:

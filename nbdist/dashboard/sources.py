@@ -48,8 +48,15 @@ class StoreSource:
 
     def info(self) -> RunInfo:
         run = self._store.run(self.run_id)
-        return RunInfo(run.id, run.status, run.options.get("topology", "master-worker"), run.layout, run.options,
-                       run.started, run.reason)
+        return RunInfo(
+            run.id,
+            run.status,
+            run.options.get("topology", "master-worker"),
+            run.layout,
+            run.options,
+            run.started,
+            run.reason,
+        )
 
     def poll(self) -> list[dict[str, Any]]:
         records, self._after = self._store.records(self.run_id, after=self._after, limit=self.batch)
@@ -72,8 +79,15 @@ class JobSource:
         if run_id is None:
             return None
         status = self.job.status
-        return RunInfo(run_id, status, self.job.options.topology, self.job.layout, self.job.options.to_dict(),
-                       self.job.started, None)
+        return RunInfo(
+            run_id,
+            status,
+            self.job.options.topology,
+            self.job.layout,
+            self.job.options.to_dict(),
+            self.job.started,
+            None,
+        )
 
     def poll(self) -> list[dict[str, Any]]:
         self.job.live.poll()
@@ -97,7 +111,17 @@ def trials_frame(trials: list[TrialRow]) -> Any:
     """A study's trials as a DataFrame, one row each, the parameters as columns."""
     import pandas as pd
 
-    rows = [{"trial": t.number, "state": t.state, "fom": t.fom, "fom_std": t.fom_std, "generation": t.generation,
-             "group": t.group, "folds": len(t.folds), **{f"param.{k}": v for k, v in t.params.items()}}
-            for t in trials]
+    rows = [
+        {
+            "trial": t.number,
+            "state": t.state,
+            "fom": t.fom,
+            "fom_std": t.fom_std,
+            "generation": t.generation,
+            "group": t.group,
+            "folds": len(t.folds),
+            **{f"param.{k}": v for k, v in t.params.items()},
+        }
+        for t in trials
+    ]
     return pd.DataFrame(rows)

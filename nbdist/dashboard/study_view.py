@@ -10,7 +10,8 @@ seen so far, so they are redrawn as a whole (a study has tens to hundreds of tri
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import holoviews as hv
 import numpy as np
@@ -32,6 +33,8 @@ def _named(name: str) -> Callable[[Any, Any], None]:
         plot.state.name = f"nbdist-{name}"
 
     return hook
+
+
 _COLUMNS = ["trial", "generation", "fom", "low", "high", "best"]
 
 
@@ -51,22 +54,44 @@ class StudyPlots:
         self.trials = Pipe(data=_table(self._rows))
         self.parallel = Pipe(data=[])
         fom = self.objective
-        population = hv.DynamicMap(lambda data: hv.Scatter(data, "generation", ["fom", "trial"]),
-                                   streams=[self.trials])
+        population = hv.DynamicMap(lambda data: hv.Scatter(data, "generation", ["fom", "trial"]), streams=[self.trials])
         self.population = population.opts(
-            title=f"Population per generation ({fom})", width=WIDTH, height=HEIGHT, size=7, tools=["hover"],
-            hooks=[_named("population")], xlabel="generation (trial batch for bayes/random)", ylabel=fom)
+            title=f"Population per generation ({fom})",
+            width=WIDTH,
+            height=HEIGHT,
+            size=7,
+            tools=["hover"],
+            hooks=[_named("population")],
+            xlabel="generation (trial batch for bayes/random)",
+            ylabel=fom,
+        )
         # One map drawing the three layers (not three maps on one stream, multiplied):
         # under a notebook cell only the first update of such a product reached the browser.
         per_trial = hv.DynamicMap(_per_trial_layers, streams=[self.trials])
         self.per_trial = per_trial.opts(
-            title=f"{fom} per trial", width=WIDTH, height=HEIGHT, hooks=[_named("trials")], xlabel="trial",
-            ylabel=fom, legend_position="top_right")
+            title=f"{fom} per trial",
+            width=WIDTH,
+            height=HEIGHT,
+            hooks=[_named("trials")],
+            xlabel="trial",
+            ylabel=fom,
+            legend_position="top_right",
+        )
         coords = hv.DynamicMap(_parallel_element, streams=[self.parallel])
         self.parallel_plot = coords.opts(
-            title="Parameters vs figure of merit", width=2 * WIDTH + 20, height=HEIGHT, color="fom",
-            cmap="viridis_r" if not self.maximize else "viridis", colorbar=True, line_width=2, alpha=0.8,
-            hooks=[_named("parallel-coordinates")], xlabel="", ylabel="normalised value", tools=["hover"])
+            title="Parameters vs figure of merit",
+            width=2 * WIDTH + 20,
+            height=HEIGHT,
+            color="fom",
+            cmap="viridis_r" if not self.maximize else "viridis",
+            colorbar=True,
+            line_width=2,
+            alpha=0.8,
+            hooks=[_named("parallel-coordinates")],
+            xlabel="",
+            ylabel="normalised value",
+            tools=["hover"],
+        )
 
     def update(self) -> int:
         """Append the trials that finished since the last update; returns how many."""
@@ -93,8 +118,9 @@ def _per_trial_layers(data: pd.DataFrame) -> hv.Overlay:
     """Each trial's figure of merit, its spread over folds, and the best so far."""
     spread = hv.Segments(data, ["trial", "low", "trial", "high"], label="fold spread").opts(color="gray")
     points = hv.Scatter(data, "trial", ["fom", "generation"], label="mean over folds").opts(size=6, tools=["hover"])
-    best = hv.Curve(data, "trial", "best", label="best so far").opts(color="black", line_width=2,
-                                                                     interpolation="steps-post")
+    best = hv.Curve(data, "trial", "best", label="best so far").opts(
+        color="black", line_width=2, interpolation="steps-post"
+    )
     return spread * points * best
 
 

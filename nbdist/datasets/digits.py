@@ -18,8 +18,9 @@ from nbdist.data.arrays import ArrayData
 __all__ = ["digits", "load_digits_arrays", "stratified_split"]
 
 
-def digits(*, images: bool = False, val_fraction: float = 0.2, seed: int = 0,
-           pixel_range: tuple[float, float] = (0.0, 1.0)) -> ArrayData:
+def digits(
+    *, images: bool = False, val_fraction: float = 0.2, seed: int = 0, pixel_range: tuple[float, float] = (0.0, 1.0)
+) -> ArrayData:
     """Digits split into train and validation sets, pixels scaled to `pixel_range`
     ((-1, 1) suits a generator ending in tanh).
 
@@ -41,8 +42,9 @@ def load_digits_arrays() -> tuple[np.ndarray, np.ndarray]:
     """(pixels (1797, 64) in 0..16, labels (1797,)), as `sklearn.datasets.load_digits`."""
     spec = importlib.util.find_spec("sklearn")  # finds the package without importing it
     if spec is None or not spec.submodule_search_locations:
-        raise ImportError("nbdist.datasets.digits needs scikit-learn (pip install scikit-learn): "
-                          "the digits ship inside it")
+        raise ImportError(
+            "nbdist.datasets.digits needs scikit-learn (pip install scikit-learn): the digits ship inside it"
+        )
     path = Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz"
     if not path.exists():  # a scikit-learn that keeps them elsewhere: ask it
         from sklearn.datasets import load_digits

@@ -20,10 +20,11 @@ import json
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -82,8 +83,13 @@ class Spec:
         return lines if self.underlying_event else [*lines, "PartonLevel:MPI = off"]
 
     def fingerprint(self, job: FileJob) -> str:
-        what = {"format": FORMAT, "job": asdict(job), "signal": self.settings(job, self.signal),
-                "background": self.settings(job, "qcd"), "cuts": asdict(self.cuts)}
+        what = {
+            "format": FORMAT,
+            "job": asdict(job),
+            "signal": self.settings(job, self.signal),
+            "background": self.settings(job, "qcd"),
+            "cuts": asdict(self.cuts),
+        }
         return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -123,8 +129,9 @@ class JetSample:
         """Everything in memory (small samples): images and labels, train and val."""
         x_train, y_train = self.read("features", "labels", split="train")
         x_val, y_val = self.read("features", "labels", split="val")
-        return ArrayData(x_train, y_train, x_val, y_val, name=f"jet images ({self.settings['signal']} vs qcd)",
-                         num_classes=2)
+        return ArrayData(
+            x_train, y_train, x_val, y_val, name=f"jet images ({self.settings['signal']} vs qcd)", num_classes=2
+        )
 
     def __str__(self) -> str:
         n_train = sum(j["n"] for j in self.settings["files"] if j["split"] == "train")
@@ -132,16 +139,31 @@ class JetSample:
         how = f"made {self.made} files in {self.seconds:.1f} s" if self.made else ""
         if self.reused:
             how += (", " if how else "") + f"reused {self.reused} already made with these settings"
-        return (f"{n_train} training jets in {len(self.train_files)} files and {n_val} validation jets in "
-                f"{len(self.val_files)} files ({self.settings['signal']} vs qcd, {how}): "
-                f"--train '{self.train}' --val '{self.val}'")
+        return (
+            f"{n_train} training jets in {len(self.train_files)} files and {n_val} validation jets in "
+            f"{len(self.val_files)} files ({self.settings['signal']} vs qcd, {how}): "
+            f"--train '{self.train}' --val '{self.val}'"
+        )
 
 
-def jet_images(out: str | Path, *, signal: str = "top", events: int = 2000, files: int = 4,
-               val_fraction: float = 0.2, pixels: int = 32, radius: float = 0.8,
-               pt_range: tuple[float, float] = (550.0, 650.0), eta_max: float = 2.0,
-               underlying_event: bool = True, seed: int = 0, cluster: Any = None, comm: Any = None,
-               progress: bool = True, overwrite: bool = False) -> JetSample:
+def jet_images(
+    out: str | Path,
+    *,
+    signal: str = "top",
+    events: int = 2000,
+    files: int = 4,
+    val_fraction: float = 0.2,
+    pixels: int = 32,
+    radius: float = 0.8,
+    pt_range: tuple[float, float] = (550.0, 650.0),
+    eta_max: float = 2.0,
+    underlying_event: bool = True,
+    seed: int = 0,
+    cluster: Any = None,
+    comm: Any = None,
+    progress: bool = True,
+    overwrite: bool = False,
+) -> JetSample:
     """Generate `events` jet images, half signal (`top` or `w`), half QCD, into `out`.
 
     `files` training files get the training jets; validation jets (`val_fraction` of
@@ -167,17 +189,24 @@ def jet_images(out: str | Path, *, signal: str = "top", events: int = 2000, file
         _on_cluster(cluster, spec, directory, todo, progress)
     else:
         mine = todo[rank::size]
-        bar = _bar(sum(j.n for j in mine), progress and rank == 0,
-                   f"jets ({signal} vs qcd)" + (f", rank 0 of {size}" if size > 1 else ""))
+        bar = _bar(
+            sum(j.n for j in mine),
+            progress and rank == 0,
+            f"jets ({signal} vs qcd)" + (f", rank 0 of {size}" if size > 1 else ""),
+        )
         try:
             # Under MPI also a barrier: every rank's files are written before any returns.
             _together(comm, lambda: _make_files(spec, directory, mine, bar.update))
         finally:
             bar.close()
     return JetSample(
-        directory, [directory / j.name for j in spec.jobs if j.split == "train"],
-        [directory / j.name for j in spec.jobs if j.split == "val"], _describe(spec),
-        made=len(todo), reused=len(spec.jobs) - len(todo), seconds=time.time() - started,
+        directory,
+        [directory / j.name for j in spec.jobs if j.split == "train"],
+        [directory / j.name for j in spec.jobs if j.split == "val"],
+        _describe(spec),
+        made=len(todo),
+        reused=len(spec.jobs) - len(todo),
+        seconds=time.time() - started,
     )
 
 
@@ -196,8 +225,18 @@ def _together(comm: Any, step: Callable[[], Any]) -> None:
         agree(comm, error)
 
 
-def _spec(signal: str, events: int, files: int, val_fraction: float, pixels: int, radius: float,
-          pt_range: tuple[float, float], eta_max: float, underlying_event: bool, seed: int) -> Spec:
+def _spec(
+    signal: str,
+    events: int,
+    files: int,
+    val_fraction: float,
+    pixels: int,
+    radius: float,
+    pt_range: tuple[float, float],
+    eta_max: float,
+    underlying_event: bool,
+    seed: int,
+) -> Spec:
     if signal not in SIGNALS:
         raise DatasetError(f"unknown signal {signal!r}; choose one of: {', '.join(SIGNALS)}")
     if not 0.0 < val_fraction < 1.0:
@@ -213,8 +252,10 @@ def _spec(signal: str, events: int, files: int, val_fraction: float, pixels: int
     n_val = round(int(events) * val_fraction)
     n_train = int(events) - n_val
     if n_train < 2 * int(files) or n_val < 2 * n_val_files:
-        raise DatasetError(f"{events} events are too few for {files} training and {n_val_files} validation "
-                           f"files: every file needs a signal and a background jet")
+        raise DatasetError(
+            f"{events} events are too few for {files} training and {n_val_files} validation "
+            f"files: every file needs a signal and a background jet"
+        )
     jobs = []
     for split, total, count in (("train", n_train, int(files)), ("val", n_val, n_val_files)):
         for index, n in enumerate(np.array_split(np.arange(total), count)):
@@ -224,9 +265,14 @@ def _spec(signal: str, events: int, files: int, val_fraction: float, pixels: int
 
 
 def _describe(spec: Spec) -> dict[str, Any]:
-    return {"signal": spec.signal, **asdict(spec.cuts), "underlying_event": spec.underlying_event,
-            "seed": spec.seed, "sqrt_s_gev": 13000.0,
-            "files": [{**asdict(j), "n": j.n, "name": j.name} for j in spec.jobs]}
+    return {
+        "signal": spec.signal,
+        **asdict(spec.cuts),
+        "underlying_event": spec.underlying_event,
+        "seed": spec.seed,
+        "sqrt_s_gev": 13000.0,
+        "files": [{**asdict(j), "n": j.n, "name": j.name} for j in spec.jobs],
+    }
 
 
 def _prepare_directory(directory: Path, spec: Spec, overwrite: bool) -> None:
@@ -236,8 +282,7 @@ def _prepare_directory(directory: Path, spec: Spec, overwrite: bool) -> None:
     except OSError as exc:
         raise DatasetError(f"cannot create {directory}: {exc.strerror or exc}") from None
     planned = {j.name: spec.fingerprint(j) for j in spec.jobs}
-    foreign = sorted(p for p in directory.iterdir()
-                     if _NAME.match(p.name) and not _made(p, planned.get(p.name)))
+    foreign = sorted(p for p in directory.iterdir() if _NAME.match(p.name) and not _made(p, planned.get(p.name)))
     if foreign and not overwrite:
         names = ", ".join(p.name for p in foreign[:4]) + (" ..." if len(foreign) > 4 else "")
         raise DatasetError(
@@ -263,8 +308,10 @@ def _made(path: Path, fingerprint: str | None) -> bool:
 
 def _make_files(spec: Spec, directory: Path, jobs: list[FileJob], advance: Callable[[int], None]) -> None:
     for job in jobs:
-        jets = {process: _generate(spec, job, process, count, advance)
-                for process, count in ((spec.signal, job.n_signal), ("qcd", job.n_background))}
+        jets = {
+            process: _generate(spec, job, process, count, advance)
+            for process, count in ((spec.signal, job.n_signal), ("qcd", job.n_background))
+        }
         _write(directory / job.name, spec, job, jets)
 
 
@@ -295,9 +342,14 @@ def _write(path: Path, spec: Spec, job: FileJob, jets: dict[str, list]) -> None:
         fh["labels"] = np.array([label for _, label in rows], np.int64)
         for name in EXTRA:
             fh[name] = np.array([getattr(jet, name.removeprefix("jet_")) for jet, _ in rows], np.float32)
-        attrs = {**{k: v for k, v in _describe(spec).items() if k != "files"}, **asdict(job),
-                 "fingerprint": spec.fingerprint(job), "pythia_signal": "\n".join(spec.settings(job, spec.signal)),
-                 "pythia_background": "\n".join(spec.settings(job, "qcd")), "generator": _versions()}
+        attrs = {
+            **{k: v for k, v in _describe(spec).items() if k != "files"},
+            **asdict(job),
+            "fingerprint": spec.fingerprint(job),
+            "pythia_signal": "\n".join(spec.settings(job, spec.signal)),
+            "pythia_background": "\n".join(spec.settings(job, "qcd")),
+            "generator": _versions(),
+        }
         for key, value in attrs.items():
             fh.attrs[key] = value
     os.replace(partial, path)

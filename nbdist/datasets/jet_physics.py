@@ -18,8 +18,9 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -40,8 +41,7 @@ class Process:
 
 PROCESSES = {
     "top": Process("top", ("Top:gg2ttbar = on", "Top:qqbar2ttbar = on", *HADRONIC_W), resonance=6),
-    "w": Process("w", ("WeakBosonAndParton:qqbar2Wg = on", "WeakBosonAndParton:qg2Wq = on", *HADRONIC_W),
-                 resonance=24),
+    "w": Process("w", ("WeakBosonAndParton:qqbar2Wg = on", "WeakBosonAndParton:qg2Wq = on", *HADRONIC_W), resonance=24),
     "qcd": Process("qcd", ("HardQCD:all = on",)),
 }
 
@@ -108,14 +108,16 @@ class JetMaker:
         while True:
             barren += 1
             if barren > MAX_BARREN_EVENTS:
-                raise RuntimeError(f"no {self.process.name} jet passed the cuts ({cuts}) in "
-                                   f"{MAX_BARREN_EVENTS} events")
+                raise RuntimeError(f"no {self.process.name} jet passed the cuts ({cuts}) in {MAX_BARREN_EVENTS} events")
             if not self.pythia.next():
                 continue  # a failed event (rare): Pythia goes on with the next
             event = self.pythia.event
             reach = cuts.eta_max + cuts.radius + 0.5
-            particles = [fj.PseudoJet(p.px(), p.py(), p.pz(), p.e()) for p in event
-                         if p.isFinal() and p.isVisible() and abs(p.eta()) < reach]
+            particles = [
+                fj.PseudoJet(p.px(), p.py(), p.pz(), p.e())
+                for p in event
+                if p.isFinal() and p.isVisible() and abs(p.eta()) < reach
+            ]
             sequence = fj.ClusterSequence(particles, self.antikt)
             resonances = self._resonances() if self.process.resonance else None
             for jet in fj.sorted_by_pt(sequence.inclusive_jets(0.9 * cuts.pt_min))[:2]:
@@ -146,12 +148,24 @@ class JetMaker:
         eta = np.array([c.eta() for c in constituents])
         phi = np.array([c.phi_std() for c in constituents])
         sub = self.fastjet.ClusterSequence(constituents, self.kt)
-        taus = nsubjettiness(pt, np.array([c.rap() for c in constituents]), phi,
-                             [[(a.rap(), a.phi_std()) for a in sub.exclusive_jets(n)] if len(constituents) >= n
-                              else None for n in (1, 2, 3)], self.cuts.radius)
-        return Jet(image(pt, eta, phi, jet.eta(), jet.phi_std(), self.cuts.pixels, self.cuts.radius),
-                   pt=jet.pt(), eta=jet.eta(), mass=jet.m(), tau21=_ratio(taus[1], taus[0]),
-                   tau32=_ratio(taus[2], taus[1]))
+        taus = nsubjettiness(
+            pt,
+            np.array([c.rap() for c in constituents]),
+            phi,
+            [
+                [(a.rap(), a.phi_std()) for a in sub.exclusive_jets(n)] if len(constituents) >= n else None
+                for n in (1, 2, 3)
+            ],
+            self.cuts.radius,
+        )
+        return Jet(
+            image(pt, eta, phi, jet.eta(), jet.phi_std(), self.cuts.pixels, self.cuts.radius),
+            pt=jet.pt(),
+            eta=jet.eta(),
+            mass=jet.m(),
+            tau21=_ratio(taus[1], taus[0]),
+            tau32=_ratio(taus[2], taus[1]),
+        )
 
 
 def _contains(jet: Any, points: list[tuple[float, float]], radius: float) -> bool:
@@ -167,8 +181,9 @@ def _ratio(a: float, b: float) -> float:
     return float(a / b) if b > 0 else 0.0
 
 
-def image(pt: np.ndarray, eta: np.ndarray, phi: np.ndarray, jet_eta: float, jet_phi: float,
-          pixels: int, radius: float) -> np.ndarray:
+def image(
+    pt: np.ndarray, eta: np.ndarray, phi: np.ndarray, jet_eta: float, jet_phi: float, pixels: int, radius: float
+) -> np.ndarray:
     """The preprocessed (pixels, pixels) image of one jet's constituents."""
     w = pt / pt.sum()
     x = eta - jet_eta
@@ -187,8 +202,9 @@ def image(pt: np.ndarray, eta: np.ndarray, phi: np.ndarray, jet_eta: float, jet_
     return grid.astype(np.float32)
 
 
-def nsubjettiness(pt: np.ndarray, rap: np.ndarray, phi: np.ndarray,
-                  axes: list[list[tuple[float, float]] | None], radius: float) -> list[float]:
+def nsubjettiness(
+    pt: np.ndarray, rap: np.ndarray, phi: np.ndarray, axes: list[list[tuple[float, float]] | None], radius: float
+) -> list[float]:
     """tau_N = sum_i pT_i min_k dR(i, axis_k) / (sum_i pT_i R) for each given set of N axes
     (exclusive kt subjets); a jet with fewer than N constituents has tau_N = 0."""
     taus = []
@@ -210,8 +226,9 @@ def _silence_fastjet_banner(fastjet: Any) -> None:
     global _banner_done
     if not _banner_done:
         with _quiet_stdout():
-            fastjet.ClusterSequence([fastjet.PseudoJet(1.0, 0.0, 0.0, 1.0)],
-                                    fastjet.JetDefinition(fastjet.antikt_algorithm, 0.4))
+            fastjet.ClusterSequence(
+                [fastjet.PseudoJet(1.0, 0.0, 0.0, 1.0)], fastjet.JetDefinition(fastjet.antikt_algorithm, 0.4)
+            )
         _banner_done = True
 
 

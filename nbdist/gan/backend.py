@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from nbdist.backends import Backend, ModelError, framework_of
 from nbdist.gan.model import GanModel
@@ -32,6 +33,8 @@ def gan_backend(gan: GanModel, sample: Any = None) -> Backend:
     framework = framework_of(gan.generator)
     other = framework_of(gan.discriminator)
     if other is not framework:
-        raise ModelError(f"the generator is a {framework.name} model and the discriminator a "
-                         f"{other.name} model: both must come from one framework")
+        raise ModelError(
+            f"the generator is a {framework.name} model and the discriminator a "
+            f"{other.name} model: both must come from one framework"
+        )
     return _BACKENDS[framework.module](gan, sample)

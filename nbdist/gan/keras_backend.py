@@ -10,8 +10,15 @@ import numpy as np
 import tensorflow as tf
 
 from nbdist.backends.base import ModelError
-from nbdist.backends.keras import (FlatVariables, KerasBackend, Traced, aligned_zeros, build_models, call_kwargs,
-                                   check_model)
+from nbdist.backends.keras import (
+    FlatVariables,
+    KerasBackend,
+    Traced,
+    aligned_zeros,
+    build_models,
+    call_kwargs,
+    check_model,
+)
 from nbdist.gan.model import GanModel
 from nbdist.gan.training import GanTraining
 
@@ -29,8 +36,7 @@ class KerasGanBackend(GanTraining, KerasBackend):
         check_model(gan.generator, "generator")
         check_model(gan.discriminator, "discriminator")
         self.generator, self.discriminator = gan.generator, gan.discriminator
-        build_models([self.generator, self.discriminator],
-                     [np.zeros((2, int(gan.latent_dim)), np.float32), sample])
+        build_models([self.generator, self.discriminator], [np.zeros((2, int(gan.latent_dim)), np.float32), sample])
         self._flat = FlatVariables([self.generator, self.discriminator])
         n_g, n_d = self._flat.model_sizes
         if not n_g or not n_d:

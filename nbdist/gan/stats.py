@@ -37,7 +37,7 @@ class GaussianMMD:
         self.widths = tuple(width * s for s in SCALES)
 
     @classmethod
-    def for_data(cls, x: np.ndarray) -> "GaussianMMD":
+    def for_data(cls, x: np.ndarray) -> GaussianMMD:
         return cls(median_distance(x))
 
     def _kernel(self, d2: np.ndarray) -> np.ndarray:
@@ -52,5 +52,6 @@ class GaussianMMD:
         kxx = self._kernel(_squared_distances(x, x))
         kyy = self._kernel(_squared_distances(y, y))
         kxy = self._kernel(_squared_distances(x, y))
-        return float((kxx.sum() - np.trace(kxx)) / (n * (n - 1))
-                     + (kyy.sum() - np.trace(kyy)) / (m * (m - 1)) - 2.0 * kxy.mean())
+        return float(
+            (kxx.sum() - np.trace(kxx)) / (n * (n - 1)) + (kyy.sum() - np.trace(kyy)) / (m * (m - 1)) - 2.0 * kxy.mean()
+        )

@@ -29,8 +29,9 @@ class TorchGanBackend(GanTraining, TorchBackend):
         self.generator, self.discriminator = gan.generator, gan.discriminator
         # The flat layout is reverse registration order: registering the discriminator
         # first puts the generator's weights first, [generator | discriminator].
-        super().__init__(nn.ModuleDict({"discriminator": gan.discriminator, "generator": gan.generator}),
-                         loss=None, metric=None)
+        super().__init__(
+            nn.ModuleDict({"discriminator": gan.discriminator, "generator": gan.generator}), loss=None, metric=None
+        )
         n_g = sum(p.numel() for p in gan.generator.parameters() if p.requires_grad)
         if not n_g or n_g == self.num_params:
             raise ModelError("the generator and the discriminator both need trainable parameters")
@@ -56,7 +57,11 @@ class TorchGanBackend(GanTraining, TorchBackend):
         out_fake = self.discriminator(fake)
         loss = self._bce(out_real, 1.0) + self._bce(out_fake, 0.0)
         loss.backward()  # the fake batch is detached: only the discriminator gets gradients
-        return float(loss.detach()), self._mean_probability(out_real.detach()), self._mean_probability(out_fake.detach())
+        return (
+            float(loss.detach()),
+            self._mean_probability(out_real.detach()),
+            self._mean_probability(out_fake.detach()),
+        )
 
     def _generator_gradient(self, z: np.ndarray) -> tuple[float, np.ndarray]:
         self._flat_grads.zero_()

@@ -61,12 +61,14 @@ class GanOptimizer(FlatOptimizer):
         self.generator.step(grad[self._g_part])
 
     def state_arrays(self) -> dict[str, np.ndarray]:
-        return {**{f"g.{k}": v for k, v in self.generator.state_arrays().items()},
-                **{f"d.{k}": v for k, v in self.discriminator.state_arrays().items()}}
+        return {
+            **{f"g.{k}": v for k, v in self.generator.state_arrays().items()},
+            **{f"d.{k}": v for k, v in self.discriminator.state_arrays().items()},
+        }
 
     def load_state_arrays(self, arrays: dict[str, np.ndarray]) -> None:
         for prefix, opt in (("g.", self.generator), ("d.", self.discriminator)):
-            opt.load_state_arrays({k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)})
+            opt.load_state_arrays({k[len(prefix) :]: v for k, v in arrays.items() if k.startswith(prefix)})
 
 
 class GanTraining(Backend):
@@ -79,8 +81,7 @@ class GanTraining(Backend):
 
     def _init_gan(self, gan: GanModel, sample: Any) -> None:
         if int(gan.latent_dim) < 1 or int(gan.d_steps) < 1:
-            raise ModelError(f"a GAN needs latent_dim >= 1 and d_steps >= 1, got {gan.latent_dim} "
-                             f"and {gan.d_steps}")
+            raise ModelError(f"a GAN needs latent_dim >= 1 and d_steps >= 1, got {gan.latent_dim} and {gan.d_steps}")
         self.latent_dim, self.d_steps = int(gan.latent_dim), int(gan.d_steps)
         self.metric_name = "mmd"
         self._noise_rng = np.random.default_rng(0)

@@ -15,12 +15,35 @@ from nbdist.hpo.bayes import BayesSearcher
 from nbdist.hpo.evolution import EvolutionSearcher
 from nbdist.hpo.grid import GridSearcher
 from nbdist.hpo.random_search import RandomSearcher
-from nbdist.hpo.searcher import (DIRECTIONS, SEARCHERS, Searcher, SearcherError, make_searcher, register,
-                                 restore_searcher)
+from nbdist.hpo.searcher import (
+    DIRECTIONS,
+    SEARCHERS,
+    Searcher,
+    SearcherError,
+    make_searcher,
+    register,
+    restore_searcher,
+)
 from nbdist.hpo.space import Categorical, Dimension, Integer, Real, Space, SpaceError, as_space, parse_space
 
 __all__ = [
-    "Space", "Dimension", "Real", "Integer", "Categorical", "SpaceError", "as_space", "parse_space",
-    "Searcher", "SearcherError", "SEARCHERS", "DIRECTIONS", "register", "make_searcher", "restore_searcher",
-    "BayesSearcher", "EvolutionSearcher", "GridSearcher", "RandomSearcher",
+    "Space",
+    "Dimension",
+    "Real",
+    "Integer",
+    "Categorical",
+    "SpaceError",
+    "as_space",
+    "parse_space",
+    "Searcher",
+    "SearcherError",
+    "SEARCHERS",
+    "DIRECTIONS",
+    "register",
+    "make_searcher",
+    "restore_searcher",
+    "BayesSearcher",
+    "EvolutionSearcher",
+    "GridSearcher",
+    "RandomSearcher",
 ]

@@ -42,8 +42,9 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -73,16 +74,31 @@ def _quiet_single_thread() -> Iterator[None]:
 class BayesSearcher(Searcher):
     name = "bayes"
 
-    def __init__(self, space: Any, *, direction: str = "minimize", seed: int = 0, initial_points: int = 10,
-                 initial_design: str = "lhs", acq_func: str = "EI", xi: float = 0.0001, kappa: float = 1.96,
-                 liar: str = "cl_min", n_points: int = 1000, noise: "str | float" = "gaussian"):
+    def __init__(
+        self,
+        space: Any,
+        *,
+        direction: str = "minimize",
+        seed: int = 0,
+        initial_points: int = 10,
+        initial_design: str = "lhs",
+        acq_func: str = "EI",
+        xi: float = 0.0001,
+        kappa: float = 1.96,
+        liar: str = "cl_min",
+        n_points: int = 1000,
+        noise: str | float = "gaussian",
+    ):
         super().__init__(space, direction=direction, seed=seed)
         if isinstance(initial_points, bool) or not isinstance(initial_points, int) or initial_points < 1:
             raise SearcherError(f"bayes initial_points must be a positive integer, got {initial_points!r}")
         if isinstance(n_points, bool) or not isinstance(n_points, int) or n_points < 1:
             raise SearcherError(f"bayes n_points must be a positive integer, got {n_points!r}")
-        for what, value, allowed in (("initial_design", initial_design, DESIGNS), ("acq_func", acq_func, ACQ_FUNCS),
-                                     ("liar", liar, tuple(LIARS))):
+        for what, value, allowed in (
+            ("initial_design", initial_design, DESIGNS),
+            ("acq_func", acq_func, ACQ_FUNCS),
+            ("liar", liar, tuple(LIARS)),
+        ):
             if value not in allowed:
                 raise SearcherError(f"bayes {what} must be one of {', '.join(allowed)}, got {value!r}")
         if noise != "gaussian" and (isinstance(noise, bool) or not isinstance(noise, (int, float)) or not noise > 0):
@@ -99,9 +115,16 @@ class BayesSearcher(Searcher):
         self._design: list[dict] | None = None  # made from the seed when first needed
 
     def options(self) -> dict:
-        return {"initial_points": self.initial_points, "initial_design": self.initial_design,
-                "acq_func": self.acq_func, "xi": self.xi, "kappa": self.kappa, "liar": self.liar,
-                "n_points": self.n_points, "noise": self.noise}
+        return {
+            "initial_points": self.initial_points,
+            "initial_design": self.initial_design,
+            "acq_func": self.acq_func,
+            "xi": self.xi,
+            "kappa": self.kappa,
+            "liar": self.liar,
+            "n_points": self.n_points,
+            "noise": self.noise,
+        }
 
     def _extra_state(self) -> dict:
         return {"theta": self.theta}
@@ -126,7 +149,8 @@ class BayesSearcher(Searcher):
             seed = int(self.rng(DESIGN_SEED).integers(2**31 - 1))
             with _quiet_single_thread():
                 rows = Lhs(criterion="maximin", iterations=100).generate(
-                    self.space.to_skopt(), self.initial_points, random_state=seed)
+                    self.space.to_skopt(), self.initial_points, random_state=seed
+                )
             self._design = [self._from_skopt(row) for row in rows]
         return self._design[k]
 
@@ -163,9 +187,13 @@ class BayesSearcher(Searcher):
         from skopt.utils import cook_estimator, normalize_dimensions
 
         dims = self.space.to_skopt()
-        options = dict(n_initial_points=0, acq_func=self.acq_func, random_state=seed,
-                       acq_func_kwargs={"xi": self.xi, "kappa": self.kappa},
-                       acq_optimizer_kwargs={"n_points": self.n_points})
+        options = dict(
+            n_initial_points=0,
+            acq_func=self.acq_func,
+            random_state=seed,
+            acq_func_kwargs={"xi": self.xi, "kappa": self.kappa},
+            acq_optimizer_kwargs={"n_points": self.n_points},
+        )
         template = cook_estimator("GP", space=dims, random_state=seed)
         white = WhiteKernel() if self.noise == "gaussian" else WhiteKernel(self.noise, noise_level_bounds="fixed")
         kernel = template.kernel + white
@@ -184,5 +212,7 @@ class BayesSearcher(Searcher):
 
     def _from_skopt(self, row) -> dict:
         # skopt hands back numpy scalars, and reals a rounding error outside their bounds.
-        return {name: dim.coerce(v) if isinstance(dim, Categorical) else dim.coerce_clip(v)
-                for (name, dim), v in zip(self.space.items(), row)}
+        return {
+            name: dim.coerce(v) if isinstance(dim, Categorical) else dim.coerce_clip(v)
+            for (name, dim), v in zip(self.space.items(), row)
+        }

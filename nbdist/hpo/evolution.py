@@ -38,7 +38,8 @@ How each kind of parameter moves:
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -87,8 +88,16 @@ def elite_count(population: int) -> int:
 class EvolutionSearcher(Searcher):
     name = "evolution"
 
-    def __init__(self, space: Any, *, direction: str = "minimize", seed: int = 0, population: int = 10,
-                 generations: int = 10, reevaluate_elite: bool = True):
+    def __init__(
+        self,
+        space: Any,
+        *,
+        direction: str = "minimize",
+        seed: int = 0,
+        population: int = 10,
+        generations: int = 10,
+        reevaluate_elite: bool = True,
+    ):
         super().__init__(space, direction=direction, seed=seed)
         for what, value, least in (("population", population, 2), ("generations", generations, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
@@ -106,8 +115,7 @@ class EvolutionSearcher(Searcher):
         self._keys = [self.space.key(m, coerced=True) for m in self.members]
 
     @classmethod
-    def create(cls, space: Any, *, direction: str, seed: int, trials: int | None,
-               **options: Any) -> "EvolutionSearcher":
+    def create(cls, space: Any, *, direction: str, seed: int, trials: int | None, **options: Any) -> EvolutionSearcher:
         # A study asks for a number of trials: unless told, evolve as many generations as
         # that budget allows (each generation evaluates `population` points).
         if trials is not None and "generations" not in options:
@@ -117,8 +125,11 @@ class EvolutionSearcher(Searcher):
         return cls(space, direction=direction, seed=seed, **options)
 
     def options(self) -> dict:
-        return {"population": self.population, "generations": self.generations,
-                "reevaluate_elite": self.reevaluate_elite}
+        return {
+            "population": self.population,
+            "generations": self.generations,
+            "reevaluate_elite": self.reevaluate_elite,
+        }
 
     @property
     def generation(self) -> int:
@@ -126,8 +137,11 @@ class EvolutionSearcher(Searcher):
 
     @property
     def planned(self) -> int:
-        return self.population * self.generations if self.reevaluate_elite else (
-            self.population + (self.generations - 1) * (self.population - elite_count(self.population)))
+        return (
+            self.population * self.generations
+            if self.reevaluate_elite
+            else (self.population + (self.generations - 1) * (self.population - elite_count(self.population)))
+        )
 
     @property
     def exhausted(self) -> bool:
@@ -155,7 +169,7 @@ class EvolutionSearcher(Searcher):
         g, rng = self.gen, self.rng(BREED, self.gen)
         losses = [self.loss(f) for f in self.foms]
         order = sorted(range(self.population), key=lambda i: losses[i])  # stable: ties keep their order
-        elite = order[:elite_count(self.population)]
+        elite = order[: elite_count(self.population)]
         keep = not self.reevaluate_elite
         members = [dict(self.members[i]) for i in elite]
         foms: list[float | None] = [self.foms[i] if keep else None for i in elite]
@@ -191,8 +205,13 @@ class EvolutionSearcher(Searcher):
 
     # -- persistence ------------------------------------------------------------------
     def _extra_state(self) -> dict:
-        return {"generation": self.gen, "members": [dict(m) for m in self.members], "foms": list(self.foms),
-                "asked": list(self.asked), "done": list(self.done)}
+        return {
+            "generation": self.gen,
+            "members": [dict(m) for m in self.members],
+            "foms": list(self.foms),
+            "asked": list(self.asked),
+            "done": list(self.done),
+        }
 
     def _load_extra_state(self, extra: Mapping[str, Any]) -> None:
         self.gen = int(extra["generation"])

@@ -8,7 +8,7 @@ bench/hpo_parallel.py use them).
 from __future__ import annotations
 
 import math
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -29,10 +29,17 @@ def branin(params: Mapping[str, float]) -> float:
 HARTMANN6_SPACE = " ".join(f"x{i}=real(0,1)" for i in range(1, 7))
 HARTMANN6_MIN = -3.32237
 _ALPHA = np.array([1.0, 1.2, 3.0, 3.2])
-_A = np.array([[10, 3, 17, 3.5, 1.7, 8], [0.05, 10, 17, 0.1, 8, 14],
-               [3, 3.5, 1.7, 10, 17, 8], [17, 8, 0.05, 10, 0.1, 14]])
-_P = 1e-4 * np.array([[1312, 1696, 5569, 124, 8283, 5886], [2329, 4135, 8307, 3736, 1004, 9991],
-                      [2348, 1451, 3522, 2883, 3047, 6650], [4047, 8828, 8732, 5743, 1091, 381]])
+_A = np.array(
+    [[10, 3, 17, 3.5, 1.7, 8], [0.05, 10, 17, 0.1, 8, 14], [3, 3.5, 1.7, 10, 17, 8], [17, 8, 0.05, 10, 0.1, 14]]
+)
+_P = 1e-4 * np.array(
+    [
+        [1312, 1696, 5569, 124, 8283, 5886],
+        [2329, 4135, 8307, 3736, 1004, 9991],
+        [2348, 1451, 3522, 2883, 3047, 6650],
+        [4047, 8828, 8732, 5743, 1091, 381],
+    ]
+)
 
 
 def hartmann6(params: Mapping[str, float]) -> float:
@@ -40,8 +47,14 @@ def hartmann6(params: Mapping[str, float]) -> float:
     return float(-_ALPHA @ np.exp(-(_A * (x - _P) ** 2).sum(axis=1)))
 
 
-def drive(searcher: Searcher, func: Callable[[dict], float], evaluations: int, *, batch: int = 1,
-          stop: Callable[[float], bool] | None = None) -> list[float]:
+def drive(
+    searcher: Searcher,
+    func: Callable[[dict], float],
+    evaluations: int,
+    *,
+    batch: int = 1,
+    stop: Callable[[float], bool] | None = None,
+) -> list[float]:
     """Ask `batch` points at a time and tell each its value, until `evaluations` values are
     told, the searcher is exhausted, or `stop(value)` is true; the values in the order told."""
     values: list[float] = []

@@ -12,8 +12,8 @@ a curve is reported an epoch at a time, so the median pruner can stop it early.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Any, Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from nbdist.hpo.runner import EpochReport, FoldOutcome, StudyResult, StudyRunner, TrialExecutor, TrialFinished
 from nbdist.hpo.trial import Trial
@@ -54,21 +54,47 @@ class FunctionExecutor(TrialExecutor):
         final = {self.name: self._curve[self._epoch - 1]} if self._epoch else {}
         if final and not math.isfinite(final[self.name]):
             self._error = f"the objective is {final[self.name]}"
-        return [TrialFinished(trial.number, {0: FoldOutcome(final=final, error=self._error,
-                                                          stop_reason="pruned" if self._stop else "")})]
+        return [
+            TrialFinished(
+                trial.number,
+                {0: FoldOutcome(final=final, error=self._error, stop_reason="pruned" if self._stop else "")},
+            )
+        ]
 
     def prune(self, group: int) -> None:
         self._stop = True
 
 
-def optimize(objective: Callable[[dict[str, Any]], Any], *, space: str, searcher: str = "bayes", trials: int = 20,
-             objective_name: str = "fom", direction: str = "minimize", prune: bool = False, prune_warmup: int = 3,
-             goal: str | None = None, store: str | None = None, study_name: str | None = None,
-             resume_study: str | None = None, seed: int = 0, say: Callable[[str], None] = print) -> StudyResult:
+def optimize(
+    objective: Callable[[dict[str, Any]], Any],
+    *,
+    space: str,
+    searcher: str = "bayes",
+    trials: int = 20,
+    objective_name: str = "fom",
+    direction: str = "minimize",
+    prune: bool = False,
+    prune_warmup: int = 3,
+    goal: str | None = None,
+    store: str | None = None,
+    study_name: str | None = None,
+    resume_study: str | None = None,
+    seed: int = 0,
+    say: Callable[[str], None] = print,
+) -> StudyResult:
     """Minimise (or maximise) `objective` over `space`; trials are recorded in `store`
     (an SQLite run store) when given, and the study resumes with `resume_study`."""
-    options = StudyOptions(space=space, searcher=searcher, trials=trials, objective=objective_name,
-                           direction=direction, prune=prune, prune_warmup=prune_warmup, goal=goal,
-                           study_name=study_name, resume_study=resume_study)
+    options = StudyOptions(
+        space=space,
+        searcher=searcher,
+        trials=trials,
+        objective=objective_name,
+        direction=direction,
+        prune=prune,
+        prune_warmup=prune_warmup,
+        goal=goal,
+        study_name=study_name,
+        resume_study=resume_study,
+    )
     runner = StudyRunner(options, TrainOptions(seed=seed), FunctionExecutor(objective, objective_name), store, say)
     return runner.run()

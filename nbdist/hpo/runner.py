@@ -36,8 +36,9 @@ import statistics
 import time
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from nbdist.errors import UserError
 from nbdist.hpo.pruning import MedianPruner
@@ -46,8 +47,18 @@ from nbdist.hpo.trial import Trial, TrialError, fold_fom
 from nbdist.options import StudyOptions, TrainOptions, parse_target
 from nbdist.store import RunStore, store_path
 
-__all__ = ["TrialExecutor", "EpochReport", "TrialFinished", "FoldOutcome", "StudyRunner", "StudyResult",
-           "StudyError", "new_study_name", "saved_options", "resolve_options"]
+__all__ = [
+    "TrialExecutor",
+    "EpochReport",
+    "TrialFinished",
+    "FoldOutcome",
+    "StudyRunner",
+    "StudyResult",
+    "StudyError",
+    "new_study_name",
+    "saved_options",
+    "resolve_options",
+]
 
 POLL_SECONDS = 0.2
 HEARTBEAT_SECONDS = 5.0  # a shared study's coordinator says it is alive this often
@@ -130,8 +141,9 @@ def resolve_options(study: dict[str, Any], train: dict[str, Any]) -> tuple[Study
         base_study, base_train = StudyOptions(), TrainOptions()
         if study.get("resume_study"):
             given_train = base_train.replace(**train)
-            base_study, base_train = saved_options(store_path(given_train.store, given_train.runs_dir),
-                                                   study["resume_study"])
+            base_study, base_train = saved_options(
+                store_path(given_train.store, given_train.runs_dir), study["resume_study"]
+            )
         return base_study.replace(**study), base_train.replace(**train)
     except TypeError as exc:
         raise StudyError(str(exc)) from None
@@ -196,19 +208,31 @@ class StudyRunner:
 
     # -- setting up ----------------------------------------------------------------------
     def _create(self) -> None:
-        self.searcher = make_searcher(self.study.searcher, self.study.space, direction=self.study.resolved_direction,
-                                      seed=self.train.seed, trials=self.study.trials)
+        self.searcher = make_searcher(
+            self.study.searcher,
+            self.study.space,
+            direction=self.study.resolved_direction,
+            seed=self.train.seed,
+            trials=self.study.trials,
+        )
         if self.store is not None:
             # One INSERT decides which of two jobs starting the same study at once creates it,
             # and writes the searcher's state with it: a job that joins with --resume-study
             # as soon as the study is in the store finds a state to resume from.
-            if not self.store.create_study(self.name, searcher=self.study.searcher, space=str(self.searcher.space),
-                                           options={"study": self.study.to_dict(), "train": self.train.to_dict()},
-                                           objective=self.study.objective, direction=self.study.resolved_direction,
-                                           searcher_state=self._state()):
-                raise StudyError(f"the store {self.store.label} has a study named {self.name!r} already: continue "
-                                 f"it (or join the jobs that run it) with --resume-study {self.name}, or give "
-                                 f"another --study-name")
+            if not self.store.create_study(
+                self.name,
+                searcher=self.study.searcher,
+                space=str(self.searcher.space),
+                options={"study": self.study.to_dict(), "train": self.train.to_dict()},
+                objective=self.study.objective,
+                direction=self.study.resolved_direction,
+                searcher_state=self._state(),
+            ):
+                raise StudyError(
+                    f"the store {self.store.label} has a study named {self.name!r} already: continue "
+                    f"it (or join the jobs that run it) with --resume-study {self.name}, or give "
+                    f"another --study-name"
+                )
             self.store.join_study(self.name, self.job)
 
     def _resume(self) -> None:
@@ -233,8 +257,10 @@ class StudyRunner:
                     number += 1
             recovered = self._adopt_orphans()
         also = f"; {len(others)} other job(s) run it too" if others else ""
-        self.say(f"nbdist: resuming study {self.name}: {len(self.results)} trials finished, "
-                 f"{len(recovered)} recovered from their runs, {len(self.requeue)} to train again{also}")
+        self.say(
+            f"nbdist: resuming study {self.name}: {len(self.results)} trials finished, "
+            f"{len(recovered)} recovered from their runs, {len(self.requeue)} to train again{also}"
+        )
         for trial, finished in recovered:
             self._on_finished(_Running(trial, group=None), finished)
 
@@ -256,12 +282,17 @@ class StudyRunner:
         to train again join the queue; those whose fold runs all completed are returned
         with their outcome."""
         live = self.store.live_jobs(self.name)
-        claimed = [Trial(t.number, t.params, t.generation) for t in self.store.trials(self.name)
-                   if t.state == "running" and t.owner not in live
-                   and self.store.claim_trial(self.name, t.number, self.job, t.owner)]
+        claimed = [
+            Trial(t.number, t.params, t.generation)
+            for t in self.store.trials(self.name)
+            if t.state == "running"
+            and t.owner not in live
+            and self.store.claim_trial(self.name, t.number, self.job, t.owner)
+        ]
         if claimed:
-            self.say(f"nbdist: trial(s) {', '.join(str(t.number) for t in claimed)} of a job that is gone: "
-                     f"taken over here")
+            self.say(
+                f"nbdist: trial(s) {', '.join(str(t.number) for t in claimed)} of a job that is gone: taken over here"
+            )
         # A trial whose every fold run ended well before its job was cut off is not
         # trained again: its runs are in the store, with their final metrics.
         outcomes = [(t, self._recorded(t.number)) for t in claimed]
@@ -281,8 +312,16 @@ class StudyRunner:
 
     @staticmethod
     def _row(t: Any) -> dict[str, Any]:
-        return {"number": t.number, "params": t.params, "state": t.state, "fom": t.fom, "fom_std": t.fom_std,
-                "folds": t.folds, "generation": t.generation, "error": t.error}
+        return {
+            "number": t.number,
+            "params": t.params,
+            "state": t.state,
+            "fom": t.fom,
+            "fom_std": t.fom_std,
+            "folds": t.folds,
+            "generation": t.generation,
+            "error": t.error,
+        }
 
     def _new_number(self) -> int:
         number, self.next_number = self.next_number, self.next_number + 1
@@ -390,8 +429,15 @@ class StudyRunner:
             trial.group, trial.started = group, time.time()
             running[trial.number] = _Running(trial, group)
             if self.store is not None:
-                self.store.record_trial(self.name, trial.number, params=trial.params, state="running",
-                                        generation=trial.generation, group=group, started=trial.started)
+                self.store.record_trial(
+                    self.name,
+                    trial.number,
+                    params=trial.params,
+                    state="running",
+                    generation=trial.generation,
+                    group=group,
+                    started=trial.started,
+                )
             self.executor.start(group, trial)
             budget -= 1
 
@@ -422,9 +468,16 @@ class StudyRunner:
                     self._save_state()
                 for group, trial in starts:
                     trial.group, trial.started = group, time.time()
-                    self.store.record_trial(self.name, trial.number, params=trial.params, state="running",
-                                            generation=trial.generation, group=group, started=trial.started,
-                                            owner=self.job)
+                    self.store.record_trial(
+                        self.name,
+                        trial.number,
+                        params=trial.params,
+                        state="running",
+                        generation=trial.generation,
+                        group=group,
+                        started=trial.started,
+                        owner=self.job,
+                    )
         for trial, finished in recovered:
             self._on_finished(_Running(trial, group=None), finished)
         for group, trial in starts:
@@ -482,9 +535,17 @@ class StudyRunner:
         fom_std = statistics.pstdev(values) if len(values) > 1 else (0.0 if values else None)
         error = None if state != "failed" else "; ".join(f"fold {f}: {e}" for f, e in sorted(errors.items()))
         means = _mean_metrics([o.final for o in event.folds.values() if o.final]) if state == "complete" else {}
-        row = {"number": trial.number, "params": trial.params, "state": state, "fom": fom, "fom_std": fom_std,
-               "folds": [foms[f] for f in sorted(foms)], "generation": trial.generation, "error": error,
-               "goal_reached": bool(self.goal and means and self.goal.reached(means))}
+        row = {
+            "number": trial.number,
+            "params": trial.params,
+            "state": state,
+            "fom": fom,
+            "fom_std": fom_std,
+            "folds": [foms[f] for f in sorted(foms)],
+            "generation": trial.generation,
+            "error": error,
+            "goal_reached": bool(self.goal and means and self.goal.reached(means)),
+        }
         if self.store is None:
             self._tell(trial, state, fom)
             self.results.append(row)
@@ -498,10 +559,21 @@ class StudyRunner:
                     return
                 self._load_state()
                 self._tell(trial, state, fom)
-                self.store.record_trial(self.name, trial.number, params=trial.params, state=state, fom=fom,
-                                        fom_std=fom_std, folds=row["folds"], generation=trial.generation,
-                                        group=slot.group, error=error, started=trial.started, ended=time.time(),
-                                        goal_reached=row["goal_reached"])
+                self.store.record_trial(
+                    self.name,
+                    trial.number,
+                    params=trial.params,
+                    state=state,
+                    fom=fom,
+                    fom_std=fom_std,
+                    folds=row["folds"],
+                    generation=trial.generation,
+                    group=slot.group,
+                    error=error,
+                    started=trial.started,
+                    ended=time.time(),
+                    goal_reached=row["goal_reached"],
+                )
                 self.results.append(row)
                 self._refresh_results(self.store.trials(self.name))
         self.say(self._line(row))
@@ -509,8 +581,9 @@ class StudyRunner:
     def _tell(self, trial: Trial, state: str, fom: float | None) -> None:
         self.searcher.tell(trial.params, fom)
         if state == "complete" and self.pruner is not None:
-            self.pruner.finished({e: statistics.fmean(v.values()) for e, v in trial.curve.items()
-                                  if len(v) == self.study.folds})
+            self.pruner.finished(
+                {e: statistics.fmean(v.values()) for e, v in trial.curve.items() if len(v) == self.study.folds}
+            )
         self._save_state()
 
     def _line(self, row: dict[str, Any]) -> str:
@@ -532,10 +605,18 @@ class StudyRunner:
 
     def _result(self, reason: str, seconds: float) -> StudyResult:
         best = self.best()
-        trials = sorted(({k: v for k, v in r.items() if k != "goal_reached"} for r in self.results),
-                        key=lambda r: r["number"])
-        return StudyResult(self.name, self.store_path, trials, best[2] if best else None, best[1] if best else None,
-                           reason or "interrupted", seconds)
+        trials = sorted(
+            ({k: v for k, v in r.items() if k != "goal_reached"} for r in self.results), key=lambda r: r["number"]
+        )
+        return StudyResult(
+            self.name,
+            self.store_path,
+            trials,
+            best[2] if best else None,
+            best[1] if best else None,
+            reason or "interrupted",
+            seconds,
+        )
 
 
 def _mean_metrics(finals: list[dict[str, Any]]) -> dict[str, float]:

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from numbers import Real as RealNumber
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -140,13 +141,15 @@ class Searcher(ABC):
         }
 
     @classmethod
-    def from_state(cls, state: Mapping[str, Any]) -> "Searcher":
+    def from_state(cls, state: Mapping[str, Any]) -> Searcher:
         if state.get("version") != STATE_VERSION or state.get("searcher") != cls.name:
             raise SearcherError(
                 f"this is not a {cls.name} searcher state of version {STATE_VERSION} "
-                f"(searcher {state.get('searcher')!r}, version {state.get('version')!r})")
-        searcher = cls(Space.from_json(state["space"]), direction=state["direction"], seed=state["seed"],
-                       **state["options"])
+                f"(searcher {state.get('searcher')!r}, version {state.get('version')!r})"
+            )
+        searcher = cls(
+            Space.from_json(state["space"]), direction=state["direction"], seed=state["seed"], **state["options"]
+        )
         searcher.pending = [searcher.space.coerce(p) for p in state["pending"]]
         searcher._pending_keys = [searcher.space.key(p, coerced=True) for p in searcher.pending]
         searcher.told = [(searcher.space.coerce(p), None if f is None else float(f)) for p, f in state["told"]]
@@ -168,7 +171,7 @@ class Searcher(ABC):
         pass
 
     @classmethod
-    def create(cls, space: Any, *, direction: str, seed: int, trials: int | None, **options: Any) -> "Searcher":
+    def create(cls, space: Any, *, direction: str, seed: int, trials: int | None, **options: Any) -> Searcher:
         """Build from a study's settings; `trials` is the study's budget, which a searcher
         whose plan depends on it (evolution's generations) may use."""
         return cls(space, direction=direction, seed=seed, **options)
@@ -186,8 +189,14 @@ def register(cls: type[Searcher]) -> type[Searcher]:
     return cls
 
 
-def make_searcher(spec: "str | Spec | Mapping[str, Any]", space: Any, *, direction: str = "minimize",
-                  seed: int = 0, trials: int | None = None) -> Searcher:
+def make_searcher(
+    spec: str | Spec | Mapping[str, Any],
+    space: Any,
+    *,
+    direction: str = "minimize",
+    seed: int = 0,
+    trials: int | None = None,
+) -> Searcher:
     """`spec` names the searcher, with options: `"bayes"`, `"evolution(population=20)"`."""
     spec = parse_spec(spec, what="searcher")
     cls = SEARCHERS.get(spec.name)

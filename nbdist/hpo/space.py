@@ -26,8 +26,9 @@ import math
 import re
 import sys
 from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Iterator, Mapping, Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -311,7 +312,8 @@ class Space(Mapping[str, Dimension]):
             unknown = [k for k in params if k not in self._dims]
             missing = [k for k in self._dims if k not in params]
             parts = ([f"unknown {', '.join(map(repr, unknown))}"] if unknown else []) + (
-                [f"missing {', '.join(map(repr, missing))}"] if missing else [])
+                [f"missing {', '.join(map(repr, missing))}"] if missing else []
+            )
             raise ValueError(f"parameters {dict(params)!r} do not match the space {str(self)!r}: {'; '.join(parts)}")
         out = {}
         for name, dim in self._dims.items():
@@ -330,7 +332,7 @@ class Space(Mapping[str, Dimension]):
         return [{"name": name, **dim.to_json()} for name, dim in self._dims.items()]
 
     @classmethod
-    def from_json(cls, items: Sequence[Mapping[str, Any]]) -> "Space":
+    def from_json(cls, items: Sequence[Mapping[str, Any]]) -> Space:
         dims = {}
         for item in items:
             item = dict(item)
@@ -363,8 +365,9 @@ def as_space(space: Any) -> Space:
         for dim in space:
             name = getattr(dim, "name", None)
             if not name:
-                raise SpaceError(f"{dim!r} has no name; give skopt dimensions a name=..., "
-                                 f"or pass a dict name -> dimension")
+                raise SpaceError(
+                    f"{dim!r} has no name; give skopt dimensions a name=..., or pass a dict name -> dimension"
+                )
             if name in dims:
                 raise SpaceError(f"parameter {name!r} is given twice")
             dims[name] = _dimension(name, dim)
@@ -401,6 +404,7 @@ def _real(prior: str):
     def make(args: list[str]) -> Real:
         low, high = _numbers(args, 2)
         return Real(low, high, prior=prior)
+
     return make
 
 
@@ -408,6 +412,7 @@ def _int(prior: str):
     def make(args: list[str]) -> Integer:
         low, high = _numbers(args, 2)
         return Integer(low, high, prior=prior)
+
     return make
 
 
@@ -518,7 +523,7 @@ def _parts(text: str) -> Iterator[tuple[str, str, str, str]]:
             j += 1
         if depth:
             raise SpaceError(f"{text[i:].strip()!r}: missing ')'")
-        yield text[i:j], head.group(1), head.group(2).lower(), text[head.end():j - 1]
+        yield text[i:j], head.group(1), head.group(2).lower(), text[head.end() : j - 1]
         i = j
 
 

@@ -25,8 +25,9 @@ import dataclasses
 import inspect
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -37,8 +38,18 @@ from nbdist.options import StudyOptions, TrainOptions, parse_target
 from nbdist.specs import parse_spec
 from nbdist.store import store_path
 
-__all__ = ["Trial", "TrialError", "trial_options", "with_params", "fold_split", "fold_fom", "run_name",
-           "fold_of_run", "watched_metrics", "check_study"]
+__all__ = [
+    "Trial",
+    "TrialError",
+    "trial_options",
+    "with_params",
+    "fold_split",
+    "fold_fom",
+    "run_name",
+    "fold_of_run",
+    "watched_metrics",
+    "check_study",
+]
 
 OPTIMIZER_PARAMS = ("optimizer", "lr", "momentum")
 # The numeric ones, passed as arguments of the optimiser (or of GEM).
@@ -111,9 +122,11 @@ def _rule_with_params(algorithm: str, params: dict[str, Any]) -> str:
     """GEM's own lr and momentum: it has no optimiser to take them."""
     spec = parse_spec(algorithm, what="--algorithm")
     if "optimizer" in params:
-        raise TrialError(f"the study's parameter 'optimizer' does not apply to {spec.name}: its workers take no "
-                         f"optimizer but step with its own lr and momentum; tune those (e.g. --space "
-                         f"\"lr=log(1e-3,1e-1) momentum=real(0.5,0.99)\")")
+        raise TrialError(
+            f"the study's parameter 'optimizer' does not apply to {spec.name}: its workers take no "
+            f"optimizer but step with its own lr and momentum; tune those (e.g. --space "
+            f'"lr=log(1e-3,1e-1) momentum=real(0.5,0.99)")'
+        )
     return _spec_text(spec.name, dict(spec.kwargs), params)
 
 
@@ -156,8 +169,10 @@ def fold_split(data: Any, fold: int, folds: int, seed: int) -> Any:
     if folds == 1:
         return data
     if not isinstance(data, ArrayData):
-        raise TrialError(f"K-fold cross-validation (--folds {folds}) needs data in memory (load_data() returning "
-                         f"an ArrayData); with --train files, use --folds 1")
+        raise TrialError(
+            f"K-fold cross-validation (--folds {folds}) needs data in memory (load_data() returning "
+            f"an ArrayData); with --train files, use --folds 1"
+        )
     y = data.y_train
     classes = np.issubdtype(y.dtype, np.integer) and y.ndim == 1
     if classes:
@@ -172,16 +187,23 @@ def fold_split(data: Any, fold: int, folds: int, seed: int) -> Any:
         train, val = list(splitter.split(data.x_train, y if classes else None))[fold]
     except ValueError as exc:
         raise TrialError(f"cannot split {data.n_train} training samples into {folds} folds: {exc}") from None
-    return ArrayData(data.x_train[train], y[train], data.x_train[val], y[val],
-                     name=f"{data.name} fold {fold + 1}/{folds}", num_classes=data.num_classes)
+    return ArrayData(
+        data.x_train[train],
+        y[train],
+        data.x_train[val],
+        y[val],
+        name=f"{data.name} fold {fold + 1}/{folds}",
+        num_classes=data.num_classes,
+    )
 
 
 def fold_fom(final: dict[str, Any], objective: str) -> float:
     """The objective in a fold run's final metrics (a missing or non-finite one fails the fold)."""
     if objective not in final:
         known = ", ".join(sorted(k for k in final if k.startswith(("val_", "train_")))) or "none"
-        raise TrialError(f"the objective {objective!r} is not a metric of the runs (they have: {known}); "
-                         f"choose one with --objective")
+        raise TrialError(
+            f"the objective {objective!r} is not a metric of the runs (they have: {known}); choose one with --objective"
+        )
     value = final[objective]
     if value is None or not math.isfinite(float(value)):
         raise TrialError(f"the objective {objective} is {value}")
@@ -195,7 +217,8 @@ def check_study(study: StudyOptions, train: TrainOptions) -> None:
     if study.space:
         parse_space(study.space)
     if study.folds > 1 and train.train:
-        raise TrialError(f"K-fold cross-validation (--folds {study.folds}) needs data in memory; with --train "
-                         f"files, use --folds 1")
+        raise TrialError(
+            f"K-fold cross-validation (--folds {study.folds}) needs data in memory; with --train files, use --folds 1"
+        )
     if study.resume_study and store_path(train.store, train.runs_dir) is None:
         raise TrialError("--resume-study needs the run store the study was recorded in (not --store off)")

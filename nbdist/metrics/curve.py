@@ -17,8 +17,9 @@ points it went back over, so the curve is the one of the training that went on.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from nbdist.metrics.log import read_log
 
@@ -44,8 +45,9 @@ def validation_curve(run_dir: Path | str, metric: str = "val_acc") -> Curve:
     return sorted(curve.items())
 
 
-def samples_to_reach(curve: Iterable[tuple[int, float]], threshold: float, *,
-                     higher_is_better: bool = True) -> int | None:
+def samples_to_reach(
+    curve: Iterable[tuple[int, float]], threshold: float, *, higher_is_better: bool = True
+) -> int | None:
     """The first samples count at which the curve's value reaches `threshold` (>=, or <=
     where lower is better, e.g. a loss); None if it never does."""
     for samples, value in sorted(curve):

@@ -14,8 +14,9 @@ import json
 import math
 import socket
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from nbdist.metrics.record import Record
 from nbdist.metrics.resources import ResourceSampler
@@ -46,11 +47,35 @@ def _records_in(path: Path) -> int:
 
 
 class RunLog:
-    __slots__ = ("run", "trial", "rank", "role", "path", "_pending", "_last_flush", "flush_every", "_file",
-                 "sink", "seq", "_resources", "_last_sample", "sample_every")
+    __slots__ = (
+        "run",
+        "trial",
+        "rank",
+        "role",
+        "path",
+        "_pending",
+        "_last_flush",
+        "flush_every",
+        "_file",
+        "sink",
+        "seq",
+        "_resources",
+        "_last_sample",
+        "sample_every",
+    )
 
-    def __init__(self, run_dir: Path, run: str, rank: int, role: str, *, trial: int | None = None,
-                 flush_every: float = 0.25, sample_every: float = 1.0, sink: RecordSink | None = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        run: str,
+        rank: int,
+        role: str,
+        *,
+        trial: int | None = None,
+        flush_every: float = 0.25,
+        sample_every: float = 1.0,
+        sink: RecordSink | None = None,
+    ):
         self.run, self.trial, self.rank, self.role = run, trial, rank, role
         directory = metrics_dir(run_dir)
         directory.mkdir(parents=True, exist_ok=True)
@@ -78,8 +103,18 @@ class RunLog:
             self.flush()
 
     def _append(self, kind: str, values: dict[str, Any], step: int, epoch: int) -> None:
-        record = Record(self.run, self.trial, self.rank, self.role, kind, int(step), int(epoch),
-                        time.time(), {k: _finite(v) for k, v in values.items()}, self.seq)
+        record = Record(
+            self.run,
+            self.trial,
+            self.rank,
+            self.role,
+            kind,
+            int(step),
+            int(epoch),
+            time.time(),
+            {k: _finite(v) for k, v in values.items()},
+            self.seq,
+        )
         self.seq += 1
         self._pending.append(record.to_dict())
 

@@ -23,9 +23,9 @@ what it allows W workers. Framework-free: it takes the squared norms.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from statistics import fmean
-from typing import Sequence
 
 __all__ = ["NoiseScale", "simple_noise_scale", "samples_ratio"]
 

@@ -39,10 +39,14 @@ class UpdateSummary:
         if not self.counts:
             return None
         total = sum(self.counts.values())
-        values = {"updates": total, "first_version": self.first_version, "version": version,
-                  "staleness_mean": sum(s * c for (_, s), c in self.counts.items()) / total,
-                  "staleness_max": max(s for _, s in self.counts),
-                  "histogram": [[rank, s, c] for (rank, s), c in sorted(self.counts.items())]}
+        values = {
+            "updates": total,
+            "first_version": self.first_version,
+            "version": version,
+            "staleness_mean": sum(s * c for (_, s), c in self.counts.items()) / total,
+            "staleness_max": max(s for _, s in self.counts),
+            "histogram": [[rank, s, c] for (rank, s), c in sorted(self.counts.items())],
+        }
         self.counts = Counter()
         return values
 
@@ -71,6 +75,13 @@ def staleness_by_rank(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for rank in sorted({rank for rank, _ in counts}):
         mine = {s: n for (r, s), n in counts.items() if r == rank}
         total = sum(mine.values())
-        rows.append({"rank": rank, "updates": total, "mean": sum(s * n for s, n in mine.items()) / total,
-                     "min": min(mine), "max": max(mine)})
+        rows.append(
+            {
+                "rank": rank,
+                "updates": total,
+                "mean": sum(s * n for s, n in mine.items()) / total,
+                "min": min(mine),
+                "max": max(mine),
+            }
+        )
     return rows

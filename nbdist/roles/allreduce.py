@@ -83,8 +83,14 @@ def run_allreduce(ctx: RankContext, replica: Replica | None = None) -> RunResult
     params, model_state = Staging(backend.params, backend.copier), Staging(backend.state, backend.copier)
     opt = backend.make_optimizer(ctx.worker_optimizer)
     collectives = ctx.peers.collectives
-    reducer = make_reducer(ctx.options.allreduce_backend, replica.comm, backend,
-                           max(1, int(ctx.options.bucket_mb * 2**20 / 4)), collectives, compression=ctx.compression)
+    reducer = make_reducer(
+        ctx.options.allreduce_backend,
+        replica.comm,
+        backend,
+        max(1, int(ctx.options.bucket_mb * 2**20 / 4)),
+        collectives,
+        compression=ctx.compression,
+    )
     # --sync-batchnorm: the statistics are the whole step's, the same on every rank.
     shared_statistics = synchronise_batchnorm(ctx, comm)
     plan = ctx.data.plan(replica.count, ctx.options.batch_size, ctx.options.seed)
@@ -126,10 +132,22 @@ def run_allreduce(ctx: RankContext, replica: Replica | None = None) -> RunResult
     agreeing: list = []  # (label, barrier) of the shares this rank has written, oldest first
 
     def save(label: str, epoch: int, step: int) -> None:
-        save_rank_state(ctx, label, opt, None, {"epoch": epoch, "step": step, "early": ctx.early.to_json(),
-                                                "samples_seen": samples_seen,
-                                                **ctx.history_file.checkpoint(history)},
-                        own=reducer.state_arrays(), same_as=replica.twin, writer=writer)
+        save_rank_state(
+            ctx,
+            label,
+            opt,
+            None,
+            {
+                "epoch": epoch,
+                "step": step,
+                "early": ctx.early.to_json(),
+                "samples_seen": samples_seen,
+                **ctx.history_file.checkpoint(history),
+            },
+            own=reducer.state_arrays(),
+            same_as=replica.twin,
+            writer=writer,
+        )
 
     def settle_checkpoints(block: bool) -> None:
         """Start the barriers of the shares written since, commit the checkpoints every rank
@@ -140,8 +158,13 @@ def run_allreduce(ctx: RankContext, replica: Replica | None = None) -> RunResult
             label, barrier = agreeing.pop(0)
             barrier.wait()
             if rank == 0:
-                meta = {"label": label, "layout": ctx.layout.to_dict(), "options": ctx.options.to_dict(),
-                        "world_ranks": ctx.world_ranks, "time": time.time()}
+                meta = {
+                    "label": label,
+                    "layout": ctx.layout.to_dict(),
+                    "options": ctx.options.to_dict(),
+                    "world_ranks": ctx.world_ranks,
+                    "time": time.time(),
+                }
                 writer.submit(lambda label=label, meta=meta: ctx.checkpoints.commit(label, meta))
         if block:
             writer.finish()
@@ -183,8 +206,12 @@ def run_allreduce(ctx: RankContext, replica: Replica | None = None) -> RunResult
             marks.passed(samples_seen)
             val = _validate(ctx, replica, val_indices, None if shared_statistics else model_state)
             if ctx.is_leader:
-                ctx.log.emit("val", sample_validation(samples_seen, val, backend.metric_name),
-                             step=epoch * n_batches + step + 1, epoch=epoch)
+                ctx.log.emit(
+                    "val",
+                    sample_validation(samples_seen, val, backend.metric_name),
+                    step=epoch * n_batches + step + 1,
+                    epoch=epoch,
+                )
         report.add(stats)
         if report.due:
             report.emit(epoch, step)
@@ -227,8 +254,10 @@ def run_allreduce(ctx: RankContext, replica: Replica | None = None) -> RunResult
     reducer.close()
     reason = stop_reason or f"completed {ctx.options.epochs} epochs"
     faults = {"restarts": ctx.attempt} if ctx.attempt else {}
-    ctx.log.emit("run", {"status": "stopped" if stop_reason else "completed", "reason": reason,
-                         "allreduce": reducer.way, **faults})
+    ctx.log.emit(
+        "run",
+        {"status": "stopped" if stop_reason else "completed", "reason": reason, "allreduce": reducer.way, **faults},
+    )
     ctx.log.close()
     final = replica.final_arrays()
     if rank != 0:
@@ -250,4 +279,3 @@ def _validate(ctx: RankContext, replica: Replica, indices: np.ndarray, model_sta
     sums = np.array([local.loss_sum, local.metric_sum, local.n], np.float64)
     collectives.allreduce(ctx.comms.run, sums, "the validation")
     return BatchStats(float(sums[0]), float(sums[1]), int(sums[2]))
-

@@ -9,7 +9,8 @@ is an error that says which counts fit (nbdist.layout).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from nbdist.errors import UserError
 from nbdist.hpo.runner import StudyResult, StudyRunner
@@ -23,8 +24,13 @@ from nbdist.train.stopping import StopFlag
 __all__ = ["run_study"]
 
 
-def run_study(study: StudyOptions, train: TrainOptions, definition: ModelDefinition | Callable[[], ModelDefinition],
-              comm: Any = None, say: Callable[[str], None] = print) -> StudyResult | None:
+def run_study(
+    study: StudyOptions,
+    train: TrainOptions,
+    definition: ModelDefinition | Callable[[], ModelDefinition],
+    comm: Any = None,
+    say: Callable[[str], None] = print,
+) -> StudyResult | None:
     """Collective over `comm` (default COMM_WORLD): the StudyResult on rank 0, None elsewhere."""
     from nbdist.layout import Layout
     from nbdist.transport.agreement import agree
@@ -32,9 +38,16 @@ def run_study(study: StudyOptions, train: TrainOptions, definition: ModelDefinit
 
     comm = world() if comm is None else comm
     check_study(study, train)
-    layout = Layout.for_world(comm.Get_size(), workers=train.workers, masters=train.masters,
-                              procs_per_worker=train.procs_per_worker, topology=train.topology,
-                              groups=study.groups, folds=study.folds, coordinator=True)
+    layout = Layout.for_world(
+        comm.Get_size(),
+        workers=train.workers,
+        masters=train.masters,
+        procs_per_worker=train.procs_per_worker,
+        topology=train.topology,
+        groups=study.groups,
+        folds=study.folds,
+        coordinator=True,
+    )
     stop = StopFlag()
     stop.install()
     runner, error = None, None
@@ -50,8 +63,10 @@ def run_study(study: StudyOptions, train: TrainOptions, definition: ModelDefinit
         if runner is None:
             serve_group(comm, comms, layout, name, study, train, definition, stop)
             return None
-        say(f"nbdist: study {name}: {layout.describe()}; {study.searcher}, {study.trials} trials, "
-            f"{study.objective} ({study.resolved_direction})")
+        say(
+            f"nbdist: study {name}: {layout.describe()}; {study.searcher}, {study.trials} trials, "
+            f"{study.objective} ({study.resolved_direction})"
+        )
         _stop_on_signal(stop, runner)
         return runner.run()
     finally:

@@ -98,10 +98,19 @@ def sub_master_clients(ctx: RankContext) -> list[Client]:
     """The top master's clients on the `masters` communicator, sub-master j = peer j."""
     layout, role = ctx.layout, ctx.role
     masters = [r for r in layout.fold_ranks(role.group, role.fold) if layout.role(r).kind == "master"]
-    return [Client(ctx.comms.masters, j, SUB_MASTER, rank,
-                   merge=ctx.algorithm.merge_master_steps, weight=layout.workers,
-                   silence=Silence(ctx.options.peer_timeout))
-            for j, rank in enumerate(masters) if j > 0]
+    return [
+        Client(
+            ctx.comms.masters,
+            j,
+            SUB_MASTER,
+            rank,
+            merge=ctx.algorithm.merge_master_steps,
+            weight=layout.workers,
+            silence=Silence(ctx.options.peer_timeout),
+        )
+        for j, rank in enumerate(masters)
+        if j > 0
+    ]
 
 
 @dataclass
@@ -172,11 +181,16 @@ class SubMaster(Master):
 
     def save(self, label: str) -> None:
         average_state(self)
-        extra = {"version": self.version, "next_epoch": self.next_epoch, "pulled_version": self.pulled_version,
-                 "unpushed_samples": self.samples_seen - self.samples_pushed,
-                 "members": self.members.to_json(), "lr": self.lr.to_json(), **open_tallies(self, label)}
-        save_rank_state(self.ctx, label, self.opt, self.rule_state, extra, {"pulled": self.pulled},
-                        writer=self.writer)
+        extra = {
+            "version": self.version,
+            "next_epoch": self.next_epoch,
+            "pulled_version": self.pulled_version,
+            "unpushed_samples": self.samples_seen - self.samples_pushed,
+            "members": self.members.to_json(),
+            "lr": self.lr.to_json(),
+            **open_tallies(self, label),
+        }
+        save_rank_state(self.ctx, label, self.opt, self.rule_state, extra, {"pulled": self.pulled}, writer=self.writer)
 
     def commit(self, label: str) -> None:
         # Complete below this rank: acknowledge it to the top master, which commits.
@@ -246,14 +260,24 @@ class SubMaster(Master):
 
 def run_sub_master(ctx: RankContext) -> None:
     layout, role = ctx.layout, ctx.role
-    top_rank = next(r for r in layout.fold_ranks(role.group, role.fold)
-                    if layout.role(r).kind == "master" and layout.role(r).master == 0)
+    top_rank = next(
+        r
+        for r in layout.fold_ranks(role.group, role.fold)
+        if layout.role(r).kind == "master" and layout.role(r).master == 0
+    )
     me = SubMaster(ctx, top_reply=m.new_header(layout.workers))
     open_master(me, worker_clients(ctx))
     n, s = me.center.size, ctx.backend.state.size
     me.pulled, me.incoming, me.out = np.empty(n, np.float32), np.empty(n, np.float32), m.Message(n, s)
-    me.uplink = WorkerChannel(ctx.comms.masters, me.top_reply, me.incoming, Silence(ctx.options.peer_timeout),
-                              master="the top master", master_rank=top_rank, describe=ctx.peers.directory.describe)
+    me.uplink = WorkerChannel(
+        ctx.comms.masters,
+        me.top_reply,
+        me.incoming,
+        Silence(ctx.options.peer_timeout),
+        master="the top master",
+        master_rank=top_rank,
+        describe=ctx.peers.directory.describe,
+    )
     me.phases["uplink"] = 0.0
     if ctx.resume_from is not None:
         extra = load_rank_state(ctx, ctx.resume_from, me.opt, me.rule_state, {"pulled": me.pulled})

@@ -11,7 +11,7 @@ epoch with it (the epoch's record says how many samples were lost).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

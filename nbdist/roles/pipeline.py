@@ -36,8 +36,14 @@ from nbdist.transport.compression import Compressor, make_codec
 from nbdist.transport.pipeline import StageLinks, StageParts
 from nbdist.transport.staging import Staging
 
-__all__ = ["StageRunner", "PipelineWorker", "StageReplica", "run_pipeline_worker", "run_pipeline_replicas",
-           "stage_layout"]
+__all__ = [
+    "StageRunner",
+    "PipelineWorker",
+    "StageReplica",
+    "run_pipeline_worker",
+    "run_pipeline_replicas",
+    "stage_layout",
+]
 
 EVALUATE_ROWS = 1024  # samples of a validation part sent between stages at once
 
@@ -121,7 +127,7 @@ def stage_layout(sizes: list[int], floats: list[int]) -> tuple[list[int], list[i
     """Where each stage's parameters and state start in the whole model's buffers: its
     parameters come last stage first (TorchBackend lays them out in reverse order of
     registration), its state (BatchNorm statistics) first stage first."""
-    params = [sum(sizes[s + 1:]) for s in range(len(sizes))]
+    params = [sum(sizes[s + 1 :]) for s in range(len(sizes))]
     state = [sum(floats[:s]) for s in range(len(floats))]
     return params, state
 
@@ -139,8 +145,7 @@ def stage_parts(ctx: RankContext) -> tuple[StageParts, StageParts]:
     sizes = collectives.allgather(comm, [backend.num_params, len(backend.state)], "the pipeline stages' sizes")
     params, floats = [int(s[0]) for s in sizes], [int(s[1]) for s in sizes]
     param_offsets, state_offsets = stage_layout(params, floats)
-    return (StageParts(comm, collectives, params, param_offsets),
-            StageParts(comm, collectives, floats, state_offsets))
+    return (StageParts(comm, collectives, params, param_offsets), StageParts(comm, collectives, floats, state_offsets))
 
 
 class PipelineWorker(Worker):
@@ -161,8 +166,9 @@ class PipelineWorker(Worker):
         self.compressor = Compressor(codec) if codec is not None else None
         # The leader's message and reply hold the whole model; each stage's own part of
         # them is what its rule writes and reads.
-        self.out = (m.Message(params, floats, codec.wire_size if codec is not None else 0) if self.leader
-                    else m.Message(0, 0))
+        self.out = (
+            m.Message(params, floats, codec.wire_size if codec is not None else 0) if self.leader else m.Message(0, 0)
+        )
         self.whole_reply = np.empty(params if self.leader else 0, np.float32)
         self.channel.reply_payload = self.whole_reply  # the leader receives the whole model's reply
         stage_message = np.empty(backend.num_params, np.float32)
@@ -179,18 +185,23 @@ class PipelineWorker(Worker):
         if leader:
             collectives.bcast(self.block, self.out.payload)
             collectives.bcast(self.block, self.out.state)
-        self.param_parts.scatter(self.out.payload if leader else None, self.params.to_host(), "the worker's first weights")
+        self.param_parts.scatter(
+            self.out.payload if leader else None, self.params.to_host(), "the worker's first weights"
+        )
         self.params.to_device()
-        self.state_parts.scatter(self.out.state if leader else None, self.model_state.to_host(),
-                                 "the worker's first weights")
+        self.state_parts.scatter(
+            self.out.state if leader else None, self.model_state.to_host(), "the worker's first weights"
+        )
         self.model_state.to_device()
 
     def _collect_message(self) -> None:
         leader = self.leader
-        self.param_parts.gather(self.message.to_host(), self.out.payload if leader else None,
-                                "the pipeline stages' message")
-        self.state_parts.gather(self.model_state.to_host(), self.out.state if leader else None,
-                                "the pipeline stages' message")
+        self.param_parts.gather(
+            self.message.to_host(), self.out.payload if leader else None, "the pipeline stages' message"
+        )
+        self.state_parts.gather(
+            self.model_state.to_host(), self.out.state if leader else None, "the pipeline stages' message"
+        )
 
     def _message_state(self) -> None:
         pass  # gathered from the stages with the payload (_collect_message)
@@ -242,11 +253,15 @@ class StageReplica(Replica):
             return None
         backend, first = ctx.backend, ctx.role.proc == 0
         whole = ctx.make_replica() if first else None  # the stages in a row, as a master holds them
-        for parts, mine, into in zip(stage_parts(ctx), (backend.params, backend.state),
-                                     (whole.params, whole.state) if first else (None, None)):
+        for parts, mine, into in zip(
+            stage_parts(ctx), (backend.params, backend.state), (whole.params, whole.state) if first else (None, None)
+        ):
             target = Staging(into, whole.copier) if first else None
-            parts.gather(Staging(mine, backend.copier).to_host(), target.to_host() if first else None,
-                         "the pipeline stages' final weights")
+            parts.gather(
+                Staging(mine, backend.copier).to_host(),
+                target.to_host() if first else None,
+                "the pipeline stages' final weights",
+            )
             if first:
                 target.to_device()
         return whole.named_arrays() if first else None

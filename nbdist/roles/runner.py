@@ -19,8 +19,9 @@ import json
 import os
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from nbdist.errors import UserError
 from nbdist.metrics.log import RecordSink
@@ -46,9 +47,15 @@ LAST_RECORDS_WAIT_AFTER_FAILURE = 2.0
 FAILURE_FILE = "failure.json"
 
 
-def run_rank(options: TrainOptions, definition: ModelDefinition | Callable[[], ModelDefinition],
-             comm: Any = None, stop: StopFlag | None = None,
-             sink: RecordSink | None = None, record: bool = True, trial: TrialTag | None = None) -> RunResult | None:
+def run_rank(
+    options: TrainOptions,
+    definition: ModelDefinition | Callable[[], ModelDefinition],
+    comm: Any = None,
+    stop: StopFlag | None = None,
+    sink: RecordSink | None = None,
+    record: bool = True,
+    trial: TrialTag | None = None,
+) -> RunResult | None:
     """Collective over `comm` (default COMM_WORLD). Returns the RunResult on the run's
     leader (the top master, or rank 0 of an allreduce run), None elsewhere. `sink`
     also receives every batch of this rank's metric records (the notebook's live view);
@@ -69,34 +76,61 @@ def run_rank(options: TrainOptions, definition: ModelDefinition | Callable[[], M
             restart_of = failure.run_dir
             comm = survivors(comm)
             if comm.Get_rank() == 0:
-                print(f"nbdist: {failure}: restarting on the {comm.Get_size()} ranks left (restart {attempt + 1} of "
-                      f"{options.max_restarts})", file=sys.stderr, flush=True)
+                print(
+                    f"nbdist: {failure}: restarting on the {comm.Get_size()} ranks left (restart {attempt + 1} of "
+                    f"{options.max_restarts})",
+                    file=sys.stderr,
+                    flush=True,
+                )
             # The same run on fewer ranks: let the layout fill them again.
             options = options.replace(workers=None)
     raise AssertionError("unreachable")  # the last attempt returns or raises
 
 
 def _restartable(failure: RunFailure, options: TrainOptions, attempt: int) -> bool:
-    return (failure.restartable and attempt < options.max_restarts and ulfm_enabled()
-            and getattr(failure, "run_dir", None) is not None)
+    return (
+        failure.restartable
+        and attempt < options.max_restarts
+        and ulfm_enabled()
+        and getattr(failure, "run_dir", None) is not None
+    )
 
 
-def _run_once(options: TrainOptions, definition: ModelDefinition | Callable[[], ModelDefinition], comm: Any,
-              stop: StopFlag, sink: RecordSink | None, record: bool, trial: TrialTag | None,
-              restart_of: Path | None, attempt: int) -> RunResult | None:
+def _run_once(
+    options: TrainOptions,
+    definition: ModelDefinition | Callable[[], ModelDefinition],
+    comm: Any,
+    stop: StopFlag,
+    sink: RecordSink | None,
+    record: bool,
+    trial: TrialTag | None,
+    restart_of: Path | None,
+    attempt: int,
+) -> RunResult | None:
     ctx = prepare(options, definition, comm, stop, sink, record, trial, restart_of=restart_of)
     ctx.attempt = attempt
     if restart_of is None:
-        ctx.say(f"nbdist: {ctx.layout.describe()}, {ctx.options.topology}"
-                + (f", {ctx.algorithm!r}" if ctx.algorithm else ", synchronous sgd")
-                + (", synchronous" if options.synchronous and ctx.algorithm else "")
-                + f"; run directory {ctx.run_dir}")
+        ctx.say(
+            f"nbdist: {ctx.layout.describe()}, {ctx.options.topology}"
+            + (f", {ctx.algorithm!r}" if ctx.algorithm else ", synchronous sgd")
+            + (", synchronous" if options.synchronous and ctx.algorithm else "")
+            + f"; run directory {ctx.run_dir}"
+        )
     else:
-        ctx.say(f"nbdist: restart {attempt} of {options.max_restarts} on {comm.Get_size()} ranks "
-                f"({ctx.layout.describe()}), from "
-                + (f"{ctx.resume_from.name}" if ctx.resume_from is not None else "the start"))
-        ctx.log.emit("restart", {"attempt": attempt, "ranks": comm.Get_size(), "layout": ctx.layout.describe(),
-                                 "checkpoint": ctx.resume_from.name if ctx.resume_from is not None else None})
+        ctx.say(
+            f"nbdist: restart {attempt} of {options.max_restarts} on {comm.Get_size()} ranks "
+            f"({ctx.layout.describe()}), from "
+            + (f"{ctx.resume_from.name}" if ctx.resume_from is not None else "the start")
+        )
+        ctx.log.emit(
+            "restart",
+            {
+                "attempt": attempt,
+                "ranks": comm.Get_size(),
+                "layout": ctx.layout.describe(),
+                "checkpoint": ctx.resume_from.name if ctx.resume_from is not None else None,
+            },
+        )
     result: RunResult | None = None
     failure: BaseException | None = None
     try:
@@ -118,8 +152,11 @@ def _run_once(options: TrainOptions, definition: ModelDefinition | Callable[[], 
         # This rank's own failure (its code, its data, a bug): the others must not wait
         # for it. They hear it as this rank's message; the CLI shows its traceback here.
         failure = exc
-        told = RunFailure(f"{ctx.peers.directory.describe(ctx.comms.world.Get_rank())} failed: "
-                          f"{type(exc).__name__}: {exc}" if not isinstance(exc, UserError) else str(exc))
+        told = RunFailure(
+            f"{ctx.peers.directory.describe(ctx.comms.world.Get_rank())} failed: {type(exc).__name__}: {exc}"
+            if not isinstance(exc, UserError)
+            else str(exc)
+        )
         ctx.peers.control.tell_all(told)
         _record_failure(ctx, told, options, attempt)
         exc.reported_here = getattr(told, "reported_here", False)
@@ -149,9 +186,14 @@ def _record_failure(ctx: RankContext, failure: RunFailure, options: TrainOptions
     if hint and hint not in str(failure):
         failure.args = (f"{failure}; {hint}",)
     path = ctx.run_dir / FAILURE_FILE
-    info = {"message": str(failure), "ranks": list(failure.ranks), "restartable": failure.restartable,
-            "reported_by": ctx.peers.directory.describe(ctx.comms.world.Get_rank()), "time": failure.at,
-            "attempt": attempt}
+    info = {
+        "message": str(failure),
+        "ranks": list(failure.ranks),
+        "restartable": failure.restartable,
+        "reported_by": ctx.peers.directory.describe(ctx.comms.world.Get_rank()),
+        "time": failure.at,
+        "attempt": attempt,
+    }
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except FileExistsError:
@@ -176,8 +218,10 @@ def _same_attempt(path: Path, attempt: int) -> bool:
 def _what_next(ctx: RankContext, failure: RunFailure, options: TrainOptions, attempt: int) -> str:
     latest = Checkpoints(ctx.run_dir).latest()
     if failure.restartable and attempt < options.max_restarts and not ulfm_enabled():
-        return ("restarts need MPI fault tolerance: start the run with python -m nbdist launch, or with "
-                "mpiexec --with-ft ulfm")
+        return (
+            "restarts need MPI fault tolerance: start the run with python -m nbdist launch, or with "
+            "mpiexec --with-ft ulfm"
+        )
     if latest is None:
         return "no checkpoint was written yet: run it again (--checkpoint-every 1 checkpoints every epoch)"
     resume = f"its last checkpoint is {latest.name}: continue with --resume {ctx.run_dir}"
@@ -214,8 +258,9 @@ def _train_in_role(ctx: RankContext) -> RunResult | None:
     return None
 
 
-def _close_run_in_store(ctx: RankContext, result: RunResult | None, failure: BaseException | None,
-                        restarting: bool) -> None:
+def _close_run_in_store(
+    ctx: RankContext, result: RunResult | None, failure: BaseException | None, restarting: bool
+) -> None:
     """Every rank has closed its log when it gets here; the leader waits for the others
     (without blocking inside MPI), records what they wrote last, and ends the run (or,
     restarting, leaves it open for the restart to go on in)."""

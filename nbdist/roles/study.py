@@ -28,7 +28,8 @@ import signal
 import sys
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from nbdist.hpo.runner import EpochReport, FoldOutcome, TrialExecutor, TrialFinished
 from nbdist.hpo.trial import Trial
@@ -66,8 +67,9 @@ class MPIGroups(TrialExecutor):
         self.leaders = [layout.fold_ranks(g, 0)[0] for g in range(layout.groups)]
         self.fold_leaders = [[layout.fold_ranks(g, f)[0] for f in range(layout.folds)] for g in range(layout.groups)]
         self.running: dict[int, int] = {}  # group -> trial number
-        self._group_ranks = [{r for f in range(layout.folds) for r in layout.fold_ranks(g, f)}
-                             for g in range(layout.groups)]
+        self._group_ranks = [
+            {r for f in range(layout.folds) for r in layout.fold_ranks(g, f)} for g in range(layout.groups)
+        ]
 
     def start(self, group: int, trial: Trial) -> None:
         self.running[group] = trial.number
@@ -106,9 +108,12 @@ class MPIGroups(TrialExecutor):
                 return None
             self.running = {g: n for g, n in self.running.items() if g not in groups}
             self.close()
-            raise RankLost(f"rank{'s' if len(dead) > 1 else ''} {', '.join(map(str, dead))} of group "
-                           f"{', '.join(map(str, groups))} died: the study cannot go on; continue it with "
-                           f"--resume-study", ranks=dead) from None
+            raise RankLost(
+                f"rank{'s' if len(dead) > 1 else ''} {', '.join(map(str, dead))} of group "
+                f"{', '.join(map(str, groups))} died: the study cannot go on; continue it with "
+                f"--resume-study",
+                ranks=dead,
+            ) from None
 
     def close(self) -> None:
         for leader in self.leaders:
@@ -140,13 +145,21 @@ def _receive(channel: GroupChannel, tag: int) -> Any:
     try:
         return channel.receive(tag, STUDY_WAIT)
     except CommFailure:
-        raise RankLost("the study's coordinator (rank 0) died: the study cannot go on; continue it with "
-                       "--resume-study", ranks=[0]) from None
+        raise RankLost(
+            "the study's coordinator (rank 0) died: the study cannot go on; continue it with --resume-study", ranks=[0]
+        ) from None
 
 
-def serve_group(world: Any, comms: Communicators, layout: Layout, study: str, options: StudyOptions,
-                train: TrainOptions, definition: ModelDefinition | Callable[[], ModelDefinition],
-                stop: StopFlag) -> None:
+def serve_group(
+    world: Any,
+    comms: Communicators,
+    layout: Layout,
+    study: str,
+    options: StudyOptions,
+    train: TrainOptions,
+    definition: ModelDefinition | Callable[[], ModelDefinition],
+    stop: StopFlag,
+) -> None:
     """A non-coordinator rank: train the trials the coordinator hands this rank's group,
     until it says stop. Collective over the group."""
     role = comms.role
@@ -166,8 +179,9 @@ def serve_group(world: Any, comms: Communicators, layout: Layout, study: str, op
         reporter = _Reporter(channel, number, fold, trial_stop) if fold_leader else None
         _forward(stop, trial_stop)
         try:
-            outcome = train_fold(study, number, params, train, options, definition, comms.run, fold, trial_stop,
-                                 sink=reporter)
+            outcome = train_fold(
+                study, number, params, train, options, definition, comms.run, fold, trial_stop, sink=reporter
+            )
         except Exception as exc:  # this rank's own failure: the fold's others were told (control channel)
             sys.stderr.write(f"nbdist: rank {role.rank} failed in trial {number}:\n{traceback.format_exc()}")
             sys.stderr.flush()
@@ -176,8 +190,17 @@ def serve_group(world: Any, comms: Communicators, layout: Layout, study: str, op
             _forward(stop, None)
         if reporter is not None:
             reporter.finish()
-        row = [fold, fold_leader, {"final": outcome.final, "stop_reason": outcome.stop_reason,
-                                   "run_id": outcome.run_id, "error": outcome.error, "ends_study": outcome.ends_study}]
+        row = [
+            fold,
+            fold_leader,
+            {
+                "final": outcome.final,
+                "stop_reason": outcome.stop_reason,
+                "run_id": outcome.run_id,
+                "error": outcome.error,
+                "ends_study": outcome.ends_study,
+            },
+        ]
         outcomes = collectives.allgather(group, row, f"the end of trial {number}")
         if group.Get_rank() == 0:
             folds = _merge([(f, leader, FoldOutcome(**values)) for f, leader, values in outcomes], layout.folds)

@@ -68,8 +68,9 @@ class Worker:
         self.params = Staging(backend.params, backend.copier)
         self.model_state = Staging(backend.state, backend.copier)
         # Compressed, the worker's gradient goes through host memory (the codecs are numpy).
-        self.grads = (Staging(backend.grads, backend.copier, cuda_aware=False if ctx.compression else None)
-                      if reduces else None)
+        self.grads = (
+            Staging(backend.grads, backend.copier, cuda_aware=False if ctx.compression else None) if reduces else None
+        )
         if reduces:
             synchronise_batchnorm(ctx, self.wcomm)  # --sync-batchnorm: over the worker's processes
         n, s = backend.num_params, len(backend.state)
@@ -90,8 +91,11 @@ class Worker:
         codec = make_codec(ctx.compression, n, backend.param_blocks()) if compressed else None
         self.compressor = Compressor(codec) if codec is not None and self.leader else None
         self.carried_before: dict[str, np.ndarray] = {}  # the compressor's state before the last message
-        self.reduction = (compressed_reduction(self.wcomm, ctx.compression, n, [(0, n)], backend.param_blocks())
-                          if compressed and reduces else None)
+        self.reduction = (
+            compressed_reduction(self.wcomm, ctx.compression, n, [(0, n)], backend.param_blocks())
+            if compressed and reduces
+            else None
+        )
         self.out = m.Message(n, s, codec.wire_size if codec is not None else 0)
         self.reply_header = m.new_header(self.workers)
         self.reply_payload = np.empty(n, np.float32)
@@ -108,12 +112,21 @@ class Worker:
         self.writing: dict[str, float] = {}  # label -> its acknowledgement code, once written
         self.totals = np.zeros(3, np.float64)
         self.overflows = 0  # fp16 gradients left out (_overflowed)
-        self.master_rank = next(r for r in ctx.layout.fold_ranks(role.group, role.fold)
-                                if ctx.layout.role(r).kind == "master" and ctx.layout.role(r).master == role.master)
-        self.channel = WorkerChannel(self.block, self.reply_header, self.reply_payload,
-                                     Silence(ctx.options.peer_timeout), master="the master",
-                                     master_rank=self.master_rank, describe=ctx.peers.directory.describe,
-                                     listener=ctx.comms.world.Get_rank())
+        self.master_rank = next(
+            r
+            for r in ctx.layout.fold_ranks(role.group, role.fold)
+            if ctx.layout.role(r).kind == "master" and ctx.layout.role(r).master == role.master
+        )
+        self.channel = WorkerChannel(
+            self.block,
+            self.reply_header,
+            self.reply_payload,
+            Silence(ctx.options.peer_timeout),
+            master="the master",
+            master_rank=self.master_rank,
+            describe=ctx.peers.directory.describe,
+            listener=ctx.comms.world.Get_rank(),
+        )
 
     # -- the loop ---------------------------------------------------------------------
     def run(self) -> None:
@@ -215,7 +228,7 @@ class Worker:
         me = self.ctx.role.worker
         if len(self.members) == self.workers:
             return self.plan.epoch(epoch, self.first_shard + me)
-        shards = self.plan.every_shard(epoch)[self.first_shard: self.first_shard + self.workers]
+        shards = self.plan.every_shard(epoch)[self.first_shard : self.first_shard + self.workers]
         return batches_for(shards, me, self.members)
 
     def _train_step(self, epoch: int, step: int, indices: np.ndarray, last: bool) -> None:
@@ -395,8 +408,13 @@ class Worker:
         """A process of this worker was lost in an asynchronous run: the worker leaves and
         the run goes on without it (the master drops it). False when the run cannot go on."""
         ctx = self.ctx
-        if (ctx.options.synchronous or self.procs == 1 or not failure.origin or not failure.ranks
-                or self.master_rank in failure.ranks):
+        if (
+            ctx.options.synchronous
+            or self.procs == 1
+            or not failure.origin
+            or not failure.ranks
+            or self.master_rank in failure.ranks
+        ):
             return False
         if self.leader:
             try:
@@ -426,9 +444,16 @@ class Worker:
     def _save(self, label: str, epoch: int, step: int, before_message: bool = False) -> None:
         """`before_message`: the state from before the message just sent (which the
         master did not apply: a resume sends it again)."""
-        save_rank_state(self.ctx, label, self.opt, self.rule_state,
-                        {"version": self.version, "epoch": epoch, "step": step, "members": list(self.members)},
-                        own=self._carried(before_message), same_as=self._twin(), writer=self.writer)
+        save_rank_state(
+            self.ctx,
+            label,
+            self.opt,
+            self.rule_state,
+            {"version": self.version, "epoch": epoch, "step": step, "members": list(self.members)},
+            own=self._carried(before_message),
+            same_as=self._twin(),
+            writer=self.writer,
+        )
         if self.procs > 1:
             # The leader acknowledges for all the worker's processes.
             self.ctx.peers.collectives.barrier(self.wcomm, "the worker's checkpoint")
@@ -460,11 +485,13 @@ class Worker:
 
     def _load_carried(self, carried: dict[str, np.ndarray]) -> None:
         if self.compressor is not None:
-            self.compressor.load_state_arrays({k[len("message_"):]: v for k, v in carried.items()
-                                               if k.startswith("message_")})
+            self.compressor.load_state_arrays(
+                {k[len("message_") :]: v for k, v in carried.items() if k.startswith("message_")}
+            )
         if self.reduction is not None:
-            self.reduction.load_state_arrays({k[len("reduction_"):]: v for k, v in carried.items()
-                                              if k.startswith("reduction_")})
+            self.reduction.load_state_arrays(
+                {k[len("reduction_") :]: v for k, v in carried.items() if k.startswith("reduction_")}
+            )
 
 
 def run_worker(ctx: RankContext) -> None:

@@ -9,8 +9,22 @@ from nbdist.store.ingest import LogFollower, RunFeed, RunRecorder, import_run
 from nbdist.store.runstore import STALE_SECONDS, RunRow, RunStore, TrialRow
 from nbdist.store.schema import SCHEMA_VERSION, StoreError
 
-__all__ = ["RunStore", "RunRow", "TrialRow", "RunFeed", "RunRecorder", "LogFollower", "import_run", "StoreError",
-           "SCHEMA_VERSION", "STALE_SECONDS", "store_path", "is_url", "mask_url", "store_label"]
+__all__ = [
+    "RunStore",
+    "RunRow",
+    "TrialRow",
+    "RunFeed",
+    "RunRecorder",
+    "LogFollower",
+    "import_run",
+    "StoreError",
+    "SCHEMA_VERSION",
+    "STALE_SECONDS",
+    "store_path",
+    "is_url",
+    "mask_url",
+    "store_label",
+]
 
 STORE_FILE = "nbdist.db"
 OFF = ("off", "none", "")

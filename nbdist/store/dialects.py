@@ -27,15 +27,27 @@ from __future__ import annotations
 import sqlite3
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from nbdist.errors import UserError
 
-__all__ = ["Dialect", "SQLiteDialect", "PostgresDialect", "StoreError", "open_dialect", "is_url", "mask_url",
-           "store_label", "POSTGRES_SCHEMES", "SCHEMES", "RECONNECT_SECONDS"]
+__all__ = [
+    "Dialect",
+    "SQLiteDialect",
+    "PostgresDialect",
+    "StoreError",
+    "open_dialect",
+    "is_url",
+    "mask_url",
+    "store_label",
+    "POSTGRES_SCHEMES",
+    "SCHEMES",
+    "RECONNECT_SECONDS",
+]
 
 POSTGRES_SCHEMES = ("postgresql", "postgres")
 SCHEMES = ("sqlite", *POSTGRES_SCHEMES)
@@ -189,8 +201,10 @@ class SQLiteDialect(Dialect):
         """BEGIN IMMEDIATE already holds the whole file's write lock."""
 
     def has_table(self, name: str) -> bool:
-        return self._conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?",
-                                  (name,)).fetchone() is not None
+        return (
+            self._conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)).fetchone()
+            is not None
+        )
 
     def legacy_version(self) -> int:
         # Stores of schema 1 kept their version in SQLite's user_version only.
@@ -203,16 +217,21 @@ class SQLiteDialect(Dialect):
 
 class PostgresDialect(Dialect):
     rowid = "id"
-    types = {"real": "DOUBLE PRECISION", "big": "BIGINT", "record_id": "id BIGSERIAL PRIMARY KEY,",
-             "records_key": "run, id"}
+    types = {
+        "real": "DOUBLE PRECISION",
+        "big": "BIGINT",
+        "record_id": "id BIGSERIAL PRIMARY KEY,",
+        "records_key": "run, id",
+    }
 
     def __init__(self, url: str, *, create: bool):
         self.label = mask_url(url)
         try:
             import psycopg
         except ImportError:
-            raise StoreError(f"--store {self.label} needs psycopg: pip install 'nbdist[postgresql]' "
-                             f"(psycopg[binary]==3.3.9)") from None
+            raise StoreError(
+                f"--store {self.label} needs psycopg: pip install 'nbdist[postgresql]' (psycopg[binary]==3.3.9)"
+            ) from None
         self._psycopg, self._url = psycopg, url
         self.errors = (psycopg.Error,)
         try:
@@ -235,8 +254,10 @@ class PostgresDialect(Dialect):
             lost = _first_line(exc, self._url)
         self._reconnect(lost)
         if not again:
-            raise StoreError(f"the connection to the run store {self.label} was lost during a write ({lost}): "
-                             f"the write was not repeated (it may not have been made); connected again")
+            raise StoreError(
+                f"the connection to the run store {self.label} was lost during a write ({lost}): "
+                f"the write was not repeated (it may not have been made); connected again"
+            )
         return statement()
 
     def _reconnect(self, lost: str) -> None:
@@ -247,9 +268,11 @@ class PostgresDialect(Dialect):
                 return
             except self._psycopg.Error as exc:
                 if time.monotonic() + pause > deadline:
-                    raise StoreError(f"the connection to the run store {self.label} was lost ({lost}) and could "
-                                     f"not be made again in {RECONNECT_SECONDS:.0f} s: "
-                                     f"{_first_line(exc, self._url)}") from None
+                    raise StoreError(
+                        f"the connection to the run store {self.label} was lost ({lost}) and could "
+                        f"not be made again in {RECONNECT_SECONDS:.0f} s: "
+                        f"{_first_line(exc, self._url)}"
+                    ) from None
             time.sleep(pause)
             pause = min(2 * pause, 5.0)
 
@@ -293,8 +316,13 @@ class PostgresDialect(Dialect):
     def has_table(self, name: str) -> bool:
         # A query of the catalog, not to_regclass(): that one answers from a cache that may
         # not yet know of a table another process created while this one waited for the lock.
-        return self.execute("SELECT 1 FROM information_schema.tables WHERE table_schema = current_schema() "
-                            "AND table_name = ?", (name,)).fetchone() is not None
+        return (
+            self.execute(
+                "SELECT 1 FROM information_schema.tables WHERE table_schema = current_schema() AND table_name = ?",
+                (name,),
+            ).fetchone()
+            is not None
+        )
 
 
 def _first_line(exc: BaseException, url: str) -> str:
@@ -330,6 +358,7 @@ def open_dialect(store: str | Path, *, create: bool = True) -> Dialect:
             raise StoreError(f"--store {label}: a SQLite URL is sqlite:///PATH (three slashes, then the file)")
         return SQLiteDialect(Path(parts.path[1:]), create=create)
     if not parts.path.strip("/"):
-        raise StoreError(f"--store {label}: no database name; a PostgreSQL store is "
-                         f"postgresql://USER@HOST:PORT/DATABASE")
+        raise StoreError(
+            f"--store {label}: no database name; a PostgreSQL store is postgresql://USER@HOST:PORT/DATABASE"
+        )
     return PostgresDialect(str(store), create=create)

@@ -69,8 +69,17 @@ class RunFeed:
     records and committed checkpoints with a heartbeat, and ends it. Opening it checks
     the store, so a store that cannot be used is an error before any training."""
 
-    def __init__(self, store_path: Path | str, run_id: str, run_dir: Path | str, *, options: dict[str, Any],
-                 layout: dict[str, Any], study: str | None = None, trial: int | None = None):
+    def __init__(
+        self,
+        store_path: Path | str,
+        run_id: str,
+        run_dir: Path | str,
+        *,
+        options: dict[str, Any],
+        layout: dict[str, Any],
+        study: str | None = None,
+        trial: int | None = None,
+    ):
         self.run_id, self.run_dir = run_id, Path(run_dir).resolve()
         self.store = RunStore(store_path)
         self.store.begin_run(run_id, run_dir=self.run_dir, options=options, layout=layout, study=study, trial=trial)
@@ -93,9 +102,18 @@ class RunRecorder:
     """The run leader's thread that moves a batch run's records from its ranks' logs
     into the store while it trains."""
 
-    def __init__(self, store_path: Path | str, run_id: str, run_dir: Path, *, options: dict[str, Any],
-                 layout: dict[str, Any], study: str | None = None, trial: int | None = None,
-                 every: float = RECORD_EVERY):
+    def __init__(
+        self,
+        store_path: Path | str,
+        run_id: str,
+        run_dir: Path,
+        *,
+        options: dict[str, Any],
+        layout: dict[str, Any],
+        study: str | None = None,
+        trial: int | None = None,
+        every: float = RECORD_EVERY,
+    ):
         self.every = every
         self.follower = LogFollower(run_dir)
         self.feed = RunFeed(store_path, run_id, run_dir, options=options, layout=layout, study=study, trial=trial)

@@ -22,10 +22,11 @@ import json
 import os
 import socket
 import time
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from nbdist.store.dialects import Dialect, StoreError, mask_url, open_dialect
 from nbdist.store.schema import prepare_schema
@@ -118,7 +119,7 @@ class RunStore:
     def close(self) -> None:
         self._db.close()
 
-    def __enter__(self) -> "RunStore":
+    def __enter__(self) -> RunStore:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -130,9 +131,17 @@ class RunStore:
             yield self._db
 
     # -- runs: written by the run's one writer ----------------------------------------
-    def begin_run(self, run_id: str, *, run_dir: str | Path | None, options: dict[str, Any],
-                  layout: dict[str, Any], kind: str = "train", study: str | None = None,
-                  trial: int | None = None) -> None:
+    def begin_run(
+        self,
+        run_id: str,
+        *,
+        run_dir: str | Path | None,
+        options: dict[str, Any],
+        layout: dict[str, Any],
+        kind: str = "train",
+        study: str | None = None,
+        trial: int | None = None,
+    ) -> None:
         """A new run, a reserved one, or a resumed one (the same id): running again, from now."""
         now = time.time()
         with self._write() as conn:
@@ -145,37 +154,57 @@ class RunStore:
                        options = excluded.options, layout = excluded.layout,
                        study = COALESCE(excluded.study, runs.study), trial = COALESCE(excluded.trial, runs.trial),
                        heartbeat = excluded.heartbeat, host = excluded.host, pid = excluded.pid""",
-                (run_id, kind, None if run_dir is None else str(run_dir), _json(_no_passwords(options)), _json(layout),
-                 study, trial, now, now, socket.gethostname(), os.getpid()),
+                (
+                    run_id,
+                    kind,
+                    None if run_dir is None else str(run_dir),
+                    _json(_no_passwords(options)),
+                    _json(layout),
+                    study,
+                    trial,
+                    now,
+                    now,
+                    socket.gethostname(),
+                    os.getpid(),
+                ),
             )
 
-    def reserve_run(self, run_id: str, run_dir: str | Path, *, study: str | None = None,
-                    trial: int | None = None) -> bool:
+    def reserve_run(
+        self, run_id: str, run_dir: str | Path, *, study: str | None = None, trial: int | None = None
+    ) -> bool:
         """Take the name `run_id` for a run about to start (its row, running from now);
         False when the store has a run of that name (one INSERT decides between two jobs
         that choose the same name at once)."""
         now = time.time()
         with self._write() as conn:
-            return conn.execute(
-                "INSERT INTO runs (id, status, run_dir, study, trial, started, heartbeat, host, pid) "
-                "VALUES (?, 'running', ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
-                (run_id, str(run_dir), study, trial, now, now, socket.gethostname(), os.getpid())).rowcount == 1
+            return (
+                conn.execute(
+                    "INSERT INTO runs (id, status, run_dir, study, trial, started, heartbeat, host, pid) "
+                    "VALUES (?, 'running', ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
+                    (run_id, str(run_dir), study, trial, now, now, socket.gethostname(), os.getpid()),
+                ).rowcount
+                == 1
+            )
 
     def heartbeat(self, run_id: str) -> None:
         # A run marked killed whose writer turns out to be alive (it was only paused)
         # is running again.
         with self._write() as conn:
-            conn.execute("UPDATE runs SET heartbeat = ?, status = CASE status WHEN 'killed' THEN "
-                         "'running' ELSE status END WHERE id = ?", (time.time(), run_id))
+            conn.execute(
+                "UPDATE runs SET heartbeat = ?, status = CASE status WHEN 'killed' THEN "
+                "'running' ELSE status END WHERE id = ?",
+                (time.time(), run_id),
+            )
 
-    def end_run(self, run_id: str, status: str, reason: str | None = None,
-                final: dict[str, Any] | None = None) -> None:
+    def end_run(self, run_id: str, status: str, reason: str | None = None, final: dict[str, Any] | None = None) -> None:
         if status not in RUN_STATES or status == "running":
             raise ValueError(f"a run ends as one of {RUN_STATES[1:]}, not {status!r}")
         with self._write() as conn:
-            conn.execute("UPDATE runs SET status = ?, reason = ?, final = COALESCE(?, final), ended = ?, "
-                         "heartbeat = ? WHERE id = ?",
-                         (status, reason, _json(final), time.time(), time.time(), run_id))
+            conn.execute(
+                "UPDATE runs SET status = ?, reason = ?, final = COALESCE(?, final), ended = ?, "
+                "heartbeat = ? WHERE id = ?",
+                (status, reason, _json(final), time.time(), time.time(), run_id),
+            )
 
     def add_records(self, records: Iterable[dict[str, Any]]) -> int:
         """Insert metric records (Record.to_dict() form); ones already stored are skipped.
@@ -186,26 +215,35 @@ class RunStore:
         with self._write() as db:
             return db.executemany(
                 'INSERT INTO records (run, rank, seq, trial, role, kind, step, epoch, time, "values") '
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING", rows)
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                rows,
+            )
 
     def add_checkpoint(self, run_id: str, label: str, path: str | Path, when: float | None = None) -> None:
         with self._write() as conn:
-            conn.execute("INSERT INTO checkpoints (run, label, path, time) VALUES (?, ?, ?, ?) ON CONFLICT DO NOTHING",
-                         (run_id, label, str(path), when))
+            conn.execute(
+                "INSERT INTO checkpoints (run, label, path, time) VALUES (?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                (run_id, label, str(path), when),
+            )
 
     # -- reading ----------------------------------------------------------------------
     def reap(self, stale_after: float = STALE_SECONDS) -> list[str]:
         """Mark runs whose writer is gone as killed; returns their ids."""
         here, now = socket.gethostname(), time.time()
         rows = self._db.execute("SELECT id, heartbeat, host, pid FROM runs WHERE status = 'running'").fetchall()
-        dead = [run_id for run_id, beat, host, pid in rows
-                if (host == here and pid and not _process_alive(pid)) or (beat or 0) < now - stale_after]
+        dead = [
+            run_id
+            for run_id, beat, host, pid in rows
+            if (host == here and pid and not _process_alive(pid)) or (beat or 0) < now - stale_after
+        ]
         if dead:
             with self._write() as conn:
                 conn.executemany(
                     "UPDATE runs SET status = 'killed', ended = heartbeat, reason = 'the job ended without "
                     "finishing the run (killed, or its node lost); its last records are kept' "
-                    "WHERE id = ? AND status = 'running'", [(d,) for d in dead])
+                    "WHERE id = ? AND status = 'running'",
+                    [(d,) for d in dead],
+                )
         return dead
 
     def runs(self, *, kind: str | None = None, study: str | None = None) -> list[RunRow]:
@@ -234,18 +272,49 @@ class RunStore:
         return self._run_row(row)
 
     def _run_row(self, row: tuple) -> RunRow:
-        (run_id, kind, status, reason, run_dir, options, layout, final, study, trial, started, ended,
-         heartbeat, _host, _pid) = row
-        return RunRow(run_id, kind, status, reason, run_dir, _loads(options, {}), _loads(layout, {}),
-                      _loads(final, {}), study, trial, started, ended, heartbeat)
+        (
+            run_id,
+            kind,
+            status,
+            reason,
+            run_dir,
+            options,
+            layout,
+            final,
+            study,
+            trial,
+            started,
+            ended,
+            heartbeat,
+            _host,
+            _pid,
+        ) = row
+        return RunRow(
+            run_id,
+            kind,
+            status,
+            reason,
+            run_dir,
+            _loads(options, {}),
+            _loads(layout, {}),
+            _loads(final, {}),
+            study,
+            trial,
+            started,
+            ended,
+            heartbeat,
+        )
 
-    def records(self, run_id: str, *, after: int = 0, kinds: Iterable[str] | None = None,
-                limit: int | None = None) -> tuple[list[dict[str, Any]], int]:
+    def records(
+        self, run_id: str, *, after: int = 0, kinds: Iterable[str] | None = None, limit: int | None = None
+    ) -> tuple[list[dict[str, Any]], int]:
         """The run's records stored after row `after`, in the order they were stored, and
         the row to ask after next time (poll with it to get only what is new)."""
         rowid = self._db.rowid
-        query = (f'SELECT {rowid}, run, rank, seq, trial, role, kind, step, epoch, time, "values" '
-                 f"FROM records WHERE run = ? AND {rowid} > ?")
+        query = (
+            f'SELECT {rowid}, run, rank, seq, trial, role, kind, step, epoch, time, "values" '
+            f"FROM records WHERE run = ? AND {rowid} > ?"
+        )
         args: list[Any] = [run_id, after]
         if kinds is not None:
             kinds = list(kinds)
@@ -256,31 +325,65 @@ class RunStore:
             query += f" LIMIT {int(limit)}"
         out, last = [], after
         for rowid, run, rank, seq, trial, role, kind, step, epoch, when, values in self._db.execute(query, args):
-            out.append({"run": run, "trial": trial, "rank": rank, "role": role, "kind": kind, "step": step,
-                        "epoch": epoch, "time": when, "values": json.loads(values), "seq": seq})
+            out.append(
+                {
+                    "run": run,
+                    "trial": trial,
+                    "rank": rank,
+                    "role": role,
+                    "kind": kind,
+                    "step": step,
+                    "epoch": epoch,
+                    "time": when,
+                    "values": json.loads(values),
+                    "seq": seq,
+                }
+            )
             last = rowid
         return out, last
 
     def checkpoints(self, run_id: str) -> list[dict[str, Any]]:
-        rows = self._db.execute("SELECT label, path, time FROM checkpoints WHERE run = ? ORDER BY label",
-                                  (run_id,))
+        rows = self._db.execute("SELECT label, path, time FROM checkpoints WHERE run = ? ORDER BY label", (run_id,))
         return [{"label": label, "path": path, "time": when} for label, path, when in rows]
 
     # -- studies and trials (the coordinators write them; the dashboard reads them) ----
-    def create_study(self, study_id: str, *, searcher: str, space: Any, options: dict[str, Any],
-                     objective: str, direction: str, searcher_state: Any = None) -> bool:
+    def create_study(
+        self,
+        study_id: str,
+        *,
+        searcher: str,
+        space: Any,
+        options: dict[str, Any],
+        objective: str,
+        direction: str,
+        searcher_state: Any = None,
+    ) -> bool:
         """A new study; False (and nothing written) when the store has one of that name.
         The searcher's state goes in the same row: a job that joins the study as soon as
         it appears (--resume-study) finds it complete."""
         now = time.time()
         with self._write() as conn:
-            return conn.execute(
-                """INSERT INTO studies (id, status, searcher, space, options, objective, direction, started,
+            return (
+                conn.execute(
+                    """INSERT INTO studies (id, status, searcher, space, options, objective, direction, started,
                                         heartbeat, host, pid, searcher_state)
                    VALUES (?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING""",
-                (study_id, searcher, _json(space), _json(_no_passwords(options)), objective, direction, now, now,
-                 socket.gethostname(), os.getpid(), _json(searcher_state)),
-            ).rowcount == 1
+                    (
+                        study_id,
+                        searcher,
+                        _json(space),
+                        _json(_no_passwords(options)),
+                        objective,
+                        direction,
+                        now,
+                        now,
+                        socket.gethostname(),
+                        os.getpid(),
+                        _json(searcher_state),
+                    ),
+                ).rowcount
+                == 1
+            )
 
     def begin_study(self, study_id: str, **settings: Any) -> None:
         """A new study, or one of that name running again."""
@@ -290,11 +393,13 @@ class RunStore:
     def reopen_study(self, study_id: str) -> None:
         """A study continued (--resume-study): running again."""
         with self._write() as conn:
-            conn.execute("UPDATE studies SET status = 'running', ended = NULL, heartbeat = ?, host = ?, pid = ? "
-                         "WHERE id = ?", (time.time(), socket.gethostname(), os.getpid(), study_id))
+            conn.execute(
+                "UPDATE studies SET status = 'running', ended = NULL, heartbeat = ?, host = ?, pid = ? WHERE id = ?",
+                (time.time(), socket.gethostname(), os.getpid(), study_id),
+            )
 
     @contextmanager
-    def coordinate(self, study_id: str) -> Iterator["RunStore"]:
+    def coordinate(self, study_id: str) -> Iterator[RunStore]:
         """A transaction holding the study's lock: what a coordinator reads and writes in it
         (the searcher's state, trial rows) no other coordinator changes meanwhile."""
         with self._write() as db:
@@ -303,8 +408,10 @@ class RunStore:
 
     def save_searcher_state(self, study_id: str, state: Any) -> None:
         with self._write() as conn:
-            conn.execute("UPDATE studies SET searcher_state = ?, heartbeat = ? WHERE id = ?",
-                         (_json(state), time.time(), study_id))
+            conn.execute(
+                "UPDATE studies SET searcher_state = ?, heartbeat = ? WHERE id = ?",
+                (_json(state), time.time(), study_id),
+            )
 
     def end_study(self, study_id: str, status: str) -> None:
         with self._write() as conn:
@@ -328,14 +435,17 @@ class RunStore:
     def join_study(self, study_id: str, job: str) -> None:
         now = time.time()
         with self._write() as conn:
-            conn.execute("INSERT INTO study_jobs (study, job, host, pid, started, heartbeat) VALUES (?, ?, ?, ?, ?, ?) "
-                         "ON CONFLICT (study, job) DO UPDATE SET heartbeat = excluded.heartbeat, ended = NULL",
-                         (study_id, job, socket.gethostname(), os.getpid(), now, now))
+            conn.execute(
+                "INSERT INTO study_jobs (study, job, host, pid, started, heartbeat) VALUES (?, ?, ?, ?, ?, ?) "
+                "ON CONFLICT (study, job) DO UPDATE SET heartbeat = excluded.heartbeat, ended = NULL",
+                (study_id, job, socket.gethostname(), os.getpid(), now, now),
+            )
 
     def study_heartbeat(self, study_id: str, job: str) -> None:
         with self._write() as conn:
-            conn.execute("UPDATE study_jobs SET heartbeat = ? WHERE study = ? AND job = ?",
-                         (time.time(), study_id, job))
+            conn.execute(
+                "UPDATE study_jobs SET heartbeat = ? WHERE study = ? AND job = ?", (time.time(), study_id, job)
+            )
 
     def leave_study(self, study_id: str, job: str) -> None:
         with self._write() as conn:
@@ -345,24 +455,46 @@ class RunStore:
         """The study's jobs that have not ended and whose coordinator is alive (same host:
         its process is there; any host: its heartbeat is recent)."""
         here, now = socket.gethostname(), time.time()
-        rows = self._db.execute("SELECT job, host, pid, heartbeat FROM study_jobs WHERE study = ? AND ended IS NULL",
-                                (study_id,))
-        return {job for job, host, pid, beat in rows
-                if not (host == here and pid and not _process_alive(pid)) and (beat or 0) >= now - stale_after}
+        rows = self._db.execute(
+            "SELECT job, host, pid, heartbeat FROM study_jobs WHERE study = ? AND ended IS NULL", (study_id,)
+        )
+        return {
+            job
+            for job, host, pid, beat in rows
+            if not (host == here and pid and not _process_alive(pid)) and (beat or 0) >= now - stale_after
+        }
 
     def claim_trial(self, study_id: str, number: int, job: str, previous: str | None) -> bool:
         """Take over a running trial from `previous` (a job that is gone); False when
         another job took it first."""
         with self._write() as conn:
-            return conn.execute("UPDATE trials SET owner = ? WHERE study = ? AND number = ? AND state = 'running' "
-                                "AND COALESCE(owner, '') = ?",
-                                (job, study_id, int(number), previous or "")).rowcount == 1
+            return (
+                conn.execute(
+                    "UPDATE trials SET owner = ? WHERE study = ? AND number = ? AND state = 'running' "
+                    "AND COALESCE(owner, '') = ?",
+                    (job, study_id, int(number), previous or ""),
+                ).rowcount
+                == 1
+            )
 
-    def record_trial(self, study_id: str, number: int, *, params: dict[str, Any], state: str,
-                     fom: float | None = None, fom_std: float | None = None, folds: list[float] | None = None,
-                     generation: int | None = None, group: int | None = None, error: str | None = None,
-                     started: float | None = None, ended: float | None = None, owner: str | None = None,
-                     goal_reached: bool = False) -> None:
+    def record_trial(
+        self,
+        study_id: str,
+        number: int,
+        *,
+        params: dict[str, Any],
+        state: str,
+        fom: float | None = None,
+        fom_std: float | None = None,
+        folds: list[float] | None = None,
+        generation: int | None = None,
+        group: int | None = None,
+        error: str | None = None,
+        started: float | None = None,
+        ended: float | None = None,
+        owner: str | None = None,
+        goal_reached: bool = False,
+    ) -> None:
         """Insert a trial or replace what is known of it (a running trial that completed)."""
         with self._write() as conn:
             conn.execute(
@@ -375,13 +507,31 @@ class RunStore:
                        error = excluded.error, started = COALESCE(trials.started, excluded.started),
                        ended = excluded.ended, owner = COALESCE(excluded.owner, trials.owner),
                        goal_reached = excluded.goal_reached""",
-                (study_id, int(number), _json(params), state, fom, fom_std, _json(folds or []), generation,
-                 group, error, started, ended, owner, int(goal_reached)),
+                (
+                    study_id,
+                    int(number),
+                    _json(params),
+                    state,
+                    fom,
+                    fom_std,
+                    _json(folds or []),
+                    generation,
+                    group,
+                    error,
+                    started,
+                    ended,
+                    owner,
+                    int(goal_reached),
+                ),
             )
 
     def trials(self, study_id: str) -> list[TrialRow]:
         rows = self._db.execute(
             "SELECT study, number, params, state, fom, fom_std, folds, generation, grp, error, started, ended, owner, "
-            "goal_reached FROM trials WHERE study = ? ORDER BY number", (study_id,))
-        return [TrialRow(s, n, json.loads(p), st, f, fs, _loads(fo, []), g, gr, e, t0, t1, o, bool(goal))
-                for s, n, p, st, f, fs, fo, g, gr, e, t0, t1, o, goal in rows]
+            "goal_reached FROM trials WHERE study = ? ORDER BY number",
+            (study_id,),
+        )
+        return [
+            TrialRow(s, n, json.loads(p), st, f, fs, _loads(fo, []), g, gr, e, t0, t1, o, bool(goal))
+            for s, n, p, st, f, fs, fo, g, gr, e, t0, t1, o, goal in rows
+        ]

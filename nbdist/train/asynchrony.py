@@ -56,9 +56,18 @@ from dataclasses import dataclass
 from nbdist.algorithms import Algorithm
 from nbdist.specs import Spec
 
-__all__ = ["implicit_momentum", "staleness_lr_factor", "CorrectedMomentum", "corrected_momentum",
-           "worker_momentum_warning", "stale_updates_note", "published_gem_warning", "Notice", "MasterForAsynchrony",
-           "optimisers_for_asynchrony"]
+__all__ = [
+    "implicit_momentum",
+    "staleness_lr_factor",
+    "CorrectedMomentum",
+    "corrected_momentum",
+    "worker_momentum_warning",
+    "stale_updates_note",
+    "published_gem_warning",
+    "Notice",
+    "MasterForAsynchrony",
+    "optimisers_for_asynchrony",
+]
 
 # Workers from which a centre that takes their steps as they are (ADAG) was seen to
 # collapse with the workers' default momentum 0.9: every one of 3 seeds at 8 workers on
@@ -81,10 +90,12 @@ GEM_COLLAPSE_SEEN_FROM = 16
 # told: Downpour so fell back to chance early on, for a validation or two, before it
 # learned on, in 7 of 12 runs at 16 workers and 6 of 33 at 8 on the jet images
 # (bench/convergence.py, 2026-11-25/26).
-EARLY_DIPS = (". The centre's first epochs can still swing: on jet images Downpour's validation fell back to "
-              "chance once or twice within its first 11,000 samples, then learned on, in 6 of 33 runs at 8 "
-              "workers and 7 of 12 at 16; gem, adag and easgd did not (at 16: 0 of 4 each), and --synchronous "
-              "takes no stale step")
+EARLY_DIPS = (
+    ". The centre's first epochs can still swing: on jet images Downpour's validation fell back to "
+    "chance once or twice within its first 11,000 samples, then learned on, in 6 of 33 runs at 8 "
+    "workers and 7 of 12 at 16; gem, adag and easgd did not (at 16: 0 of 4 each), and --synchronous "
+    "takes no stale step"
+)
 # The optimiser argument that is a heavy-ball momentum (torch's SGD and RMSprop, Keras'
 # SGD and RMSprop); Adam's beta1 averages gradients but its steps are normalised, and
 # the analysis does not carry over to it.
@@ -103,8 +114,10 @@ def staleness_lr_factor(staleness: int) -> float:
 
 
 def _implicit_source(workers: int) -> str:
-    return (f"asynchrony with {workers} workers adds a momentum of its own, about 1 - 1/{workers} = "
-            f"{implicit_momentum(workers):.2f}")
+    return (
+        f"asynchrony with {workers} workers adds a momentum of its own, about 1 - 1/{workers} = "
+        f"{implicit_momentum(workers):.2f}"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,24 +149,38 @@ def corrected_momentum(spec: Spec | None, workers: int, synchronous: bool, corre
         if workers < STALE_LR_FROM:
             return CorrectedMomentum(spec)
         if correction == "off":
-            return CorrectedMomentum(spec, (
-                f"{source} (Mitliagkas et al. 2016), and with --momentum-correction off the lr of the master's "
-                f"{spec.name} is not divided by the updates' staleness: on jet images Downpour's default "
-                f"sgd(lr=0.1) so collapsed or never learned in 5 of 5 runs at 8 workers and 3 of 3 at 16; drop "
-                f"--momentum-correction off, or use --algorithm gem or --synchronous"), warning=True)
-        return CorrectedMomentum(spec, (
-            f"{source} (Mitliagkas et al. 2016), and the master's {spec.name} has no momentum to lower: the lr "
-            f"of each update is divided by 1 + its staleness (Zhang et al. 2016, Jiang et al. 2017), the whole "
-            f"lr for an update from the current centre; --momentum-correction off keeps it as given"
-            f"{EARLY_DIPS}"), stale_lr=True)
+            return CorrectedMomentum(
+                spec,
+                (
+                    f"{source} (Mitliagkas et al. 2016), and with --momentum-correction off the lr of the master's "
+                    f"{spec.name} is not divided by the updates' staleness: on jet images Downpour's default "
+                    f"sgd(lr=0.1) so collapsed or never learned in 5 of 5 runs at 8 workers and 3 of 3 at 16; drop "
+                    f"--momentum-correction off, or use --algorithm gem or --synchronous"
+                ),
+                warning=True,
+            )
+        return CorrectedMomentum(
+            spec,
+            (
+                f"{source} (Mitliagkas et al. 2016), and the master's {spec.name} has no momentum to lower: the lr "
+                f"of each update is divided by 1 + its staleness (Zhang et al. 2016, Jiang et al. 2017), the whole "
+                f"lr for an update from the current centre; --momentum-correction off keeps it as given"
+                f"{EARLY_DIPS}"
+            ),
+            stale_lr=True,
+        )
     if correction == "off":
         if explicit + implicit < 1.0:
             return CorrectedMomentum(spec)
-        return CorrectedMomentum(spec, (
-            f"{source} (Mitliagkas et al. 2016); with the master's momentum {explicit:g} the total "
-            f"{explicit + implicit:.2f} is 1 or more, and training diverges: use --algorithm gem (made for "
-            f"this), --synchronous, a momentum below {1.0 / workers:.2g}, or --momentum-correction auto"),
-            warning=True)
+        return CorrectedMomentum(
+            spec,
+            (
+                f"{source} (Mitliagkas et al. 2016); with the master's momentum {explicit:g} the total "
+                f"{explicit + implicit:.2f} is 1 or more, and training diverges: use --algorithm gem (made for "
+                f"this), --synchronous, a momentum below {1.0 / workers:.2g}, or --momentum-correction auto"
+            ),
+            warning=True,
+        )
     corrected = round(max(0.0, explicit - implicit), 6)
     kwargs = {**spec.kwargs, MOMENTUM_ARGUMENT: corrected}
     if corrected == 0.0 and spec.kwargs.get("nesterov"):
@@ -165,15 +192,24 @@ def corrected_momentum(spec: Spec | None, workers: int, synchronous: bool, corre
         # 5 seeds, 20 epochs: without this it fell back to chance after passing 0.6 in 3
         # and first reached 0.85 at epoch 13 or later (never in 2); with it no run fell
         # below 0.69 once past 0.6, and every one reached 0.85 by epoch 6 (README).
-        return CorrectedMomentum(Spec(spec.name, kwargs), (
-            f"{source} (Mitliagkas et al. 2016), more than the master's momentum {explicit:g}: it is lowered "
-            f"to 0, and the lr of each update is divided by 1 + its staleness (Zhang et al. 2016, Jiang et "
-            f"al. 2017) for the rest, as for a master without momentum; --momentum-correction off keeps it "
-            f"as given"), stale_lr=True)
-    return CorrectedMomentum(Spec(spec.name, kwargs), (
-        f"{source} (Mitliagkas et al. 2016): the master's momentum {explicit:g} is lowered to "
-        f"{corrected:g} so that the total stays {max(explicit, implicit):.2f}; --momentum-correction "
-        f"off keeps it as given"))
+        return CorrectedMomentum(
+            Spec(spec.name, kwargs),
+            (
+                f"{source} (Mitliagkas et al. 2016), more than the master's momentum {explicit:g}: it is lowered "
+                f"to 0, and the lr of each update is divided by 1 + its staleness (Zhang et al. 2016, Jiang et "
+                f"al. 2017) for the rest, as for a master without momentum; --momentum-correction off keeps it "
+                f"as given"
+            ),
+            stale_lr=True,
+        )
+    return CorrectedMomentum(
+        Spec(spec.name, kwargs),
+        (
+            f"{source} (Mitliagkas et al. 2016): the master's momentum {explicit:g} is lowered to "
+            f"{corrected:g} so that the total stays {max(explicit, implicit):.2f}; --momentum-correction "
+            f"off keeps it as given"
+        ),
+    )
 
 
 def worker_momentum_warning(algorithm: str, spec: Spec | None, workers: int, synchronous: bool) -> str:
@@ -186,12 +222,14 @@ def worker_momentum_warning(algorithm: str, spec: Spec | None, workers: int, syn
     implicit = implicit_momentum(workers)
     if explicit + implicit < 1.0:
         return ""
-    return (f"{algorithm} adds each worker's steps to the centre as they are, and asynchrony with {workers} workers "
-            f"adds a momentum of about {implicit:.2f} to the workers' {explicit:g}: the centre can collapse (ADAG "
-            f"at 8 workers did in 3 of 3 runs on jet images); give the workers a momentum below {1.0 / workers:.2g}, "
-            f"e.g. --worker-optimizer 'sgd(lr=0.05, momentum={round(1.0 / workers / 2, 3):g})', or use --algorithm "
-            f"dynsgd (ADAG with a staleness discount: it did not collapse there) or gem, or drop "
-            f"--momentum-correction off (the default discounts {algorithm}'s stale updates as DynSGD does)")
+    return (
+        f"{algorithm} adds each worker's steps to the centre as they are, and asynchrony with {workers} workers "
+        f"adds a momentum of about {implicit:.2f} to the workers' {explicit:g}: the centre can collapse (ADAG "
+        f"at 8 workers did in 3 of 3 runs on jet images); give the workers a momentum below {1.0 / workers:.2g}, "
+        f"e.g. --worker-optimizer 'sgd(lr=0.05, momentum={round(1.0 / workers / 2, 3):g})', or use --algorithm "
+        f"dynsgd (ADAG with a staleness discount: it did not collapse there) or gem, or drop "
+        f"--momentum-correction off (the default discounts {algorithm}'s stale updates as DynSGD does)"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,10 +241,12 @@ class Notice:
 def stale_updates_note(algorithm: str, workers: int) -> str:
     """What a run of a rule whose centre adds the workers' updates as they are (ADAG, GEM)
     is told when its updates get the staleness discount."""
-    return (f"{_implicit_source(workers)} (Mitliagkas et al. 2016), and {algorithm}'s master adds the workers' "
-            f"updates with no momentum to lower: each update is scaled by 1 / (1 + its staleness) before it is "
-            f"added (DynSGD's discount, Jiang et al. 2017), whole for an update from the current centre; "
-            f"--momentum-correction off adds them as they are")
+    return (
+        f"{_implicit_source(workers)} (Mitliagkas et al. 2016), and {algorithm}'s master adds the workers' "
+        f"updates with no momentum to lower: each update is scaled by 1 / (1 + its staleness) before it is "
+        f"added (DynSGD's discount, Jiang et al. 2017), whole for an update from the current centre; "
+        f"--momentum-correction off adds them as they are"
+    )
 
 
 def published_gem_warning(algorithm: Algorithm, workers: int, synchronous: bool, correction: str) -> str:
@@ -214,10 +254,12 @@ def published_gem_warning(algorithm: Algorithm, workers: int, synchronous: bool,
     it was seen to fall apart at; empty when there is nothing to say."""
     if algorithm.name != "gem" or correction != "off" or synchronous or workers < GEM_COLLAPSE_SEEN_FROM:
         return ""
-    return (f"gem as published, with {workers} asynchronous workers, answers the energy it sees missing from "
-            f"every worker at once and a cycle late: at 16 workers on jet images it collapsed in 3 of 4 runs; "
-            f"drop --momentum-correction off (the default discounts stale updates: it did not collapse), or "
-            f"use --synchronous")
+    return (
+        f"gem as published, with {workers} asynchronous workers, answers the energy it sees missing from "
+        f"every worker at once and a cycle late: at 16 workers on jet images it collapsed in 3 of 4 runs; "
+        f"drop --momentum-correction off (the default discounts stale updates: it did not collapse), or "
+        f"use --synchronous"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,15 +270,17 @@ class MasterForAsynchrony:
     notices: list[Notice]
 
 
-def optimisers_for_asynchrony(algorithm: Algorithm, master: Spec | None, worker: Spec | None, workers: int,
-                              synchronous: bool, correction: str) -> MasterForAsynchrony:
+def optimisers_for_asynchrony(
+    algorithm: Algorithm, master: Spec | None, worker: Spec | None, workers: int, synchronous: bool, correction: str
+) -> MasterForAsynchrony:
     """The master optimiser to build (its momentum, or its lr per update, corrected),
     whether a rule that adds the workers' steps as they are discounts stale ones, and what
     the run leader tells the user about either."""
     fixed = corrected_momentum(master, workers, synchronous, correction)
     notices = [Notice(fixed.note, fixed.warning)] if fixed is not None and fixed.note else []
-    stale_updates = (algorithm.auto_stale_discount and correction == "auto" and not synchronous
-                     and workers >= COLLAPSE_SEEN_FROM)
+    stale_updates = (
+        algorithm.auto_stale_discount and correction == "auto" and not synchronous and workers >= COLLAPSE_SEEN_FROM
+    )
     if stale_updates:
         notices.append(Notice(stale_updates_note(algorithm.name, workers), warning=False))
     elif algorithm.centre_takes_worker_steps:
@@ -245,5 +289,6 @@ def optimisers_for_asynchrony(algorithm: Algorithm, master: Spec | None, worker:
     else:
         warning = published_gem_warning(algorithm, workers, synchronous, correction)
         notices += [Notice(warning, warning=True)] if warning else []
-    return MasterForAsynchrony(fixed.spec if fixed is not None else None, fixed is not None and fixed.stale_lr,
-                               stale_updates, notices)
+    return MasterForAsynchrony(
+        fixed.spec if fixed is not None else None, fixed is not None and fixed.stale_lr, stale_updates, notices
+    )

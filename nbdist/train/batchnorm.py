@@ -32,13 +32,22 @@ def convert_for_sync(options: TrainOptions, layout: Layout, backend: Backend) ->
         return []
     layers = backend.convert_batchnorm()
     if layers == 0:
-        return [Notice("--sync-batchnorm: the model has no BatchNorm layer (torch.nn.BatchNorm1d/2d/3d): "
-                       "nothing to synchronise", warning=True)]
+        return [
+            Notice(
+                "--sync-batchnorm: the model has no BatchNorm layer (torch.nn.BatchNorm1d/2d/3d): "
+                "nothing to synchronise",
+                warning=True,
+            )
+        ]
     if not shares_batches(layout):
-        return [Notice(f"--sync-batchnorm: each worker is one process, whose {layers} BatchNorm layer(s) already "
-                       f"normalise over its whole batch, and workers train apart: nothing to synchronise (it acts "
-                       f"over a worker's processes with --procs-per-worker > 1, or over --topology allreduce)",
-                       warning=True)]
+        return [
+            Notice(
+                f"--sync-batchnorm: each worker is one process, whose {layers} BatchNorm layer(s) already "
+                f"normalise over its whole batch, and workers train apart: nothing to synchronise (it acts "
+                f"over a worker's processes with --procs-per-worker > 1, or over --topology allreduce)",
+                warning=True,
+            )
+        ]
     return []
 
 

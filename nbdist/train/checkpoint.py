@@ -26,8 +26,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
@@ -54,8 +55,11 @@ def flatten_arrays(groups: dict[str, dict[str, np.ndarray]]) -> dict[str, np.nda
     """{'opt': {'exp_avg': a}} -> {'opt/exp_avg': a} (safetensors has flat names)."""
     # Not np.ascontiguousarray: it turns 0-d arrays (Adam's step, a rule's counters) into
     # shape (1,), which then no longer load as scalars on resume.
-    return {f"{group}/{name}": np.asarray(value, order="C")
-            for group, arrays in groups.items() for name, value in arrays.items()}
+    return {
+        f"{group}/{name}": np.asarray(value, order="C")
+        for group, arrays in groups.items()
+        for name, value in arrays.items()
+    }
 
 
 def unflatten_arrays(flat: dict[str, np.ndarray]) -> dict[str, dict[str, np.ndarray]]:
@@ -87,8 +91,15 @@ class Checkpoints:
         return self.root / f".tmp-{label}"
 
     # -- writing ------------------------------------------------------------------------
-    def write_rank(self, label: str, rank: int, arrays: dict[str, dict[str, np.ndarray]],
-                   meta: dict[str, Any], same_as: int | None = None, shared: Iterable[str] = ()) -> None:
+    def write_rank(
+        self,
+        label: str,
+        rank: int,
+        arrays: dict[str, dict[str, np.ndarray]],
+        meta: dict[str, Any],
+        same_as: int | None = None,
+        shared: Iterable[str] = (),
+    ) -> None:
         """Write rank `rank`'s share of checkpoint `label`. With `same_as` (another rank),
         the arrays named in `shared` (a group such as "opt", or "group/name") are left to
         that rank's file, which holds the same values."""
@@ -142,7 +153,7 @@ class Checkpoints:
     def _prune(self, latest: str) -> None:
         if self.keep is None:
             return
-        for path in self._by_commit_order()[self.keep:]:
+        for path in self._by_commit_order()[self.keep :]:
             if path.name != latest:
                 # Renamed first: a crash half-way through the deletion leaves no damaged
                 # checkpoint behind, only a hidden directory (see discard_incomplete).
@@ -221,8 +232,11 @@ class Checkpoints:
             return f"{META} does not describe a checkpoint"
         try:
             files = meta.get("files")
-            found = _legacy_damage(path) if files is None else [
-                f"{name} {what}" for name, want in files.items() if (what := _file_damage(path / name, want))]
+            found = (
+                _legacy_damage(path)
+                if files is None
+                else [f"{name} {what}" for name, want in files.items() if (what := _file_damage(path / name, want))]
+            )
         except (AttributeError, KeyError, TypeError) as exc:
             return f"{META} does not describe a checkpoint ({type(exc).__name__}: {exc})"
         if not found:

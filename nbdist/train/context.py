@@ -12,9 +12,10 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -45,8 +46,16 @@ from nbdist.transport.peers import Peers
 from nbdist.transport.reducers import choose as choose_reducer
 from nbdist.transport.waiting import poll_without_sleeping
 
-__all__ = ["RankContext", "TrialTag", "MetricNameError", "prepare", "agree", "check_metric_names", "check_data_size",
-           "master_share"]
+__all__ = [
+    "RankContext",
+    "TrialTag",
+    "MetricNameError",
+    "prepare",
+    "agree",
+    "check_metric_names",
+    "check_data_size",
+    "master_share",
+]
 
 # Workers explore with momentum (GEM's own default is the same): lr 0.1 with momentum 0.9
 # (a step of 1.0 in effect) made 8-worker allreduce (batch 256) collapse on the jet images
@@ -147,8 +156,10 @@ def _check_gan(options: TrainOptions) -> TrainOptions:
             f"cannot carry (drop {'--topology allreduce' if options.topology == 'allreduce' else '--procs-per-worker'})"
         )
     if options.sync_batchnorm:
-        raise OptionsError("--sync-batchnorm does not apply to --gan: a GAN trains with one process per worker, "
-                           "whose BatchNorm layers already normalise over its whole batch; drop --sync-batchnorm")
+        raise OptionsError(
+            "--sync-batchnorm does not apply to --gan: a GAN trains with one process per worker, "
+            "whose BatchNorm layers already normalise over its whole batch; drop --sync-batchnorm"
+        )
     algorithm = make_algorithm(parse_spec(options.algorithm or DEFAULT_GAN_ALGORITHM, what="--algorithm"))
     if not algorithm.sends_weights:
         raise OptionsError(
@@ -159,9 +170,11 @@ def _check_gan(options: TrainOptions) -> TrainOptions:
     # A GAN's val_loss is its discriminator's, which says little about the samples:
     # early stopping and targets watch the samples' distance to the data unless told.
     monitor = "val_mmd" if options.monitor == TrainOptions.monitor else options.monitor
-    return options.replace(algorithm=options.algorithm or DEFAULT_GAN_ALGORITHM,
-                           worker_optimizer=options.worker_optimizer or DEFAULT_GAN_WORKER_OPTIMIZER,
-                           monitor=monitor)
+    return options.replace(
+        algorithm=options.algorithm or DEFAULT_GAN_ALGORITHM,
+        worker_optimizer=options.worker_optimizer or DEFAULT_GAN_WORKER_OPTIMIZER,
+        monitor=monitor,
+    )
 
 
 def _resolve_rules(options: TrainOptions) -> tuple[Algorithm | None, int, Spec | None, Spec | None]:
@@ -190,10 +203,16 @@ def _resolve_rules(options: TrainOptions) -> tuple[Algorithm | None, int, Spec |
             f"{algorithm.name} takes no master optimizer: its master adds the workers' updates "
             f"to the centre; drop --master-optimizer"
         )
-    worker = (parse_spec(options.worker_optimizer or DEFAULT_WORKER_OPTIMIZER, what="--worker-optimizer")
-              if algorithm.uses_worker_optimizer else None)
-    master = (parse_spec(options.master_optimizer or DEFAULT_MASTER_OPTIMIZER, what="--master-optimizer")
-              if algorithm.uses_master_optimizer else None)
+    worker = (
+        parse_spec(options.worker_optimizer or DEFAULT_WORKER_OPTIMIZER, what="--worker-optimizer")
+        if algorithm.uses_worker_optimizer
+        else None
+    )
+    master = (
+        parse_spec(options.master_optimizer or DEFAULT_MASTER_OPTIMIZER, what="--master-optimizer")
+        if algorithm.uses_master_optimizer
+        else None
+    )
     sync_every = options.sync_every or algorithm.default_sync_every
     if algorithm.name == "downpour" and sync_every == 1:
         # Downpour workers step locally only between pushes; with a push after every
@@ -209,11 +228,16 @@ def _resolve_rules(options: TrainOptions) -> tuple[Algorithm | None, int, Spec |
 
 def _resolve_compression(options: TrainOptions, algorithm: Algorithm | None) -> Spec | None:
     spec = parse_compression(options.compression)
-    if spec is not None and algorithm is not None and algorithm.sends_weights_themselves and \
-            make_codec(spec, 2).feedback:
+    if (
+        spec is not None
+        and algorithm is not None
+        and algorithm.sends_weights_themselves
+        and make_codec(spec, 2).feedback
+    ):
         raise OptionsError(
             f"--compression {spec} sends a part of each message and keeps the rest for the next one: a fit for "
-            f"gradients and updates, but {algorithm.name}'s workers send their weights; use fp16 or bf16")
+            f"gradients and updates, but {algorithm.name}'s workers send their weights; use fp16 or bf16"
+        )
     return spec
 
 
@@ -237,8 +261,9 @@ def _make_data(options: TrainOptions, definition: ModelDefinition) -> Data:
         return definition.make_data()
     from nbdist.data.files import HDF5Data
 
-    return HDF5Data(options.train, options.val, keys=[k.strip() for k in options.data_keys.split(",")],
-                    cache_dir=options.cache_dir)
+    return HDF5Data(
+        options.train, options.val, keys=[k.strip() for k in options.data_keys.split(",")], cache_dir=options.cache_dir
+    )
 
 
 def _run_name(options: TrainOptions) -> str:
@@ -251,9 +276,9 @@ def prepare(
     definition: ModelDefinition | Callable[[], ModelDefinition],
     comm: Any,
     stop: StopFlag,
-    sink: "RecordSink | None" = None,
+    sink: RecordSink | None = None,
     record: bool = True,
-    trial: "TrialTag | None" = None,
+    trial: TrialTag | None = None,
     restart_of: Path | None = None,
 ) -> RankContext:
     """Collective over `comm`: build this rank's context or raise one UserError everywhere.
@@ -269,11 +294,15 @@ def prepare(
     device = DeviceRequest(options.device, local_rank(comm))  # collective: before any rank can fail
     try:
         options = _check_gan(options.validate())
-        poll_without_sleeping(options.busy_poll == "on"
-                              or (options.busy_poll == "auto" and polling_suits_node(options.threads)))
+        poll_without_sleeping(
+            options.busy_poll == "on" or (options.busy_poll == "auto" and polling_suits_node(options.threads))
+        )
         layout = Layout.for_world(
-            comm.Get_size(), workers=options.workers, masters=options.masters,
-            procs_per_worker=options.procs_per_worker, topology=options.topology,
+            comm.Get_size(),
+            workers=options.workers,
+            masters=options.masters,
+            procs_per_worker=options.procs_per_worker,
+            topology=options.topology,
         )
         role = layout.role(comm.Get_rank())
         algorithm, sync_every, worker_opt, master_opt = _resolve_rules(options)
@@ -286,13 +315,15 @@ def prepare(
             # Asynchronous, they all add to the momentum the centre moves with.
             workers = combined_workers(layout)
             algorithm.bind(workers)
-            asynchrony = optimisers_for_asynchrony(algorithm, master_opt, worker_opt, workers,
-                                                   options.synchronous, options.momentum_correction)
+            asynchrony = optimisers_for_asynchrony(
+                algorithm, master_opt, worker_opt, workers, options.synchronous, options.momentum_correction
+            )
             master_opt, stale_lr, notices = asynchrony.optimizer, asynchrony.stale_lr, asynchrony.notices
             if asynchrony.stale_updates:
                 algorithm.discount_stale = True  # ADAG, GEM: DynSGD's discount (train/asynchrony.py)
-        resume_from, damaged = (_find_resume(options, layout) if restart_of is None
-                                else Checkpoints(restart_of).latest_intact())
+        resume_from, damaged = (
+            _find_resume(options, layout) if restart_of is None else Checkpoints(restart_of).latest_intact()
+        )
         configure_frameworks(options.threads, options.seed)
         definition = definition() if callable(definition) else definition
         # Again for the frameworks the user's code imported: the same seed on every rank
@@ -308,10 +339,12 @@ def prepare(
         stage_process = options.worker_parallel == "pipeline" and role.kind == "worker"
         backend = _stage_backend(definition, options, role, device) if stage_process else make_replica()
         notices += convert_for_sync(options, layout, backend)
-        starting_lrs = [backend.check_optimizer(spec) if spec is not None else None
-                        for spec in (worker_opt, master_opt)]
-        worker_lr, master_lr = plan_learning_rates(options, layout, algorithm, backend, *starting_lrs,
-                                                   master_stale_lr=stale_lr)
+        starting_lrs = [
+            backend.check_optimizer(spec) if spec is not None else None for spec in (worker_opt, master_opt)
+        ]
+        worker_lr, master_lr = plan_learning_rates(
+            options, layout, algorithm, backend, *starting_lrs, master_stale_lr=stale_lr
+        )
         if not stage_process:
             _probe(backend, data, definition.source)
         elif options.topology == "allreduce" and role.worker == 0 and role.proc == 0:
@@ -345,8 +378,9 @@ def prepare(
         name = None
         if is_leader:
             name = options.run_name or _run_name(options)
-            run_dir = _fresh_dir(Path(options.runs_dir), name, store_path(options.store, options.runs_dir)
-                                 if record else None, trial)
+            run_dir = _fresh_dir(
+                Path(options.runs_dir), name, store_path(options.store, options.runs_dir) if record else None, trial
+            )
             name = str(run_dir)
         run_dir = Path(run_comm.bcast(name, root=0))
     if is_leader:
@@ -359,32 +393,64 @@ def prepare(
         for problem in damaged:  # every rank found the same: one says so
             where = f"resuming from {resume_from.name}" if resume_from is not None else "starting afresh"
             print(f"nbdist: warning: {problem}; {where}", file=sys.stderr, flush=True)
-    resume_rank, relayout = (_resume_rank(resume_from, layout, role, comm, restart_of is not None)
-                             if resume_from is not None else (None, False))
+    resume_rank, relayout = (
+        _resume_rank(resume_from, layout, role, comm, restart_of is not None)
+        if resume_from is not None
+        else (None, False)
+    )
     run_id = run_dir.name
     recorder, error = None, None
     database = store_path(options.store, options.runs_dir) if record else None
     if is_leader and database is not None:
         try:
-            recorder = RunRecorder(database, run_id, run_dir, options=options.to_dict(), layout=layout.to_dict(),
-                                   study=trial.study if trial else None, trial=trial.number if trial else None)
+            recorder = RunRecorder(
+                database,
+                run_id,
+                run_dir,
+                options=options.to_dict(),
+                layout=layout.to_dict(),
+                study=trial.study if trial else None,
+                trial=trial.number if trial else None,
+            )
         except UserError as exc:
             error = exc
     if database is not None:
         agree(run_comm, error, peers.collectives)
     log = RunLog(run_dir, run_id, comm.Get_rank(), role.kind, sink=sink, trial=trial.number if trial else None)
     early = EarlyStopping(
-        options.monitor, options.early_stopping, options.min_delta,
+        options.monitor,
+        options.early_stopping,
+        options.min_delta,
         parse_target(options.target) if options.target else None,
     )
     return RankContext(
-        options=options, layout=layout, role=role, comms=comms, backend=backend, data=data,
-        algorithm=algorithm, sync_every=sync_every, worker_optimizer=worker_opt,
-        master_optimizer=master_opt, run_dir=run_dir, run_id=run_id, log=log, stop=stop,
+        options=options,
+        layout=layout,
+        role=role,
+        comms=comms,
+        backend=backend,
+        data=data,
+        algorithm=algorithm,
+        sync_every=sync_every,
+        worker_optimizer=worker_opt,
+        master_optimizer=master_opt,
+        run_dir=run_dir,
+        run_id=run_id,
+        log=log,
+        stop=stop,
         checkpoints=Checkpoints(run_dir, keep=options.keep_checkpoints),
-        history_file=HistoryFile(run_dir, writer=is_leader), resume_from=resume_from, early=early,
-        is_leader=is_leader, make_replica=make_replica, peers=peers, store_path=database, recorder=recorder,
-        resume_rank=resume_rank, relayout=relayout, worker_lr=worker_lr, master_lr=master_lr,
+        history_file=HistoryFile(run_dir, writer=is_leader),
+        resume_from=resume_from,
+        early=early,
+        is_leader=is_leader,
+        make_replica=make_replica,
+        peers=peers,
+        store_path=database,
+        recorder=recorder,
+        resume_rank=resume_rank,
+        relayout=relayout,
+        worker_lr=worker_lr,
+        master_lr=master_lr,
         compression=compression,
     )
 
@@ -454,8 +520,10 @@ def check_data_size(data: Data, layout: Layout, options: TrainOptions) -> None:
     cuts them), and some to validate on."""
     for count, which, flag in ((data.n_train, "training", "--train"), (data.n_val, "validation", "--val")):
         if count == 0:
-            raise DataError(f"the {which} set is empty ({data.n_train} training and {data.n_val} validation "
-                            f"samples): give the model's data {which} samples, or {flag} files that hold some")
+            raise DataError(
+                f"the {which} set is empty ({data.n_train} training and {data.n_val} validation "
+                f"samples): give the model's data {which} samples, or {flag} files that hold some"
+            )
     # Each worker takes its own shard (master-worker); in allreduce, every rank does, but
     # the stages of a pipeline replica share one.
     if layout.masters:
@@ -483,8 +551,10 @@ def _too_few_samples(samples: int, shards: int, procs: int, batch_size: int) -> 
         fix += ", or give more training samples"
     else:  # one batch per worker per epoch always fits: batches of ceil(samples / shards)
         fix = f"use --batch-size {-(-samples // shards)} or more, or fewer workers"
-    return (f"too few training samples for {shards} workers: {samples} with --batch-size {batch_size} leave a "
-            f"worker without {each} at some step; {fix}")
+    return (
+        f"too few training samples for {shards} workers: {samples} with --batch-size {batch_size} leave a "
+        f"worker without {each} at some step; {fix}"
+    )
 
 
 def _check_run_dir_writable(options: TrainOptions) -> None:
@@ -505,19 +575,22 @@ def _check_writable(path: Path, flag: str) -> None:
         in_the_way = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), path)
         raise OptionsError(f"{flag} {path}: {in_the_way} is a file, not a directory; give a directory") from None
     except OSError as exc:
-        raise OptionsError(f"{flag} {path}: cannot write there ({exc.strerror or exc}); give a directory "
-                           f"you can write to") from None
+        raise OptionsError(
+            f"{flag} {path}: cannot write there ({exc.strerror or exc}); give a directory you can write to"
+        ) from None
 
 
-def _replica_factory(definition: ModelDefinition, options: TrainOptions, sample: Any,
-                     device: DeviceRequest | None) -> Callable[[], Backend]:
+def _replica_factory(
+    definition: ModelDefinition, options: TrainOptions, sample: Any, device: DeviceRequest | None
+) -> Callable[[], Backend]:
     def make() -> Backend:
         if options.gan:
             return gan_backend(definition.make_gan(options.d_steps), sample)
         with making_models(options.precision):
             model = _whole_model(definition, options)
-        return backend_for(model, definition.loss, definition.metric, sample=sample, precision=options.precision,
-                           device=device)
+        return backend_for(
+            model, definition.loss, definition.metric, sample=sample, precision=options.precision, device=device
+        )
 
     return make
 
@@ -532,8 +605,7 @@ def _whole_model(definition: ModelDefinition, options: TrainOptions) -> Any:
     return stage_model(definition.make_stages(options.procs_per_worker))
 
 
-def _stage_backend(definition: ModelDefinition, options: TrainOptions, role: Role,
-                   device: DeviceRequest) -> Backend:
+def _stage_backend(definition: ModelDefinition, options: TrainOptions, role: Role, device: DeviceRequest) -> Backend:
     """A pipeline worker's process: its own stage of the model (--worker-parallel pipeline)."""
     from nbdist.backends.stages import TorchStage, check_stages  # torch only when a pipeline runs
 
@@ -554,8 +626,10 @@ def _find_resume(options: TrainOptions, layout: Layout) -> tuple[Path | None, li
         raise CheckpointError(f"--resume {options.resume}: not a run directory (no options.json)")
     latest, damaged = Checkpoints(run_dir).latest_intact()
     if latest is None and damaged:
-        raise CheckpointError(f"--resume {options.resume}: no intact checkpoint is left ({'; '.join(damaged)}); "
-                              f"start the run afresh without --resume")
+        raise CheckpointError(
+            f"--resume {options.resume}: no intact checkpoint is left ({'; '.join(damaged)}); "
+            f"start the run afresh without --resume"
+        )
     if latest is None:
         raise CheckpointError(f"--resume {options.resume}: the run has no complete checkpoint")
     saved = Checkpoints.read_meta(latest).get("layout", {})
@@ -567,7 +641,7 @@ def _find_resume(options: TrainOptions, layout: Layout) -> tuple[Path | None, li
     return latest, damaged
 
 
-def _fresh_dir(root: Path, name: str, database: str | None, trial: "TrialTag | None" = None) -> Path:
+def _fresh_dir(root: Path, name: str, database: str | None, trial: TrialTag | None = None) -> Path:
     """A new run directory named `name`, or name-2, name-3, ...: the first whose name is
     free here and in the run store (which jobs with other runs directories may share: a
     trial trained again by another job of the study must not reuse the first one's row).
@@ -586,9 +660,12 @@ def _fresh_dir(root: Path, name: str, database: str | None, trial: "TrialTag | N
         while True:
             try:
                 candidate.mkdir()
-                if store is None or store.reserve_run(candidate.name, candidate.resolve(),
-                                                       study=trial.study if trial else None,
-                                                       trial=trial.number if trial else None):
+                if store is None or store.reserve_run(
+                    candidate.name,
+                    candidate.resolve(),
+                    study=trial.study if trial else None,
+                    trial=trial.number if trial else None,
+                ):
                     return candidate
                 candidate.rmdir()  # another job's run has this name
             except FileExistsError:

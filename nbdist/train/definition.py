@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import runpy
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from nbdist.backends.base import ModelError
 from nbdist.data.base import Data
@@ -21,8 +22,12 @@ from nbdist.gan.model import GanModel
 __all__ = ["ModelDefinition", "definition_of", "load_model_file", "definition_from_namespace", "prefer_fresh"]
 
 # Names that stand in for one another: a cell that defines one of them replaces the others.
-_ALTERNATIVES = (("build_model", "model"), ("build_generator", "generator"),
-                 ("build_discriminator", "discriminator"), ("load_data", "data"))
+_ALTERNATIVES = (
+    ("build_model", "model"),
+    ("build_generator", "generator"),
+    ("build_discriminator", "discriminator"),
+    ("load_data", "data"),
+)
 
 
 @dataclass(slots=True)
@@ -52,21 +57,26 @@ class ModelDefinition:
 
     def make_model(self) -> Any:
         if self.build_model is None:
-            raise ModelError(f"{self.source} defines a generator and a discriminator but no model: "
-                             f"train them with --gan")
+            raise ModelError(
+                f"{self.source} defines a generator and a discriminator but no model: train them with --gan"
+            )
         return _call(self.build_model, f"{self.source}: build_model()")
 
     def make_stages(self, count: int) -> list[Any]:
         """The model's pipeline stages, one per process of a worker (--worker-parallel
         pipeline); the whole model is these in a row (nbdist.backends.stages.stage_model)."""
         if self.build_stages is None:
-            raise ModelError(f"--worker-parallel pipeline: {self.source} defines no build_stages(); add a function "
-                             f"returning the model as a list of {count} modules, one per pipeline stage")
+            raise ModelError(
+                f"--worker-parallel pipeline: {self.source} defines no build_stages(); add a function "
+                f"returning the model as a list of {count} modules, one per pipeline stage"
+            )
         stages = _call(self.build_stages, f"{self.source}: build_stages()")
         if not isinstance(stages, (list, tuple)) or len(stages) != count:
             got = f"{len(stages)} stages" if isinstance(stages, (list, tuple)) else f"a {type(stages).__name__}"
-            raise ModelError(f"--worker-parallel pipeline: {self.source}: build_stages() must return a list of "
-                             f"{count} modules (one per process of a worker, --procs-per-worker {count}), got {got}")
+            raise ModelError(
+                f"--worker-parallel pipeline: {self.source}: build_stages() must return a list of "
+                f"{count} modules (one per process of a worker, --procs-per-worker {count}), got {got}"
+            )
         return list(stages)
 
     def make_gan(self, d_steps: int) -> GanModel:
@@ -77,14 +87,21 @@ class ModelDefinition:
                 built.d_steps = d_steps
                 return built
             raise ModelError(f"--gan: {self.source} defines a model but no generator and discriminator")
-        missing = [name for name, build in (("generator", self.build_generator),
-                                            ("discriminator", self.build_discriminator)) if build is None]
+        missing = [
+            name
+            for name, build in (("generator", self.build_generator), ("discriminator", self.build_discriminator))
+            if build is None
+        ]
         if missing:
-            raise ModelError(f"--gan: {self.source} defines no {' and no '.join(missing)}: define "
-                             f"`generator` and `discriminator` (or build_generator() and build_discriminator())")
+            raise ModelError(
+                f"--gan: {self.source} defines no {' and no '.join(missing)}: define "
+                f"`generator` and `discriminator` (or build_generator() and build_discriminator())"
+            )
         if self.latent_dim is None:
-            raise ModelError(f"--gan: {self.source} defines no latent_dim (the size of the generator's "
-                             f"input noise), e.g. latent_dim = 16")
+            raise ModelError(
+                f"--gan: {self.source} defines no latent_dim (the size of the generator's "
+                f"input noise), e.g. latent_dim = 16"
+            )
         generator = _call(self.build_generator, f"{self.source}: build_generator()")
         discriminator = _call(self.build_discriminator, f"{self.source}: build_discriminator()")
         return GanModel(generator, discriminator, int(self.latent_dim), d_steps)
@@ -103,14 +120,16 @@ def _short(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}{where}"
 
 
-def definition_of(model: Callable[..., Any] | str | Path | None, *, loss: Any = None, metric: Any = "accuracy",
-                  data: Any = None) -> ModelDefinition | Callable[[], ModelDefinition]:
+def definition_of(
+    model: Callable[..., Any] | str | Path | None, *, loss: Any = None, metric: Any = "accuracy", data: Any = None
+) -> ModelDefinition | Callable[[], ModelDefinition]:
     """What a run trains, from `model` as the Python API takes it: the path of a model file
     (read where the run trains, on each rank) or a function that builds the model."""
     if isinstance(model, (str, Path)):
         return lambda: load_model_file(model)
-    return ModelDefinition(build_model=model, loss=loss, metric=metric, data=data,
-                           source=getattr(model, "__name__", "model"))
+    return ModelDefinition(
+        build_model=model, loss=loss, metric=metric, data=data, source=getattr(model, "__name__", "model")
+    )
 
 
 def load_model_file(path: str | Path) -> ModelDefinition:
@@ -141,6 +160,7 @@ def _builder(namespace: dict[str, Any], name: str) -> Callable[[], Any] | None:
 
 def _whole_of(build_stages: Callable[[], Any]) -> Callable[[], Any]:
     """build_model for a file that gives only stages: the stages in a row."""
+
     def build_model() -> Any:
         from nbdist.backends.stages import stage_model
 

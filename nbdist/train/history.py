@@ -35,7 +35,7 @@ class HistoryFile:
         """Make `history` durable; returns what a checkpoint stores in its place."""
         if self.writer and len(history) > self.written:
             with open(self.path, "a", encoding="utf-8") as fh:
-                fh.writelines(json.dumps(entry) + "\n" for entry in history[self.written:])
+                fh.writelines(json.dumps(entry) + "\n" for entry in history[self.written :])
                 fh.flush()
                 os.fsync(fh.fileno())
             if self.written == 0:
@@ -52,8 +52,12 @@ class HistoryFile:
             wanted = int(saved.get(ENTRIES, 0))
             entries = self.read(wanted)
             if self.writer and len(entries) < wanted:
-                print(f"nbdist: warning: {self.path} holds {len(entries)} intact epoch records, the checkpoint "
-                      f"includes {wanted}: the run's summary lacks the others", file=sys.stderr, flush=True)
+                print(
+                    f"nbdist: warning: {self.path} holds {len(entries)} intact epoch records, the checkpoint "
+                    f"includes {wanted}: the run's summary lacks the others",
+                    file=sys.stderr,
+                    flush=True,
+                )
         if self.writer:
             replace_file(self.path, "".join(json.dumps(entry) + "\n" for entry in entries).encode("utf-8"))
         self.written = len(entries)

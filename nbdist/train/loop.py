@@ -7,7 +7,7 @@ with a batch's gradient) and its end of an epoch.
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -19,9 +19,14 @@ __all__ = ["run_epochs", "check_loss", "NonFiniteLoss", "TrainReport", "REPORT_E
 REPORT_EVERY = 0.5  # seconds between a rank's throughput/phase records
 
 
-def run_epochs(start_epoch: int, start_step: int, epochs: int, begin_epoch: Callable[[int], Sequence],
-               step: Callable[[int, int, object, bool], bool | None],
-               end_epoch: Callable[[int], bool | None]) -> int:
+def run_epochs(
+    start_epoch: int,
+    start_step: int,
+    epochs: int,
+    begin_epoch: Callable[[int], Sequence],
+    step: Callable[[int, int, object, bool], bool | None],
+    end_epoch: Callable[[int], bool | None],
+) -> int:
     """Train epochs start_epoch..epochs-1, the first from batch `start_step` (a resume's
     position). `begin_epoch(epoch)` gives the epoch's batches; `step(epoch, step, batch,
     last)` and `end_epoch(epoch)` return True to stop the run there. Returns the epoch the
@@ -46,8 +51,10 @@ def check_loss(stats: BatchStats, epoch: int, step: int, where: Callable[[], str
     """NonFiniteLoss naming the batch (and `where()`, the rank) once the loss is no number."""
     if not np.isfinite(stats.loss_sum):
         on = f" on {where()}" if where is not None else ""
-        raise NonFiniteLoss(f"the loss became {stats.loss_sum / max(stats.n, 1)}{on} at epoch {epoch + 1}, "
-                            f"batch {step + 1}: lower the learning rate or check the data")
+        raise NonFiniteLoss(
+            f"the loss became {stats.loss_sum / max(stats.n, 1)}{on} at epoch {epoch + 1}, "
+            f"batch {step + 1}: lower the learning rate or check the data"
+        )
 
 
 class TrainReport:
@@ -75,10 +82,20 @@ class TrainReport:
         """The record of the interval that ends now; the next interval starts."""
         ctx, stats = self.ctx, self.stats
         elapsed = time.monotonic() - self.since
-        ctx.log.emit("train", {"samples": stats.n, "samples_per_s": stats.n / elapsed if elapsed else 0.0,
-                               "loss": stats.loss, ctx.backend.metric_name or "metric": stats.metric,
-                               **{f"{phase}_s": seconds for phase, seconds in self.phases.items()},
-                               "bytes_sent": self.bytes_sent, **extra, **ctx.backend.train_extras()},
-                     step=step, epoch=epoch)
+        ctx.log.emit(
+            "train",
+            {
+                "samples": stats.n,
+                "samples_per_s": stats.n / elapsed if elapsed else 0.0,
+                "loss": stats.loss,
+                ctx.backend.metric_name or "metric": stats.metric,
+                **{f"{phase}_s": seconds for phase, seconds in self.phases.items()},
+                "bytes_sent": self.bytes_sent,
+                **extra,
+                **ctx.backend.train_extras(),
+            },
+            step=step,
+            epoch=epoch,
+        )
         self.stats, self.phases, self.bytes_sent = BatchStats(), dict.fromkeys(self.phases, 0.0), 0
         self.since = time.monotonic()

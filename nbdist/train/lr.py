@@ -27,8 +27,9 @@ one.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from nbdist.algorithms import Algorithm
 from nbdist.backends import Backend
@@ -39,8 +40,19 @@ from nbdist.options import LR_SCALINGS, TrainOptions
 from nbdist.specs import Spec, SpecError, parse_spec
 from nbdist.train.asynchrony import staleness_lr_factor
 
-__all__ = ["LrPlan", "TakesLearningRate", "WorkerLr", "MasterLr", "master_lr_for", "plan_learning_rates",
-           "combined_workers", "rule_lr", "lr_metrics", "WARMUP_START", "SCALES"]
+__all__ = [
+    "LrPlan",
+    "TakesLearningRate",
+    "WorkerLr",
+    "MasterLr",
+    "master_lr_for",
+    "plan_learning_rates",
+    "combined_workers",
+    "rule_lr",
+    "lr_metrics",
+    "WARMUP_START",
+    "SCALES",
+]
 
 # Where warm-up starts when nothing is scaled: a small fraction of the lr.
 WARMUP_START = 0.1
@@ -110,9 +122,15 @@ def rule_lr(algorithm: Algorithm | None) -> TakesLearningRate | None:
     return algorithm if isinstance(algorithm, TakesLearningRate) else None
 
 
-def plan_learning_rates(options: TrainOptions, layout: Layout, algorithm: Algorithm | None, backend: Backend,
-                        worker_lr: float | None, master_lr: float | None,
-                        master_stale_lr: bool = False) -> tuple[LrPlan | None, LrPlan | None]:
+def plan_learning_rates(
+    options: TrainOptions,
+    layout: Layout,
+    algorithm: Algorithm | None,
+    backend: Backend,
+    worker_lr: float | None,
+    master_lr: float | None,
+    master_stale_lr: bool = False,
+) -> tuple[LrPlan | None, LrPlan | None]:
     """(the workers' plan, the master's plan), None where the run has no such lr.
     `worker_lr`, `master_lr`: the lr the worker and master optimisers start with (None:
     no such optimiser); `master_stale_lr`: the master's update lr is divided by 1 +
@@ -127,8 +145,10 @@ def plan_learning_rates(options: TrainOptions, layout: Layout, algorithm: Algori
     worker_scale = scale if options.topology == "allreduce" or (own is not None and synchronous) else 1.0
     master_scale = scale if synchronous else 1.0
     plans = []
-    for name, base, plan_scale, text in (("worker", worker_lr, worker_scale, options.worker_lr_schedule),
-                                         ("master", master_lr, master_scale, options.master_lr_schedule)):
+    for name, base, plan_scale, text in (
+        ("worker", worker_lr, worker_scale, options.worker_lr_schedule),
+        ("master", master_lr, master_scale, options.master_lr_schedule),
+    ):
         flag = f"--{name}-lr-schedule"
         if base is None:
             if text:
@@ -136,8 +156,15 @@ def plan_learning_rates(options: TrainOptions, layout: Layout, algorithm: Algori
             plans.append(None)
             continue
         schedule = _schedule(backend, parse_spec(text, what=flag), base, flag) if text else None
-        plans.append(LrPlan(float(base), plan_scale, schedule, float(options.warmup_epochs),
-                            stale_lr=master_stale_lr and name == "master"))
+        plans.append(
+            LrPlan(
+                float(base),
+                plan_scale,
+                schedule,
+                float(options.warmup_epochs),
+                stale_lr=master_stale_lr and name == "master",
+            )
+        )
     return plans[0], plans[1]
 
 
@@ -153,8 +180,10 @@ def _no_lr(name: str, options: TrainOptions, algorithm: Algorithm | None) -> str
         if algorithm is None:
             return "the allreduce topology has no master; use --worker-lr-schedule"
         return f"{algorithm.name} has no master optimizer (its master adds the workers' updates); drop it"
-    return (f"the workers of {algorithm.name} with --sync-every 1 take no steps of their own (the master "
-            f"optimizer steps); use --master-lr-schedule")
+    return (
+        f"the workers of {algorithm.name} with --sync-every 1 take no steps of their own (the master "
+        f"optimizer steps); use --master-lr-schedule"
+    )
 
 
 def lr_metrics(worker: LrPlan | None, master: LrPlan | None, epoch: int) -> dict[str, float]:
@@ -222,4 +251,4 @@ def master_lr_for(ctx: Any, opt: TakesLearningRate | None) -> MasterLr:
     layout, options = ctx.layout, ctx.options
     plan = ctx.data.plan(layout.workers * max(layout.masters, 1), options.batch_size, options.seed)
     first = ctx.role.master * layout.workers
-    return MasterLr(ctx.master_lr, opt, int(plan.step_sizes(0)[:, first:first + layout.workers].sum()))
+    return MasterLr(ctx.master_lr, opt, int(plan.step_sizes(0)[:, first : first + layout.workers].sum()))

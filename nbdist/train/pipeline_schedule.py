@@ -14,7 +14,7 @@ stage sends the next receives in the same order.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 __all__ = ["FORWARD", "BACKWARD", "SCHEDULES", "schedule", "ideal_bubble"]
 

@@ -14,7 +14,16 @@ from safetensors.numpy import save_file
 from nbdist.backends.base import BatchStats
 from nbdist.errors import TrainingError
 
-__all__ = ["EpochTally", "epoch_metrics", "validation_values", "sample_validation", "reported_metrics", "format_epoch", "RunResult", "write_final"]
+__all__ = [
+    "EpochTally",
+    "epoch_metrics",
+    "validation_values",
+    "sample_validation",
+    "reported_metrics",
+    "format_epoch",
+    "RunResult",
+    "write_final",
+]
 
 
 @dataclass(slots=True)
@@ -35,32 +44,48 @@ class EpochTally:
 
     def to_json(self) -> list:
         t = self.train
-        return [t.loss_sum, t.metric_sum, t.n, sorted(self.ended), self.updates, self.staleness_sum,
-                self.staleness_max]
+        return [t.loss_sum, t.metric_sum, t.n, sorted(self.ended), self.updates, self.staleness_sum, self.staleness_max]
 
     @classmethod
-    def from_json(cls, values: list) -> "EpochTally":
+    def from_json(cls, values: list) -> EpochTally:
         loss_sum, metric_sum, n, ended, updates, staleness_sum, staleness_max = values
-        return cls(BatchStats(float(loss_sum), float(metric_sum), int(n)), {int(c) for c in ended}, int(updates),
-                   int(staleness_sum), int(staleness_max))
+        return cls(
+            BatchStats(float(loss_sum), float(metric_sum), int(n)),
+            {int(c) for c in ended},
+            int(updates),
+            int(staleness_sum),
+            int(staleness_max),
+        )
 
 
-def epoch_metrics(epoch: int, tally: EpochTally, val: BatchStats | None, seconds: float,
-                  metric_name: str | None, samples_seen: int | None = None) -> dict[str, Any]:
+def epoch_metrics(
+    epoch: int,
+    tally: EpochTally,
+    val: BatchStats | None,
+    seconds: float,
+    metric_name: str | None,
+    samples_seen: int | None = None,
+) -> dict[str, Any]:
     """One epoch's record. `samples_seen`: the training samples, over all workers and
     from the start of the run, that the validated weights have learnt from (at the
     epoch's end where it was not validated)."""
-    m: dict[str, Any] = {"epoch": epoch + 1, "train_loss": tally.train.loss,
-                         "samples": tally.train.n, "seconds": seconds,
-                         "samples_per_s": tally.train.n / seconds if seconds > 0 else float("nan")}
+    m: dict[str, Any] = {
+        "epoch": epoch + 1,
+        "train_loss": tally.train.loss,
+        "samples": tally.train.n,
+        "seconds": seconds,
+        "samples_per_s": tally.train.n / seconds if seconds > 0 else float("nan"),
+    }
     if metric_name:
         m[f"train_{metric_name}"] = tally.train.metric
     if samples_seen is not None:
         m["samples_seen"] = int(samples_seen)
     if val is not None:
         if not val.n:
-            raise TrainingError(f"the validation set is empty (epoch {epoch + 1} validated on 0 samples): "
-                                f"give the model's data validation samples, or --val files that hold some")
+            raise TrainingError(
+                f"the validation set is empty (epoch {epoch + 1} validated on 0 samples): "
+                f"give the model's data validation samples, or --val files that hold some"
+            )
         m.update(validation_values(val, metric_name))
         if not math.isfinite(val.loss):
             raise TrainingError(
@@ -128,8 +153,14 @@ class RunResult:
         return self.run_dir.name
 
 
-def write_final(run_dir: Path, named_arrays: dict[str, Any], history: list[dict[str, Any]],
-                stop_reason: str, seconds: float, faults: dict[str, Any] | None = None) -> RunResult:
+def write_final(
+    run_dir: Path,
+    named_arrays: dict[str, Any],
+    history: list[dict[str, Any]],
+    stop_reason: str,
+    seconds: float,
+    faults: dict[str, Any] | None = None,
+) -> RunResult:
     """Final weights (safetensors, loadable with load_state_dict) and summary.json.
     `faults`: what the run lost on its way (dropped workers, samples, restarts), if anything."""
     final_dir = run_dir / "final"
@@ -138,8 +169,14 @@ def write_final(run_dir: Path, named_arrays: dict[str, Any], history: list[dict[
     save_file({k: v for k, v in named_arrays.items()}, str(tmp))
     tmp.replace(final_dir / "model.safetensors")
     final = dict(history[-1]) if history else {}
-    summary = {"stop_reason": stop_reason, "seconds": seconds, "epochs_run": len(history),
-               "final": final, **(faults or {}), "history": history}
+    summary = {
+        "stop_reason": stop_reason,
+        "seconds": seconds,
+        "epochs_run": len(history),
+        "final": final,
+        **(faults or {}),
+        "history": history,
+    }
     with open(run_dir / "summary.json", "w", encoding="utf-8") as fh:
         json.dump(summary, fh, indent=1, default=lambda v: None)
     return RunResult(run_dir, history, stop_reason, seconds, final)

@@ -22,9 +22,16 @@ __all__ = ["save_rank_state", "rank_state_arrays", "write_rank_state", "load_ran
 IDENTICAL_ON_TWINS = ("model/params", "opt", "rule")
 
 
-def save_rank_state(ctx: Any, label: str, opt: FlatOptimizer | None, rule_state: RuleState | None,
-                    extra: dict[str, Any], own: dict[str, np.ndarray] | None = None,
-                    same_as: int | None = None, writer: CheckpointWriter | None = None) -> None:
+def save_rank_state(
+    ctx: Any,
+    label: str,
+    opt: FlatOptimizer | None,
+    rule_state: RuleState | None,
+    extra: dict[str, Any],
+    own: dict[str, np.ndarray] | None = None,
+    same_as: int | None = None,
+    writer: CheckpointWriter | None = None,
+) -> None:
     """`own`: arrays only this kind of rank has (a sub-master's last pulled centre).
     `same_as`: the world rank that holds this rank's weights, optimiser and rule state
     bit for bit (an allreduce run's rank 0, a worker's leader process); this rank then
@@ -35,8 +42,13 @@ def save_rank_state(ctx: Any, label: str, opt: FlatOptimizer | None, rule_state:
     write_rank_state(ctx, label, arrays, extra, same_as, writer)
 
 
-def rank_state_arrays(ctx: Any, opt: FlatOptimizer | None, rule_state: RuleState | None,
-                      own: dict[str, np.ndarray] | None = None, copy: bool = True) -> dict[str, dict[str, np.ndarray]]:
+def rank_state_arrays(
+    ctx: Any,
+    opt: FlatOptimizer | None,
+    rule_state: RuleState | None,
+    own: dict[str, np.ndarray] | None = None,
+    copy: bool = True,
+) -> dict[str, dict[str, np.ndarray]]:
     """What this rank's share of a checkpoint holds, as it is now: with `copy`, arrays of
     their own (the weights and optimiser state move on with the next update)."""
     backend = ctx.backend
@@ -50,12 +62,19 @@ def rank_state_arrays(ctx: Any, opt: FlatOptimizer | None, rule_state: RuleState
     }
     if not copy:
         return arrays
-    return {group: {name: np.array(value, copy=True) for name, value in named.items()}
-            for group, named in arrays.items()}
+    return {
+        group: {name: np.array(value, copy=True) for name, value in named.items()} for group, named in arrays.items()
+    }
 
 
-def write_rank_state(ctx: Any, label: str, arrays: dict[str, dict[str, np.ndarray]], extra: dict[str, Any],
-                     same_as: int | None = None, writer: CheckpointWriter | None = None) -> None:
+def write_rank_state(
+    ctx: Any,
+    label: str,
+    arrays: dict[str, dict[str, np.ndarray]],
+    extra: dict[str, Any],
+    same_as: int | None = None,
+    writer: CheckpointWriter | None = None,
+) -> None:
     """Write `arrays` (rank_state_arrays) and this rank's scalars `extra` as its share of
     `label`; on the writer's thread if given (then `arrays` must be copies)."""
     meta = {"rank": ctx.role.rank, "role": ctx.role.kind, **extra}
@@ -64,12 +83,19 @@ def write_rank_state(ctx: Any, label: str, arrays: dict[str, dict[str, np.ndarra
         ctx.checkpoints.write_rank(label, rank, arrays, meta, same_as=same_as, shared=IDENTICAL_ON_TWINS)
         return
     meta = deepcopy(meta)
-    writer.submit(lambda: ctx.checkpoints.write_rank(label, rank, arrays, meta, same_as=same_as,
-                                                     shared=IDENTICAL_ON_TWINS), name=label)
+    writer.submit(
+        lambda: ctx.checkpoints.write_rank(label, rank, arrays, meta, same_as=same_as, shared=IDENTICAL_ON_TWINS),
+        name=label,
+    )
 
 
-def load_rank_state(ctx: Any, path: Path, opt: FlatOptimizer | None,
-                    rule_state: RuleState | None, own: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
+def load_rank_state(
+    ctx: Any,
+    path: Path,
+    opt: FlatOptimizer | None,
+    rule_state: RuleState | None,
+    own: dict[str, np.ndarray] | None = None,
+) -> dict[str, Any]:
     """Restore this rank from checkpoint `path` (and the `own` arrays, in place); returns
     the rank's saved scalars. The share read is `ctx.resume_rank`'s: this rank's own, or
     after a restart on fewer ranks the one its role maps to (train/context.py)."""

@@ -17,7 +17,8 @@ validate them together, at the step that passes the mark.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -115,5 +116,6 @@ class SampledValidation:
         done = self.validator.poll(block)
         if done is not None:
             (seen, version, epoch), val = done
-            log.emit("val", {**sample_validation(seen, val, self.metric_name), "version": version},
-                     step=version, epoch=epoch)
+            log.emit(
+                "val", {**sample_validation(seen, val, self.metric_name), "version": version}, step=version, epoch=epoch
+            )

@@ -22,7 +22,7 @@ import contextlib
 import queue
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from nbdist.errors import TrainingError
 
@@ -81,7 +81,8 @@ class CheckpointWriter:
             if time.monotonic() > deadline:
                 raise CheckpointWriteFailed(
                     f"checkpoint writes did not finish within {timeout:.0f} s ({pending} still queued): the disk "
-                    f"under the run directory is hung or far too slow; the last committed checkpoint stands")
+                    f"under the run directory is hung or far too slow; the last committed checkpoint stands"
+                )
             time.sleep(0.001)
 
     def settle(self) -> None:

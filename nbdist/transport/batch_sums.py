@@ -24,8 +24,13 @@ class SumOverRanks:
 
     __slots__ = ("comm", "collectives", "copier", "what", "_stagings")
 
-    def __init__(self, comm: Any, collectives: Collectives, copier: Any = None,
-                 what: str = "the synchronised BatchNorm statistics"):
+    def __init__(
+        self,
+        comm: Any,
+        collectives: Collectives,
+        copier: Any = None,
+        what: str = "the synchronised BatchNorm statistics",
+    ):
         self.comm, self.collectives, self.copier, self.what = comm, collectives, copier, what
         self._stagings: dict[int, Staging] = {}
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
@@ -39,8 +40,13 @@ class Collectives:
     `missing(what)` finds and names the ranks that did not reach a collective (a roll
     call), `describe(ranks)` names ranks for messages."""
 
-    def __init__(self, timeout: Callable[[], float], missing: Callable[[Any, str], RunFailure] | None = None,
-                 describe: Callable[[list[int]], str] | None = None, run: Any = None):
+    def __init__(
+        self,
+        timeout: Callable[[], float],
+        missing: Callable[[Any, str], RunFailure] | None = None,
+        describe: Callable[[list[int]], str] | None = None,
+        run: Any = None,
+    ):
         self.timeout = timeout
         self.missing = missing
         self.describe = describe or (lambda ranks: ", ".join(f"rank {r}" for r in ranks))
@@ -89,27 +95,31 @@ class Collectives:
             time.sleep(0.05)
 
     def _lost(self, comm: Any, what: str, ranks: list[int]) -> RunFailure:
-        return RankLost(f"{self.describe(ranks)} died during {what}" if ranks else f"a rank failed during {what}",
-                        ranks=ranks, restartable=bool(ranks))
+        return RankLost(
+            f"{self.describe(ranks)} died during {what}" if ranks else f"a rank failed during {what}",
+            ranks=ranks,
+            restartable=bool(ranks),
+        )
 
     def _silent(self, comm: Any, what: str, exc: WaitTimeout) -> RunFailure:
         if self.missing is not None:
             return self.missing(comm, what)
         return RankSilent(f"a rank did not reach {what} within {exc.seconds:.0f} s")
 
-    def bcast(self, comm: Any, buffer: "np.ndarray | Staging", what: str = "the initial broadcast",
-              root: int = 0) -> None:
+    def bcast(
+        self, comm: Any, buffer: np.ndarray | Staging, what: str = "the initial broadcast", root: int = 0
+    ) -> None:
         self.wait(comm, comm.Ibcast(_host_side(buffer), root=root), what)
         _device_side(buffer)
 
-    def allreduce(self, comm: Any, buffer: "np.ndarray | Staging", what: str, op: Any = MPI.SUM) -> None:
+    def allreduce(self, comm: Any, buffer: np.ndarray | Staging, what: str, op: Any = MPI.SUM) -> None:
         self.wait(comm, comm.Iallreduce(MPI.IN_PLACE, _host_side(buffer), op=op), what)
         _device_side(buffer)
 
     def barrier(self, comm: Any, what: str) -> None:
         self.wait(comm, comm.Ibarrier(), what)
 
-    def start_barrier(self, comm: Any, what: str) -> "Pending":
+    def start_barrier(self, comm: Any, what: str) -> Pending:
         """A barrier the rank goes on past: `done()` says whether every rank reached it."""
         return Pending(self, comm, [comm.Ibarrier()], what)
 
@@ -120,13 +130,13 @@ class Collectives:
             data = json.dumps(str(value)[: OBJECT_BYTES // 2]).encode()
         mine = np.zeros(OBJECT_BYTES, np.uint8)
         mine[:4] = np.frombuffer(np.uint32(len(data)).tobytes(), np.uint8)
-        mine[4: 4 + len(data)] = np.frombuffer(data, np.uint8)
+        mine[4 : 4 + len(data)] = np.frombuffer(data, np.uint8)
         every = np.zeros((comm.Get_size(), OBJECT_BYTES), np.uint8)
         self.wait(comm, comm.Iallgather(mine, every), what)
         out = []
         for row in every:
             size = int(np.frombuffer(row[:4].tobytes(), np.uint32)[0])
-            out.append(json.loads(row[4: 4 + size].tobytes().decode()))
+            out.append(json.loads(row[4 : 4 + size].tobytes().decode()))
         return out
 
 
@@ -150,7 +160,7 @@ class Pending:
         self.collectives.wait_all(self.comm, self.requests, self.what)
 
 
-def _host_side(buffer: "np.ndarray | Staging") -> Any:
+def _host_side(buffer: np.ndarray | Staging) -> Any:
     """What MPI is given for `buffer`: the array itself, or its staging's host side
     holding the device array's values."""
     if isinstance(buffer, Staging):
@@ -160,6 +170,6 @@ def _host_side(buffer: "np.ndarray | Staging") -> Any:
     return buffer
 
 
-def _device_side(buffer: "np.ndarray | Staging") -> None:
+def _device_side(buffer: np.ndarray | Staging) -> None:
     if isinstance(buffer, Staging):
         buffer.to_device()  # the device array takes what MPI wrote

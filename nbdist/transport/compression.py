@@ -22,14 +22,25 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from typing import ClassVar, Sequence
+from collections.abc import Sequence
+from typing import ClassVar
 
 import numpy as np
 
 from nbdist.specs import Spec, SpecError, ValueRange, did_you_mean, parse_spec
 
-__all__ = ["COMPRESSIONS", "Codec", "Fp16", "Bf16", "TopK", "PowerSgd", "Compressor", "Block",
-           "parse_compression", "make_codec"]
+__all__ = [
+    "COMPRESSIONS",
+    "Codec",
+    "Fp16",
+    "Bf16",
+    "TopK",
+    "PowerSgd",
+    "Compressor",
+    "Block",
+    "parse_compression",
+    "make_codec",
+]
 
 # A stretch of the flat buffer holding one parameter: (start, stop, shape).
 Block = tuple[int, int, tuple[int, ...]]
@@ -80,7 +91,7 @@ class Fp16(Codec):
     def encode(self, x: np.ndarray, wire: np.ndarray) -> None:
         halves = wire.view(np.uint16)
         halves[: self.n] = _float_to_half(np.ascontiguousarray(x, np.float32))
-        halves[self.n:] = 0
+        halves[self.n :] = 0
 
     def decode(self, wire: np.ndarray, out: np.ndarray) -> None:
         out.view(np.uint32)[:] = _half_to_float(wire.view(np.uint16)[: self.n])
@@ -135,7 +146,7 @@ class Bf16(Codec):
         rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
         halves = wire.view(np.uint16)
         halves[: self.n] = rounded
-        halves[self.n:] = 0
+        halves[self.n :] = 0
 
     def decode(self, wire: np.ndarray, out: np.ndarray) -> None:
         out.view(np.uint32)[:] = wire.view(np.uint16)[: self.n].astype(np.uint32) << np.uint32(16)
@@ -156,7 +167,7 @@ class TopK(Codec):
 
     def encode(self, x: np.ndarray, wire: np.ndarray) -> None:
         k = self.k
-        chosen = np.argpartition(np.abs(x), self.n - k)[self.n - k:].astype(np.int32)
+        chosen = np.argpartition(np.abs(x), self.n - k)[self.n - k :].astype(np.int32)
         wire[:k] = x[chosen]
         wire[k:].view(np.int32)[:] = chosen
 
@@ -166,7 +177,7 @@ class TopK(Codec):
 
     def decode_add(self, wire: np.ndarray, out: np.ndarray) -> None:
         # The indices of one encoding are distinct: fancy += adds each value once.
-        out[wire[self.k:].view(np.int32)] += wire[: self.k]
+        out[wire[self.k :].view(np.int32)] += wire[: self.k]
 
 
 class PowerSgd(Codec):
@@ -203,8 +214,13 @@ class PowerSgd(Codec):
         """Per matrix: (its stretch, P view, Q view) in the P and Q buffers."""
         p_at, q_at = self.n_vectors, 0
         for start, stop, rows, cols, r in self.matrices:
-            yield (slice(start, stop), rows, cols, p[p_at: p_at + rows * r].reshape(rows, r),
-                   q[q_at: q_at + cols * r].reshape(cols, r))
+            yield (
+                slice(start, stop),
+                rows,
+                cols,
+                p[p_at : p_at + rows * r].reshape(rows, r),
+                q[q_at : q_at + cols * r].reshape(cols, r),
+            )
             p_at += rows * r
             q_at += cols * r
 
@@ -212,7 +228,7 @@ class PowerSgd(Codec):
         """p = [the vectors | M Q_warm for each matrix]."""
         at = 0
         for start, stop in self.vectors:
-            p[at: at + stop - start] = x[start:stop]
+            p[at : at + stop - start] = x[start:stop]
             at += stop - start
         for where, rows, cols, p_m, q_m in self._views(p, self.warm):
             p_m[...] = x[where].reshape(rows, cols) @ q_m
@@ -227,19 +243,19 @@ class PowerSgd(Codec):
         """out = [the vectors | P Q^T for each matrix]."""
         at = 0
         for start, stop in self.vectors:
-            out[start:stop] = p[at: at + stop - start]
+            out[start:stop] = p[at : at + stop - start]
             at += stop - start
         for where, _, _, p_m, q_m in self._views(p, q):
             out[where] = (p_m @ q_m.T).reshape(-1)
 
     def encode(self, x: np.ndarray, wire: np.ndarray) -> None:
-        p, q = wire[: self.p_size], wire[self.p_size:]
+        p, q = wire[: self.p_size], wire[self.p_size :]
         self.project(x, p)
         self.back_project(x, p, q)
         self.warm[:] = q
 
     def decode(self, wire: np.ndarray, out: np.ndarray) -> None:
-        self.reconstruct(wire[: self.p_size], wire[self.p_size:], out)
+        self.reconstruct(wire[: self.p_size], wire[self.p_size :], out)
 
     def state_arrays(self) -> dict[str, np.ndarray]:
         return {"powersgd_q": self.warm}
@@ -294,7 +310,9 @@ class Compressor:
 
 # name -> (the codec's one parameter, where it may lie, whether a whole number)
 _PARAMETERS: dict[str, tuple[str, ValueRange, bool] | None] = {
-    "none": None, "fp16": None, "bf16": None,
+    "none": None,
+    "fp16": None,
+    "bf16": None,
     "topk": ("ratio", ValueRange(0, 1, low_open=True), False),
     "powersgd": ("rank", ValueRange(1, None), True),
 }
@@ -303,7 +321,7 @@ _CHOICES = "none, fp16, bf16, topk(RATIO), powersgd(RANK)"
 _DEFAULTS = {"topk": 0.01, "powersgd": 1}
 
 
-def parse_compression(text: "str | Spec") -> Spec | None:
+def parse_compression(text: str | Spec) -> Spec | None:
     """`topk(0.01)` or `topk(ratio=0.01)` -> Spec('topk', {'ratio': 0.01}); None for none.
     One error naming the valid choices for anything else."""
     what = "--compression"
@@ -312,8 +330,9 @@ def parse_compression(text: "str | Spec") -> Spec | None:
     except SpecError as exc:
         raise SpecError(f"{exc}; {what} takes one of: {_CHOICES}") from None
     if spec.name not in _PARAMETERS:
-        raise SpecError(f"unknown {what} {spec.name!r}{did_you_mean(spec.name, list(COMPRESSIONS))}; "
-                        f"choose one of: {_CHOICES}")
+        raise SpecError(
+            f"unknown {what} {spec.name!r}{did_you_mean(spec.name, list(COMPRESSIONS))}; choose one of: {_CHOICES}"
+        )
     parameter = _PARAMETERS[spec.name]
     if parameter is None:
         if spec.kwargs:
@@ -322,8 +341,10 @@ def parse_compression(text: "str | Spec") -> Spec | None:
     name, allowed, whole = parameter
     unknown = [k for k in spec.kwargs if k != name]
     if unknown:
-        raise SpecError(f"{what} {spec.name} takes one parameter, {name}, not {', '.join(unknown)}; "
-                        f"e.g. {spec.name}({_DEFAULTS[spec.name]})")
+        raise SpecError(
+            f"{what} {spec.name} takes one parameter, {name}, not {', '.join(unknown)}; "
+            f"e.g. {spec.name}({_DEFAULTS[spec.name]})"
+        )
     spec = spec.with_defaults(**{name: _DEFAULTS[spec.name]})
     value = spec.kwargs[name]
     allowed.check(f"{what} {spec.name}", name, value)

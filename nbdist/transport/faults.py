@@ -19,13 +19,27 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from nbdist.errors import TrainingError
 
-__all__ = ["RunFailure", "RankLost", "RankSilent", "RunAborted", "RankInfo", "RankDirectory", "ulfm_enabled",
-           "failed_ranks", "is_rank_failure", "kill_frozen", "survivors", "ULFM_ENV", "ULFM_ARGS"]
+__all__ = [
+    "RunFailure",
+    "RankLost",
+    "RankSilent",
+    "RunAborted",
+    "RankInfo",
+    "RankDirectory",
+    "ulfm_enabled",
+    "failed_ranks",
+    "is_rank_failure",
+    "kill_frozen",
+    "survivors",
+    "ULFM_ENV",
+    "ULFM_ARGS",
+]
 
 # How nbdist's launchers switch fault tolerance on: mpiexec's own flag (it also makes the
 # MPI library report failures, OMPI_MCA_mpi_ft_enable in the ranks' environment, which in
@@ -40,7 +54,6 @@ ULFM_ENV = {
 }
 
 
-
 def ulfm_enabled() -> bool:
     """Whether this process runs with MPI fault tolerance on (`--with-ft ulfm` or the
     environment above): only then do survivors outlive a dead rank."""
@@ -50,8 +63,9 @@ def ulfm_enabled() -> bool:
 def is_rank_failure(error_class: int) -> bool:
     from mpi4py import MPI
 
-    return error_class in tuple(getattr(MPI, name, None) for name in
-                                ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED"))
+    return error_class in tuple(
+        getattr(MPI, name, None) for name in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +85,7 @@ class RankDirectory:
         self.infos = dict(enumerate(infos))
 
     @classmethod
-    def gather(cls, comm: Any, role: str, allgather: Any) -> "RankDirectory":
+    def gather(cls, comm: Any, role: str, allgather: Any) -> RankDirectory:
         """Collective over `comm`: `allgather(value)` is a polled allgather of small values."""
         from mpi4py import MPI
 

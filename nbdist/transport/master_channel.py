@@ -10,7 +10,7 @@ checks later. Every wait is polled (waiting.py); a peer that died shows as CommF
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -77,11 +77,11 @@ class MasterChannel:
         """The reply's header, then the payload array itself (no copy): neither may change
         until the transfer is done."""
         comm, peer, _ = self.links[i]
-        return Transfer([comm.Isend(header, dest=peer, tag=m.TAG_REPLY_HEADER),
-                         comm.Isend(payload, dest=peer, tag=m.TAG_REPLY)])
+        return Transfer(
+            [comm.Isend(header, dest=peer, tag=m.TAG_REPLY_HEADER), comm.Isend(payload, dest=peer, tag=m.TAG_REPLY)]
+        )
 
     def error_text(self, i: int, timeout: float) -> object:
         """The text that follows client i's ERROR or LOST header (WaitTimeout, CommFailure)."""
         comm, peer, _ = self.links[i]
         return receive_object(comm, peer, m.TAG_ERROR_TEXT, timeout=timeout)
-

@@ -79,7 +79,7 @@ class Message:
         """(array, tag) to send, in order: the header, and the body of an UPDATE (DONE,
         ERROR and LOST are their header alone)."""
         head = [(self.buffer[:HEADER_FLOATS], TAG_UPDATE)]
-        body = self.buffer[HEADER_FLOATS + (self.payload.size if self.wire.size else 0):]
+        body = self.buffer[HEADER_FLOATS + (self.payload.size if self.wire.size else 0) :]
         return head + [(body, TAG_BODY)] if self.header[KIND] == UPDATE else head
 
 
@@ -93,12 +93,12 @@ class Body:
     def __init__(self, buffer: np.ndarray, n_payload: int, n_wire: int = 0):
         self.buffer = buffer
         self.payload = buffer[:n_payload]
-        self.state = buffer[n_payload: buffer.size - n_wire]
-        self.wire = buffer[buffer.size - n_wire:]
+        self.state = buffer[n_payload : buffer.size - n_wire]
+        self.wire = buffer[buffer.size - n_wire :]
 
     def incoming(self, encoded: bool) -> np.ndarray:
         """Where MPI receives the body: [state | wire] when its payload is encoded."""
-        return self.buffer[self.payload.size:] if encoded else self.buffer[: self.buffer.size - self.wire.size]
+        return self.buffer[self.payload.size :] if encoded else self.buffer[: self.buffer.size - self.wire.size]
 
 
 def new_header(workers: int = 0) -> np.ndarray:
@@ -108,4 +108,4 @@ def new_header(workers: int = 0) -> np.ndarray:
 
 def members_in(reply: np.ndarray) -> tuple[int, ...]:
     """The workers a reply header names as sharing the data of epoch reply[EPOCH]."""
-    return tuple(int(w) for w in np.flatnonzero(reply[HEADER_FLOATS // 2:]))
+    return tuple(int(w) for w in np.flatnonzero(reply[HEADER_FLOATS // 2 :]))

@@ -53,9 +53,12 @@ class Peers:
             return RankSilent(f"{what} did not complete within {seconds:.0f} s, although every rank answers")
         infos = self.directory.infos
         killed = [r for r in ranks if r in infos and kill_frozen(infos[r])]
-        return RankSilent(f"{self.describe_all(ranks)} did not reach {what} within {seconds:.0f} s (frozen, or far "
-                          f"slower than the others; see --peer-timeout)", ranks=ranks,
-                          restartable=len(killed) == len(ranks))
+        return RankSilent(
+            f"{self.describe_all(ranks)} did not reach {what} within {seconds:.0f} s (frozen, or far "
+            f"slower than the others; see --peer-timeout)",
+            ranks=ranks,
+            restartable=len(killed) == len(ranks),
+        )
 
     def close(self) -> None:
         self.control.close()

@@ -51,11 +51,13 @@ class StageLinks:
         first dimension need not be them)."""
         if rows not in self._sent_shapes:
             if activation.ndim > MAX_DIMS:
-                raise ValueError(f"stage {self.stage}'s output has {activation.ndim} dimensions; at most "
-                                 f"{MAX_DIMS} go between pipeline stages")
+                raise ValueError(
+                    f"stage {self.stage}'s output has {activation.ndim} dimensions; at most "
+                    f"{MAX_DIMS} go between pipeline stages"
+                )
             shape = np.zeros(MAX_DIMS + 1, np.int64)
             shape[0] = activation.ndim
-            shape[1: 1 + activation.ndim] = activation.shape
+            shape[1 : 1 + activation.ndim] = activation.shape
             self._send(shape, self.stage + 1, TAG_SHAPE)
             self._sent_shapes.add(rows)
         self._send(_float32(activation), self.stage + 1, TAG_ACTIVATION)
@@ -63,9 +65,10 @@ class StageLinks:
     def receive_activation(self, rows: int) -> np.ndarray:
         shape = self._shapes.get(rows)
         if shape is None:
-            header = self._receive(np.zeros(MAX_DIMS + 1, np.int64), self.stage - 1, TAG_SHAPE,
-                                   "the shape of an activation")
-            shape = self._shapes[rows] = tuple(int(d) for d in header[1: 1 + int(header[0])])
+            header = self._receive(
+                np.zeros(MAX_DIMS + 1, np.int64), self.stage - 1, TAG_SHAPE, "the shape of an activation"
+            )
+            shape = self._shapes[rows] = tuple(int(d) for d in header[1 : 1 + int(header[0])])
         return self._receive(np.empty(shape, np.float32), self.stage - 1, TAG_ACTIVATION, "an activation")
 
     # -- backward -------------------------------------------------------------------
@@ -123,7 +126,7 @@ class StageParts:
             if len(shape) > MAX_DIMS:
                 raise ValueError(f"a parameter of {len(shape)} dimensions; at most {MAX_DIMS} in a pipeline stage")
             row[:3] = start + here, stop + here, len(shape)
-            row[3: 3 + len(shape)] = shape
+            row[3 : 3 + len(shape)] = shape
         counts = [int(c) * BLOCK_WORDS for c in self.collectives.allgather(self.comm, len(blocks), what)]
         leader = self.comm.Get_rank() == 0
         every = np.empty(sum(counts), np.int64) if leader else None
@@ -132,7 +135,7 @@ class StageParts:
         if not leader:
             return None
         rows = every.reshape(-1, BLOCK_WORDS)
-        return sorted((int(r[0]), int(r[1]), tuple(int(d) for d in r[3: 3 + r[2]])) for r in rows)
+        return sorted((int(r[0]), int(r[1]), tuple(int(d) for d in r[3 : 3 + r[2]])) for r in rows)
 
     def scatter(self, whole: np.ndarray | None, part: np.ndarray, what: str) -> None:
         source = [whole, self.counts, self.displs, MPI.FLOAT] if whole is not None else None

@@ -24,7 +24,8 @@ nccl or gloo named with a compression is one error.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import array_api_compat
 import numpy as np
@@ -85,8 +86,14 @@ class MpiReducer(Reducer):
 
     __slots__ = ("comm", "staging", "buckets", "requests", "finish_wait", "compressed", "plain_bytes")
 
-    def __init__(self, comm: MPI.Intracomm, backend: Any, bucket_floats: int, finish_wait: Callable | None = None,
-                 compression: Spec | None = None):
+    def __init__(
+        self,
+        comm: MPI.Intracomm,
+        backend: Any,
+        bucket_floats: int,
+        finish_wait: Callable | None = None,
+        compression: Spec | None = None,
+    ):
         self.comm = comm
         # The codecs are numpy: a compressed gradient goes through host memory even where
         # MPI could read the device (cuda_aware=False: pinned host copies).
@@ -94,8 +101,11 @@ class MpiReducer(Reducer):
         self.requests: list[MPI.Request] = []
         self.finish_wait = finish_wait or wait_all
         self.buckets = backend.bucket_hooks(bucket_floats, self.start)
-        self.compressed = None if compression is None else compressed_reduction(
-            comm, compression, backend.num_params, self.buckets, backend.param_blocks())
+        self.compressed = (
+            None
+            if compression is None
+            else compressed_reduction(comm, compression, backend.num_params, self.buckets, backend.param_blocks())
+        )
         self.plain_bytes = 0
 
     @property
@@ -198,17 +208,25 @@ def choose(name: str, grads: Any, compressed: bool = False) -> str:
     if name == "auto":
         return "nccl" if on_gpu and _torch_has("nccl") and not compressed else "mpi"
     if compressed and name != "mpi":
-        raise OptionsError(f"--compression runs on the MPI reducer (its codecs are numpy, in host memory), not on "
-                           f"--allreduce-backend {name}: use --allreduce-backend mpi or auto, or drop --compression")
+        raise OptionsError(
+            f"--compression runs on the MPI reducer (its codecs are numpy, in host memory), not on "
+            f"--allreduce-backend {name}: use --allreduce-backend mpi or auto, or drop --compression"
+        )
     if name == "nccl" and not on_gpu:
-        raise OptionsError(f"--allreduce-backend nccl reduces gradients on GPUs; this model's are on {where} (no GPU, "
-                           f"or --device cpu): use --allreduce-backend mpi or gloo, or --device cuda on a GPU node")
+        raise OptionsError(
+            f"--allreduce-backend nccl reduces gradients on GPUs; this model's are on {where} (no GPU, "
+            f"or --device cpu): use --allreduce-backend mpi or gloo, or --device cuda on a GPU node"
+        )
     if name == "gloo" and on_gpu:
-        raise OptionsError(f"--allreduce-backend gloo reduces gradients in host memory; this model's are on {where}: "
-                           f"use --allreduce-backend nccl or mpi")
+        raise OptionsError(
+            f"--allreduce-backend gloo reduces gradients in host memory; this model's are on {where}: "
+            f"use --allreduce-backend nccl or mpi"
+        )
     if name != "mpi" and not _torch_has(name):
-        raise OptionsError(f"--allreduce-backend {name}: this torch has no {name} (torch.distributed."
-                           f"is_backend_available({name!r}) is False): use --allreduce-backend mpi")
+        raise OptionsError(
+            f"--allreduce-backend {name}: this torch has no {name} (torch.distributed."
+            f"is_backend_available({name!r}) is False): use --allreduce-backend mpi"
+        )
     return name
 
 
@@ -221,15 +239,23 @@ def _torch_has(name: str) -> bool:
     return dist.is_available() and dist.is_backend_available(name)
 
 
-def make_reducer(name: str, comm: Any, backend: Any, bucket_floats: int, collectives: Any,
-                 what: str = WHAT, compression: Spec | None = None) -> Reducer:
+def make_reducer(
+    name: str,
+    comm: Any,
+    backend: Any,
+    bucket_floats: int,
+    collectives: Any,
+    what: str = WHAT,
+    compression: Spec | None = None,
+) -> Reducer:
     """Collective over `comm`: the reducer `--allreduce-backend name` means for this
     backend's gradient (through `compression`'s codec, if any), its waits polled by the
     run's `collectives`."""
     kind = choose(name, backend.rule_grads, compressed=compression is not None)
     if REDUCERS[kind] is MpiReducer:
-        return MpiReducer(comm, backend, bucket_floats, lambda requests: collectives.wait_all(comm, requests, what),
-                          compression)
+        return MpiReducer(
+            comm, backend, bucket_floats, lambda requests: collectives.wait_all(comm, requests, what), compression
+        )
     device = array_api_compat.device(backend.rule_grads)
     group = TorchGroup(comm, kind, collectives, device=device if kind == "nccl" else None)
     return TorchReducer(group, backend, bucket_floats, lambda done: collectives.wait_for(comm, done, what))

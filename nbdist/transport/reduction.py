@@ -15,7 +15,7 @@ share of every checkpoint, so a resumed run goes on exactly.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -83,7 +83,7 @@ class GatheredBuckets(CompressedReduction):
             return
         at = 0
         for c in self.compressors:
-            c.residual[:] = arrays["residual"][at: at + c.codec.n]
+            c.residual[:] = arrays["residual"][at : at + c.codec.n]
             at += c.codec.n
 
 
@@ -124,8 +124,9 @@ class PowerSgdReduction(CompressedReduction):
         self.compressor.load_state_arrays(arrays)
 
 
-def compressed_reduction(comm: MPI.Intracomm, spec: Spec, n: int, buckets: Sequence[tuple[int, int]],
-                         blocks: Sequence[Block]) -> CompressedReduction:
+def compressed_reduction(
+    comm: MPI.Intracomm, spec: Spec, n: int, buckets: Sequence[tuple[int, int]], blocks: Sequence[Block]
+) -> CompressedReduction:
     """The reduction of `spec` for a gradient of n floats split into `buckets`, its
     parameters' stretches and shapes `blocks`."""
     if isinstance(make_codec(spec, n, blocks), PowerSgd):

@@ -60,7 +60,7 @@ class Staging:
         self._host_tensor = None
         if _on_host(device):
             self.way, self.host = VIEW, np.asarray(device)  # zero-copy view of a CPU tensor
-        elif (mpi_is_cuda_aware() if cuda_aware is None else cuda_aware):
+        elif mpi_is_cuda_aware() if cuda_aware is None else cuda_aware:
             self.way, self.host = DIRECT, device
         else:
             if copier is None:
@@ -69,7 +69,7 @@ class Staging:
             self._host_tensor, self.host = copier.pinned(int(device.shape[0]))
 
     @classmethod
-    def of_host(cls, host: np.ndarray, like: Any, copier: Any = None) -> "Staging":
+    def of_host(cls, host: np.ndarray, like: Any, copier: Any = None) -> Staging:
         """A staging whose host side is `host` (a message buffer's payload) and whose device
         side is an array beside `like`: the same memory where `like` is on the host."""
         staging = cls.__new__(cls)

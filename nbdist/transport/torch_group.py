@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import datetime
 import socket
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -43,7 +44,7 @@ WORK_DEADLINE_FACTOR, WORK_DEADLINE_SLACK = 2.0, 30.0
 # Groups with works that a failed run left behind (a peer gave up on them): destroying a
 # group waits for its works, which would stall the run that goes on, so they are kept
 # here until those works ended (they fail at their own deadline, or when the peer exits).
-_left_behind: list[tuple["TorchGroup", list]] = []
+_left_behind: list[tuple[TorchGroup, list]] = []
 
 
 class WorkFailed(CommFailure):
@@ -88,8 +89,14 @@ class TorchGroup:
             port = listener.getsockname()[1]
             # The store takes over the listening socket: no other process can take the
             # port between choosing it and listening on it.
-            self.store = dist.TCPStore(address, port, is_master=True, timeout=timeout, wait_for_workers=False,
-                                       master_listen_fd=listener.detach())
+            self.store = dist.TCPStore(
+                address,
+                port,
+                is_master=True,
+                timeout=timeout,
+                wait_for_workers=False,
+                master_listen_fd=listener.detach(),
+            )
         except (OSError, RuntimeError) as exc:
             print(f"nbdist: {RENDEZVOUS}: cannot open a store on {address}: {exc}", flush=True)
             return -1
@@ -100,8 +107,7 @@ class TorchGroup:
         import torch.distributed as dist
 
         options = dist.AllreduceOptions()
-        options.timeout = datetime.timedelta(seconds=WORK_DEADLINE_FACTOR * self.wait_seconds()
-                                             + WORK_DEADLINE_SLACK)
+        options.timeout = datetime.timedelta(seconds=WORK_DEADLINE_FACTOR * self.wait_seconds() + WORK_DEADLINE_SLACK)
         return self.group.allreduce([tensor], options)
 
     def close(self) -> None:
@@ -111,8 +117,9 @@ class TorchGroup:
             shutdown()
 
 
-def _make_group(kind: str, store: Any, rank: int, size: int, timeout: datetime.timedelta, address: str,
-                device: Any) -> Any:
+def _make_group(
+    kind: str, store: Any, rank: int, size: int, timeout: datetime.timedelta, address: str, device: Any
+) -> Any:
     import torch.distributed as dist
 
     if kind == "gloo":

@@ -32,12 +32,28 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from mpi4py import MPI
 
-__all__ = ["poll_without_sleeping", "wait", "wait_all", "wait_for", "test_all", "wait_some", "wait_until", "test_each", "receive_object",
-           "WaitTimeout", "CommFailure", "Abandoned", "abandon", "forget_abandon", "watch_with", "FOREVER"]
+__all__ = [
+    "poll_without_sleeping",
+    "wait",
+    "wait_all",
+    "wait_for",
+    "test_all",
+    "wait_some",
+    "wait_until",
+    "test_each",
+    "receive_object",
+    "WaitTimeout",
+    "CommFailure",
+    "Abandoned",
+    "abandon",
+    "forget_abandon",
+    "watch_with",
+    "FOREVER",
+]
 
 SPIN_SECONDS = 2e-4
 FIRST_SLEEP = 5e-5
@@ -109,7 +125,7 @@ class watch_with:
     def __init__(self, check: Callable[[], None] | None):
         self.check, self.previous = check, None
 
-    def __enter__(self) -> "watch_with":
+    def __enter__(self) -> watch_with:
         global _watch
         self.previous, _watch = _watch, self.check
         return self
@@ -204,8 +220,9 @@ def test_each(requests: Sequence[MPI.Request]) -> tuple[list[int], list[tuple[in
     return done, failed
 
 
-def wait_some(requests: list[MPI.Request], *, timeout: float | None = FOREVER
-              ) -> tuple[list[int], list[tuple[int, CommFailure]]]:
+def wait_some(
+    requests: list[MPI.Request], *, timeout: float | None = FOREVER
+) -> tuple[list[int], list[tuple[int, CommFailure]]]:
     """(completed indices, failed (index, failure)) once at least one request completed
     or failed; ([], []) when every request is null or `timeout` seconds passed first."""
     backoff = _Backoff(None)

@@ -11,7 +11,7 @@ channel.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -28,11 +28,30 @@ class WorkerChannel:
     turns a world rank into a name, `listener` is the world rank whose wait a timeout
     names (None: the error names no listener)."""
 
-    __slots__ = ("comm", "reply_header", "reply_payload", "silence", "master", "master_rank", "describe",
-                 "listener", "replies")
+    __slots__ = (
+        "comm",
+        "reply_header",
+        "reply_payload",
+        "silence",
+        "master",
+        "master_rank",
+        "describe",
+        "listener",
+        "replies",
+    )
 
-    def __init__(self, comm, reply_header: np.ndarray, reply_payload: np.ndarray, silence: Silence, *,
-                 master: str, master_rank: int, describe: Callable[[int], str], listener: int | None = None):
+    def __init__(
+        self,
+        comm,
+        reply_header: np.ndarray,
+        reply_payload: np.ndarray,
+        silence: Silence,
+        *,
+        master: str,
+        master_rank: int,
+        describe: Callable[[int], str],
+        listener: int | None = None,
+    ):
         self.comm = comm
         self.reply_header, self.reply_payload = reply_header, reply_payload
         self.silence = silence
@@ -41,8 +60,10 @@ class WorkerChannel:
 
     def expect_reply(self) -> None:
         """Post the reply's receives (before sending, so the reply never waits for them)."""
-        self.replies = [self.comm.Irecv(self.reply_header, source=0, tag=m.TAG_REPLY_HEADER),
-                        self.comm.Irecv(self.reply_payload, source=0, tag=m.TAG_REPLY)]
+        self.replies = [
+            self.comm.Irecv(self.reply_header, source=0, tag=m.TAG_REPLY_HEADER),
+            self.comm.Irecv(self.reply_payload, source=0, tag=m.TAG_REPLY),
+        ]
 
     def send(self, message: m.Message) -> None:
         """The message's parts, polled rather than blocking: a master that is gone must not
@@ -62,10 +83,11 @@ class WorkerChannel:
         try:
             wait_all(requests, timeout=self.silence.limit)
         except CommFailure:
-            raise RankLost(f"{name}, died: the run cannot go on", ranks=[self.master_rank],
-                           restartable=True) from None
+            raise RankLost(f"{name}, died: the run cannot go on", ranks=[self.master_rank], restartable=True) from None
         except WaitTimeout as exc:
             listener = "" if self.listener is None else f" {self.describe(self.listener)}"
-            raise RankSilent(f"{name}, did not answer{listener} for {exc.seconds:.0f} s (the peer timeout): "
-                             f"the run cannot go on", ranks=[self.master_rank]) from None
+            raise RankSilent(
+                f"{name}, did not answer{listener} for {exc.seconds:.0f} s (the peer timeout): the run cannot go on",
+                ranks=[self.master_rank],
+            ) from None
         self.silence.heard()

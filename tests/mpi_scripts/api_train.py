@@ -22,12 +22,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import equivalence_common as common  # noqa: E402
 from mpi4py import MPI  # noqa: E402
+from rank_main import run_or_abort  # noqa: E402
 from torch import nn  # noqa: E402
 
-import equivalence_common as common  # noqa: E402
 import nbdist  # noqa: E402
-from rank_main import run_or_abort  # noqa: E402
 
 
 def main() -> None:
@@ -40,8 +40,9 @@ def main() -> None:
         inside = world.Get_rank() < ranks
         comm = world.Split(0 if inside else MPI.UNDEFINED, world.Get_rank())
         if inside:
-            result = nbdist.train(build, data=lambda: common.make_data(n_train), loss=nn.CrossEntropyLoss(),
-                                  comm=comm, **options)
+            result = nbdist.train(
+                build, data=lambda: common.make_data(n_train), loss=nn.CrossEntropyLoss(), comm=comm, **options
+            )
             # The run's leader (the master, or rank 0) gets the RunResult, the others None.
             if comm.Get_rank() == 0:
                 assert result is not None, "rank 0 got no RunResult"

@@ -20,12 +20,11 @@ WORLD = 2
 
 def worker(rank: int, out_file: str, steps: int, port: int) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import equivalence_common as common
     import torch
     import torch.distributed as dist
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel
-
-    import equivalence_common as common
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)

@@ -29,8 +29,10 @@ def build_model() -> nn.Module:
     from torch import nn
 
     return nn.Sequential(
-        nn.Linear(N_FEATURES, 16), nn.Tanh(),
-        nn.Linear(16, 12), nn.Tanh(),
+        nn.Linear(N_FEATURES, 16),
+        nn.Tanh(),
+        nn.Linear(16, 12),
+        nn.Tanh(),
         nn.Linear(12, N_CLASSES),
     )
 
@@ -41,7 +43,9 @@ def build_batchnorm_model() -> nn.Module:
     from torch import nn
 
     return nn.Sequential(
-        nn.Linear(N_FEATURES, 16), nn.BatchNorm1d(16), nn.Tanh(),
+        nn.Linear(N_FEATURES, 16),
+        nn.BatchNorm1d(16),
+        nn.Tanh(),
         nn.Linear(16, N_CLASSES),
     )
 
@@ -142,7 +146,6 @@ def allreduce_steps(comm, backend, steps: int, unequal: bool):
     return backend
 
 
-
 # -- synchronised BatchNorm (--sync-batchnorm) ------------------------------------------
 # name -> (layer, input shape after the batch dimension): every BatchNorm kind, momentum
 # None (a cumulative average) and no affine parameters included.
@@ -155,9 +158,13 @@ def sync_bn_layers() -> dict[str, tuple[nn.Module, tuple[int, ...]]]:
     from torch import nn
 
     torch.manual_seed(SEED)
-    layers = {"1d": (nn.BatchNorm1d(5), (5,)), "1d-sequence": (nn.BatchNorm1d(3, momentum=None), (3, 7)),
-              "2d": (nn.BatchNorm2d(4), (4, 5, 5)), "3d": (nn.BatchNorm3d(2, eps=1e-3), (2, 3, 4, 4)),
-              "2d-no-affine": (nn.BatchNorm2d(3, affine=False), (3, 4, 4))}
+    layers = {
+        "1d": (nn.BatchNorm1d(5), (5,)),
+        "1d-sequence": (nn.BatchNorm1d(3, momentum=None), (3, 7)),
+        "2d": (nn.BatchNorm2d(4), (4, 5, 5)),
+        "3d": (nn.BatchNorm3d(2, eps=1e-3), (2, 3, 4, 4)),
+        "2d-no-affine": (nn.BatchNorm2d(3, affine=False), (3, 4, 4)),
+    }
     for layer, _ in layers.values():
         if layer.affine:  # not the initial ones and zeros: the gradients then depend on them
             nn.init.uniform_(layer.weight, 0.5, 1.5)

@@ -16,10 +16,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from train_many import run_all  # noqa: E402
+
 from nbdist.roles import master as mw  # noqa: E402
 from nbdist.roles.master import run as serving  # noqa: E402
 from nbdist.transport import messages as m  # noqa: E402
-from train_many import run_all  # noqa: E402
 
 RUN = "stop-at-sub-epoch-end"
 EPOCH = 1  # the second epoch, counted from 0
@@ -33,8 +34,12 @@ def _stop_at_sub_epoch_end(me, ready):
     if me.ctx.run_dir.name == RUN and not _fired:
         for i in ready:
             client, header = me.clients[i], me.clients[i].inbox.header
-            if (client.kind == mw.SUB_MASTER and header[m.KIND] == m.UPDATE
-                    and client.inbox.has(m.EPOCH_END) and int(header[m.EPOCH]) == EPOCH):
+            if (
+                client.kind == mw.SUB_MASTER
+                and header[m.KIND] == m.UPDATE
+                and client.inbox.has(m.EPOCH_END)
+                and int(header[m.EPOCH]) == EPOCH
+            ):
                 me.begin_stop("stopped by the test at the sub-master's epoch end")
                 _fired = True
     return read_messages(me, ready)

@@ -8,21 +8,23 @@ variable paths and their weights compare by name.
 
 from __future__ import annotations
 
+import equivalence_common as common
 import keras
 import numpy as np
-
-import equivalence_common as common
 
 SEED = common.SEED
 
 
 def build_model() -> keras.Model:
-    model = keras.Sequential([
-        keras.Input(shape=(common.N_FEATURES,)),
-        keras.layers.Dense(16, activation="tanh", name="hidden1"),
-        keras.layers.Dense(12, activation="tanh", name="hidden2"),
-        keras.layers.Dense(common.N_CLASSES, name="logits"),
-    ], name="net")
+    model = keras.Sequential(
+        [
+            keras.Input(shape=(common.N_FEATURES,)),
+            keras.layers.Dense(16, activation="tanh", name="hidden1"),
+            keras.layers.Dense(12, activation="tanh", name="hidden2"),
+            keras.layers.Dense(common.N_CLASSES, name="logits"),
+        ],
+        name="net",
+    )
     model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
     return model
 
@@ -39,8 +41,10 @@ def weights(model: keras.Model) -> dict[str, np.ndarray]:
 
 def plain_keras(model: keras.Model, batches, x: np.ndarray, y: np.ndarray, momentum: float) -> dict[str, np.ndarray]:
     """Keras's own training step (train_on_batch, keras SGD) on each batch in turn."""
-    model.compile(optimizer=keras.optimizers.SGD(learning_rate=common.LR, momentum=momentum),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(
+        optimizer=keras.optimizers.SGD(learning_rate=common.LR, momentum=momentum),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
     for batch in batches:
         model.train_on_batch(x[batch], y[batch])
     return weights(model)

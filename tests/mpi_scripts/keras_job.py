@@ -31,21 +31,21 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import equivalence_common as common  # noqa: E402
 import keras  # noqa: E402
+import keras_common  # noqa: E402
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
+from rank_main import run_or_abort  # noqa: E402
 from safetensors.numpy import load_file, save_file  # noqa: E402
+from train_many import run_all  # noqa: E402
 
-import equivalence_common as common  # noqa: E402
-import keras_common  # noqa: E402
 import nbdist  # noqa: E402
 from nbdist.backends import configure_frameworks  # noqa: E402
 from nbdist.backends.keras import KerasBackend  # noqa: E402
 from nbdist.data.sharding import ShardPlan  # noqa: E402
 from nbdist.specs import parse_spec  # noqa: E402
 from nbdist.train.definition import load_model_file  # noqa: E402
-from rank_main import run_or_abort  # noqa: E402
-from train_many import run_all  # noqa: E402
 
 STEPS = 12
 DOWNPOUR = dict(epochs=3, batch_size=16, seed=3)
@@ -70,9 +70,19 @@ def downpour(comm: MPI.Intracomm, out: Path, runs: dict[str, str]) -> None:
     plan = ShardPlan(data.n_train, 1, DOWNPOUR["batch_size"], DOWNPOUR["seed"])
     batches = [b for epoch in range(DOWNPOUR["epochs"]) for b in plan.epoch(epoch, 0)]
     for name, master_optimizer in runs.items():
-        nbdist.train(keras_common.build_model, data=common.make_data, comm=comm, topology="master-worker",
-                     algorithm="downpour", sync_every=1, master_optimizer=master_optimizer,
-                     runs_dir=str(out / "runs"), run_name=name, quiet=True, **DOWNPOUR)
+        nbdist.train(
+            keras_common.build_model,
+            data=common.make_data,
+            comm=comm,
+            topology="master-worker",
+            algorithm="downpour",
+            sync_every=1,
+            master_optimizer=master_optimizer,
+            runs_dir=str(out / "runs"),
+            run_name=name,
+            quiet=True,
+            **DOWNPOUR,
+        )
         if comm.Get_rank() == 1:
             momentum = float(parse_spec(master_optimizer).kwargs.get("momentum", 0.0))
             model = keras_common.initial_model(DOWNPOUR["seed"])

@@ -18,9 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
+from rank_main import run_or_abort  # noqa: E402
 
 from nbdist.layout import Layout, LayoutError  # noqa: E402
-from rank_main import run_or_abort  # noqa: E402
 
 FIELDS = ("run", "group", "block", "masters", "worker", "leaders", "stage")
 
@@ -38,21 +38,23 @@ def expected_members(layout: Layout, rank: int) -> dict[str, list[int] | None]:
     if layout.topology == "master-worker":
         if me.kind == "master" or me.is_leader:
             boss = [r.rank for r in same_fold if r.kind == "master" and r.master == me.master]
-            leaders = sorted((r.worker, r.rank) for r in same_fold
-                             if r.is_leader and r.master == me.master)
+            leaders = sorted((r.worker, r.rank) for r in same_fold if r.is_leader and r.master == me.master)
             out["block"] = boss + [rank for _, rank in leaders]
         if me.kind == "master":
-            out["masters"] = [r.rank for r in sorted(
-                (r for r in same_fold if r.kind == "master"), key=lambda r: r.master)]
+            out["masters"] = [
+                r.rank for r in sorted((r for r in same_fold if r.kind == "master"), key=lambda r: r.master)
+            ]
     elif me.is_leader:
-        out["leaders"] = [r.rank for r in sorted(
-            (r for r in same_fold if r.is_leader), key=lambda r: r.worker)]
+        out["leaders"] = [r.rank for r in sorted((r for r in same_fold if r.is_leader), key=lambda r: r.worker)]
     if layout.topology == "allreduce" and layout.procs_per_worker > 1 and me.kind == "worker":
         out["stage"] = [r.rank for r in sorted((r for r in same_fold if r.proc == me.proc), key=lambda r: r.worker)]
     if me.kind == "worker":
-        out["worker"] = [r.rank for r in sorted(
-            (r for r in same_fold if r.master == me.master and r.worker == me.worker),
-            key=lambda r: r.proc)]
+        out["worker"] = [
+            r.rank
+            for r in sorted(
+                (r for r in same_fold if r.master == me.master and r.worker == me.worker), key=lambda r: r.proc
+            )
+        ]
     return out
 
 
@@ -93,8 +95,7 @@ def main() -> None:
         comms.block.Allreduce(np.array([rank], dtype=np.int64), total, op=MPI.SUM)
         block = expected_members(layout, rank)["block"]
         assert total[0] == sum(block), (total[0], block)
-        assert comms.block.Get_rank() == (0 if comms.role.kind == "master"
-                                          else comms.role.worker + 1)
+        assert comms.block.Get_rank() == (0 if comms.role.kind == "master" else comms.role.worker + 1)
 
     with comms:
         pass

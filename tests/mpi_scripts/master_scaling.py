@@ -27,10 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mpi4py import MPI  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
+from rank_main import run_or_abort  # noqa: E402
 from torch import nn  # noqa: E402
 
 import nbdist  # noqa: E402
-from rank_main import run_or_abort  # noqa: E402
 
 HIDDEN = 35_000  # 64 * 35000 + 35000 + 35000 * 10 + 10 parameters: 2.3M
 
@@ -48,8 +48,15 @@ def peak_rss_mb() -> float:
 
 def main() -> None:
     world = MPI.COMM_WORLD
-    nbdist.train(str(ROOT / "examples" / "digits_mlp.py"), epochs=30, batch_size=8, runs_dir=sys.argv[1],
-                 run_name="records", store="off", quiet=True)
+    nbdist.train(
+        str(ROOT / "examples" / "digits_mlp.py"),
+        epochs=30,
+        batch_size=8,
+        runs_dir=sys.argv[1],
+        run_name="records",
+        store="off",
+        quiet=True,
+    )
     peaks = {}
     for synchronous in (False, True):
         for workers in (2, world.Get_size() - 1):
@@ -58,9 +65,21 @@ def main() -> None:
             key, run_name = (f"sync {workers}", f"sync-w{workers}") if synchronous else (str(workers), f"w{workers}")
             if inside:
                 Path("/proc/self/clear_refs").write_text("5")  # resets the high-water mark
-                nbdist.train(build_model, loss=nn.CrossEntropyLoss(), comm=comm, workers=workers, epochs=1,
-                             batch_size=16, algorithm="downpour", master_optimizer="sgd(lr=0.01)",
-                             synchronous=synchronous, runs_dir=sys.argv[1], run_name=run_name, store="off", quiet=True)
+                nbdist.train(
+                    build_model,
+                    loss=nn.CrossEntropyLoss(),
+                    comm=comm,
+                    workers=workers,
+                    epochs=1,
+                    batch_size=16,
+                    algorithm="downpour",
+                    master_optimizer="sgd(lr=0.01)",
+                    synchronous=synchronous,
+                    runs_dir=sys.argv[1],
+                    run_name=run_name,
+                    store="off",
+                    quiet=True,
+                )
                 if comm.Get_rank() == 0:
                     peaks[key] = peak_rss_mb()
                 comm.Free()

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from mpi4py import MPI
+from rank_main import run_or_abort
 from torch import nn
 
 import nbdist
@@ -30,7 +31,6 @@ from nbdist.cli import main as nbdist_main
 from nbdist.roles.pipeline import StageRunner, stage_layout
 from nbdist.transport.collectives import Collectives
 from nbdist.transport.pipeline import StageLinks, StageParts
-from rank_main import run_or_abort
 
 SEED, ROWS, MICRO = 3, 10, 3  # 10 rows in 3 micro-batches: parts of 3, 4 and 3 rows
 DIGITS = str(Path(__file__).resolve().parents[2] / "examples" / "digits_pipeline.py")
@@ -38,7 +38,13 @@ DIGITS = str(Path(__file__).resolve().parents[2] / "examples" / "digits_pipeline
 FEW_STEPS = {"epochs": 2, "batch_size": 64}
 REPLICAS = ["--model", DIGITS, "--topology", "allreduce", "--procs-per-worker", "2", "--worker-parallel", "pipeline"]
 REPLICA_RUNS = {
-    "replicas-few-steps": [*REPLICAS, "--epochs", str(FEW_STEPS["epochs"]), "--batch-size", str(FEW_STEPS["batch_size"])],
+    "replicas-few-steps": [
+        *REPLICAS,
+        "--epochs",
+        str(FEW_STEPS["epochs"]),
+        "--batch-size",
+        str(FEW_STEPS["batch_size"]),
+    ],
     "replicas-learn": [*REPLICAS, "--epochs", "12", "--pipeline-schedule", "gpipe"],
     # Each stage's reducer through top-k (with error feedback).
     "replicas-topk": [*REPLICAS, "--epochs", "12", "--pipeline-schedule", "gpipe", "--compression", "topk(0.1)"],
@@ -53,7 +59,7 @@ def build_stages(count: int) -> list[nn.Module]:
     torch.manual_seed(SEED)
     blocks = [nn.Sequential(nn.Linear(a, b), nn.Tanh()) for a, b in LAYERS[:-1]] + [nn.Linear(*LAYERS[-1])]
     per = len(blocks) // count
-    return [nn.Sequential(*blocks[i * per:(i + 1) * per]) for i in range(count)]
+    return [nn.Sequential(*blocks[i * per : (i + 1) * per]) for i in range(count)]
 
 
 def batch() -> tuple[np.ndarray, np.ndarray]:
@@ -77,9 +83,16 @@ def whole_gradient(comm, schedule: str) -> np.ndarray | None:
 
 def train_runs(out: Path, world, pair) -> None:
     runs = out / "runs"
-    every = {name: [*argv, "--runs-dir", str(runs), "--run-name", name, "--quiet"] for name, argv in REPLICA_RUNS.items()}
-    every["replicas-resumed (resume)"] = ["--resume", str(runs / "replicas-resumed"), "--epochs",
-                                          str(FEW_STEPS["epochs"]), "--quiet"]
+    every = {
+        name: [*argv, "--runs-dir", str(runs), "--run-name", name, "--quiet"] for name, argv in REPLICA_RUNS.items()
+    }
+    every["replicas-resumed (resume)"] = [
+        "--resume",
+        str(runs / "replicas-resumed"),
+        "--epochs",
+        str(FEW_STEPS["epochs"]),
+        "--quiet",
+    ]
     for name, argv in every.items():
         rc = nbdist_main(["train", *argv])
         if world.Get_rank() == 0:

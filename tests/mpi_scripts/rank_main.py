@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 import traceback
-from typing import Callable
+from collections.abc import Callable
 
 from mpi4py import MPI
 

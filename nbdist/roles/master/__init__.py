@@ -74,7 +74,21 @@ from nbdist.roles.master.replies import settle_centre
 from nbdist.roles.master.run import open_master, run_master, serve, serve_and_settle, share_initial_weights
 from nbdist.roles.master.state import Master
 
-__all__ = ["Master", "Client", "run_master", "worker_clients", "share_initial_weights", "open_master", "serve",
-           "serve_and_settle",
-           "settle_centre", "average_state", "open_tallies", "restore_tallies", "commit_ready_checkpoints",
-           "finish_checkpoints", "WORKER", "SUB_MASTER"]
+__all__ = [
+    "Master",
+    "Client",
+    "run_master",
+    "worker_clients",
+    "share_initial_weights",
+    "open_master",
+    "serve",
+    "serve_and_settle",
+    "settle_centre",
+    "average_state",
+    "open_tallies",
+    "restore_tallies",
+    "commit_ready_checkpoints",
+    "finish_checkpoints",
+    "WORKER",
+    "SUB_MASTER",
+]

@@ -55,8 +55,18 @@ def apply_updates(me: Master, updates: list[tuple[int, Update]]) -> list[tuple[i
             me.updates.add(client.world_rank, u.staleness, me.version)
             if ctx.options.trace_updates:
                 who = {"worker": client.index} if client.kind == WORKER else {"sub_master": client.index}
-                ctx.log.emit("update", {**who, "source_rank": client.world_rank, "staleness": u.staleness,
-                                        "version": me.version, "traced": True}, step=me.version, epoch=epoch)
+                ctx.log.emit(
+                    "update",
+                    {
+                        **who,
+                        "source_rank": client.world_rank,
+                        "staleness": u.staleness,
+                        "version": me.version,
+                        "traced": True,
+                    },
+                    step=me.version,
+                    epoch=epoch,
+                )
     return replies
 
 
@@ -68,8 +78,9 @@ def _apply_rule(me: Master, updates: list[tuple[int, Update]]) -> list[tuple[int
         payloads = ctx.algorithm.master_apply(me.rule_state, me.center, [u for _, u in updates], me.opt)
         return [(i, payload) for (i, _), payload in zip(updates, payloads)]
     stream = round_updates(me, updates)
-    payload = ctx.algorithm.master_round(me.rule_state, me.center, stream, [u.samples for _, u in updates],
-                                         me.opt, me.round_buffer)
+    payload = ctx.algorithm.master_round(
+        me.rule_state, me.center, stream, [u.samples for _, u in updates], me.opt, me.round_buffer
+    )
     if next(stream, None) is not None:
         raise TrainingError(f"internal: {ctx.algorithm.name}'s master_round left updates of the round undrawn")
     return [(i, payload) for i, _ in updates]

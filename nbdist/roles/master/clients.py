@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -51,10 +52,15 @@ def worker_clients(ctx: RankContext) -> list[Client]:
     block = ctx.comms.block
     ranks = _leader_world_ranks(ctx, block.Get_size() - 1)
     # Decoding keeps no state: the workers share one codec.
-    codec = (make_codec(ctx.compression, ctx.backend.num_params, ctx.backend.param_blocks())
-             if ctx.compression is not None else None)
-    return [Client(block, i + 1, WORKER, rank, silence=Silence(ctx.options.peer_timeout), codec=codec)
-            for i, rank in enumerate(ranks)]
+    codec = (
+        make_codec(ctx.compression, ctx.backend.num_params, ctx.backend.param_blocks())
+        if ctx.compression is not None
+        else None
+    )
+    return [
+        Client(block, i + 1, WORKER, rank, silence=Silence(ctx.options.peer_timeout), codec=codec)
+        for i, rank in enumerate(ranks)
+    ]
 
 
 def _leader_world_ranks(ctx: RankContext, workers: int) -> list[int]:

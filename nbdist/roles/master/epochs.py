@@ -18,9 +18,18 @@ from nbdist.transport import messages as m
 if TYPE_CHECKING:
     from nbdist.roles.master.state import Master
 
-__all__ = ["tally_message", "note_checkpoint_ack", "open_tallies", "restore_tallies", "collect_validation",
-           "validate_by_samples", "finish_epoch", "average_state", "commit_ready_checkpoints",
-           "finish_checkpoints"]
+__all__ = [
+    "tally_message",
+    "note_checkpoint_ack",
+    "open_tallies",
+    "restore_tallies",
+    "collect_validation",
+    "validate_by_samples",
+    "finish_epoch",
+    "average_state",
+    "commit_ready_checkpoints",
+    "finish_checkpoints",
+]
 
 
 def tally_message(me: Master, i: int, msg: m.Message) -> None:

@@ -5,7 +5,8 @@ apply, a reply to give at once, or a client that leaves."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from nbdist.algorithms.base import Update
 from nbdist.errors import TrainingError
@@ -63,8 +64,11 @@ def _check_silence(me: Master) -> None:
     for i in sorted(me.active):
         silence = me.clients[i].silence
         if me.channel.listening(i) and silence.exceeded:
-            me.lose(i, f"sent nothing for {silence.silent_for():.0f} s (the peer timeout is {silence.limit:.0f} s)",
-                    gone=False)
+            me.lose(
+                i,
+                f"sent nothing for {silence.silent_for():.0f} s (the peer timeout is {silence.limit:.0f} s)",
+                gone=False,
+            )
 
 
 def read_messages(me: Master, ready: list[int]) -> list[tuple[int, Update]]:
@@ -225,8 +229,11 @@ def _body_arrived(me: Master, i: int, receiving: Transfer) -> bool:
         me.pool.write_off(client.body)  # still posted: MPI may yet write into it
         client.body = None
         if i in me.active:
-            me.lose(i, f"sent a header but not its update within {client.silence.limit:.0f} s (the peer timeout)",
-                    gone=False)
+            me.lose(
+                i,
+                f"sent a header but not its update within {client.silence.limit:.0f} s (the peer timeout)",
+                gone=False,
+            )
     return False
 
 

@@ -51,7 +51,7 @@ def reply(me: Master, i: int, kind: float, payload: np.ndarray, *, label: str = 
     header[m.CHECKPOINT] = m.label_code(label or me.stop_label) if kind in (m.STOP, m.SNAPSHOT) else m.NO_CHECKPOINT
     epoch = int(client.inbox.header[m.EPOCH]) + (1 if client.inbox.has(m.EPOCH_END) else 0)
     header[m.EPOCH] = epoch
-    header[m.HEADER_FLOATS // 2:] = 0.0
+    header[m.HEADER_FLOATS // 2 :] = 0.0
     if me.members.workers:
         for w in me.members.of(epoch, me.live_workers()):
             header[m.HEADER_FLOATS // 2 + w] = 1.0
@@ -59,8 +59,7 @@ def reply(me: Master, i: int, kind: float, payload: np.ndarray, *, label: str = 
     held = body if body is not None and np.may_share_memory(payload, body.buffer) else None
     if body is not None and held is None:
         me.pool.give_back(body)
-    me.replying[i] = _Reply(me.channel.reply(i, header, payload), reads_centre=_reads_centre(me, payload),
-                            body=held)
+    me.replying[i] = _Reply(me.channel.reply(i, header, payload), reads_centre=_reads_centre(me, payload), body=held)
     client.silence.restart()  # its next message comes after its next steps, from now
     if repost:
         me.channel.post(i)
@@ -72,7 +71,8 @@ def _reads_centre(me: Master, payload: np.ndarray) -> bool:
     """Whether a reply reads what the next round or update overwrites: the centre, or the
     round buffer (EASGD's synchronous reply, the centre before the round)."""
     return np.may_share_memory(payload, me.center) or (
-        me.round_buffer is not None and np.may_share_memory(payload, me.round_buffer))
+        me.round_buffer is not None and np.may_share_memory(payload, me.round_buffer)
+    )
 
 
 def settle_centre(me: Master) -> None:

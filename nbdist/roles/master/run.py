@@ -66,9 +66,12 @@ def run_master(ctx: RankContext) -> RunResult:
     else:
         share_initial_weights(ctx)
     if ctx.options.validate_every_samples:
-        me.sampled = SampledValidation(ctx.options.validate_every_samples, me.samples_seen,
-                                       BackgroundValidator(ctx.make_replica, *ctx.data.val_arrays()),
-                                       ctx.backend.metric_name)
+        me.sampled = SampledValidation(
+            ctx.options.validate_every_samples,
+            me.samples_seen,
+            BackgroundValidator(ctx.make_replica, *ctx.data.val_arrays()),
+            ctx.backend.metric_name,
+        )
     started = serve_and_settle(me)
 
     collect_validation(me, block=True)
@@ -100,9 +103,13 @@ def _losses(me: Master) -> dict[str, Any]:
     """What the run lost to dropped workers, for its last record and its summary."""
     if not me.dropped:
         return {}
-    return {"dropped": [{"rank": me.clients[i].world_rank, "worker": me.clients[i].index, "cause": cause}
-                        for i, cause in sorted(me.dropped.items())],
-            "samples_lost": int(sum(h.get("samples_lost", 0) for h in me.history))}
+    return {
+        "dropped": [
+            {"rank": me.clients[i].world_rank, "worker": me.clients[i].index, "cause": cause}
+            for i, cause in sorted(me.dropped.items())
+        ],
+        "samples_lost": int(sum(h.get("samples_lost", 0) for h in me.history)),
+    }
 
 
 def _remove_dropped(me: Master) -> None:

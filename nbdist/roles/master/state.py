@@ -117,8 +117,9 @@ class Master:
         return (workers | others) - gone
 
     def live_workers(self) -> set[int]:
-        return {i for i, c in enumerate(self.clients) if c.kind == WORKER and i not in self.dropped
-                and i not in self.failed}
+        return {
+            i for i, c in enumerate(self.clients) if c.kind == WORKER and i not in self.dropped and i not in self.failed
+        }
 
     def before_replies(self, applied: int, finished: list) -> None:
         """Between applying a round's updates and answering them (a sub-master talks to
@@ -168,8 +169,14 @@ class Master:
         that validation is in (flush_saves): the workers are served meanwhile, instead of
         all waiting on the master's validation at every checkpointed epoch."""
         average_state(self)
-        now = {"version": self.version, "next_epoch": self.next_epoch, "samples_seen": self.samples_seen,
-               "members": self.members.to_json(), "lr": self.lr.to_json(), **open_tallies(self, label)}
+        now = {
+            "version": self.version,
+            "next_epoch": self.next_epoch,
+            "samples_seen": self.samples_seen,
+            "members": self.members.to_json(),
+            "lr": self.lr.to_json(),
+            **open_tallies(self, label),
+        }
         self.unwritten.append((label, rank_state_arrays(self.ctx, self.opt, self.rule_state), now))
         self.flush_saves()
 
@@ -186,9 +193,15 @@ class Master:
     def commit(self, label: str) -> None:
         """Every client and this rank wrote `label`: make it the run's latest checkpoint."""
         ctx = self.ctx
-        meta = {"label": label, "layout": ctx.layout.to_dict(), "options": ctx.options.to_dict(),
-                "version": self.version, "finished": sorted(self.clients[i].world_rank for i in self.finished),
-                "world_ranks": ctx.world_ranks, "time": time.time()}
+        meta = {
+            "label": label,
+            "layout": ctx.layout.to_dict(),
+            "options": ctx.options.to_dict(),
+            "version": self.version,
+            "finished": sorted(self.clients[i].world_rank for i in self.finished),
+            "world_ranks": ctx.world_ranks,
+            "time": time.time(),
+        }
         self.writer.submit(lambda: ctx.checkpoints.commit(label, meta))
 
     def lose(self, i: int, cause: str, gone: bool) -> None:
@@ -200,8 +213,11 @@ class Master:
         if ctx.options.synchronous or client.kind != WORKER:
             if not gone and info is not None:
                 gone = kill_frozen(info)  # the survivors can restart without it only once it is gone
-            why = ("a synchronous round needs every worker" if client.kind == WORKER
-                   else "its workers' updates can no longer reach the centre")
+            why = (
+                "a synchronous round needs every worker"
+                if client.kind == WORKER
+                else "its workers' updates can no longer reach the centre"
+            )
             failure = RankLost if cause == "died" else RankSilent
             raise failure(f"{what}: the run cannot go on ({why})", ranks=[client.world_rank], restartable=gone)
         # A frozen worker is left as it is: if it wakes up, its next update is answered
@@ -213,10 +229,23 @@ class Master:
             self.channel.forget(i)
         left = len(self.live_workers())
         if left == 0:
-            raise RankLost(f"{what}, and it was the last worker: the run cannot go on",
-                           ranks=[client.world_rank], restartable=gone)
-        ctx.log.emit("fault", {"rank": client.world_rank, "role": client.kind, "worker": client.index,
-                               "cause": cause, "workers_left": left, "host": info.host if info else ""},
-                     step=self.version, epoch=self.next_epoch)
-        ctx.warn(f"nbdist: {what}; the run goes on with {left} worker{'s' if left != 1 else ''}, "
-                 f"which share its data from the next epoch")
+            raise RankLost(
+                f"{what}, and it was the last worker: the run cannot go on", ranks=[client.world_rank], restartable=gone
+            )
+        ctx.log.emit(
+            "fault",
+            {
+                "rank": client.world_rank,
+                "role": client.kind,
+                "worker": client.index,
+                "cause": cause,
+                "workers_left": left,
+                "host": info.host if info else "",
+            },
+            step=self.version,
+            epoch=self.next_epoch,
+        )
+        ctx.warn(
+            f"nbdist: {what}; the run goes on with {left} worker{'s' if left != 1 else ''}, "
+            f"which share its data from the next epoch"
+        )
