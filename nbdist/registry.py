@@ -65,10 +65,19 @@ class Registry(Generic[T]):
     which are neither user parameters nor listed in the help.
     """
 
+    _every: list[Registry[Any]] = []
+
     def __init__(self, kind: str, *, skip: int = 0) -> None:
         self.kind = kind
         self._skip = skip
         self._entries: dict[str, type[T]] = {}
+        Registry._every.append(self)
+
+    @classmethod
+    def every(cls) -> list[Registry[Any]]:
+        """Every registry made so far (of the modules imported): what the docs reference
+        and the contract tests walk over."""
+        return list(cls._every)
 
     # -- registering ---------------------------------------------------------------------
     def register(self, cls: type[T]) -> type[T]:

@@ -85,3 +85,8 @@ def test_a_name_is_registered_once_and_an_entry_can_be_removed():
         toys.register(type("Nameless", (), {}))
     toys.unregister("plain")
     assert "plain" not in toys and len(toys) == 1
+
+
+def test_every_registry_made_is_listed_for_the_docs_and_the_contract_tests():
+    toys = _toys()
+    assert any(registry is toys for registry in Registry.every())
