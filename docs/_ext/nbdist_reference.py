@@ -95,7 +95,9 @@ def options_page() -> str:
         for f in option_fields(config):
             kind, optional = field_kind(f)
             choices = f.metadata.get("choices")
-            helptext = text(f.metadata["help"]) + (f" Choices: {', '.join(map(code, choices))}." if choices else "")
+            helptext = text(f.metadata["help"])
+            if choices:
+                helptext = f"{helptext.rstrip('.')}. Choices: {', '.join(map(code, choices))}."
             default = "none" if f.default is None else code(f.default)
             kind_name = kind.__name__ + (" or None" if optional else "")
             out.append([code(flag(f.name)), code(f.name), kind_name, default, helptext])
@@ -167,7 +169,7 @@ def _argument_rows(parser: argparse.ArgumentParser, where: str, skip: set[str]) 
         names = ", ".join(action.option_strings) or (action.metavar or action.dest)
         helptext = (action.help or "") % {"default": action.default, "prog": parser.prog}
         if action.choices and not isinstance(action, argparse._SubParsersAction):
-            helptext += f" Choices: {', '.join(map(str, action.choices))}."
+            helptext = f"{helptext.rstrip('.')}. Choices: {', '.join(map(str, action.choices))}."
         default = action.default
         shown = "" if default in (None, False, argparse.SUPPRESS) or action.required else code(default)
         rows.append([code(names), shown, text(helptext)])
