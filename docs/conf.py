@@ -35,6 +35,8 @@ extensions = [
 exclude_patterns = ["_build", "Thumbs.db", ".DS_Store"]
 # Single backticks in docstrings (reStructuredText) read as code, as they do in Markdown.
 default_role = "code"
+# Command lines stay as typed: "--epochs" keeps its two hyphens instead of becoming a dash.
+smartquotes = False
 
 # -- MyST and the notebooks -----------------------------------------------------------------
 myst_enable_extensions = ["colon_fence", "deflist", "dollarmath"]

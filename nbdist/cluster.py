@@ -149,12 +149,13 @@ class Cluster:
             when the engines do not come up, with the reason.
 
     Example:
-        In a notebook (the `notebook` extra installed)::
+        In a notebook or a script (the `notebook` extra installed)::
 
             import nbdist
-            from torch import nn
 
-            def build_model():
+            def build_model():  # runs on every engine: what it needs, it imports there
+                from torch import nn
+
                 return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
 
             with nbdist.Cluster(n=2) as cluster:      # started here, stopped at the end

@@ -186,10 +186,17 @@ class Study:
             (`ClusterError`).
 
     Example:
-        In a notebook, with a started cluster of 4 engines (see `nbdist.Cluster`)::
+        In a notebook, with a started cluster of 2 engines (see `nbdist.Cluster`)::
 
-            study = nbdist.study(build_model, cluster=cluster, space="lr=log(1e-3,0.3)",
-                                 trials=8, groups=2, workers=1, topology="allreduce")
+            def build_model(params):  # runs on every engine
+                from torch import nn
+
+                return nn.Sequential(nn.Linear(64, params["hidden"]), nn.ReLU(),
+                                     nn.Linear(params["hidden"], 10))
+
+            study = nbdist.study(build_model, cluster=cluster, trials=4, groups=2,
+                                 space="lr=log(1e-3,0.3) hidden=int(16,128)",
+                                 topology="allreduce", workers=1, epochs=2)
             study.trials             # finished trials so far, live
             study.wait()
             study.best_params, study.best_fom

@@ -88,8 +88,9 @@ def test_every_registry_of_nbdist_is_listed():
             assert registry.describe(name).split("(")[0] in page
 
 
-def test_markdown_in_help_text_is_escaped():
+def test_markdown_in_help_text_is_escaped_and_flags_and_quoted_code_are_code():
     assert reference.text("a | b *c* <d>") == r"a \| b \*c\* \<d\>"
+    assert reference.text("with --topology allreduce, `x_y`") == "with `--topology` allreduce, `x_y`"
 
 
 def test_a_page_that_loads_from_another_host_is_found():

@@ -45,6 +45,7 @@ class MissingHelp(Exception):
 
 # -- Markdown helpers ---------------------------------------------------------------------
 _MARKDOWN_SPECIAL = re.compile(r"([\\`*_\[\]<>|#])")
+_FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)")
 
 
 def text(value: object) -> str:
@@ -53,7 +54,13 @@ def text(value: object) -> str:
     parts = " ".join(str(value).split()).split("`")
     if len(parts) % 2 == 0:  # an odd backtick: no code spans
         parts = ["`".join(parts)]
-    return "".join(code(part) if i % 2 else _MARKDOWN_SPECIAL.sub(r"\\\1", part) for i, part in enumerate(parts))
+    return "".join(code(part) if i % 2 else _plain(part) for i, part in enumerate(parts))
+
+
+def _plain(part: str) -> str:
+    """Markdown's own characters escaped; a flag (`--epochs`) set as code."""
+    pieces = _FLAG.split(part)
+    return "".join(code(p) if i % 2 else _MARKDOWN_SPECIAL.sub(r"\\\1", p) for i, p in enumerate(pieces))
 
 
 def code(value: object) -> str:
@@ -100,10 +107,10 @@ def options_page() -> str:
                 helptext = f"{helptext.rstrip('.')}. Choices: {', '.join(map(code, choices))}."
             default = "none" if f.default is None else code(f.default)
             kind_name = kind.__name__ + (" or None" if optional else "")
-            out.append([code(flag(f.name)), code(f.name), kind_name, default, helptext])
+            out.append([code(flag(f.name)), kind_name, default, helptext])
         return out
 
-    header = ["flag", "keyword", "type", "default", "what it does"]
+    header = ["option", "type", "default", "what it does"]
     lines = [
         "# Options",
         "",
