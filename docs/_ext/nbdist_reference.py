@@ -45,7 +45,7 @@ class MissingHelp(Exception):
 
 # -- Markdown helpers ---------------------------------------------------------------------
 _MARKDOWN_SPECIAL = re.compile(r"([\\`*_\[\]<>|#])")
-_FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)")
+_FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*(?:=[^\s),;]+)?)")
 
 
 def text(value: object) -> str:
