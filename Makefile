@@ -1,11 +1,19 @@
 # The three commands: `make demo`, `make test` and `make lab`. Each creates .venv when it is missing.
+# For the edit-test loop: `make check` (lint, types and the tests that need no server or
+# cluster: a few minutes), `make lint`, `make docs`.
 PYTHON ?= python3
-VENV   := .venv
+VENV   ?= .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed
-EXTRAS := mpi,torch,tensorflow,notebook,dashboard,hpo,hep,postgresql,test
+STAMP  ?= $(VENV)/.installed
+EXTRAS := mpi,torch,tensorflow,notebook,dashboard,hpo,hep,postgresql,test,lint,docs
+# What `make check` leaves to `make test`: the tests that start MPI jobs or engines, a
+# SLURM, a PostgreSQL server or a browser, and the slow ones (markers in pyproject.toml).
+FAST   := not mpi and not slurm and not postgres and not browser and not slow
+# Warnings are errors; -n (nitpicky) would also flag every type in a signature that
+# autodoc cannot link, which the API reference does not aim for.
+SPHINX := $(BIN)/sphinx-build -W --keep-going -q -b html
 
-.PHONY: demo test lab install clean bench
+.PHONY: demo test check lint docs lab install clean bench
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -21,8 +29,21 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m nbdist.demo
 
-test: $(STAMP)
+# The README's and CI's test command: lint and types, the docs site, every test.
+test: lint docs
 	$(BIN)/python -m pytest -q
+
+check: lint
+	$(BIN)/python -m pytest -q -m "$(FAST)"
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy nbdist
+
+# The docs site, offline, into docs/_build/html (open docs/_build/html/index.html).
+docs: $(STAMP)
+	$(SPHINX) docs docs/_build/html
 
 # JupyterLab on the tutorials, on loopback with Jupyter's token (it prints the URL).
 # Jupyter refuses root without --allow-root (containers, CI boxes run as root).
@@ -44,4 +65,4 @@ bench: $(STAMP)
 	$(BIN)/python bench/noise_scale.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache docs/_build

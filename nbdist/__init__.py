@@ -1,6 +1,7 @@
 """nbdist: distributed training and hyper-parameter optimisation on MPI, from Jupyter."""
 
 from nbdist import data, datasets  # nbdist.datasets.digits() after a plain `import nbdist`
+from nbdist.__about__ import __version__
 from nbdist.api import study, train
 from nbdist.cluster import Cluster
 from nbdist.layout import Layout
@@ -17,8 +18,8 @@ __all__ = [
     "data",
     "datasets",
     "load_ipython_extension",
+    "__version__",
 ]
-__version__ = "0.1.0"
 
 
 def load_ipython_extension(shell):  # noqa: ANN001 - IPython's hook: %load_ext nbdist

@@ -156,11 +156,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     layout = sub.add_parser("layout", help="print the rank layout as a tree")
     layout.add_argument("--workers", type=int, default=None, help="workers per master")
-    layout.add_argument("--masters", type=int, default=1)
-    layout.add_argument("--procs-per-worker", type=int, default=1)
-    layout.add_argument("--groups", type=int, default=1)
-    layout.add_argument("--folds", type=int, default=1)
-    layout.add_argument("--topology", default="master-worker", choices=("master-worker", "allreduce"))
+    layout.add_argument(
+        "--masters", type=int, default=1, help="masters; more than 1 puts sub-masters under a top master"
+    )
+    layout.add_argument("--procs-per-worker", type=int, default=1, help="MPI processes per worker")
+    layout.add_argument("--groups", type=int, default=1, help="a study's trials trained at once (N_G)")
+    layout.add_argument("--folds", type=int, default=1, help="a study's folds per trial (N_F)")
+    layout.add_argument(
+        "--topology",
+        default="master-worker",
+        choices=("master-worker", "allreduce"),
+        help="master-worker (parameter server) or allreduce",
+    )
     layout.add_argument("--coordinator", action="store_true", help="add a study coordinator rank")
     layout.add_argument("--ranks", type=int, default=None, help="infer --workers from a rank count")
     layout.add_argument("--json", action="store_true", help="print the layout as JSON")
@@ -171,21 +178,25 @@ def build_parser() -> argparse.ArgumentParser:
         "jet-images", help="boosted top or W jets against QCD jets, Pythia 8 + FastJet, as HDF5 files of eta-phi images"
     )
     jets.add_argument("--out", required=True, help="directory for train_NNN.h5 and val_NNN.h5")
-    jets.add_argument("--signal", default="top", choices=("top", "w"))
+    jets.add_argument(
+        "--signal", default="top", choices=("top", "w"), help="the signal jets: boosted top quarks or W bosons"
+    )
     jets.add_argument("--events", type=int, default=2000, help="jet images in all, half signal, half QCD")
     jets.add_argument("--files", type=int, default=4, help="training files (validation files in proportion)")
-    jets.add_argument("--val-fraction", type=float, default=0.2)
+    jets.add_argument("--val-fraction", type=float, default=0.2, help="share of the jets kept for validation")
     jets.add_argument("--pixels", type=int, default=32, help="image side in pixels")
     jets.add_argument("--radius", type=float, default=0.8, help="anti-kt jet radius R (the image spans 2R)")
     jets.add_argument("--pt-min", type=float, default=550.0, help="jet pT window, GeV")
-    jets.add_argument("--pt-max", type=float, default=650.0)
-    jets.add_argument("--eta-max", type=float, default=2.0)
+    jets.add_argument("--pt-max", type=float, default=650.0, help="upper end of the jet pT window, GeV")
+    jets.add_argument("--eta-max", type=float, default=2.0, help="largest jet |eta|")
     jets.add_argument(
         "--no-underlying-event",
         action="store_true",
         help="switch off multiple parton interactions (about twice as fast)",
     )
-    jets.add_argument("--seed", type=int, default=0)
+    jets.add_argument(
+        "--seed", type=int, default=0, help="seed of the sample (each file derives its own from it and its number)"
+    )
     jets.add_argument("--overwrite", action="store_true", help="replace other samples' files in --out")
     return parser
 

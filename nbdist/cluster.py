@@ -116,9 +116,53 @@ def interface_address(interface: str) -> str:
 class Cluster:
     """Start, use and stop ipyparallel MPI engines; also a context manager.
 
-    The controller listens on 127.0.0.1: engines on this host and the notebook reach it,
-    other hosts do not. For engines on several nodes, `interface="ib0"` (the address of
-    that interface) or `ip="10.1.2.3"` say where it listens and where engines connect."""
+    The engines are the ranks of one MPI job: `nbdist.train(..., cluster=...)`,
+    `nbdist.study(..., cluster=...)` and the `%%distnn` magics run on them. The controller
+    listens on 127.0.0.1: engines on this host and the notebook reach it, other hosts do
+    not. For engines on several nodes, `interface="ib0"` (the address of that interface)
+    or `ip="10.1.2.3"` say where it listens and where engines connect (then with
+    CurveZMQ encryption). A kernel that dies takes the controller and engines with it.
+
+    Args:
+        n: The number of engines, i.e. MPI ranks.
+        engines: `"mpi"` (the `mpiexec` beside this Python, or inside a SLURM allocation)
+            or `"slurm"` (the engines submitted as a SLURM job, `mpiexec` inside it).
+        mpiexec: The `mpiexec` to start the engines with (default: this environment's).
+        mpi_args: More `mpiexec` arguments, e.g. `["--hostfile", "hosts"]`.
+        start_timeout: Seconds to wait for every engine to register (a SLURM job's wait
+            in the queue included).
+        cluster_id: ipyparallel's id for the cluster, so that another notebook can
+            attach to it (`Cluster.attach(cluster_id)`).
+        profile: The IPython profile the cluster's files go to.
+        interface: The network interface the controller listens on, for engines on
+            other nodes (e.g. `"ib0"`).
+        ip: The address the controller listens on, instead of `interface`.
+        partition: With `engines="slurm"`: the partition (`sbatch --partition`).
+        time: With `engines="slurm"`: the time limit, e.g. `"01:00:00"`.
+        account: With `engines="slurm"`: the account to charge.
+        nodes: With `engines="slurm"`: the nodes the engines spread over.
+        **ipp_options: Passed on to `ipyparallel.Cluster`.
+
+    Raises:
+        ClusterError: A bad argument (no engines, an unknown launcher, SLURM settings
+            without `engines="slurm"`, both `interface` and `ip`); `start()` raises it too
+            when the engines do not come up, with the reason.
+
+    Example:
+        In a notebook or a script (the `notebook` extra installed)::
+
+            import nbdist
+
+            def build_model():  # runs on every engine: what it needs, it imports there
+                from torch import nn
+
+                return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+
+            with nbdist.Cluster(n=2) as cluster:      # started here, stopped at the end
+                print(cluster.status())
+                job = nbdist.train(build_model, cluster=cluster, topology="allreduce", epochs=2)
+                print(job.wait().result.final)
+    """
 
     def __init__(
         self,
@@ -181,7 +225,16 @@ class Cluster:
         return self.client is not None
 
     def start(self) -> Cluster:
-        """Start the cluster; on a running one with dead engines, replace them (heal)."""
+        """Start the controller and the engines and wait until every engine has registered;
+        on a running cluster with dead engines, replace them (heal).
+
+        Returns:
+            The cluster itself, started.
+
+        Raises:
+            ClusterError: ipyparallel or mpi4py is missing, or the engines did not come up
+                within `start_timeout` (SLURM's refusal or the engines' output says why).
+        """
         global _current
         if self.running:
             if self.broken():

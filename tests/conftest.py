@@ -18,6 +18,25 @@ from nbdist.launch import mpi_env, mpiexec_command
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# The markers a test gets from the fixtures it uses (directly or through other fixtures),
+# so that a new test is marked without anyone thinking of it: `make check` leaves out
+# whatever these mark (pyproject.toml lists the markers).
+FIXTURE_MARKS = {
+    "mpirun": ("mpi",),
+    "jet_sample": ("mpi", "slow"),
+    "slurm": ("slurm",),
+    "postgres": ("postgres",),
+    "browser": ("browser",),
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for name in getattr(item, "fixturenames", ()):
+            for mark in FIXTURE_MARKS.get(name, ()):
+                item.add_marker(mark)
+
 
 @dataclass
 class Completed:

@@ -1,6 +1,6 @@
-"""The package layout keeps its arrows one way (ARCHITECTURE.md, section 3): no package
-imports another that imports it back, not even lazily inside a function, and the update
-rules import neither MPI nor a framework."""
+"""The package layout keeps its arrows one way (docs/explanation/architecture.md,
+section 3): no package imports another that imports it back, not even lazily inside a
+function, and the update rules import neither MPI nor a framework."""
 
 from __future__ import annotations
 

@@ -43,9 +43,38 @@ class SearcherError(UserError, ValueError):
 
 
 class Searcher(ABC):
-    """Subclasses give `name`, `_propose(n)` and, when they keep more than the history,
-    `_extra_state()` / `_load_extra_state()`; the base class keeps the history: the points
-    asked and not yet told (`pending`), and those told with their figure of merit (`told`)."""
+    """What proposes a study's parameters: ask for points, tell their figures of merit.
+
+    Every searcher (`bayes`, `evolution`, `random`, `grid`) has the same ask/tell
+    interface; points are dicts of plain Python values. A study's coordinator asks for
+    one point per free group of ranks and tells each trial's figure of merit as it
+    arrives, in any order. Subclasses give `name`, `_propose(n)` and, when they keep more
+    than the history, `_extra_state()` / `_load_extra_state()`; the base class keeps the
+    history: the points asked and not yet told (`pending`), and those told with their
+    figure of merit (`told`). `make_searcher` builds one from its name.
+
+    Args:
+        space: The search space: a string such as `"lr=log(1e-4,1e-1) hidden=int(16,256)"`,
+            scikit-optimize dimensions, or an `nbdist.hpo.Space`.
+        direction: `"minimize"` or `"maximize"` the figure of merit.
+        seed: The seed of every random choice: the same seed and the same results
+            give the same points.
+
+    Raises:
+        SearcherError: A bad direction or seed; `ask` and `tell` raise it for a bad count
+            or a point that was not asked.
+
+    Example:
+        >>> from nbdist.hpo import make_searcher
+        >>> searcher = make_searcher("random", "lr=log(1e-4,1e-1) hidden=int(16,256)", seed=0)
+        >>> points = searcher.ask(2)          # one per free group of ranks
+        >>> sorted(points[0])
+        ['hidden', 'lr']
+        >>> searcher.tell(points[1], 0.31)    # in any order, as trials finish
+        >>> searcher.tell(points[0], None)    # a failed trial
+        >>> [fom for _, fom in searcher.told]
+        [0.31, None]
+    """
 
     name: ClassVar[str]
 
@@ -63,6 +92,14 @@ class Searcher(ABC):
 
     # -- what the runner calls --------------------------------------------------------
     def ask(self, n: int = 1) -> list[dict]:
+        """Propose `n` points to train next (they stay `pending` until told).
+
+        Args:
+            n: How many points: one per free group of ranks.
+
+        Returns:
+            `n` dicts of parameter name to a plain Python value, inside the space.
+        """
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
             raise SearcherError(f"ask(n) needs a positive integer n, got {n!r}")
         points = [self.space.coerce(p) for p in self._propose(int(n))]

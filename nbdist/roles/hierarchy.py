@@ -30,7 +30,7 @@ is bound to every worker of the run (train/context.py), so each master's step is
 workers' share of one elastic round, and the sum is exactly one master serving them all.
 
 Message, as a worker's: [header | delta | model state] (the state is the mean of its
-workers'), VERSION = the top version of the last pull. Its header forwards
+workers'), VERSION = the top version of the last pull. Its header forwards::
 
   EPOCH_END    with the epoch's train sums of its workers (other pushes carry 0 samples),
                so the top master's epoch ends when its workers and every sub-master ended it;

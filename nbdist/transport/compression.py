@@ -47,7 +47,31 @@ Block = tuple[int, int, tuple[int, ...]]
 
 
 class Codec(ABC):
-    """Encodes float32 vectors of length `n` into `wire_size` float32 words."""
+    """Encodes float32 vectors of length `n` into `wire_size` float32 words, and back.
+
+    What `--compression` names: `fp16`, `bf16`, `topk(RATIO)`, `powersgd(RANK)`. The wire
+    has a fixed size, so that every message stays a plain MPI buffer. A codec whose
+    `feedback` is set drops part of each vector; `Compressor` keeps what it dropped and
+    adds it to the next one (error feedback). Codecs with a state (PowerSGD's warm start)
+    checkpoint it through `state_arrays` / `load_state_arrays`.
+
+    Args:
+        n: The length of the vectors it encodes (a model's flat gradient, or a bucket).
+
+    Example:
+        Top-k keeps the k entries largest in magnitude, as k values and k indices:
+
+        >>> import numpy as np
+        >>> from nbdist.transport.compression import TopK
+        >>> codec = TopK(8, ratio=0.25)
+        >>> x = np.array([0.1, -3.0, 0.2, 0.0, 2.0, 0.1, 0.0, 0.3], np.float32)
+        >>> wire = np.empty(codec.wire_size, np.float32)
+        >>> codec.encode(x, wire)
+        >>> out = np.empty(8, np.float32)
+        >>> codec.decode(wire, out)
+        >>> codec.wire_size, out
+        (4, array([ 0., -3.,  0.,  0.,  2.,  0.,  0.,  0.], dtype=float32))
+    """
 
     # Whether what the codec drops is worth carrying to the next step (error feedback).
     feedback: ClassVar[bool] = False
@@ -57,10 +81,12 @@ class Codec(ABC):
 
     @property
     @abstractmethod
-    def wire_size(self) -> int: ...
+    def wire_size(self) -> int:
+        """The number of float32 words an encoded vector takes."""
 
     @abstractmethod
-    def encode(self, x: np.ndarray, wire: np.ndarray) -> None: ...
+    def encode(self, x: np.ndarray, wire: np.ndarray) -> None:
+        """wire[:] = `x` (float32, length `n`) encoded; `wire` has `wire_size` words."""
 
     @abstractmethod
     def decode(self, wire: np.ndarray, out: np.ndarray) -> None:

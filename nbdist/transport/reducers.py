@@ -45,7 +45,32 @@ WHAT = "the gradient allreduce"
 
 class Reducer(ABC):
     """Sums a flat gradient (the backend's `rule_grads`) over the ranks of a communicator,
-    bucket by bucket from inside backward."""
+    bucket by bucket from inside backward.
+
+    What `--allreduce-backend` chooses (`make_reducer`): `MpiReducer` (MPI's
+    `Iallreduce`, with `--compression` through a codec) or `TorchReducer` (a
+    torch.distributed NCCL or gloo group made from the MPI ranks). The backend calls
+    `start(index)` as each bucket becomes final during backward; the role calls
+    `finish(trailer)` once per step. Every rank ends the step with the same sums, so the
+    replicas stay bit-identical.
+
+    Example:
+        On one rank (`MPI.COMM_SELF`) the sum is the gradient itself; under
+        `mpiexec -n N` the same code sums over N ranks:
+
+        >>> import numpy as np, torch
+        >>> from mpi4py import MPI
+        >>> from nbdist.backends.torch import TorchBackend
+        >>> from nbdist.transport.reducers import MpiReducer
+        >>> backend = TorchBackend(torch.nn.Linear(4, 2))
+        >>> reducer = MpiReducer(MPI.COMM_SELF, backend, bucket_floats=2**20)
+        >>> x, y = np.ones((3, 4), np.float32), np.array([0, 1, 0])
+        >>> stats = backend.compute_gradients(x, y)   # backward starts the buckets
+        >>> trailer = np.array([3.0], np.float32)     # e.g. the step's samples
+        >>> reducer.finish(trailer)                   # waits for the sums
+        >>> reducer.buckets, trailer
+        ([(0, 10)], array([3.], dtype=float32))
+    """
 
     way: str  # how the buckets travel, for benchmarks and messages
     bytes_sent: int  # the gradient bytes this rank handed over to be reduced, over the run
