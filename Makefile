@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 EXTRAS := mpi,torch,tensorflow,notebook,dashboard,hpo,hep,postgresql,test
 
-.PHONY: demo test lab install clean bench
+.PHONY: demo test lab install clean bench device-wheels
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -43,5 +43,15 @@ bench: $(STAMP)
 	$(BIN)/python bench/convergence.py --quick
 	$(BIN)/python bench/noise_scale.py
 
+# What bench/device_check.sh installs on a GPU node that has no network (requirements/device.txt).
+DEVICE_WHEELS := .device-wheels
+device-wheels: $(STAMP)
+	rm -rf $(DEVICE_WHEELS) && mkdir -p $(DEVICE_WHEELS)
+	$(BIN)/python -m pip wheel --quiet --no-deps --no-build-isolation -w $(DEVICE_WHEELS) .
+	$(BIN)/python -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d $(DEVICE_WHEELS) -r requirements/device.txt
+	@ls $(DEVICE_WHEELS)
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache $(DEVICE_WHEELS)
