@@ -41,7 +41,11 @@ class Check:
     root: Path
     out: Path
     scratch: Path
+    quick: bool = False  # fewer epochs and rounds: the test command's dry run
     results: list[dict] = field(default_factory=list)
+
+    def epochs(self, full: int) -> str:
+        return str(max(2, full // 2) if self.quick else full)
 
     @property
     def dry_run(self) -> bool:
@@ -177,17 +181,17 @@ def gpu_tests(check: Check, timeout: float) -> dict:
 
 
 def single_rank(check: Check, timeout: float) -> dict:
-    return check.learned("one-rank", 1, timeout, "--topology", "allreduce", "--epochs", "4")
+    return check.learned("one-rank", 1, timeout, "--topology", "allreduce", "--epochs", check.epochs(4))
 
 
 def master_with_device_workers(check: Check, timeout: float) -> dict:
     # The master keeps the centre on the host; the two workers' models are on the device
     # (sharing the one GPU): every message and reply goes through the staging.
-    return check.learned("master-2-workers", 3, timeout, "--topology", "master-worker", "--epochs", "4")
+    return check.learned("master-2-workers", 3, timeout, "--topology", "master-worker", "--epochs", check.epochs(4))
 
 
 def allreduce_through_mpi(check: Check, timeout: float) -> dict:
-    options = ("--topology", "allreduce", "--allreduce-backend", "mpi", "--epochs", "4")
+    options = ("--topology", "allreduce", "--allreduce-backend", "mpi", "--epochs", check.epochs(4))
     return check.learned("allreduce-mpi", 2, timeout, *options)
 
 
@@ -196,23 +200,25 @@ def allreduce_nccl(check: Check, timeout: float) -> dict:
     # one-GPU node can check; the dry run takes gloo, torch.distributed's CPU backend.
     backend = "nccl" if check.device == "cuda" else "gloo"
     print(f"   --allreduce-backend {backend} on 1 rank (NCCL takes one rank per GPU)")
-    options = ("--topology", "allreduce", "--allreduce-backend", backend, "--epochs", "4")
+    options = ("--topology", "allreduce", "--allreduce-backend", backend, "--epochs", check.epochs(4))
     return {"backend": backend, **check.learned(f"allreduce-{backend}", 1, timeout, *options)}
 
 
 def sync_batchnorm(check: Check, timeout: float) -> dict:
-    options = ("--topology", "allreduce", "--sync-batchnorm", "--epochs", "4")
+    options = ("--topology", "allreduce", "--sync-batchnorm", "--epochs", check.epochs(4))
     return check.learned("sync-batchnorm", 2, timeout, *options)
 
 
 def pipeline(check: Check, timeout: float) -> dict:
-    options = ("--topology", "allreduce", "--worker-parallel", "pipeline", "--procs-per-worker", "2", "--epochs", "6")
+    options = ("--topology", "allreduce", "--worker-parallel", "pipeline", "--procs-per-worker", "2")
+    options += ("--epochs", check.epochs(6))
     return check.learned("pipeline", 2, timeout, *options, model="digits_pipeline.py")
 
 
 def precisions(check: Check, timeout: float) -> dict:
-    each = timeout / 3
-    figures = {p: check.train(f"precision-{p}", 1, each, "--precision", p, "--epochs", "4") for p in PRECISIONS}
+    each = timeout / len(PRECISIONS)
+    options = ("--topology", "allreduce", "--epochs", check.epochs(4))
+    figures = {p: check.train(f"precision-{p}", 1, each, *options, "--precision", p) for p in PRECISIONS}
     gap = figures["fp32"]["val_acc"] - figures["bf16"]["val_acc"]
     figures["bf16_points_below_fp32"] = round(100 * gap, 2)
     if gap > BF16_POINTS:
@@ -231,9 +237,13 @@ def overhead(check: Check, timeout: float) -> dict:
     PyTorch loop on the same device (aim >= 0.95x)."""
     figures = check.scratch / "overhead.json"
     argv = [sys.executable, str(check.root / "bench" / "overhead.py"), "--quick", "--device", check.device]
-    argv += ["--rounds", "2", "--json", str(figures)]
-    check.command(argv, timeout)
-    return json.loads(figures.read_text())
+    argv += ["--rounds", "1", "--epochs", "4"] if check.quick else ["--rounds", "2"]
+    check.command([*argv, "--json", str(figures)], timeout)
+    result = json.loads(figures.read_text())
+    one_rank = result["ratios"]["nbdist allreduce (1 rank)"]
+    result["aim_one_rank_at_least_0.95x"] = one_rank >= 0.95
+    print(f"   1 rank --device {check.device} against plain PyTorch: {one_rank:.2f}x (aim >= 0.95x)")
+    return result
 
 
 def gpu_bench(check: Check, timeout: float) -> dict:
@@ -282,10 +292,11 @@ def main() -> int:
     p.add_argument("--root", type=Path, required=True, help="the nbdist checkout (tests, bench, examples)")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--only", help="comma-separated step numbers to run (1-based), e.g. 1,2")
+    p.add_argument("--quick", action="store_true", help="fewer epochs and rounds (the test command's dry run)")
     args = p.parse_args()
     chosen = {int(n) for n in args.only.split(",")} if args.only else set(range(1, len(STEPS) + 1))
     with tempfile.TemporaryDirectory(prefix="nbdist-device-check-") as scratch:
-        check = Check(args.device, args.root.resolve(), args.out.resolve(), Path(scratch))
+        check = Check(args.device, args.root.resolve(), args.out.resolve(), Path(scratch), quick=args.quick)
         for number, (name, seconds, body) in enumerate(STEPS, start=1):
             if number in chosen:
                 check.step(name, seconds, lambda timeout, body=body: body(check, timeout))

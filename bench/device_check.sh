@@ -11,6 +11,7 @@
 # suite's GPU tests, real runs on the GPU and bench/gpu.py, each step with its own
 # timeout, everything it prints and one JSON file of the figures into OUTDIR.
 #
+# --quick: fewer epochs and rounds (the test command's dry run uses it).
 # --cpu-dry-run: the same steps on the CPU (--device cpu: the GPU path's tensors and
 # staging), from the same wheel folder, with this project's .venv standing in for the
 # node's packages; the test command runs it (tests/test_device_check.py). Wheels that do
@@ -22,12 +23,18 @@
 # to run, e.g. 1,2; default all).
 set -uo pipefail
 
-usage() { echo "usage: bench/device_check.sh [--cpu-dry-run] OUTDIR" >&2; exit 2; }
+usage() { echo "usage: bench/device_check.sh [--cpu-dry-run] [--quick] OUTDIR" >&2; exit 2; }
 dry_run=0
-case "${1:-}" in
-    --cpu-dry-run) dry_run=1; shift ;;
-    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
-esac
+extra=()
+while [ $# -gt 1 ]; do
+    case "$1" in
+        --cpu-dry-run) dry_run=1 ;;
+        --quick) extra+=(--quick) ;;
+        *) usage ;;
+    esac
+    shift
+done
+case "${1:-}" in -h|--help) sed -n '2,25p' "$0"; exit 0 ;; esac
 [ $# -eq 1 ] || usage
 root=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$1" || exit 2
@@ -94,6 +101,7 @@ device=cuda
 [ $dry_run -eq 1 ] && device=cpu
 steps=()
 [ -n "${DEVICE_CHECK_STEPS:-}" ] && steps=(--only "$DEVICE_CHECK_STEPS")
-"$venv/bin/python" -I "$root/bench/device_check.py" --device "$device" --root "$root" --out "$out" "${steps[@]}" 2>&1 \
+"$venv/bin/python" -I "$root/bench/device_check.py" --device "$device" --root "$root" --out "$out" \
+    "${steps[@]}" "${extra[@]}" 2>&1 \
     | tee -a "$log"
 exit "${PIPESTATUS[0]}"
