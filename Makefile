@@ -13,7 +13,7 @@ FAST   := not mpi and not slurm and not postgres and not browser and not slow
 # autodoc cannot link, which the API reference does not aim for.
 SPHINX := $(BIN)/sphinx-build -W --keep-going -q -b html
 
-.PHONY: demo test check lint docs lab install clean bench
+.PHONY: demo test check lint docs lab install clean bench device-wheels
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -64,5 +64,15 @@ bench: $(STAMP)
 	$(BIN)/python bench/convergence.py --quick
 	$(BIN)/python bench/noise_scale.py
 
+# What bench/device_check.sh installs on a GPU node that has no network (requirements/device.txt).
+DEVICE_WHEELS := .device-wheels
+device-wheels: $(STAMP)
+	rm -rf $(DEVICE_WHEELS) && mkdir -p $(DEVICE_WHEELS)
+	$(BIN)/python -m pip wheel --quiet --no-deps --no-build-isolation -w $(DEVICE_WHEELS) .
+	$(BIN)/python -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d $(DEVICE_WHEELS) -r requirements/device.txt
+	@ls $(DEVICE_WHEELS)
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache docs/_build
+	rm -rf $(VENV) runs .pytest_cache docs/_build $(DEVICE_WHEELS)

@@ -131,6 +131,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=64, help="samples per rank per step (default 64)")
     p.add_argument("--cpu-dry-run", action="store_true", help="run every part on the CPU to check the script")
     p.add_argument("--models", default="small,large", help=f"MLPs of part 1, comma-separated (of {', '.join(MLPS)})")
+    p.add_argument("--json", help="also write the figures to this JSON file")
     args = p.parse_args()
     gpus = gpus_or_exit(args.cpu_dry_run)
     device = "cpu" if args.cpu_dry_run else "cuda"
@@ -201,6 +202,16 @@ def main() -> None:
     )
     if not st["cuda_aware"]:
         print("   device-direct not measured: this MPI is not CUDA-aware (MPIX_Query_cuda_support() is 0)")
+    if args.json:
+        columns = ["model", "precision", "nbdist_torch", "mpi_way", "nbdist_mpi", "ddp", "torch_vs_ddp", "mpi_vs_ddp"]
+        figures = {
+            "ranks": gpus,
+            "torch_backend": torch_way,
+            "cuda_aware": nb["mpi"]["cuda_aware"],
+            "allreduce": [dict(zip(columns, row, strict=True)) for row in rows],
+            "staging": st["results"],
+        }
+        Path(args.json).write_text(json.dumps(figures, indent=1))
 
 
 if __name__ == "__main__":

@@ -64,8 +64,9 @@ class Simulation:
     serves the updates one at a time (as Testsome hands them over), so the later ones
     are stale by the number served before them.
 
-    tensors: every backend is placed with --device cpu, so the rules run on torch tensors
-    and every message and reply goes through the transport's staging, as on a GPU.
+    tensors: every backend is placed with --device cpu (or the device named, "cuda" in the
+    GPU tests), so the rules run on torch tensors and every message and reply goes through
+    the transport's staging, as on a GPU.
     """
 
     def __init__(
@@ -78,7 +79,7 @@ class Simulation:
         master_opt: str | None = None,
         sync_every: int = 1,
         synchronous: bool = False,
-        tensors: bool = False,
+        tensors: bool | str = False,
     ):
         self.algorithm, self.k, self.synchronous = algorithm, k, synchronous
         algorithm.bind(k)
@@ -106,10 +107,10 @@ class Simulation:
             algorithm.worker_start(state, w.rule_params)
 
     @staticmethod
-    def _backend(model: nn.Module, tensors: bool) -> TorchBackend:
+    def _backend(model: nn.Module, tensors: bool | str) -> TorchBackend:
         backend = TorchBackend(copy.deepcopy(model))
         if tensors:
-            backend.place(DeviceRequest("cpu"))
+            backend.place(DeviceRequest(tensors if isinstance(tensors, str) else "cpu"))
         return backend
 
     def run(self, batches_per_worker) -> None:
