@@ -59,15 +59,7 @@ def _ddp_rank(rank: int, world: int, port: int, plan: dict, cfg: dict, queue) ->
             loss_fn = nn.CrossEntropyLoss()
             x_all, y_all = synthetic(DATA_SAMPLES, sizes[0], sizes[-1], seed=1 + rank)
             batches = batch_indices(DATA_SAMPLES, cfg["batch_size"], 64, seed=100 + rank)
-
-            def step(k: int) -> None:
-                idx = batches[k % 64]
-                x, y = torch.from_numpy(x_all[idx]), torch.from_numpy(y_all[idx])
-                opt.zero_grad(set_to_none=True)
-                loss = loss_fn(net(x), y)
-                loss.backward()
-                opt.step()
-
+            step = _ddp_step(net, opt, loss_fn, x_all, y_all, batches)
             for k in range(p["warmup"]):
                 step(k)
             rounds = []
@@ -83,11 +75,26 @@ def _ddp_rank(rank: int, world: int, port: int, plan: dict, cfg: dict, queue) ->
                 "samples_per_s": samples / min(rounds),
                 "median_samples_per_s": samples / float(np.median(rounds)),
             }
-            del net, opt
+            del net, opt, step
         if rank == 0:
             queue.put(results)
     finally:
         dist.destroy_process_group()
+
+
+def _ddp_step(net, opt, loss_fn, x_all, y_all, batches):
+    """One DDP training step on batch k % 64 (fancy-indexed, as on the nbdist side)."""
+    import torch
+
+    def step(k: int) -> None:
+        idx = batches[k % 64]
+        x, y = torch.from_numpy(x_all[idx]), torch.from_numpy(y_all[idx])
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(net(x), y)
+        loss.backward()
+        opt.step()
+
+    return step
 
 
 def _free_port() -> int:
