@@ -295,7 +295,8 @@ def prepare(
     try:
         options = _check_gan(options.validate())
         poll_without_sleeping(
-            options.busy_poll == "on" or (options.busy_poll == "auto" and polling_suits_node(options.threads))
+            options.busy_poll == "on" or (options.busy_poll == "auto" and polling_suits_node(options.threads)),
+            while_core_free=options.busy_poll == "auto",
         )
         layout = Layout.for_world(
             comm.Get_size(),
