@@ -31,8 +31,10 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from socket import AF_INET, AF_INET6
 from typing import Any
 
+from nbdist.errors import UserError
 from nbdist.train.stopping import stop_caught_early
 from nbdist.transport.faults import ULFM_ARGS, ULFM_ENV
 
@@ -46,6 +48,7 @@ __all__ = [
     "ULFM_ARGS",
     "allocation_mpi_args",
     "remove_stale_session_dirs",
+    "check_interface",
 ]
 
 # How long a stopping job may take (its final checkpoint) before the launcher kills it.
@@ -268,3 +271,39 @@ def _kill(job: subprocess.Popen) -> None:
         os.killpg(job.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def check_interface(interface: str) -> None:
+    """UserError unless every entry of `interface` (interface names or subnets, comma-
+    separated, as Open MPI's if_include takes them) is a network interface of this node,
+    or a subnet one of its addresses is in: a typo would otherwise leave Open MPI on
+    every interface without a word."""
+    import ipaddress
+
+    import psutil
+
+    nics = psutil.net_if_addrs()
+    addresses = {
+        name: [ipaddress.ip_address(a.address.split("%")[0]) for a in found if a.family in (AF_INET, AF_INET6)]
+        for name, found in nics.items()
+    }
+    valid = ", ".join(sorted(nics)) or "none"
+    for entry in (part.strip() for part in interface.split(",")):
+        if "/" in entry:
+            try:
+                subnet = ipaddress.ip_network(entry, strict=False)
+            except ValueError:
+                raise UserError(
+                    f"--interface {entry!r} is not a subnet (e.g. 10.1.0.0/16) nor an interface name: "
+                    f"this node has {valid}"
+                ) from None
+            if not any(address in subnet for found in addresses.values() for address in found):
+                raise UserError(
+                    f"--interface {entry}: no network interface of this node has an address in that subnet; "
+                    f"give a subnet of one of its addresses, or one of its interfaces: {valid}"
+                )
+        elif entry not in nics:
+            raise UserError(
+                f"--interface {entry!r}: this node has no such network interface; choose one of: {valid} "
+                f"(or a subnet, e.g. 10.1.0.0/16)"
+            )

@@ -26,6 +26,7 @@ __all__ = [
     "add_arguments",
     "add_study_arguments",
     "options_from_args",
+    "require_model",
     "saved_run_options",
     "study_options_from_args",
     "Target",
@@ -460,6 +461,13 @@ def options_from_args(args: argparse.Namespace, base: TrainOptions | None = None
         base = saved_run_options(args.resume)
     given = {f.name: getattr(args, f.name) for f in fields(TrainOptions) if getattr(args, f.name, None) is not None}
     return (base or TrainOptions()).replace(**given)
+
+
+def require_model(options: TrainOptions, defines: str = "build_model()") -> TrainOptions:
+    """`options`, or one error when they name no model file (the command line's run needs one)."""
+    if not options.model:
+        raise OptionsError(f"--model is required: a Python file that defines {defines}")
+    return options
 
 
 def saved_run_options(run_dir: str | Path) -> TrainOptions:

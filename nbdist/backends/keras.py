@@ -230,7 +230,7 @@ class Traced:
             self._dtypes = tuple(None if isinstance(s, list) else s.dtype for s in specs)
         tensors = [
             [_tensor(v) for v in a] if isinstance(a, list) else self._typed(_tensor(a), dtype)
-            for a, dtype in zip(args, self._dtypes)
+            for a, dtype in zip(args, self._dtypes, strict=False)
         ]
         return self._concrete(*tensors)
 
@@ -304,7 +304,7 @@ class FlatVariables:
         return [
             (prefix + v.path, where, v)
             for where, group in groups.items()
-            for prefix, variables in zip(prefixes, group)
+            for prefix, variables in zip(prefixes, group, strict=False)
             for v in variables
         ]
 
@@ -313,13 +313,13 @@ class FlatVariables:
     def _cut(flat: tf.Tensor, variables: list) -> list[tf.Tensor]:
         sizes = [int(np.prod(v.shape)) for v in variables]
         pieces = tf.split(flat, sizes) if variables else []
-        return [tf.cast(tf.reshape(p, v.shape), v.dtype) for p, v in zip(pieces, variables)]
+        return [tf.cast(tf.reshape(p, v.shape), v.dtype) for p, v in zip(pieces, variables, strict=False)]
 
     def unpack(self, params: tf.Tensor | list, state: tf.Tensor, others: list) -> tuple[list, list]:
         """Per model: its trainable values and its non-trainable values, in its own order.
         `params`: the flat buffer, or its parts model by model."""
         parts = params if isinstance(params, (list, tuple)) else tf.split(params, self.model_sizes)
-        trainable = [self._cut(part, vs) for part, vs in zip(parts, self.trainable)]
+        trainable = [self._cut(part, vs) for part, vs in zip(parts, self.trainable, strict=False)]
         floats = self._cut(state, [v for vs in self.non_trainable for v in vs if _is_float(v.dtype)])
         floats_it, others_it = iter(floats), iter(others)
         non_trainable = [
@@ -330,8 +330,8 @@ class FlatVariables:
     def pack(self, non_trainable: list[list[tf.Tensor]]) -> tuple[tf.Tensor, list[tf.Tensor]]:
         """The inverse of unpack for the non-trainable values a stateless call returned."""
         floats, others = [], []
-        for variables, values in zip(self.non_trainable, non_trainable):
-            for v, value in zip(variables, values):
+        for variables, values in zip(self.non_trainable, non_trainable, strict=False):
+            for v, value in zip(variables, values, strict=False):
                 if _is_float(v.dtype):
                     floats.append(tf.reshape(tf.cast(value, tf.float32), [-1]))
                 else:
@@ -342,7 +342,7 @@ class FlatVariables:
     def store(self, state: np.ndarray, new_state: tf.Tensor, new_others: list) -> None:
         if state.size:
             np.copyto(state, new_state.numpy())
-        for array, value in zip(self.others, new_others):
+        for array, value in zip(self.others, new_others, strict=False):
             np.copyto(array, value.numpy())
 
     def reseed(self, seed: int) -> None:
@@ -356,7 +356,7 @@ class FlatVariables:
 
 def build_models(models: list[Any], samples: list[Any]) -> None:
     """Create the weights of models that have none yet by calling them on a sample."""
-    for model, sample in zip(models, samples):
+    for model, sample in zip(models, samples, strict=False):
         if model.built and model.weights:
             continue
         if sample is None:
@@ -423,7 +423,7 @@ class KerasBackend(Backend):
             raise ModelError("the model has no trainable parameters")
         self.params, self.state = self._flat.params, self._flat.state
         self.grads = aligned_zeros(self.params.size)
-        self._loss, self._categorical = _resolve_loss(model, loss)
+        self._loss, self._categorical, self._indexes_classes = _resolve_loss(model, loss)
         self.metric_name, self._metric = _resolve_metric(model, metric)
         self._train_kwargs, self._eval_kwargs = call_kwargs(model, True), call_kwargs(model, False)
         self._train = Traced(self._train_step, batch=(3, 4))
@@ -503,6 +503,15 @@ class KerasBackend(Backend):
         n = len(y)
         return BatchStats(float(loss) * n, float(metric), n)
 
+    def class_count(self, x: Any) -> int | None:
+        if not self._indexes_classes:
+            return None
+        try:  # shapes only: nothing is computed
+            shape = self.model.compute_output_spec(keras.KerasTensor(x.shape, dtype=str(x.dtype))).shape
+        except Exception:  # noqa: BLE001 - a model Keras cannot trace symbolically: not checked here
+            return None
+        return int(shape[-1]) if len(shape) == 2 and shape[-1] is not None else None
+
     def evaluate(self, x: Any, y: Any, *, batch_size: int = 1024) -> BatchStats:
         stats = BatchStats()
         for start in range(0, len(y), batch_size):
@@ -579,7 +588,7 @@ def named_arrays(
         values[id(v)], offsets[kind] = source[start : start + size].reshape(v.shape), start + size
     return {
         f"{prefix}{i:04d}/{v.path}": np.array(values[id(v)])
-        for prefix, model in zip(prefixes, models)
+        for prefix, model in zip(prefixes, models, strict=False)
         for i, v in enumerate(model.weights)
     }
 
@@ -591,9 +600,10 @@ def _compiled(model: keras.Model, key: str) -> Any:
     return config.get(key)
 
 
-def _resolve_loss(model: keras.Model, loss: Any) -> tuple[Callable, bool]:
+def _resolve_loss(model: keras.Model, loss: Any) -> tuple[Callable, bool, bool]:
     """The model's compiled loss (else `loss` from the model file or cell) as a function
-    of (target, prediction) returning the batch mean, and whether it is categorical."""
+    of (target, prediction) returning the batch mean, whether it is categorical, and
+    whether it reads integer labels as class indices (sparse, or categorical one-hot here)."""
     identifier = model.loss if getattr(model, "compiled", False) and model.loss is not None else loss
     if identifier is None:
         raise ModelError(
@@ -611,9 +621,10 @@ def _resolve_loss(model: keras.Model, loss: Any) -> tuple[Callable, bool]:
     if not callable(obj):
         raise ModelError(f"the loss must be a Keras loss or callable(y_true, y_pred), got {identifier!r}")
     categorical = getattr(obj, "fn", obj) in _CATEGORICAL_LOSSES
+    indexes = categorical or getattr(obj, "fn", obj) is keras.losses.sparse_categorical_crossentropy
     if isinstance(obj, keras.losses.Loss):
-        return obj, categorical  # reduces to the batch mean itself
-    return (lambda y, p: tf.reduce_mean(obj(y, p))), categorical
+        return obj, categorical, indexes  # reduces to the batch mean itself
+    return (lambda y, p: tf.reduce_mean(obj(y, p))), categorical, indexes
 
 
 def _accuracy_sum(y: tf.Tensor, y_pred: tf.Tensor) -> tf.Tensor:

@@ -171,6 +171,12 @@ class TorchFlatOptimizer(FlatOptimizer):
         }
 
 
+def _indexes_classes(loss: Any) -> bool:
+    """Whether `loss` reads each label as the index of a class score (output[:, label])."""
+    functional = (nn.functional.cross_entropy, nn.functional.nll_loss)
+    return isinstance(loss, (nn.CrossEntropyLoss, nn.NLLLoss)) or any(loss is f for f in functional)
+
+
 def _accuracy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Number of correct predictions (a sum, so ranks can add them up)."""
     if output.ndim >= 2 and output.shape[1] > 1:
@@ -337,6 +343,19 @@ class TorchBackend(Backend):
             self.model.train()
         return stats
 
+    def class_count(self, x: Any) -> int | None:
+        if not _indexes_classes(self.loss_fn):
+            return None
+        self.model.eval()
+        try:
+            with torch.no_grad(), self._autocasting():
+                output = self.model(self._tensor(x))
+        except Exception:  # noqa: BLE001 - a model that cannot take the data: set-up's probe says so
+            return None
+        finally:
+            self.model.train()
+        return int(output.shape[1]) if isinstance(output, torch.Tensor) and output.ndim >= 2 else None
+
     def bucket_hooks(self, cap: int, on_ready: Callable[[int], None]) -> list[tuple[int, int]]:
         if self._on_ready is not None:
             raise RuntimeError("bucket hooks are already installed on this model")
@@ -352,7 +371,7 @@ class TorchBackend(Backend):
         self._bucket_sizes = [self._bucket_of.count(i) for i in range(len(buckets))]
         self._bucket_ranges = buckets
         self._on_ready = on_ready
-        for p, bucket in zip(self._order, self._bucket_of):
+        for p, bucket in zip(self._order, self._bucket_of, strict=False):
             p.register_post_accumulate_grad_hook(self._make_hook(bucket))
         return buckets
 
@@ -398,7 +417,7 @@ class TorchBackend(Backend):
 
     # -- state ------------------------------------------------------------------------
     def param_blocks(self) -> list[tuple[int, int, tuple[int, ...]]]:
-        return [(lo, hi, tuple(p.shape)) for p, (lo, hi) in zip(self._order, self._slices)]
+        return [(lo, hi, tuple(p.shape)) for p, (lo, hi) in zip(self._order, self._slices, strict=False)]
 
     def named_arrays(self) -> dict[str, np.ndarray]:
         return {k: v.detach().cpu().numpy().copy() for k, v in self.model.state_dict().items()}

@@ -235,6 +235,7 @@ def run_allreduce(ctx: RankContext, replica: Replica | None = None) -> RunResult
             # Every rank holds the same global metrics; one record per epoch, like a master's.
             ctx.log.emit("epoch", metrics, step=(epoch + 1) * n_batches, epoch=epoch + 1)
         ctx.say(format_epoch(metrics, ctx.options.epochs))
+        ctx.watch_loss(metrics)
         decision = ctx.early.update(metrics)
         if ctx.checkpoint_due(epoch + 1) or decision.stop:
             save(f"epoch-{epoch + 1:04d}", epoch + 1, 0)
