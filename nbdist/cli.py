@@ -195,7 +195,7 @@ def _world_rank() -> int:
         from mpi4py import MPI
 
         return MPI.COMM_WORLD.Get_rank()
-    except Exception:  # noqa: BLE001 - no MPI: a single process is rank 0
+    except Exception:  # no MPI: a single process is rank 0
         return 0
 
 
@@ -482,7 +482,7 @@ def _reports(failure: RunFailure) -> bool:
         from mpi4py import MPI
 
         size = MPI.COMM_WORLD.Get_size()
-    except Exception:  # noqa: BLE001 - no MPI: a single process
+    except Exception:  # no MPI: a single process
         return True
     alive = [r for r in range(size) if r not in failure.ranks]
     return bool(alive) and _world_rank() == alive[0]

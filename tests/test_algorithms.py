@@ -101,7 +101,7 @@ class Simulation:
         self.worker_versions = [0] * k
         self.samples = [0] * k
         self.stalenesses: list[int] = []
-        for w, state in zip(self.workers, self.worker_states):
+        for w, state in zip(self.workers, self.worker_states, strict=True):
             w.rule_params[...] = self.center  # the Bcast of the initial weights
             algorithm.worker_start(state, w.rule_params)
 
@@ -143,7 +143,7 @@ class Simulation:
                 replies = algo.master_apply(self.master_state, self.center, updates, self.master_opt)
                 self.version += 1
                 assert len(replies) == len(group)
-                for (i, _, _), update, reply in zip(group, updates, replies):
+                for (i, _, _), update, reply in zip(group, updates, replies, strict=True):
                     self.stalenesses.append(update.staleness)
                     worker = self.workers[i]
                     received = Staging.of_host(to_numpy(reply).copy(), worker.rule_params, worker.copier)  # MPI's
@@ -177,7 +177,9 @@ def test_downpour_synchronous_two_workers_is_big_batch_training():
     b2 = make_batches(4, 6, seed=3)
     sim = Simulation(Downpour(), model, 2, worker_opt="sgd(lr=0.5)", master_opt=opt, synchronous=True)
     sim.run([b1, b2])
-    concatenated = [(np.concatenate([x1, x2]), np.concatenate([y1, y2])) for (x1, y1), (x2, y2) in zip(b1, b2)]
+    concatenated = [
+        (np.concatenate([x1, x2]), np.concatenate([y1, y2])) for (x1, y1), (x2, y2) in zip(b1, b2, strict=True)
+    ]
     expected = reference_run(model, opt, concatenated)
     assert_close(sim.center, expected)
     for w in sim.workers:
@@ -187,7 +189,7 @@ def test_downpour_synchronous_two_workers_is_big_batch_training():
     plain = copy.deepcopy(model)
     backend = TorchBackend(plain)
     o = backend.make_optimizer(parse_spec(opt))
-    for (x1, y1), (x2, y2) in zip(b1, b2):
+    for (x1, y1), (x2, y2) in zip(b1, b2, strict=True):
         backend.compute_gradients(x1, y1)
         g1 = backend.grads.copy()
         backend.compute_gradients(x2, y2)
@@ -258,7 +260,7 @@ def easgd_two_rounds(algo: EASGD):
             updates.append(Update(out, 0, 10))
         replies = algo.master_apply(state, center, updates, None)
         replies = [r.copy() for r in replies]
-        for i, r in zip(round_workers, replies):
+        for i, r in zip(round_workers, replies, strict=True):
             algo.worker_reply(worker_states[i], xs[i], r)
         record.append((replies, [x.copy() for x in xs], center.copy(), state.velocity.copy()))
     return record
@@ -271,7 +273,7 @@ def easgd_formula(alpha: float, momentum: float):
     u = np.zeros(4)
     record = []
     diffs = [alpha * (x - c) for x in xs]
-    xs = [x - d for x, d in zip(xs, diffs)]
+    xs = [x - d for x, d in zip(xs, diffs, strict=True)]
     u = momentum * u + sum(diffs)
     c = c + u
     record.append((diffs, [x.copy() for x in xs], c.copy(), u.copy()))
@@ -296,10 +298,10 @@ def easgd_formula(alpha: float, momentum: float):
 def test_easgd_elastic_step_follows_the_formula(force, lr, momentum):
     got = easgd_two_rounds(EASGD(elastic_force=force, elastic_lr=lr, elastic_momentum=momentum))
     want = easgd_formula(lr * force, momentum)
-    for (replies, xs, c, u), (w_diffs, w_xs, w_c, w_u) in zip(got, want):
-        for r, d in zip(replies, w_diffs):
+    for (replies, xs, c, u), (w_diffs, w_xs, w_c, w_u) in zip(got, want, strict=True):
+        for r, d in zip(replies, w_diffs, strict=True):
             assert_close(r, d)
-        for x, w_x in zip(xs, w_xs):
+        for x, w_x in zip(xs, w_xs, strict=True):
             assert_close(x, w_x)
         assert_close(c, w_c)
         assert_close(u, w_u)
@@ -310,7 +312,7 @@ def test_easgd_elastic_lr_and_momentum_change_the_result():
     half_lr = easgd_two_rounds(EASGD(elastic_force=0.25, elastic_lr=0.5, elastic_momentum=0.0))
     with_momentum = easgd_two_rounds(EASGD(elastic_force=0.25, elastic_lr=1.0, elastic_momentum=0.5))
     # First round: halving elastic_lr halves every diff exactly.
-    for r_base, r_half in zip(base[0][0], half_lr[0][0]):
+    for r_base, r_half in zip(base[0][0], half_lr[0][0], strict=True):
         assert np.abs(r_base).max() > 0
         assert_close(r_half, 0.5 * r_base)
     # Momentum does nothing in the first round, and adds momentum * u_1 to the second move.
@@ -404,7 +406,7 @@ def test_gem_rescaling_by_hand():
     by_hand = [[-1.0, -2.0, 1.0, -0.5], [-0.5, -0.15, 0.0, 0.0], [-0.25, 0.0, -2.25, 0.0]]
     pis = [[2, 2, 2, 2], [1, 3, 0, 0], [1, 0, 2.25, 0]]
     reference = gem_reference(lr, momentum, kappa, eps, pi_max, grads, [p.astype(np.float64) for p in pulls])
-    for out, hand, pi, (ref_pi, ref_update) in zip(sent, by_hand, pis, reference):
+    for out, hand, pi, (ref_pi, ref_update) in zip(sent, by_hand, pis, reference, strict=True):
         assert_close(ref_pi, pi)
         assert_close(ref_update, hand)
         assert_close(out, hand)
@@ -479,13 +481,13 @@ def master_round(algo, payloads, samples, staleness, opt_spec=None):
     """(centre after master_apply from C0, replies); staleness is each update's."""
     center = C0.astype(F32)
     opt = TorchFlatOptimizer(torch.optim.SGD, parse_spec(opt_spec), center) if opt_spec else None
-    updates = [Update(np.array(p, F32), s, n) for p, s, n in zip(payloads, staleness, samples)]
+    updates = [Update(np.array(p, F32), s, n) for p, s, n in zip(payloads, staleness, samples, strict=True)]
     replies = algo.master_apply(algo.new_master_state(C0.size), center, updates, opt)
     return center, [np.array(r, copy=True) for r in replies]
 
 
 def sample_mean(vectors, samples):
-    return sum(n * v for n, v in zip(samples, vectors)) / sum(samples)
+    return sum(n * v for n, v in zip(samples, vectors, strict=True)) / sum(samples)
 
 
 @pytest.mark.parametrize("rule", [ADAG, DynSGD])
@@ -546,7 +548,7 @@ def test_easgd_as_published():
     center, replies = master_round(algo, weights, SAMPLES, [0, 0, 0])
     assert_close(center, C0 + sum(alpha * (x - C0) for x in weights))
     assert_close(center, C0 + 0.9 * (np.mean(weights, axis=0) - C0))
-    for reply, x in zip(replies, weights):
+    for reply, x in zip(replies, weights, strict=True):
         assert_close(reply, alpha * (x - C0))
 
 
@@ -649,25 +651,27 @@ def test_a_streamed_synchronous_round_gives_master_apply_bit_for_bit(rule, tenso
 
                 def draw(sent, samples):
                     buffer = np.empty(64, F32)
-                    for payload, n in zip(sent, samples):
+                    for payload, n in zip(sent, samples, strict=True):
                         buffer[...] = payload
                         yield Update(buffer, 0, n)
                         buffer[...] = np.nan  # the pool's next body
 
                 reply = algo.master_round(state, center, draw(sent, samples), samples, opt, np.empty(64, F32))
-                for p, ws in zip(params, worker_states[: len(samples)]):
+                for p, ws in zip(params[: len(samples)], worker_states[: len(samples)], strict=True):
                     algo.worker_round_reply(ws, p, torch.from_numpy(reply.copy()) if tensors else reply.copy())
             else:
-                replies = algo.master_apply(state, center, [Update(p.copy(), 0, n) for p, n in zip(sent, samples)], opt)
-                for p, ws, r in zip(params, worker_states, replies):
+                replies = algo.master_apply(
+                    state, center, [Update(p.copy(), 0, n) for p, n in zip(sent, samples, strict=True)], opt
+                )
+                for p, ws, r in zip(params[: len(samples)], worker_states[: len(samples)], replies, strict=True):
                     algo.worker_reply(ws, p, torch.from_numpy(r.copy()) if tensors else r.copy())
         results.append((center, [to_numpy(v) for v in state.to_arrays().values()], start, workers))
     (center, velocity, _, workers), (center2, velocity2, _, workers2) = results
     np.testing.assert_array_equal(center2, center)
     assert np.abs(center - results[0][2]).max() > 1e-3  # it moved
-    for a, b in zip(velocity, velocity2):
+    for a, b in zip(velocity, velocity2, strict=True):
         np.testing.assert_array_equal(b, a)
-    for a, b in zip(workers, workers2):
+    for a, b in zip(workers, workers2, strict=True):
         np.testing.assert_array_equal(b, a)
 
 
@@ -731,7 +735,7 @@ def test_torch_tensors_through_staging_give_the_numpy_result(name, synchronous):
     assert all(isinstance(w.rule_params, torch.Tensor) for w in device.workers)
     assert np.abs(host.center - flat(model)).max() > 1e-3  # it trained
     assert_close(to_numpy(device.center), host.center, rtol=0, atol=1e-6)
-    for on_device, on_host in zip(device.workers, host.workers):
+    for on_device, on_host in zip(device.workers, host.workers, strict=True):
         assert_close(to_numpy(on_device.rule_params), on_host.params, rtol=0, atol=1e-6)
     assert device.stalenesses == host.stalenesses
 

@@ -85,22 +85,22 @@ def arrays(n_train: int, n_val: int = 5) -> ArrayData:
             1,
             Layout(workers=2, topology="allreduce"),
             32,
-            "too few training samples for 2 workers: 1 with --batch-size 32 leave a worker without a batch at some step; "
-            "use at most 1 worker, or give more training samples",
+            "too few training samples for 2 workers: 1 with --batch-size 32 leave a worker without a batch "
+            "at some step; use at most 1 worker, or give more training samples",
         ),
         (
             3,
             Layout(workers=2, topology="allreduce"),
             1,
-            "too few training samples for 2 workers: 3 with --batch-size 1 leave a worker without a batch at some step; "
-            "use --batch-size 2 or more, or fewer workers",
+            "too few training samples for 2 workers: 3 with --batch-size 1 leave a worker without a batch "
+            "at some step; use --batch-size 2 or more, or fewer workers",
         ),
         (
             2,
             Layout(workers=1, masters=3),
             32,  # sub-masters' workers share the one training set
-            "too few training samples for 3 workers: 2 with --batch-size 32 leave a worker without a batch at some step; "
-            "use at most 2 workers, or give more training samples",
+            "too few training samples for 3 workers: 2 with --batch-size 32 leave a worker without a batch "
+            "at some step; use at most 2 workers, or give more training samples",
         ),
         (
             5,
@@ -127,7 +127,7 @@ def test_the_sample_check_agrees_with_the_plan_the_workers_train_on():
         shards = workers if topology == "master-worker" else layout.n_ranks
         each = procs if topology == "master-worker" else 1
 
-        def fits(batch_size: int) -> bool:
+        def fits(batch_size: int, n: int = n, shards: int = shards, each: int = each) -> bool:
             try:
                 plan = ShardPlan(n, shards, batch_size)
             except ValueError:

@@ -103,9 +103,9 @@ class Algorithm(ABC):
         args = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
         return f"{self.name}({args})"
 
-    def bind(self, workers: int) -> None:
+    def bind(self, workers: int) -> None:  # noqa: B027
         """Called once, before any update, with the number of workers whose updates reach
-        the centre (every master's, with sub-masters)."""
+        the centre (every master's, with sub-masters). By default a rule ignores it."""
 
     # -- worker side ------------------------------------------------------------------
     @abstractmethod
@@ -113,8 +113,9 @@ class Algorithm(ABC):
         """The worker's state, its arrays in the namespace and on the device of `like`
         (the worker's weights; numpy without it)."""
 
-    def worker_start(self, state: RuleState, params: Array) -> None:
-        """Called once the worker holds the master's initial weights."""
+    def worker_start(self, state: RuleState, params: Array) -> None:  # noqa: B027
+        """Called once the worker holds the master's initial weights. By default nothing
+        happens: only rules that remember where a window started need it."""
 
     @abstractmethod
     def worker_step(self, state: RuleState, params: Array, grad: Array, opt: FlatOptimizer | None) -> bool:
@@ -216,7 +217,7 @@ def weighted_mean(updates: Sequence[Update]) -> Array:
         return updates[0].payload
     factors = mean_factors([u.samples for u in updates])
     out = updates[0].payload * factors[0]
-    for u, factor in zip(updates[1:], factors[1:]):
+    for u, factor in zip(updates[1:], factors[1:], strict=True):
         out += u.payload * factor
     return out
 

@@ -230,7 +230,7 @@ class Traced:
             self._dtypes = tuple(None if isinstance(s, list) else s.dtype for s in specs)
         tensors = [
             [_tensor(v) for v in a] if isinstance(a, list) else self._typed(_tensor(a), dtype)
-            for a, dtype in zip(args, self._dtypes)
+            for a, dtype in zip(args, self._dtypes, strict=True)
         ]
         return self._concrete(*tensors)
 
@@ -304,7 +304,7 @@ class FlatVariables:
         return [
             (prefix + v.path, where, v)
             for where, group in groups.items()
-            for prefix, variables in zip(prefixes, group)
+            for prefix, variables in zip(prefixes, group, strict=True)
             for v in variables
         ]
 
@@ -313,13 +313,13 @@ class FlatVariables:
     def _cut(flat: tf.Tensor, variables: list) -> list[tf.Tensor]:
         sizes = [int(np.prod(v.shape)) for v in variables]
         pieces = tf.split(flat, sizes) if variables else []
-        return [tf.cast(tf.reshape(p, v.shape), v.dtype) for p, v in zip(pieces, variables)]
+        return [tf.cast(tf.reshape(p, v.shape), v.dtype) for p, v in zip(pieces, variables, strict=True)]
 
     def unpack(self, params: tf.Tensor | list, state: tf.Tensor, others: list) -> tuple[list, list]:
         """Per model: its trainable values and its non-trainable values, in its own order.
         `params`: the flat buffer, or its parts model by model."""
         parts = params if isinstance(params, (list, tuple)) else tf.split(params, self.model_sizes)
-        trainable = [self._cut(part, vs) for part, vs in zip(parts, self.trainable)]
+        trainable = [self._cut(part, vs) for part, vs in zip(parts, self.trainable, strict=True)]
         floats = self._cut(state, [v for vs in self.non_trainable for v in vs if _is_float(v.dtype)])
         floats_it, others_it = iter(floats), iter(others)
         non_trainable = [
@@ -330,8 +330,8 @@ class FlatVariables:
     def pack(self, non_trainable: list[list[tf.Tensor]]) -> tuple[tf.Tensor, list[tf.Tensor]]:
         """The inverse of unpack for the non-trainable values a stateless call returned."""
         floats, others = [], []
-        for variables, values in zip(self.non_trainable, non_trainable):
-            for v, value in zip(variables, values):
+        for variables, values in zip(self.non_trainable, non_trainable, strict=True):
+            for v, value in zip(variables, values, strict=True):
                 if _is_float(v.dtype):
                     floats.append(tf.reshape(tf.cast(value, tf.float32), [-1]))
                 else:
@@ -342,7 +342,7 @@ class FlatVariables:
     def store(self, state: np.ndarray, new_state: tf.Tensor, new_others: list) -> None:
         if state.size:
             np.copyto(state, new_state.numpy())
-        for array, value in zip(self.others, new_others):
+        for array, value in zip(self.others, new_others, strict=True):
             np.copyto(array, value.numpy())
 
     def reseed(self, seed: int) -> None:
@@ -356,7 +356,7 @@ class FlatVariables:
 
 def build_models(models: list[Any], samples: list[Any]) -> None:
     """Create the weights of models that have none yet by calling them on a sample."""
-    for model, sample in zip(models, samples):
+    for model, sample in zip(models, samples, strict=True):
         if model.built and model.weights:
             continue
         if sample is None:
@@ -579,7 +579,7 @@ def named_arrays(
         values[id(v)], offsets[kind] = source[start : start + size].reshape(v.shape), start + size
     return {
         f"{prefix}{i:04d}/{v.path}": np.array(values[id(v)])
-        for prefix, model in zip(prefixes, models)
+        for prefix, model in zip(prefixes, models, strict=True)
         for i, v in enumerate(model.weights)
     }
 

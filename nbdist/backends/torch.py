@@ -352,7 +352,7 @@ class TorchBackend(Backend):
         self._bucket_sizes = [self._bucket_of.count(i) for i in range(len(buckets))]
         self._bucket_ranges = buckets
         self._on_ready = on_ready
-        for p, bucket in zip(self._order, self._bucket_of):
+        for p, bucket in zip(self._order, self._bucket_of, strict=True):
             p.register_post_accumulate_grad_hook(self._make_hook(bucket))
         return buckets
 
@@ -398,7 +398,7 @@ class TorchBackend(Backend):
 
     # -- state ------------------------------------------------------------------------
     def param_blocks(self) -> list[tuple[int, int, tuple[int, ...]]]:
-        return [(lo, hi, tuple(p.shape)) for p, (lo, hi) in zip(self._order, self._slices)]
+        return [(lo, hi, tuple(p.shape)) for p, (lo, hi) in zip(self._order, self._slices, strict=True)]
 
     def named_arrays(self) -> dict[str, np.ndarray]:
         return {k: v.detach().cpu().numpy().copy() for k, v in self.model.state_dict().items()}

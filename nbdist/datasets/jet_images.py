@@ -121,7 +121,7 @@ class JetSample:
         parts: list[list[np.ndarray]] = [[] for _ in names]
         for path in self.train_files if split == "train" else self.val_files:
             with h5py.File(path, "r") as fh:
-                for part, name in zip(parts, names):
+                for part, name in zip(parts, names, strict=True):
                     part.append(fh[name][:])
         return tuple(np.concatenate(p) for p in parts)
 
@@ -215,7 +215,7 @@ def _together(comm: Any, step: Callable[[], Any]) -> None:
     error = None
     try:
         step()
-    except Exception as exc:  # noqa: BLE001 - the other ranks must hear of it, or they wait
+    except Exception as exc:  # the other ranks must hear of it, or they wait
         if comm is None:
             raise
         error = exc
@@ -422,7 +422,7 @@ def _engine_share(spec: Spec, directory: str, todo: list[FileJob]) -> str:
 
     try:
         _make_files(spec, Path(directory), todo[rank::size], advance)
-    except Exception as exc:  # noqa: BLE001 - reported to the client, named by rank
+    except Exception as exc:  # reported to the client, named by rank
         return f"{type(exc).__name__}: {exc}"
     publish_data({PROGRESS_KEY: done})
     return ""

@@ -141,7 +141,7 @@ class GanTraining(Backend):
         n = self._sums[0]
         if not n:
             return {}
-        means = dict(zip(EXTRAS, (self._sums[1:] / n).tolist()))
+        means = dict(zip(EXTRAS, (self._sums[1:] / n).tolist(), strict=True))
         self._sums[:] = 0.0
         return means
 

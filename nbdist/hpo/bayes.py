@@ -214,5 +214,5 @@ class BayesSearcher(Searcher):
         # skopt hands back numpy scalars, and reals a rounding error outside their bounds.
         return {
             name: dim.coerce(v) if isinstance(dim, Categorical) else dim.coerce_clip(v)
-            for (name, dim), v in zip(self.space.items(), row)
+            for (name, dim), v in zip(self.space.items(), row, strict=True)
         }

@@ -114,8 +114,9 @@ class TrialExecutor(ABC):
     def prune(self, group: int) -> None:
         """Ask the trial running on `group` to stop at its next step boundary."""
 
-    def close(self) -> None:
-        """The study is over (or interrupted): release the groups."""
+    def close(self) -> None:  # noqa: B027
+        """The study is over (or interrupted): release the groups. By default there is
+        nothing to release."""
 
 
 # ----------------------------------------------------------------------------- result

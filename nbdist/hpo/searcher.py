@@ -161,14 +161,15 @@ class Searcher(ABC):
     def _propose(self, n: int) -> list[dict]:
         """Up to n new points (they join `pending` when returned)."""
 
-    def _on_told(self, point: dict, fom: float | None) -> None:
-        """Called after a point moved from `pending` to `told`."""
+    def _on_told(self, point: dict, fom: float | None) -> None:  # noqa: B027
+        """Called after a point moved from `pending` to `told`. By default nothing more
+        happens: a searcher that reads only `told` when it proposes needs no hook."""
 
     def _extra_state(self) -> dict:
         return {}
 
-    def _load_extra_state(self, extra: Mapping[str, Any]) -> None:
-        pass
+    def _load_extra_state(self, extra: Mapping[str, Any]) -> None:  # noqa: B027
+        """Take back what `_extra_state` gave; by default there is nothing."""
 
     @classmethod
     def create(cls, space: Any, *, direction: str, seed: int, trials: int | None, **options: Any) -> Searcher:

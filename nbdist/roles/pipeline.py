@@ -254,7 +254,10 @@ class StageReplica(Replica):
         backend, first = ctx.backend, ctx.role.proc == 0
         whole = ctx.make_replica() if first else None  # the stages in a row, as a master holds them
         for parts, mine, into in zip(
-            stage_parts(ctx), (backend.params, backend.state), (whole.params, whole.state) if first else (None, None)
+            stage_parts(ctx),
+            (backend.params, backend.state),
+            (whole.params, whole.state) if first else (None, None),
+            strict=True,
         ):
             target = Staging(into, whole.copier) if first else None
             parts.gather(

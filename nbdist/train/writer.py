@@ -98,7 +98,7 @@ class CheckpointWriter:
             if self._error is None:
                 try:
                     job()
-                except BaseException as exc:  # noqa: BLE001 - raised in the master's thread
+                except BaseException as exc:  # raised in the master's thread
                     self._error, self._failed_job = exc, name or "commit"
             with self._lock:
                 self._pending -= 1

@@ -73,10 +73,11 @@ class Codec(ABC):
         out += decoded
 
     def state_arrays(self) -> dict[str, np.ndarray]:
+        """What the codec carries from step to step (PowerSGD's warm start), for checkpoints."""
         return {}
 
-    def load_state_arrays(self, arrays: dict[str, np.ndarray]) -> None:
-        pass
+    def load_state_arrays(self, arrays: dict[str, np.ndarray]) -> None:  # noqa: B027
+        """Take back what state_arrays gave (a resume); by default there is nothing."""
 
 
 class Fp16(Codec):

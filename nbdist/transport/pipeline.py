@@ -122,7 +122,7 @@ class StageParts:
         codec for the whole model's message needs); None on the other stages."""
         here = self.displs[self.comm.Get_rank()]
         mine = np.zeros((len(blocks), BLOCK_WORDS), np.int64)
-        for row, (start, stop, shape) in zip(mine, blocks):
+        for row, (start, stop, shape) in zip(mine, blocks, strict=True):
             if len(shape) > MAX_DIMS:
                 raise ValueError(f"a parameter of {len(shape)} dimensions; at most {MAX_DIMS} in a pipeline stage")
             row[:3] = start + here, stop + here, len(shape)

@@ -60,15 +60,15 @@ class Reducer(ABC):
     def finish(self, trailer: np.ndarray) -> None:
         """Sum `trailer` too, and return once the gradient and the trailer hold the sums."""
 
-    def close(self) -> None:
-        """Release what the reducer holds, after a run that ended well."""
+    def close(self) -> None:  # noqa: B027
+        """Release what the reducer holds, after a run that ended well; by default nothing."""
 
     def state_arrays(self) -> dict[str, np.ndarray]:
         """What the reducer carries from step to step (a compression's residuals), for checkpoints."""
         return {}
 
-    def load_state_arrays(self, arrays: dict[str, np.ndarray]) -> None:
-        """Take back what state_arrays gave (a resume)."""
+    def load_state_arrays(self, arrays: dict[str, np.ndarray]) -> None:  # noqa: B027
+        """Take back what state_arrays gave (a resume); by default there is nothing."""
 
 
 class MpiReducer(Reducer):

@@ -68,7 +68,7 @@ class GatheredBuckets(CompressedReduction):
         return [self.comm.Iallgather(wire, self.gathered[index])]
 
     def finish(self, whole: Callable[[], np.ndarray], wait: Wait) -> None:
-        for compressor, host, parts in zip(self.compressors, self.hosts, self.gathered):
+        for compressor, host, parts in zip(self.compressors, self.hosts, self.gathered, strict=True):
             host[:] = 0.0
             for part in parts:  # fp32 accumulation, in rank order on every rank
                 compressor.codec.decode_add(part, host)

@@ -3,7 +3,8 @@
 Usage: mpiexec -n N python tests/mpi_scripts/train_many.py RUNS.json
 
 RUNS.json holds a list of argv lists (what follows `python -m nbdist train`, or a whole
-`study ...` command line). Each is handed to `nbdist.cli.main`, the very function behind `python -m nbdist`, so the runs go
+`study ...` command line). Each is handed to `nbdist.cli.main`, the very function behind
+`python -m nbdist`, so the runs go
 through the real option parsing, layout, topologies and files. Starting Python, torch
 and MPI costs seconds per rank on a small box while a digits run trains in well under a
 second, so one job for a batch of runs keeps the integration tests affordable.
@@ -23,9 +24,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from mpi4py import MPI  # noqa: E402
+from mpi4py import MPI
 
-from nbdist.cli import main as nbdist_main  # noqa: E402
+from nbdist.cli import main as nbdist_main
 
 
 def run_all(path: str) -> int:

@@ -76,7 +76,7 @@ def _apply_rule(me: Master, updates: list[tuple[int, Update]]) -> list[tuple[int
     ctx = me.ctx
     if not ctx.options.synchronous:
         payloads = ctx.algorithm.master_apply(me.rule_state, me.center, [u for _, u in updates], me.opt)
-        return [(i, payload) for (i, _), payload in zip(updates, payloads)]
+        return [(i, payload) for (i, _), payload in zip(updates, payloads, strict=True)]
     stream = round_updates(me, updates)
     payload = ctx.algorithm.master_round(
         me.rule_state, me.center, stream, [u.samples for _, u in updates], me.opt, me.round_buffer
