@@ -27,9 +27,7 @@ class ArrayData(Data):
     def __post_init__(self) -> None:
         for split, x, y in (("train", self.x_train, self.y_train), ("val", self.x_val, self.y_val)):
             if len(x) != len(y):
-                raise ValueError(
-                    f"{self.name}: {split} features have {len(x)} samples but labels have {len(y)}"
-                )
+                raise ValueError(f"{self.name}: {split} features have {len(x)} samples but labels have {len(y)}")
         if len(self.x_train) == 0:
             raise ValueError(f"{self.name}: the training set is empty")
 

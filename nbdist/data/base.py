@@ -56,5 +56,6 @@ class Data(ABC):
         """The whole validation set (a master validates on all of it)."""
         return self.val_batch(np.arange(self.n_val))
 
-    def close(self) -> None:
-        """Release what reading needed (threads, cache copies); the run has ended."""
+    def close(self) -> None:  # noqa: B027
+        """Release what reading needed (threads, cache copies); the run has ended. By
+        default there is nothing: arrays in memory need no closing."""

@@ -13,11 +13,12 @@ background while the current one trains.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from glob import glob
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -73,7 +74,7 @@ class FileSet:
     what: str
 
     @classmethod
-    def open(cls, patterns: Any, keys: Sequence[str], what: str) -> "FileSet":
+    def open(cls, patterns: Any, keys: Sequence[str], what: str) -> FileSet:
         h5py = _h5py()
         paths = expand_files(patterns, what)
         keys = tuple(keys)
@@ -93,8 +94,10 @@ class FileSet:
                     )
                 x, y = fh[keys[0]], fh[keys[1]]
                 if x.ndim == 0 or y.ndim == 0 or len(x) != len(y):
-                    raise DataError(f"{what}: {path} has {x.shape[0] if x.ndim else 0} rows of "
-                                    f"{keys[0]!r} but {y.shape[0] if y.ndim else 0} of {keys[1]!r}")
+                    raise DataError(
+                        f"{what}: {path} has {x.shape[0] if x.ndim else 0} rows of "
+                        f"{keys[0]!r} but {y.shape[0] if y.ndim else 0} of {keys[1]!r}"
+                    )
                 kind = (x.shape[1:], x.dtype, y.shape[1:], y.dtype)
                 if first is None:
                     first = (path, kind)
@@ -119,7 +122,7 @@ class FileSet:
     def n(self) -> int:
         return int(sum(self.sizes))
 
-    def same_kind(self, other: "FileSet") -> None:
+    def same_kind(self, other: FileSet) -> None:
         if (self.x_shape, self.y_shape) != (other.x_shape, other.y_shape):
             raise DataError(
                 f"{other.what} holds samples of shape {_shape(other.x_shape)} with labels "
@@ -135,8 +138,9 @@ class FileSet:
         except OSError as exc:
             raise DataReadError(f"{self.what}: cannot read {path}: {exc}") from None
 
-    def gather(self, indices: np.ndarray, fetch: Callable[[int, int, int], tuple[Piece, Any]]
-               ) -> tuple[np.ndarray, np.ndarray, list[Piece]]:
+    def gather(
+        self, indices: np.ndarray, fetch: Callable[[int, int, int], tuple[Piece, Any]]
+    ) -> tuple[np.ndarray, np.ndarray, list[Piece]]:
         """The samples at `indices` (into the files' concatenation), file by file:
         `fetch(file, lo, hi)` gives a piece covering rows [lo, hi) with its arrays."""
         indices = np.asarray(indices)
@@ -249,8 +253,16 @@ class HDF5Data(Data):
     pieces of files are shuffled together in each window (see FilePlan).
     """
 
-    def __init__(self, train: Any, val: Any, *, keys: Sequence[str] = DEFAULT_KEYS,
-                 cache_dir: str | Path | None = None, mix: int = 2, name: str = "hdf5"):
+    def __init__(
+        self,
+        train: Any,
+        val: Any,
+        *,
+        keys: Sequence[str] = DEFAULT_KEYS,
+        cache_dir: str | Path | None = None,
+        mix: int = 2,
+        name: str = "hdf5",
+    ):
         if len(keys) != 2 or not all(keys):
             raise DataError(f"--data-keys takes two names, features and labels, got {','.join(keys)!r}")
         self.name = name
@@ -271,8 +283,7 @@ class HDF5Data(Data):
         return self.val_files.n
 
     def plan(self, shards: int, batch_size: int, seed: int) -> FilePlan:
-        return FilePlan(self.train_files.sizes, shards, batch_size, seed, mix=self.mix,
-                        on_epoch=self.reader.schedule)
+        return FilePlan(self.train_files.sizes, shards, batch_size, seed, mix=self.mix, on_epoch=self.reader.schedule)
 
     def train_batch(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return self.reader.read(indices)
@@ -296,5 +307,7 @@ class HDF5Data(Data):
             self.cache.close()
 
     def __repr__(self) -> str:
-        return (f"<HDF5Data {self.n_train} train samples in {len(self.train_files.paths)} files, "
-                f"{self.n_val} val in {len(self.val_files.paths)}, samples {_shape(self.train_files.x_shape)}>")
+        return (
+            f"<HDF5Data {self.n_train} train samples in {len(self.train_files.paths)} files, "
+            f"{self.n_val} val in {len(self.val_files.paths)}, samples {_shape(self.train_files.x_shape)}>"
+        )
