@@ -50,6 +50,8 @@ class Downpour(Algorithm):
         params[...] = reply
 
     def master_apply(self, state, center, updates: Sequence[Update], opt: FlatOptimizer | None):
+        if opt is None:
+            raise ValueError("downpour's master steps with its optimizer, and it was given none")
         # Synchronous: one step on the sample-weighted mean, i.e. the big-batch gradient.
         opt.step(weighted_mean(updates))
         return [center] * len(updates)

@@ -166,7 +166,7 @@ class KerasLrSchedule(LrSchedule):
     def __init__(self, cls: type, spec: Spec, base_lr: float):
         self.spec = spec
         kwargs = dict(spec.kwargs)
-        if "initial_learning_rate" in inspect.signature(cls.__init__).parameters:
+        if "initial_learning_rate" in inspect.signature(cls).parameters:
             kwargs.setdefault("initial_learning_rate", float(base_lr))
         try:
             self._schedule = cls(**kwargs)
@@ -219,7 +219,9 @@ class Traced:
     __slots__ = ("_fn", "_batch", "_concrete", "_dtypes")
 
     def __init__(self, fn: Callable, batch: tuple[int, ...] = ()):
-        self._fn, self._batch, self._concrete, self._dtypes = fn, batch, None, ()
+        self._fn, self._batch = fn, batch
+        self._concrete: Any = None  # the traced function, once called
+        self._dtypes: tuple[Any, ...] = ()
 
     def __call__(self, *args: Any) -> Any:
         if self._concrete is None:
@@ -529,13 +531,13 @@ class KerasBackend(Backend):
         known = keras_lr_schedules()
         if spec.name not in known:
             raise unknown_name("Keras learning-rate schedule (keras.optimizers.schedules)", spec.name, list(known))
-        check_kwargs(f"learning-rate schedule {spec.name!r}", known[spec.name].__init__, spec.kwargs, skip=1)
+        check_kwargs(f"learning-rate schedule {spec.name!r}", known[spec.name], spec.kwargs)
         return KerasLrSchedule(known[spec.name], spec, base_lr)
 
     def check_optimizer(self, spec: Spec) -> float:
         return step_on_scratch(spec, lambda scratch: KerasFlatOptimizer(spec, scratch), aligned_zeros(SCRATCH_SIZE))
 
-    def make_optimizer(self, spec: Spec, params: np.ndarray | None = None) -> KerasFlatOptimizer:
+    def make_optimizer(self, spec: Spec, params: np.ndarray | None = None) -> FlatOptimizer:
         return self._overflow_guard(KerasFlatOptimizer(spec, self.params if params is None else params))
 
     # -- state ------------------------------------------------------------------------

@@ -117,8 +117,8 @@ class TorchLrSchedule(LrSchedule):
         return self._lrs[epoch]
 
 
-def _accepts(cls: type, name: str) -> bool:
-    return name in inspect.signature(cls.__init__).parameters
+def _accepts(cls: Callable[..., Any], name: str) -> bool:
+    return name in inspect.signature(cls).parameters
 
 
 class TorchFlatOptimizer(FlatOptimizer):
@@ -129,7 +129,7 @@ class TorchFlatOptimizer(FlatOptimizer):
     parameters: 12 ms fused against ~50 ms for the default path on this kind of CPU).
     """
 
-    def __init__(self, cls: type[torch.optim.Optimizer], spec: Spec, params: np.ndarray | torch.Tensor):
+    def __init__(self, cls: Callable[..., torch.optim.Optimizer], spec: Spec, params: np.ndarray | torch.Tensor):
         self.spec = spec
         self._param = torch.as_tensor(params)
         kwargs = dict(spec.kwargs)
@@ -264,6 +264,7 @@ class TorchBackend(Backend):
         return int(self._flat_params.numel())
 
     def _set_metric(self, metric: str | Callable | None) -> None:
+        self._metric: Callable[[torch.Tensor, torch.Tensor], Any] | None
         if metric is None:
             self.metric_name, self._metric = None, None
         elif metric in ("accuracy", "acc"):
@@ -319,7 +320,8 @@ class TorchBackend(Backend):
         if self.loss_scale is not None:
             start, stop = self._bucket_ranges[bucket]
             self._flat_grads[start:stop].mul_(1.0 / self.loss_scale.scale)
-        self._on_ready(bucket)
+        if self._on_ready is not None:
+            self._on_ready(bucket)
 
     def evaluate(self, x: Any, y: Any, *, batch_size: int = 1024) -> BatchStats:
         stats = BatchStats()
@@ -371,7 +373,7 @@ class TorchBackend(Backend):
             spec, lambda scratch: TorchFlatOptimizer(cls, spec, scratch), np.zeros(SCRATCH_SIZE, np.float32)
         )
 
-    def make_optimizer(self, spec: Spec, params: np.ndarray | None = None) -> TorchFlatOptimizer:
+    def make_optimizer(self, spec: Spec, params: np.ndarray | None = None) -> FlatOptimizer:
         target = self.rule_params if params is None else params
         return self._overflow_guard(TorchFlatOptimizer(_optimizer_class(spec), spec, target))
 
@@ -379,8 +381,8 @@ class TorchBackend(Backend):
         known = torch_lr_schedules()
         if spec.name not in known:
             raise unknown_name("torch learning-rate schedule (torch.optim.lr_scheduler)", spec.name, list(known))
-        init = known[spec.name].__init__
-        check_kwargs(f"learning-rate schedule {spec.name!r}", init, spec.kwargs, skip=2)
+        init = known[spec.name]  # its signature: (optimizer, ...)
+        check_kwargs(f"learning-rate schedule {spec.name!r}", init, spec.kwargs, skip=1)
         check_value_kinds(f"learning-rate schedule {spec}", init, spec.kwargs)
         return TorchLrSchedule(known[spec.name], spec, base_lr)
 

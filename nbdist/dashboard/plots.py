@@ -17,7 +17,8 @@ from __future__ import annotations
 from typing import Any
 
 import pandas as pd
-from bokeh.models import ColumnDataSource, HoverTool, Legend, LegendItem
+from bokeh.models import ColumnDataSource, HoverTool
+from bokeh.models.annotations.legends import Legend, LegendItem
 from bokeh.palettes import Category10_10, Category20_20
 from bokeh.plotting import figure
 

@@ -183,7 +183,12 @@ def jet_images(
     directory = Path(out).expanduser().absolute()
     started = time.time()
     rank, size = (comm.Get_rank(), comm.Get_size()) if comm is not None else (0, 1)
-    _together(comm, lambda: rank == 0 and _prepare_directory(directory, spec, overwrite))
+
+    def prepare() -> None:
+        if rank == 0:
+            _prepare_directory(directory, spec, overwrite)
+
+    _together(comm, prepare)
     todo = [job for job in spec.jobs if not _made(directory / job.name, spec.fingerprint(job))]
     if cluster is not None:
         _on_cluster(cluster, spec, directory, todo, progress)
@@ -256,7 +261,7 @@ def _spec(
             f"{events} events are too few for {files} training and {n_val_files} validation "
             f"files: every file needs a signal and a background jet"
         )
-    jobs = []
+    jobs: list[FileJob] = []
     for split, total, count in (("train", n_train, int(files)), ("val", n_val, n_val_files)):
         for index, n in enumerate(np.array_split(np.arange(total), count)):
             jobs.append(FileJob(split, index, len(jobs), (len(n) + 1) // 2, len(n) // 2))

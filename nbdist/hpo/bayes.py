@@ -42,19 +42,23 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 
 from nbdist.hpo.searcher import Searcher, SearcherError, register
-from nbdist.hpo.space import Categorical
+from nbdist.hpo.space import Integer, Real
 
 __all__ = ["BayesSearcher"]
 
 ACQ_FUNCS = ("EI", "LCB", "PI")
-LIARS = {"cl_min": min, "cl_mean": lambda ys: sum(ys) / len(ys), "cl_max": max}
+LIARS: dict[str, Callable[[list[float]], float]] = {
+    "cl_min": min,
+    "cl_mean": lambda ys: sum(ys) / len(ys),
+    "cl_max": max,
+}
 DESIGNS = ("lhs", "random")
 DESIGN_SEED, RANDOM_POINT, GP_ASK = 4, 5, 6  # rng streams
 
@@ -213,6 +217,6 @@ class BayesSearcher(Searcher):
     def _from_skopt(self, row) -> dict:
         # skopt hands back numpy scalars, and reals a rounding error outside their bounds.
         return {
-            name: dim.coerce(v) if isinstance(dim, Categorical) else dim.coerce_clip(v)
+            name: dim.coerce_clip(v) if isinstance(dim, (Real, Integer)) else dim.coerce(v)
             for (name, dim), v in zip(self.space.items(), row, strict=True)
         }

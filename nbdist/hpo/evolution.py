@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from nbdist.hpo.searcher import Searcher, SearcherError, register
-from nbdist.hpo.space import Categorical
+from nbdist.hpo.space import Categorical, Integer, Real
 
 __all__ = ["EvolutionSearcher", "crossover", "mutation", "mutation_fraction", "tournament", "elite_count"]
 
@@ -197,6 +197,8 @@ class EvolutionSearcher(Searcher):
                     value = dim.categories[(dim.index(value) + 1 + int(rng.integers(count - 1))) % count]
                 child[name] = value
                 continue
+            if not isinstance(dim, (Real, Integer)):
+                raise TypeError(f"evolution cannot breed a {type(dim).__name__} dimension ({name})")
             low, high = dim.search_bounds
             p = crossover(dim.to_search(parent_a[name]), dim.to_search(parent_b[name]), rng.random(), low, high)
             p = mutation(p, rng.random(), rng.random(), g, self.generations, low, high)

@@ -131,6 +131,7 @@ class RunAborted(RunFailure):
     """Another rank said that the run cannot go on (its message, its verdict)."""
 
     origin = False
+    sender: int | None = None  # the rank that said so
 
 
 def failed_ranks(comm: Any, run: Any) -> list[int]:

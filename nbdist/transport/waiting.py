@@ -95,7 +95,7 @@ class CommFailure(Exception):
 
     def __init__(self, error: MPI.Exception):
         super().__init__(str(error))
-        self.error_class = error.Get_error_class()
+        self.error_class: int | None = error.Get_error_class()  # None: not MPI's (torch's)
 
 
 _abandoned = False
@@ -123,7 +123,8 @@ class watch_with:
     watch on exit, so nested runs (a study's trial in a group) keep theirs."""
 
     def __init__(self, check: Callable[[], None] | None):
-        self.check, self.previous = check, None
+        self.check: Callable[[], None] | None = check
+        self.previous: Callable[[], None] | None = None
 
     def __enter__(self) -> watch_with:
         global _watch
