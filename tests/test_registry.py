@@ -90,3 +90,34 @@ def test_a_name_is_registered_once_and_an_entry_can_be_removed():
 def test_every_registry_made_is_listed_for_the_docs_and_the_contract_tests():
     toys = _toys()
     assert any(registry is toys for registry in Registry.every())
+
+
+def test_parameters_nbdist_supplies_are_neither_listed_nor_taken_from_a_spec():
+    searchers: Registry = Registry("toy searcher", skip=1, supplied=("seed",))
+
+    @searchers.register
+    class Toy:
+        """Draws points."""
+
+        name = "toy"
+
+        def __init__(self, space: str, *, seed: int = 0, points: int = 5) -> None:
+            self.space, self.seed, self.points = space, seed, points
+
+    assert searchers.describe("toy") == "toy(points=5)"
+    assert searchers.build("toy(points=3)", "x=real(0,1)", seed=7).seed == 7
+    with pytest.raises(SpecError, match="takes no parameter 'seed'; it takes: points"):
+        searchers.build("toy(seed=3)", "x=real(0,1)")
+
+
+def test_a_registry_is_found_by_its_kind_and_a_test_s_toys_go_with_it():
+    import gc
+
+    toys: Registry = Registry("short-lived toy rule")
+    assert Registry.named("short-lived toy rule") is toys
+    del toys
+    gc.collect()
+    assert all(registry.kind != "short-lived toy rule" for registry in Registry.every())
+    with pytest.raises(LookupError, match="no short-lived toy rule registry"):
+        Registry.named("short-lived toy rule")
+
