@@ -21,6 +21,11 @@ a time however many workers it serves; the result is master_apply's, bit for bit
 
 Optimisers are passed in as `FlatOptimizer` objects (the backend makes them), so the
 rules never name a framework.
+
+Every rule registers on `RULES` (nbdist.registry): its class carries its name, its
+parameters (the constructor's, with defaults, and `parameter_help`), the topologies it
+trains and what the contract tests may expect of it (tests/test_rule_contracts.py). A new
+rule is one module and `@RULES.register` (docs/howto/custom-rule.md).
 """
 
 from __future__ import annotations
@@ -34,9 +39,20 @@ import numpy as np
 
 from nbdist.algorithms.arrays import Array, copy_into, f32, is_array, to_numpy
 from nbdist.backends.base import FlatOptimizer
+from nbdist.registry import Registry
 from nbdist.specs import ValueRange
 
-__all__ = ["Algorithm", "RuleState", "Update", "MOMENTUM", "weighted_mean", "mean_factors", "accumulate_mean"]
+__all__ = [
+    "Rule",
+    "RULES",
+    "Algorithm",
+    "RuleState",
+    "Update",
+    "MOMENTUM",
+    "weighted_mean",
+    "mean_factors",
+    "accumulate_mean",
+]
 
 # The momentum of a rule's velocity: at 1 or above it never decays and the run diverges.
 MOMENTUM = ValueRange(0.0, 1.0, high_open=True)
@@ -73,15 +89,34 @@ class Update:
     version: int = 0  # the master version the worker computed from (staleness is set from it when applied)
 
 
-class Algorithm(ABC):
+class Rule:
+    """What every registered update rule's class carries: its name, the help of its
+    constructor's parameters and the topologies it trains (--topology)."""
+
     name: ClassVar[str]
+    parameter_help: ClassVar[dict[str, str]] = {}
+    topologies: ClassVar[tuple[str, ...]] = ("master-worker",)
+    # Parameters that exercise every part of the rule (EASGD's elastic momentum, say):
+    # the contract tests build it with these.
+    example_parameters: ClassVar[dict[str, Any]] = {}
+
+
+RULES: Registry[Rule] = Registry("update rule")
+
+
+class Algorithm(Rule, ABC):
+    """A master/worker update rule: the methods the topology calls (see the module)."""
+
     default_sync_every: ClassVar[int] = 1
     uses_worker_optimizer: ClassVar[bool] = True
     uses_master_optimizer: ClassVar[bool] = False
+    # With one worker that syncs after every batch, the rule is plain training with its
+    # optimiser (the master's, else the worker's): a contract test holds it to that.
+    one_worker_is_plain_training: ClassVar[bool] = False
     # What a worker sends is made from its weights (the weights, or their displacement),
-    # not from its gradients: whatever moved the weights between syncs reaches the centre
-    # (a GAN's discriminator steps, taken inside the gradient computation, do).
-    sends_weights: ClassVar[bool] = False
+    # not from its gradients: every local step reaches the centre, whatever took it (a
+    # GAN's discriminator steps, taken inside the gradient computation, do).
+    carries_local_steps: ClassVar[bool] = False
     # The centre takes each worker's window displacement as it is (no elastic pull, no
     # rescaling): the workers' momentum then reaches the centre, and with many workers
     # its total with asynchrony's can make the centre collapse (train/asynchrony.py).
@@ -94,7 +129,7 @@ class Algorithm(ABC):
     discount_stale: bool = False
     # A worker's message is its weights themselves (EASGD), not a step: a codec that sends
     # a part and keeps the rest for later (--compression topk, powersgd) does not fit.
-    sends_weights_themselves: ClassVar[bool] = False
+    message_is_weights: ClassVar[bool] = False
 
     def __init__(self, **params: Any):
         self.params = params

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from nbdist.algorithms.arrays import Array, namespace, zeros_like_buffer
-from nbdist.algorithms.base import MOMENTUM, Algorithm, RuleState, Update
+from nbdist.algorithms.base import MOMENTUM, RULES, Algorithm, RuleState, Update
 from nbdist.backends.base import FlatOptimizer
 from nbdist.specs import ValueRange
 
@@ -59,8 +59,19 @@ class GEMWorker(RuleState):
     pulls: int
 
 
+@RULES.register
 class GEM(Algorithm):
+    """Gradient energy matching: each update is rescaled so that the centre moves with the
+    energy of momentum SGD as one worker would run it (Hermans & Louppe 2018)."""
+
     name = "gem"
+    parameter_help = {
+        "lr": "the learning rate of the proxy momentum SGD",
+        "momentum": "the proxy's momentum, in [0, 1)",
+        "kappa": "amplifies the proxy's energy",
+        "epsilon": "keeps the rescaling finite where a gradient is zero",
+        "pi_max": "the largest rescaling of an update",
+    }
     uses_worker_optimizer = False
     auto_stale_discount = True  # see above
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from nbdist.algorithms import Algorithm, make_algorithm
+from nbdist.algorithms import Algorithm, make_algorithm, rule_class
 from nbdist.backends import Backend, DeviceRequest, backend_for, configure_frameworks, making_models
 from nbdist.backends.base import ModelError
 from nbdist.data.base import Data, DataError
@@ -65,7 +65,8 @@ __all__ = [
 # slowly with 4 workers (the correction assumes staleness W - 1; measured, it is less).
 DEFAULT_WORKER_OPTIMIZER = "sgd(lr=0.05, momentum=0.9)"
 DEFAULT_MASTER_OPTIMIZER = "sgd(lr=0.1)"
-ALLREDUCE_RULES = ("sgd", "allreduce")
+# What --algorithm may also say for the allreduce topology's rule (the registered "sgd").
+ALLREDUCE_ALIAS = "allreduce"
 # GANs: EASGD with RMSprop workers, as the 3D calorimeter GAN was trained (see
 # gan/training.py for why only rules whose workers send their weights apply).
 DEFAULT_GAN_ALGORITHM = "easgd"
@@ -161,7 +162,7 @@ def _check_gan(options: TrainOptions) -> TrainOptions:
             "whose BatchNorm layers already normalise over its whole batch; drop --sync-batchnorm"
         )
     algorithm = make_algorithm(parse_spec(options.algorithm or DEFAULT_GAN_ALGORITHM, what="--algorithm"))
-    if not algorithm.sends_weights:
+    if not algorithm.carries_local_steps:
         raise OptionsError(
             f"--gan trains with easgd, adag or dynsgd, whose workers send their weights (generator and "
             f"discriminator together); {algorithm.name} sends gradients, which would leave the "
@@ -180,7 +181,7 @@ def _check_gan(options: TrainOptions) -> TrainOptions:
 def _resolve_rules(options: TrainOptions) -> tuple[Algorithm | None, int, Spec | None, Spec | None]:
     if options.topology == "allreduce":
         spec = parse_spec(options.algorithm or "sgd", what="--algorithm")
-        if spec.name not in ALLREDUCE_RULES:
+        if spec.name != ALLREDUCE_ALIAS and "allreduce" not in rule_class(spec.name).topologies:
             raise OptionsError(
                 f"{spec.name} is a master/worker algorithm; the allreduce topology trains with "
                 f"synchronous sgd (use --topology master-worker for {spec.name})"
@@ -228,12 +229,7 @@ def _resolve_rules(options: TrainOptions) -> tuple[Algorithm | None, int, Spec |
 
 def _resolve_compression(options: TrainOptions, algorithm: Algorithm | None) -> Spec | None:
     spec = parse_compression(options.compression)
-    if (
-        spec is not None
-        and algorithm is not None
-        and algorithm.sends_weights_themselves
-        and make_codec(spec, 2).feedback
-    ):
+    if spec is not None and algorithm is not None and algorithm.message_is_weights and make_codec(spec, 2).feedback:
         raise OptionsError(
             f"--compression {spec} sends a part of each message and keeps the rest for the next one: a fit for "
             f"gradients and updates, but {algorithm.name}'s workers send their weights; use fp16 or bf16"
@@ -293,7 +289,7 @@ def prepare(
     peers = Peers(comm, options.peer_timeout)
     device = DeviceRequest(options.device, local_rank(comm))  # collective: before any rank can fail
     try:
-        options = _check_gan(options.validate())
+        options = options.validate()
         poll_without_sleeping(
             options.busy_poll == "on" or (options.busy_poll == "auto" and polling_suits_node(options.threads))
         )
@@ -305,6 +301,13 @@ def prepare(
             topology=options.topology,
         )
         role = layout.role(comm.Get_rank())
+        # The user's code first: a model file (or cell) may register its own update rule
+        # (docs/howto/custom-rule.md). The frameworks are configured before and after it:
+        # the same seed on every rank gives identical initial replicas even before the first sync.
+        configure_frameworks(options.threads, options.seed)
+        definition = definition() if callable(definition) else definition
+        configure_frameworks(options.threads, options.seed)
+        options = _check_gan(options)
         algorithm, sync_every, worker_opt, master_opt = _resolve_rules(options)
         compression = _resolve_compression(options, algorithm)
         notices, stale_lr = [], False
@@ -324,11 +327,6 @@ def prepare(
         resume_from, damaged = (
             _find_resume(options, layout) if restart_of is None else Checkpoints(restart_of).latest_intact()
         )
-        configure_frameworks(options.threads, options.seed)
-        definition = definition() if callable(definition) else definition
-        # Again for the frameworks the user's code imported: the same seed on every rank
-        # gives identical initial replicas even before the first sync.
-        configure_frameworks(options.threads, options.seed)
         data = _make_data(options, definition)
         check_data_size(data, layout, options)
         sample, _ = data.train_batch(np.arange(min(SAMPLE_ROWS, data.n_train)))
