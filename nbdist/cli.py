@@ -22,6 +22,7 @@ import time
 import traceback
 
 from nbdist.errors import UserError
+from nbdist.hpo import SEARCHERS
 from nbdist.options import add_arguments, add_study_arguments, options_from_args, study_options_from_args
 from nbdist.transport.faults import RunFailure, ulfm_enabled
 
@@ -41,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(train)
 
     study = sub.add_parser("study", help="a hyper-parameter study under mpiexec/srun (rank 0 coordinates)")
-    add_study_arguments(study)
+    add_study_arguments(study, SEARCHERS)
 
     launch = sub.add_parser(
         "launch",

@@ -121,3 +121,20 @@ def test_a_registry_is_found_by_its_kind_and_a_test_s_toys_go_with_it():
     with pytest.raises(LookupError, match="no short-lived toy rule registry"):
         Registry.named("short-lived toy rule")
 
+
+def test_nbdist_s_registries_load_without_mpi_or_a_framework(pyrun):
+    """The options list every registry's entries in --help: the notebook's kernel and the
+    launcher's process import them, and must not start MPI or load torch doing so."""
+    done = pyrun(
+        [
+            "-c",
+            "import sys, nbdist.options, nbdist.hpo\n"
+            "from nbdist.registry import Registry\n"
+            "print(sorted(r.kind for r in Registry.every()))\n"
+            "print(sorted(m for m in ('mpi4py.MPI', 'torch', 'tensorflow', 'keras') if m in sys.modules))",
+        ]
+    )
+    assert done.returncode == 0, done.output
+    kinds, heavy = done.stdout.strip().splitlines()[-2:]
+    assert kinds == str(sorted(["update rule", "codec", "allreduce backend", "searcher"]))
+    assert heavy == "[]"

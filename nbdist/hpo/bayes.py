@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from nbdist.hpo.searcher import Searcher, SearcherError, register
+from nbdist.hpo.searcher import SEARCHERS, Searcher, SearcherError
 from nbdist.hpo.space import Integer, Real
 
 __all__ = ["BayesSearcher"]
@@ -74,9 +74,22 @@ def _quiet_single_thread() -> Iterator[None]:
         yield
 
 
-@register
+@SEARCHERS.register
 class BayesSearcher(Searcher):
+    """Bayesian optimisation: a Gaussian process fitted to the results so far proposes the
+    points (scikit-optimize; constant liar for the points still training)."""
+
     name = "bayes"
+    parameter_help = {
+        "initial_points": "points of the initial design, before the GP proposes any",
+        "initial_design": "lhs (a Latin hypercube) or random",
+        "acq_func": "the acquisition function: EI, LCB or PI",
+        "xi": "EI's and PI's exploration margin, in the figure of merit's units",
+        "kappa": "LCB's exploration weight",
+        "liar": "what a pending point is told as: cl_min, cl_mean or cl_max of the results",
+        "n_points": "random candidates for the acquisition before L-BFGS refines the best",
+        "noise": "'gaussian' (fitted) or a fixed noise variance",
+    }
 
     def __init__(
         self,

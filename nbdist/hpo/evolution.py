@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from nbdist.hpo.searcher import Searcher, SearcherError, register
+from nbdist.hpo.searcher import SEARCHERS, Searcher, SearcherError
 from nbdist.hpo.space import Categorical, Integer, Real
 
 __all__ = ["EvolutionSearcher", "crossover", "mutation", "mutation_fraction", "tournament", "elite_count"]
@@ -84,9 +84,17 @@ def elite_count(population: int) -> int:
 
 
 # ----------------------------------------------------------------------------- the searcher
-@register
+@SEARCHERS.register
 class EvolutionSearcher(Searcher):
+    """An evolutionary algorithm: tournament selection, crossover and shrinking mutation
+    over generations of a population (NNLO's GA)."""
+
     name = "evolution"
+    parameter_help = {
+        "population": "points in each generation (at least 2)",
+        "generations": "generations in all (default: as many as the study's --trials allow)",
+        "reevaluate_elite": "train the fittest fifth carried over again in the next generation",
+    }
 
     def __init__(
         self,
