@@ -30,7 +30,8 @@ class DynSGD(ADAG):
 
     name = "dynsgd"
     # Its updates are rescaled by staleness: at 8 workers on the jet images it did not
-    # collapse where ADAG did (bench/convergence.py), so no warning for its momentum.
+    # collapse where ADAG did (bench/results/2026-11-24-convergence.md), so no warning for
+    # its momentum.
     centre_takes_worker_steps = False
     auto_stale_discount = False  # it always discounts
     discount_stale = True

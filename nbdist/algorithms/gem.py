@@ -20,14 +20,13 @@ the centre just before it sends, so |c| reaches up to the moment its update is a
 Here a worker's pull is the master's reply to its previous update, and the update it
 sends next was scaled by a |c| one computation older: the updates of the other W - 1
 workers in between are not in it. Each worker makes up the whole shortfall of energy it
-sees, so W workers answer a shortfall about W times over, a cycle late. With 16 workers on
-the jet images that oscillated: 3 of 4 runs collapsed (bench/convergence.py,
-2026-11-25). So a run sets `discount_stale` under --momentum-correction auto from 8
-asynchronous workers (nbdist.train.asynchrony): the master scales each update by
-1 / (1 + staleness), DynSGD's discount, before adding it, which takes each worker's answer
-down to about its 1/W share, while the energy matching raises pi where the centre then
-moves too little. Measured: none of 8 runs collapsed at 16 workers (mean best 0.932), none
-of 6 at 8 (0.946; without the discount 1 of 3 dipped to chance, best 0.945).
+sees, so W workers answer a shortfall about W times over, a cycle late: with many workers
+the centre oscillates, and on the jet images at 16 workers it collapsed. So a run sets
+`discount_stale` under --momentum-correction auto from 8 asynchronous workers
+(nbdist.train.asynchrony): the master scales each update by 1 / (1 + staleness), DynSGD's
+discount, before adding it, which takes each worker's answer down to about its 1/W share,
+while the energy matching raises pi where the centre then moves too little. With it GEM
+did not collapse at 8 or 16 workers (bench/results/2026-11-25-convergence.md).
 `--momentum-correction off` keeps the rule above.
 """
 

@@ -193,9 +193,10 @@ def aligned_zeros(n: int, dtype: Any = np.float32) -> np.ndarray:
 def _tensor(value: Any) -> tf.Tensor:
     """An argument of a compiled function as a tensor. An aligned numpy array becomes a
     tensor on the same memory (DLPack), without the copy that passing it to a tf.function
-    makes (4 ms of a 1.3 ms step for 2M floats here); the compiled functions only read
+    makes (for a large model, longer than its step); the compiled functions only read
     their inputs. Anything else is converted here rather than by the tf.function, whose
-    own conversion of numpy arguments cost more than the small MLP's whole step."""
+    own conversion of numpy arguments cost more than the small MLP's whole step
+    (bench/results/2026-11-25-keras_overhead.md)."""
     if isinstance(value, tf.Tensor):
         return value
     if isinstance(value, np.ndarray) and value.size and value.flags.c_contiguous and value.ctypes.data % ALIGNMENT == 0:
@@ -208,13 +209,13 @@ def _tensor(value: Any) -> tf.Tensor:
 
 class Traced:
     """A tf.function traced once, on its first call, with the first dimension of the
-    arguments in `batch` left open. Each new input shape would cost a trace (0.1-0.5 s
-    here): the probe, a full batch, an epoch's last batch and the validation set differ.
+    arguments in `batch` left open. Each new input shape would cost a trace (a fraction of
+    a second): the probe, a full batch, an epoch's last batch and the validation set differ.
 
     Calls go to the traced ConcreteFunction with tensors: the tf.function's dispatch
-    (matching the arguments against its signature, converting numpy ones) took 0.4-0.6
-    ms per call, more than a digits MLP's forward and backward pass; the concrete
-    function's takes about 0.2 ms."""
+    (matching the arguments against its signature, converting numpy ones) took longer per
+    call than a digits MLP's forward and backward pass, the concrete function's a fraction
+    of it (bench/results/2026-11-25-keras_overhead.md)."""
 
     __slots__ = ("_fn", "_batch", "_concrete", "_dtypes")
 

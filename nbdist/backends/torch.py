@@ -125,8 +125,8 @@ class TorchFlatOptimizer(FlatOptimizer):
     """torch.optim over one flat tensor (or the tensor of a numpy array's memory).
 
     One tensor means the fused (or foreach) kernels update the whole model in a single
-    pass; `fused=True` is the default where the optimiser offers it (Adam on 10M
-    parameters: 12 ms fused against ~50 ms for the default path on this kind of CPU).
+    pass; `fused=True` is the default where the optimiser offers it (Adam's default
+    foreach path took several times as long: bench/results/2026-11-22-master_throughput.md).
     """
 
     def __init__(self, cls: Callable[..., torch.optim.Optimizer], spec: Spec, params: np.ndarray | torch.Tensor):

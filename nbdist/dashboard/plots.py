@@ -3,7 +3,7 @@
 
 Why Bokeh directly and not HoloViews Buffers here: a Buffer ends in the same `stream`
 call, but first re-evaluates its DynamicMap and, in an overlay of one line per rank,
-every layer of it: about 0.3 s per send on this project's 2-core machine under load,
+every layer of it: a noticeable part of a second per send on a busy two-core machine,
 with twenty sends per poll. These plots are polled twice a second while ranks train on
 the same cores, so they skip that machinery. (The study view, updated once per trial,
 uses HoloViews: study_view.py.)

@@ -16,8 +16,8 @@ A failed trial is told to the model as the worst value seen so far: the region t
 it fail (a learning rate that diverges) is then avoided, without a made-up number that
 would distort the GP's scale.
 
-Two choices keep it fast (Branin: ~0.1 s of CPU per point, against ~1 s for skopt's
-`gp_minimize` in bench/hpo_parallel.py):
+Two choices keep it fast (less CPU per point than skopt's `gp_minimize`, and better on
+Branin: bench/results/2026-11-23-hpo_parallel.md):
 - the kernel's hyper-parameters are fitted once per ask, on the real results only, by
   maximum likelihood from two starts: skopt's default and the previous fit (`theta` in the
   state), the better one kept (the previous fit alone can stay stuck in a poor optimum,
@@ -29,7 +29,7 @@ Two choices keep it fast (Branin: ~0.1 s of CPU per point, against ~1 s for skop
 Defaults that differ from skopt's: `xi=1e-4` (skopt: 0.01, in the figure of merit's units:
 larger than the differences that matter near an optimum, such as 1% of a loss of 0.4);
 `n_points=1000` random candidates for the acquisition (skopt: 10000) before L-BFGS refines
-the best five, ten times cheaper and no worse on Branin; a Latin hypercube start
+the best five, a tenth of the work and no worse on Branin; a Latin hypercube start
 (skopt: random points).
 
 `acq_func` is one of EI (default), LCB, PI: skopt's `gp_hedge` keeps gains across

@@ -57,12 +57,12 @@ __all__ = [
     "master_share",
 ]
 
-# Workers explore with momentum (GEM's own default is the same): lr 0.1 with momentum 0.9
-# (a step of 1.0 in effect) made 8-worker allreduce (batch 256) collapse on the jet images
-# in 2 of 3 seeds, warm-up or not; 0.05 did not (bench/convergence.py). A Downpour master
-# gets no momentum by default, because asynchronous updates already act as momentum
-# (train/asynchrony.py); a momentum-0.9 master corrected for it learned digits more
-# slowly with 4 workers (the correction assumes staleness W - 1; measured, it is less).
+# Workers explore with momentum (GEM's own default is the same); lr 0.05 because 0.1 with
+# momentum 0.9 (a step of 1.0 in effect) made 8-worker allreduce collapse on the jet images
+# (bench/results/2026-11-24-convergence.md). A Downpour master gets no momentum by default:
+# asynchronous updates already act as momentum (train/asynchrony.py), and a momentum-0.9
+# master corrected for it learned digits more slowly with few workers (the correction
+# assumes staleness W - 1; it is less: the same file).
 DEFAULT_WORKER_OPTIMIZER = "sgd(lr=0.05, momentum=0.9)"
 DEFAULT_MASTER_OPTIMIZER = "sgd(lr=0.1)"
 # What --algorithm may also say for the allreduce topology's rule (the registered "sgd").
