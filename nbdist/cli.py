@@ -475,9 +475,9 @@ def run() -> None:
 def _reports(failure: RunFailure) -> bool:
     """Whether this rank is the one to print `failure`: the first to record it in the run
     directory, or, before there is one, the lowest rank that did not fail."""
-    if hasattr(failure, "reported_here"):
-        return bool(failure.reported_here)
-    if getattr(failure, "run_dir", None) is not None:
+    if failure.reported_here is not None:
+        return failure.reported_here
+    if failure.run_dir is not None:
         return False
     try:
         from mpi4py import MPI

@@ -144,7 +144,7 @@ class Cluster:
             raise ClusterError(f"unknown engine launcher {engines!r}; choose one of: {', '.join(ENGINE_KINDS)}")
         if interface and ip:
             raise ClusterError("give the controller's network interface or its ip address, not both")
-        self.slurm = {"partition": partition, "time": time, "account": account, "nodes": nodes}
+        self.slurm: dict[str, Any] = {"partition": partition, "time": time, "account": account, "nodes": nodes}
         if engines != "slurm" and any(self.slurm.values()):
             given = ", ".join(k for k, v in self.slurm.items() if v)
             raise ClusterError(f"{given} belong to engines submitted to SLURM: add --slurm (engines='slurm')")

@@ -509,7 +509,7 @@ class _Progress:
     def __init__(self, job: Job):
         self.job = job
         self.handle = None
-        self._last = ""
+        self._last: dict[str, Any] | None = None  # the summary shown last
         try:
             from IPython import get_ipython
             from IPython.display import display

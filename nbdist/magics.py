@@ -28,6 +28,8 @@ __all__ = ["DistnnMagics", "load_ipython_extension"]
 class _commands(ArgDecorator):
     """The sub-commands of %distnn, built on the train options' own parser."""
 
+    subparsers: Any = None  # set when the parser is built: the full help lists each
+
     def add_to_parser(self, parser: MagicArgumentParser, group: Any) -> None:
         sub = parser.add_subparsers(
             dest="command", metavar="{cluster,train,study,last,stop}", parser_class=MagicArgumentParser

@@ -315,10 +315,10 @@ class TrainOptions:
             raise OptionsError(f"--max-restarts must be 0 or more, got {self.max_restarts}")
         if self.peer_timeout is not None and not self.peer_timeout > 0:
             raise OptionsError(f"--peer-timeout must be a number of seconds above 0, got {self.peer_timeout}")
-        name = self.run_name
-        if name is not None and (Path(name).name != name or name in ("", ".", "..")):
+        run_name = self.run_name
+        if run_name is not None and (Path(run_name).name != run_name or run_name in ("", ".", "..")):
             raise OptionsError(
-                f"--run-name {name!r}: a directory name inside --runs-dir, without '/'; "
+                f"--run-name {run_name!r}: a directory name inside --runs-dir, without '/'; "
                 f"give the parent directory with --runs-dir"
             )
         if not self.bucket_mb > 0:

@@ -138,7 +138,7 @@ class Algorithm(Rule, ABC):
         args = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
         return f"{self.name}({args})"
 
-    def bind(self, workers: int) -> None:  # noqa: B027
+    def bind(self, workers: int) -> None:
         """Called once, before any update, with the number of workers whose updates reach
         the centre (every master's, with sub-masters). By default a rule ignores it."""
 
@@ -148,7 +148,7 @@ class Algorithm(Rule, ABC):
         """The worker's state, its arrays in the namespace and on the device of `like`
         (the worker's weights; numpy without it)."""
 
-    def worker_start(self, state: RuleState, params: Array) -> None:  # noqa: B027
+    def worker_start(self, state: RuleState, params: Array) -> None:
         """Called once the worker holds the master's initial weights. By default nothing
         happens: only rules that remember where a window started need it."""
 

@@ -150,7 +150,8 @@ class RunPlots:
         )
         self.staleness_mean = ColumnDataSource({"t": [], "staleness": []})
         mean = self.staleness.figure.line("t", "staleness", source=self.staleness_mean, color="black", line_width=2.5)
-        self.staleness.legend.items.insert(0, LegendItem(label="all workers", renderers=[mean]))
+        # bokeh's type hints give Legend.items as (label, renderers) pairs; it holds LegendItems.
+        self.staleness.legend.items.insert(0, LegendItem(label="all workers", renderers=[mean]))  # type: ignore[arg-type]
         self.staleness_reference = staleness_reference
         if staleness_reference is not None:
             # A glyph, not an annotation: the plot's range then always takes it in.
@@ -162,7 +163,8 @@ class RunPlots:
                 name="nbdist-staleness-reference",
             )
             self.staleness.legend.items.insert(
-                1, LegendItem(label=f"queue model: n-1 = {staleness_reference}", renderers=[reference])
+                1,
+                LegendItem(label=f"queue model: n-1 = {staleness_reference}", renderers=[reference]),  # type: ignore[arg-type]
             )
         self.staleness_ranks = [f"rank {r}" for r in worker_ranks[:MAX_RANK_LINES]]
         self.staleness_counts = ColumnDataSource({"staleness": [], **{r: [] for r in self.staleness_ranks}})

@@ -106,20 +106,20 @@ class FilePlan(ShardPlan):
     ):
         if mix < 1:
             raise ValueError(f"files mixed per window must be at least 1, got {mix}")
-        sizes = np.asarray(sizes, np.int64)
-        super().__init__(int(sizes.sum()), shards, batch_size, seed)
-        self.offsets = np.concatenate([[0], np.cumsum(sizes)])
+        file_sizes = np.asarray(sizes, np.int64)
+        super().__init__(int(file_sizes.sum()), shards, batch_size, seed)
+        self.offsets = np.concatenate([[0], np.cumsum(file_sizes)])
         self.mix = int(mix)
         self.on_epoch = on_epoch
-        order = np.random.default_rng([self.seed, _FILE_ORDER]).permutation(len(sizes))
-        starts = np.cumsum(sizes[order]) - sizes[order]  # where each file begins in that order
+        order = np.random.default_rng([self.seed, _FILE_ORDER]).permutation(len(file_sizes))
+        starts = np.cumsum(file_sizes[order]) - file_sizes[order]  # where each file begins in that order
         q, r = divmod(self.n_samples, self.shards)
         bounds = [s * q + min(s, r) for s in range(self.shards + 1)]
         self.pieces: list[list[Piece]] = []
         for lo, hi in pairwise(bounds):
             mine = []
             for file, begin in zip(order, starts, strict=True):
-                a, b = max(lo, begin), min(hi, begin + sizes[file])
+                a, b = max(lo, begin), min(hi, begin + file_sizes[file])
                 if a < b:
                     mine.append(Piece(int(file), int(a - begin), int(b - begin)))
             self.pieces.append(mine)

@@ -124,6 +124,20 @@ class RankContext:
     compression: Spec | None = None  # --compression (None: none; transport/compression.py)
 
     @property
+    def rule(self) -> Algorithm:
+        """The master/worker update rule (the roles of that topology use it; allreduce has none)."""
+        if self.algorithm is None:
+            raise RuntimeError("the allreduce topology has no master/worker update rule")
+        return self.algorithm
+
+    @property
+    def resume_dir(self) -> Path:
+        """The run directory this run resumes from (the code that calls this runs only then)."""
+        if self.resume_from is None:
+            raise RuntimeError("this run resumes from no checkpoint")
+        return self.resume_from
+
+    @property
     def world_ranks(self) -> list[int]:
         """The COMM_WORLD rank of each rank of the run, in run order (checkpoints record
         it, so that a restart on fewer ranks can find each role's share)."""
@@ -190,8 +204,12 @@ def _resolve_rules(options: TrainOptions) -> tuple[Algorithm | None, int, Spec |
             raise OptionsError("--master-optimizer applies to the master-worker topology; allreduce has no master")
         if options.sync_every not in (None, 1):
             raise OptionsError("--sync-every applies to the master-worker topology; allreduce syncs every batch")
-        worker = parse_spec(options.worker_optimizer or DEFAULT_WORKER_OPTIMIZER, what="--worker-optimizer")
-        return None, 1, worker, None
+        return (
+            None,
+            1,
+            parse_spec(options.worker_optimizer or DEFAULT_WORKER_OPTIMIZER, what="--worker-optimizer"),
+            None,
+        )
 
     algorithm = make_algorithm(parse_spec(options.algorithm or "downpour", what="--algorithm"))
     if options.worker_optimizer and not algorithm.uses_worker_optimizer:
@@ -204,7 +222,7 @@ def _resolve_rules(options: TrainOptions) -> tuple[Algorithm | None, int, Spec |
             f"{algorithm.name} takes no master optimizer: its master adds the workers' updates "
             f"to the centre; drop --master-optimizer"
         )
-    worker = (
+    worker: Spec | None = (
         parse_spec(options.worker_optimizer or DEFAULT_WORKER_OPTIMIZER, what="--worker-optimizer")
         if algorithm.uses_worker_optimizer
         else None
@@ -337,11 +355,11 @@ def prepare(
         stage_process = options.worker_parallel == "pipeline" and role.kind == "worker"
         backend = _stage_backend(definition, options, role, device) if stage_process else make_replica()
         notices += convert_for_sync(options, layout, backend)
-        starting_lrs = [
+        worker_start_lr, master_start_lr = (
             backend.check_optimizer(spec) if spec is not None else None for spec in (worker_opt, master_opt)
-        ]
+        )
         worker_lr, master_lr = plan_learning_rates(
-            options, layout, algorithm, backend, *starting_lrs, master_stale_lr=stale_lr
+            options, layout, algorithm, backend, worker_start_lr, master_start_lr, master_stale_lr=stale_lr
         )
         if not stage_process:
             _probe(backend, data, definition.source)
@@ -366,12 +384,14 @@ def prepare(
             data.close()  # its cache copies and reading thread
         peers.close()
         raise
+    if data is None:  # agree() raised on every rank if any rank's set-up failed
+        raise RuntimeError("the run's set-up ended without its data")
 
     comms = layout.split(comm)
     peers.meet(comm, _role_name(role))
     run_comm = comms.run
     is_leader = run_comm.Get_rank() == 0
-    run_dir = restart_of or (Path(options.resume) if resume_from is not None else None)
+    run_dir = restart_of or (Path(options.resume) if resume_from is not None and options.resume else None)
     if run_dir is None:
         name = None
         if is_leader:
@@ -471,7 +491,7 @@ def _resume_rank(path: Path, layout: Layout, role: Role, comm: Any, restart: boo
     me = MPI.COMM_WORLD.Get_rank()
     old_rank = old_world.index(me) if me in old_world else None
     if role.kind == "master":
-        return master_share(path, role.master), True
+        return master_share(path, role.master_index), True
     if old_rank is not None and old_layout.role(old_rank).kind == role.kind:
         return old_rank, True
     return None, True
@@ -609,7 +629,7 @@ def _stage_backend(definition: ModelDefinition, options: TrainOptions, role: Rol
 
     stages = definition.make_stages(options.procs_per_worker)
     check_stages(stages)
-    backend = TorchStage(stages[role.proc], role.proc, len(stages), definition.loss, definition.metric)
+    backend = TorchStage(stages[role.proc_index], role.proc_index, len(stages), definition.loss, definition.metric)
     backend.place(device)
     return backend
 

@@ -49,7 +49,7 @@ class CheckpointWriter:
         self._failed_job = ""
         self._thread: threading.Thread | None = None
 
-    def submit(self, job: Callable[[], None], name: str | None = None) -> None:
+    def submit(self, job: Callable[[], object], name: str | None = None) -> None:
         """Run `job()` after the jobs before it; `name` (a label), if given, is what
         `written()` gives back once it has run. The job must not read anything the caller
         changes later."""

@@ -132,7 +132,7 @@ class StageParts:
         every = np.empty(sum(counts), np.int64) if leader else None
         target = [every, counts, np.cumsum([0, *counts[:-1]]).tolist(), MPI.INT64_T] if leader else None
         self.collectives.wait(self.comm, self.comm.Igatherv(mine.ravel(), target, root=0), what)
-        if not leader:
+        if every is None:  # not the leader
             return None
         rows = every.reshape(-1, BLOCK_WORDS)
         return sorted((int(r[0]), int(r[1]), tuple(int(d) for d in r[3 : 3 + r[2]])) for r in rows)
