@@ -10,6 +10,7 @@ test's toy rule) is tested without a list to add it to."""
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
 
 import numpy as np
@@ -41,6 +42,27 @@ def master_worker_rules(where: Callable[[type[Algorithm]], bool] = lambda rule: 
 def build(rule: type[Algorithm]) -> Algorithm:
     """The rule with the parameters that exercise all of it (its example_parameters)."""
     return rule(**rule.example_parameters)
+
+
+WORKER_OPT = "sgd(lr=0.1, momentum=0.9)"
+MASTER_OPT = "adam(lr=0.01)"
+
+
+def optimizers(rule: type[Algorithm]) -> dict[str, str]:
+    """The optimisers the rule steps with, as the Simulation takes them."""
+    return {
+        **({"worker_opt": WORKER_OPT} if rule.uses_worker_optimizer else {}),
+        **({"master_opt": MASTER_OPT} if rule.uses_master_optimizer else {}),
+    }
+
+
+def device_runs() -> dict[str, dict]:
+    """Every master/worker rule registered now, as the device tests run it (test_gpu.py):
+    `rule` makes it (with its example_parameters), the rest are its optimisers."""
+    return {
+        param.id: {"rule": functools.partial(build, param.values[0]), **optimizers(param.values[0])}
+        for param in master_worker_rules()
+    }
 
 
 # ----------------------------------------------------------------------------- simulation
@@ -84,8 +106,9 @@ class Simulation:
     serves the updates one at a time (as Testsome hands them over), so the later ones
     are stale by the number served before them.
 
-    tensors: every backend is placed with --device cpu, so the rules run on torch tensors
-    and every message and reply goes through the transport's staging, as on a GPU.
+    tensors: every backend is placed with --device cpu (or the device named, "cuda" in the
+    GPU tests), so the rules run on torch tensors and every message and reply goes through
+    the transport's staging, as on a GPU.
     """
 
     def __init__(
@@ -98,7 +121,7 @@ class Simulation:
         master_opt: str | None = None,
         sync_every: int = 1,
         synchronous: bool = False,
-        tensors: bool = False,
+        tensors: bool | str = False,
     ):
         self.algorithm, self.k, self.synchronous = algorithm, k, synchronous
         algorithm.bind(k)
@@ -126,10 +149,10 @@ class Simulation:
             algorithm.worker_start(state, w.rule_params)
 
     @staticmethod
-    def _backend(model: nn.Module, tensors: bool) -> TorchBackend:
+    def _backend(model: nn.Module, tensors: bool | str) -> TorchBackend:
         backend = TorchBackend(copy.deepcopy(model))
         if tensors:
-            backend.place(DeviceRequest("cpu"))
+            backend.place(DeviceRequest(tensors if isinstance(tensors, str) else "cpu"))
         return backend
 
     def run(self, batches_per_worker) -> None:

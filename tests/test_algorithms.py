@@ -19,6 +19,7 @@ from rule_simulation import (
     STALE,
     Simulation,
     assert_close,
+    device_runs,
     flat,
     make_batches,
     make_model,
@@ -44,6 +45,9 @@ from nbdist.algorithms.base import _NoState
 from nbdist.backends.torch import TorchBackend, TorchFlatOptimizer
 from nbdist.data.sharding import ShardPlan
 from nbdist.specs import Spec, SpecError, parse_spec
+
+# Every registered rule with its optimisers: what tests/test_gpu.py runs on a device.
+DEVICE_RUNS = device_runs()
 
 
 # ----------------------------------------------------------------------------- Downpour

@@ -22,6 +22,7 @@ from rule_simulation import (
     make_model,
     master_round,
     master_worker_rules,
+    optimizers,
     reference_run,
     scramble,
 )
@@ -32,16 +33,6 @@ from nbdist.backends.torch import TorchFlatOptimizer
 from nbdist.specs import Spec, parse_spec
 
 EVERY_RULE = master_worker_rules()
-WORKER_OPT = "sgd(lr=0.1, momentum=0.9)"
-MASTER_OPT = "adam(lr=0.01)"
-
-
-def optimizers(rule) -> dict[str, str]:
-    """The optimisers the rule steps with, as the Simulation takes them."""
-    return {
-        **({"worker_opt": WORKER_OPT} if rule.uses_worker_optimizer else {}),
-        **({"master_opt": MASTER_OPT} if rule.uses_master_optimizer else {}),
-    }
 
 
 # ----------------------------------------------------------------------------- what a rule says of itself
