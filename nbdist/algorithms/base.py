@@ -105,7 +105,37 @@ RULES: Registry[Rule] = Registry("update rule")
 
 
 class Algorithm(Rule, ABC):
-    """A master/worker update rule: the methods the topology calls (see the module)."""
+    """A master/worker update rule: pure functions of flat float32 arrays and a state.
+
+    The topology calls the worker side (`worker_start`, `worker_step`, `worker_message`,
+    `worker_reply`) on every worker and the master side (`master_apply`, `master_round`)
+    on the master, at the points the module docstring lists. Arrays are numpy arrays or
+    torch tensors wherever the model lives (the array API); a rule imports no MPI and no
+    framework, so it is tested on plain arrays. The class attributes say what the rest of
+    nbdist needs to know: `name` (what `--algorithm` takes), `default_sync_every`, which
+    optimisers it uses, what a worker sends (`carries_local_steps`,
+    `message_is_weights`) and whether the master adds updates as they are
+    (`centre_takes_worker_steps`, `auto_stale_discount`). A rule registers on `RULES`
+    (docs/howto/custom-rule.md).
+
+    Args:
+        **params: The rule's own parameters (`--algorithm "easgd(elastic_force=0.5)"`),
+            given to the subclass's constructor; they show in its `repr`.
+
+    Example:
+        ADAG's master adds each update as it comes; the centre is every reply:
+
+        >>> import numpy as np
+        >>> from nbdist.algorithms import ADAG, Update
+        >>> rule = ADAG()
+        >>> centre = np.zeros(3, dtype=np.float32)
+        >>> update = Update(np.full(3, 0.5, np.float32), staleness=0, samples=32)
+        >>> replies = rule.master_apply(rule.new_master_state(3), centre, [update], None)
+        >>> centre
+        array([0.5, 0.5, 0.5], dtype=float32)
+        >>> replies[0] is centre
+        True
+    """
 
     default_sync_every: ClassVar[int] = 1
     uses_worker_optimizer: ClassVar[bool] = True
