@@ -37,6 +37,7 @@ entries are imported; none of these modules imports MPI or a framework):
 from __future__ import annotations
 
 import inspect
+import itertools
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -77,23 +78,24 @@ class Registry(Generic[T]):
     `supplied` (a searcher's direction and seed, the parameter shapes PowerSGD is given).
     """
 
-    # Weak references: a registry a test makes for its toys goes when the test is done.
-    _every: list[weakref.ref[Registry[Any]]] = []
+    # Weak references: a registry a test makes for its toys goes when the test is done
+    # (or when the test removes it: `Registry._every.remove(toys)`).
+    _every: weakref.WeakSet[Registry[Any]] = weakref.WeakSet()
+    _made = itertools.count()
 
     def __init__(self, kind: str, *, skip: int = 0, supplied: Iterable[str] = ()) -> None:
         self.kind = kind
         self._skip = skip
         self._supplied = frozenset(supplied)
         self._entries: dict[str, type[T]] = {}
-        Registry._every.append(weakref.ref(self))
+        self._order = next(Registry._made)
+        Registry._every.add(self)
 
     @classmethod
     def every(cls) -> list[Registry[Any]]:
         """Every registry made so far (of the modules imported): what the docs reference
         and the contract tests walk over."""
-        alive = [registry for registry in (ref() for ref in cls._every) if registry is not None]
-        cls._every = [weakref.ref(registry) for registry in alive]
-        return alive
+        return sorted(cls._every, key=lambda registry: registry._order)
 
     @classmethod
     def named(cls, kind: str) -> Registry[Any]:
