@@ -23,6 +23,7 @@ import traceback
 from pathlib import Path
 
 from nbdist.errors import UserError
+from nbdist.hpo import SEARCHERS
 from nbdist.options import (
     add_arguments,
     add_study_arguments,
@@ -48,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(train)
 
     study = sub.add_parser("study", help="a hyper-parameter study under mpiexec/srun (rank 0 coordinates)")
-    add_study_arguments(study)
+    add_study_arguments(study, SEARCHERS)
 
     launch = sub.add_parser(
         "launch",
@@ -220,7 +221,7 @@ def _world_rank() -> int:
         from mpi4py import MPI
 
         return MPI.COMM_WORLD.Get_rank()
-    except Exception:  # noqa: BLE001 - no MPI: a single process is rank 0
+    except Exception:  # no MPI: a single process is rank 0
         return 0
 
 
@@ -335,10 +336,10 @@ def _slurm_script(args: argparse.Namespace) -> int:
     elif not args.submit:
         print(text, end="", flush=True)
     if args.submit:
-        command = ["sbatch", "--parsable", *([args.write] if args.write else [])]
+        sbatch = ["sbatch", "--parsable", *([args.write] if args.write else [])]
         try:
             done = subprocess.run(
-                command, input=None if args.write else text, capture_output=True, text=True, timeout=120
+                sbatch, input=None if args.write else text, capture_output=True, text=True, timeout=120
             )
         except FileNotFoundError:
             raise UserError(
@@ -521,15 +522,15 @@ def run() -> None:
 def _reports(failure: RunFailure) -> bool:
     """Whether this rank is the one to print `failure`: the first to record it in the run
     directory, or, before there is one, the lowest rank that did not fail."""
-    if hasattr(failure, "reported_here"):
-        return bool(failure.reported_here)
-    if getattr(failure, "run_dir", None) is not None:
+    if failure.reported_here is not None:
+        return failure.reported_here
+    if failure.run_dir is not None:
         return False
     try:
         from mpi4py import MPI
 
         size = MPI.COMM_WORLD.Get_size()
-    except Exception:  # noqa: BLE001 - no MPI: a single process
+    except Exception:  # no MPI: a single process
         return True
     alive = [r for r in range(size) if r not in failure.ranks]
     return bool(alive) and _world_rank() == alive[0]

@@ -11,7 +11,7 @@ through `srun` by itself and the ranks talk over TCP (checked with the wheel's O
 
 `python -m nbdist launch -n 4 train ...` (`launch()`) runs a command under that mpiexec
 and stands between it and the batch system's signals. Open MPI's launcher (prterun) kills
-every rank about 0.6 s after it gets SIGTERM, far too soon for a final checkpoint of a
+every rank within a second of getting SIGTERM, far too soon for a final checkpoint of a
 large model. The launcher starts prterun with SIGTERM and SIGINT blocked (its ranks get
 their signals unblocked again) and turns SIGTERM, SIGUSR1 and a first Ctrl-C into SIGUSR1
 for every rank: each stops at its next step boundary and the run writes its final
@@ -55,8 +55,8 @@ __all__ = [
 STOP_GRACE = 600.0
 # A stop is passed on no sooner than this after prterun starts. Before the ranks run
 # `python -m nbdist`'s first line (which catches it: train/stopping.py) SIGUSR1 kills
-# them, and prterun ended such a job with status 0 and no run at all; measured, a
-# SIGUSR1 0.4 s after the start did that, one at 1 s was caught.
+# them, and prterun ended such a job with status 0 and no run at all (a SIGUSR1 in the
+# first second did that; later ones were caught).
 RANKS_CATCH_AFTER = 3.0
 
 

@@ -260,7 +260,7 @@ class Study:
     def _run(self) -> None:
         try:
             self._result = self.runner.run()
-        except BaseException as exc:  # noqa: BLE001 - reported by wait()/result
+        except BaseException as exc:  # reported by wait()/result
             self._error = exc
         finally:
             self._done.set()

@@ -31,7 +31,7 @@ from nbdist.hpo.reads import check_space_is_read
 from nbdist.hpo.runner import resolve_options
 from nbdist.hpo.space import parse_space
 from nbdist.hpo.trial import check_study, study_layout, trial_options, watched_metrics
-from nbdist.options import options_from_args, require_model, study_options_from_args
+from nbdist.options import model_file, options_from_args, study_options_from_args
 from nbdist.roles.fold import trial_definition
 from nbdist.train.context import TrialTag, settle
 from nbdist.train.definition import load_model_file
@@ -61,18 +61,19 @@ def check_launched(args: argparse.Namespace, ranks: int, workdir: Path) -> list[
 
 
 def _check_train(args: argparse.Namespace, ranks: int) -> list[str]:
-    options = require_model(options_from_args(args))
-    settled = settle(options, lambda: load_model_file(options.model), ranks, 0, HERE, here=False)
+    options = options_from_args(args)
+    model = model_file(options)
+    settled = settle(options, lambda: load_model_file(model), ranks, 0, HERE, here=False)
     settled.data.close()
     return [n.text for n in settled.notices if n.warning]
 
 
 def _check_study(args: argparse.Namespace, ranks: int) -> list[str]:
     study, train = resolve_options(*study_options_from_args(args))
-    require_model(train, "build_model(params)")
+    model = model_file(train, "build_model(params)")
     check_study(study, train)
     layout = study_layout(study, train, ranks)
-    definition = load_model_file(train.model)
+    definition = load_model_file(model)
     check_space_is_read(study, train, definition)
     if not study.space:
         return []

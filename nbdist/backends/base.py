@@ -317,7 +317,7 @@ class Backend(ABC):
             lrs = [schedule.lr_at(epoch) for epoch in range(3)]
         except UserError:
             raise
-        except Exception as exc:  # noqa: BLE001 - the framework's own words name the argument
+        except Exception as exc:  # the framework's own words name the argument
             raise SpecError(f"learning-rate schedule {spec}: {type(exc).__name__}: {exc}") from None
         if not all(np.isfinite(lr) and lr >= 0 for lr in lrs):
             raise SpecError(
@@ -377,7 +377,7 @@ def step_on_scratch(spec: Spec, make: Callable[[np.ndarray], FlatOptimizer], scr
         optimizer.step(np.ones_like(scratch))
     except UserError:
         raise
-    except Exception as exc:  # noqa: BLE001 - the framework's own words name the argument
+    except Exception as exc:  # the framework's own words name the argument
         raise SpecError(f"optimizer {spec}: {type(exc).__name__}: {exc}") from None
     if not np.all(np.isfinite(scratch)):
         raise SpecError(

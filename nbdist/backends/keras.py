@@ -166,7 +166,7 @@ class KerasLrSchedule(LrSchedule):
     def __init__(self, cls: type, spec: Spec, base_lr: float):
         self.spec = spec
         kwargs = dict(spec.kwargs)
-        if "initial_learning_rate" in inspect.signature(cls.__init__).parameters:
+        if "initial_learning_rate" in inspect.signature(cls).parameters:
             kwargs.setdefault("initial_learning_rate", float(base_lr))
         try:
             self._schedule = cls(**kwargs)
@@ -193,9 +193,10 @@ def aligned_zeros(n: int, dtype: Any = np.float32) -> np.ndarray:
 def _tensor(value: Any) -> tf.Tensor:
     """An argument of a compiled function as a tensor. An aligned numpy array becomes a
     tensor on the same memory (DLPack), without the copy that passing it to a tf.function
-    makes (4 ms of a 1.3 ms step for 2M floats here); the compiled functions only read
+    makes (for a large model, longer than its step); the compiled functions only read
     their inputs. Anything else is converted here rather than by the tf.function, whose
-    own conversion of numpy arguments cost more than the small MLP's whole step."""
+    own conversion of numpy arguments cost more than the small MLP's whole step
+    (bench/results/2026-11-25-keras_overhead.md)."""
     if isinstance(value, tf.Tensor):
         return value
     if isinstance(value, np.ndarray) and value.size and value.flags.c_contiguous and value.ctypes.data % ALIGNMENT == 0:
@@ -208,18 +209,20 @@ def _tensor(value: Any) -> tf.Tensor:
 
 class Traced:
     """A tf.function traced once, on its first call, with the first dimension of the
-    arguments in `batch` left open. Each new input shape would cost a trace (0.1-0.5 s
-    here): the probe, a full batch, an epoch's last batch and the validation set differ.
+    arguments in `batch` left open. Each new input shape would cost a trace (a fraction of
+    a second): the probe, a full batch, an epoch's last batch and the validation set differ.
 
     Calls go to the traced ConcreteFunction with tensors: the tf.function's dispatch
-    (matching the arguments against its signature, converting numpy ones) took 0.4-0.6
-    ms per call, more than a digits MLP's forward and backward pass; the concrete
-    function's takes about 0.2 ms."""
+    (matching the arguments against its signature, converting numpy ones) took longer per
+    call than a digits MLP's forward and backward pass, the concrete function's a fraction
+    of it (bench/results/2026-11-25-keras_overhead.md)."""
 
     __slots__ = ("_fn", "_batch", "_concrete", "_dtypes")
 
     def __init__(self, fn: Callable, batch: tuple[int, ...] = ()):
-        self._fn, self._batch, self._concrete, self._dtypes = fn, batch, None, ()
+        self._fn, self._batch = fn, batch
+        self._concrete: Any = None  # the traced function, once called
+        self._dtypes: tuple[Any, ...] = ()
 
     def __call__(self, *args: Any) -> Any:
         if self._concrete is None:
@@ -230,7 +233,7 @@ class Traced:
             self._dtypes = tuple(None if isinstance(s, list) else s.dtype for s in specs)
         tensors = [
             [_tensor(v) for v in a] if isinstance(a, list) else self._typed(_tensor(a), dtype)
-            for a, dtype in zip(args, self._dtypes, strict=False)
+            for a, dtype in zip(args, self._dtypes, strict=True)
         ]
         return self._concrete(*tensors)
 
@@ -304,7 +307,7 @@ class FlatVariables:
         return [
             (prefix + v.path, where, v)
             for where, group in groups.items()
-            for prefix, variables in zip(prefixes, group, strict=False)
+            for prefix, variables in zip(prefixes, group, strict=True)
             for v in variables
         ]
 
@@ -313,13 +316,13 @@ class FlatVariables:
     def _cut(flat: tf.Tensor, variables: list) -> list[tf.Tensor]:
         sizes = [int(np.prod(v.shape)) for v in variables]
         pieces = tf.split(flat, sizes) if variables else []
-        return [tf.cast(tf.reshape(p, v.shape), v.dtype) for p, v in zip(pieces, variables, strict=False)]
+        return [tf.cast(tf.reshape(p, v.shape), v.dtype) for p, v in zip(pieces, variables, strict=True)]
 
     def unpack(self, params: tf.Tensor | list, state: tf.Tensor, others: list) -> tuple[list, list]:
         """Per model: its trainable values and its non-trainable values, in its own order.
         `params`: the flat buffer, or its parts model by model."""
         parts = params if isinstance(params, (list, tuple)) else tf.split(params, self.model_sizes)
-        trainable = [self._cut(part, vs) for part, vs in zip(parts, self.trainable, strict=False)]
+        trainable = [self._cut(part, vs) for part, vs in zip(parts, self.trainable, strict=True)]
         floats = self._cut(state, [v for vs in self.non_trainable for v in vs if _is_float(v.dtype)])
         floats_it, others_it = iter(floats), iter(others)
         non_trainable = [
@@ -330,8 +333,8 @@ class FlatVariables:
     def pack(self, non_trainable: list[list[tf.Tensor]]) -> tuple[tf.Tensor, list[tf.Tensor]]:
         """The inverse of unpack for the non-trainable values a stateless call returned."""
         floats, others = [], []
-        for variables, values in zip(self.non_trainable, non_trainable, strict=False):
-            for v, value in zip(variables, values, strict=False):
+        for variables, values in zip(self.non_trainable, non_trainable, strict=True):
+            for v, value in zip(variables, values, strict=True):
                 if _is_float(v.dtype):
                     floats.append(tf.reshape(tf.cast(value, tf.float32), [-1]))
                 else:
@@ -342,7 +345,7 @@ class FlatVariables:
     def store(self, state: np.ndarray, new_state: tf.Tensor, new_others: list) -> None:
         if state.size:
             np.copyto(state, new_state.numpy())
-        for array, value in zip(self.others, new_others, strict=False):
+        for array, value in zip(self.others, new_others, strict=True):
             np.copyto(array, value.numpy())
 
     def reseed(self, seed: int) -> None:
@@ -356,7 +359,7 @@ class FlatVariables:
 
 def build_models(models: list[Any], samples: list[Any]) -> None:
     """Create the weights of models that have none yet by calling them on a sample."""
-    for model, sample in zip(models, samples, strict=False):
+    for model, sample in zip(models, samples, strict=True):
         if model.built and model.weights:
             continue
         if sample is None:
@@ -538,13 +541,13 @@ class KerasBackend(Backend):
         known = keras_lr_schedules()
         if spec.name not in known:
             raise unknown_name("Keras learning-rate schedule (keras.optimizers.schedules)", spec.name, list(known))
-        check_kwargs(f"learning-rate schedule {spec.name!r}", known[spec.name].__init__, spec.kwargs, skip=1)
+        check_kwargs(f"learning-rate schedule {spec.name!r}", known[spec.name], spec.kwargs)
         return KerasLrSchedule(known[spec.name], spec, base_lr)
 
     def check_optimizer(self, spec: Spec) -> float:
         return step_on_scratch(spec, lambda scratch: KerasFlatOptimizer(spec, scratch), aligned_zeros(SCRATCH_SIZE))
 
-    def make_optimizer(self, spec: Spec, params: np.ndarray | None = None) -> KerasFlatOptimizer:
+    def make_optimizer(self, spec: Spec, params: np.ndarray | None = None) -> FlatOptimizer:
         return self._overflow_guard(KerasFlatOptimizer(spec, self.params if params is None else params))
 
     # -- state ------------------------------------------------------------------------
@@ -588,7 +591,7 @@ def named_arrays(
         values[id(v)], offsets[kind] = source[start : start + size].reshape(v.shape), start + size
     return {
         f"{prefix}{i:04d}/{v.path}": np.array(values[id(v)])
-        for prefix, model in zip(prefixes, models, strict=False)
+        for prefix, model in zip(prefixes, models, strict=True)
         for i, v in enumerate(model.weights)
     }
 

@@ -109,10 +109,10 @@ class FileSet:
                         f"{first[1][3]}"
                     )
                 sizes.append(len(x))
-        if sum(sizes) == 0:
+        if first is None or sum(sizes) == 0:
             raise DataError(f"{what}: the files hold no samples")
         x_shape, x_dtype, y_shape, y_dtype = first[1]
-        return cls(tuple(paths), keys, tuple(sizes), x_shape, x_dtype, y_shape, y_dtype, what)
+        return cls(tuple(paths), (keys[0], keys[1]), tuple(sizes), x_shape, x_dtype, y_shape, y_dtype, what)
 
     @property
     def offsets(self) -> np.ndarray:

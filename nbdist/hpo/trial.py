@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from nbdist.algorithms import MASTER_WORKER_ALGORITHMS
+from nbdist.algorithms import RULES, Algorithm
 from nbdist.errors import UserError
 from nbdist.hpo.space import parse_space
 from nbdist.layout import Layout
@@ -138,8 +138,9 @@ def _optimizer_option(options: TrainOptions) -> str:
     itself, Downpour pushing every batch its master's optimiser, else the workers'."""
     if options.topology != "master-worker":
         return "worker_optimizer"
-    rule = MASTER_WORKER_ALGORITHMS.get(parse_spec(options.algorithm or "downpour", what="--algorithm").name)
-    if rule is None:  # the run's set-up names the valid ones
+    name = parse_spec(options.algorithm or "downpour", what="--algorithm").name
+    rule = RULES.get(name) if name in RULES else None
+    if rule is None or not issubclass(rule, Algorithm):  # the run's set-up names the valid ones
         return "worker_optimizer"
     if not (rule.uses_worker_optimizer or rule.uses_master_optimizer):
         return "algorithm"

@@ -162,7 +162,8 @@ def _run_once(
         )
         ctx.peers.control.tell_all(told)
         _record_failure(ctx, told, options, attempt)
-        exc.reported_here = getattr(told, "reported_here", False)
+        # Whatever the exception, the CLI asks it whether to print it (cli.py, _reports).
+        setattr(exc, "reported_here", bool(told.reported_here))  # noqa: B010
         raise
     finally:
         restarting = isinstance(failure, RunFailure) and _restartable(failure, options, attempt)

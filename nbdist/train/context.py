@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from nbdist.algorithms import Algorithm, make_algorithm
+from nbdist.algorithms import Algorithm, make_algorithm, rule_class
 from nbdist.backends import Backend, DeviceRequest, backend_for, configure_frameworks, making_models
 from nbdist.backends.base import ModelError
 from nbdist.data.base import Data, DataError
@@ -61,15 +61,16 @@ __all__ = [
     "master_share",
 ]
 
-# Workers explore with momentum (GEM's own default is the same): lr 0.1 with momentum 0.9
-# (a step of 1.0 in effect) made 8-worker allreduce (batch 256) collapse on the jet images
-# in 2 of 3 seeds, warm-up or not; 0.05 did not (bench/convergence.py). A Downpour master
-# gets no momentum by default, because asynchronous updates already act as momentum
-# (train/asynchrony.py); a momentum-0.9 master corrected for it learned digits more
-# slowly with 4 workers (the correction assumes staleness W - 1; measured, it is less).
+# Workers explore with momentum (GEM's own default is the same); lr 0.05 because 0.1 with
+# momentum 0.9 (a step of 1.0 in effect) made 8-worker allreduce collapse on the jet images
+# (bench/results/2026-11-24-convergence.md). A Downpour master gets no momentum by default:
+# asynchronous updates already act as momentum (train/asynchrony.py), and a momentum-0.9
+# master corrected for it learned digits more slowly with few workers (the correction
+# assumes staleness W - 1; it is less: the same file).
 DEFAULT_WORKER_OPTIMIZER = "sgd(lr=0.05, momentum=0.9)"
 DEFAULT_MASTER_OPTIMIZER = "sgd(lr=0.1)"
-ALLREDUCE_RULES = ("sgd", "allreduce")
+# What --algorithm may also say for the allreduce topology's rule (the registered "sgd").
+ALLREDUCE_ALIAS = "allreduce"
 # GANs: EASGD with RMSprop workers, as the 3D calorimeter GAN was trained (see
 # gan/training.py for why only rules whose workers send their weights apply).
 DEFAULT_GAN_ALGORITHM = "easgd"
@@ -128,6 +129,20 @@ class RankContext:
     loss_growth: LossGrowth | None = None  # the leader's watch on the training loss (None: a GAN's, not watched)
 
     @property
+    def rule(self) -> Algorithm:
+        """The master/worker update rule (the roles of that topology use it; allreduce has none)."""
+        if self.algorithm is None:
+            raise RuntimeError("the allreduce topology has no master/worker update rule")
+        return self.algorithm
+
+    @property
+    def resume_dir(self) -> Path:
+        """The run directory this run resumes from (the code that calls this runs only then)."""
+        if self.resume_from is None:
+            raise RuntimeError("this run resumes from no checkpoint")
+        return self.resume_from
+
+    @property
     def world_ranks(self) -> list[int]:
         """The COMM_WORLD rank of each rank of the run, in run order (checkpoints record
         it, so that a restart on fewer ranks can find each role's share)."""
@@ -174,7 +189,7 @@ def _check_gan(options: TrainOptions) -> TrainOptions:
             "whose BatchNorm layers already normalise over its whole batch; drop --sync-batchnorm"
         )
     algorithm = make_algorithm(parse_spec(options.algorithm or DEFAULT_GAN_ALGORITHM, what="--algorithm"))
-    if not algorithm.sends_weights:
+    if not algorithm.carries_local_steps:
         raise OptionsError(
             f"--gan trains with easgd, adag or dynsgd, whose workers send their weights (generator and "
             f"discriminator together); {algorithm.name} sends gradients, which would leave the "
@@ -193,7 +208,7 @@ def _check_gan(options: TrainOptions) -> TrainOptions:
 def _resolve_rules(options: TrainOptions) -> tuple[Algorithm | None, int, Spec | None, Spec | None]:
     if options.topology == "allreduce":
         spec = parse_spec(options.algorithm or "sgd", what="--algorithm")
-        if spec.name not in ALLREDUCE_RULES:
+        if spec.name != ALLREDUCE_ALIAS and "allreduce" not in rule_class(spec.name).topologies:
             raise OptionsError(
                 f"{spec.name} is a master/worker algorithm; the allreduce topology trains with "
                 f"synchronous sgd (use --topology master-worker for {spec.name})"
@@ -202,8 +217,12 @@ def _resolve_rules(options: TrainOptions) -> tuple[Algorithm | None, int, Spec |
             raise OptionsError("--master-optimizer applies to the master-worker topology; allreduce has no master")
         if options.sync_every not in (None, 1):
             raise OptionsError("--sync-every applies to the master-worker topology; allreduce syncs every batch")
-        worker = parse_spec(options.worker_optimizer or DEFAULT_WORKER_OPTIMIZER, what="--worker-optimizer")
-        return None, 1, worker, None
+        return (
+            None,
+            1,
+            parse_spec(options.worker_optimizer or DEFAULT_WORKER_OPTIMIZER, what="--worker-optimizer"),
+            None,
+        )
 
     algorithm = make_algorithm(parse_spec(options.algorithm or "downpour", what="--algorithm"))
     if options.worker_optimizer and not algorithm.uses_worker_optimizer:
@@ -216,7 +235,7 @@ def _resolve_rules(options: TrainOptions) -> tuple[Algorithm | None, int, Spec |
             f"{algorithm.name} takes no master optimizer: its master adds the workers' updates "
             f"to the centre; drop --master-optimizer"
         )
-    worker = (
+    worker: Spec | None = (
         parse_spec(options.worker_optimizer or DEFAULT_WORKER_OPTIMIZER, what="--worker-optimizer")
         if algorithm.uses_worker_optimizer
         else None
@@ -241,12 +260,7 @@ def _resolve_rules(options: TrainOptions) -> tuple[Algorithm | None, int, Spec |
 
 def _resolve_compression(options: TrainOptions, algorithm: Algorithm | None) -> Spec | None:
     spec = parse_compression(options.compression)
-    if (
-        spec is not None
-        and algorithm is not None
-        and algorithm.sends_weights_themselves
-        and make_codec(spec, 2).feedback
-    ):
+    if spec is not None and algorithm is not None and algorithm.message_is_weights and make_codec(spec, 2).feedback:
         raise OptionsError(
             f"--compression {spec} sends a part of each message and keeps the rest for the next one: a fit for "
             f"gradients and updates, but {algorithm.name}'s workers send their weights; use fp16 or bf16"
@@ -324,7 +338,7 @@ def settle(
     `python -m nbdist slurm-script` runs it for rank 0 before the job waits in a queue
     (`here=False`: away from the nodes that train, so the model is built on this CPU and
     what depends on those nodes, their GPUs and the runs directory, is left to them)."""
-    options = _check_gan(options.validate())
+    options = options.validate()
     layout = Layout.for_world(
         ranks,
         workers=options.workers,
@@ -333,6 +347,13 @@ def settle(
         topology=options.topology,
     )
     role = layout.role(rank)
+    # The user's code first: a model file (or cell) may register its own update rule
+    # (docs/howto/custom-rule.md). The frameworks are configured before and after it:
+    # the same seed on every rank gives identical initial replicas even before the first sync.
+    configure_frameworks(options.threads, options.seed)
+    definition = definition() if callable(definition) else definition
+    configure_frameworks(options.threads, options.seed)
+    options = _check_gan(options)
     algorithm, sync_every, worker_opt, master_opt = _resolve_rules(options)
     compression = _resolve_compression(options, algorithm)
     notices, stale_lr = [], False
@@ -352,11 +373,6 @@ def settle(
     resume_from, damaged = (
         _find_resume(options, layout) if restart_of is None else Checkpoints(restart_of).latest_intact()
     )
-    configure_frameworks(options.threads, options.seed)
-    definition = definition() if callable(definition) else definition
-    # Again for the frameworks the user's code imported: the same seed on every rank
-    # gives identical initial replicas even before the first sync.
-    configure_frameworks(options.threads, options.seed)
     data = _make_data(options, definition)
     try:
         check_data_size(data, layout, options)
@@ -369,11 +385,11 @@ def settle(
         stage_process = options.worker_parallel == "pipeline" and role.kind == "worker"
         backend = _stage_backend(definition, options, role, device) if stage_process else make_replica()
         notices += convert_for_sync(options, layout, backend)
-        starting_lrs = [
+        worker_start_lr, master_start_lr = (
             backend.check_optimizer(spec) if spec is not None else None for spec in (worker_opt, master_opt)
-        ]
+        )
         worker_lr, master_lr = plan_learning_rates(
-            options, layout, algorithm, backend, *starting_lrs, master_stale_lr=stale_lr
+            options, layout, algorithm, backend, worker_start_lr, master_start_lr, master_stale_lr=stale_lr
         )
         initial_loss = None
         if rank == 0:  # the run leader: labels against the whole model, and its loss before training
@@ -466,7 +482,7 @@ def prepare(
     peers.meet(comm, _role_name(role))
     run_comm = comms.run
     is_leader = run_comm.Get_rank() == 0
-    run_dir = restart_of or (Path(options.resume) if resume_from is not None else None)
+    run_dir = restart_of or (Path(options.resume) if resume_from is not None and options.resume else None)
     if run_dir is None:
         name = None
         if is_leader:
@@ -567,7 +583,7 @@ def _resume_rank(path: Path, layout: Layout, role: Role, comm: Any, restart: boo
     me = MPI.COMM_WORLD.Get_rank()
     old_rank = old_world.index(me) if me in old_world else None
     if role.kind == "master":
-        return master_share(path, role.master), True
+        return master_share(path, role.master_index), True
     if old_rank is not None and old_layout.role(old_rank).kind == role.kind:
         return old_rank, True
     return None, True
@@ -700,7 +716,7 @@ def _stage_backend(definition: ModelDefinition, options: TrainOptions, role: Rol
 
     stages = definition.make_stages(options.procs_per_worker)
     check_stages(stages)
-    backend = TorchStage(stages[role.proc], role.proc, len(stages), definition.loss, definition.metric)
+    backend = TorchStage(stages[role.proc_index], role.proc_index, len(stages), definition.loss, definition.metric)
     backend.place(device)
     return backend
 

@@ -88,12 +88,13 @@ class ModelDefinition:
                 built.d_steps = d_steps
                 return built
             raise ModelError(f"--gan: {self.source} defines a model but no generator and discriminator")
+        build_generator, build_discriminator = self.build_generator, self.build_discriminator
         missing = [
             name
-            for name, build in (("generator", self.build_generator), ("discriminator", self.build_discriminator))
+            for name, build in (("generator", build_generator), ("discriminator", build_discriminator))
             if build is None
         ]
-        if missing:
+        if build_generator is None or build_discriminator is None:
             raise ModelError(
                 f"--gan: {self.source} defines no {' and no '.join(missing)}: define "
                 f"`generator` and `discriminator` (or build_generator() and build_discriminator())"
@@ -103,8 +104,8 @@ class ModelDefinition:
                 f"--gan: {self.source} defines no latent_dim (the size of the generator's "
                 f"input noise), e.g. latent_dim = 16"
             )
-        generator = _call(self.build_generator, f"{self.source}: build_generator()")
-        discriminator = _call(self.build_discriminator, f"{self.source}: build_discriminator()")
+        generator = _call(build_generator, f"{self.source}: build_generator()")
+        discriminator = _call(build_discriminator, f"{self.source}: build_discriminator()")
         return GanModel(generator, discriminator, int(self.latent_dim), d_steps)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -25,7 +26,7 @@ def run_epochs(
     start_step: int,
     epochs: int,
     begin_epoch: Callable[[int], Sequence],
-    step: Callable[[int, int, object, bool], bool | None],
+    step: Callable[[int, int, Any, bool], bool | None],
     end_epoch: Callable[[int], bool | None],
 ) -> int:
     """Train epochs start_epoch..epochs-1, the first from batch `start_step` (a resume's

@@ -24,10 +24,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from mpi4py import MPI  # noqa: E402
+from mpi4py import MPI
 
-from nbdist.cli import COMMANDS  # noqa: E402
-from nbdist.cli import main as nbdist_main  # noqa: E402
+from nbdist.cli import COMMANDS
+from nbdist.cli import main as nbdist_main
 
 
 def run_all(path: str) -> int:
