@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import emit  # noqa: E402
+from _common import emit
 
 
 def main() -> None:

@@ -30,11 +30,12 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import MLPS, aim, batch_indices, count_params, header, mlp, run_mpi, synthetic, table  # noqa: E402
+from _common import MLPS, aim, batch_indices, count_params, header, mlp, run_mpi, synthetic, table
 
 DATA_SAMPLES = 4096  # as in _allreduce_worker.py
 RANKS = 2
@@ -91,8 +92,8 @@ def _ddp_rank(rank: int, world: int, port: int, plan: dict, cfg: dict, queue) ->
         dist.destroy_process_group()
 
 
-def _ddp_step(net, opt, loss_fn, x_all, y_all, batches):
-    """One DDP training step on batch k % 64 (fancy-indexed, as on the nbdist side)."""
+def _ddp_step(net, opt, loss_fn, x_all, y_all, batches) -> Callable[[int], None]:
+    """Step k of DDP training on batch k % 64 (fancy-indexed, as on the nbdist side)."""
     import torch
 
     def step(k: int) -> None:

@@ -27,11 +27,12 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import MLPS, batch_indices, count_params, header, mlp, run_mpi, synthetic, table  # noqa: E402
+from _common import MLPS, batch_indices, count_params, header, mlp, run_mpi, synthetic, table
 
 DATA_SAMPLES = 4096  # as in _gpu_worker.py
 WORKER = str(Path(__file__).with_name("_gpu_worker.py"))
@@ -68,16 +69,7 @@ def _ddp_rank(rank: int, world: int, port: int, plan: dict, cfg: dict, queue) ->
                 torch.from_numpy(b).to(device)
                 for b in batch_indices(DATA_SAMPLES, cfg["batch_size"], 64, seed=100 + rank)
             ]
-
-            def step(k: int) -> None:
-                idx = batches[k % 64]
-                opt.zero_grad(set_to_none=True)
-                with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-                    loss = loss_fn(net(x_all[idx]), y_all[idx])
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
-
+            step = _ddp_step(net, opt, loss_fn, scaler, dtype, device, x_all, y_all, batches)
             for k in range(plan["warmup"]):
                 step(k)
             rounds = []
@@ -97,6 +89,22 @@ def _ddp_rank(rank: int, world: int, port: int, plan: dict, cfg: dict, queue) ->
             queue.put(results)
     finally:
         dist.destroy_process_group()
+
+
+def _ddp_step(net, opt, loss_fn, scaler, dtype, device, x_all, y_all, batches) -> Callable[[int], None]:
+    """Step k of DDP training under autocast at `dtype` (None: fp32), with loss scaling."""
+    import torch
+
+    def step(k: int) -> None:
+        idx = batches[k % 64]
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            loss = loss_fn(net(x_all[idx]), y_all[idx])
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    return step
 
 
 def run_ddp(world: int, plan: dict, cfg: dict) -> dict:

@@ -20,7 +20,8 @@ too, is a fresh process launched by mpiexec, and the runs alternate in rounds: p
 master-worker, allreduce, ..., plain. The aim is on the median of the nbdist runs' samples/s
 over the median of the plain runs'; each round's own ratio (against the mean of the plain
 runs just before and after it) is shown too, so that the spread can be seen. Runs are long
-(30 epochs, about 3 s of steady state each) so that a run's rate is not one hiccup. `--busy-poll off` as a fourth run of each round shows
+(30 epochs, about 3 s of steady state each) so that a run's rate is not one hiccup.
+`--busy-poll off` as a fourth run of each round shows
 what the rank's waits cost when they sleep (the default, auto, polls without sleeping
 where the ranks fit the cores). Aim: master-worker >= 0.95x plain.
 Usage: python bench/overhead.py [--quick] [--rounds N]
@@ -207,7 +208,7 @@ def main() -> None:
                 label,
                 statistics.median(rates),
                 ratios[label],
-                " ".join(f"{rate / ref:.2f}" for rate, ref in zip(rates, around)),
+                " ".join(f"{rate / ref:.2f}" for rate, ref in zip(rates, around, strict=True)),
                 nbdist[label][-1][-1]["train_loss"],
             ]
         )

@@ -22,13 +22,13 @@ __all__ = [
 ]
 
 
-def load_ipython_extension(shell):  # noqa: ANN001 - IPython's hook: %load_ext nbdist
+def load_ipython_extension(shell):  # IPython's hook: %load_ext nbdist
     from nbdist.magics import load_ipython_extension as load
 
     load(shell)
 
 
-def __getattr__(name: str):  # noqa: ANN202 - nbdist.Study without importing the notebook layer up front
+def __getattr__(name: str):  # nbdist.Study without importing the notebook layer up front
     if name == "Study":
         from nbdist.notebook_study import Study
 

@@ -85,7 +85,7 @@ def _launcher_exited(engine_set: Any) -> bool:
     process = getattr(engine_set, "process", None)
     try:
         return process is not None and (not process.is_running() or process.status() == "zombie")
-    except Exception:  # noqa: BLE001 - psutil: the process is gone
+    except Exception:  # psutil: the process is gone
         return True
 
 
@@ -188,7 +188,7 @@ class Cluster:
             raise ClusterError(f"unknown engine launcher {engines!r}; choose one of: {', '.join(ENGINE_KINDS)}")
         if interface and ip:
             raise ClusterError("give the controller's network interface or its ip address, not both")
-        self.slurm = {"partition": partition, "time": time, "account": account, "nodes": nodes}
+        self.slurm: dict[str, Any] = {"partition": partition, "time": time, "account": account, "nodes": nodes}
         if engines != "slurm" and any(self.slurm.values()):
             given = ", ".join(k for k, v in self.slurm.items() if v)
             raise ClusterError(f"{given} belong to engines submitted to SLURM: add --slurm (engines='slurm')")
@@ -510,7 +510,7 @@ class Cluster:
         for engine_set in getattr(self._ipp, "engines", {}).values():
             try:
                 texts.append(engine_set.get_output().strip())
-            except Exception:  # noqa: BLE001 - no output file yet
+            except Exception:  # no output file yet
                 pass
         text = "\n".join(t for t in texts if t)
         return "\n".join(text.splitlines()[-40:])
@@ -522,7 +522,8 @@ class Cluster:
         replies = view.apply_sync(engine.describe_engine)
         uuids = dict(self.client._engines)
         infos = [
-            EngineInfo(engine_id=eid, uuid=uuids.get(eid, ""), **reply) for eid, reply in zip(view.targets, replies)
+            EngineInfo(engine_id=eid, uuid=uuids.get(eid, ""), **reply)
+            for eid, reply in zip(view.targets, replies, strict=True)
         ]
         sizes = {i.size for i in infos}
         if sizes != {size or len(infos)}:
@@ -570,7 +571,7 @@ class Cluster:
             self._unwatch(key)
             try:
                 self._ipp.stop_engines_sync(key)
-            except Exception:  # noqa: BLE001 - its mpiexec is gone already
+            except Exception:  # its mpiexec is gone already
                 self._ipp.engines.pop(key, None)
         # Engines that did not go with their mpiexec (stopped with kill -STOP, orphaned).
         local = [psutil.Process(i.pid) for i in stragglers if not process_gone(i.host, i.pid)]
@@ -599,7 +600,7 @@ class Cluster:
         if self.client is not None:
             try:
                 self.client.close()
-            except Exception:  # noqa: BLE001 - closing a dead connection
+            except Exception:  # closing a dead connection
                 pass
         if self._ipp is not None and self.owned:
             # A batch job that was never submitted has nothing to cancel, and ipyparallel's
@@ -610,7 +611,7 @@ class Cluster:
             controller = self._controller_processes()
             try:
                 self._ipp.stop_cluster_sync()
-            except Exception:  # noqa: BLE001 - already gone
+            except Exception:  # already gone
                 pass
             # A controller stopped while it still starts its schedulers can leave them
             # orphaned (seen under load after a refused engines job): they go too, those

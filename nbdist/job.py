@@ -339,7 +339,7 @@ class Job:
                 # (a dead engine sends nothing more).
                 self._result.wait_for_output(10)
             self._finish()
-        except Exception as exc:  # noqa: BLE001 - never die silently: the job reports it
+        except Exception as exc:  # never die silently: the job reports it
             self._error = self._error or JobError(f"the job's monitor failed: {type(exc).__name__}: {exc}")
         finally:
             self.ended = time.time()
@@ -352,7 +352,7 @@ class Job:
     def _signal(self, signum: int) -> None:
         try:
             self.cluster.signal(signum, engines=self.engines)
-        except Exception as exc:  # noqa: BLE001 - the escalation goes on without this signal
+        except Exception as exc:  # the escalation goes on without this signal
             print(
                 f"nbdist: could not signal the job's ranks ({signal.Signals(signum).name}): "
                 f"{type(exc).__name__}: {exc}",
@@ -386,7 +386,7 @@ class Job:
         dead = {d.engine_id for d in self.cluster.dead_engines(ping=False, engines=self._engine_ids)}
         if dead and not all(i.fault_tolerant for i in self.cluster.info):
             return True
-        for child, engine_id in zip(self._result._children, self._engine_ids):
+        for child, engine_id in zip(self._result._children, self._engine_ids, strict=True):
             if child.done() and engine_id not in dead:
                 value = child.exception() or _unwrap(child.result())
                 if not isinstance(value, EngineOutcome) or value.error:
@@ -419,7 +419,7 @@ class Job:
             if final:
                 for run_id, feed in self._feeds.items():
                     feed.end(*self._ending(run_id))
-        except Exception as exc:  # noqa: BLE001 - the training matters more than its record
+        except Exception as exc:  # the training matters more than its record
             self.store_error = f"{type(exc).__name__}: {exc}"
             print(
                 f"nbdist: the run store {store_label(self.store)} failed, the job goes on unrecorded: "
@@ -561,7 +561,7 @@ class _Progress:
     def __init__(self, job: Job):
         self.job = job
         self.handle = None
-        self._last = ""
+        self._last: dict[str, Any] | None = None  # the summary shown last
         try:
             from IPython import get_ipython
             from IPython.display import display

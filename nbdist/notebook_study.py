@@ -212,9 +212,14 @@ class Study:
         store: str | None,
         show_progress: bool = True,
     ):
+        from nbdist.hpo.reads import check_space_is_read
         from nbdist.hpo.trial import check_study
+        from nbdist.train.definition import definition_of
 
         check_study(options, train)
+        if what.get("model") is not None:  # a cell's names are the engines': its trials report them
+            model = definition_of(what["model"], loss=what.get("loss"), metric=what.get("metric", "accuracy"))
+            check_space_is_read(options, train, model)
         cluster.check_alive()
         self.options, self.train, self.store = options, train, store
         self.layout = Layout.for_world(
@@ -255,7 +260,7 @@ class Study:
     def _run(self) -> None:
         try:
             self._result = self.runner.run()
-        except BaseException as exc:  # noqa: BLE001 - reported by wait()/result
+        except BaseException as exc:  # reported by wait()/result
             self._error = exc
         finally:
             self._done.set()

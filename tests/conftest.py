@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import queue
 import re
 import subprocess
@@ -119,6 +120,35 @@ def mpirun():
 @pytest.fixture
 def pyrun():
     return run_python
+
+
+# -- a headless browser for the page tests ----------------------------------------------------
+CHROMIUM = "/usr/bin/chromium"
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Debian's Chromium driven by Playwright, for the tests that load pages (dashboard,
+    notebooks offline)."""
+    sync_playwright = pytest.importorskip("playwright.sync_api").sync_playwright
+    if not Path(CHROMIUM).exists():
+        if os.environ.get("CI"):
+            pytest.fail("Debian's chromium is missing: .ci/run installs it (apt-get install chromium)")
+        pytest.skip("Debian's chromium is not installed (apt-get install chromium; .ci/run does)")
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=CHROMIUM,
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--no-first-run",
+            ],
+        )
+        yield browser
+        browser.close()
 
 
 # -- one generated jet sample for the whole session ----------------------------------------

@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import ROOT, run_mpi
 from mpi4py import MPI
-from test_algorithms import DEVICE_RUNS, Simulation, assert_close, flat, make_batches, make_model
+from rule_simulation import Simulation, assert_close, device_runs, flat, make_batches, make_model
 from torch import nn
 
 from nbdist.algorithms import allreduce_sgd
@@ -26,6 +26,8 @@ from nbdist.backends import DeviceRequest
 from nbdist.backends.torch import TorchBackend
 from nbdist.specs import parse_spec
 from nbdist.transport.staging import DIRECT, PINNED, VIEW, Staging, mpi_is_cuda_aware
+
+DEVICE_RUNS = device_runs()
 
 
 def _device() -> str | None:

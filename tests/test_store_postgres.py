@@ -382,7 +382,7 @@ def _two_coordinators(database: str, objective, joined: threading.Event | None =
                 **options,
                 **kwargs,
             )
-        except Exception as exc:  # noqa: BLE001 - reported below
+        except Exception as exc:  # reported below
             errors.append(exc)
 
     first = threading.Thread(target=run, args=("first",), kwargs={"study_name": "shared"})

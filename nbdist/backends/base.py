@@ -289,6 +289,12 @@ class Backend(ABC):
         """The loss and metric sums of the model on `x`, `y`, `batch_size` samples at a
         time, in evaluation mode (BatchNorm's running statistics, no dropout)."""
 
+    def class_count(self, x: Any) -> int | None:
+        """How many classes the model scores on input `x` when its loss takes each label as
+        the index of one (cross-entropy on class indices); None for any other loss, or where
+        the framework cannot tell. Set-up compares it with the labels."""
+        return None
+
     @abstractmethod
     def make_optimizer(self, spec: Spec, params: np.ndarray | None = None) -> FlatOptimizer:
         """A named optimiser over `params` (default: this model's own weights)."""
@@ -311,7 +317,7 @@ class Backend(ABC):
             lrs = [schedule.lr_at(epoch) for epoch in range(3)]
         except UserError:
             raise
-        except Exception as exc:  # noqa: BLE001 - the framework's own words name the argument
+        except Exception as exc:  # the framework's own words name the argument
             raise SpecError(f"learning-rate schedule {spec}: {type(exc).__name__}: {exc}") from None
         if not all(np.isfinite(lr) and lr >= 0 for lr in lrs):
             raise SpecError(
@@ -362,11 +368,16 @@ def step_on_scratch(spec: Spec, make: Callable[[np.ndarray], FlatOptimizer], scr
     scratch[:] = 0.0
     optimizer = make(scratch)
     lr = optimizer.learning_rate
+    if lr == 0:
+        raise SpecError(
+            f"optimizer {spec}: a learning rate of 0 never changes the weights: give lr above 0, "
+            f"e.g. {spec.name}(lr=0.01)"
+        )
     try:
         optimizer.step(np.ones_like(scratch))
     except UserError:
         raise
-    except Exception as exc:  # noqa: BLE001 - the framework's own words name the argument
+    except Exception as exc:  # the framework's own words name the argument
         raise SpecError(f"optimizer {spec}: {type(exc).__name__}: {exc}") from None
     if not np.all(np.isfinite(scratch)):
         raise SpecError(

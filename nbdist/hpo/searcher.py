@@ -11,6 +11,11 @@ A point is a dict of plain Python values (float, int, a category). `ask(n)` may 
 than n points: an evolution waits for the last members of a generation to be told before
 it breeds the next, and grid runs out; `exhausted` says that no point will ever come again.
 
+Searchers register on SEARCHERS (nbdist.registry) with `@SEARCHERS.register` (or
+`register`): the class carries its name, its options (the constructor's keyword parameters
+after direction and seed, with defaults, and `parameter_help`) and, in its docstring's
+first paragraph, what it does; --searcher's help is made from them.
+
 Randomness never lives in a generator object that would have to be saved: each searcher
 draws from `rng(...)`, a generator made afresh from the seed and a counter of what it is
 drawing (the k-th random point, the g-th generation), so a searcher's state is its
@@ -30,6 +35,7 @@ import numpy as np
 
 from nbdist.errors import UserError
 from nbdist.hpo.space import Space, as_space
+from nbdist.registry import Registry
 from nbdist.specs import Spec, SpecError, check_kwargs, parse_spec, unknown_name
 
 __all__ = ["Searcher", "SearcherError", "DIRECTIONS", "SEARCHERS", "register", "make_searcher", "restore_searcher"]
@@ -77,6 +83,7 @@ class Searcher(ABC):
     """
 
     name: ClassVar[str]
+    parameter_help: ClassVar[dict[str, str]] = {}
 
     def __init__(self, space: Any, *, direction: str = "minimize", seed: int = 0):
         if direction not in DIRECTIONS:
@@ -198,14 +205,15 @@ class Searcher(ABC):
     def _propose(self, n: int) -> list[dict]:
         """Up to n new points (they join `pending` when returned)."""
 
-    def _on_told(self, point: dict, fom: float | None) -> None:
-        """Called after a point moved from `pending` to `told`."""
+    def _on_told(self, point: dict, fom: float | None) -> None:  # noqa: B027
+        """Called after a point moved from `pending` to `told`. By default nothing more
+        happens: a searcher that reads only `told` when it proposes needs no hook."""
 
     def _extra_state(self) -> dict:
         return {}
 
-    def _load_extra_state(self, extra: Mapping[str, Any]) -> None:
-        pass
+    def _load_extra_state(self, extra: Mapping[str, Any]) -> None:  # noqa: B027
+        """Take back what `_extra_state` gave; by default there is nothing."""
 
     @classmethod
     def create(cls, space: Any, *, direction: str, seed: int, trials: int | None, **options: Any) -> Searcher:
@@ -218,12 +226,10 @@ class Searcher(ABC):
         return f"{type(self).__name__}({str(self.space)!r}, direction={self.direction!r}, seed={self.seed}{opts})"
 
 
-SEARCHERS: dict[str, type[Searcher]] = {}
-
-
-def register(cls: type[Searcher]) -> type[Searcher]:
-    SEARCHERS[cls.name] = cls
-    return cls
+# The space is the first constructor parameter; direction and seed are the study's own
+# options (--direction, --seed): a searcher's listed options are the rest.
+SEARCHERS: Registry[Searcher] = Registry("searcher", skip=1, supplied=("direction", "seed"))
+register = SEARCHERS.register
 
 
 def make_searcher(
@@ -237,8 +243,6 @@ def make_searcher(
     """`spec` names the searcher, with options: `"bayes"`, `"evolution(population=20)"`."""
     spec = parse_spec(spec, what="searcher")
     cls = SEARCHERS.get(spec.name)
-    if cls is None:
-        raise unknown_name("searcher", spec.name, list(SEARCHERS))
     check_kwargs(f"searcher {spec.name!r}", cls.__init__, spec.kwargs, skip=2)
     kwargs = {"direction": direction, "seed": seed, **spec.kwargs}
     try:
@@ -251,7 +255,7 @@ def make_searcher(
 
 def restore_searcher(state: Mapping[str, Any]) -> Searcher:
     """The searcher that `state()` described, continuing exactly where it was."""
-    cls = SEARCHERS.get(state.get("searcher"))  # type: ignore[arg-type]
-    if cls is None:
-        raise unknown_name("searcher", str(state.get("searcher")), list(SEARCHERS))
-    return cls.from_state(state)
+    name = str(state.get("searcher"))
+    if name not in SEARCHERS:
+        raise unknown_name("searcher", name, SEARCHERS.names())
+    return SEARCHERS.get(name).from_state(state)

@@ -163,7 +163,7 @@ def serve_group(
     """A non-coordinator rank: train the trials the coordinator hands this rank's group,
     until it says stop. Collective over the group."""
     role = comms.role
-    group, fold = comms.group, role.fold
+    group, (_, fold) = comms.group, role.run
     fold_leader = comms.run.Get_rank() == 0
     collectives = Collectives(lambda: STUDY_WAIT)
     channel = GroupChannel(world)

@@ -73,7 +73,7 @@ def write_safetensors(path: Path, flat: dict[str, np.ndarray]) -> dict[str, Any]
         fh.write(head)
         for array in flat.values():
             if array.nbytes:
-                data = memoryview(array.reshape(-1)).cast("B")
+                data = array.reshape(-1).data.cast("B")
                 fh.write(data)
                 digest.update(data)
         fh.flush()
