@@ -236,7 +236,10 @@ def _resolve_rules(options: TrainOptions) -> tuple[Algorithm | None, int, Spec |
             f"to the centre; drop --master-optimizer"
         )
     worker: Spec | None = (
-        parse_spec(options.worker_optimizer or DEFAULT_WORKER_OPTIMIZER, what="--worker-optimizer")
+        parse_spec(
+            options.worker_optimizer or algorithm.default_worker_optimizer or DEFAULT_WORKER_OPTIMIZER,
+            what="--worker-optimizer",
+        )
         if algorithm.uses_worker_optimizer
         else None
     )
@@ -245,7 +248,13 @@ def _resolve_rules(options: TrainOptions) -> tuple[Algorithm | None, int, Spec |
         if algorithm.uses_master_optimizer
         else None
     )
-    sync_every = options.sync_every or algorithm.default_sync_every
+    window = algorithm.sync_window()
+    if window is not None and options.sync_every not in (None, window):
+        raise OptionsError(
+            f"{algorithm.name} syncs every {window} batches (its inner_steps) and --sync-every says "
+            f"{options.sync_every}: give one of them"
+        )
+    sync_every = options.sync_every or window or algorithm.default_sync_every
     if algorithm.name == "downpour" and sync_every == 1:
         # Downpour workers step locally only between pushes; with a push after every
         # batch a worker optimizer would be silently ignored.
@@ -364,6 +373,7 @@ def settle(
         # Asynchronous, they all add to the momentum the centre moves with.
         workers = combined_workers(layout)
         algorithm.bind(workers)
+        algorithm.asynchronous = not options.synchronous
         asynchrony = optimisers_for_asynchrony(
             algorithm, master_opt, worker_opt, workers, options.synchronous, options.momentum_correction
         )
