@@ -207,7 +207,7 @@ def test_eamsgd_is_zhang_et_al_algorithm_2():
     [
         ("diloco(inner_steps=0)", "inner_steps must be a whole number of at least 1"),
         ("diloco(outer_momentum=1.0)", "outer_momentum must be"),
-        ("async_local_sgd(activation=0)", "activation"),
+        ("async_local_sgd(activation=0)", "activation must be a whole number of at least 1"),
         ("eamsgd(momentum=1.0)", "momentum must be"),
     ],
 )

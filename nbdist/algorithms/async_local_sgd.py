@@ -74,7 +74,7 @@ class AsyncLocalSGD(LocalWindows):
         ABOVE_ZERO.check(self.name, "outer_lr", outer_lr)
         MOMENTUM.check(self.name, "outer_momentum", outer_momentum)
         if activation is not None:
-            check_inner_steps(f"{self.name}: activation", activation)
+            check_inner_steps(self.name, activation, "activation")
         super().__init__(inner_steps, outer_lr=outer_lr, outer_momentum=outer_momentum, activation=activation)
         self.outer_lr, self.mu = np.float32(outer_lr), np.float32(outer_momentum)
 

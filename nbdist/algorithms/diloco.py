@@ -62,11 +62,12 @@ class OuterMomentum(RuleState):
     momentum: Array  # m, the outer optimiser's momentum buffer
 
 
-def check_inner_steps(rule: str, inner_steps: int | None) -> None:
+def check_inner_steps(rule: str, inner_steps: int | None, name: str = "inner_steps") -> None:
+    """A count of steps (or None): a whole number of at least 1."""
     if inner_steps is not None and (
         isinstance(inner_steps, bool) or int(inner_steps) != inner_steps or inner_steps < 1
     ):
-        raise ValueError(f"{rule}: inner_steps must be a whole number of at least 1, got {inner_steps!r}")
+        raise ValueError(f"{rule}: {name} must be a whole number of at least 1, got {inner_steps!r}")
 
 
 class LocalWindows(Algorithm):
