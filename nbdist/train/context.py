@@ -446,6 +446,7 @@ def prepare(
     record: bool = True,
     trial: TrialTag | None = None,
     restart_of: Path | None = None,
+    written: TrainOptions | None = None,
 ) -> RankContext:
     """Collective over `comm`: build this rank's context or raise one UserError everywhere.
 
@@ -453,7 +454,9 @@ def prepare(
     False, because the notebook's collector records it. `trial`: the study and trial
     number a study's run belongs to (its records and its row in the store say so).
     `restart_of`: the run directory of a run that lost ranks: it goes on there, from its
-    last checkpoint (if any), on the ranks of `comm`, laid out anew."""
+    last checkpoint (if any), on the ranks of `comm`, laid out anew. `written`: the
+    options the run directory keeps, where they are not these (a warm start's first,
+    synchronous phase keeps the whole run's)."""
     error: BaseException | None = None
     settled: Settled | None = None
     peers = Peers(comm, options.peer_timeout)
@@ -503,7 +506,7 @@ def prepare(
             name = str(run_dir)
         run_dir = Path(run_comm.bcast(name, root=0))
     if is_leader:
-        _write_run_files(run_dir, options, layout)
+        _write_run_files(run_dir, written or options, layout)
         for notice in notices:
             if notice.warning:
                 print(f"nbdist: warning: {notice.text}", file=sys.stderr, flush=True)
