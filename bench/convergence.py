@@ -212,6 +212,8 @@ def staleness_text(counts: Counter) -> str:
 def say(run: Run, seconds: float) -> None:
     state = f"error: {run.error}" if run.error else f"best {run.best:.3f}" + (" COLLAPSED" if run.collapsed else "")
     state += staleness_text(run.staleness)
+    if run.trained:
+        state += f"; {run.bytes_per_sample:.0f} bytes sent / sample"
     print(f"   {run.algorithm:9s} {run.workers:2d} workers seed {run.seed}: {state} ({seconds:.0f} s)", flush=True)
     if run.collapsed and run.curve:  # where it fell, whether it came back, and how (the loss)
         print(
