@@ -28,7 +28,7 @@ from nbdist.hpo.runner import (
     TrialFinished,
     new_study_name,
 )
-from nbdist.hpo.trial import Trial, fold_of_run, trial_options
+from nbdist.hpo.trial import Segment, Trial, fold_of_run, trial_options
 from nbdist.job import JobError, wait_interruptibly
 from nbdist.layout import Layout
 from nbdist.options import StudyOptions, TrainOptions
@@ -68,7 +68,7 @@ class EngineGroups(TrialExecutor):
         self.jobs: dict[int, tuple[Any, Trial, int]] = {}  # group -> (job, trial, records read)
         cluster.view.apply_sync(engine.open_study, study, layout.to_dict())
 
-    def start(self, group: int, trial: Trial) -> None:
+    def start(self, group: int, trial: Trial, segment: Segment) -> None:
         from nbdist import engine
         from nbdist.job import Job
 
@@ -83,6 +83,7 @@ class EngineGroups(TrialExecutor):
             trial.params,
             self.train.to_dict(),
             self.options.to_dict(),
+            segment=segment.to_dict(),
             **self.what,
         )
         job = Job(
@@ -139,7 +140,9 @@ class EngineGroups(TrialExecutor):
                 fold.error = fold.error or str(job.error)
         return folds
 
-    def prune(self, group: int) -> None:
+    def stop(self, group: int, reason: str) -> None:
+        """A signal: the trial's runs stop at their next step boundary (a notebook's engines
+        take no message while they train)."""
         import signal
 
         if group in self.jobs:
