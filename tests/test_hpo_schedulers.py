@@ -307,3 +307,66 @@ def test_a_multi_objective_study_refuses_what_does_not_fit(kwargs, message):
     settings = {"searcher": "random", "objective_name": "acc,size", **kwargs}
     with pytest.raises(UserError, match=message):
         optimize(lambda p: (p["x"], p["x"]), space="x=real(0,1)", trials=2, **settings, **QUIET)
+
+
+def test_an_optuna_tpe_study_resumes_from_the_store(tmp_path):
+    from nbdist.hpo.functions import BRANIN_SPACE, branin
+
+    store, calls = str(tmp_path / "s.db"), []
+
+    def interrupt_after_six(p):
+        calls.append(p)
+        if len(calls) == 7:
+            raise KeyboardInterrupt  # the kernel's interrupt, in the middle of trial 6
+        return branin(p)
+
+    searcher = "optuna(sampler='tpe', n_startup_trials=4)"
+    with pytest.raises(KeyboardInterrupt):
+        optimize(
+            interrupt_after_six,
+            space=BRANIN_SPACE,
+            searcher=searcher,
+            trials=14,
+            store=store,
+            study_name="tpe",
+            **QUIET,
+        )
+    with RunStore(store) as s:
+        saved = s.study("tpe")["searcher_state"]["searcher"]
+    assert saved["searcher"] == "optuna" and len(saved["told"]) == 6 and len(saved["pending"]) == 1
+
+    from nbdist.hpo import restore_searcher
+
+    # The Optuna study is built again from the store: the same next points every time.
+    again = [restore_searcher(saved).ask(2) for _ in range(2)]
+    assert again[0] == again[1] and len(restore_searcher(saved)._study.trials) == 7
+    interrupted = calls[-1]
+    calls.clear()
+    result = optimize(
+        lambda p: calls.append(p) or branin(p),
+        space=BRANIN_SPACE,
+        searcher=searcher,
+        trials=14,
+        store=store,
+        resume_study="tpe",
+        **QUIET,
+    )
+    assert calls[0] == interrupted and len(calls) == 8  # the unfinished trial first, then new ones
+    assert len(result.trials) == 14 and {r["state"] for r in result.trials} == {"complete"}
+    with RunStore(store) as s:
+        assert [t.number for t in s.trials("tpe")] == list(range(14))
+        assert len(s.study("tpe")["searcher_state"]["searcher"]["told"]) == 14
+
+
+def test_optuna_samplers_by_name_and_one_error_for_an_unknown_one():
+    from nbdist.hpo import make_searcher
+    from nbdist.specs import SpecError
+
+    for sampler in ("tpe", "cmaes", "gp", "nsga2", "qmc", "random"):
+        searcher = make_searcher(f"optuna(sampler='{sampler}')", "x=real(0,1) k=cat(a,b)", seed=3)
+        points = searcher.ask(2)
+        assert len(points) == 2 and all(0 <= p["x"] <= 1 and p["k"] in "ab" for p in points)
+        searcher.tell(points[0], 0.5)
+        searcher.tell(points[1], 0.2, stopped_at=1)
+    with pytest.raises(SpecError, match=r"unknown sampler 'tpee' \(did you mean 'tpe'\?\); choose one of: cmaes, gp"):
+        make_searcher("optuna(sampler='tpee')", "x=real(0,1)")
