@@ -249,7 +249,8 @@ class Study:
     @property
     def trials(self) -> Any:
         """Every finished trial: its parameters, figure of merit (mean over folds), its
-        spread over the folds, state (complete, pruned, failed) and generation."""
+        spread over the folds, state (complete, pruned, stopped, failed), generation, the
+        epochs it trained and, in a multi-objective study, its values."""
         import pandas as pd
 
         rows = [
@@ -260,6 +261,8 @@ class Study:
                 "fom_std": r["fom_std"],
                 "state": r["state"],
                 "generation": r["generation"],
+                "epochs": r.get("epochs"),
+                **({"values": r["values"]} if r.get("values") is not None else {}),
                 "error": r["error"],
             }
             for r in list(self.runner.results)
@@ -271,6 +274,12 @@ class Study:
     def best_params(self) -> dict[str, Any] | None:
         best = self.runner.best()
         return best[2] if best else None
+
+    @property
+    def pareto(self) -> list[dict[str, Any]]:
+        """A multi-objective study's Pareto front so far: the complete trials no other beats
+        in every objective (empty for one objective)."""
+        return self.runner.pareto()
 
     @property
     def best_fom(self) -> float | None:

@@ -244,3 +244,13 @@ def test_an_interrupted_study_resumes_and_trains_only_what_did_not_finish(tmp_pa
     assert len(result.trials) == 10
     with pytest.raises(StudyError, match="has a study named 'resumable' already"):
         optimize(lambda p: 0.0, space="x=real(0,1)", trials=1, store=store, study_name="resumable", **QUIET)
+
+
+def test_what_pbt_may_change_during_a_run_and_a_rules_own_parameters():
+    from nbdist.hpo.trial import changeable
+
+    easgd = TrainOptions(algorithm="easgd")
+    assert all(changeable(name, easgd) for name in ("lr", "momentum", "dropout", "head_dropout", "elastic_force"))
+    assert not any(changeable(name, easgd) for name in ("hidden", "batch_size", "optimizer", "epochs"))
+    assert not changeable("elastic_force", TrainOptions(algorithm="downpour"))
+    assert trial_options(easgd, {"elastic_force": 0.3, "lr": 0.1}).algorithm == "easgd(elastic_force=0.3)"

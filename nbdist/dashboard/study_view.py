@@ -23,7 +23,7 @@ from nbdist.store import RunStore, TrialRow
 
 __all__ = ["StudyPlots", "FINISHED"]
 
-FINISHED = ("complete", "pruned", "failed")
+FINISHED = ("complete", "pruned", "stopped", "failed")
 
 
 def _named(name: str) -> Callable[[Any, Any], None]:
@@ -160,7 +160,7 @@ def parallel_paths(trials: list[TrialRow], objective: str) -> tuple[list[dict[st
     lo, hi = min(foms), max(foms)
     paths = []
     for t in trials:
-        ys = [axis(t.params.get(name)) for axis, name in zip(axes, names)]
+        ys = [axis(t.params.get(name)) for axis, name in zip(axes, names, strict=True)]
         ys.append(0.5 if hi == lo else (t.fom - lo) / (hi - lo))
         paths.append({"x": np.arange(len(ys), dtype=float), "y": np.array(ys, dtype=float), "fom": t.fom})
     return paths, [*names, objective]

@@ -14,7 +14,7 @@ from typing import Any
 
 from nbdist.hpo.trial import Segment, Trial
 
-__all__ = ["TrialExecutor", "EpochReport", "TrialFinished", "FoldOutcome"]
+__all__ = ["TrialExecutor", "EpochReport", "TrialFinished", "FoldOutcome", "Running"]
 
 
 @dataclass(slots=True)
@@ -42,6 +42,16 @@ class TrialFinished:
 
     number: int
     folds: dict[int, FoldOutcome]
+
+
+@dataclass
+class Running:
+    """A trial's segment on a group, as the coordinator keeps it (group None: a trial
+    recovered from its runs' records)."""
+
+    trial: Trial
+    group: int | None
+    segment: Segment | None = None
 
 
 class TrialExecutor(ABC):

@@ -1,15 +1,10 @@
 """A study's set-up and its records: the searcher and scheduler it starts with or resumes,
-the run store's rows of its trials and their events, and the jobs that share it.
+and the run store's rows of its trials and their events.
 
-A study recorded in a store may be shared by several jobs: every decision is made inside
-the study's lock (`RunStore.coordinate`), where the coordinator loads the searcher's and
-the scheduler's state, decides, saves them, and writes the trial rows it hands out under
-its own job name, all in one transaction. A running trial whose job is gone (killed, or
-ended without finishing it) is taken over by the next coordinator that looks, once
-(`claim_trial`): a trial whose fold runs all got to the end of its segment is settled from
-them, another goes on from its checkpoint (a scheduler's segment) or trains again. A job
-with free groups and nothing to start keeps watching the study while other jobs' trials
-run, to take over those of a job that dies; it is gone after STALE_SECONDS without a beat.
+In a store, every decision is made inside the study's lock (`RunStore.coordinate`): the
+coordinator loads the searcher's and the scheduler's state, decides, saves them, and
+writes the trial rows it hands out under its own job name, all in one transaction, so that
+several jobs may share the study (nbdist.hpo.shared).
 """
 
 from __future__ import annotations
@@ -20,88 +15,23 @@ import socket
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from nbdist.errors import UserError
-from nbdist.hpo.executor import FoldOutcome, TrialExecutor, TrialFinished
+from nbdist.hpo.executor import TrialExecutor
 from nbdist.hpo.outcome import Settled
 from nbdist.hpo.schedulers import PAUSED, SCHEDULERS, STOPPED, Scheduler, Setting, Work
 from nbdist.hpo.searcher import make_searcher, restore_searcher
-from nbdist.hpo.trial import CHANGEABLE_HELP, Segment, Trial, changeable, exploit_label, fold_of_run
+from nbdist.hpo.shared import SharedStudy
+from nbdist.hpo.study_setup import StudyError, new_study_name, scheduler_spec
+from nbdist.hpo.trial import CHANGEABLE_HELP, Segment, Trial, changeable, fold_of_run
 from nbdist.options import StudyOptions, TrainOptions, parse_target
-from nbdist.specs import parse_spec
-from nbdist.store import RunStore, store_path
+from nbdist.store import RunStore
 
-__all__ = [
-    "StudyRecords",
-    "Running",
-    "StudyError",
-    "new_study_name",
-    "saved_options",
-    "resolve_options",
-    "scheduler_spec",
-]
-
-HEARTBEAT_SECONDS = 5.0  # a shared study's coordinator says it is alive this often
+__all__ = ["StudyRecords"]
 
 
-class StudyError(UserError):
-    pass
-
-
-def resolve_options(study: dict[str, Any], train: dict[str, Any]) -> tuple[StudyOptions, TrainOptions]:
-    """The options of a study from those given: over the defaults, or over the saved
-    options of the study that --resume-study names (its budget, space, groups, ...)."""
-    try:
-        base_study, base_train = StudyOptions(), TrainOptions()
-        if study.get("resume_study"):
-            given_train = base_train.replace(**train)
-            base_study, base_train = saved_options(
-                store_path(given_train.store, given_train.runs_dir), study["resume_study"]
-            )
-        return base_study.replace(**study), base_train.replace(**train)
-    except TypeError as exc:
-        raise StudyError(str(exc)) from None
-
-
-def saved_options(store: str | None, name: str) -> tuple[StudyOptions, TrainOptions]:
-    """The options a study was started with (a resumed study keeps them unless given anew)."""
-    if store is None:
-        raise StudyError("--resume-study needs the run store the study was recorded in (not --store off)")
-    with RunStore(store, create=False) as opened:
-        saved = opened.study(name)["options"] or {}
-    if "study" not in saved:
-        raise StudyError(f"study {name!r} in {store} has no saved options: it cannot be resumed")
-    known = set(StudyOptions.__dataclass_fields__)
-    return StudyOptions.from_dict({k: v for k, v in saved["study"].items() if k in known}), TrainOptions.from_dict(
-        saved["train"]
-    )
-
-
-def new_study_name(options: StudyOptions) -> str:
-    return options.study_name or f"{time.strftime('%Y%m%d-%H%M%S')}-{options.searcher.split('(')[0]}"
-
-
-def scheduler_spec(options: StudyOptions) -> str:
-    """--scheduler, or the median pruner that --prune asks for."""
-    name = parse_spec(options.scheduler, what="--scheduler").name
-    if options.prune and name == "fifo":
-        return f"median(warmup_trials={options.prune_warmup})"
-    return options.scheduler
-
-
-@dataclass
-class Running:
-    """A trial's segment on a group (group None: a trial recovered from its runs' records)."""
-
-    trial: Trial
-    group: int | None
-    segment: Segment | None = None
-
-
-class StudyRecords:
+class StudyRecords(SharedStudy):
     """The runner's state and everything it writes (nbdist.hpo.runner runs the loop)."""
 
     WATCH_SECONDS = 1.0  # a shared study's job with nothing to start looks at the study this often
@@ -332,119 +262,6 @@ class StudyRecords:
         number = max(self.next_number, max((t.number for t in self._rows), default=-1) + 1)
         self.next_number = number + 1
         return number
-
-    # -- shared studies ------------------------------------------------------------------
-    def _sync_with_store(self) -> list[tuple[Running, TrialFinished]]:
-        """Inside the study's lock: adopt the trials of jobs that are gone, read every job's
-        rows, load the searcher and the scheduler."""
-        recovered = self._adopt_orphans()
-        rows = self.store.trials(self.name)
-        self._refresh_results(rows)
-        self._watching = any(t.state == "running" for t in rows)
-        self._load_state()
-        return recovered
-
-    def _adopt_orphans(self) -> list[tuple[Running, TrialFinished]]:
-        """Inside the study's lock: take over the running trials whose job is gone. Those
-        whose fold runs all reached the end of their segment are returned with their
-        outcome; the others go on from their checkpoints or train again."""
-        live = self.store.live_jobs(self.name)
-        rows = self.store.trials(self.name)
-        self._rows = rows
-        orphans = {t.number for t in rows if t.state == "running" and t.owner not in live}
-        owners = {t.number: t.owner for t in rows}
-        claimed = [
-            trial
-            for trial in self._trials_of(rows, "running")
-            if trial.number in orphans
-            and self.store.claim_trial(self.name, trial.number, self.job, owners[trial.number])
-        ]
-        if claimed:
-            self.say(
-                f"nbdist: trial(s) {', '.join(str(t.number) for t in claimed)} of a job that is gone: taken over here"
-            )
-        segments = self._segments()
-        recovered = []
-        for trial in claimed:
-            segment = segments.get(trial.number)
-            finished = self._recorded(trial.number, segment)
-            if finished is not None:
-                recovered.append((Running(trial, trial.group, segment), finished))
-            elif segment is not None and (segment.start or self.scheduler.pauses):
-                trial.epochs = segment.start
-                segment.runs = {**segment.runs, **trial.runs}
-                self.requeue.append((trial, segment))
-            else:
-                trial.runs, trial.epochs = {}, 0
-                self.fresh.append(trial)
-        return recovered
-
-    def _drop_done_copies(self, trial: Trial, segment: Segment) -> None:
-        """A segment of `trial` trained again after a kill: PBT's copies that were committed
-        before it are not made again (a receiver's run holds its `exploit-<epoch>` checkpoint)."""
-        if segment.exchange_epoch is None:
-            return
-        runs = self._runs_by_trial()
-        if segment.receive_from is not None and self._copied(runs.get(trial.number, {}), segment.exchange_epoch):
-            segment.receive_from = None
-        kept = [
-            (group, number)
-            for group, number in zip(segment.send_to, segment.receivers, strict=False)
-            if not self._copied(runs.get(number, {}), segment.exchange_epoch)
-        ]
-        segment.send_to, segment.receivers = [g for g, _ in kept], [n for _, n in kept]
-
-    def _copied(self, runs: dict[int, str], epoch: int) -> bool:
-        label = exploit_label(epoch)
-        return len(runs) == self.study.folds and all(
-            (Path(self.train.runs_dir) / name / "checkpoints" / label).is_dir() for name in runs.values()
-        )
-
-    def _segments(self) -> dict[int, Segment]:
-        """Each trial's last segment, as its start was recorded."""
-        last: dict[int, Segment] = {}
-        for event in self.store.trial_events(self.name, kind="segment"):
-            last[event["number"]] = Segment.from_dict(event["data"])
-        return last
-
-    def _recorded(self, number: int, segment: Segment | None) -> TrialFinished | None:
-        """A trial's outcome from its fold runs in the store, when all of them got to the
-        end of its segment (a whole trial: completed)."""
-        target = None if segment is None else (segment.pause_at or segment.epochs)
-        folds: dict[int, FoldOutcome] = {}
-        for run in self.store.runs(study=self.name):
-            tagged = fold_of_run(run.id)
-            if run.trial != number or tagged is None:
-                continue
-            if target is None:
-                done = run.status == "completed"
-            else:
-                reached = int((run.final or {}).get("epoch", 0))
-                done = run.status in ("completed", "stopped") and reached >= target
-            if done:
-                folds[tagged[1]] = FoldOutcome(final=run.final, stop_reason=run.reason or "", run_id=run.id)
-        return TrialFinished(number, folds) if len(folds) == self.study.folds else None
-
-    def _still_mine(self, number: int) -> bool:
-        """Inside the lock: whether this job still owns the trial. One taken over while this
-        job seemed gone (paused past its heartbeat) counts as the other job's: its result
-        here is dropped, so that it is told once."""
-        mine = next((t.owner for t in self.store.trials(self.name) if t.number == number), None)
-        if mine != self.job:
-            self.say(f"nbdist: trial {number} was taken over by another job; this result is dropped")
-            return False
-        return True
-
-    def _others_train(self) -> bool:
-        """A shared study with nothing to start here still has trials running in other
-        jobs: this one watches, to take over those of a job that dies, or to train what
-        their results let the scheduler start next."""
-        return self.store is not None and not self.stopping and self._watching
-
-    def _heartbeat(self) -> None:
-        if self.store is not None and time.monotonic() - self._beat > HEARTBEAT_SECONDS:
-            self._beat = time.monotonic()
-            self.store.study_heartbeat(self.name, self.job)
 
     # -- writing what happens ------------------------------------------------------------
     def _record_start(self, trial: Trial, segment: Segment, work: Work) -> None:

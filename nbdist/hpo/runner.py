@@ -32,10 +32,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbdist.hpo.executor import EpochReport, FoldOutcome, TrialExecutor, TrialFinished
+from nbdist.hpo.executor import EpochReport, FoldOutcome, Running, TrialExecutor, TrialFinished
 from nbdist.hpo.outcome import Settled, pareto_front, settle
-from nbdist.hpo.records import Running, StudyError, StudyRecords, new_study_name, resolve_options, saved_options
+from nbdist.hpo.records import StudyRecords
 from nbdist.hpo.schedulers import COMPLETE, FAILED, PAUSED, Work
+from nbdist.hpo.study_setup import StudyError, new_study_name, resolve_options, saved_options
 from nbdist.hpo.trial import Segment, Trial
 
 __all__ = [
