@@ -109,6 +109,9 @@ class _Curve:
                 self._values = iter(objective(params))
             else:
                 value = objective(params)
+                if isinstance(value, Iterator):  # a generator made by a plain function: still per epoch
+                    self._values = value
+                    return
                 whole = isinstance(value, Sequence) and not isinstance(value, str) and not self._one_epoch(value)
                 self._values = iter(value if whole else [value])
         except Exception as exc:  # noqa: BLE001 - the user's objective failed: the trial fails
