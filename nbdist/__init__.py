@@ -1,7 +1,7 @@
 """nbdist: distributed training and hyper-parameter optimisation on MPI, from Jupyter."""
 
 from nbdist import data, datasets  # nbdist.datasets.digits() after a plain `import nbdist`
-from nbdist.api import study, train
+from nbdist.api import scale, study, train
 from nbdist.cluster import Cluster
 from nbdist.layout import Layout
 from nbdist.options import StudyOptions, TrainOptions
@@ -9,6 +9,7 @@ from nbdist.options import StudyOptions, TrainOptions
 __all__ = [
     "train",
     "study",
+    "scale",
     "Study",
     "Cluster",
     "Layout",

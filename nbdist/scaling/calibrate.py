@@ -1,0 +1,231 @@
+"""The calibration probe: the performance model's inputs, measured on the ranks at hand.
+
+Collective over the job's ranks (at least two), in well under a minute:
+
+1. rank 0 alone (the others sleep in a barrier): the model's forward and backward at the
+   batch size and at four times it, through nbdist's backend (probes.py); each update
+   rule's worker and master work on flat buffers of the model's size; a checkpoint share;
+   the gradient noise scale at the model's initial weights;
+2. as many ranks as the node has cores (or ranks), computing at once: how much slower a
+   step is with every core busy;
+3. ranks 0 and 1: a message there and back and a two-rank Iallreduce of flat buffers of
+   several sizes through the transport (transport/probe.py), and the master's look at a
+   client's posted receive;
+4. two short real runs through nbdist's own loops (points.py): allreduce on one rank, and
+   a master with one worker (Downpour) on two: what the loops cost beyond the parts above
+   (the data, the records, the master's loop per update, the messages' way).
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from nbdist.errors import UserError
+from nbdist.options import TrainOptions
+from nbdist.scaling.inputs import Calibration
+from nbdist.scaling.points import PointRunner
+from nbdist.scaling.probes import build_backend, checkpoint_seconds, noise_scale, rule_costs, time_steps
+from nbdist.scaling.setups import Point, SetUp
+from nbdist.train.definition import ModelDefinition
+from nbdist.transport.collectives import Collectives
+from nbdist.transport.probe import allreduce_seconds, free, idle_barrier, ping_pong, posted_test_seconds, split
+from nbdist.transport.waiting import LONGEST_SLEEP, poll_without_sleeping
+
+__all__ = ["calibrate", "MESSAGE_SIZES"]
+
+MESSAGE_SIZES = (8, 4096, 65536, 1 << 20)  # bytes, and the model's message
+TIMEOUT = 600.0
+
+
+def calibrate(
+    comm: Any,
+    definition: ModelDefinition,
+    base: TrainOptions,
+    *,
+    batch: int,
+    model: str,
+    runs_dir: Path,
+    cores: int,
+    quick: bool = False,
+    say: Callable[[str], None] = print,
+) -> tuple[Calibration | None, list[Point]]:
+    """Measure the inputs; on rank 0 the Calibration and the two points its real runs
+    measured (allreduce on one rank, a master and one worker), (None, []) elsewhere."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    if size < 2:
+        raise UserError("nbdist scale needs at least 2 MPI ranks: it measures messages between two of them")
+    started = time.time()
+    seconds = 0.6 if quick else 1.5
+    busy = min(size, cores)
+    collectives = Collectives(lambda: TIMEOUT)
+    data = definition.make_data() if rank < busy else None
+    backend = build_backend(definition, data, base.threads, base.seed) if data is not None else None
+    found: dict[str, Any] = {}
+    try:
+        idle_barrier(comm, TIMEOUT)
+        if rank == 0:
+            say(f"nbdist: calibrating on {size} ranks ({cores} cores): the model's step alone")
+            found.update(_alone(backend, data, batch, seconds))
+        idle_barrier(comm, TIMEOUT)
+        mine = time_steps(backend, data, batch, seconds).mean if backend is not None else None
+        idle_barrier(comm, TIMEOUT)
+        together = [t for t in collectives.allgather(comm, mine, "the calibration") if t is not None]
+    finally:
+        if data is not None:
+            data.close()
+    if rank == 0:
+        say(f"nbdist: calibrating: messages and allreduce between two ranks, {busy} ranks computing at once")
+    found.update(_messages(comm, cores, 4 * (backend.num_params if backend is not None else 0), seconds))
+    runner = PointRunner(comm, definition, base, runs_dir, cores, TIMEOUT)
+    steps = int(min(2000, max(40, (2.0 if quick else 4.0) / found["step_s"]))) if rank == 0 else 0
+    steps = collectives.allgather(comm, steps, "the calibration")[0]
+    alone = runner.run(SetUp("allreduce"), 1, batch, steps, name="calibration-allreduce-1r")
+    pair = runner.run(SetUp("master-worker", "downpour"), 2, batch, steps, name="calibration-downpour-2r")
+    if rank != 0:
+        return None, []
+    if alone.point is None or pair.point is None:
+        raise UserError(f"the calibration runs could not be measured: {alone.error or pair.error}")
+    calibration = _assemble(found, together, alone.point, pair.point, backend, batch, model, size, cores, started)
+    return calibration, [alone.point, pair.point]
+
+
+def _alone(backend: Any, data: Any, batch: int, seconds: float) -> dict[str, Any]:
+    """Rank 0 with the node to itself."""
+    full = time_steps(backend, data, batch, seconds)
+    # The slope from the batch up (strong scaling shares a larger total batch): at a
+    # quarter of the batch the step is mostly its fixed costs.
+    big_batch = min(4 * batch, data.n_train)
+    big = time_steps(backend, data, big_batch, seconds / 2) if big_batch > batch else full
+    per_sample = max(0.0, (big.mean - full.mean) / (big_batch - batch)) if big_batch > batch else 0.0
+    step, exchange, apply, merge = rule_costs(backend, seconds)
+    b_simple, noise_range, batches = noise_scale(backend, data, batch, 2 * seconds)
+    return {
+        "step_s": full.mean,
+        "spread": full.spread,
+        "per_sample_s": per_sample,
+        "worker_step": step,
+        "worker_exchange": exchange,
+        "apply": apply,
+        "merge": merge,
+        "noise_scale": b_simple,
+        "noise_range": noise_range,
+        "noise_batches": batches,
+        "train_samples": data.n_train,
+        "checkpoint_s": checkpoint_seconds(backend),
+        "params": backend.num_params,
+        "state": int(np.asarray(backend.state).size),
+    }
+
+
+def _messages(comm: Any, cores: int, message: int, seconds: float) -> dict[str, Any]:
+    """Ranks 0 and 1: one-way message times and two-rank allreduce times by size (fitted
+    to alpha + bytes x beta); rank 0: a posted receive looked at. The others wait."""
+    rank = comm.Get_rank()
+    pair = split(comm, rank < 2)
+    found: dict[str, Any] = {}
+    try:
+        if rank < 2:
+            poll_without_sleeping(2 <= cores)  # as a run of two ranks on this node polls
+            sizes = sorted({*MESSAGE_SIZES, max(8, message)})
+            repeats = [max(5, min(200, int(seconds * 2e8 / max(s, 1e4) / 4))) for s in sizes]
+            one_way = [ping_pong(pair, 1 - rank, s, r, TIMEOUT) for s, r in zip(sizes, repeats, strict=True)]
+            reduce = [allreduce_seconds(pair, s, r, TIMEOUT) for s, r in zip(sizes, repeats, strict=True)]
+            found["p2p"] = _fit(sizes, one_way)
+            found["allreduce"] = _fit(sizes, reduce)
+            if rank == 0:
+                found["client_test_s"] = posted_test_seconds(pair, 64, 200)
+    finally:
+        free(pair)
+        idle_barrier(comm, TIMEOUT)
+    return found
+
+
+def _fit(sizes: list[int], seconds: list[float]) -> tuple[float, float]:
+    """alpha, beta of seconds = alpha + bytes x beta (least squares; both kept positive)."""
+    slope, intercept = np.polyfit(np.asarray(sizes, float), np.asarray(seconds, float), 1)
+    return max(float(intercept), min(seconds) * 0.5, 1e-7), max(float(slope), 1e-13)
+
+
+def _assemble(
+    found: dict[str, Any],
+    together: list[float],
+    alone: Any,
+    pair: Any,
+    backend: Any,
+    batch: int,
+    model: str,
+    size: int,
+    cores: int,
+    started: float,
+) -> Calibration:
+    """The inputs, from the parts measured and the two real runs."""
+    notes = []
+    busy_measured = sum(together) / len(together) / found["step_s"] if together else 1.0
+    busy = max(1.0, busy_measured)
+    if len(together) < cores and len(together) > 1:
+        busy = 1.0 + (busy - 1.0) * (cores - 1) / (len(together) - 1)
+        notes.append(f"busy factor extrapolated from {len(together)} ranks computing to {cores} cores")
+    p2p_alpha, p2p_beta = found["p2p"]
+    ar_alpha, ar_beta = found["allreduce"]
+    params, state = found["params"], found["state"]
+    message = 4 * (params + state)
+    # A lone allreduce rank's step beyond forward and backward: data, optimiser, records.
+    allreduce_loop = max(0.0, alone.step_s - found["step_s"])
+    # The master with one worker: busy (not waiting) per update, which the model rebuilds
+    # as its loop + the rule's apply + the receive + one client looked at.
+    cycle = pair.step_s
+    busy_per_update = (pair.master_utilisation or 0.0) * cycle
+    apply = found["apply"]
+    receive = message * p2p_beta
+    master_fixed = max(0.0, busy_per_update - apply["downpour"])
+    service = master_fixed + apply["downpour"] + receive + found["client_test_s"]
+    # The worker waits for the master's service and the messages' way there and back.
+    reply_latency = max(2 * p2p_alpha, pair.wait_s - service)
+    # The rest of the worker's cycle beyond its compute (the model's step and the rule's
+    # worker_step) and its waiting: the rule's exchange work, its send, the data and the
+    # records (measured with Downpour; the other rules differ by what their exchange work
+    # costs more or less).
+    talk = max(0.0, cycle - pair.wait_s - pair.compute_s)
+    exchange = {
+        r: max(0.0, talk + s - found["worker_exchange"]["downpour"]) for r, s in found["worker_exchange"].items()
+    }
+    return Calibration(
+        model=model,
+        params=params,
+        state=state,
+        batch_size=batch,
+        cores=cores,
+        step_s=found["step_s"],
+        per_sample_s=found["per_sample_s"],
+        busy_factor=busy,
+        spread=found["spread"],
+        allreduce_loop_s=allreduce_loop,
+        worker_step_s=found["worker_step"],
+        worker_exchange_s=exchange,
+        p2p_alpha_s=p2p_alpha,
+        p2p_beta_s=p2p_beta,
+        allreduce_alpha_s=ar_alpha,
+        allreduce_beta_s=ar_beta,
+        apply_s=apply,
+        merge_s=found["merge"],
+        master_fixed_s=master_fixed,
+        client_test_s=found["client_test_s"],
+        reply_latency_s=reply_latency,
+        poll_sleep_s=LONGEST_SLEEP,
+        checkpoint_s=found["checkpoint_s"],
+        noise_scale=found["noise_scale"],
+        noise_range=found["noise_range"],
+        noise_batches=tuple(found["noise_batches"]),
+        train_samples=found["train_samples"],
+        ranks=size,
+        host=socket.gethostname(),
+        when=started,
+        seconds=time.time() - started,
+        notes=notes,
+    )
