@@ -209,3 +209,15 @@ def test_bad_scale_options_are_one_clear_error():
         "easgd, sync every 4",
         "downpour, 2 masters, sync every 4",
     ]
+
+
+def test_the_command_line_the_magic_and_the_api_take_the_same_scale_options():
+    from dataclasses import fields
+
+    from nbdist.cli import build_parser
+    from nbdist.magics import DistnnMagics
+
+    argv = ["scale", "--model", "m.py", "--quick", "--setups", "gem", "--max-ranks", "256"]
+    for args in (build_parser().parse_args(argv), DistnnMagics.distnn.parser.parse_args(argv)):
+        given = {f.name: getattr(args, f.name) for f in fields(ScaleOptions) if getattr(args, f.name) is not None}
+        assert ScaleOptions(**given).validate() == ScaleOptions(model="m.py", quick=True, setups="gem", max_ranks=256)

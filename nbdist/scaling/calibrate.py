@@ -53,6 +53,7 @@ def calibrate(
     runs_dir: Path,
     cores: int,
     quick: bool = False,
+    run_seconds: float = 3.0,
     say: Callable[[str], None] = print,
 ) -> tuple[Calibration | None, list[Point]]:
     """Measure the inputs; on rank 0 the Calibration and the two points its real runs
@@ -83,7 +84,7 @@ def calibrate(
         say(f"nbdist: calibrating: messages and allreduce between two ranks, {busy} ranks computing at once")
     found.update(_messages(comm, cores, 4 * (backend.num_params if backend is not None else 0), seconds))
     runner = PointRunner(comm, definition, base, runs_dir, cores, TIMEOUT)
-    steps = int(min(2000, max(40, (2.0 if quick else 4.0) / found["step_s"]))) if rank == 0 else 0
+    steps = int(min(5000, max(40, run_seconds / found["step_s"]))) if rank == 0 else 0
     steps = collectives.allgather(comm, steps, "the calibration")[0]
     alone = runner.run(SetUp("allreduce"), 1, batch, steps, name="calibration-allreduce-1r")
     pair = runner.run(SetUp("master-worker", "downpour"), 2, batch, steps, name="calibration-downpour-2r")

@@ -25,6 +25,11 @@ _SETUP_KEYS = ("masters", "sync_every", "synchronous")
 @dataclass
 class ScaleOptions:
     model: str | None = _opt(None, "Python file defining build_model() (and optionally loss, metric, data)")
+    train: str | None = _opt(
+        None, "training data: HDF5 files, comma-separated paths or globs (replaces the model's load_data)"
+    )
+    val: str | None = _opt(None, "validation data: HDF5 files or globs, like --train")
+    data_keys: str = _opt("features,labels", "names of the features and labels datasets in the HDF5 files")
     ranks: str | None = _opt(None, "rank counts to measure, e.g. '1,2,4' (default: 1 to the job's ranks)")
     setups: str = _opt(
         DEFAULT_SETUPS,
@@ -80,6 +85,8 @@ class ScaleOptions:
         parse_setups(self.setups)
         if self.ranks is not None:
             parse_ranks(self.ranks)
+        if bool(self.train) != bool(self.val):
+            raise OptionsError("--train and --val go together: the HDF5 files to train and to validate on")
         if self.run_name is not None and "/" in self.run_name:
             raise OptionsError(f"--run-name {self.run_name!r}: a directory name inside --runs-dir, without '/'")
         return self

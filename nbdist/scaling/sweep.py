@@ -16,6 +16,7 @@ Collective over the job's ranks (COMM_WORLD or `comm`):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -80,6 +81,17 @@ def plan_points(
     return points
 
 
+def _with_files(options: ScaleOptions, definition: ModelDefinition) -> ModelDefinition:
+    """The model with --train/--val's HDF5 files as its data, read where each rank runs."""
+    if not options.train:
+        return definition
+    from nbdist.data.files import HDF5Data
+
+    keys = [k.strip() for k in options.data_keys.split(",")]
+    train, val = options.train, options.val
+    return dataclasses.replace(definition, data=lambda: HDF5Data(train, val, keys=keys))
+
+
 def _cores(options: ScaleOptions) -> int:
     return options.cores or len(os.sched_getaffinity(0))
 
@@ -113,7 +125,7 @@ def run_scale(
     size, rank = comm.Get_size(), comm.Get_rank()
     counts = _check(options, size)
     setups = parse_setups(options.setups)
-    definition = definition or load_model_file(options.model)
+    definition = _with_files(options, definition or load_model_file(options.model))
     cores = _cores(options)
     collectives = Collectives(lambda: TIMEOUT)
 
@@ -135,6 +147,7 @@ def run_scale(
             runs_dir=directory / "points",
             cores=cores,
             quick=options.quick,
+            run_seconds=options.point_seconds,
             say=tell,
         )
         plan = plan_points(setups, counts, options.scalings(), options.quick, options.batch_size)
@@ -148,6 +161,15 @@ def run_scale(
                 recorder.add("calibration", calibration.to_dict())
             for point in calibration_points:
                 point.extra = {"calibration": True}
+                if recorder is not None:
+                    predicted = PerformanceModel(calibration, Machine(cores, network(options.network), nodes=1))
+                    recorder.add(
+                        "measured",
+                        {
+                            "measured": point.to_dict(),
+                            "predicted": predicted.predict(point.setup, point.ranks).to_dict(),
+                        },
+                    )
             measured += calibration_points
         here = PerformanceModel(calibration, Machine(cores, network(options.network), nodes=1)) if rank == 0 else None
         runner = PointRunner(comm, definition, base, directory / "points", cores, TIMEOUT, options.keep_runs)
