@@ -25,8 +25,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import ROOT, header, table  # noqa: E402
+from _common import ROOT, header  # noqa: E402
 
+from nbdist.scaling.analysis import Comparison  # noqa: E402
+from nbdist.scaling.report import comparison_text  # noqa: E402
 from nbdist.scaling.store import scale_records  # noqa: E402
 from nbdist.store import RunStore  # noqa: E402
 
@@ -44,7 +46,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=4, help="the largest rank count (default 4: twice 2 cores)")
     parser.add_argument("--repeats", type=int, default=None, help="runs per point, the fastest kept (default 2)")
     parser.add_argument("--model", default=str(ROOT / "examples" / "digits_cnn.py"))
-    parser.add_argument("--seconds", type=float, default=None, help="seconds each point trains")
+    parser.add_argument("--seconds", type=float, default=2.0, help="seconds each point trains (default 2)")
     args = parser.parse_args()
     repeats = args.repeats or (1 if args.quick else 2)
     header("scaling model: predicted (from a 1-2 rank calibration) vs measured")
@@ -93,51 +95,16 @@ def main() -> None:
         f"   calibrated on {calibration['ranks']} ranks ({calibration['cores']} cores) in "
         f"{calibration['seconds']:.0f} s: a lone allreduce rank and a master with one worker"
     )
-    rows, errors, stale_errors = [], [], []
-    for entry in found["measured"]:
-        m, p = entry["measured"], entry["predicted"]
-        error = p["samples_per_s"] / m["samples_per_s"] - 1.0
-        errors.append(abs(error))
-        stale = None
-        if m["setup"]["topology"] != "allreduce" and not m["setup"]["synchronous"] and m["staleness_mean"]:
-            stale = p["staleness_mean"] / m["staleness_mean"] - 1.0
-            stale_errors.append(abs(stale))
-        note = f"{m['ranks']} ranks on {m['cores']} cores" if m["oversubscribed"] else ""
-        rows.append(
-            [
-                m["label"],
-                m["scaling"],
-                m["ranks"],
-                m["batch"],
-                round(p["samples_per_s"]),
-                round(m["samples_per_s"]),
-                f"{error:+.1%}",
-                _number(p["staleness_mean"], m),
-                _number(m["staleness_mean"], m),
-                "-" if stale is None else f"{stale:+.1%}",
-                note,
-            ]
-        )
-    table(
-        rows,
-        [
-            "set-up",
-            "scaling",
-            "ranks",
-            "batch",
-            "predicted samples/s",
-            "measured",
-            "error",
-            "predicted staleness",
-            "measured",
-            "error",
-            "oversubscribed",
-        ],
-    )
+    comparisons = [Comparison.from_dict(entry) for entry in found["measured"]]
+    checked = [c for c in comparisons if not (c.measured.extra or {}).get("calibration")]
+    print(comparison_text(comparisons), "\n", sep="")
+    errors = [abs(c.error) for c in checked]
+    stale_errors = [abs(c.staleness_error) for c in checked if c.staleness_error is not None]
     every = errors + stale_errors
     median, worst = statistics.median(every), max(every)
     print(
-        f"samples/s: median error {statistics.median(errors):.1%}, worst {max(errors):.1%}; mean staleness: "
+        f"{len(checked)} configurations besides the calibration's; samples/s: median error "
+        f"{statistics.median(errors):.1%}, worst {max(errors):.1%}; mean staleness: "
         + (
             f"median error {statistics.median(stale_errors):.1%}, worst {max(stale_errors):.1%}"
             if stale_errors
@@ -149,12 +116,6 @@ def main() -> None:
         f"aim median error <= {MEDIAN_AIM:.0%}, worst <= {WORST_AIM:.0%} (samples/s and mean staleness, "
         f"{len(every)} figures): median {median:.1%}, worst {worst:.1%} ({'met' if met else 'not met'})"
     )
-
-
-def _number(value: float | None, measured: dict) -> str:
-    if value is None or measured["setup"]["topology"] == "allreduce" or measured["setup"]["synchronous"]:
-        return "-"
-    return f"{value:.2f}"
 
 
 if __name__ == "__main__":

@@ -90,6 +90,7 @@ SCALING_PURE = (
     "analysis",
     "goodput",
     "inputs",
+    "load",
     "measure",
     "model",
     "network",

@@ -16,7 +16,7 @@ from nbdist.scaling.network import Machine, network
 from nbdist.scaling.setups import Point, SetUp
 from nbdist.scaling.simulator import Simulator
 
-__all__ = ["Comparison", "Analysis", "analyse", "curve_ranks", "WITHIN_BEST"]
+__all__ = ["Comparison", "Analysis", "analyse", "curve_ranks", "machine_of", "WITHIN_BEST"]
 
 # The recommendation: the fewest ranks whose time to target is within this share of the
 # fastest predicted (beyond it, more ranks buy little).
@@ -38,9 +38,14 @@ class Comparison:
     @property
     def staleness_error(self) -> float | None:
         m, p = self.measured.staleness_mean, self.predicted.staleness_mean
-        if m is None or p is None or self.measured.setup.allreduce or m <= 0:
+        if m is None or p is None or not self.measured.setup.asynchronous or m <= 0:
             return None
         return p / m - 1.0
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> Comparison:
+        """What a study recorded of a point ('measured' records: its measurement and prediction)."""
+        return cls(Point.from_dict(values["measured"]), Point.from_dict(values["predicted"]))
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -70,6 +75,17 @@ class Analysis:
     def worst_error(self) -> float | None:
         errors = [abs(c.error) for c in self.comparisons]
         return max(errors) if errors else None
+
+
+# The least of the node's cores a point is taken to have had, however busy the others kept it.
+MIN_CORES = 0.2
+
+
+def machine_of(point: Point, cores: int, network_name: str) -> Machine:
+    """The node a measured point ran on: `cores` of its own, less what other processes used
+    of them meanwhile (`extra["others"]`, load.py)."""
+    others = (point.extra or {}).get("others", 0.0)
+    return Machine(max(cores - others, MIN_CORES), network(network_name), nodes=1, physical=cores)
 
 
 def curve_ranks(most: int) -> list[int]:
@@ -105,14 +121,13 @@ def analyse(
     simulate: bool = True,
 ) -> Analysis:
     """Everything a study reports after its measurements (`measured` may be empty)."""
-    here = PerformanceModel(calibration, Machine(cores, network(network_name), nodes=1))
     there = PerformanceModel(calibration, Machine(cores_per_node, network(network_name)))
-    sim_here = Simulator(here)
     comparisons = []
     for point in measured:
+        here = PerformanceModel(calibration, machine_of(point, cores, network_name))
         predicted = here.predict(point.setup, point.ranks, point.batch, point.scaling)
         if simulate and point.setup.asynchronous:
-            predicted.staleness_p99 = sim_here.run(point.setup, point.ranks, point.batch).staleness_p99
+            predicted.staleness_p99 = Simulator(here).run(point.setup, point.ranks, point.batch).staleness_p99
         comparisons.append(Comparison(point, predicted))
     notes = []
     rule = next(

@@ -18,6 +18,7 @@ Collective over the job's ranks (at least two), in well under a minute:
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import time
 from collections.abc import Callable
@@ -29,6 +30,7 @@ import numpy as np
 from nbdist.errors import UserError
 from nbdist.options import TrainOptions
 from nbdist.scaling.inputs import Calibration
+from nbdist.scaling.load import CpuMeter
 from nbdist.scaling.points import PointRunner
 from nbdist.scaling.probes import build_backend, checkpoint_seconds, noise_scale, rule_costs, time_steps
 from nbdist.scaling.setups import Point, SetUp
@@ -41,6 +43,7 @@ __all__ = ["calibrate", "MESSAGE_SIZES"]
 
 MESSAGE_SIZES = (8, 4096, 65536, 1 << 20)  # bytes, and the model's message
 TIMEOUT = 600.0
+MIN_CORES = 0.2  # the least of the cores a measurement is taken to have had
 
 
 def calibrate(
@@ -54,10 +57,13 @@ def calibrate(
     cores: int,
     quick: bool = False,
     run_seconds: float = 3.0,
+    meter: CpuMeter | None = None,
     say: Callable[[str], None] = print,
 ) -> tuple[Calibration | None, list[Point]]:
     """Measure the inputs; on rank 0 the Calibration and the two points its real runs
-    measured (allreduce on one rank, a master and one worker), (None, []) elsewhere."""
+    measured (allreduce on one rank, a master and one worker), (None, []) elsewhere.
+    `meter` (rank 0's): what other processes took of the cores meanwhile; each time is
+    brought back to what it is with the cores the ranks need (see `_share`)."""
     size, rank = comm.Get_size(), comm.Get_rank()
     if size < 2:
         raise UserError("nbdist scale needs at least 2 MPI ranks: it measures messages between two of them")
@@ -72,9 +78,13 @@ def calibrate(
         idle_barrier(comm, TIMEOUT)
         if rank == 0:
             say(f"nbdist: calibrating on {size} ranks ({cores} cores): the model's step alone")
+            t0 = time.time()
             found.update(_alone(backend, data, batch, seconds))
+            found["alone_share"] = _share(meter, t0, time.time(), 1, cores)
         idle_barrier(comm, TIMEOUT)
+        t0 = time.time()
         mine = time_steps(backend, data, batch, seconds).mean if backend is not None else None
+        found["busy_share"] = _share(meter, t0, time.time(), busy, cores)
         idle_barrier(comm, TIMEOUT)
         together = [t for t in collectives.allgather(comm, mine, "the calibration") if t is not None]
     finally:
@@ -92,8 +102,26 @@ def calibrate(
         return None, []
     if alone.point is None or pair.point is None:
         raise UserError(f"the calibration runs could not be measured: {alone.error or pair.error}")
+    for point in (alone.point, pair.point):
+        point.extra = {**(point.extra or {}), "others": _others(meter, point)}
     calibration = _assemble(found, together, alone.point, pair.point, backend, batch, model, size, cores, started)
     return calibration, [alone.point, pair.point]
+
+
+def _others(meter: CpuMeter | None, point: Point) -> float:
+    """The cores other processes kept busy during a point's steady state."""
+    window = (point.extra or {}).get("window")
+    return meter.others(*window) if meter is not None and window else 0.0
+
+
+def _share(meter: CpuMeter | None, start: float, end: float, ranks: int, cores: int) -> float:
+    """The share of a core each of `ranks` computing ranks had between `start` and `end`,
+    with other processes using what the meter saw: 1 where they left enough cores. A time
+    measured then, times this, is the time with a core of one's own (processor sharing)."""
+    if meter is None:
+        return 1.0
+    free = max(cores - meter.others(start, end), MIN_CORES)
+    return min(1.0, free / ranks)
 
 
 def _alone(backend: Any, data: Any, batch: int, seconds: float) -> dict[str, Any]:
@@ -147,6 +175,18 @@ def _messages(comm: Any, cores: int, message: int, seconds: float) -> dict[str, 
     return found
 
 
+def _at_share(point: Point, share: float) -> Point:
+    """A measured point's times as with a core of its own (`share` of one it had)."""
+    return dataclasses.replace(
+        point,
+        step_s=point.step_s * share,
+        compute_s=point.compute_s * share,
+        communicate_s=point.communicate_s * share,
+        wait_s=point.wait_s * share,
+        samples_per_s=point.samples_per_s / share,
+    )
+
+
 def _fit(sizes: list[int], seconds: list[float]) -> tuple[float, float]:
     """alpha, beta of seconds = alpha + bytes x beta (least squares; both kept positive)."""
     slope, intercept = np.polyfit(np.asarray(sizes, float), np.asarray(seconds, float), 1)
@@ -167,6 +207,21 @@ def _assemble(
 ) -> Calibration:
     """The inputs, from the parts measured and the two real runs."""
     notes = []
+    # Each time at the share of a core its ranks had, other processes taking the rest.
+    alone_share, busy_share = found["alone_share"], found["busy_share"]
+    for key in ("step_s", "per_sample_s", "checkpoint_s"):
+        found[key] *= alone_share
+    for key in ("worker_step", "worker_exchange", "apply"):
+        found[key] = {r: t * alone_share for r, t in found[key].items()}
+    found["merge"] *= alone_share
+    together = [t * busy_share for t in together]
+    alone = _at_share(alone, min(1.0, max(cores - alone.extra["others"], MIN_CORES)))
+    pair = _at_share(pair, min(1.0, max(cores - pair.extra["others"], MIN_CORES)))
+    if min(alone_share, busy_share) < 1.0:
+        notes.append(
+            f"other processes used the cores meanwhile: times brought back to a core each (shares "
+            f"{alone_share:.2f} alone, {busy_share:.2f} with {len(together)} ranks computing)"
+        )
     busy_measured = sum(together) / len(together) / found["step_s"] if together else 1.0
     busy = max(1.0, busy_measured)
     if len(together) < cores and len(together) > 1:

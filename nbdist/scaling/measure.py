@@ -6,9 +6,8 @@ seconds it spent computing, sending and waiting since the last one); a master wr
 cumulative seconds waiting, updating and replying). A rank's first interval holds the
 run's warm-up and its last one the end (the last workers finish alone, a checkpoint is
 written): both are left out, so the figures are those of the steady state in between.
-Of those intervals, the faster half is kept: on a shared machine another user's process
-takes the cores now and then, which the model does not know of (the calibration keeps the
-faster steps in the same way, probes.py).
+The point keeps that window (`extra["window"]`: where every rank was in its steady state),
+for what other processes did on the node meanwhile (load.py).
 """
 
 from __future__ import annotations
@@ -73,12 +72,15 @@ def measure_run(run_dir: str | Path, setup: SetUp, ranks: int, batch: int, cores
     if not by_rank:
         raise MeasureError(f"no training records in {run_dir}")
     rate, steps_s, compute, talk, wait = 0.0, [], [], [], []
+    starts, ends = [], []
     per_update = 1 if setup.allreduce else max(1, setup.sync_every)
     for mine in by_rank.values():
-        intervals = [(r["values"], seconds) for r, seconds in _steady(mine) if seconds > 0 and r["values"]["samples"]]
+        steady = _steady(mine)
+        starts.append(steady[0][0]["time"] - steady[0][1])
+        ends.append(steady[-1][0]["time"])
+        intervals = [(r["values"], seconds) for r, seconds in steady if seconds > 0 and r["values"]["samples"]]
         if not intervals:
             raise MeasureError(f"rank {mine[0]['rank']} of {run_dir} trained nothing in its steady state")
-        intervals = _faster_half(intervals)
         samples = sum(v["samples"] for v, _ in intervals)
         seconds = sum(s for _, s in intervals)
         steps = samples / batch / per_update
@@ -106,6 +108,7 @@ def measure_run(run_dir: str | Path, setup: SetUp, ranks: int, batch: int, cores
         cores=min(ranks, cores),
         oversubscribed=ranks > cores,
         scaling=scaling,
+        extra={"window": [max(starts), min(ends)]},
     )
     if setup.allreduce:
         point.staleness_mean = point.staleness_p99 = 0.0
@@ -135,15 +138,6 @@ def _master_busy(records: list[dict[str, Any]]) -> float | None:
     seconds = last["time"] - first["time"]
     waited = last["values"].get("wait", 0.0) - first["values"].get("wait", 0.0)
     return max(0.0, min(1.0, 1.0 - waited / seconds)) if seconds > 0 else None
-
-
-def _faster_half(intervals: list[tuple[dict[str, Any], float]]) -> list[tuple[dict[str, Any], float]]:
-    """The intervals whose throughput is at least the median's: what the point does without
-    other users' processes taking its cores now and then (on a machine of its own, the
-    intervals hardly differ and this is all of them, near enough)."""
-    rates = sorted(v["samples"] / s for v, s in intervals)
-    median = rates[(len(rates) - 1) // 2]
-    return [(v, s) for v, s in intervals if v["samples"] / s >= median]
 
 
 def _mean(values: list[float]) -> float:

@@ -103,7 +103,7 @@ class PerformanceModel:
     def compute_s(self, batch: int, busy: float) -> float:
         """One forward and backward with `busy` ranks of the node computing at once (at most
         its cores: beyond that they share cores, which the callers model)."""
-        cal, cores = self.cal, self.machine.cores
+        cal, cores = self.cal, self.machine.own_cores
         share = 0.0 if cores <= 1 else (min(max(busy, 1.0), cores) - 1.0) / (cores - 1.0)
         return cal.compute_s(batch) * (1.0 + (cal.busy_factor - 1.0) * share)
 
@@ -119,7 +119,7 @@ class PerformanceModel:
         per_node = min(machine.ranks_per_node(ranks), ranks)
         nodes = machine.nodes_for(ranks)
         alpha = cal.allreduce_alpha_s
-        if machine.oversubscribed(ranks):
+        if machine.sleeps(ranks):
             alpha += cal.poll_sleep_s / 2.0  # a round waits for a peer that sleeps between polls
         within = _collective(algorithm, per_node, nbytes, buckets, alpha, cal.allreduce_beta_s)
         between = _collective(algorithm, nodes, nbytes, buckets, machine.net.latency_s, machine.net.beta_s)
@@ -128,7 +128,7 @@ class PerformanceModel:
     def _allreduce(self, setup: SetUp, ranks: int, batch: int) -> Point:
         cal, machine = self.cal, self.machine
         per_node, cores = machine.ranks_per_node(ranks), machine.cores
-        compute = self.compute_s(batch, per_node)
+        compute = self.compute_s(batch, min(per_node, machine.own_cores))
         loop = cal.allreduce_loop_s
         if per_node > cores:  # the ranks take turns on the cores: every step's work stretches
             share = per_node / cores
@@ -173,7 +173,7 @@ class PerformanceModel:
         cal, machine = self.cal, self.machine
         cal.check_rule(setup.rule)
         per_node = machine.ranks_per_node(ranks)
-        busy = min(per_node, machine.cores)
+        busy = min(per_node, machine.own_cores)
         nbytes = cal.message_bytes
         k = max(1, setup.sync_every)
         talk = cal.worker_exchange_s[setup.rule]
@@ -183,7 +183,7 @@ class PerformanceModel:
         # What a lone worker waits beyond the service (measured within the node), with the
         # way there and back over the network for the workers on other nodes.
         delay = cal.reply_latency_s + off * self._network_extra()
-        if machine.oversubscribed(ranks):
+        if machine.sleeps(ranks):
             delay += cal.poll_sleep_s  # both ends sleep between polls: half a sleep each
         receive = (1 - off) * nbytes * cal.p2p_beta_s + off * nbytes * machine.net.beta_s
         service = cal.master_fixed_s + cal.apply_s[setup.rule] + receive
@@ -243,7 +243,7 @@ class PerformanceModel:
         ex = self.exchange(setup, batch, w, ranks)
         off = self.machine.nodes_for(ranks) > 1
         push_delay = cal.reply_latency_s + (self._network_extra() if off else 0.0)
-        if self.machine.oversubscribed(ranks):
+        if self.machine.sleeps(ranks):
             push_delay += cal.poll_sleep_s
         nbytes = cal.message_bytes
         merge = cal.master_fixed_s + (cal.merge_s or min(cal.apply_s.values()))

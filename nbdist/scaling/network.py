@@ -63,14 +63,27 @@ class Machine:
 
     `nodes=None`: as many nodes as the ranks need at one rank per core (a prediction for an
     allocation of whole nodes). `nodes=1`: every rank on this one node, more ranks than
-    cores sharing them (the points a sweep measures here)."""
+    cores sharing them (the points a sweep measures here). On a node shared with other
+    processes, `cores` is what they leave (a fraction too) and `physical` the node's own."""
 
-    cores: int
+    cores: float
     net: Network
     nodes: int | None = None
+    physical: int | None = None  # the node's own cores, where `cores` is what the ranks get of them
+
+    @property
+    def own_cores(self) -> int:
+        """The node's cores: what decides whether waiting ranks poll or sleep, and how many
+        compute at once (where `cores` counts only the share other processes leave)."""
+        return self.physical if self.physical is not None else int(self.cores)
+
+    def sleeps(self, ranks: int) -> bool:
+        """Whether the ranks wait by sleeping between polls (more of them than the node's
+        cores: --busy-poll auto)."""
+        return self.ranks_per_node(ranks) > self.own_cores
 
     def nodes_for(self, ranks: int) -> int:
-        return self.nodes if self.nodes is not None else max(1, math.ceil(ranks / self.cores))
+        return self.nodes if self.nodes is not None else max(1, math.ceil(ranks / self.own_cores))
 
     def ranks_per_node(self, ranks: int) -> int:
         """The most ranks any node holds (ranks fill the nodes one after the other)."""
@@ -78,7 +91,9 @@ class Machine:
 
     def cores_for(self, ranks: int) -> int:
         """The cores the ranks have between them."""
-        return min(ranks, self.nodes_for(ranks) * self.cores) if self.nodes is None else self.nodes * self.cores
+        if self.nodes is None:
+            return min(ranks, int(self.nodes_for(ranks) * self.cores))
+        return self.nodes * self.own_cores
 
     def oversubscribed(self, ranks: int) -> bool:
         return self.ranks_per_node(ranks) > self.cores
@@ -88,4 +103,4 @@ class Machine:
 
     def describe(self) -> str:
         where = "one node" if self.nodes == 1 else f"{self.nodes} nodes" if self.nodes else "nodes"
-        return f"{where} of {self.cores} cores, {self.net.name} between nodes"
+        return f"{where} of {self.cores:g} cores, {self.net.name} between nodes"

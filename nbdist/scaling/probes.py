@@ -10,6 +10,7 @@ optimisers the run would make by default), for a bounded time.
 from __future__ import annotations
 
 import os
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -31,7 +32,6 @@ from nbdist.train.definition import ModelDefinition
 __all__ = ["Steps", "build_backend", "time_steps", "rule_costs", "noise_scale", "checkpoint_seconds", "SPREAD_POINTS"]
 
 SPREAD_POINTS = 21  # quantiles of the measured step times the simulator draws from
-KEEP = 0.8  # the share of the fastest steps that count (see time_steps)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,12 +76,8 @@ def time_steps(backend: Backend, data: Data, batch: int, seconds: float, *, warm
         t0 = time.perf_counter()
         backend.compute_gradients(x, y)
         times.append(time.perf_counter() - t0)
-    # The fastest KEEP of the steps: on a shared machine another user's process takes the
-    # core now and then, which the model does not know of (measure.py keeps the faster
-    # intervals of a run the same way).
-    kept = np.sort(np.asarray(times))[: max(2, int(KEEP * len(times)))]
-    mean = float(kept.mean())
-    spread = np.quantile(kept / mean, np.linspace(0.0, 1.0, SPREAD_POINTS))
+    mean = statistics.fmean(times)
+    spread = np.quantile(np.asarray(times) / mean, np.linspace(0.0, 1.0, SPREAD_POINTS))
     return Steps(mean, [float(q) for q in spread], len(times))
 
 

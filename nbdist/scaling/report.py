@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from nbdist.scaling.analysis import WITHIN_BEST, Analysis
+from nbdist.scaling.analysis import WITHIN_BEST, Analysis, Comparison
 from nbdist.scaling.goodput import ASYNC_SAMPLES, MEASURED_STALENESS, SYNC_SAMPLES
 from nbdist.scaling.inputs import Calibration
 from nbdist.scaling.setups import Point
@@ -67,12 +68,15 @@ def calibration_text(cal: Calibration) -> str:
 
 
 def measured_text(points: list[Point], reference: dict[str, float]) -> str:
-    """The measured points; speed-up against one rank of the same scaling."""
+    """The measured points; speed-up against one rank of the same scaling. "others' cores":
+    what other processes on the node used meanwhile (the model's prediction for the point
+    counts the cores they left; load.py)."""
     rows = []
     for p in points:
         one = reference.get(p.scaling)
         speedup = p.samples_per_s / one if one else None
         note = f"oversubscribed: {p.ranks} ranks on {p.cores} cores" if p.oversubscribed else ""
+        others = (p.extra or {}).get("others")
         rows.append(
             [
                 p.setup.label,
@@ -80,6 +84,7 @@ def measured_text(points: list[Point], reference: dict[str, float]) -> str:
                 p.ranks,
                 p.workers,
                 p.cores,
+                others,
                 p.batch,
                 p.samples_per_s,
                 speedup,
@@ -103,6 +108,7 @@ def measured_text(points: list[Point], reference: dict[str, float]) -> str:
             "ranks",
             "workers",
             "cores",
+            "others' cores",
             "batch",
             "samples/s",
             "speed-up",
@@ -120,22 +126,25 @@ def measured_text(points: list[Point], reference: dict[str, float]) -> str:
     )
 
 
-def comparison_text(analysis: Analysis) -> str:
+def comparison_text(comparisons: list[Comparison]) -> str:
+    """Each measured point beside its prediction; the errors' median and worst."""
     rows = [
         [
-            c.measured.setup.label,
+            c.measured.setup.label + (" (calibration)" if (c.measured.extra or {}).get("calibration") else ""),
             c.measured.scaling,
             c.measured.ranks,
             c.predicted.samples_per_s,
             c.measured.samples_per_s,
             _pct(c.error),
-            c.predicted.staleness_mean if not c.measured.setup.allreduce else None,
-            c.measured.staleness_mean if not c.measured.setup.allreduce else None,
+            c.predicted.staleness_mean if c.measured.setup.asynchronous else None,
+            c.measured.staleness_mean if c.measured.setup.asynchronous else None,
             _pct(c.staleness_error),
             c.predicted.staleness_p99 if c.measured.setup.asynchronous else None,
             c.measured.staleness_p99 if c.measured.setup.asynchronous else None,
+            f"{c.measured.ranks} ranks on {c.measured.cores} cores" if c.measured.oversubscribed else "",
+            (c.measured.extra or {}).get("others"),
         ]
-        for c in analysis.comparisons
+        for c in comparisons
     ]
     text = table(
         rows,
@@ -151,12 +160,13 @@ def comparison_text(analysis: Analysis) -> str:
             "error",
             "p99 simulated",
             "p99 measured",
+            "oversubscribed",
+            "others' cores",
         ],
     )
-    if analysis.comparisons:
-        text += (
-            f"\n\nprediction error on samples/s: median {analysis.median_error:.1%}, worst {analysis.worst_error:.1%}"
-        )
+    checked = [abs(c.error) for c in comparisons if not (c.measured.extra or {}).get("calibration")]
+    if checked:
+        text += f"\n\nprediction error on samples/s: median {statistics.median(checked):.1%}, worst {max(checked):.1%}"
     return text
 
 
@@ -256,7 +266,7 @@ def report(
         "## Measured",
         measured_text(measured, reference) if measured else "nothing measured",
         "## Predicted beside measured",
-        comparison_text(analysis) if analysis.comparisons else "nothing measured",
+        comparison_text(analysis.comparisons) if analysis.comparisons else "nothing measured",
         "## Predicted to many ranks",
         curves_text(analysis),
         "## Goodput and time to target",

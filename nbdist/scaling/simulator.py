@@ -233,7 +233,7 @@ class _AsyncRun:
             + nbytes * (machine.net.beta_s if off else cal.p2p_beta_s)
         )
         self.push_delay = cal.reply_latency_s + (model._network_extra() if off else 0.0)
-        if shared:
+        if machine.sleeps(ranks):
             self.push_delay += cal.poll_sleep_s
         self.push_cpu = cal.worker_exchange_s.get("downpour", self.talk)
         self.events: list = []

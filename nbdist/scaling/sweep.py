@@ -26,9 +26,10 @@ from typing import Any
 
 from nbdist.errors import UserError
 from nbdist.options import TrainOptions
-from nbdist.scaling.analysis import Analysis, analyse
+from nbdist.scaling.analysis import Analysis, analyse, machine_of
 from nbdist.scaling.calibrate import calibrate
 from nbdist.scaling.inputs import Calibration
+from nbdist.scaling.load import CpuMeter
 from nbdist.scaling.model import PerformanceModel
 from nbdist.scaling.network import Machine, network
 from nbdist.scaling.options import ScaleOptions, parse_ranks, parse_setups
@@ -134,6 +135,8 @@ def run_scale(
             (say or print)(text)
 
     name, directory = _study_dir(options, rank, collectives, comm)
+    pids = collectives.allgather(comm, os.getpid(), "the scaling study's processes")
+    meter = CpuMeter(pids) if rank == 0 else None
     base = TrainOptions(seed=options.seed, threads=options.threads)
     database = store_path(options.store, options.runs_dir)
     recorder = ScaleRecorder(database, name, str(directory), options.to_dict()) if rank == 0 and database else None
@@ -148,6 +151,7 @@ def run_scale(
             cores=cores,
             quick=options.quick,
             run_seconds=options.point_seconds,
+            meter=meter,
             say=tell,
         )
         plan = plan_points(setups, counts, options.scalings(), options.quick, options.batch_size)
@@ -160,18 +164,12 @@ def run_scale(
             if recorder is not None:
                 recorder.add("calibration", calibration.to_dict())
             for point in calibration_points:
-                point.extra = {"calibration": True}
+                point.extra = {**(point.extra or {}), "calibration": True}
                 if recorder is not None:
-                    predicted = PerformanceModel(calibration, Machine(cores, network(options.network), nodes=1))
-                    recorder.add(
-                        "measured",
-                        {
-                            "measured": point.to_dict(),
-                            "predicted": predicted.predict(point.setup, point.ranks).to_dict(),
-                        },
-                    )
+                    model = PerformanceModel(calibration, machine_of(point, cores, options.network))
+                    predicted = model.predict(point.setup, point.ranks, point.batch, point.scaling)
+                    recorder.add("measured", {"measured": point.to_dict(), "predicted": predicted.to_dict()})
             measured += calibration_points
-        here = PerformanceModel(calibration, Machine(cores, network(options.network), nodes=1)) if rank == 0 else None
         runner = PointRunner(comm, definition, base, directory / "points", cores, TIMEOUT, options.keep_runs)
         done = {(p.setup, p.ranks, p.batch, p.scaling) for p in calibration_points}
         done = collectives.allgather(comm, [list(map(str, d)) for d in done], "the scaling study's plan")[0]
@@ -185,14 +183,18 @@ def run_scale(
                     tell(f"nbdist: warning: {outcome.error}")
                 if outcome.point is not None and (best is None or outcome.point.samples_per_s > best.samples_per_s):
                     best = outcome.point
-            if best is not None and here is not None:
+            if best is not None and rank == 0:
+                window = (best.extra or {}).get("window")
+                best.extra = {**(best.extra or {}), "others": meter.others(*window) if meter and window else 0.0}
                 measured.append(best)
-                predicted = here.predict(setup, ranks, batch, scaling)
+                model = PerformanceModel(calibration, machine_of(best, cores, options.network))
+                predicted = model.predict(setup, ranks, batch, scaling)
                 tell(
                     f"nbdist: {setup.label} on {ranks} ranks ({scaling}, batch {batch}): "
                     f"{best.samples_per_s:,.0f} samples/s (predicted {predicted.samples_per_s:,.0f}, "
                     f"{predicted.samples_per_s / best.samples_per_s - 1:+.0%})"
                     + (f"; oversubscribed, {ranks} ranks on {cores} cores" if best.oversubscribed else "")
+                    + (f"; other processes used {best.extra['others']:.1f} cores" if best.extra["others"] > 0.1 else "")
                 )
                 if recorder is not None:
                     recorder.add("measured", {"measured": best.to_dict(), "predicted": predicted.to_dict()})
@@ -205,6 +207,9 @@ def run_scale(
         if recorder is not None:
             recorder.finish("failed", f"{type(exc).__name__}: {exc}")
         raise
+    finally:
+        if meter is not None:
+            meter.stop()
 
 
 def _conclude(
