@@ -221,3 +221,27 @@ def test_the_command_line_the_magic_and_the_api_take_the_same_scale_options():
     for args in (build_parser().parse_args(argv), DistnnMagics.distnn.parser.parse_args(argv)):
         given = {f.name: getattr(args, f.name) for f in fields(ScaleOptions) if getattr(args, f.name) is not None}
         assert ScaleOptions(**given).validate() == ScaleOptions(model="m.py", quick=True, setups="gem", max_ranks=256)
+
+
+def test_the_cpu_meter_tells_the_studys_own_cpu_from_other_processes():
+    """The meter reads the node's busy time and the study's processes' own: what this
+    process burns counts as the study's, not as other processes' load."""
+    import os
+    import time
+
+    from nbdist.scaling.load import CpuMeter
+
+    meter = CpuMeter([os.getpid()])
+    if not meter.available:
+        pytest.skip("no /proc here")
+    started, cpu = time.time(), time.process_time()
+    while time.process_time() - cpu < 0.6:
+        sum(range(10_000))
+    time.sleep(0.25)
+    meter.stop()
+    burnt = time.process_time() - cpu
+    ours = meter.ours[-1] - meter.ours[0]
+    assert ours == pytest.approx(burnt, abs=0.1)
+    # The busy time of the whole node holds this process's own.
+    assert meter.busy[-1] - meter.busy[0] >= ours - 0.05
+    assert meter.others(started, time.time()) >= 0.0

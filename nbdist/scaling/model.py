@@ -157,7 +157,7 @@ class PerformanceModel:
             staleness_mean=0.0,
             staleness_p99=0.0,
             cores=machine.cores_for(ranks),
-            oversubscribed=machine.oversubscribed(ranks),
+            oversubscribed=machine.sleeps(ranks),
         )
 
     # -- master/worker ----------------------------------------------------------------
@@ -326,7 +326,7 @@ class PerformanceModel:
             staleness_mean=staleness,
             master_utilisation=min(1.0, util),
             cores=self.machine.cores_for(ranks),
-            oversubscribed=self.machine.oversubscribed(ranks),
+            oversubscribed=self.machine.sleeps(ranks),
             extra=extra,
         )
 
