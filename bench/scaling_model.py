@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import ROOT, header  # noqa: E402
 
 from nbdist.scaling.analysis import Comparison  # noqa: E402
-from nbdist.scaling.report import comparison_text  # noqa: E402
+from nbdist.scaling.inputs import Calibration  # noqa: E402
+from nbdist.scaling.report import calibration_text, comparison_text  # noqa: E402
 from nbdist.scaling.store import scale_records  # noqa: E402
 from nbdist.store import RunStore  # noqa: E402
 
@@ -90,11 +91,12 @@ def main() -> None:
         with RunStore(store) as opened:
             found = scale_records(opened, "bench")
     print(f"   the study took {time.time() - started:.0f} s; load average {loads[0]:.2f} before, {loads[1]:.2f} after")
-    calibration = found["calibration"][-1]
+    calibration = Calibration.from_dict(found["calibration"][-1])
     print(
-        f"   calibrated on {calibration['ranks']} ranks ({calibration['cores']} cores) in "
-        f"{calibration['seconds']:.0f} s: a lone allreduce rank and a master with one worker"
+        f"   calibrated on {calibration.ranks} ranks ({calibration.cores} cores) in "
+        f"{calibration.seconds:.0f} s, with a lone allreduce rank and a master with one worker:\n"
     )
+    print(calibration_text(calibration), *calibration.notes, "", sep="\n")
     comparisons = [Comparison.from_dict(entry) for entry in found["measured"]]
     checked = [c for c in comparisons if not (c.measured.extra or {}).get("calibration")]
     print(comparison_text(comparisons), "\n", sep="")

@@ -22,7 +22,7 @@ def test_a_short_sweep_measures_predicts_and_stores_every_point(pyrun, tmp_path)
     store = tmp_path / "nbdist.db"
     done = pyrun(
         ["-m", "nbdist", "launch", "-n", "3", "scale", "--model", MODEL, "--quick", "--setups", "allreduce downpour",
-         "--scaling", "weak", "--seconds", "0.6", "--cores", "2", "--max-ranks", "64", "--runs-dir", str(tmp_path),
+         "--scaling", "weak", "--cores", "2", "--max-ranks", "64", "--runs-dir", str(tmp_path),
          "--store", str(store), "--run-name", "study"],
         timeout=240,
     )  # fmt: skip
@@ -78,7 +78,7 @@ def test_the_simulator_replays_a_real_runs_recorded_updates(pyrun, tmp_path):
     master's service, as a real 2-worker run recorded them, played through the simulator's
     queue and passes: the staleness and the update rate come out as the master recorded."""
     done = pyrun(
-        ["-m", "nbdist", "launch", "-n", "3", "train", "--model", MODEL, "--epochs", "3", "--trace-updates",
+        ["-m", "nbdist", "launch", "-n", "3", "train", "--model", MODEL, "--epochs", "8", "--trace-updates",
          "--runs-dir", str(tmp_path), "--run-name", "traced", "--store", "off", "--quiet", "--checkpoint-every", "0"],
         timeout=180,
     )  # fmt: skip

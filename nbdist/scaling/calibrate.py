@@ -9,8 +9,9 @@ Collective over the job's ranks (at least two), in well under a minute:
 2. as many ranks as the node has cores (or ranks), computing at once: how much slower a
    step is with every core busy;
 3. ranks 0 and 1: a message there and back and a two-rank Iallreduce of flat buffers of
-   several sizes through the transport (transport/probe.py), and the master's look at a
-   client's posted receive;
+   several sizes through the transport (transport/probe.py), the master's look at a
+   client's posted receive, and a message's way when the ranks sleep between polls on
+   cores kept busy (what more ranks than cores cost a wait);
 4. two short real runs through nbdist's own loops (points.py): allreduce on one rank, and
    a master with one worker (Downpour) on two: what the loops cost beyond the parts above
    (the data, the records, the master's loop per update, the messages' way).
@@ -18,6 +19,7 @@ Collective over the job's ranks (at least two), in well under a minute:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import socket
 import time
@@ -32,7 +34,7 @@ from nbdist.options import TrainOptions
 from nbdist.scaling.inputs import Calibration
 from nbdist.scaling.load import CpuMeter
 from nbdist.scaling.points import PointRunner
-from nbdist.scaling.probes import build_backend, checkpoint_seconds, noise_scale, rule_costs, time_steps
+from nbdist.scaling.probes import build_backend, busy_cores, checkpoint_seconds, noise_scale, rule_costs, time_steps
 from nbdist.scaling.setups import Point, SetUp
 from nbdist.train.definition import ModelDefinition
 from nbdist.transport.collectives import Collectives
@@ -169,6 +171,7 @@ def _messages(comm: Any, cores: int, message: int, seconds: float) -> dict[str, 
             found["allreduce"] = _fit(sizes, reduce)
             if rank == 0:
                 found["client_test_s"] = posted_test_seconds(pair, 64, 200)
+            found["wake_s"] = _sleeping_wait(pair, rank, cores, max(8, message), one_way[sizes.index(max(8, message))])
     finally:
         free(pair)
         idle_barrier(comm, TIMEOUT)
@@ -185,6 +188,19 @@ def _at_share(point: Point, share: float) -> Point:
         wait_s=point.wait_s * share,
         samples_per_s=point.samples_per_s / share,
     )
+
+
+def _sleeping_wait(pair: Any, rank: int, cores: int, message: int, quiet: float) -> float:
+    """What a message costs more when more ranks than cores share the node: its receiver
+    waits by sleeping between polls (as --busy-poll auto has it then), and wakes on cores
+    that other processes keep busy (rank 0 starts as many spinning processes as cores)."""
+    with busy_cores(cores) if rank == 0 else contextlib.nullcontext():
+        poll_without_sleeping(False)
+        try:
+            loaded = ping_pong(pair, 1 - rank, message, 50, TIMEOUT)
+        finally:
+            poll_without_sleeping(2 <= cores)
+    return max(0.0, loaded - quiet)
 
 
 def _fit(sizes: list[int], seconds: list[float]) -> tuple[float, float]:
@@ -251,6 +267,11 @@ def _assemble(
     exchange = {
         r: max(0.0, talk + s - found["worker_exchange"]["downpour"]) for r, s in found["worker_exchange"].items()
     }
+    # And within its compute phase, beyond the model's step (one worker computes alone; the
+    # master's polling does not slow it) and the rule's worker_step: the lr, the loss check,
+    # the tallies, once per batch.
+    per_batch = max(0.0, pair.compute_s - found["step_s"] - found["worker_step"]["downpour"])
+    worker_step = {r: s + per_batch for r, s in found["worker_step"].items()}
     return Calibration(
         model=model,
         params=params,
@@ -262,7 +283,7 @@ def _assemble(
         busy_factor=busy,
         spread=found["spread"],
         allreduce_loop_s=allreduce_loop,
-        worker_step_s=found["worker_step"],
+        worker_step_s=worker_step,
         worker_exchange_s=exchange,
         p2p_alpha_s=p2p_alpha,
         p2p_beta_s=p2p_beta,
@@ -274,6 +295,7 @@ def _assemble(
         client_test_s=found["client_test_s"],
         reply_latency_s=reply_latency,
         poll_sleep_s=LONGEST_SLEEP,
+        wake_s=found["wake_s"],
         checkpoint_s=found["checkpoint_s"],
         noise_scale=found["noise_scale"],
         noise_range=found["noise_range"],

@@ -48,6 +48,9 @@ class Calibration:
     `checkpoint_s` (one rank's share of a checkpoint written), and `merge_s` (the top
     master adding a sub-master's push to the centre).
 
+    Oversubscribed, ranks wait by sleeping `poll_sleep_s` at a time between polls: a message
+    whose receiver sleeps so on cores that other processes keep busy takes `wake_s` more.
+
     Goodput: `noise_scale` is the simple gradient noise scale B_simple measured on the
     model (None when it could not be measured), between batches of `noise_batches`.
     """
@@ -74,6 +77,7 @@ class Calibration:
     reply_latency_s: float
     poll_sleep_s: float  # the longest sleep of a rank that waits without polling all the time
     merge_s: float = 0.0  # the top master's merge of a sub-master's push (a flat add)
+    wake_s: float = 0.0  # what a message costs more when its receiver sleeps between polls on busy cores
     checkpoint_s: float = 0.0
     noise_scale: float | None = None
     noise_range: tuple[float, float] | None = None  # its 16th and 84th percentiles (bootstrap over batches)

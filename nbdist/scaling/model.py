@@ -107,6 +107,13 @@ class PerformanceModel:
         share = 0.0 if cores <= 1 else (min(max(busy, 1.0), cores) - 1.0) / (cores - 1.0)
         return cal.compute_s(batch) * (1.0 + (cal.busy_factor - 1.0) * share)
 
+    def sleeping_wait_s(self) -> float:
+        """What a wait costs more when ranks sleep between polls (more ranks than cores):
+        measured, a message's way with its receiver sleeping on busy cores, less its way
+        with the receiver polling (at least half a poll sleep: the rest of the sleep it is
+        in when its message comes)."""
+        return max(self.cal.poll_sleep_s / 2.0, self.cal.wake_s)
+
     # -- allreduce --------------------------------------------------------------------
     def allreduce_s(self, ranks: int, nbytes: int, algorithm: str = "best") -> float:
         """An allreduce of `nbytes` over `ranks` ranks, in buckets; "ring", "tree" or the faster."""
@@ -120,7 +127,7 @@ class PerformanceModel:
         nodes = machine.nodes_for(ranks)
         alpha = cal.allreduce_alpha_s
         if machine.sleeps(ranks):
-            alpha += cal.poll_sleep_s / 2.0  # a round waits for a peer that sleeps between polls
+            alpha += self.sleeping_wait_s()  # a round waits for a peer that sleeps between polls
         within = _collective(algorithm, per_node, nbytes, buckets, alpha, cal.allreduce_beta_s)
         between = _collective(algorithm, nodes, nbytes, buckets, machine.net.latency_s, machine.net.beta_s)
         return within + between
@@ -173,7 +180,9 @@ class PerformanceModel:
         cal, machine = self.cal, self.machine
         cal.check_rule(setup.rule)
         per_node = machine.ranks_per_node(ranks)
-        busy = min(per_node, machine.own_cores)
+        # The workers that compute at once on a node (a master's polling does not slow them).
+        masters_here = setup.masters if machine.nodes_for(ranks) == 1 else 0
+        busy = min(max(1, per_node - masters_here), machine.own_cores)
         nbytes = cal.message_bytes
         k = max(1, setup.sync_every)
         talk = cal.worker_exchange_s[setup.rule]
@@ -184,7 +193,7 @@ class PerformanceModel:
         # way there and back over the network for the workers on other nodes.
         delay = cal.reply_latency_s + off * self._network_extra()
         if machine.sleeps(ranks):
-            delay += cal.poll_sleep_s  # both ends sleep between polls: half a sleep each
+            delay += 2 * self.sleeping_wait_s()  # the worker's wait for its reply, the master's for the update
         receive = (1 - off) * nbytes * cal.p2p_beta_s + off * nbytes * machine.net.beta_s
         service = cal.master_fixed_s + cal.apply_s[setup.rule] + receive
         sweep = cal.client_test_s * (workers_per_master + setup.masters - 1)
@@ -244,7 +253,7 @@ class PerformanceModel:
         off = self.machine.nodes_for(ranks) > 1
         push_delay = cal.reply_latency_s + (self._network_extra() if off else 0.0)
         if self.machine.sleeps(ranks):
-            push_delay += cal.poll_sleep_s
+            push_delay += 2 * self.sleeping_wait_s()
         nbytes = cal.message_bytes
         merge = cal.master_fixed_s + (cal.merge_s or min(cal.apply_s.values()))
         merge += nbytes * (self.machine.net.beta_s if off else cal.p2p_beta_s) + ex.sweep

@@ -9,11 +9,14 @@ optimisers the run would make by default), for a bounded time.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +32,16 @@ from nbdist.specs import Spec, parse_spec
 from nbdist.train.context import DEFAULT_MASTER_OPTIMIZER, DEFAULT_WORKER_OPTIMIZER
 from nbdist.train.definition import ModelDefinition
 
-__all__ = ["Steps", "build_backend", "time_steps", "rule_costs", "noise_scale", "checkpoint_seconds", "SPREAD_POINTS"]
+__all__ = [
+    "Steps",
+    "build_backend",
+    "time_steps",
+    "rule_costs",
+    "noise_scale",
+    "checkpoint_seconds",
+    "busy_cores",
+    "SPREAD_POINTS",
+]
 
 SPREAD_POINTS = 21  # quantiles of the measured step times the simulator draws from
 
@@ -63,12 +75,16 @@ def _batches(data: Data, batch: int, rng: np.random.Generator) -> Callable[[], t
     return next_batch
 
 
-def time_steps(backend: Backend, data: Data, batch: int, seconds: float, *, warm: int = 3, most: int = 400) -> Steps:
-    """Forward and backward at `batch` samples, for about `seconds` (at least 8 steps)."""
+def time_steps(backend: Backend, data: Data, batch: int, seconds: float, *, warm: int = 5, most: int = 400) -> Steps:
+    """Forward and backward at `batch` samples, for about `seconds` (at least 8 steps),
+    after `warm` steps and a fifth of `seconds` not counted (a rank's first steps allocate,
+    and its core may still be waking up)."""
     next_batch = _batches(data, batch, np.random.default_rng(1))
     prepared = [next_batch() for _ in range(8)]
-    for i in range(warm):
+    warming, i = time.perf_counter(), 0
+    while i < warm or time.perf_counter() - warming < seconds / 5:
         backend.compute_gradients(*prepared[i % len(prepared)])
+        i += 1
     times: list[float] = []
     started = time.perf_counter()
     while len(times) < 8 or (time.perf_counter() - started < seconds and len(times) < most):
@@ -176,6 +192,21 @@ def noise_scale(
 def _squared_norm(backend: Backend) -> float:
     grads = np.asarray(to_numpy(backend.rule_grads), dtype=np.float64)
     return float(np.dot(grads, grads))
+
+
+@contextlib.contextmanager
+def busy_cores(cores: int) -> Iterator[None]:
+    """`cores` processes that keep as many cores busy while the block runs (as computing
+    ranks do where more ranks than cores share a node); ended after, by their ids."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
+    try:
+        time.sleep(0.05)
+        yield
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+        for spinner in spinners:
+            spinner.wait(timeout=10)
 
 
 def checkpoint_seconds(backend: Backend) -> float:
