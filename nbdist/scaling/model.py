@@ -80,6 +80,7 @@ class _Exchange:
     service: float
     talk: float  # the worker's own exchange costs (a part of `compute` for the CPU)
     sweep: float  # the master's look at every client's posted receive, once per pass
+    wake: float = 0.0  # a sleeping master's delay to notice an update (a part of `delay`)
 
 
 class PerformanceModel:
@@ -197,7 +198,8 @@ class PerformanceModel:
         receive = (1 - off) * nbytes * cal.p2p_beta_s + off * nbytes * machine.net.beta_s
         service = cal.master_fixed_s + cal.apply_s[setup.rule] + receive
         sweep = cal.client_test_s * (workers_per_master + setup.masters - 1)
-        return _Exchange(compute, delay, service, talk, sweep)
+        wake = self.sleeping_wait_s() if machine.sleeps(ranks) else 0.0
+        return _Exchange(compute, delay, service, talk, sweep, wake)
 
     def _network_extra(self) -> float:
         """What a message there and back costs more between nodes than within one."""
@@ -227,7 +229,7 @@ class PerformanceModel:
                 )
             else:
                 net = mva(workers, ex.compute + ex.delay, service)
-            new = 1.0 + (PASS_UPDATES - 1) * min(1.0, _waiting(net))
+            new = 1.0 + (PASS_UPDATES - 1) * min(1.0, _waiting(net, ex, workers))
             if abs(new - per_pass) < 1e-4:
                 break
             per_pass = 0.5 * (per_pass + new)
@@ -243,7 +245,7 @@ class PerformanceModel:
         ex = self.exchange(setup, batch, w, ranks)
         net = self._solve(ex, w, ranks)
         return self._point(
-            setup, ranks, batch, w, ex, net.x, _staleness(w, net, 0.0), net.u, _computing(net, ex), _extra(net)
+            setup, ranks, batch, w, ex, net.x, _staleness(w, net, ex, 0.0), net.u, _computing(net, ex), _extra(net)
         )
 
     def _sub_masters(self, setup: SetUp, ranks: int, batch: int) -> Point:
@@ -271,7 +273,7 @@ class PerformanceModel:
             top_w, top_s = two_class_mva(
                 (w, m - 1),
                 (computing + ex.delay, sm_think + push_delay),
-                (ex.service + ex.sweep / (1.0 + min(1.0, _waiting(sub))), merge),
+                (ex.service + ex.sweep / (1.0 + min(1.0, _waiting(sub, ex, w))), merge),
             )
             if abs(top_s.r - top_wait) <= 1e-6 * top_wait:
                 break
@@ -282,8 +284,8 @@ class PerformanceModel:
         # sub-masters' pushes per second); at a sub-master with its workers' and each pull,
         # one per W updates, which the workers answered in the pull's own pass already see.
         top_cycle = w / top_w.x if top_w.x else 0.0
-        top_stale = _staleness(w, top_w, top_s.x * top_cycle)
-        sub_stale = _staleness(w, sub, 1.0 - 1.0 / w)
+        top_stale = _staleness(w, top_w, ex, top_s.x * top_cycle)
+        sub_stale = _staleness(w, sub, ex, 1.0 - 1.0 / w)
         staleness = (top_w.x * top_stale + (m - 1) * sub.x * sub_stale) / updates
         extra = {"service_s": sub.s, "response_s": top_w.r}
         return self._point(setup, ranks, batch, w, ex, updates, staleness, top_w.u, _computing(sub, ex), extra)
@@ -376,16 +378,17 @@ def _extra(net: Closed) -> dict[str, float]:
     return {"service_s": net.s, "response_s": net.r}
 
 
-def _waiting(net: Closed) -> float:
-    """Updates an arriving update finds queued behind the one in service."""
-    return max(0.0, net.q_seen - net.u)
+def _waiting(net: Closed, ex: _Exchange, workers: int) -> float:
+    """Updates an arriving update finds queued behind the one in service, and, where the
+    master sleeps between polls, those that arrive while it wakes (served in the same pass)."""
+    return max(0.0, net.q_seen - net.u) + net.x * ex.wake * (workers - 1) / max(1, workers)
 
 
-def _staleness(workers: int, net: Closed, other_versions: float) -> float:
+def _staleness(workers: int, net: Closed, ex: _Exchange, other_versions: float) -> float:
     """Mean versions between a worker's reply and its next update: W - 1 (and whatever else
     moves the master's version meanwhile), less those answered in its own pass: of two
     updates served in one pass, the first one's worker is answered after the second."""
-    paired = 0.5 * min(1.0, _waiting(net)) * (PASS_UPDATES - 1)
+    paired = 0.5 * min(1.0, _waiting(net, ex, workers)) * (PASS_UPDATES - 1)
     return max(0.0, workers - 1 + other_versions - paired)
 
 

@@ -114,6 +114,7 @@ class _Master:
     serving: list = field(default_factory=list)
     unpushed: int = 0
     is_sub: bool = False
+    waking: bool = False
 
 
 class Simulator:
@@ -281,6 +282,7 @@ class _AsyncRun:
             "pushed": self.on_pushed,
             "top_reply": self.on_top_reply,
             "release": self.on_release,
+            "woken": self.on_woken,
         }
         while self.events and len(self.applied) < target:
             self.now, _, kind, data = heapq.heappop(self.events)
@@ -317,12 +319,25 @@ class _AsyncRun:
         self._reschedule(node)
 
     def on_computed(self, i: int) -> None:
-        self.at(self.now + self.half_delay, "arrive", i // self.w, ("worker", i))
+        self.at(self.now + self.half_delay - self.ex.wake, "arrive", i // self.w, ("worker", i))
 
     def on_arrive(self, j: int, client: tuple) -> None:
+        """An update is in; an idle master that sleeps between polls notices it `wake` later,
+        with whatever else came meanwhile."""
         master = self.masters[j]
         master.queue.append(client)
-        if not master.busy:
+        if master.busy or master.waking:
+            return
+        if self.ex.wake > 0:
+            master.waking = True
+            self.at(self.now + self.ex.wake, "woken", j)
+        else:
+            self.start_pass(master)
+
+    def on_woken(self, j: int) -> None:
+        master = self.masters[j]
+        master.waking = False
+        if not master.busy and master.queue:
             self.start_pass(master)
 
     def start_pass(self, master: _Master) -> None:
@@ -375,7 +390,7 @@ class _AsyncRun:
             self.start_pass(master)
 
     def on_pushed(self, j: int) -> None:
-        self.at(self.now + self.push_delay / 2.0, "arrive", 0, ("sub", j))
+        self.at(self.now + self.push_delay / 2.0 - self.ex.wake, "arrive", 0, ("sub", j))
 
     def on_top_reply(self, j: int) -> None:
         master = self.masters[j]
