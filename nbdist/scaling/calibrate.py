@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import socket
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -85,7 +86,7 @@ def calibrate(
             found["alone_share"] = _share(meter, t0, time.time(), 1, cores)
         idle_barrier(comm, TIMEOUT)
         t0 = time.time()
-        mine = time_steps(backend, data, batch, seconds).mean if backend is not None else None
+        mine = time_steps(backend, data, batch, seconds).median if backend is not None else None
         found["busy_share"] = _share(meter, t0, time.time(), busy, cores)
         idle_barrier(comm, TIMEOUT)
         together = [t for t in collectives.allgather(comm, mine, "the calibration") if t is not None]
@@ -132,12 +133,15 @@ def _alone(backend: Any, data: Any, batch: int, seconds: float) -> dict[str, Any
     # The slope from the batch up (strong scaling shares a larger total batch): at a
     # quarter of the batch the step is mostly its fixed costs.
     big_batch = min(4 * batch, data.n_train)
-    big = time_steps(backend, data, big_batch, seconds / 2) if big_batch > batch else full
-    per_sample = max(0.0, (big.mean - full.mean) / (big_batch - batch)) if big_batch > batch else 0.0
-    step, exchange, apply, merge = rule_costs(backend, seconds)
+    big = time_steps(backend, data, big_batch, seconds) if big_batch > batch else full
+    # Medians: a few steps slowed by something else do not tilt the slope.
+    per_sample = max(0.0, (big.median - full.median) / (big_batch - batch)) if big_batch > batch else 0.0
+    step, exchange, apply, rounds, merge = rule_costs(backend, seconds)
     b_simple, noise_range, batches = noise_scale(backend, data, batch, 2 * seconds)
     return {
         "step_s": full.mean,
+        "step_median": full.median,
+        "round": rounds,
         "spread": full.spread,
         "per_sample_s": per_sample,
         "worker_step": step,
@@ -194,7 +198,8 @@ def _sleeping_wait(pair: Any, rank: int, cores: int, message: int, quiet: float)
     """What a message costs more when more ranks than cores share the node: its receiver
     waits by sleeping between polls (as --busy-poll auto has it then), and wakes on cores
     that other processes keep busy (rank 0 starts as many spinning processes as cores)."""
-    with busy_cores(cores) if rank == 0 else contextlib.nullcontext():
+    # One more runnable process than cores, as three ranks on two cores have it.
+    with busy_cores(cores - 1) if rank == 0 else contextlib.nullcontext():
         poll_without_sleeping(False)
         try:
             loaded = ping_pong(pair, 1 - rank, message, 50, TIMEOUT)
@@ -227,7 +232,7 @@ def _assemble(
     alone_share, busy_share = found["alone_share"], found["busy_share"]
     for key in ("step_s", "per_sample_s", "checkpoint_s"):
         found[key] *= alone_share
-    for key in ("worker_step", "worker_exchange", "apply"):
+    for key in ("worker_step", "worker_exchange", "apply", "round"):
         found[key] = {r: t * alone_share for r, t in found[key].items()}
     found["merge"] *= alone_share
     together = [t * busy_share for t in together]
@@ -238,7 +243,7 @@ def _assemble(
             f"other processes used the cores meanwhile: times brought back to a core each (shares "
             f"{alone_share:.2f} alone, {busy_share:.2f} with {len(together)} ranks computing)"
         )
-    busy_measured = sum(together) / len(together) / found["step_s"] if together else 1.0
+    busy_measured = statistics.median(together) / (found["step_median"] * alone_share) if together else 1.0
     busy = max(1.0, busy_measured)
     if len(together) < cores and len(together) > 1:
         busy = 1.0 + (busy - 1.0) * (cores - 1) / (len(together) - 1)
@@ -290,6 +295,7 @@ def _assemble(
         allreduce_alpha_s=ar_alpha,
         allreduce_beta_s=ar_beta,
         apply_s=apply,
+        round_s=found["round"],
         merge_s=found["merge"],
         master_fixed_s=master_fixed,
         client_test_s=found["client_test_s"],

@@ -77,6 +77,7 @@ class Calibration:
     reply_latency_s: float
     poll_sleep_s: float  # the longest sleep of a rank that waits without polling all the time
     merge_s: float = 0.0  # the top master's merge of a sub-master's push (a flat add)
+    round_s: dict[str, float] = field(default_factory=dict)  # a synchronous master's master_round of one update
     wake_s: float = 0.0  # what a message costs more when its receiver sleeps between polls on busy cores
     checkpoint_s: float = 0.0
     noise_scale: float | None = None

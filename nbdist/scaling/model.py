@@ -300,8 +300,9 @@ class PerformanceModel:
             slowest = ex.compute * makespan(cal.spread, w, self.machine.cores)
         else:
             slowest = ex.compute * expected_max(cal.spread, w)
+        # A round receives every body, then folds them in at once (master_round).
         apply = cal.apply_s[setup.rule]
-        serving = w * (ex.service - apply) + apply + ex.sweep
+        serving = w * (ex.service - apply) + cal.round_s.get(setup.rule, apply) + ex.sweep
         round_s = slowest + ex.delay + serving
         updates = setup.masters * w / round_s
         point = self._point(setup, ranks, batch, w, ex, updates, 0.0, serving / round_s, ex.compute, {})

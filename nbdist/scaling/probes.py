@@ -54,6 +54,7 @@ class Steps:
     mean: float
     spread: list[float]
     count: int
+    median: float = 0.0  # what ratios and slopes are taken of: a few slow steps do not move it
 
 
 def build_backend(definition: ModelDefinition, data: Data, threads: int, seed: int) -> Backend:
@@ -94,7 +95,7 @@ def time_steps(backend: Backend, data: Data, batch: int, seconds: float, *, warm
         times.append(time.perf_counter() - t0)
     mean = statistics.fmean(times)
     spread = np.quantile(np.asarray(times) / mean, np.linspace(0.0, 1.0, SPREAD_POINTS))
-    return Steps(mean, [float(q) for q in spread], len(times))
+    return Steps(mean, [float(q) for q in spread], len(times), statistics.median(times))
 
 
 def _seconds_per_call(call: Callable[[], object], seconds: float, most: int = 200) -> float:
@@ -106,24 +107,27 @@ def _seconds_per_call(call: Callable[[], object], seconds: float, most: int = 20
     return (time.perf_counter() - started) / count
 
 
-def rule_costs(backend: Backend, seconds: float) -> tuple[dict[str, float], dict[str, float], dict[str, float], float]:
+def rule_costs(
+    backend: Backend, seconds: float
+) -> tuple[dict[str, float], dict[str, float], dict[str, float], dict[str, float], float]:
     """Per rule, on flat buffers of the model's size: a worker's `worker_step` per batch
     (with its local optimiser step between syncs), its side of one exchange
-    (`worker_message` and `worker_reply`), and the master's `master_apply` of one update;
-    and the top master's merge of a sub-master's push."""
+    (`worker_message` and `worker_reply`), the master's `master_apply` of one update and
+    its `master_round` of a synchronous round of one; and the top master's merge of a
+    sub-master's push."""
     n = backend.num_params
     params = np.array(to_numpy(backend.rule_params), dtype=np.float32, copy=True)
-    per = seconds / (3 * len(MASTER_WORKER_ALGORITHMS))
-    step, exchange, apply = {}, {}, {}
+    per = seconds / (4 * len(MASTER_WORKER_ALGORITHMS))
+    step, exchange, apply, rounds = {}, {}, {}, {}
     for name in MASTER_WORKER_ALGORITHMS:
-        step[name], exchange[name], apply[name] = _one_rule(backend, name, params, per)
+        step[name], exchange[name], apply[name], rounds[name] = _one_rule(backend, name, params, per)
     center, delta = params.copy(), np.full(n, 1e-6, np.float32)
     merge_rule = make_algorithm(Spec("downpour"))
     merge = _seconds_per_call(lambda: merge_rule.merge_master_steps(center, [Update(delta, 0, 1, 0)]), per)
-    return step, exchange, apply, merge
+    return step, exchange, apply, rounds, merge
 
 
-def _one_rule(backend: Backend, name: str, params: np.ndarray, per: float) -> tuple[float, float, float]:
+def _one_rule(backend: Backend, name: str, params: np.ndarray, per: float) -> tuple[float, float, float, float]:
     n = params.size
     params = params.copy()
     grad = np.full(n, 1e-6, np.float32)
@@ -147,7 +151,11 @@ def _one_rule(backend: Backend, name: str, params: np.ndarray, per: float) -> tu
     apply = _seconds_per_call(
         lambda: rule.master_apply(master_state, center, [Update(payload, 0, 32, 0)], master_opt), per
     )
-    return step, exchange, apply
+    out = np.empty(n, np.float32)
+    rounds = _seconds_per_call(
+        lambda: rule.master_round(master_state, center, iter([Update(payload, 0, 32, 0)]), [32], master_opt, out), per
+    )
+    return step, exchange, apply, rounds
 
 
 def _optimizer(backend: Backend, spec: str, params: np.ndarray) -> Any:
@@ -198,7 +206,7 @@ def _squared_norm(backend: Backend) -> float:
 def busy_cores(cores: int) -> Iterator[None]:
     """`cores` processes that keep as many cores busy while the block runs (as computing
     ranks do where more ranks than cores share a node); ended after, by their ids."""
-    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(max(0, cores))]
     try:
         time.sleep(0.05)
         yield

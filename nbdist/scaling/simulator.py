@@ -166,7 +166,7 @@ class Simulator:
             ex = model.exchange(setup, batch, workers // setup.masters, ranks)
             base = ex.compute
             apply = cal.apply_s[setup.rule]
-            serving = (workers // setup.masters) * (ex.service - apply) + apply
+            serving = (workers // setup.masters) * (ex.service - apply) + cal.round_s.get(setup.rule, apply) + ex.sweep
             fixed = ex.delay + serving
         draws = self.rng.choice(self.spread, size=(steps, workers)) * base * self._slowdowns(workers)
         if shared:
