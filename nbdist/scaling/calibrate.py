@@ -25,11 +25,14 @@ import socket
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from nbdist.data.arrays import ArrayData
+from nbdist.data.base import Data
 from nbdist.errors import UserError
 from nbdist.options import TrainOptions
 from nbdist.scaling.inputs import Calibration
@@ -74,7 +77,7 @@ def calibrate(
     seconds = 0.6 if quick else 1.5
     busy = min(size, cores)
     collectives = Collectives(lambda: TIMEOUT)
-    data = definition.make_data() if rank < busy else None
+    data = _in_memory(definition.make_data()) if rank < busy else None
     backend = build_backend(definition, data, base.threads, base.seed) if data is not None else None
     found: dict[str, Any] = {}
     try:
@@ -127,6 +130,29 @@ def _share(meter: CpuMeter | None, start: float, end: float, ranks: int, cores: 
     return min(1.0, free / ranks)
 
 
+# The most training samples the probe reads into memory (its batches come from there).
+PROBE_SAMPLES = 4096
+
+
+def _in_memory(data: Data) -> Data:
+    """Some of the data as arrays, the reader closed: the probe times the model's step, not
+    the files' reading (a file reader's threads would run meanwhile; the short real runs
+    count the reading)."""
+    try:
+        x, y = data.train_batch(np.arange(min(data.n_train, PROBE_SAMPLES)))
+        n_train = data.n_train
+    finally:
+        data.close()
+    return _Counted(x, y, x[:1], y[:1], name="probe", n_all=n_train)
+
+
+@dataclass(slots=True)
+class _Counted(ArrayData):
+    """Arrays that remember the size of the training set they were taken from."""
+
+    n_all: int = 0
+
+
 def _alone(backend: Any, data: Any, batch: int, seconds: float) -> dict[str, Any]:
     """Rank 0 with the node to itself."""
     full = time_steps(backend, data, batch, seconds)
@@ -151,7 +177,7 @@ def _alone(backend: Any, data: Any, batch: int, seconds: float) -> dict[str, Any
         "noise_scale": b_simple,
         "noise_range": noise_range,
         "noise_batches": batches,
-        "train_samples": data.n_train,
+        "train_samples": data.n_all,
         "checkpoint_s": checkpoint_seconds(backend),
         "params": backend.num_params,
         "state": int(np.asarray(backend.state).size),

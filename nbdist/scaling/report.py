@@ -227,8 +227,13 @@ def goodput_text(analysis: Analysis, target_samples: float) -> str:
         table(rows, ["set-up", "ranks", "samples/s", "samples ratio", "goodput", "time to target", "range"]),
         "",
         f"recommended: {rec['label']} on {rec['ranks']} ranks, {_duration(rec['seconds'])} to target "
-        f"(range {_range(rec)}: the noise scale's 16-84% and the model's median error "
-        f"{rec['model_error']:.0%} at the measured points); the fastest, {fastest['label']} on "
+        f"(range {_range(rec)}: the noise scale's 16-84%"
+        + (
+            f" and the model's median error {rec['model_error']:.0%} at the measured points"
+            if analysis.comparisons
+            else "; the model's error is not known: no point was measured"
+        )
+        + f"); the fastest, {fastest['label']} on "
         f"{fastest['ranks']} ranks ({_duration(fastest['seconds'])}), is within {WITHIN_BEST:.0%} of it or uses "
         f"more ranks for less than {WITHIN_BEST:.0%}",
         f"assumed: synchronous steps of W x b samples need (1 + W b / B) / (1 + b / B) times one worker's "
