@@ -87,12 +87,7 @@ def calibrate(
             t0 = time.time()
             found.update(_alone(backend, data, batch, seconds))
             found["alone_share"] = _share(meter, t0, time.time(), 1, cores)
-        idle_barrier(comm, TIMEOUT)
-        t0 = time.time()
-        mine = time_steps(backend, data, batch, seconds).median if backend is not None else None
-        found["busy_share"] = _share(meter, t0, time.time(), busy, cores)
-        idle_barrier(comm, TIMEOUT)
-        together = [t for t in collectives.allgather(comm, mine, "the calibration") if t is not None]
+        found["busy"] = _busy_rounds(comm, backend, data, batch, seconds, busy, cores, meter)
     finally:
         if data is not None:
             data.close()
@@ -110,8 +105,34 @@ def calibrate(
         raise UserError(f"the calibration runs could not be measured: {alone.error or pair.error}")
     for point in (alone.point, pair.point):
         point.extra = {**(point.extra or {}), "others": _others(meter, point)}
-    calibration = _assemble(found, together, alone.point, pair.point, backend, batch, model, size, cores, started)
+    calibration = _assemble(found, alone.point, pair.point, busy, model, batch, size, cores, started)
     return calibration, [alone.point, pair.point]
+
+
+BUSY_ROUNDS = 3
+
+
+def _busy_rounds(
+    comm: Any, backend: Any, data: Any, batch: int, seconds: float, busy: int, cores: int, meter: CpuMeter | None
+) -> float:
+    """How much slower rank 0's step is while `busy` ranks compute at once than alone (each
+    time at a core of its own, see `_share`): the median over BUSY_ROUNDS rounds of alone
+    then together, so that what drifts over the probe (the machine's clock, its neighbours)
+    does not come out as a ratio."""
+    ratios = []
+    for _ in range(BUSY_ROUNDS):
+        alone = together = 0.0
+        for members in (1, busy):
+            idle_barrier(comm, TIMEOUT)
+            if comm.Get_rank() < members:
+                t0 = time.time()
+                median = time_steps(backend, data, batch, seconds / BUSY_ROUNDS, warm=2).median
+                share = _share(meter, t0, time.time(), members, cores)
+                alone, together = (median * share, together) if members == 1 else (alone, median * share)
+        if comm.Get_rank() == 0:
+            ratios.append(together / alone)
+    idle_barrier(comm, TIMEOUT)
+    return max(1.0, statistics.median(ratios)) if ratios else 1.0
 
 
 def _others(meter: CpuMeter | None, point: Point) -> float:
@@ -242,12 +263,11 @@ def _fit(sizes: list[int], seconds: list[float]) -> tuple[float, float]:
 
 def _assemble(
     found: dict[str, Any],
-    together: list[float],
     alone: Any,
     pair: Any,
-    backend: Any,
-    batch: int,
+    busy_ranks: int,
     model: str,
+    batch: int,
     size: int,
     cores: int,
     started: float,
@@ -255,25 +275,22 @@ def _assemble(
     """The inputs, from the parts measured and the two real runs."""
     notes = []
     # Each time at the share of a core its ranks had, other processes taking the rest.
-    alone_share, busy_share = found["alone_share"], found["busy_share"]
+    alone_share = found["alone_share"]
     for key in ("step_s", "per_sample_s", "checkpoint_s"):
         found[key] *= alone_share
     for key in ("worker_step", "worker_exchange", "apply", "round"):
         found[key] = {r: t * alone_share for r, t in found[key].items()}
     found["merge"] *= alone_share
-    together = [t * busy_share for t in together]
     alone = _at_share(alone, min(1.0, max(cores - alone.extra["others"], MIN_CORES)))
     pair = _at_share(pair, min(1.0, max(cores - pair.extra["others"], MIN_CORES)))
-    if min(alone_share, busy_share) < 1.0:
+    if alone_share < 1.0:
         notes.append(
-            f"other processes used the cores meanwhile: times brought back to a core each (shares "
-            f"{alone_share:.2f} alone, {busy_share:.2f} with {len(together)} ranks computing)"
+            f"other processes used the cores meanwhile: times brought back to a core each (share {alone_share:.2f})"
         )
-    busy_measured = statistics.median(together) / (found["step_median"] * alone_share) if together else 1.0
-    busy = max(1.0, busy_measured)
-    if len(together) < cores and len(together) > 1:
-        busy = 1.0 + (busy - 1.0) * (cores - 1) / (len(together) - 1)
-        notes.append(f"busy factor extrapolated from {len(together)} ranks computing to {cores} cores")
+    busy = found["busy"]
+    if 1 < busy_ranks < cores:
+        busy = 1.0 + (busy - 1.0) * (cores - 1) / (busy_ranks - 1)
+        notes.append(f"busy factor extrapolated from {busy_ranks} ranks computing to {cores} cores")
     p2p_alpha, p2p_beta = found["p2p"]
     ar_alpha, ar_beta = found["allreduce"]
     params, state = found["params"], found["state"]

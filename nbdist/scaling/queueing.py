@@ -11,11 +11,11 @@ asymptotes: X = W / (Z + S) while the master is idle most of the time, X = 1 / S
 is saturated, with the knee at W* = (Z + S) / S.
 
 Shared cores (one node, more ranks than cores) are modelled as processor sharing among
-the workers: with j of them computing and the master busy u of the time, each gets
-min(1, (cores - u) / j) of a core. The master's service is not shared: its bursts are
-short, and Linux runs a process that slept as soon as it wakes. The workers' compute is
-then a load-dependent station (exact MVA with marginal probabilities), and u is found as
-the fixed point of the master's utilisation.
+the workers: with j of the W computing, the master has an update to serve unless j = W,
+and its service holds a core (its bursts are short, and Linux runs a process that slept as
+soon as it wakes), so each computing worker gets min(1, (cores - [j < W]) / j) of a core.
+The workers' compute is then a load-dependent station (exact MVA with marginal
+probabilities).
 """
 
 from __future__ import annotations
@@ -74,41 +74,33 @@ def mva_shared_cores(
     other_load: float = 0.0,
     other_masters_busy: float = 0.0,
 ) -> Closed:
-    """MVA where the workers' `compute` (CPU seconds per cycle) shares the `cores` left by
-    the master (busy u of the time) and by other masters (`other_masters_busy`) with
-    `other_load` runnable ranks of other networks on the node; `delay` is time without the
-    CPU (the messages' way). A master's short service bursts are not shared: Linux lets a
-    rank that slept run at once when it wakes. Reduces to `mva` when every rank has a core."""
-
-    def solve(u: float) -> Closed:
-        free = max(cores - u - other_masters_busy, 1e-3)
-        j = np.arange(1, workers + 1, dtype=float)
-        per_job = compute / np.minimum(1.0, free / (j + other_load))  # seconds each of j computing takes
-        marginal = np.ones(1)  # P(j computing | n - 1 customers), j = 0..n-1
-        q = q_prev = x = r_a = r_m = u_seen = 0.0
-        for n in range(1, workers + 1):
-            r_a = float(np.dot(per_job[:n], marginal))
-            q_prev = q
-            r_m = _residence(service, q, u_seen)
-            x = n / (r_a + r_m + delay)
-            if x * service > 1.0:
-                x, r_m = 1.0 / service, n * service - r_a - delay
-            tail = x * per_job[:n] / j[:n] * marginal
-            head = max(0.0, 1.0 - float(tail.sum()))
-            marginal = np.concatenate(([head], tail))
-            marginal /= marginal.sum()
-            q, u_seen = x * r_m, min(1.0, x * service)
-        return Closed(x, r_m, q, x * r_a, min(1.0, x * service), service, q_prev)
-
-    # The master's utilisation u slows the workers, which lowers u: the one fixed point.
-    low, high = 0.0, 1.0
-    while high - low > 1e-5:
-        middle = 0.5 * (low + high)
-        if solve(middle).u > middle:
-            low = middle
-        else:
-            high = middle
-    return solve(0.5 * (low + high))
+    """MVA where the workers' `compute` (CPU seconds per cycle) shares the `cores` with their
+    master, with `other_load` runnable ranks of other networks on the node and with other
+    masters busy `other_masters_busy` of the time; `delay` is time without the CPU (the
+    messages' way). A master's short service bursts are not shared (Linux runs a process
+    that slept as soon as it wakes): while it serves it holds a core, and it has an update
+    to serve whenever a worker is not computing. With j of the W workers computing, each
+    gets min(1, (cores - [j < W] - other masters) / (j + other load)) of a core. Reduces to
+    `mva` when every rank has a core of its own."""
+    j = np.arange(1, workers + 1, dtype=float)
+    master = (j < workers).astype(float)  # the master serves someone unless all compute
+    free = np.maximum(cores - master - other_masters_busy, 1e-3)
+    per_job = compute / np.minimum(1.0, free / (j + other_load))  # seconds each of j computing takes
+    marginal = np.ones(1)  # P(j computing | n - 1 customers), j = 0..n-1
+    q = q_prev = x = r_a = r_m = u_seen = 0.0
+    for n in range(1, workers + 1):
+        r_a = float(np.dot(per_job[:n], marginal))
+        q_prev = q
+        r_m = _residence(service, q, u_seen)
+        x = n / (r_a + r_m + delay)
+        if x * service > 1.0:
+            x, r_m = 1.0 / service, n * service - r_a - delay
+        tail = x * per_job[:n] / j[:n] * marginal
+        head = max(0.0, 1.0 - float(tail.sum()))
+        marginal = np.concatenate(([head], tail))
+        marginal /= marginal.sum()
+        q, u_seen = x * r_m, min(1.0, x * service)
+    return Closed(x, r_m, q, x * r_a, min(1.0, x * service), service, q_prev)
 
 
 def two_class_mva(
