@@ -42,7 +42,15 @@ from nbdist.scaling.probes import build_backend, busy_cores, checkpoint_seconds,
 from nbdist.scaling.setups import Point, SetUp
 from nbdist.train.definition import ModelDefinition
 from nbdist.transport.collectives import Collectives
-from nbdist.transport.probe import allreduce_seconds, free, idle_barrier, ping_pong, posted_test_seconds, split
+from nbdist.transport.probe import (
+    allreduce_seconds,
+    free,
+    idle_barrier,
+    ping_pong,
+    posted_test_seconds,
+    split,
+    step_and_reduce_seconds,
+)
 from nbdist.transport.waiting import LONGEST_SLEEP, poll_without_sleeping
 
 __all__ = ["calibrate", "MESSAGE_SIZES"]
@@ -93,7 +101,7 @@ def calibrate(
             data.close()
     if rank == 0:
         say(f"nbdist: calibrating: messages and allreduce between two ranks, {busy} ranks computing at once")
-    found.update(_messages(comm, cores, 4 * (backend.num_params if backend is not None else 0), seconds))
+    found.update(_messages(comm, cores, backend, data, batch, seconds))
     runner = PointRunner(comm, definition, base, runs_dir, cores, TIMEOUT)
     steps = int(min(5000, max(40, run_seconds / found["step_s"]))) if rank == 0 else 0
     steps = collectives.allgather(comm, steps, "the calibration")[0]
@@ -205,10 +213,12 @@ def _alone(backend: Any, data: Any, batch: int, seconds: float) -> dict[str, Any
     }
 
 
-def _messages(comm: Any, cores: int, message: int, seconds: float) -> dict[str, Any]:
+def _messages(comm: Any, cores: int, backend: Any, data: Any, batch: int, seconds: float) -> dict[str, Any]:
     """Ranks 0 and 1: one-way message times and two-rank allreduce times by size (fitted
-    to alpha + bytes x beta); rank 0: a posted receive looked at. The others wait."""
+    to alpha + bytes x beta); rank 0: a posted receive looked at; what more ranks than
+    cores cost a message and a synchronous step. The others wait."""
     rank = comm.Get_rank()
+    message = 4 * backend.num_params if backend is not None else 0
     pair = split(comm, rank < 2)
     found: dict[str, Any] = {}
     try:
@@ -223,6 +233,8 @@ def _messages(comm: Any, cores: int, message: int, seconds: float) -> dict[str, 
             if rank == 0:
                 found["client_test_s"] = posted_test_seconds(pair, 64, 200)
             found["wake_s"] = _sleeping_wait(pair, rank, cores, max(8, message), one_way[sizes.index(max(8, message))])
+            if backend is not None:
+                found["round_extra_s"] = _oversubscribed_step(pair, rank, cores, backend, data, batch, message, seconds)
     finally:
         free(pair)
         idle_barrier(comm, TIMEOUT)
@@ -239,6 +251,37 @@ def _at_share(point: Point, share: float) -> Point:
         wait_s=point.wait_s * share,
         samples_per_s=point.samples_per_s / share,
     )
+
+
+def _oversubscribed_step(
+    pair: Any, rank: int, cores: int, backend: Any, data: Any, batch: int, message: int, seconds: float
+) -> float:
+    """What one more runnable process than cores costs a synchronous step beyond sharing
+    the cores evenly: two ranks take allreduce steps (forward, backward, the gradient's
+    allreduce) with the cores to themselves, then with cores - 1 spinning processes beside
+    them and sleeping between polls; the second's step over the first's times
+    (cores + 1) / cores. The cores are time-sliced, not shared evenly: a rank that is last
+    to finish its step may wait for a slice, and the others for it."""
+    x, y = data.train_batch(np.arange(min(batch, data.n_train)))
+
+    def step() -> None:
+        backend.compute_gradients(x, y)
+
+    quiet_steps = max(10, int(seconds / 8 / max(1e-4, _one(step))))
+    quiet = step_and_reduce_seconds(pair, step, message, quiet_steps, TIMEOUT)
+    with busy_cores(cores - 1) if rank == 0 else contextlib.nullcontext():
+        poll_without_sleeping(False)
+        try:
+            loaded = step_and_reduce_seconds(pair, step, message, quiet_steps, TIMEOUT)
+        finally:
+            poll_without_sleeping(2 <= cores)
+    return max(0.0, loaded - quiet * (cores + 1) / cores)
+
+
+def _one(call: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    call()
+    return time.perf_counter() - t0
 
 
 def _sleeping_wait(pair: Any, rank: int, cores: int, message: int, quiet: float) -> float:
@@ -345,6 +388,7 @@ def _assemble(
         reply_latency_s=reply_latency,
         poll_sleep_s=LONGEST_SLEEP,
         wake_s=found["wake_s"],
+        round_extra_s=found.get("round_extra_s", 0.0) * alone_share,
         checkpoint_s=found["checkpoint_s"],
         noise_scale=found["noise_scale"],
         noise_range=found["noise_range"],

@@ -49,7 +49,10 @@ class Calibration:
     master adding a sub-master's push to the centre).
 
     Oversubscribed, ranks wait by sleeping `poll_sleep_s` at a time between polls: a message
-    whose receiver sleeps so on cores that other processes keep busy takes `wake_s` more.
+    whose receiver sleeps so on cores that other processes keep busy takes `wake_s` more,
+    and a synchronous step `round_extra_s` more than even sharing of the cores gives, for
+    each runnable process beyond the cores (the cores are time-sliced: the last rank to
+    finish its step may wait for a slice, the others for it).
 
     Goodput: `noise_scale` is the simple gradient noise scale B_simple measured on the
     model (None when it could not be measured), between batches of `noise_batches`.
@@ -78,6 +81,7 @@ class Calibration:
     poll_sleep_s: float  # the longest sleep of a rank that waits without polling all the time
     merge_s: float = 0.0  # the top master's merge of a sub-master's push (a flat add)
     round_s: dict[str, float] = field(default_factory=dict)  # a synchronous master's master_round of one update
+    round_extra_s: float = 0.0  # a synchronous step with one more runnable than cores, beyond even sharing
     wake_s: float = 0.0  # what a message costs more when its receiver sleeps between polls on busy cores
     checkpoint_s: float = 0.0
     noise_scale: float | None = None

@@ -108,6 +108,12 @@ class PerformanceModel:
         share = 0.0 if cores <= 1 else (min(max(busy, 1.0), cores) - 1.0) / (cores - 1.0)
         return cal.compute_s(batch) * (1.0 + (cal.busy_factor - 1.0) * share)
 
+    def slicing_s(self, runnable: float) -> float:
+        """What a synchronous step loses to the cores being time-sliced, not shared evenly,
+        with `runnable` ranks on a node: measured for one beyond the cores, taken to grow
+        with each one more."""
+        return self.cal.round_extra_s * max(0.0, runnable - self.machine.cores)
+
     def sleeping_wait_s(self) -> float:
         """What a wait costs more when ranks sleep between polls (more ranks than cores):
         measured, a message's way with its receiver sleeping on busy cores, less its way
@@ -140,7 +146,7 @@ class PerformanceModel:
         loop = cal.allreduce_loop_s
         if per_node > cores:  # the ranks take turns on the cores: every step's work stretches
             share = per_node / cores
-            slowest = compute * makespan(cal.spread, per_node, cores)
+            slowest = compute * makespan(cal.spread, per_node, cores) + self.slicing_s(per_node)
             loop *= share
             mean_compute = compute * share
         else:
@@ -298,6 +304,7 @@ class PerformanceModel:
         ex = self.exchange(setup, batch, w, ranks)
         if self.machine.oversubscribed(ranks):
             slowest = ex.compute * makespan(cal.spread, w, self.machine.cores)
+            slowest += self.slicing_s(self.machine.ranks_per_node(ranks))
         else:
             slowest = ex.compute * expected_max(cal.spread, w)
         # A round receives every body, then folds them in at once (master_round).

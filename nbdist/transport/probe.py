@@ -10,6 +10,7 @@ a master's look at its clients' posted receives once per pass (`test_each`).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -17,7 +18,15 @@ from mpi4py import MPI
 
 from nbdist.transport.waiting import WaitTimeout, test_all, test_each, wait_all
 
-__all__ = ["split", "idle_barrier", "ping_pong", "allreduce_seconds", "posted_test_seconds", "IDLE_POLL"]
+__all__ = [
+    "split",
+    "idle_barrier",
+    "ping_pong",
+    "allreduce_seconds",
+    "step_and_reduce_seconds",
+    "posted_test_seconds",
+    "IDLE_POLL",
+]
 
 # How often a rank with nothing to do looks whether the others are done: it should take
 # no core from the ranks that are measured, and a few milliseconds late costs nothing.
@@ -72,6 +81,20 @@ def allreduce_seconds(comm: Any, nbytes: int, repeats: int, timeout: float) -> f
     for i in range(repeats + 1):
         if i == 1:
             started = time.perf_counter()
+        wait_all([comm.Iallreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)], timeout=timeout)
+    return (time.perf_counter() - started) / repeats
+
+
+def step_and_reduce_seconds(comm: Any, step: Callable[[], object], nbytes: int, repeats: int, timeout: float) -> float:
+    """Seconds of one synchronous step as the allreduce topology takes it: `step()` (the
+    model's forward and backward), then an in-place `Iallreduce` of `nbytes`, waited for as
+    a run waits (mean of `repeats` after two)."""
+    buffer = np.ones(max(1, nbytes // 4), np.float32)
+    started = 0.0
+    for i in range(repeats + 2):
+        if i == 2:
+            started = time.perf_counter()
+        step()
         wait_all([comm.Iallreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)], timeout=timeout)
     return (time.perf_counter() - started) / repeats
 
