@@ -85,7 +85,9 @@ def calibrate(
     seconds = 0.6 if quick else 1.5
     busy = min(size, cores)
     collectives = Collectives(lambda: TIMEOUT)
-    data = _in_memory(definition.make_data()) if rank < busy else None
+    # Ranks 0 and 1 time messages and steps together (with the same sizes and counts), and
+    # as many as the node has cores compute at once: those hold the model.
+    data = _in_memory(definition.make_data()) if rank < max(2, busy) else None
     backend = build_backend(definition, data, base.threads, base.seed) if data is not None else None
     found: dict[str, Any] = {}
     try:
@@ -267,7 +269,8 @@ def _oversubscribed_step(
     def step() -> None:
         backend.compute_gradients(x, y)
 
-    quiet_steps = max(10, int(seconds / 8 / max(1e-4, _one(step))))
+    # The same count on both ranks (each step is a collective): from the options, not a timing.
+    quiet_steps = max(10, int(seconds * 20))
     quiet = step_and_reduce_seconds(pair, step, message, quiet_steps, TIMEOUT)
     with busy_cores(cores - 1) if rank == 0 else contextlib.nullcontext():
         poll_without_sleeping(False)
@@ -276,12 +279,6 @@ def _oversubscribed_step(
         finally:
             poll_without_sleeping(2 <= cores)
     return max(0.0, loaded - quiet * (cores + 1) / cores)
-
-
-def _one(call: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
-    call()
-    return time.perf_counter() - t0
 
 
 def _sleeping_wait(pair: Any, rank: int, cores: int, message: int, quiet: float) -> float:
