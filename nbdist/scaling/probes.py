@@ -202,11 +202,21 @@ def _squared_norm(backend: Backend) -> float:
     return float(np.dot(grads, grads))
 
 
+# A spinning process ends by itself when the rank that started it is gone, or after a while,
+# whatever becomes of the rank (a killed rank cannot end it).
+SPINNER = (
+    "import os, time\n"
+    "parent, end = os.getppid(), time.monotonic() + 60\n"
+    "while os.getppid() == parent and time.monotonic() < end:\n"
+    "    pass\n"
+)
+
+
 @contextlib.contextmanager
 def busy_cores(cores: int) -> Iterator[None]:
     """`cores` processes that keep as many cores busy while the block runs (as computing
     ranks do where more ranks than cores share a node); ended after, by their ids."""
-    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(max(0, cores))]
+    spinners = [subprocess.Popen([sys.executable, "-c", SPINNER]) for _ in range(max(0, cores))]
     try:
         time.sleep(0.05)
         yield
