@@ -1,6 +1,6 @@
-"""The package layout keeps its arrows one way (ARCHITECTURE.md, section 3): no package
-imports another that imports it back, not even lazily inside a function, and the update
-rules import neither MPI nor a framework."""
+"""The package layout keeps its arrows one way (docs/explanation/architecture.md,
+section 3): no package imports another that imports it back, not even lazily inside a
+function, and the update rules import neither MPI nor a framework."""
 
 from __future__ import annotations
 
@@ -118,3 +118,20 @@ def test_the_performance_model_and_simulator_are_pure():
 def test_nothing_below_scaling_imports_it():
     importers = {unit for unit, after in _graph().items() if "scaling" in after}
     assert importers <= ABOVE_SCALING, f"packages importing scaling/ from below: {sorted(importers - ABOVE_SCALING)}"
+
+
+def test_the_result_files_the_code_points_at_exist():
+    """Measured numbers live in dated files under bench/results/; the code gives the
+    reason in words and points there, and every file it points at is there."""
+    import re
+
+    pointer = re.compile(r"bench/results/([\w.-]+\.md)")
+    named = {
+        (path.relative_to(PACKAGE.parent), name)
+        for path in PACKAGE.rglob("*.py")
+        for name in pointer.findall(path.read_text())
+    }
+    assert named, "no pointer to bench/results found: the pattern is stale"
+    results = PACKAGE.parent / "bench" / "results"
+    missing = sorted(f"{path}: {name}" for path, name in named if not (results / name).is_file())
+    assert not missing, "pointers to result files that do not exist: " + "; ".join(missing)

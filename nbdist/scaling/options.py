@@ -8,11 +8,10 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any
 
-from nbdist.algorithms import MASTER_WORKER_ALGORITHMS
 from nbdist.errors import OptionsError
 from nbdist.options import _opt, check_types
 from nbdist.scaling.network import DEFAULT_NETWORK, NETWORKS, network
-from nbdist.scaling.setups import SetUp
+from nbdist.scaling.setups import SetUp, master_worker_rules
 from nbdist.specs import SpecError, parse_spec, unknown_name
 
 __all__ = ["ScaleOptions", "DEFAULT_SETUPS", "parse_setups", "parse_ranks", "SCALINGS"]
@@ -148,12 +147,13 @@ def parse_setups(text: str) -> list[SetUp]:
                 raise OptionsError(f"set-up {item!r}: allreduce takes no parameters")
             setups.append(SetUp("allreduce"))
             continue
-        if spec.name not in MASTER_WORKER_ALGORITHMS:
-            raise unknown_name("set-up", spec.name, ["allreduce", *MASTER_WORKER_ALGORITHMS])
+        rules = master_worker_rules()
+        if spec.name not in rules:
+            raise unknown_name("set-up", spec.name, ["allreduce", *rules])
         wrong = sorted(set(spec.kwargs) - set(_SETUP_KEYS))
         if wrong:
             raise OptionsError(f"set-up {item!r}: {', '.join(wrong)} unknown; a rule takes {', '.join(_SETUP_KEYS)}")
-        default_every = MASTER_WORKER_ALGORITHMS[spec.name].default_sync_every
+        default_every = rules[spec.name].default_sync_every
         masters, every = spec.kwargs.get("masters", 1), spec.kwargs.get("sync_every", default_every)
         synchronous = spec.kwargs.get("synchronous", False)
         if not (isinstance(masters, int) and masters >= 1 and isinstance(every, int) and every >= 1):

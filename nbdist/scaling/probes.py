@@ -23,11 +23,12 @@ from typing import Any
 
 import numpy as np
 
-from nbdist.algorithms import MASTER_WORKER_ALGORITHMS, Update, make_algorithm
+from nbdist.algorithms import Update, make_algorithm
 from nbdist.algorithms.arrays import to_numpy
 from nbdist.backends import Backend, backend_for, configure_frameworks, making_models
 from nbdist.data.base import Data
 from nbdist.metrics.noise_scale import simple_noise_scale
+from nbdist.scaling.setups import master_worker_rules
 from nbdist.specs import Spec, parse_spec
 from nbdist.train.context import DEFAULT_MASTER_OPTIMIZER, DEFAULT_WORKER_OPTIMIZER
 from nbdist.train.definition import ModelDefinition
@@ -117,9 +118,10 @@ def rule_costs(
     sub-master's push."""
     n = backend.num_params
     params = np.array(to_numpy(backend.rule_params), dtype=np.float32, copy=True)
-    per = seconds / (4 * len(MASTER_WORKER_ALGORITHMS))
+    rules = master_worker_rules()
+    per = seconds / (4 * len(rules))
     step, exchange, apply, rounds = {}, {}, {}, {}
-    for name in MASTER_WORKER_ALGORITHMS:
+    for name in rules:
         step[name], exchange[name], apply[name], rounds[name] = _one_rule(backend, name, params, per)
     center, delta = params.copy(), np.full(n, 1e-6, np.float32)
     merge_rule = make_algorithm(Spec("downpour"))
@@ -174,7 +176,8 @@ def noise_scale(
         return None, None, (batch, big)
     rng = np.random.default_rng(7)
     small_batches, big_batches = _batches(data, batch, rng), _batches(data, big, rng)
-    small_sq, big_sq = [], []
+    small_sq: list[float] = []
+    big_sq: list[float] = []
     started = time.perf_counter()
     while len(big_sq) < 4 or (time.perf_counter() - started < seconds and len(big_sq) < 40):
         for _ in range(4):

@@ -179,11 +179,12 @@ def curves_text(analysis: Analysis) -> str:
     for ranks, points in sorted(by_ranks.items()):
         row: list[Any] = [ranks]
         for family in ("allreduce", "master/worker", "sub-masters"):
-            p = points.get(family)
+            found = points.get(family)
             width = 2 if family == "allreduce" else 3
-            if p is None:
+            if found is None:
                 row += [None] * width
                 continue
+            p = found
             efficiency = p.samples_per_s / (single.samples_per_s * ranks) if single else None
             row += [p.samples_per_s, efficiency]
             if family == "master/worker":

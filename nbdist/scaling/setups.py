@@ -9,7 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["SetUp", "Point"]
+from nbdist.algorithms import RULES, Algorithm
+
+__all__ = ["SetUp", "Point", "master_worker_rules"]
+
+
+def master_worker_rules() -> dict[str, type[Algorithm]]:
+    """The registered rules a master/worker set-up can take, by name (RULES also holds
+    allreduce's own rule, which no master applies)."""
+    return {name: cls for name, cls in RULES.items() if issubclass(cls, Algorithm)}
 
 
 @dataclass(frozen=True, slots=True)

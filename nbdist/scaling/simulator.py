@@ -20,6 +20,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -65,7 +66,7 @@ class _Cpu:
     service is not shared (Linux runs a process that slept as soon as it wakes, and a
     master's bursts are short): while it serves it holds a core (`hold`)."""
 
-    def __init__(self, cores: int, shared: bool):
+    def __init__(self, cores: float, shared: bool):
         self.cores, self.shared = cores, shared
         self.held = 0
         self.virtual, self.clock = 0.0, 0.0
@@ -192,7 +193,7 @@ class Simulator:
         )
 
 
-def _shared_makespan(works: np.ndarray, cores: int, per_node: int) -> float:
+def _shared_makespan(works: np.ndarray, cores: float, per_node: int) -> float:
     """The last finish of jobs sharing a node's cores (processor sharing), node by node."""
     last = 0.0
     for start in range(0, len(works), per_node):
@@ -274,7 +275,7 @@ class _AsyncRun:
         for i in range(total):
             self.compute(i)
         target = cycles * total
-        handlers = {
+        handlers: dict[str, Callable[..., None]] = {
             "cpu": self.on_cpu,
             "computed": self.on_computed,
             "arrive": self.on_arrive,

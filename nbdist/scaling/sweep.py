@@ -78,7 +78,8 @@ def plan_points(
             points += [(setup, r, batch, "weak") for r in fits]
         if "strong" in scalings and fits and (setup.allreduce or (setup == first and not quick)):
             total = batch * (setup.workers(fits[-1]) or 1)
-            points += [(setup, r, total // setup.workers(r), "strong") for r in fits if total // setup.workers(r) >= 1]
+            shares = [(r, total // (setup.workers(r) or 1)) for r in fits]
+            points += [(setup, r, share, "strong") for r, share in shares if share >= 1]
     return points
 
 
@@ -126,7 +127,7 @@ def run_scale(
     size, rank = comm.Get_size(), comm.Get_rank()
     counts = _check(options, size)
     setups = parse_setups(options.setups)
-    definition = _with_files(options, definition or load_model_file(options.model))
+    definition = _with_files(options, definition or load_model_file(str(options.model)))
     cores = _cores(options)
     collectives = Collectives(lambda: TIMEOUT)
 
@@ -155,10 +156,11 @@ def run_scale(
             say=tell,
         )
         plan = plan_points(setups, counts, options.scalings(), options.quick, options.batch_size)
-        steps = _steps(calibration, plan, cores, options) if rank == 0 else []
+        # calibrate() gives the Calibration to rank 0 alone: rank 0's work tests for it
+        steps = _steps(calibration, plan, cores, options) if calibration is not None else []
         steps = collectives.allgather(comm, steps, "the scaling study's plan")[0]
         measured: list[Point] = []
-        if rank == 0:
+        if calibration is not None:
             tell(f"nbdist: calibrated in {calibration.seconds:.0f} s; measuring {len(plan)} points")
             (directory / "calibration.json").write_text(json.dumps(calibration.to_dict(), indent=1))
             if recorder is not None:
@@ -183,7 +185,7 @@ def run_scale(
                     tell(f"nbdist: warning: {outcome.error}")
                 if outcome.point is not None and (best is None or outcome.point.samples_per_s > best.samples_per_s):
                     best = outcome.point
-            if best is not None and rank == 0:
+            if best is not None and calibration is not None:
                 window = (best.extra or {}).get("window")
                 best.extra = {**(best.extra or {}), "others": meter.others(*window) if meter and window else 0.0}
                 measured.append(best)
@@ -198,7 +200,7 @@ def run_scale(
                 )
                 if recorder is not None:
                     recorder.add("measured", {"measured": best.to_dict(), "predicted": predicted.to_dict()})
-        if rank != 0:
+        if calibration is None:
             return None
         result = _conclude(options, calibration, measured, setups, cores, name, directory, recorder, database, tell)
         recorder = None
