@@ -9,7 +9,7 @@ Pollux (Qiao et al., OSDI 2021) calls throughput over that ratio goodput.
 
 Asynchronous rules: an update tau versions stale is taken to be worth what a synchronous
 step of (1 + tau) b samples is (the W updates of a cycle at tau = W - 1 move the centre
-about one big step's worth, README's convergence section), times a staleness penalty
+about one big step's worth, bench/results/2026-11-25-convergence.md), times a staleness penalty
 measured by bench/convergence.py: at 8 workers (mean staleness 6.1 to 6.4) the asynchronous
 rules needed ASYNC_SAMPLES / SYNC_SAMPLES times the samples the synchronous allreduce
 needed. The penalty is assumed to grow linearly with the staleness from 1 at tau = 0. That
@@ -26,7 +26,7 @@ from nbdist.scaling.setups import Point
 
 __all__ = ["ASYNC_SAMPLES", "SYNC_SAMPLES", "MEASURED_STALENESS", "samples_needed_ratio", "Goodput", "goodput"]
 
-# bench/convergence.py at 8 workers (README, "Convergence with 8 and 16 workers", the
+# bench/convergence.py at 8 workers (bench/results/2026-11-25-convergence.md, the
 # 10-seed table): samples to 98% of the 1-worker best over one worker's, the mean of the
 # asynchronous rules' and allreduce's; and the mean staleness their masters recorded.
 ASYNC_SAMPLES = (3.91 + 4.79 + 4.99 + 4.62) / 4
