@@ -11,7 +11,7 @@ import pytest
 from nbdist.errors import OptionsError, UserError
 from nbdist.scaling import Calibration, Machine, PerformanceModel, SetUp, Simulator, Stragglers, network
 from nbdist.scaling.goodput import samples_needed_ratio, staleness_penalty
-from nbdist.scaling.options import ScaleOptions, parse_ranks, parse_setups
+from nbdist.scaling.options import ScaleOptions, default_ranks, parse_ranks, parse_setups
 from nbdist.scaling.queueing import mva
 from nbdist.scaling.store import ScaleRecorder, load_calibration
 from nbdist.store import RunStore
@@ -204,6 +204,8 @@ def test_bad_scale_options_are_one_clear_error():
     with pytest.raises(OptionsError, match="write rank counts like 1,2,4"):
         parse_ranks("1,two")
     assert parse_ranks("1-3,8") == [1, 2, 3, 8]
+    assert default_ranks(3) == [1, 2, 3] and default_ranks(16, quick=True) == [1, 2, 3, 4, 8, 16]
+    assert default_ranks(64) == [1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64]
     assert [s.label for s in parse_setups("allreduce easgd downpour(masters=2, sync_every=4)")] == [
         "allreduce",
         "easgd, sync every 4",

@@ -14,7 +14,7 @@ from nbdist.scaling.network import DEFAULT_NETWORK, NETWORKS, network
 from nbdist.scaling.setups import SetUp, master_worker_rules
 from nbdist.specs import SpecError, parse_spec, unknown_name
 
-__all__ = ["ScaleOptions", "DEFAULT_SETUPS", "parse_setups", "parse_ranks", "SCALINGS"]
+__all__ = ["ScaleOptions", "DEFAULT_SETUPS", "parse_setups", "parse_ranks", "default_ranks", "SCALINGS"]
 
 DEFAULT_SETUPS = "allreduce downpour easgd gem adag dynsgd downpour(masters=2) downpour(sync_every=4)"
 SCALINGS = ("weak", "strong")
@@ -29,7 +29,11 @@ class ScaleOptions:
     )
     val: str | None = _opt(None, "validation data: HDF5 files or globs, like --train")
     data_keys: str = _opt("features,labels", "names of the features and labels datasets in the HDF5 files")
-    ranks: str | None = _opt(None, "rank counts to measure, e.g. '1,2,4' (default: 1 to the job's ranks)")
+    ranks: str | None = _opt(
+        None,
+        "rank counts to measure, e.g. '1,2,4' (default: each up to 8, 4 with --quick, then doubling, "
+        "and the job's ranks)",
+    )
     setups: str = _opt(
         DEFAULT_SETUPS,
         "set-ups to measure and predict, separated by spaces: allreduce, a rule (downpour, easgd, gem, adag, "
@@ -128,6 +132,19 @@ def parse_ranks(text: str) -> list[int]:
         counts.update(range(low, high + 1))
     if not counts:
         raise OptionsError(f"--ranks {text!r}: give at least one rank count")
+    return sorted(counts)
+
+
+def default_ranks(size: int, quick: bool = False) -> list[int]:
+    """The rank counts a study of `size` ranks measures when --ranks is not given: each one
+    up to 8 (4 with --quick), where the small counts and the first oversubscribed ones
+    are, then doubling, and `size` itself; a 64-rank job measures 10 counts, not 64."""
+    every = 4 if quick else 8
+    counts = set(range(1, min(size, every) + 1)) | {size}
+    doubled = every * 2
+    while doubled < size:
+        counts.add(doubled)
+        doubled *= 2
     return sorted(counts)
 
 

@@ -32,7 +32,7 @@ from nbdist.scaling.inputs import Calibration
 from nbdist.scaling.load import CpuMeter
 from nbdist.scaling.model import PerformanceModel
 from nbdist.scaling.network import Machine, network
-from nbdist.scaling.options import ScaleOptions, parse_ranks, parse_setups
+from nbdist.scaling.options import ScaleOptions, default_ranks, parse_ranks, parse_setups
 from nbdist.scaling.points import PointRunner
 from nbdist.scaling.report import report
 from nbdist.scaling.setups import Point, SetUp
@@ -99,7 +99,7 @@ def _cores(options: ScaleOptions) -> int:
 
 
 def _check(options: ScaleOptions, size: int) -> list[int]:
-    counts = parse_ranks(options.ranks) if options.ranks else list(range(1, size + 1))
+    counts = parse_ranks(options.ranks) if options.ranks else default_ranks(size, options.quick)
     if size < 2:
         raise UserError(
             "nbdist scale needs at least 2 MPI ranks (it measures messages between two): run it with "
