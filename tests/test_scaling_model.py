@@ -3,6 +3,7 @@ JSON and the run store (pure: no MPI)."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 
 from nbdist.errors import OptionsError, UserError
 from nbdist.scaling import Calibration, Machine, PerformanceModel, SetUp, Simulator, Stragglers, network
+from nbdist.scaling.analysis import between_nodes
 from nbdist.scaling.goodput import samples_needed_ratio, staleness_penalty
 from nbdist.scaling.options import ScaleOptions, default_ranks, parse_ranks, parse_setups
 from nbdist.scaling.queueing import mva
@@ -192,6 +194,25 @@ def test_calibration_round_trips_through_json_and_the_run_store(tmp_path):
         assert PerformanceModel(again, machine).predict(DOWNPOUR, ranks) == PerformanceModel(cal, machine).predict(
             DOWNPOUR, ranks
         )
+
+
+def test_the_network_measured_between_nodes_is_the_default_where_there_is_one(tmp_path):
+    """A calibration on ranks of two nodes carries its measured link: it survives the store,
+    is the default network of the predictions, and a slower link predicts a slower allreduce
+    across nodes; on one node a preset stands in and asking for `measured` is one error."""
+    one_node = calibration()
+    assert between_nodes(one_node, None) == network("ib-hdr")
+    assert between_nodes(one_node, "ethernet-10g") == network("ethernet-10g")
+    with pytest.raises(OptionsError, match="--network measured: the calibration's ranks were all on one node"):
+        between_nodes(one_node, "measured")
+    two_nodes = calibration(between_nodes=(40e-6, 1e-9))  # slower than any preset but 1 Gb/s
+    assert Calibration.from_dict(json.loads(json.dumps(two_nodes.to_dict()))) == two_nodes
+    link = between_nodes(two_nodes, None)
+    assert link.name == "measured" and link.latency_s == 40e-6 and link.bandwidth == pytest.approx(1e9)
+    measured = PerformanceModel(two_nodes, Machine(16, link)).predict(SetUp("allreduce"), 64)
+    preset = PerformanceModel(two_nodes, Machine(16, network("ib-hdr"))).predict(SetUp("allreduce"), 64)
+    assert measured.samples_per_s < preset.samples_per_s
+    assert ScaleOptions(model="m.py", network="measured").validate().network == "measured"
 
 
 def test_bad_scale_options_are_one_clear_error():

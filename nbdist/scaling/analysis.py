@@ -9,14 +9,15 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+from nbdist.errors import OptionsError
 from nbdist.scaling.goodput import goodput
 from nbdist.scaling.inputs import Calibration
 from nbdist.scaling.model import PerformanceModel
-from nbdist.scaling.network import Machine, network
+from nbdist.scaling.network import DEFAULT_NETWORK, MEASURED, NETWORKS, Machine, Network, measured_network, network
 from nbdist.scaling.setups import Point, SetUp
 from nbdist.scaling.simulator import Simulator
 
-__all__ = ["Comparison", "Analysis", "analyse", "curve_ranks", "machine_of", "WITHIN_BEST"]
+__all__ = ["Comparison", "Analysis", "analyse", "curve_ranks", "machine_of", "between_nodes", "WITHIN_BEST"]
 
 # The recommendation: the fewest ranks whose time to target is within this share of the
 # fastest predicted (beyond it, more ranks buy little).
@@ -81,11 +82,26 @@ class Analysis:
 MIN_CORES = 0.2
 
 
-def machine_of(point: Point, cores: int, network_name: str) -> Machine:
+def machine_of(point: Point, cores: int, network_name: str | Network) -> Machine:
     """The node a measured point ran on: `cores` of its own, less what other processes used
     of them meanwhile (`extra["others"]`, load.py)."""
     others = (point.extra or {}).get("others", 0.0)
     return Machine(max(cores - others, MIN_CORES), network(network_name), nodes=1, physical=cores)
+
+
+def between_nodes(calibration: Calibration, name: str | None) -> Network:
+    """--network: `name`'s preset, or the link the calibration measured between two of the
+    job's nodes (`measured`, and the default where it measured one)."""
+    if name is None:
+        name = MEASURED if calibration.between_nodes else DEFAULT_NETWORK
+    if name != MEASURED:
+        return network(name)
+    if calibration.between_nodes is None:
+        raise OptionsError(
+            f"--network {MEASURED}: the calibration's ranks were all on one node, so it measured no network "
+            f"between nodes; name a preset: {', '.join(NETWORKS)}"
+        )
+    return measured_network(*calibration.between_nodes)
 
 
 def curve_ranks(most: int) -> list[int]:
@@ -114,7 +130,7 @@ def analyse(
     *,
     cores: int,
     cores_per_node: int,
-    network_name: str,
+    network_name: str | Network,
     max_ranks: int,
     target_samples: float,
     noise_scale: float | None = None,

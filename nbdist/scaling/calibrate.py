@@ -223,6 +223,7 @@ def _messages(comm: Any, cores: int, backend: Any, data: Any, batch: int, second
     message = 4 * backend.num_params if backend is not None else 0
     pair = split(comm, rank < 2)
     found: dict[str, Any] = {}
+    hosts = Collectives(lambda: TIMEOUT).allgather(comm, socket.gethostname(), "the calibration's nodes")
     try:
         if rank < 2:
             poll_without_sleeping(2 <= cores)  # as a run of two ranks on this node polls
@@ -240,7 +241,30 @@ def _messages(comm: Any, cores: int, backend: Any, data: Any, batch: int, second
     finally:
         free(pair)
         idle_barrier(comm, TIMEOUT)
+    found["between_nodes"] = _between_nodes(comm, hosts, seconds)
     return found
+
+
+def _between_nodes(comm: Any, hosts: list[str], seconds: float) -> tuple[float, float] | None:
+    """Where the job's ranks span nodes: one-way message times between rank 0 and the first
+    rank on another node, by size, fitted to alpha + bytes x beta (on rank 0; None
+    elsewhere, and on one node, where a preset stands in for the network)."""
+    rank = comm.Get_rank()
+    other = next((r for r, host in enumerate(hosts) if host != hosts[0]), None)
+    if other is None:
+        return None
+    pair = split(comm, rank in (0, other))
+    try:
+        if rank in (0, other):
+            sizes = sorted({*MESSAGE_SIZES, 1 << 22})
+            repeats = [max(5, min(100, int(seconds * 1e8 / max(s, 1e4) / 4))) for s in sizes]
+            one_way = [ping_pong(pair, 1 - pair.Get_rank(), s, r, TIMEOUT) for s, r in zip(sizes, repeats, strict=True)]
+            fitted = _fit(sizes, one_way)
+            return fitted if rank == 0 else None
+        return None
+    finally:
+        free(pair)
+        idle_barrier(comm, TIMEOUT)
 
 
 def _at_share(point: Point, share: float) -> Point:
@@ -387,6 +411,7 @@ def _assemble(
         wake_s=found["wake_s"],
         round_extra_s=found.get("round_extra_s", 0.0) * alone_share,
         checkpoint_s=found["checkpoint_s"],
+        between_nodes=found.get("between_nodes"),
         noise_scale=found["noise_scale"],
         noise_range=found["noise_range"],
         noise_batches=tuple(found["noise_batches"]),

@@ -84,6 +84,9 @@ class Calibration:
     round_extra_s: float = 0.0  # a synchronous step with one more runnable than cores, beyond even sharing
     wake_s: float = 0.0  # what a message costs more when its receiver sleeps between polls on busy cores
     checkpoint_s: float = 0.0
+    # alpha (s) and beta (s/byte) of a message between rank 0's node and another, where the
+    # job's ranks are on several nodes (None on one node: a preset stands in, network.py)
+    between_nodes: tuple[float, float] | None = None
     noise_scale: float | None = None
     noise_range: tuple[float, float] | None = None  # its 16th and 84th percentiles (bootstrap over batches)
     noise_batches: tuple[int, int] = (0, 0)
@@ -120,6 +123,7 @@ class Calibration:
         values = dataclasses.asdict(self)
         values["noise_batches"] = list(self.noise_batches)
         values["noise_range"] = None if self.noise_range is None else list(self.noise_range)
+        values["between_nodes"] = None if self.between_nodes is None else list(self.between_nodes)
         return values
 
     @classmethod
@@ -131,7 +135,7 @@ class Calibration:
         if missing:
             raise CalibrationError(f"the calibration lacks {', '.join(missing)}: measure it again (nbdist scale)")
         given = {k: v for k, v in values.items() if k in known}
-        for name in ("noise_batches", "noise_range"):
+        for name in ("noise_batches", "noise_range", "between_nodes"):
             if given.get(name) is not None:
                 given[name] = tuple(given[name])
         calibration = cls(**given)

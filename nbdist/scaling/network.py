@@ -1,8 +1,9 @@
 """Where the ranks run: nodes of some cores, and the network between them.
 
 Within a node the model uses what the probe measured (shared memory). Between nodes it
-uses a named preset: the probe runs where the ranks are, usually one node, so the network
-between nodes is an assumption the user names (`--network ib-hdr`). A preset's numbers are
+uses what the probe measured there when the job's ranks span several nodes, else a named
+preset: on one node the network between nodes is an assumption the user names
+(`--network ib-hdr`). A preset's numbers are
 the link's nominal figures (latency of one small MPI message, bandwidth MPI reaches on a
 large one, about 90% of the line rate), not measurements: the docs page says so.
 """
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 from nbdist.specs import unknown_name
 
-__all__ = ["Network", "NETWORKS", "DEFAULT_NETWORK", "network", "Machine"]
+__all__ = ["Network", "NETWORKS", "DEFAULT_NETWORK", "MEASURED", "network", "measured_network", "Machine"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,14 +48,23 @@ NETWORKS: dict[str, Network] = {
     )
 }
 DEFAULT_NETWORK = "ib-hdr"
+MEASURED = "measured"  # --network's name for what the calibration measured between nodes
 
 
-def network(name: str) -> Network:
-    """The preset of that name, or one error listing the presets."""
+def network(name: str | Network) -> Network:
+    """The preset of that name (a Network as it is), or one error listing the presets."""
+    if isinstance(name, Network):
+        return name
     try:
         return NETWORKS[name]
     except KeyError:
         raise unknown_name("network preset", name, list(NETWORKS)) from None
+
+
+def measured_network(alpha_s: float, beta_s: float) -> Network:
+    """The link the calibration measured between two of the job's nodes (a ping-pong fitted
+    to alpha + bytes x beta), for predictions on more of the same nodes."""
+    return Network(MEASURED, alpha_s, 1.0 / beta_s, "measured between two of the job's nodes")
 
 
 @dataclass(frozen=True, slots=True)

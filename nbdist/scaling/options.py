@@ -10,7 +10,7 @@ from typing import Any
 
 from nbdist.errors import OptionsError
 from nbdist.options import _opt, check_types
-from nbdist.scaling.network import DEFAULT_NETWORK, NETWORKS, network
+from nbdist.scaling.network import DEFAULT_NETWORK, MEASURED, NETWORKS, network
 from nbdist.scaling.setups import SetUp, master_worker_rules
 from nbdist.specs import SpecError, parse_spec, unknown_name
 
@@ -49,8 +49,12 @@ class ScaleOptions:
     quick: bool = _opt(False, "shorter points, and the rules other than downpour at the largest rank count only")
     seconds: float | None = _opt(None, "seconds each measured point trains (default 3; 1.5 with --quick)")
     repeats: int = _opt(1, "runs of each point; the fastest is kept (background load only slows a run)")
-    network: str = _opt(
-        DEFAULT_NETWORK, f"network between nodes for the predictions: {', '.join(NETWORKS)}", choices=tuple(NETWORKS)
+    network: str | None = _opt(
+        None,
+        f"network between nodes for the predictions: {MEASURED} (what the calibration measured between two of "
+        f"the job's nodes) or a preset, {', '.join(NETWORKS)} (default: {MEASURED} where the job spans nodes, "
+        f"else {DEFAULT_NETWORK})",
+        choices=(MEASURED, *NETWORKS),
     )
     cores_per_node: int | None = _opt(None, "cores per node of the predicted allocation (default: this node's)")
     cores: int | None = _opt(None, "cores the job's ranks share on this node (default: what this process may use)")
@@ -83,7 +87,8 @@ class ScaleOptions:
             raise OptionsError(f"--target-epochs must be above 0, got {self.target_epochs}")
         if self.noise_scale is not None and not self.noise_scale > 0:
             raise OptionsError(f"--noise-scale must be above 0, got {self.noise_scale}")
-        network(self.network)
+        if self.network not in (None, MEASURED):
+            network(self.network)
         self.scalings()
         parse_setups(self.setups)
         if self.ranks is not None:

@@ -51,7 +51,12 @@ def calibration_text(cal: Calibration) -> str:
         f"- loops beyond the step: allreduce rank {_us(cal.allreduce_loop_s)}; a worker's exchange "
         + ", ".join(f"{r} {_us(cal.worker_exchange_s[r])}" for r in rules),
         f"- messages within the node: {_us(cal.p2p_alpha_s)} + {cal.p2p_beta_s * 1e9:.3g} ns/byte; "
-        f"allreduce of two ranks {_us(cal.allreduce_alpha_s)} + {cal.allreduce_beta_s * 1e9:.3g} ns/byte",
+        f"allreduce of two ranks {_us(cal.allreduce_alpha_s)} + {cal.allreduce_beta_s * 1e9:.3g} ns/byte; "
+        + (
+            f"between nodes {_us(cal.between_nodes[0])} + {cal.between_nodes[1] * 1e9:.3g} ns/byte"
+            if cal.between_nodes
+            else "between nodes not measured (one node: a --network preset stands in)"
+        ),
         f"- master per update: loop {_us(cal.master_fixed_s)}, apply "
         + ", ".join(f"{r} {_us(cal.apply_s[r])}" for r in rules)
         + f"; {_us(cal.client_test_s)} per client per pass; a lone worker's wait beyond the service "

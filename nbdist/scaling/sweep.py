@@ -19,19 +19,20 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nbdist.errors import UserError
+from nbdist.errors import OptionsError, UserError
 from nbdist.options import TrainOptions
-from nbdist.scaling.analysis import Analysis, analyse, machine_of
+from nbdist.scaling.analysis import Analysis, analyse, between_nodes, machine_of
 from nbdist.scaling.calibrate import calibrate
 from nbdist.scaling.inputs import Calibration
 from nbdist.scaling.load import CpuMeter
 from nbdist.scaling.model import PerformanceModel
-from nbdist.scaling.network import Machine, network
+from nbdist.scaling.network import MEASURED, Machine
 from nbdist.scaling.options import ScaleOptions, default_ranks, parse_ranks, parse_setups
 from nbdist.scaling.points import PointRunner
 from nbdist.scaling.report import report
@@ -137,6 +138,12 @@ def run_scale(
 
     name, directory = _study_dir(options, rank, collectives, comm)
     pids = collectives.allgather(comm, os.getpid(), "the scaling study's processes")
+    hosts = collectives.allgather(comm, socket.gethostname(), "the scaling study's nodes")
+    if options.network == MEASURED and len(set(hosts)) < 2:
+        raise OptionsError(
+            f"--network {MEASURED}: all {size} ranks are on {hosts[0]}, so there is no network between nodes to "
+            "measure; name a preset (--network ib-hdr) or run the job on two nodes or more"
+        )
     meter = CpuMeter(pids) if rank == 0 else None
     base = TrainOptions(seed=options.seed, threads=options.threads)
     database = store_path(options.store, options.runs_dir)
@@ -168,7 +175,9 @@ def run_scale(
             for point in calibration_points:
                 point.extra = {**(point.extra or {}), "calibration": True}
                 if recorder is not None:
-                    model = PerformanceModel(calibration, machine_of(point, cores, options.network))
+                    model = PerformanceModel(
+                        calibration, machine_of(point, cores, between_nodes(calibration, options.network))
+                    )
                     predicted = model.predict(point.setup, point.ranks, point.batch, point.scaling)
                     recorder.add("measured", {"measured": point.to_dict(), "predicted": predicted.to_dict()})
             measured += calibration_points
@@ -189,7 +198,9 @@ def run_scale(
                 window = (best.extra or {}).get("window")
                 best.extra = {**(best.extra or {}), "others": meter.others(*window) if meter and window else 0.0}
                 measured.append(best)
-                model = PerformanceModel(calibration, machine_of(best, cores, options.network))
+                model = PerformanceModel(
+                    calibration, machine_of(best, cores, between_nodes(calibration, options.network))
+                )
                 predicted = model.predict(setup, ranks, batch, scaling)
                 tell(
                     f"nbdist: {setup.label} on {ranks} ranks ({scaling}, batch {batch}): "
@@ -234,7 +245,7 @@ def _conclude(
         setups,
         cores=cores,
         cores_per_node=options.cores_per_node or cores,
-        network_name=options.network,
+        network_name=between_nodes(calibration, options.network),
         max_ranks=options.max_ranks,
         target_samples=target,
         noise_scale=options.noise_scale,
@@ -263,7 +274,7 @@ def _steps(
     calibration: Calibration, plan: list[tuple[SetUp, int, int, str]], cores: int, options: ScaleOptions
 ) -> list[int]:
     """Batches per worker for each point to train about --seconds (by the model's step time)."""
-    model = PerformanceModel(calibration, Machine(cores, network(options.network), nodes=1))
+    model = PerformanceModel(calibration, Machine(cores, between_nodes(calibration, options.network), nodes=1))
     out = []
     for setup, ranks, batch, scaling in plan:
         step = model.predict(setup, ranks, batch, scaling).step_s / (1 if setup.allreduce else max(1, setup.sync_every))
