@@ -253,8 +253,13 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _scale(args: argparse.Namespace) -> int:
+    import os
     from dataclasses import fields
 
+    # The study is of the node's CPU cores: its calibration times the model on the host, so
+    # the points it measures must not move to a GPU (--device auto would, and every rank
+    # would share it). Hidden in this process only, before anything asks torch for one.
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     from nbdist.scaling.sweep import run_scale
 
     given = {f.name: getattr(args, f.name) for f in fields(ScaleOptions) if getattr(args, f.name, None) is not None}
