@@ -111,5 +111,10 @@ def test_the_simulator_replays_a_real_runs_recorded_updates(pyrun, tmp_path):
     recorded_rate = (len(updates) - 1) / (updates[-1]["time"] - updates[0]["time"])
     recorded_staleness = statistics.fmean(r["values"]["staleness"] for r in updates)
     assert simulated.samples_per_s / 32 == pytest.approx(recorded_rate, rel=0.15)
-    assert simulated.staleness_mean == pytest.approx(recorded_staleness, abs=0.15)
-    assert 0 <= recorded_staleness <= 1.0  # two workers: at most the other's update in between
+    # Staleness: the replay's master is always awake, so it serves one update a pass and two
+    # workers' mean is W - 1 = 1 whatever the order of their updates. The recorded master
+    # (3 ranks on 2 cores: it sleeps between polls, and other processes may hold the cores)
+    # applies the updates that came while it woke in one pass and replies after it, which
+    # can only make updates fresher: the recorded mean is at most the replay's.
+    assert simulated.staleness_mean == pytest.approx(1.0, abs=0.05)
+    assert 0 <= recorded_staleness <= simulated.staleness_mean + 0.05
