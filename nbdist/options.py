@@ -219,9 +219,9 @@ class TrainOptions:
         "how a rank waits for its peers: on (it polls without sleeping: the shortest reply times and a core "
         "that stays warm, but one busy core per waiting rank), off (it polls between short sleeps that give "
         "the core away) or auto (on where this node's ranks of the launch, times --threads, fit the cores "
-        "they may run on; off when oversubscribed, when the launcher does not say how many ranks share "
-        "the node, and under JupyterHub outside a batch job: a login node's idle cores are other "
-        "people's)",
+        "they may run on, and only while a rank does not wait for its core behind other work; off when "
+        "oversubscribed, when the launcher does not say how many ranks share the node, and under "
+        "JupyterHub outside a batch job: a login node's idle cores are other people's)",
         choices=BUSY_POLLS,
     )
     bucket_mb: float = _opt(2.0, "allreduce bucket size in MB (gradients reduced while backward runs)")

@@ -32,10 +32,11 @@ from typing import Any
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
-from safetensors.numpy import load_file, save
+from safetensors.numpy import load_file
 
 from nbdist.errors import UserError
-from nbdist.train.durable import DIGEST, file_digest, fsync_dir, make_dir, write_bytes, write_json
+from nbdist.train.durable import DIGEST, file_digest, fsync_dir, make_dir, write_json
+from nbdist.train.tensor_files import write_safetensors
 
 __all__ = ["Checkpoints", "CheckpointError", "flatten_arrays", "unflatten_arrays"]
 
@@ -113,7 +114,7 @@ class Checkpoints:
             flat = {k: v for k, v in flat.items() if k not in taken}
             storage.update(same_as=same_as, shared=taken)
         tensors = _file(rank, "safetensors")
-        storage["files"] = {tensors: write_bytes(directory / tensors, save(flat))}
+        storage["files"] = {tensors: write_safetensors(directory / tensors, flat)}
         # Written last, atomically: `ranks_written` counts a rank once its JSON is there.
         write_json(directory / _file(rank, "json"), {**meta, STORAGE: storage})
 

@@ -479,7 +479,8 @@ def prepare(
         settled = settle(options, definition, comm.Get_size(), comm.Get_rank(), device, trial, restart_of)
         options = settled.options
         poll_without_sleeping(
-            options.busy_poll == "on" or (options.busy_poll == "auto" and polling_suits_node(options.threads))
+            options.busy_poll == "on" or (options.busy_poll == "auto" and polling_suits_node(options.threads)),
+            while_core_free=options.busy_poll == "auto",
         )
         # Dropout (and a GAN's noise) differs per rank after this point; weights do not.
         settled.backend.reseed(options.seed * 100003 + settled.role.rank)
