@@ -3,12 +3,42 @@
 from __future__ import annotations
 
 import math
+import os
 import signal
 from dataclasses import dataclass
 
 from nbdist.options import Target
 
-__all__ = ["StopFlag", "EarlyStopping", "StopDecision", "catch_stop_signals_early", "stop_caught_early"]
+__all__ = [
+    "StopFlag",
+    "EarlyStopping",
+    "StopDecision",
+    "catch_stop_signals_early",
+    "stop_caught_early",
+    "FORWARDED_SIGNAL_FILE",
+    "signal_name",
+]
+
+# `python -m nbdist launch` passes every stop on to the ranks as SIGUSR1 (Open MPI's
+# launcher kills the ranks soon after a SIGTERM), and first writes the name of the
+# signal it was sent into the file this variable names, so that the run says which one
+# stopped it (SIGTERM from the batch system, Ctrl-C, ...), not SIGUSR1.
+FORWARDED_SIGNAL_FILE = "NBDIST_FORWARDED_SIGNAL_FILE"
+
+
+def signal_name(signum: int) -> str:
+    """The name of the signal that stopped this rank: for the launcher's SIGUSR1, the one
+    the launcher was sent (FORWARDED_SIGNAL_FILE)."""
+    name = signal.Signals(signum).name
+    path = os.environ.get(FORWARDED_SIGNAL_FILE)
+    if signum != signal.SIGUSR1 or not path:
+        return name
+    try:
+        with open(path, encoding="ascii") as fh:
+            forwarded = fh.read(32).strip()
+    except (OSError, ValueError):
+        return name  # another node (the file is on the launcher's), or no stop passed on
+    return forwarded if forwarded in signal.Signals.__members__ else name
 
 
 class StopFlag:
@@ -27,7 +57,7 @@ class StopFlag:
 
     def install(self) -> None:
         def handler(signum: int, _frame: object) -> None:
-            self.request(f"stopped by {signal.Signals(signum).name}")
+            self.request(f"stopped by {signal_name(signum)}")
 
         for sig in (signal.SIGUSR1, signal.SIGTERM):
             signal.signal(sig, handler)
