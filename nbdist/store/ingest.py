@@ -17,6 +17,7 @@ record it later.
 
 from __future__ import annotations
 
+import errno
 import json
 import sys
 import threading
@@ -136,6 +137,7 @@ class RunRecorder:
         self._unsent: list[dict[str, Any]] = []
         self._pause = every  # until the next pass: `every`, longer after failures
         self._delayed = False  # a pass failed since the last one that went through
+        self._full = False  # the last failure was a full disk
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="nbdist-run-recorder", daemon=True)
         self._thread.start()
@@ -150,6 +152,7 @@ class RunRecorder:
         try:
             write()
         except Exception as exc:  # noqa: BLE001 - whatever one write raises, the recorder goes on
+            self._full = _no_space(exc)
             if not self._delayed:
                 self._delayed = True
                 print(
@@ -175,10 +178,12 @@ class RunRecorder:
         deadline = time.monotonic() + END_RETRY_SECONDS
         self._pause = self.every
         while not self._attempt(write):
-            if time.monotonic() + self._pause > deadline:
+            # A full disk under the store is not freed by waiting: say so at once.
+            if self._full or time.monotonic() + self._pause > deadline:
+                why = "its disk is full" if self._full else f"not within {END_RETRY_SECONDS:.0f} s"
                 print(
-                    f"nbdist: warning: the run store {self.feed.store.label} did not take {what} within "
-                    f"{END_RETRY_SECONDS:.0f} s; `python -m nbdist store import {self.feed.run_dir}` records it later",
+                    f"nbdist: warning: the run store {self.feed.store.label} did not take {what} ({why}); "
+                    f"`python -m nbdist store import {self.feed.run_dir}` records it later",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -204,6 +209,14 @@ class RunRecorder:
         self._thread.join()
         self._until_done(self._record, "the run's last records")
         self.feed.close()
+
+
+def _no_space(exc: BaseException) -> bool:
+    """A write that failed for want of disk space (SQLite's SQLITE_FULL, or ENOSPC/EDQUOT)."""
+    return getattr(exc, "sqlite_errorname", "") == "SQLITE_FULL" or getattr(exc, "errno", None) in (
+        errno.ENOSPC,
+        errno.EDQUOT,
+    )
 
 
 def _first_line(exc: BaseException) -> str:

@@ -35,6 +35,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import load_file, save
 
 from nbdist.errors import UserError
+from nbdist.train.diskspace import checkpoint_disk_full, is_disk_full
 from nbdist.train.durable import DIGEST, file_digest, fsync_dir, make_dir, write_bytes, write_json
 
 __all__ = ["Checkpoints", "CheckpointError", "flatten_arrays", "unflatten_arrays"]
@@ -104,7 +105,6 @@ class Checkpoints:
         the arrays named in `shared` (a group such as "opt", or "group/name") are left to
         that rank's file, which holds the same values."""
         directory = self._tmp(label)
-        make_dir(directory)
         flat = flatten_arrays(arrays)
         storage: dict[str, Any] = {}
         if same_as is not None and same_as != rank:
@@ -113,9 +113,16 @@ class Checkpoints:
             flat = {k: v for k, v in flat.items() if k not in taken}
             storage.update(same_as=same_as, shared=taken)
         tensors = _file(rank, "safetensors")
-        storage["files"] = {tensors: write_bytes(directory / tensors, save(flat))}
-        # Written last, atomically: `ranks_written` counts a rank once its JSON is there.
-        write_json(directory / _file(rank, "json"), {**meta, STORAGE: storage})
+        data = save(flat)
+        try:
+            make_dir(directory)
+            storage["files"] = {tensors: write_bytes(directory / tensors, data)}
+            # Written last, atomically: `ranks_written` counts a rank once its JSON is there.
+            write_json(directory / _file(rank, "json"), {**meta, STORAGE: storage})
+        except OSError as exc:
+            if is_disk_full(exc):
+                raise checkpoint_disk_full(exc, directory, label, len(data)) from None
+            raise
 
     def ranks_written(self, label: str) -> int:
         return len(list(self._tmp(label).glob("rank-*.json")))
