@@ -34,10 +34,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import psutil  # noqa: E402
-from _common import ROOT, header, table  # noqa: E402
+import psutil
+from _common import ROOT, header, table
 
-from nbdist.launch import mpi_env, mpiexec_command  # noqa: E402
+from nbdist.launch import mpi_env, mpiexec_command
 
 MLP = str(ROOT / "examples" / "digits_mlp.py")
 BIG = str(ROOT / "tests" / "models" / "big_mlp.py")
@@ -320,7 +320,12 @@ def _run_case(case: Case, workdir: Path, runs_dir: Path) -> Outcome:
     summary = run / "summary.json"
     if job.returncode == 0 and summary.exists():
         data = json.loads(summary.read_text())
-        out.completed = data["stop_reason"].startswith("completed") or case.fault == "term"
+        # A run stopped by SIGTERM ends as one (exit 0, a final checkpoint) and says so.
+        out.completed = data["stop_reason"].startswith("completed") or (
+            case.fault == "term" and data["stop_reason"] == "stopped by SIGTERM"
+        )
+        if case.fault == "term" and not out.completed:
+            out.notes.append(f"stop_reason {data['stop_reason']!r}")
         out.samples_lost = int(data.get("samples_lost", 0))
         restarts = [
             json.loads(line)["values"]
@@ -415,12 +420,13 @@ def main() -> None:
     p.add_argument(
         "--only",
         metavar="TEXT",
-        help="only the cases whose name holds TEXT (e.g. 'disk full'), no synchronous runs",
+        action="append",
+        help="only the cases whose name holds TEXT (repeat it for more; e.g. 'disk full'), no synchronous runs",
     )
     args = p.parse_args()
     cases = [CASES[i] for i in QUICK] if args.quick else CASES
     if args.only:
-        cases = [case for case in cases if args.only in case.name]
+        cases = [case for case in cases if any(text in case.name for text in args.only)]
     runs = 1 if args.quick else args.runs
     sync_runs = 0 if args.only else 10 if args.quick else args.sync_runs
     header("faults: kill, stop and signal cases under python -m nbdist launch")

@@ -138,12 +138,12 @@ def test_a_dead_and_a_frozen_asynchronous_worker_are_dropped_and_the_run_complet
 
 @pytest.mark.timeout(400)
 def test_a_frozen_asynchronous_worker_holds_up_no_epoch_and_a_sigterm_is_named(tmp_path):
-    """kill -STOP of one of three workers, with a 30 s peer timeout: the run goes on
+    """kill -STOP of one of three workers, with a 10 s peer timeout: the run goes on
     ending epochs, validating and checkpointing while it is frozen (its share of those
     epochs is pending), it is dropped with one line at the timeout, and SIGTERM to the
     launcher (which passes it on as SIGUSR1) is named in the run's summary."""
     run = tmp_path / "run"
-    job = _asynchronous_job(tmp_path, 4, 100000, 30, "--checkpoint-every", "5", "--keep-checkpoints", "100000")
+    job = _asynchronous_job(tmp_path, 4, 100000, 10, "--checkpoint-every", "5", "--keep-checkpoints", "100000")
     job.wait_for(lambda: _epochs_logged(run) >= 3, "third epoch")
     frozen = job.rank(3)
     frozen.suspend()
@@ -158,7 +158,7 @@ def test_a_frozen_asynchronous_worker_holds_up_no_epoch_and_a_sigterm_is_named(t
     out = job.output
     # Silent for the peer timeout: it sent nothing, or did not take its last reply.
     dropped = (
-        r"rank 3 \(worker 2, host [^)]*\) (sent nothing|did not take its reply) for 30 s .*; the run goes on with 2"
+        r"rank 3 \(worker 2, host [^)]*\) (sent nothing|did not take its reply) for 10 s .*; the run goes on with 2"
     )
     assert len(re.findall(dropped, out)) == 1, out
     assert "Traceback" not in out, out

@@ -16,6 +16,7 @@ import errno
 import json
 import shutil
 from pathlib import Path
+from typing import TypeGuard
 
 from nbdist.errors import DiskFull
 
@@ -24,7 +25,7 @@ __all__ = ["NO_SPACE", "is_disk_full", "disk_full", "checkpoint_disk_full", "siz
 NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
-def is_disk_full(exc: BaseException) -> bool:
+def is_disk_full(exc: BaseException) -> TypeGuard[OSError]:
     return isinstance(exc, OSError) and exc.errno in NO_SPACE
 
 
