@@ -14,8 +14,8 @@ import pytest
 
 from nbdist.metrics import RunLog, read_log
 from nbdist.metrics.log import repair_torn_tail
-from nbdist.store import RunStore
-from nbdist.store.ingest import RECORDER_LOCK_WAIT, LogFollower, RunRecorder
+from nbdist.store import RunStore, ingest
+from nbdist.store.ingest import LogFollower, RunRecorder
 
 
 def _log_with_records(run_dir, rank: int, n: int) -> RunLog:
@@ -80,7 +80,10 @@ def test_readers_skip_a_damaged_line_and_say_so(tmp_path, capfd):
 
 
 @pytest.mark.timeout(120)
-def test_the_recorder_outlives_a_locked_store_and_records_the_end(tmp_path, capfd):
+def test_the_recorder_outlives_a_locked_store_and_records_the_end(tmp_path, capfd, monkeypatch):
+    # A shorter wait for the lock than a run's, to keep the test cheap; tests/test_store.py
+    # runs a real batch run against the real one.
+    monkeypatch.setattr(ingest, "RECORDER_LOCK_WAIT", 0.5)
     run_dir = tmp_path / "run"
     db = tmp_path / "nbdist.db"
     log = _log_with_records(run_dir, 0, 4)
@@ -97,7 +100,7 @@ def test_the_recorder_outlives_a_locked_store_and_records_the_end(tmp_path, capf
     for step in range(4, 10):
         log.emit("train", {"loss": 0.1}, step=step)
     log.flush()
-    deadline = time.monotonic() + RECORDER_LOCK_WAIT + 30
+    deadline = time.monotonic() + ingest.RECORDER_LOCK_WAIT + 30
     err = ""
     while "cannot take this run's records now" not in err:
         assert time.monotonic() < deadline, "the recorder said nothing of the locked store"
