@@ -3,8 +3,10 @@
 Each case starts `python -m nbdist launch -n N train ...` (mpiexec with MPI fault
 tolerance), waits until it has trained a few epochs, then does to one process what a
 user, a node or a batch system would: SIGKILL, SIGSTOP (and SIGCONT once the run went on
-without it), SIGTERM. It then waits for the job to end, with a deadline: a job still
-running then counts as hung (and is killed). Bad input is one case too, and so are
+without it), SIGTERM; or, in the disk-full case, fills the small file system (a tmpfs
+mounted for it, so root only) that holds the run, as another job fills a shared scratch.
+It then waits for the job to end, with a deadline: a job still running then counts as
+hung (and is killed). Bad input is one case too, and so are
 synchronous runs one after the other in one job, where any hang would show.
 
 The table says, per case: runs, how many completed their epochs, how many ended with one
@@ -19,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -37,6 +41,7 @@ from nbdist.launch import mpi_env, mpiexec_command
 
 MLP = str(ROOT / "examples" / "digits_mlp.py")
 BIG = str(ROOT / "tests" / "models" / "big_mlp.py")
+WIDE = str(ROOT / "tests" / "models" / "wide_mlp.py")
 TRAIN_MANY = str(ROOT / "tests" / "mpi_scripts" / "train_many.py")
 ERROR_WITHIN = 10.0
 HANG_AFTER = 240.0
@@ -47,10 +52,11 @@ class Case:
     name: str
     ranks: int
     args: list[str]
-    fault: str  # "kill", "stop", "term", "none"
+    fault: str  # "kill", "stop", "term", "none", or "fill" (the disk under the run)
     rank: int = 2  # the rank the fault hits
     expect: str = "complete"  # "complete" or "error"
     after_epochs: int = 3
+    disk_mb: int = 0  # "fill": the run on a tmpfs of this size, filled after a checkpoint
 
 
 CASES = [
@@ -167,6 +173,15 @@ CASES = [
         after_epochs=1,
     ),
     Case(
+        "disk full: the tmpfs under the run filled after a checkpoint (EASGD, 1 master + 2 workers)",
+        3,
+        ["--model", WIDE, "--algorithm", "easgd", "--epochs", "100000", "--batch-size", "64"],
+        "fill",
+        expect="error",
+        after_epochs=1,
+        disk_mb=64,
+    ),
+    Case(
         "bad worker optimiser sgd(lr=-1.0)",
         4,
         ["--model", MLP, "--algorithm", "easgd", "--worker-optimizer", "sgd(lr=-1.0)"],
@@ -175,7 +190,7 @@ CASES = [
         after_epochs=0,
     ),
 ]
-QUICK = (0, 1, 3, 6, 9)
+QUICK = (0, 1, 3, 6, 9, 10)
 
 
 @dataclass
@@ -205,7 +220,45 @@ def _epochs(run: Path) -> int:
 
 
 def run_case(case: Case, workdir: Path) -> Outcome:
-    run = workdir / "run"
+    if not case.disk_mb:
+        return _run_case(case, workdir, workdir)
+    disk = workdir / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={case.disk_mb}m,mode=0700", "tmpfs", str(disk)],
+        capture_output=True,
+        text=True,
+    )
+    if mounted.returncode != 0:
+        return Outcome(notes=[f"not run: mounting a tmpfs failed ({mounted.stderr.strip()}); run as root"])
+    try:
+        return _run_case(case, workdir, disk)
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+def _fill(runs_dir: Path, run: Path) -> None:
+    """Another job fills the disk once the run committed a checkpoint: a quarter of one is left."""
+    latest = run / "checkpoints" / "LATEST.json"
+    deadline = time.monotonic() + HANG_AFTER
+    while not latest.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    label = json.loads(latest.read_text())["label"]
+    files = json.loads((run / "checkpoints" / label / "meta.json").read_text())["files"]
+    leave = sum(f["bytes"] for f in files.values()) // 4
+    filler = runs_dir / "filler"
+    with open(filler, "wb", buffering=0) as fh:
+        try:
+            fh.write(b"\0" * max(0, shutil.disk_usage(runs_dir).free - leave))
+        except OSError:
+            pass  # the run filled it meanwhile: cut back below
+    free = shutil.disk_usage(runs_dir).free
+    if free < leave:
+        os.truncate(filler, max(0, filler.stat().st_size - (leave - free)))
+
+
+def _run_case(case: Case, workdir: Path, runs_dir: Path) -> Outcome:
+    run = runs_dir / "run"
     log = open(workdir / "output.txt", "w+")
     argv = [
         sys.executable,
@@ -217,7 +270,7 @@ def run_case(case: Case, workdir: Path) -> Outcome:
         "train",
         *case.args,
         "--runs-dir",
-        str(workdir),
+        str(runs_dir),
         "--run-name",
         "run",
         "--quiet",
@@ -240,6 +293,9 @@ def run_case(case: Case, workdir: Path) -> Outcome:
             victim.suspend()
         elif case.fault == "term":
             job.send_signal(signal.SIGTERM)
+        elif case.fault == "fill":
+            _fill(runs_dir, run)
+            faulted = time.monotonic()
         while job.poll() is None and time.monotonic() - faulted < HANG_AFTER:
             if (
                 case.fault == "stop"
@@ -264,7 +320,12 @@ def run_case(case: Case, workdir: Path) -> Outcome:
     summary = run / "summary.json"
     if job.returncode == 0 and summary.exists():
         data = json.loads(summary.read_text())
-        out.completed = data["stop_reason"].startswith("completed") or case.fault == "term"
+        # A run stopped by SIGTERM ends as one (exit 0, a final checkpoint) and says so.
+        out.completed = data["stop_reason"].startswith("completed") or (
+            case.fault == "term" and data["stop_reason"] == "stopped by SIGTERM"
+        )
+        if case.fault == "term" and not out.completed:
+            out.notes.append(f"stop_reason {data['stop_reason']!r}")
         out.samples_lost = int(data.get("samples_lost", 0))
         restarts = [
             json.loads(line)["values"]
@@ -284,6 +345,9 @@ def run_case(case: Case, workdir: Path) -> Outcome:
     out.clear_error = (
         job.returncode != 0 and len(errors) == 1 and "Traceback" not in text and out.seconds_to_end <= ERROR_WITHIN
     )
+    if case.fault == "fill" and out.clear_error:
+        # A full disk's line must say where to go on from: the checkpoint and the --resume.
+        out.clear_error = "the last intact checkpoint is epoch-" in errors[0] and f"--resume {run}" in errors[0]
     if job.returncode != 0 and not out.clear_error:
         out.notes.append(text[-400:])
     return out
@@ -352,13 +416,22 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=3, help="runs per case (default 3)")
     p.add_argument("--sync-runs", type=int, default=50, help="synchronous runs in a row (default 50)")
-    p.add_argument("--quick", action="store_true", help="one run of five cases, 10 synchronous runs")
+    p.add_argument("--quick", action="store_true", help="one run of six cases (disk full too), 10 synchronous runs")
+    p.add_argument(
+        "--only",
+        metavar="TEXT",
+        action="append",
+        help="only the cases whose name holds TEXT (repeat it for more; e.g. 'disk full'), no synchronous runs",
+    )
     args = p.parse_args()
     cases = [CASES[i] for i in QUICK] if args.quick else CASES
+    if args.only:
+        cases = [case for case in cases if any(text in case.name for text in args.only)]
     runs = 1 if args.quick else args.runs
-    sync_runs = 10 if args.quick else args.sync_runs
+    sync_runs = 0 if args.only else 10 if args.quick else args.sync_runs
     header("faults: kill, stop and signal cases under python -m nbdist launch")
     rows, hangs, async_deaths, async_completed, lost_beyond = [], 0, 0, 0, 0
+    errors_expected, errors_clear = 0, 0
     for case in cases:
         outcomes = []
         for i in range(runs):
@@ -383,6 +456,9 @@ def main() -> None:
         if case.fault in ("kill", "stop") and case.expect == "complete" and "--max-restarts" not in case.args:
             async_deaths += len(outcomes)
             async_completed += sum(o.completed for o in outcomes)
+        if case.expect == "error":
+            errors_expected += len(outcomes)
+            errors_clear += sum(o.clear_error for o in outcomes)
         lost_beyond += sum(o.epochs_redone > 1 for o in outcomes)  # --checkpoint-every 1 (the default)
         rows.append(
             [
@@ -395,20 +471,21 @@ def main() -> None:
                 ", ".join(str(o.epochs_redone) for o in outcomes) if "--max-restarts" in case.args else "-",
             ]
         )
-    with tempfile.TemporaryDirectory(prefix="nbdist-faults-") as tmp:
-        completed, total, hung, seconds = synchronous_in_a_row(sync_runs, Path(tmp))
-    hangs += int(hung)
-    rows.append(
-        [
-            f"synchronous EASGD runs in a row, one job of 3 ranks ({seconds:.0f} s)",
-            str(total),
-            str(completed),
-            "0",
-            str(total - completed if hung else 0),
-            "-",
-            "-",
-        ]
-    )
+    if sync_runs:
+        with tempfile.TemporaryDirectory(prefix="nbdist-faults-") as tmp:
+            completed, total, hung, seconds = synchronous_in_a_row(sync_runs, Path(tmp))
+        hangs += int(hung)
+        rows.append(
+            [
+                f"synchronous EASGD runs in a row, one job of 3 ranks ({seconds:.0f} s)",
+                str(total),
+                str(completed),
+                "0",
+                str(total - completed if hung else 0),
+                "-",
+                "-",
+            ]
+        )
     table(
         rows,
         [
@@ -421,10 +498,11 @@ def main() -> None:
             "epochs redone",
         ],
     )
-    met = hangs == 0 and lost_beyond == 0 and async_completed == async_deaths
+    met = hangs == 0 and lost_beyond == 0 and async_completed == async_deaths and errors_clear == errors_expected
     print(
         f"\naim: 0 hangs ({hangs}), nothing lost beyond the checkpoint interval (runs that redid more than one "
-        f"epoch: {lost_beyond}), every asynchronous worker death completed ({async_completed} of {async_deaths}): "
+        f"epoch: {lost_beyond}), every asynchronous worker death completed ({async_completed} of {async_deaths}), "
+        f"every run that cannot go on ended with one clear line ({errors_clear} of {errors_expected}): "
         f"{'met' if met else 'not met'}"
     )
 

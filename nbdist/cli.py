@@ -23,7 +23,7 @@ import time
 import traceback
 from pathlib import Path
 
-from nbdist.errors import UserError
+from nbdist.errors import DiskFull, UserError
 from nbdist.hpo import SEARCHERS
 from nbdist.options import (
     add_arguments,
@@ -33,6 +33,7 @@ from nbdist.options import (
     study_options_from_args,
 )
 from nbdist.scaling.options import ScaleOptions
+from nbdist.train.diskspace import disk_full, is_disk_full
 from nbdist.transport.faults import RunFailure, ulfm_enabled
 
 __all__ = ["main", "run", "build_parser"]
@@ -516,13 +517,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"nbdist: error: {exc}", file=sys.stderr, flush=True)
         return 1
     except UserError as exc:
-        if _world_rank() == 0:
+        # Raised in a run: the rank that recorded it first says it (a worker's full disk);
+        # before one (bad options, every rank alike): rank 0.
+        if getattr(exc, "reported_here", _world_rank() == 0):
             print(f"nbdist: error: {exc}", file=sys.stderr, flush=True)
-        return 2
+        # A full disk ends the run as a failed rank does (status 1, as on the other ranks).
+        return 1 if isinstance(exc, DiskFull) else 2
     except KeyboardInterrupt:
         return 130
-    except Exception:  # a bug or a failure inside user code while training
+    except Exception as exc:  # a bug or a failure inside user code while training
         rank = _world_rank()
+        if is_disk_full(exc):  # set-up's own files, before there is a run to report it in
+            if rank == 0:
+                print(f"nbdist: error: {disk_full(exc)}", file=sys.stderr, flush=True)
+            return 1
         # The run's other ranks were told over its control channel and end on their own.
         sys.stderr.write(f"nbdist: rank {rank} failed:\n{traceback.format_exc()}")
         sys.stderr.flush()

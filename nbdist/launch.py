@@ -16,7 +16,9 @@ large model. The launcher starts prterun with SIGTERM and SIGINT blocked (its ra
 their signals unblocked again) and turns SIGTERM, SIGUSR1 and a first Ctrl-C into SIGUSR1
 for every rank: each stops at its next step boundary and the run writes its final
 checkpoint, however long that takes; a second Ctrl-C, or `--stop-grace` seconds without
-an end, kills the job.
+an end, kills the job. Before it passes a stop on, it writes the name of the signal it was
+sent into a file of its own that the ranks read (train/stopping.py), so that the run says
+it was stopped by SIGTERM, not by the SIGUSR1 that carried the stop.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from socket import AF_INET, AF_INET6
 from typing import Any
 
 from nbdist.errors import UserError
-from nbdist.train.stopping import stop_caught_early
+from nbdist.train.stopping import FORWARDED_SIGNAL_FILE, stop_caught_early
 from nbdist.transport.faults import ULFM_ARGS, ULFM_ENV
 
 __all__ = [
@@ -189,9 +191,21 @@ def launch(
         mpi_args += ["--hostfile", hostfile]
     mpi_args += allocation_mpi_args()
     command = mpiexec_command(n, ["-m", "nbdist", *argv], mpi_args=mpi_args)
+    env = mpi_env(local=local, interface=interface)
+    notes = tempfile.mkdtemp(prefix="nbdist-launch-")  # private to this user (0700)
+    signal_file = env[FORWARDED_SIGNAL_FILE] = os.path.join(notes, "signal")
+    try:
+        return _run_job(command, env, signal_file, stop_grace)
+    finally:
+        shutil.rmtree(notes, ignore_errors=True)
+
+
+def _run_job(command: list[str], env: dict[str, str], signal_file: str, stop_grace: float) -> int:
+    """`launch`'s job, with the stop signals passed on as SIGUSR1 (the first one's name in
+    `signal_file`); returns its exit status."""
     job = subprocess.Popen(
         command,
-        env=mpi_env(local=local, interface=interface),
+        env=env,
         preexec_fn=_block_stop_signals,
         start_new_session=True,
         stderr=subprocess.PIPE,
@@ -208,6 +222,8 @@ def launch(
             return
         if not stopping:
             stopping.append(time.monotonic())
+            if not os.path.exists(signal_file):
+                _note_signal(signal_file, signal.Signals(signum).name)
             print(
                 f"nbdist: {signal.Signals(signum).name}: every rank stops at its next step and the run writes its "
                 f"final checkpoint (Ctrl-C again to kill it at once)",
@@ -221,6 +237,7 @@ def launch(
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
     if stop_caught_early():  # it came while this launcher was starting: pass it on
+        _note_signal(signal_file, stop_caught_early().removeprefix("stopped by "))
         stop(signal.SIGUSR1, None)
     try:
         while True:
@@ -242,6 +259,18 @@ def launch(
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _note_signal(path: str, name: str) -> None:
+    """Where the ranks read which signal stopped the run: written whole, then renamed, so
+    that a rank never reads half a name."""
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, "w", encoding="ascii") as fh:
+            fh.write(name)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # the ranks then name the SIGUSR1 that reached them
 
 
 # Open MPI's nonblocking collectives print this, unconditionally, on every survivor of a

@@ -556,20 +556,34 @@ def test_the_writer_thread_writes_in_order_and_says_what_is_on_disk(tmp_path):
     assert arrays["model"]["params"].tolist() == [0, 1, 2, 3]
 
 
-def test_a_failed_checkpoint_write_is_raised_in_the_master_naming_it_and_nothing_after_it_runs(tmp_path):
-    from nbdist.train.writer import CheckpointWriteFailed, CheckpointWriter
+@pytest.mark.parametrize(
+    ("errno_", "raised", "message"),
+    [
+        (5, "CheckpointWriteFailed", "writing checkpoint epoch-0003 failed: .*Input/output error"),
+        # A full disk is the one line of train/diskspace.py, naming the directory and the job.
+        (28, "DiskFull", "no space left on the device of .*committing checkpoint epoch-0003: .* is free"),
+    ],
+)
+def test_a_failed_checkpoint_write_is_raised_in_the_master_naming_it_and_nothing_after_it_runs(
+    tmp_path, errno_, raised, message
+):
+    import os
 
-    ran, writer = [], CheckpointWriter()
+    from nbdist import errors
+    from nbdist.train import writer as writer_module
 
-    def full_disk() -> None:
-        raise OSError(28, "No space left on device")
+    ran, writer = [], writer_module.CheckpointWriter()
+    error = getattr(errors, raised, None) or getattr(writer_module, raised)
 
-    writer.submit(full_disk, name="epoch-0003")
+    def failing() -> None:
+        raise OSError(errno_, os.strerror(errno_), str(tmp_path / "checkpoints" / "LATEST.json"))
+
+    writer.submit(failing, name="epoch-0003")
     writer.submit(lambda: ran.append("commit"))
-    with pytest.raises(CheckpointWriteFailed, match="writing checkpoint epoch-0003 failed: .*No space left"):
+    with pytest.raises(error, match=message):
         writer.finish(timeout=60)
     assert ran == []
-    with pytest.raises(CheckpointWriteFailed, match="epoch-0003"):
+    with pytest.raises(error, match="epoch-0003"):
         writer.written()
 
 

@@ -26,13 +26,14 @@ from typing import Any
 
 import numpy as np
 
-from nbdist.errors import UserError
+from nbdist.errors import DiskFull, UserError
 from nbdist.metrics.log import RecordSink
 from nbdist.metrics.record import stopped_on_request
 from nbdist.options import TrainOptions
 from nbdist.train.checkpoint import Checkpoints
 from nbdist.train.context import RankContext, TrialTag, prepare
 from nbdist.train.definition import ModelDefinition
+from nbdist.train.diskspace import disk_full, is_disk_full
 from nbdist.train.measures import measure
 from nbdist.train.progress import RunResult
 from nbdist.train.stopping import StopFlag
@@ -223,16 +224,23 @@ def _run_once(
     except BaseException as exc:
         # This rank's own failure (its code, its data, a bug): the others must not wait
         # for it. They hear it as this rank's message; the CLI shows its traceback here.
-        failure = exc
+        # Any write of the run (a log, the history, the weights) on a full disk: one line.
+        error = disk_full(exc) if is_disk_full(exc) else exc
+        failure = error
         told = RunFailure(
-            f"{ctx.peers.directory.describe(ctx.comms.world.Get_rank())} failed: {type(exc).__name__}: {exc}"
-            if not isinstance(exc, UserError)
-            else str(exc)
+            f"{ctx.peers.directory.describe(ctx.comms.world.Get_rank())} failed: {type(error).__name__}: {error}"
+            if not isinstance(error, UserError)
+            else str(error)
         )
         ctx.peers.control.tell_all(told)
-        _record_failure(ctx, told, options, attempt)
+        _record_failure(ctx, told, options, attempt, disk=isinstance(error, DiskFull))
         # Whatever the exception, the CLI asks it whether to print it (cli.py, _reports).
-        setattr(exc, "reported_here", bool(told.reported_here))  # noqa: B010
+        setattr(error, "reported_here", bool(told.reported_here))  # noqa: B010
+        if isinstance(error, DiskFull):
+            error.args = told.args  # with the checkpoint to resume from
+            ctx.checkpoints.discard_incomplete()  # what was written of the one that did not fit
+        if error is not exc:
+            raise error from None
         raise
     finally:
         restarting = isinstance(failure, RunFailure) and _restartable(failure, options, attempt)
@@ -250,12 +258,14 @@ def _run_once(
         ctx.data.close()
 
 
-def _record_failure(ctx: RankContext, failure: RunFailure, options: TrainOptions, attempt: int) -> None:
+def _record_failure(
+    ctx: RankContext, failure: RunFailure, options: TrainOptions, attempt: int, disk: bool = False
+) -> None:
     """The first rank to get here writes failure.json and reports the failure (the CLI
-    prints it); the message says what to do next."""
+    prints it); the message says what to do next (`disk`: after freeing some space)."""
     if not failure.origin:
         return
-    hint = _what_next(ctx, failure, options, attempt)
+    hint = _what_next(ctx, failure, options, attempt, disk)
     if hint and hint not in str(failure):
         failure.args = (f"{failure}; {hint}",)
     path = ctx.run_dir / FAILURE_FILE
@@ -276,8 +286,11 @@ def _record_failure(ctx: RankContext, failure: RunFailure, options: TrainOptions
     except OSError:
         failure.reported_here = True  # no run directory to arbitrate in: say it here
         return
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        json.dump(info, fh, indent=1)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(info, fh, indent=1)
+    except OSError:
+        pass  # a full disk: the file was made (this rank reports), its text did not fit
     failure.reported_here = True
 
 
@@ -288,8 +301,15 @@ def _same_attempt(path: Path, attempt: int) -> bool:
         return True
 
 
-def _what_next(ctx: RankContext, failure: RunFailure, options: TrainOptions, attempt: int) -> str:
+def _what_next(ctx: RankContext, failure: RunFailure, options: TrainOptions, attempt: int, disk: bool) -> str:
     latest = Checkpoints(ctx.run_dir).latest()
+    if disk:
+        if latest is None:
+            return "no checkpoint was written yet: free some space there, then run it again"
+        return (
+            f"the last intact checkpoint is {latest.name}: free some space there, then continue with "
+            f"--resume {ctx.run_dir}"
+        )
     if failure.restartable and attempt < options.max_restarts and not ulfm_enabled():
         return (
             "restarts need MPI fault tolerance: start the run with python -m nbdist launch, or with "

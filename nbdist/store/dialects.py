@@ -160,6 +160,10 @@ class Dialect(ABC):
         """Anything else that should know the version (SQLite's user_version). By default
         the version table is all."""
 
+    def lock_wait(self, seconds: float) -> None:  # noqa: B027 - optional, a no-op where the server decides
+        """How long a write waits for another writer's lock before it fails (SQLite's busy
+        timeout; a PostgreSQL server queues row locks by itself)."""
+
     def close(self) -> None:
         self._conn.close()
 
@@ -206,6 +210,9 @@ class SQLiteDialect(Dialect):
             self._conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)).fetchone()
             is not None
         )
+
+    def lock_wait(self, seconds: float) -> None:
+        self._conn.execute(f"PRAGMA busy_timeout = {int(seconds * 1000)}")
 
     def legacy_version(self) -> int:
         # Stores of schema 1 kept their version in SQLite's user_version only.

@@ -35,6 +35,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import load_file
 
 from nbdist.errors import UserError
+from nbdist.train.diskspace import checkpoint_disk_full, is_disk_full
 from nbdist.train.durable import DIGEST, file_digest, fsync_dir, make_dir, write_json
 from nbdist.train.tensor_files import write_safetensors
 
@@ -105,7 +106,6 @@ class Checkpoints:
         the arrays named in `shared` (a group such as "opt", or "group/name") are left to
         that rank's file, which holds the same values."""
         directory = self._tmp(label)
-        make_dir(directory)
         flat = flatten_arrays(arrays)
         storage: dict[str, Any] = {}
         if same_as is not None and same_as != rank:
@@ -114,9 +114,16 @@ class Checkpoints:
             flat = {k: v for k, v in flat.items() if k not in taken}
             storage.update(same_as=same_as, shared=taken)
         tensors = _file(rank, "safetensors")
-        storage["files"] = {tensors: write_safetensors(directory / tensors, flat)}
-        # Written last, atomically: `ranks_written` counts a rank once its JSON is there.
-        write_json(directory / _file(rank, "json"), {**meta, STORAGE: storage})
+        try:
+            make_dir(directory)
+            storage["files"] = {tensors: write_safetensors(directory / tensors, flat)}
+            # Written last, atomically: `ranks_written` counts a rank once its JSON is there.
+            write_json(directory / _file(rank, "json"), {**meta, STORAGE: storage})
+        except OSError as exc:
+            if is_disk_full(exc):
+                needed = sum(array.nbytes for array in flat.values())
+                raise checkpoint_disk_full(exc, directory, label, needed) from None
+            raise
 
     def ranks_written(self, label: str) -> int:
         return len(list(self._tmp(label).glob("rank-*.json")))

@@ -28,7 +28,12 @@ __all__ = [
 
 @dataclass(slots=True)
 class EpochTally:
-    """Sums over one epoch's training updates (from every worker)."""
+    """Sums over one epoch's training updates (from every worker).
+
+    Asynchronous, an epoch may end before a late worker (one silent for a whole epoch of
+    the others: roles/master/state.py) has ended it: that worker's share of it is counted, when it
+    comes, in the epoch open then (`late` of its samples), and `behind` says how many
+    clients had not ended the epoch when it ended."""
 
     train: BatchStats = field(default_factory=BatchStats)
     ended: set = field(default_factory=set)  # the master's clients that finished this epoch
@@ -36,6 +41,8 @@ class EpochTally:
     staleness_sum: int = 0
     staleness_max: int = 0
     started: float = field(default_factory=time.time)
+    late: int = 0  # samples in `train` of epochs that had ended without them
+    behind: int = 0  # clients that had not ended this epoch when it ended
 
     def add_staleness(self, value: int) -> None:
         self.updates += 1
@@ -44,17 +51,27 @@ class EpochTally:
 
     def to_json(self) -> list:
         t = self.train
-        return [t.loss_sum, t.metric_sum, t.n, sorted(self.ended), self.updates, self.staleness_sum, self.staleness_max]
+        return [
+            t.loss_sum,
+            t.metric_sum,
+            t.n,
+            sorted(self.ended),
+            self.updates,
+            self.staleness_sum,
+            self.staleness_max,
+            self.late,
+        ]
 
     @classmethod
     def from_json(cls, values: list) -> EpochTally:
-        loss_sum, metric_sum, n, ended, updates, staleness_sum, staleness_max = values
+        loss_sum, metric_sum, n, ended, updates, staleness_sum, staleness_max, *late = values
         return cls(
             BatchStats(float(loss_sum), float(metric_sum), int(n)),
             {int(c) for c in ended},
             int(updates),
             int(staleness_sum),
             int(staleness_max),
+            late=int(late[0]) if late else 0,  # checkpoints written before `late` lack it
         )
 
 
