@@ -437,7 +437,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"nbdist: error: {exc}", file=sys.stderr, flush=True)
         return 1
     except UserError as exc:
-        if _world_rank() == 0:
+        # Raised by every rank (set-up), rank 0 says it; raised by one rank while the
+        # others heard of it as a RunFailure, that rank (roles/runner.py).
+        if getattr(exc, "reported_here", _world_rank() == 0):
             print(f"nbdist: error: {exc}", file=sys.stderr, flush=True)
         return 2
     except KeyboardInterrupt:

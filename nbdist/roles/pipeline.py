@@ -194,6 +194,13 @@ class PipelineWorker(Worker):
         )
         self.model_state.to_device()
 
+    def _centre_parts(self, model: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray | None]:
+        # The master's centre is the whole model, the stages in a row (stage_layout).
+        proc, state = self.ctx.role.proc, model.get("state")
+        p0, p1 = self.param_parts.displs[proc], self.param_parts.displs[proc] + self.param_parts.counts[proc]
+        s0, s1 = self.state_parts.displs[proc], self.state_parts.displs[proc] + self.state_parts.counts[proc]
+        return model["params"][p0:p1], None if state is None else state[s0:s1]
+
     def _collect_message(self) -> None:
         leader = self.leader
         self.param_parts.gather(
@@ -254,7 +261,10 @@ class StageReplica(Replica):
         backend, first = ctx.backend, ctx.role.proc == 0
         whole = ctx.make_replica() if first else None  # the stages in a row, as a master holds them
         for parts, mine, into in zip(
-            stage_parts(ctx), (backend.params, backend.state), (whole.params, whole.state) if first else (None, None)
+            stage_parts(ctx),
+            (backend.params, backend.state),
+            (whole.params, whole.state) if first else (None, None),
+            strict=True,
         ):
             target = Staging(into, whole.copier) if first else None
             parts.gather(

@@ -3,8 +3,8 @@
 Usage: mpiexec -n N python tests/mpi_scripts/train_many.py RUNS.json
 
 RUNS.json holds a list of argv lists (what follows `python -m nbdist train`, or a whole
-`study ...` command line). Each is handed to `nbdist.cli.main`, the very function behind `python -m nbdist`, so the runs go
-through the real option parsing, layout, topologies and files. Starting Python, torch
+`study ...` command line). Each is handed to `nbdist.cli.main`, the very function behind
+`python -m nbdist`, so the runs go through the real option parsing, layout, topologies and files. Starting Python, torch
 and MPI costs seconds per rank on a small box while a digits run trains in well under a
 second, so one job for a batch of runs keeps the integration tests affordable.
 
@@ -37,10 +37,15 @@ def run_all(path: str) -> int:
         worst = max(worst, rc)
         world.Barrier()
         if world.Get_rank() == 0:
-            marker = f"nbdist-test: run {i} rc={rc}"
-            print(marker, flush=True)
-            print(marker, file=sys.stderr, flush=True)
+            say_done(i, rc)
     return worst
+
+
+def say_done(i: int, rc: int) -> None:
+    """Rank 0: run i ended with exit status rc, on both streams (see above)."""
+    marker = f"nbdist-test: run {i} rc={rc}"
+    print(marker, flush=True)
+    print(marker, file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -146,8 +146,10 @@ def commit_ready_checkpoints(me: Master) -> None:
     for label in sorted(me.master_wrote):
         have = me.acks.get(label, set())
         if label == me.snapshot:
-            # A client that finished before it was told has no update left to hold back.
-            have = have | (me.finished - me.snapshot_told)
+            # A worker that finished before it was told has no update left to hold back
+            # (its share is its last one). A sub-master holds its workers' since its last
+            # push: it always acknowledges its share (hierarchy.py, SubMaster.save_last_epoch).
+            have = have | {i for i in me.finished - me.snapshot_told if me.clients[i].kind == WORKER}
         if needed <= have:
             me.commit(label)
             me.master_wrote.discard(label)
