@@ -9,10 +9,18 @@ synchronous runs one after the other in one job, where any hang would show.
 
 The table says, per case: runs, how many completed their epochs, how many ended with one
 clear error (one `nbdist: error:` line, no traceback) within 10 s of the fault, how many
-hung, the samples lost (not trained in their epoch, asynchronous drops) and the epochs
-trained again after a restart (at most the checkpoint interval). Then the aim line.
+hung, the samples lost (not trained in their epoch, asynchronous drops), the epochs
+trained again after a restart (at most the checkpoint interval) and, for a run restarted
+on the ranks left, whether `--resume` on the job's original size then went on from its
+last epoch.
 
-Usage: python bench/faults.py [--runs 3] [--quick] [--sync-runs 50]
+Resume anywhere, in one job of 6 ranks (tests/mpi_scripts/resize_runs.py runs each run on
+the first N ranks of it): asynchronous runs of each rule, whose last checkpoint must be
+their last epoch and which must resume exactly there; and runs resumed on more and on fewer
+ranks (master/worker, sub-masters, allreduce, pipelines), whose epochs must go on. Then
+the aim line.
+
+Usage: python bench/faults.py [--runs 3] [--quick] [--sync-runs 50] [--last-runs 10]
 """
 
 from __future__ import annotations
@@ -37,7 +45,9 @@ from nbdist.launch import mpi_env, mpiexec_command  # noqa: E402
 
 MLP = str(ROOT / "examples" / "digits_mlp.py")
 BIG = str(ROOT / "tests" / "models" / "big_mlp.py")
+PIPELINE = str(ROOT / "examples" / "digits_pipeline.py")
 TRAIN_MANY = str(ROOT / "tests" / "mpi_scripts" / "train_many.py")
+RESIZE_RUNS = str(ROOT / "tests" / "mpi_scripts" / "resize_runs.py")
 ERROR_WITHIN = 10.0
 HANG_AFTER = 240.0
 
@@ -51,6 +61,7 @@ class Case:
     rank: int = 2  # the rank the fault hits
     expect: str = "complete"  # "complete" or "error"
     after_epochs: int = 3
+    resume: bool = False  # then --resume on the job's original size, 2 epochs more
 
 
 CASES = [
@@ -104,6 +115,7 @@ CASES = [
             "5",
         ],
         "kill",
+        resume=True,
     ),
     Case(
         "synchronous worker, kill -9, --max-restarts 1 (EASGD)",
@@ -124,6 +136,7 @@ CASES = [
             "5",
         ],
         "kill",
+        resume=True,
     ),
     Case(
         "master, kill -9, --max-restarts 1 (asynchronous Downpour)",
@@ -144,6 +157,30 @@ CASES = [
         ],
         "kill",
         rank=0,
+        resume=True,
+    ),
+    Case(
+        "sub-master, kill -9, --max-restarts 1 (GEM, 2 masters x 2 workers)",
+        6,
+        [
+            "--model",
+            MLP,
+            "--algorithm",
+            "gem",
+            "--masters",
+            "2",
+            "--epochs",
+            "150",
+            "--batch-size",
+            "16",
+            "--max-restarts",
+            "1",
+            "--peer-timeout",
+            "5",
+        ],
+        "kill",
+        rank=3,
+        resume=True,
     ),
     Case(
         "allreduce rank, kill -9, no restarts",
@@ -175,7 +212,7 @@ CASES = [
         after_epochs=0,
     ),
 ]
-QUICK = (0, 1, 3, 6, 9)
+QUICK = (0, 1, 3, 6, 7, 10)
 
 
 @dataclass
@@ -186,6 +223,7 @@ class Outcome:
     samples_lost: int = 0
     epochs_redone: int = 0
     seconds_to_end: float = 0.0
+    resumed: bool | None = None  # resumed on the original size and went on from its last epoch
     notes: list[str] = field(default_factory=list)
 
 
@@ -280,6 +318,8 @@ def run_case(case: Case, workdir: Path) -> Outcome:
             # Epochs the run had ended before the failure that its checkpoint did not hold
             # (an asynchronous master's last epoch record may trail its snapshot: at least 0).
             out.epochs_redone = max(0, failed_at - int(restarts[0]["checkpoint"].split("-")[1]))
+    if case.resume and out.completed:
+        out.resumed = _resume_on(run, case.ranks, out.notes)
     errors = [line for line in text.splitlines() if line.startswith("nbdist: error:")]
     out.clear_error = (
         job.returncode != 0 and len(errors) == 1 and "Traceback" not in text and out.seconds_to_end <= ERROR_WITHIN
@@ -287,6 +327,28 @@ def run_case(case: Case, workdir: Path) -> Outcome:
     if job.returncode != 0 and not out.clear_error:
         out.notes.append(text[-400:])
     return out
+
+
+def _resume_on(run: Path, ranks: int, notes: list[str]) -> bool:
+    """`--resume` on `ranks` ranks for 2 more epochs: whether it started from the run's last
+    epoch and the run's history went on without a gap."""
+    done = json.loads((run / "summary.json").read_text())["epochs_run"]
+    argv = [sys.executable, "-m", "nbdist", "launch", "-n", str(ranks), "train"]
+    argv += ["--resume", str(run), "--epochs", str(done + 2), "--no-quiet"]
+    try:
+        again = subprocess.run(argv, cwd=ROOT, env=mpi_env(), capture_output=True, text=True, timeout=HANG_AFTER)
+    except subprocess.TimeoutExpired:
+        notes.append("the resume hung")
+        return False
+    history = json.loads((run / "summary.json").read_text())["history"]
+    ok = (
+        again.returncode == 0
+        and f"checkpoints/epoch-{done:04d} at epoch {done + 1}" in again.stdout
+        and [h["epoch"] for h in history] == list(range(1, done + 3))
+    )
+    if not ok:
+        notes.append((again.stdout + again.stderr)[-400:])
+    return ok
 
 
 def _restart_time(run: Path) -> float:
@@ -348,17 +410,122 @@ def synchronous_in_a_row(runs: int, workdir: Path) -> tuple[int, int, bool, floa
     return sum(c == "0" for c in codes), runs, False, time.monotonic() - started
 
 
+# Asynchronous runs of each rule: (name, ranks, options); each trains LAST_EPOCHS epochs,
+# then resumes for one more.
+LAST_EPOCHS = 5
+ASYNCHRONOUS = [
+    ("EASGD, 1 master + 4 workers", 5, ["--algorithm", "easgd"]),
+    ("Downpour, 1 master + 3 workers", 4, ["--algorithm", "downpour"]),
+    ("ADAG, 1 master + 3 workers", 4, ["--algorithm", "adag"]),
+    ("GEM, 1 master + 3 workers", 4, ["--algorithm", "gem"]),
+    ("Downpour, 2 masters x (1 + 2 workers)", 6, ["--masters", "2"]),
+]
+# Runs resumed on other sizes: (name, ranks, options, the sizes of its resumes, 2 epochs each).
+PIPE = ["--worker-parallel", "pipeline", "--procs-per-worker", "2"]
+RESIZED = [
+    ("master/worker (EASGD)", 3, ["--model", MLP, "--algorithm", "easgd"], [5, 2, 3]),
+    ("sub-masters (Downpour)", 6, ["--model", MLP, "--masters", "2"], [5, 4, 6]),
+    ("allreduce", 2, ["--model", MLP, "--topology", "allreduce"], [4, 3, 2]),
+    ("pipeline workers (EASGD)", 5, ["--model", PIPELINE, *PIPE, "--algorithm", "easgd"], [3, 5]),
+    ("pipeline replicas (allreduce)", 4, ["--model", PIPELINE, *PIPE, "--topology", "allreduce"], [6, 2]),
+]
+
+
+def _resize_job(runs: list[tuple[int, list[str]]], workdir: Path) -> tuple[list[int], bool, str]:
+    """`runs` (ranks, argv) in one job of 6 ranks: (each run's exit status, hung, output)."""
+    spec = workdir / "resize.json"
+    spec.write_text(json.dumps([[ranks, [*argv, "--runs-dir", str(workdir)]] for ranks, argv in runs]))
+    try:
+        done = subprocess.run(
+            mpiexec_command(6, [RESIZE_RUNS, str(spec)]),
+            cwd=ROOT,
+            env=mpi_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=HANG_AFTER + 10 * len(runs),
+        )
+    except subprocess.TimeoutExpired:
+        return [], True, ""
+    codes = {int(i): int(rc) for i, rc in re.findall(r"nbdist-test: run (\d+) rc=(-?\d+)", done.stdout)}
+    return [codes.get(i, -1) for i in range(len(runs))], False, done.stdout
+
+
+def _epoch_records(run: Path) -> list[int]:
+    path = run / "metrics" / "rank-00000.jsonl"
+    return [json.loads(line)["epoch"] for line in path.open() if '"kind":"epoch"' in line] if path.exists() else []
+
+
+def last_epochs(repeats: int, workdir: Path) -> tuple[list[list[str]], int, int, bool]:
+    """Each asynchronous kind `repeats` times: LAST_EPOCHS epochs, then a resume for one more.
+    (rows, runs, runs that ended at and resumed exactly from their last epoch, hung)."""
+    runs, names = [], []
+    for k, (_, ranks, argv) in enumerate(ASYNCHRONOUS):
+        for i in range(repeats):
+            name = f"last-{k}-{i}"
+            names.append((k, name))
+            runs.append((ranks, ["--model", MLP, *argv, "--epochs", str(LAST_EPOCHS), "--run-name", name, "--quiet"]))
+            runs.append((ranks, ["--resume", str(workdir / name), "--epochs", str(LAST_EPOCHS + 1), "--no-quiet"]))
+    codes, hung, output = _resize_job(runs, workdir)
+    ended = {k: 0 for k in range(len(ASYNCHRONOUS))}
+    exact = {k: 0 for k in range(len(ASYNCHRONOUS))}
+    for j, (k, name) in enumerate(names):
+        run = workdir / name
+        if hung or codes[2 * j] != 0:
+            continue
+        ended[k] += f"{run}/checkpoints/epoch-{LAST_EPOCHS:04d} at epoch {LAST_EPOCHS + 1}," in output
+        exact[k] += codes[2 * j + 1] == 0 and _epoch_records(run) == list(range(1, LAST_EPOCHS + 2))
+    rows = [
+        [f"{kind}, {LAST_EPOCHS} epochs, then 1 more", str(repeats), str(ended[k]), str(exact[k])]
+        for k, (kind, _, _) in enumerate(ASYNCHRONOUS)
+    ]
+    good = sum(min(ended[k], exact[k]) for k in ended)
+    return rows, repeats * len(ASYNCHRONOUS), good, hung
+
+
+def resized(workdir: Path) -> tuple[list[list[str]], int, int, bool]:
+    """Each of RESIZED: 3 epochs, then resumed on each of its sizes for 2 more. (rows,
+    resumes, resumes that went on from their checkpoint's epoch with a note, hung)."""
+    runs, where = [], []
+    for k, (_, ranks, argv, sizes) in enumerate(RESIZED):
+        name = f"resized-{k}"
+        runs.append((ranks, [*argv, "--epochs", "3", "--run-name", name, "--quiet"]))
+        for j, size in enumerate(sizes):
+            where.append((k, len(runs), 3 + 2 * j))
+            runs.append((size, ["--resume", str(workdir / name), "--epochs", str(5 + 2 * j), "--no-quiet"]))
+    codes, hung, output = _resize_job(runs, workdir)
+    went_on = {k: 0 for k in range(len(RESIZED))}
+    for k, index, epoch in where:
+        run = workdir / f"resized-{k}"
+        went_on[k] += (
+            not hung
+            and codes[index] == 0
+            and f"{run}/checkpoints/epoch-{epoch:04d} at epoch {epoch + 1}" in output
+            and f"every worker starts epoch {epoch + 1} from its first batch" in output
+        )
+    rows = []
+    for k, (kind, ranks, _, sizes) in enumerate(RESIZED):
+        history = json.loads((workdir / f"resized-{k}" / "summary.json").read_text())["history"] if not hung else []
+        last = f"{history[-1]['val_acc']:.3f}" if history else "-"
+        path = " -> ".join(str(n) for n in [ranks, *sizes])
+        rows.append([f"{kind}: {path} ranks", str(len(sizes)), str(went_on[k]), last])
+    return rows, sum(len(r[3]) for r in RESIZED), sum(went_on.values()), hung
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=3, help="runs per case (default 3)")
     p.add_argument("--sync-runs", type=int, default=50, help="synchronous runs in a row (default 50)")
-    p.add_argument("--quick", action="store_true", help="one run of five cases, 10 synchronous runs")
+    p.add_argument("--last-runs", type=int, default=10, help="asynchronous runs of each kind (default 10)")
+    p.add_argument("--quick", action="store_true", help="one run of six cases, 10 synchronous runs, 4 of each kind")
     args = p.parse_args()
     cases = [CASES[i] for i in QUICK] if args.quick else CASES
     runs = 1 if args.quick else args.runs
     sync_runs = 10 if args.quick else args.sync_runs
+    last_runs = 4 if args.quick else args.last_runs
     header("faults: kill, stop and signal cases under python -m nbdist launch")
     rows, hangs, async_deaths, async_completed, lost_beyond = [], 0, 0, 0, 0
+    restarted, resumed = 0, 0
     for case in cases:
         outcomes = []
         for i in range(runs):
@@ -384,6 +551,10 @@ def main() -> None:
             async_deaths += len(outcomes)
             async_completed += sum(o.completed for o in outcomes)
         lost_beyond += sum(o.epochs_redone > 1 for o in outcomes)  # --checkpoint-every 1 (the default)
+        restarted += sum(o.resumed is not None for o in outcomes) + sum(
+            case.resume and not o.completed for o in outcomes
+        )
+        resumed += sum(bool(o.resumed) for o in outcomes)
         rows.append(
             [
                 case.name,
@@ -393,6 +564,7 @@ def main() -> None:
                 str(sum(o.hung for o in outcomes)),
                 ", ".join(str(o.samples_lost) for o in outcomes),
                 ", ".join(str(o.epochs_redone) for o in outcomes) if "--max-restarts" in case.args else "-",
+                f"{sum(bool(o.resumed) for o in outcomes)} of {len(outcomes)}" if case.resume else "-",
             ]
         )
     with tempfile.TemporaryDirectory(prefix="nbdist-faults-") as tmp:
@@ -407,6 +579,7 @@ def main() -> None:
             str(total - completed if hung else 0),
             "-",
             "-",
+            "-",
         ]
     )
     table(
@@ -419,13 +592,32 @@ def main() -> None:
             "hung",
             "samples lost (per run)",
             "epochs redone",
+            "then resumed on the original size",
         ],
     )
-    met = hangs == 0 and lost_beyond == 0 and async_completed == async_deaths
+    with tempfile.TemporaryDirectory(prefix="nbdist-faults-") as tmp:
+        last_rows, last_total, last_good, last_hung = last_epochs(last_runs, Path(tmp))
+    print()
+    table(last_rows, ["asynchronous run", "runs", "last checkpoint = last epoch", "resumed exactly there"])
+    with tempfile.TemporaryDirectory(prefix="nbdist-faults-") as tmp:
+        size_rows, size_total, size_good, size_hung = resized(Path(tmp))
+    print()
+    table(size_rows, ["resumed on other ranks", "resumes", "went on from their epoch", "val_acc at the end"])
+    hangs += int(last_hung) + int(size_hung)
+    met = (
+        hangs == 0
+        and lost_beyond == 0
+        and async_completed == async_deaths
+        and resumed == restarted
+        and last_good == last_total
+        and size_good == size_total
+    )
     print(
         f"\naim: 0 hangs ({hangs}), nothing lost beyond the checkpoint interval (runs that redid more than one "
-        f"epoch: {lost_beyond}), every asynchronous worker death completed ({async_completed} of {async_deaths}): "
-        f"{'met' if met else 'not met'}"
+        f"epoch: {lost_beyond}), every asynchronous worker death completed ({async_completed} of {async_deaths}), "
+        f"every run restarted on fewer ranks resumed on its original size ({resumed} of {restarted}), every "
+        f"asynchronous run ended at its last epoch and resumed there ({last_good} of {last_total}), every resume "
+        f"on other ranks went on from its epoch ({size_good} of {size_total}): {'met' if met else 'not met'}"
     )
 
 

@@ -186,7 +186,9 @@ def change_note(old: Layout, new: Layout, plans: list[Share], epoch: int | None,
     borrowed = [r for r, p in enumerate(plans) if p.partial]
     if borrowed:
         source = "replica 0's" if new.topology == "allreduce" else "their worker leader's"
-        parts.append(f"{ranks_text(borrowed)} start from {source} weights and optimiser state")
+        parts.append(
+            f"{ranks_text(borrowed)} {'starts' if len(borrowed) == 1 else 'start'} from {source} weights and optimiser state"
+        )
     new_masters = [new.role(r).master for r, p in enumerate(plans) if p.rank is None and new.role(r).kind == "master"]
     if new_masters:
         verb = "starts" if len(new_masters) == 1 else "start"
