@@ -201,6 +201,23 @@ class Layout:
                     continue
         raise first
 
+    @classmethod
+    def within(cls, size: int, **options: Any) -> Layout:
+        """The `fitting` layout of the most ranks, at most `size`: a pipeline of 2 stages
+        per worker that lost a rank (1 master + 2 workers x 2 stages, 4 ranks left) goes on
+        as 1 master + 1 worker of 2 on 3 of them. Raises `fitting`'s error for `size`
+        when no size fits."""
+        try:
+            return cls.fitting(size, **options)
+        except LayoutError as exc:
+            first = exc
+        for fewer in range(size - 1, 0, -1):
+            try:
+                return cls.fitting(fewer, **options)
+            except LayoutError:
+                continue
+        raise first
+
     @staticmethod
     def _infer_workers(size: int, layout: Layout) -> int | None:
         fixed, step = layout._fixed_and_step()

@@ -156,3 +156,12 @@ def test_an_allreduce_checkpoint_needs_replica_0(tmp_path):
         check_resumable(tmp_path / "checkpoints" / "epoch-0001")
         == "it holds no state for replica 0, process 0 (rank 0)"
     )
+
+
+def test_a_restart_uses_as_many_ranks_as_whole_workers_fit():
+    assert Layout.within(5, masters=2).describe() == "5 ranks: 1 master + 4 workers"
+    assert Layout.within(4, procs_per_worker=2).describe() == "3 ranks: 1 master + 1 worker of 2 processes"
+    pipelines = Layout.within(3, topology="allreduce", procs_per_worker=2)
+    assert pipelines.describe() == "2 ranks: 1 worker of 2 processes"
+    with pytest.raises(LayoutError, match="^1 rank cannot be laid out as W workers of 2 processes"):
+        Layout.within(1, topology="allreduce", procs_per_worker=2)

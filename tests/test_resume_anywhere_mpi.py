@@ -343,3 +343,35 @@ def test_an_allreduce_run_restarted_on_fewer_ranks_resumes_on_its_original_size(
     assert history[20]["train_loss"] < 0.3 * history[0]["train_loss"], history
     assert history[-1]["val_acc"] > 0.9
     assert not job.processes()
+
+
+@pytest.mark.timeout(600)
+def test_pipeline_replicas_restart_on_the_ranks_whole_replicas_fit_then_resume_on_four(tmp_path):
+    """2 replicas x 2 stages lose a stage: the 3 ranks left hold one whole replica, which
+    goes on (the third rank leaves the job); the run then resumes on 4 ranks."""
+    run = tmp_path / "run"
+    job = Launched(
+        tmp_path,
+        4,
+        *("--model", PIPELINE, *PIPE, "--topology", "allreduce", "--epochs", "12", "--batch-size", "16"),
+        *("--max-restarts", "1", "--peer-timeout", "5", "--runs-dir", str(tmp_path), "--run-name", "run"),
+    )
+    job.wait_for(lambda: _epochs_logged(run) >= 3, "third epoch")
+    job.rank(3).kill()
+    assert job.finish() == 0, job.output
+    out = job.output
+    assert "restarting on 2 of the 3 ranks left (restart 1 of 1); with 2 processes per worker the layout fits" in out
+    assert "on 2 ranks (1 worker of 2 processes): every worker starts epoch " in out, out
+    assert "Traceback" not in out, out
+    restarts = [r["values"] for r in read_log(run, "restart") if r["rank"] == 0]
+    assert [r["layout"] for r in restarts] == ["2 ranks: 1 worker of 2 processes"], restarts
+    assert json.loads((run / "summary.json").read_text())["stop_reason"] == "completed 12 epochs"
+    again = _resume(run, 4, 14)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "resuming a checkpoint of 2 ranks (1 worker of 2 processes) on 4 ranks (2 workers of 2 processes): " in (
+        again.stdout
+    )
+    history = json.loads((run / "summary.json").read_text())["history"]
+    assert [h["epoch"] for h in history] == list(range(1, 15))
+    assert history[12]["train_loss"] < 0.3 * history[0]["train_loss"], history
+    assert not job.processes()
