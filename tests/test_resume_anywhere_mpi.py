@@ -286,62 +286,72 @@ def _resume(run: Path, ranks: int, epochs: int) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.timeout(600)
-def test_a_sub_masters_death_restarts_on_a_layout_that_fits_then_resumes_on_six(tmp_path):
+def _restarted(tmp_path: Path, ranks: int, kill: int, *args: str) -> tuple[Path, Launched]:
+    """A `launch -n ranks` run with --max-restarts 1 whose rank `kill` is killed once it has
+    logged 3 epochs and committed a checkpoint; the run must then complete."""
     run = tmp_path / "run"
     job = Launched(
         tmp_path,
-        6,
-        *("--model", MLP, "--masters", "2", "--algorithm", "gem", "--epochs", "30", "--batch-size", "16"),
+        ranks,
+        *args,
         *("--max-restarts", "1", "--peer-timeout", "5", "--runs-dir", str(tmp_path), "--run-name", "run"),
     )
     job.wait_for(lambda: _epochs_logged(run) >= 3 and (run / "checkpoints" / "LATEST.json").exists(), "a checkpoint")
-    job.rank(3).kill()
+    job.rank(kill).kill()
     assert job.finish() == 0, job.output
+    assert "Traceback" not in job.output and "cannot be laid out" not in job.output, job.output
+    return run, job
+
+
+def _restart_layouts(run: Path) -> list[str]:
+    return [r["values"]["layout"] for r in read_log(run, "restart") if r["rank"] == 0]
+
+
+def _epochs_went_on(run: Path, epochs: int, resumed_at: int) -> list[dict]:
+    """The history of `run` after its resume at epoch `resumed_at` (counted from 1): every
+    epoch once, and the resumed one far from the fresh start."""
+    history = json.loads((run / "summary.json").read_text())["history"]
+    assert [h["epoch"] for h in history] == list(range(1, epochs + 1))
+    assert history[resumed_at - 1]["train_loss"] < 0.3 * history[0]["train_loss"], history
+    return history
+
+
+@pytest.mark.timeout(600)
+def test_a_sub_masters_death_restarts_on_a_layout_that_fits_then_resumes_on_six(tmp_path):
+    run, job = _restarted(
+        tmp_path, 6, 3, "--model", MLP, "--masters", "2", "--algorithm", "gem", "--epochs", "40", "--batch-size", "16"
+    )
     out = job.output
     assert "rank 3 (" in out and "restarting on the 5 ranks left (restart 1 of 1)" in out, out
-    assert "cannot be laid out" not in out and "Traceback" not in out, out
     assert "nbdist: note: restarting from a checkpoint of 6 ranks (2 masters x (1 + 2 workers)) on 5 ranks " in out
-    restarts = [r["values"] for r in read_log(run, "restart") if r["rank"] == 0]
-    assert [r["layout"] for r in restarts] == ["5 ranks: 1 master + 4 workers"], restarts
+    assert _restart_layouts(run) == ["5 ranks: 1 master + 4 workers"]
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["stop_reason"] == "completed 30 epochs" and summary["restarts"] == 1
+    assert summary["stop_reason"] == "completed 40 epochs" and summary["restarts"] == 1
 
-    again = _resume(run, 6, 33)  # the job resubmitted at its original size
+    again = _resume(run, 6, 43)  # the job resubmitted at its original size
     assert again.returncode == 0, again.stdout + again.stderr
     assert (
         "nbdist: note: resuming a checkpoint of 5 ranks (1 master + 4 workers) on 6 ranks "
         "(2 masters x (1 + 2 workers)): sub-master 1 starts from the top master's centre" in again.stdout
     ), again.stdout
-    assert f"resumed from {run}/checkpoints/epoch-0030 at epoch 31," in again.stdout, again.stdout
-    history = json.loads((run / "summary.json").read_text())["history"]
-    assert [h["epoch"] for h in history] == list(range(1, 34))
-    assert history[30]["train_loss"] < 0.3 * history[0]["train_loss"] and history[-1]["val_acc"] > 0.9, history[-4:]
+    assert f"resumed from {run}/checkpoints/epoch-0040 at epoch 41," in again.stdout, again.stdout
+    assert _epochs_went_on(run, 43, 41)[-1]["val_acc"] > 0.9
     assert not job.processes()
 
 
 @pytest.mark.timeout(600)
 def test_an_allreduce_run_restarted_on_fewer_ranks_resumes_on_its_original_size(tmp_path):
-    run = tmp_path / "run"
-    job = Launched(
-        tmp_path,
-        4,
-        *("--model", MLP, "--topology", "allreduce", "--epochs", "20", "--batch-size", "8"),
-        *("--max-restarts", "1", "--peer-timeout", "5", "--runs-dir", str(tmp_path), "--run-name", "run"),
+    run, job = _restarted(
+        tmp_path, 4, 2, "--model", MLP, "--topology", "allreduce", "--epochs", "20", "--batch-size", "8"
     )
-    job.wait_for(lambda: _epochs_logged(run) >= 3, "third epoch")
-    job.rank(2).kill()
-    assert job.finish() == 0, job.output
     assert "restarting on the 3 ranks left (restart 1 of 1)" in job.output, job.output
+    assert _restart_layouts(run) == ["3 ranks: 3 workers"]
     again = _resume(run, 4, 23)
     assert again.returncode == 0, again.stdout + again.stderr
     assert "resuming a checkpoint of 3 ranks (3 workers) on 4 ranks (4 workers): rank 3 starts from replica 0's" in (
         again.stdout
     ), again.stdout
-    history = json.loads((run / "summary.json").read_text())["history"]
-    assert [h["epoch"] for h in history] == list(range(1, 24))
-    assert history[20]["train_loss"] < 0.3 * history[0]["train_loss"], history
-    assert history[-1]["val_acc"] > 0.9
+    assert _epochs_went_on(run, 23, 21)[-1]["val_acc"] > 0.9
     assert not job.processes()
 
 
@@ -349,29 +359,18 @@ def test_an_allreduce_run_restarted_on_fewer_ranks_resumes_on_its_original_size(
 def test_pipeline_replicas_restart_on_the_ranks_whole_replicas_fit_then_resume_on_four(tmp_path):
     """2 replicas x 2 stages lose a stage: the 3 ranks left hold one whole replica, which
     goes on (the third rank leaves the job); the run then resumes on 4 ranks."""
-    run = tmp_path / "run"
-    job = Launched(
-        tmp_path,
-        4,
-        *("--model", PIPELINE, *PIPE, "--topology", "allreduce", "--epochs", "12", "--batch-size", "16"),
-        *("--max-restarts", "1", "--peer-timeout", "5", "--runs-dir", str(tmp_path), "--run-name", "run"),
+    run, job = _restarted(
+        tmp_path, 4, 3, "--model", PIPELINE, *PIPE, "--topology", "allreduce", "--epochs", "12", "--batch-size", "16"
     )
-    job.wait_for(lambda: _epochs_logged(run) >= 3, "third epoch")
-    job.rank(3).kill()
-    assert job.finish() == 0, job.output
     out = job.output
     assert "restarting on 2 of the 3 ranks left (restart 1 of 1); with 2 processes per worker the layout fits" in out
     assert "on 2 ranks (1 worker of 2 processes): every worker starts epoch " in out, out
-    assert "Traceback" not in out, out
-    restarts = [r["values"] for r in read_log(run, "restart") if r["rank"] == 0]
-    assert [r["layout"] for r in restarts] == ["2 ranks: 1 worker of 2 processes"], restarts
+    assert _restart_layouts(run) == ["2 ranks: 1 worker of 2 processes"]
     assert json.loads((run / "summary.json").read_text())["stop_reason"] == "completed 12 epochs"
     again = _resume(run, 4, 14)
     assert again.returncode == 0, again.stdout + again.stderr
     assert "resuming a checkpoint of 2 ranks (1 worker of 2 processes) on 4 ranks (2 workers of 2 processes): " in (
         again.stdout
     )
-    history = json.loads((run / "summary.json").read_text())["history"]
-    assert [h["epoch"] for h in history] == list(range(1, 15))
-    assert history[12]["train_loss"] < 0.3 * history[0]["train_loss"], history
+    _epochs_went_on(run, 14, 13)
     assert not job.processes()
