@@ -87,6 +87,10 @@ def test_a_restart_keeps_each_surviving_process_its_own_share():
     note = change_note(_mw(4), _mw(3), plans, 2, restart=True)
     assert note.startswith("restarting from a checkpoint of 4 ranks (1 master + 3 workers) on 3 ranks")
     assert "the checkpoint's workers on rank 1 are not resumed" in note
+    # A worker died under 2 masters: the sub-master (world rank 3) becomes a worker; the
+    # share at its place is rank 2's, which rank 2 keeps: it starts from the centre.
+    plans = plan_shares(_mw(6, 2), _mw(5), ([0, 1, 2, 3, 4, 5], [0, 2, 3, 4, 5]))
+    assert plans == [Share(0), Share(2), Share(None), Share(4), Share(5)]
     # The master died: a worker becomes the master, which loads the master's share.
     assert plan_shares(_mw(3), _mw(2), ([0, 1, 2], [1, 2]))[0] == Share(0)
 

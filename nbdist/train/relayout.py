@@ -105,13 +105,14 @@ def plan_shares(
             f"resume with --procs-per-worker {old.procs_per_worker}"
         )
     by_key = {_key(old, r): r for r in range(old.n_ranks)}
+    owns = [_own_by_process(old, new, rank, restart_world, pipeline) for rank in range(new.n_ranks)]
+    claimed = {r for r in owns if r is not None}  # a survivor's own share is not given to another rank too
     plans = []
-    for rank in range(new.n_ranks):
+    for rank, own in enumerate(owns):
         key = _key(new, rank)
-        own = _own_by_process(old, new, rank, restart_world, pipeline)
         if own is not None:
             plans.append(Share(own))
-        elif key in by_key:
+        elif key in by_key and by_key[key] not in claimed:
             plans.append(Share(by_key[key]))
         elif key[0] == "worker" and key[2] and not pipeline and ("worker", key[1], 0) in by_key:
             plans.append(Share(by_key[("worker", key[1], 0)], partial=True))  # a process its leader's
@@ -175,7 +176,7 @@ def check_resumable(path: Path) -> str | None:
 
 
 def change_note(old: Layout, new: Layout, plans: list[Share], epoch: int | None, restart: bool) -> str:
-    """One line on what resuming `old`'s checkpoint on `new` changed ('' when nothing):
+    """One line on what resuming `old`'s checkpoint on `new` changed:
     which ranks start from a centre or a replica's weights, whose state is dropped, and
     where the data starts."""
     what = "restarting from" if restart else "resuming"
@@ -186,9 +187,8 @@ def change_note(old: Layout, new: Layout, plans: list[Share], epoch: int | None,
     borrowed = [r for r, p in enumerate(plans) if p.partial]
     if borrowed:
         source = "replica 0's" if new.topology == "allreduce" else "their worker leader's"
-        parts.append(
-            f"{ranks_text(borrowed)} {'starts' if len(borrowed) == 1 else 'start'} from {source} weights and optimiser state"
-        )
+        verb = "starts" if len(borrowed) == 1 else "start"
+        parts.append(f"{ranks_text(borrowed)} {verb} from {source} weights and optimiser state")
     new_masters = [new.role(r).master for r, p in enumerate(plans) if p.rank is None and new.role(r).kind == "master"]
     if new_masters:
         verb = "starts" if len(new_masters) == 1 else "start"
