@@ -77,25 +77,25 @@ class Worker:
             synchronise_batchnorm(ctx, self.wcomm)  # --sync-batchnorm: over the worker's processes
         n, s = backend.num_params, len(backend.state)
         self.opt = backend.make_optimizer(ctx.worker_optimizer) if ctx.worker_optimizer else None
-        self.rule_state = ctx.algorithm.new_worker_state(n, ctx.sync_every, like=self.rule_params)
+        self.rule_state = ctx.rule.new_worker_state(n, ctx.sync_every, like=self.rule_params)
         # One shard per worker of the whole run, sub-masters' workers included: an epoch is
         # one pass over the data however the workers are grouped.
         self.workers, masters = ctx.layout.workers, max(ctx.layout.masters, 1)
         self.plan = ctx.data.plan(masters * self.workers, ctx.options.batch_size, ctx.options.seed)
-        self.first_shard = role.master * self.workers
+        self.first_shard = role.master_index * self.workers
         taker = self.opt if self.opt is not None else rule_lr(ctx.algorithm)  # GEM steps with its own lr
         self.lr = WorkerLr(ctx.worker_lr, taker, self.plan.batches_per_epoch)
         self.members: tuple[int, ...] = tuple(range(self.workers))
         self.version = 0
         # --compression: the leader encodes its message (one point: _exchange); a worker of
         # several processes also reduces its gradient through the codec (_reduce_gradient).
-        compressed = ctx.compression is not None and self.replicas
-        codec = make_codec(ctx.compression, n, backend.param_blocks()) if compressed else None
+        compression = ctx.compression if self.replicas else None
+        codec = make_codec(compression, n, backend.param_blocks()) if compression is not None else None
         self.compressor = Compressor(codec) if codec is not None and self.leader else None
         self.carried_before: dict[str, np.ndarray] = {}  # the compressor's state before the last message
         self.reduction = (
-            compressed_reduction(self.wcomm, ctx.compression, n, [(0, n)], backend.param_blocks())
-            if compressed and reduces
+            compressed_reduction(self.wcomm, compression, n, [(0, n)], backend.param_blocks())
+            if compression is not None and reduces
             else None
         )
         self.out = m.Message(n, s, codec.wire_size if codec is not None else 0)
@@ -116,7 +116,7 @@ class Worker:
         self.overflows = 0  # fp16 gradients left out (_overflowed)
         self.master_rank = next(
             r
-            for r in ctx.layout.fold_ranks(role.group, role.fold)
+            for r in ctx.layout.fold_ranks(*role.run)
             if ctx.layout.role(r).kind == "master" and ctx.layout.role(r).master == role.master
         )
         self.channel = WorkerChannel(
@@ -167,12 +167,12 @@ class Worker:
         ctx = self.ctx
         if ctx.resume_from is None:
             self._first_weights()
-            ctx.algorithm.worker_start(self.rule_state, self.rule_params)
+            ctx.rule.worker_start(self.rule_state, self.rule_params)
             return 0, 0
-        if ctx.resume_rank is None or not Checkpoints.has_rank(ctx.resume_from, ctx.resume_rank):
+        if ctx.resume_rank is None or not Checkpoints.has_rank(ctx.resume_dir, ctx.resume_rank):
             return self._start_without_state()
         carried = self._carried()
-        extra = load_rank_state(ctx, ctx.resume_from, self.opt, self.rule_state, own=carried)
+        extra = load_rank_state(ctx, ctx.resume_dir, self.opt, self.rule_state, own=carried)
         self._load_carried(carried)
         self.version = int(extra["version"])
         if ctx.relayout:
@@ -187,9 +187,11 @@ class Worker:
         """On another layout: the top master's next epoch, at this worker's master's version
         (staleness starts at 0)."""
         ctx = self.ctx
-        old = ctx.resumed_layout
-        self.version = int(Checkpoints.read_scalars(ctx.resume_from, centre_share(old, ctx.role.master))["version"])
-        return int(Checkpoints.read_scalars(ctx.resume_from, centre_share(old, 0))["next_epoch"]), 0
+        old = ctx.old_layout
+        self.version = int(
+            Checkpoints.read_scalars(ctx.resume_dir, centre_share(old, ctx.role.master_index))["version"]
+        )
+        return int(Checkpoints.read_scalars(ctx.resume_dir, centre_share(old, 0))["next_epoch"]), 0
 
     def _first_weights(self) -> None:
         """Every process: the master's weights (the leader receives them, shares them)."""
@@ -212,9 +214,9 @@ class Worker:
         workers (then it starts again from its master's centre, at the first epoch whose
         data it owns)."""
         ctx = self.ctx
-        meta = Checkpoints.read_meta(ctx.resume_from)
+        meta = Checkpoints.read_meta(ctx.resume_dir)
         old = ctx.resumed_layout or Layout.from_dict(meta["layout"])
-        arrays, master = Checkpoints.read_rank(ctx.resume_from, centre_share(old, ctx.role.master))
+        arrays, master = Checkpoints.read_rank(ctx.resume_dir, centre_share(old, ctx.role.master_index))
         params, state = self._centre_parts(arrays["model"])
         if not ctx.relayout and ctx.comms.world.Get_rank() in meta.get("finished", []):
             # It had trained every epoch of the run as it was then; a resume that extends
@@ -223,13 +225,13 @@ class Worker:
             if done >= ctx.options.epochs:
                 return ctx.options.epochs, 0
             copy_into(self.params.device, params)
-            ctx.algorithm.worker_start(self.rule_state, self.rule_params)
+            ctx.rule.worker_start(self.rule_state, self.rule_params)
             return done, 0
         copy_into(self.params.device, params)
         if state is not None:
             copy_into(self.model_state.device, state)
         self.version = int(master["version"])
-        ctx.algorithm.worker_start(self.rule_state, self.rule_params)
+        ctx.rule.worker_start(self.rule_state, self.rule_params)
         if ctx.relayout:
             return self._relaid_start()
         fixed = {int(e): tuple(w) for e, w in master.get("members", {}).items()}
@@ -240,7 +242,7 @@ class Worker:
         return start, 0
 
     def _batches(self, epoch: int) -> list[np.ndarray]:
-        me = self.ctx.role.worker
+        me = self.ctx.role.worker_index
         if len(self.members) == self.workers:
             return self.plan.epoch(epoch, self.first_shard + me)
         shards = self.plan.every_shard(epoch)[self.first_shard : self.first_shard + self.workers]
@@ -262,7 +264,7 @@ class Worker:
         if self._overflowed():
             sync_now = last  # this batch's gradient is left out, as GradScaler skips its step
         else:
-            sync_now = ctx.algorithm.worker_step(self.rule_state, self.rule_params, self.rule_grads, self.opt) or last
+            sync_now = ctx.rule.worker_step(self.rule_state, self.rule_params, self.rule_grads, self.opt) or last
         phases["compute"] += time.perf_counter() - t0
         ctx.peers.pace.heard()
         if sync_now:
@@ -283,7 +285,7 @@ class Worker:
 
     def _share(self, indices: np.ndarray) -> np.ndarray:
         """The samples of a batch this process computes the gradient of."""
-        return split_evenly(indices, self.procs, self.ctx.role.proc) if self.procs > 1 else indices
+        return split_evenly(indices, self.procs, self.ctx.role.proc_index) if self.procs > 1 else indices
 
     def _gradients(self, x, y, scale: float) -> BatchStats:
         """The worker's gradient of this batch (this process's share of it, `scale`),
@@ -303,26 +305,29 @@ class Worker:
         """Sum the gradient over the worker's processes, through the codec if any."""
         what = "the worker's gradient allreduce"
         collectives = self.ctx.peers.collectives
+        grads = self.grads
+        if grads is None:
+            raise RuntimeError("a worker of one process has no gradient to reduce")
         if self.reduction is None:
-            collectives.allreduce(self.wcomm, self.grads, what)
+            collectives.allreduce(self.wcomm, grads, what)
             self.report.bytes_sent += 4 * self.ctx.backend.num_params
             return
         before = self.reduction.bytes_sent
-        host = self.grads.to_host()
+        host = grads.to_host()
 
         def wait(requests: list) -> None:
             collectives.wait_all(self.wcomm, requests, what)
 
         wait(self.reduction.start(0, host))
         self.reduction.finish(lambda: host, wait)
-        self.grads.to_device()
+        grads.to_device()
         self.report.bytes_sent += self.reduction.bytes_sent - before
 
     # -- talking to the master ----------------------------------------------------------
     def _exchange(self, epoch: int, step: int, flags: int) -> None:
         """Send this window's update, wait for the reply, act on it."""
         ctx = self.ctx
-        ctx.algorithm.worker_message(self.rule_state, self.rule_params, self.message.device)
+        ctx.rule.worker_message(self.rule_state, self.rule_params, self.message.device)
         self.message.to_host()
         self._collect_message()
         if self.compressor is not None:
@@ -352,7 +357,7 @@ class Worker:
             raise _Leave()
         self.reply.to_device()
         # A synchronous master replies its round's one array (Algorithm.master_round).
-        apply = ctx.algorithm.worker_round_reply if ctx.options.synchronous else ctx.algorithm.worker_reply
+        apply = ctx.rule.worker_round_reply if ctx.options.synchronous else ctx.rule.worker_reply
         apply(self.rule_state, self.rule_params, self.reply.device)
         self.version = int(self.reply_header[m.VERSION])
         if flags & m.EPOCH_END:
@@ -454,7 +459,7 @@ class Worker:
 
     def _twin(self) -> int | None:
         """The rank whose checkpoint share holds this rank's weights bit for bit: the leader."""
-        return self.ctx.role.rank - self.ctx.role.proc
+        return self.ctx.role.rank - self.ctx.role.proc_index
 
     def _save(self, label: str, epoch: int, step: int, before_message: bool = False) -> None:
         """`before_message`: the state from before the message just sent (which the

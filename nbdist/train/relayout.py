@@ -79,7 +79,7 @@ def _key(layout: Layout, rank: int) -> tuple[Any, ...]:
     role = layout.role(rank)
     if role.kind == "master":
         return ("master", role.master)
-    return ("worker", (role.master or 0) * layout.workers + role.worker, role.proc)
+    return ("worker", (role.master or 0) * layout.workers + role.worker_index, role.proc)
 
 
 def _pipeline(options: Any) -> bool:
