@@ -11,8 +11,8 @@ The table says, per case: runs, how many completed their epochs, how many ended 
 clear error (one `nbdist: error:` line, no traceback) within 10 s of the fault, how many
 hung, the samples lost (not trained in their epoch, asynchronous drops), the epochs
 trained again after a restart (at most the checkpoint interval) and, for a run restarted
-on the ranks left, whether `--resume` on the job's original size then went on from its
-last epoch.
+on the ranks left or one that went on without a worker under a sub-master, whether
+`--resume` on the job's original size then went on from its last epoch.
 
 Resume anywhere, in one job of 6 ranks (tests/mpi_scripts/resize_runs.py runs each run on
 the first N ranks of it): asynchronous runs of each rule, whose last checkpoint must be
@@ -20,7 +20,13 @@ their last epoch and which must resume exactly there; and runs resumed on more a
 ranks (master/worker, sub-masters, allreduce, pipelines), whose epochs must go on. Then
 the aim line.
 
-Usage: python bench/faults.py [--runs 3] [--quick] [--sync-runs 50] [--last-runs 10]
+Usage: python bench/faults.py [--runs 3] [--quick] [--sync-runs 50] [--last-runs 20]
+       [--only faults|restarts|last-epochs|resized] [--kinds easgd,masters,...]
+
+`--only` runs one part (restarts: the cases that lose a rank and go on, restarted by
+--max-restarts or without the dropped worker, each then resumed on its original size); the
+aim line then counts that part only. `--kinds` picks the
+asynchronous runs of the last-epochs part (each kind is one job of its own).
 """
 
 from __future__ import annotations
@@ -96,6 +102,7 @@ CASES = [
         ],
         "kill",
         rank=4,
+        resume=True,
     ),
     Case(
         "allreduce rank, kill -9, --max-restarts 1",
@@ -396,16 +403,16 @@ def synchronous_in_a_row(runs: int, workdir: Path) -> tuple[int, int, bool, floa
     return sum(c == "0" for c in codes), runs, False, time.monotonic() - started
 
 
-# Asynchronous runs of each rule: (name, ranks, options); each trains LAST_EPOCHS epochs,
-# then resumes for one more.
+# Asynchronous runs of each rule: kind -> (name, ranks, options); each trains LAST_EPOCHS
+# epochs, then resumes for one more.
 LAST_EPOCHS = 5
-ASYNCHRONOUS = [
-    ("EASGD, 1 master + 4 workers", 5, ["--algorithm", "easgd"]),
-    ("Downpour, 1 master + 3 workers", 4, ["--algorithm", "downpour"]),
-    ("ADAG, 1 master + 3 workers", 4, ["--algorithm", "adag"]),
-    ("GEM, 1 master + 3 workers", 4, ["--algorithm", "gem"]),
-    ("Downpour, 2 masters x (1 + 2 workers)", 6, ["--masters", "2"]),
-]
+ASYNCHRONOUS = {
+    "easgd": ("EASGD, 1 master + 4 workers", 5, ["--algorithm", "easgd"]),
+    "downpour": ("Downpour, 1 master + 3 workers", 4, ["--algorithm", "downpour"]),
+    "adag": ("ADAG, 1 master + 3 workers", 4, ["--algorithm", "adag"]),
+    "gem": ("GEM, 1 master + 3 workers", 4, ["--algorithm", "gem"]),
+    "masters": ("Downpour, 2 masters x (1 + 2 workers)", 6, ["--masters", "2"]),
+}
 # Runs resumed on other sizes: (name, ranks, options, the sizes of its resumes, 2 epochs each).
 PIPE = ["--worker-parallel", "pipeline", "--procs-per-worker", "2"]
 RESIZED = [
@@ -442,31 +449,33 @@ def _epoch_records(run: Path) -> list[int]:
     return [json.loads(line)["epoch"] for line in path.open() if '"kind":"epoch"' in line] if path.exists() else []
 
 
-def last_epochs(repeats: int, workdir: Path) -> tuple[list[list[str]], int, int, bool]:
-    """Each asynchronous kind `repeats` times: LAST_EPOCHS epochs, then a resume for one more.
-    (rows, runs, runs that ended at and resumed exactly from their last epoch, hung)."""
-    runs, names = [], []
-    for k, (_, ranks, argv) in enumerate(ASYNCHRONOUS):
-        for i in range(repeats):
-            name = f"last-{k}-{i}"
-            names.append((k, name))
+def last_epochs(repeats: int, kinds: list[str], workdir: Path) -> tuple[list[list[str]], int, int, bool]:
+    """Each asynchronous kind `repeats` times, one job per kind: LAST_EPOCHS epochs, then a
+    resume for one more. (rows, runs, runs that ended at and resumed exactly from their
+    last epoch, hung)."""
+    rows, good, any_hung = [], 0, False
+    for kind in kinds:
+        label, ranks, argv = ASYNCHRONOUS[kind]
+        runs, names = [], [f"last-{kind}-{i}" for i in range(repeats)]
+        for name in names:
             runs.append((ranks, ["--model", MLP, *argv, "--epochs", str(LAST_EPOCHS), "--run-name", name, "--quiet"]))
             runs.append((ranks, ["--resume", str(workdir / name), "--epochs", str(LAST_EPOCHS + 1), "--no-quiet"]))
-    codes, hung, output = _resize_job(runs, workdir)
-    ended = {k: 0 for k in range(len(ASYNCHRONOUS))}
-    exact = {k: 0 for k in range(len(ASYNCHRONOUS))}
-    for j, (k, name) in enumerate(names):
-        run = workdir / name
-        if hung or codes[2 * j] != 0:
-            continue
-        ended[k] += f"{run}/checkpoints/epoch-{LAST_EPOCHS:04d} at epoch {LAST_EPOCHS + 1}," in output
-        exact[k] += codes[2 * j + 1] == 0 and _epoch_records(run) == list(range(1, LAST_EPOCHS + 2))
-    rows = [
-        [f"{kind}, {LAST_EPOCHS} epochs, then 1 more", str(repeats), str(ended[k]), str(exact[k])]
-        for k, (kind, _, _) in enumerate(ASYNCHRONOUS)
-    ]
-    good = sum(min(ended[k], exact[k]) for k in ended)
-    return rows, repeats * len(ASYNCHRONOUS), good, hung
+        started = time.monotonic()
+        codes, hung, output = _resize_job(runs, workdir)
+        ended = exact = 0
+        for j, name in enumerate(names):
+            run = workdir / name
+            if hung or codes[2 * j] != 0:
+                continue
+            at_last = f"{run}/checkpoints/epoch-{LAST_EPOCHS:04d} at epoch {LAST_EPOCHS + 1}," in output
+            went_on = codes[2 * j + 1] == 0 and _epoch_records(run) == list(range(1, LAST_EPOCHS + 2))
+            ended, exact, good = ended + at_last, exact + went_on, good + (at_last and went_on)
+        seconds = time.monotonic() - started
+        rows.append(
+            [f"{label}, {LAST_EPOCHS} epochs, then 1 more ({seconds:.0f} s)", str(repeats), str(ended), str(exact)]
+        )
+        any_hung = any_hung or hung
+    return rows, repeats * len(kinds), good, any_hung
 
 
 def resized(workdir: Path) -> tuple[list[list[str]], int, int, bool]:
@@ -498,50 +507,130 @@ def resized(workdir: Path) -> tuple[list[list[str]], int, int, bool]:
     return rows, sum(len(r[3]) for r in RESIZED), sum(went_on.values()), hung
 
 
+PARTS = ("faults", "restarts", "last-epochs", "resized")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=3, help="runs per case (default 3)")
     p.add_argument("--sync-runs", type=int, default=50, help="synchronous runs in a row (default 50)")
-    p.add_argument("--last-runs", type=int, default=10, help="asynchronous runs of each kind (default 10)")
+    p.add_argument("--last-runs", type=int, default=20, help="asynchronous runs of each kind (default 20)")
     p.add_argument("--quick", action="store_true", help="one run of seven cases, 10 synchronous runs, 4 of each kind")
+    p.add_argument("--only", choices=PARTS, help="one part: " + ", ".join(PARTS) + " (default: all)")
+    p.add_argument("--kinds", default=",".join(ASYNCHRONOUS), help="asynchronous kinds for last-epochs")
     args = p.parse_args()
-    cases = [CASES[i] for i in QUICK] if args.quick else CASES
+    kinds = [k for k in args.kinds.split(",") if k]
+    unknown = [k for k in kinds if k not in ASYNCHRONOUS]
+    if unknown:
+        p.error(f"--kinds: no kind {', '.join(unknown)}; choose from {', '.join(ASYNCHRONOUS)}")
+    parts = [args.only] if args.only else list(PARTS)
+    if args.only == "restarts":
+        cases = [case for case in CASES if case.resume]
+    elif "faults" in parts:
+        cases = [CASES[i] for i in QUICK] if args.quick else CASES
+    else:
+        cases = []
     runs = 1 if args.quick else args.runs
-    sync_runs = 10 if args.quick else args.sync_runs
     last_runs = 4 if args.quick else args.last_runs
     header("faults: kill, stop and signal cases under python -m nbdist launch")
-    rows, hangs, async_deaths, async_completed, lost_beyond = [], 0, 0, 0, 0
-    restarted, resumed = 0, 0
+    aim = Aim()
+    if cases:
+        fault_cases(cases, runs, aim)
+    if "faults" in parts:
+        sync_row(10 if args.quick else args.sync_runs, aim)
+    if aim.rows:
+        table(
+            aim.rows,
+            [
+                "case",
+                "runs",
+                "completed",
+                f"clear error within {ERROR_WITHIN:.0f} s",
+                "hung",
+                "samples lost (per run)",
+                "epochs redone",
+                "then resumed on the original size",
+            ],
+        )
+    if "last-epochs" in parts:
+        with tempfile.TemporaryDirectory(prefix="nbdist-faults-") as tmp:
+            last_rows, aim.last_total, aim.last_good, last_hung = last_epochs(last_runs, kinds, Path(tmp))
+        print()
+        table(last_rows, ["asynchronous run", "runs", "last checkpoint = last epoch", "resumed exactly there"])
+        aim.hangs += int(last_hung)
+    if "resized" in parts:
+        with tempfile.TemporaryDirectory(prefix="nbdist-faults-") as tmp:
+            size_rows, aim.size_total, aim.size_good, size_hung = resized(Path(tmp))
+        print()
+        table(size_rows, ["resumed on other ranks", "resumes", "went on from their epoch", "val_acc at the end"])
+        aim.hangs += int(size_hung)
+    print(aim.line())
+
+
+@dataclass
+class Aim:
+    """The counts the aim line is made of (a part that did not run counts 0 of 0)."""
+
+    rows: list[list[str]] = field(default_factory=list)
+    hangs: int = 0
+    async_deaths: int = 0
+    async_completed: int = 0
+    lost_beyond: int = 0
+    restarted: int = 0
+    resumed: int = 0
+    last_total: int = 0
+    last_good: int = 0
+    size_total: int = 0
+    size_good: int = 0
+
+    def line(self) -> str:
+        met = (
+            self.hangs == 0
+            and self.lost_beyond == 0
+            and self.async_completed == self.async_deaths
+            and self.resumed == self.restarted
+            and self.last_good == self.last_total
+            and self.size_good == self.size_total
+        )
+        return (
+            f"\naim: 0 hangs ({self.hangs}), nothing lost beyond the checkpoint interval (runs that redid more "
+            f"than one epoch: {self.lost_beyond}), every asynchronous worker death completed "
+            f"({self.async_completed} of {self.async_deaths}), every run that lost a rank resumed on its original "
+            f"size ({self.resumed} of {self.restarted}), every asynchronous run ended at its last epoch "
+            f"and resumed there ({self.last_good} of {self.last_total}), every resume on other ranks went on from "
+            f"its epoch ({self.size_good} of {self.size_total}): {'met' if met else 'not met'}"
+        )
+
+
+def _ending(out: Outcome) -> str:
+    if out.hung:
+        return "hung"
+    return "completed" if out.completed else "clear error" if out.clear_error else "other"
+
+
+def fault_cases(cases: list[Case], runs: int, aim: Aim) -> None:
+    """Each case `runs` times: a row of the table each, and the aim's counts."""
     for case in cases:
         outcomes = []
         for i in range(runs):
             with tempfile.TemporaryDirectory(prefix="nbdist-faults-") as tmp:
                 outcomes.append(run_case(case, Path(tmp)))
+            last = outcomes[-1]
+            notes = "".join(f"\n    {n!r}" for n in last.notes)
             print(
-                f"  {case.name} #{i + 1}: "
-                + (
-                    "hung"
-                    if outcomes[-1].hung
-                    else "completed"
-                    if outcomes[-1].completed
-                    else "clear error"
-                    if outcomes[-1].clear_error
-                    else "other"
-                )
-                + f" ({outcomes[-1].seconds_to_end:.1f} s after the fault)"
-                + "".join(f"\n    {n!r}" for n in outcomes[-1].notes),
+                f"  {case.name} #{i + 1}: {_ending(last)} ({last.seconds_to_end:.1f} s after the fault){notes}",
                 flush=True,
             )
-        hangs += sum(o.hung for o in outcomes)
+        aim.hangs += sum(o.hung for o in outcomes)
         if case.fault in ("kill", "stop") and case.expect == "complete" and "--max-restarts" not in case.args:
-            async_deaths += len(outcomes)
-            async_completed += sum(o.completed for o in outcomes)
-        lost_beyond += sum(o.epochs_redone > 1 for o in outcomes)  # --checkpoint-every 1 (the default)
-        restarted += sum(o.resumed is not None for o in outcomes) + sum(
+            aim.async_deaths += len(outcomes)
+            aim.async_completed += sum(o.completed for o in outcomes)
+        aim.lost_beyond += sum(o.epochs_redone > 1 for o in outcomes)  # --checkpoint-every 1 (the default)
+        aim.restarted += sum(o.resumed is not None for o in outcomes) + sum(
             case.resume and not o.completed for o in outcomes
         )
-        resumed += sum(bool(o.resumed) for o in outcomes)
-        rows.append(
+        aim.resumed += sum(bool(o.resumed) for o in outcomes)
+        aim.rows.append(
             [
                 case.name,
                 str(len(outcomes)),
@@ -553,10 +642,13 @@ def main() -> None:
                 f"{sum(bool(o.resumed) for o in outcomes)} of {len(outcomes)}" if case.resume else "-",
             ]
         )
+
+
+def sync_row(sync_runs: int, aim: Aim) -> None:
     with tempfile.TemporaryDirectory(prefix="nbdist-faults-") as tmp:
         completed, total, hung, seconds = synchronous_in_a_row(sync_runs, Path(tmp))
-    hangs += int(hung)
-    rows.append(
+    aim.hangs += int(hung)
+    aim.rows.append(
         [
             f"synchronous EASGD runs in a row, one job of 3 ranks ({seconds:.0f} s)",
             str(total),
@@ -567,43 +659,6 @@ def main() -> None:
             "-",
             "-",
         ]
-    )
-    table(
-        rows,
-        [
-            "case",
-            "runs",
-            "completed",
-            f"clear error within {ERROR_WITHIN:.0f} s",
-            "hung",
-            "samples lost (per run)",
-            "epochs redone",
-            "then resumed on the original size",
-        ],
-    )
-    with tempfile.TemporaryDirectory(prefix="nbdist-faults-") as tmp:
-        last_rows, last_total, last_good, last_hung = last_epochs(last_runs, Path(tmp))
-    print()
-    table(last_rows, ["asynchronous run", "runs", "last checkpoint = last epoch", "resumed exactly there"])
-    with tempfile.TemporaryDirectory(prefix="nbdist-faults-") as tmp:
-        size_rows, size_total, size_good, size_hung = resized(Path(tmp))
-    print()
-    table(size_rows, ["resumed on other ranks", "resumes", "went on from their epoch", "val_acc at the end"])
-    hangs += int(last_hung) + int(size_hung)
-    met = (
-        hangs == 0
-        and lost_beyond == 0
-        and async_completed == async_deaths
-        and resumed == restarted
-        and last_good == last_total
-        and size_good == size_total
-    )
-    print(
-        f"\naim: 0 hangs ({hangs}), nothing lost beyond the checkpoint interval (runs that redid more than one "
-        f"epoch: {lost_beyond}), every asynchronous worker death completed ({async_completed} of {async_deaths}), "
-        f"every run restarted on fewer ranks resumed on its original size ({resumed} of {restarted}), every "
-        f"asynchronous run ended at its last epoch and resumed there ({last_good} of {last_total}), every resume "
-        f"on other ranks went on from its epoch ({size_good} of {size_total}): {'met' if met else 'not met'}"
     )
 
 
