@@ -514,9 +514,10 @@ def check_types(config: Any) -> None:
 
 def options_from_args(args: argparse.Namespace, base: TrainOptions | None = None) -> TrainOptions:
     """Options given on the command line over `base`: by default the saved options of
-    the run named by --resume, else the defaults."""
+    the run named by --resume, else the defaults. A resume fills its own ranks: the
+    saved worker count was the old job's size (train/relayout.py)."""
     if base is None and getattr(args, "resume", None):
-        base = saved_run_options(args.resume)
+        base = saved_run_options(args.resume).replace(workers=None)
     given = {f.name: getattr(args, f.name) for f in fields(TrainOptions) if getattr(args, f.name, None) is not None}
     return (base or TrainOptions()).replace(**given)
 

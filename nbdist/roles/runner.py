@@ -8,9 +8,13 @@ to record the failure in the run directory (`failure.json`) is the one that repo
 
 When a rank died or froze (and was removed) and the user allowed restarts
 (`--max-restarts N`), the survivors do not end: they agree on who is left (MPI's fault
-tolerance, `Comm.Shrink`), lay the run out again on fewer ranks where the layout allows
-it, and continue from the last checkpoint, in the same run directory and the same row of
-the run store.
+tolerance, `Comm.Shrink`), lay the run out again on fewer ranks, and continue from the
+last checkpoint, in the same run directory and the same row of the run store. The new
+layout keeps the most masters that fit the ranks left (a sub-master's death leaves 5 of
+6 ranks: 1 master + 4 workers) and fills them with workers; where workers come in units of
+several processes (a pipeline's stages) and the ranks left are not a whole number of them,
+it uses as many as it can and the others leave the job. What carries over to the new
+layout: train/relayout.py.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from nbdist.errors import DiskFull, UserError
+from nbdist.layout import Layout
 from nbdist.metrics.log import RecordSink
 from nbdist.metrics.record import stopped_on_request
 from nbdist.options import TrainOptions
@@ -37,7 +42,7 @@ from nbdist.train.diskspace import disk_full, is_disk_full
 from nbdist.train.measures import measure
 from nbdist.train.progress import RunResult
 from nbdist.train.stopping import StopFlag
-from nbdist.transport.faults import RunFailure, survivors, ulfm_enabled
+from nbdist.transport.faults import RunFailure, first_ranks, survivors, ulfm_enabled
 from nbdist.transport.node import world
 from nbdist.transport.waiting import Abandoned, watch_with
 
@@ -131,16 +136,39 @@ def _run_with_restarts(
                 raise
             restart_of = failure.run_dir
             comm = survivors(comm)
+            # The same run on fewer ranks: let the layout fill them again, as many as it can.
+            options = options.replace(workers=None)
+            left, used = comm.Get_size(), _ranks_to_use(comm.Get_size(), options)
             if comm.Get_rank() == 0:
+                where = f"the {left} ranks left" if used == left else f"{used} of the {left} ranks left"
                 print(
-                    f"nbdist: {failure}: restarting on the {comm.Get_size()} ranks left (restart {attempt + 1} of "
-                    f"{options.max_restarts})",
+                    f"nbdist: {failure}: restarting on {where} (restart {attempt + 1} of {options.max_restarts})"
+                    + (
+                        ""
+                        if used == left
+                        else f"; with {options.procs_per_worker} processes per worker the layout fits no more of them"
+                    ),
                     file=sys.stderr,
                     flush=True,
                 )
-            # The same run on fewer ranks: let the layout fill them again.
-            options = options.replace(workers=None)
+            if used < left:
+                comm = first_ranks(comm, used)
+                if comm is None:
+                    return None
     raise AssertionError("unreachable")  # the last attempt returns or raises
+
+
+def _ranks_to_use(left: int, options: TrainOptions) -> int:
+    """How many of the `left` ranks the restart's layout uses: all of them unless the
+    layout comes in larger units (pipeline stages, processes per worker), then the most it
+    can (Layout.within). When none fits, all: the run's set-up then says why."""
+    try:
+        layout = Layout.within(
+            left, masters=options.masters, procs_per_worker=options.procs_per_worker, topology=options.topology
+        )
+    except UserError:
+        return left
+    return layout.n_ranks
 
 
 def _restartable(failure: RunFailure, options: TrainOptions, attempt: int) -> bool:

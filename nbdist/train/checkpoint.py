@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -208,9 +208,10 @@ class Checkpoints:
         path = self.root / label
         return path if (path / META).exists() else None
 
-    def latest_intact(self) -> tuple[Path | None, list[str]]:
+    def latest_intact(self, usable: Callable[[Path], str | None] | None = None) -> tuple[Path | None, list[str]]:
         """The newest checkpoint whose files are all as written (LATEST's first, then the
-        others newest first), and one line per damaged checkpoint passed over."""
+        others newest first), and one line per damaged checkpoint passed over. `usable`:
+        what else would keep a checkpoint from resuming ("it holds no state for master 1")."""
         candidates = self._by_commit_order()
         label = self._latest_label()
         if label is not None:
@@ -220,7 +221,11 @@ class Checkpoints:
         for path in candidates:
             damage = self.damage(path)
             if damage is None:
-                return path, problems
+                lacks = usable(path) if usable is not None else None
+                if lacks is None:
+                    return path, problems
+                problems.append(f"checkpoint {path} cannot be resumed: {lacks}")
+                continue
             problems.append(f"checkpoint {path} is damaged: {damage}")
         return None, problems
 
@@ -259,6 +264,21 @@ class Checkpoints:
             return _read_json(path / META)
         except _READ_ERRORS as exc:
             raise CheckpointError(f"checkpoint {path}: {META} cannot be read ({exc})") from None
+
+    @staticmethod
+    def has_rank(path: Path, rank: int) -> bool:
+        """Whether checkpoint `path` holds a share of rank `rank` (both of its files)."""
+        return (path / _file(rank, "safetensors")).exists() and (path / _file(rank, "json")).exists()
+
+    @staticmethod
+    def read_scalars(path: Path, rank: int) -> dict[str, Any]:
+        """Rank `rank`'s scalars (epoch, version, ...), without its arrays."""
+        try:
+            meta = _read_json(path / _file(rank, "json"))
+        except _READ_ERRORS as exc:
+            raise CheckpointError(f"checkpoint {path}: the state of rank {rank} cannot be read ({exc})") from None
+        meta.pop(STORAGE, None)
+        return meta
 
     @staticmethod
     def read_rank(path: Path, rank: int) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, Any]]:

@@ -163,10 +163,13 @@ def commit_ready_checkpoints(me: Master) -> None:
     for label in sorted(me.master_wrote):
         have = me.acks.get(label, set())
         if label == me.snapshot:
-            # A client that finished before it was told has no update left to hold back;
-            # nor is a snapshot held up by a worker still in an epoch that ended without it:
-            # without its share, a resume starts it from the centre, as a dropped one.
-            have = have | (me.finished - me.snapshot_told) | (me.behind() - me.snapshot_told)
+            # A worker that finished before it was told has no update left to hold back
+            # (its share is its last one); nor is a snapshot held up by a worker still in an
+            # epoch that ended without it: without its share, a resume starts it from the
+            # centre, as a dropped one. A sub-master holds its workers' updates since its
+            # last push: it always acknowledges its share (hierarchy.py, SubMaster.save_last_epoch).
+            finished_workers = {i for i in me.finished - me.snapshot_told if me.clients[i].kind == WORKER}
+            have = have | finished_workers | (me.behind() - me.snapshot_told)
         if needed <= have:
             me.commit(label)
             me.master_wrote.discard(label)

@@ -82,6 +82,8 @@ def run_master(ctx: RankContext) -> RunResult:
     # is the state.
     if me.stopping and not me.error:
         me.save(me.stop_label)
+    elif not me.error and not ctx.options.synchronous:
+        me.save_last_epoch()
     finish_checkpoints(me)
     ctx.checkpoints.discard_incomplete()
     ctx.log.emit("phase", dict(me.phases), step=me.version, epoch=me.next_epoch)

@@ -14,6 +14,7 @@ from nbdist.roles.master.clients import WORKER
 from nbdist.roles.master.epochs import (
     average_state,
     collect_validation,
+    finish_checkpoints,
     finish_epoch,
     open_tallies,
 )
@@ -199,6 +200,25 @@ class Master:
             self.snapshot_due = label  # one at a time: taken when this one is complete
             return
         self.snapshot, self.snapshot_told = label, set()
+        self.save(label)
+
+    def save_last_epoch(self) -> None:
+        """At the end of an asynchronous run that trained all its epochs: make its last
+        epoch's checkpoint the run's latest, whatever snapshot was in progress.
+
+        Every worker wrote its share of it at its end and acknowledged it in its DONE; the
+        centre now holds every update. A snapshot in progress may never complete: a
+        worker's message carries one acknowledgement, the newest, so a worker that wrote
+        a snapshot's share and then its last one acknowledges only the last (and without
+        this, the run ended with a checkpoint epochs older than its last)."""
+        if self.next_epoch == 0:
+            return
+        label = m.label_of(self.next_epoch)
+        finish_checkpoints(self)  # what is complete is committed first
+        latest = self.ctx.checkpoints.latest()
+        if self.snapshot == label or (latest is not None and latest.name == label):
+            return
+        self.snapshot, self.snapshot_told, self.snapshot_due = label, set(), ""
         self.save(label)
 
     def save(self, label: str) -> None:
