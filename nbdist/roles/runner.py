@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from nbdist.durable import private_fd
 from nbdist.errors import UserError
 from nbdist.metrics.log import RecordSink
 from nbdist.metrics.record import stopped_on_request
@@ -195,7 +196,7 @@ def _record_failure(ctx: RankContext, failure: RunFailure, options: TrainOptions
         "attempt": attempt,
     }
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = private_fd(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     except FileExistsError:
         if _same_attempt(path, attempt):
             return

@@ -34,8 +34,8 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import load_file, save
 
+from nbdist.durable import DIGEST, file_digest, fsync_dir, make_dir, write_bytes, write_json
 from nbdist.errors import UserError
-from nbdist.train.durable import DIGEST, file_digest, fsync_dir, make_dir, write_bytes, write_json
 
 __all__ = ["Checkpoints", "CheckpointError", "flatten_arrays", "unflatten_arrays"]
 
