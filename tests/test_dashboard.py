@@ -163,7 +163,7 @@ def test_live_dashboard_of_a_training_run_in_chromium(tmp_path, browser):
         # New points arrive while the page is open.
         for name in ("throughput", "staleness", "loss-by-samples"):
             _wait(
-                lambda: (page.evaluate(COUNT_POINTS, f"nbdist-{name}") or 0) > counts[name],
+                lambda name=name: (page.evaluate(COUNT_POINTS, f"nbdist-{name}") or 0) > counts[name],
                 60,
                 f"no new points reached the {name} plot",
             )
@@ -301,7 +301,8 @@ def test_the_dashboard_needs_its_token_on_localhost_too(tmp_path):
         assert status == 403 and "token required" in body and "Bokeh" not in body
         assert _get(bare + "?token=wrong")[0] == 403
         status, body, cookie = _get(server.url)
-        # Its own cookie (cookies do not tell ports apart: not sent to another server's token check).
+        # A cookie named after its port: a second dashboard in the same browser does not overwrite
+        # it (the browser still sends it to every port of this host: access.cookie_name).
         assert status == 200 and "Bokeh" in body and cookie.startswith(f"nbdist-dashboard-token-{port}=")
         assert _get(bare, cookie=f"nbdist-dashboard-token-{port}=from-the-environment")[0] == 200
         assert _get(bare, cookie="nbdist-dashboard-token=from-the-environment")[0] == 403
@@ -324,7 +325,8 @@ def test_the_dashboard_needs_its_token_on_localhost_too(tmp_path):
     finally:
         server.stop()
 
-    # A public interface, the token from a file only its owner reads.
+    # A public interface (plain HTTP: only with --insecure, and said), the token from a file
+    # only its owner reads.
     token_file = tmp_path / "token"
     token_file.write_text("from-the-file\n")
     token_file.chmod(0o600)
@@ -335,6 +337,7 @@ def test_the_dashboard_needs_its_token_on_localhost_too(tmp_path):
             str(tmp_path / "nbdist.db"),
             "--address",
             "0.0.0.0",
+            "--insecure",
             "--port",
             "0",
             "--token-file",
@@ -344,6 +347,7 @@ def test_the_dashboard_needs_its_token_on_localhost_too(tmp_path):
     )
     try:
         assert server.url.endswith("/nbdist?token=from-the-file")
+        assert "nbdist: warning: serving on 0.0.0.0 over plain HTTP (--insecure)" in server.output
         local = re.sub(r"//[^:/]+:", "//127.0.0.1:", server.url)
         assert _get(local)[0] == 200
         assert _get(local.split("?")[0])[0] == 403

@@ -422,7 +422,7 @@ class RunStore:
         row = cursor.fetchone()
         if row is None:
             raise StoreError(f"no study {study_id!r} in the store {self.label}")
-        study = dict(zip([d[0] for d in cursor.description], row))
+        study = dict(zip([d[0] for d in cursor.description], row, strict=True))
         for key in ("space", "options", "searcher_state"):
             study[key] = _loads(study[key], None)
         return study
