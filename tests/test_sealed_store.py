@@ -51,6 +51,19 @@ def test_a_value_is_sealed_under_the_jobs_secret():
     assert store.seal(name, b"same") != store.seal(name, b"same")
 
 
+def test_append_and_compare_set_keep_their_meaning_through_torchs_own_calls():
+    store = SealedStore(dist.HashStore(), secrets.token_bytes(SECRET_BYTES))
+    via = dist.PrefixStore("group", store)  # C++ calling into the sealed store, as process groups do
+    via.set("a", b"one")
+    via.append("a", b"+two")
+    assert via.get("a") == b"one+two" and via.multi_get(["a"]) == [b"one+two"]
+    assert via.compare_set("new", "", "first") == b"first"  # absent: set
+    assert via.compare_set("new", "", "second") == b"first"  # present: kept
+    assert via.compare_set("new", "wrong", "third") == b"first"
+    assert via.compare_set("new", "first", "third") == b"third" and via.get("new") == b"third"
+    assert via.compare_set("absent", "something", "x") == b"something" and not via.check(["absent"])
+
+
 def test_a_value_a_stranger_writes_or_moves_is_refused():
     inner = dist.HashStore()
     store = SealedStore(inner, secrets.token_bytes(SECRET_BYTES))

@@ -14,7 +14,8 @@ process can read: shared memory on one node, the job's MPI connections between n
 - a value is stored sealed: a fresh 16-byte nonce, the value XOR-ed with SHAKE-256 of
   (secret, nonce) (SHAKE-256 as a keyed stream: a stranger cannot read it), and an
   HMAC-SHA256 tag over the key's name, the nonce and that ciphertext (encrypt, then
-  MAC: a stranger cannot forge or move a value between keys);
+  MAC: a stranger cannot forge or move a value between keys); `append` adds one more
+  such frame, and `compare_set` has the server compare the sealed bytes it read;
 - every value read is checked: one that fails is an error naming the rendezvous as
   tampered with, and the group is not made. A stranger can still delete keys or spoil
   counters (`add`), which only stops the job, with that error or at its deadline.
@@ -38,6 +39,7 @@ __all__ = ["SealedStore", "SECRET_BYTES", "TamperedRendezvous"]
 SECRET_BYTES = 32
 NONCE_BYTES = 16
 TAG_BYTES = 32
+LENGTH_BYTES = 4  # each sealed frame's length (a value appended to holds several frames)
 
 
 class TamperedRendezvous(RuntimeError):
@@ -69,30 +71,55 @@ class SealedStore(dist.Store):
         return "nbdist-" + hmac.new(self._names, key.encode(), hashlib.sha256).hexdigest()[:40]
 
     def seal(self, name: str, value: bytes) -> bytes:
+        """One frame: its length, a fresh nonce, the value enciphered, the tag."""
         nonce = os.urandom(NONCE_BYTES)
         body = _xor(value, hashlib.shake_256(self._stream + nonce).digest(len(value)))
-        return nonce + body + hmac.new(self._tags, name.encode() + nonce + body, hashlib.sha256).digest()
+        frame = nonce + body + hmac.new(self._tags, name.encode() + nonce + body, hashlib.sha256).digest()
+        return len(frame).to_bytes(LENGTH_BYTES, "big") + frame
 
     def open(self, name: str, sealed: bytes) -> bytes:
-        sealed = bytes(sealed)
-        nonce, body, tag = sealed[:NONCE_BYTES], sealed[NONCE_BYTES:-TAG_BYTES], sealed[-TAG_BYTES:]
-        expected = hmac.new(self._tags, name.encode() + nonce + body, hashlib.sha256).digest()
-        if len(sealed) < NONCE_BYTES + TAG_BYTES or not hmac.compare_digest(tag, expected):
-            raise TamperedRendezvous(
-                "a value in the torch.distributed rendezvous store was not written by this job: another "
-                "process wrote into it (the group is not made)"
-            )
-        return _xor(body, hashlib.shake_256(self._stream + nonce).digest(len(body)))
+        """The value of a stored key: its frames (one per set or append) opened in turn."""
+        sealed, out, at = bytes(sealed), [], 0
+        while at < len(sealed):
+            size = int.from_bytes(sealed[at : at + LENGTH_BYTES], "big")
+            frame = sealed[at + LENGTH_BYTES : at + LENGTH_BYTES + size]
+            at += LENGTH_BYTES + size
+            nonce, body, tag = frame[:NONCE_BYTES], frame[NONCE_BYTES:-TAG_BYTES], frame[-TAG_BYTES:]
+            expected = hmac.new(self._tags, name.encode() + nonce + body, hashlib.sha256).digest()
+            if len(frame) != size or size < NONCE_BYTES + TAG_BYTES or not hmac.compare_digest(tag, expected):
+                raise TamperedRendezvous(
+                    "a value in the torch.distributed rendezvous store was not written by this job: "
+                    "another process wrote into it (the group is not made)"
+                )
+            out.append(_xor(body, hashlib.shake_256(self._stream + nonce).digest(len(body))))
+        if not out:
+            raise TamperedRendezvous("an empty value in the torch.distributed rendezvous store: not this job's")
+        return b"".join(out)
 
     # -- the store's interface, as torch's process groups call it --------------------------
     def set(self, key: str, value: bytes | str) -> None:
-        data = value.encode() if isinstance(value, str) else bytes(value)
         name = self.name(key)
-        self.inner.set(name, self.seal(name, data))
+        self.inner.set(name, self.seal(name, _bytes(value)))
 
     def get(self, key: str) -> bytes:
         name = self.name(key)
         return self.open(name, self.inner.get(name))
+
+    def append(self, key: str, value: bytes | str) -> None:
+        name = self.name(key)
+        self.inner.append(name, self.seal(name, _bytes(value)))  # one more frame, appended by the server
+
+    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
+        """Set `desired` if the value is `expected` (or the key is absent and `expected` is
+        empty); returns the value now. Atomic: the server compares the sealed bytes read."""
+        name, expected = self.name(key), _bytes(expected)
+        current = self.inner.get(name) if self.inner.check([name]) else b""
+        if current and self.open(name, current) != expected:
+            return self.open(name, current)
+        if not current and expected:
+            return expected  # absent: nothing to compare with (the TCPStore's answer too)
+        now = self.inner.compare_set(name, current, self.seal(name, _bytes(desired)))
+        return self.open(name, now) if now else b""
 
     def add(self, key: str, amount: int) -> int:
         return self.inner.add(self.name(key), amount)  # a counter: hidden, not sealed
@@ -113,10 +140,9 @@ class SealedStore(dist.Store):
     def num_keys(self) -> int:
         return self.inner.num_keys()
 
-    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
-        # A sealed value differs from every other sealing of the same bytes: no comparison
-        # by the server can work. torch's process groups do not call it.
-        raise NotImplementedError("the sealed rendezvous store has no compare_set")
-
     def set_timeout(self, timeout: datetime.timedelta) -> None:
         self.inner.set_timeout(timeout)
+
+
+def _bytes(value: bytes | str) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
