@@ -120,9 +120,12 @@ def mpi_env(base: dict[str, str] | None = None, *, local: bool = True, interface
     for key, value in ULFM_ENV.items():
         env.setdefault(key, value)
     if local:
-        # One node: shared memory between the ranks, no TCP listener on any interface.
-        # (Open MPI 5.0's own daemon still listens on all interfaces for its control
-        # messages; PRRTE only learnt to bind them to loopback later, in 2026.)
+        # One node: shared memory between the ranks, no TCP listener in any rank. The
+        # launcher (prterun) keeps its PMIx server on 127.0.0.1 but binds its out-of-band
+        # listeners to every IPv4 and IPv6 address: PRRTE's create_listen uses INADDR_ANY
+        # and in6addr_any whatever is set (prte_if_include=lo finds no interface, loopback
+        # being left out of its list; oob=^tcp cannot start). They take PRRTE's own
+        # protocol only; tests/test_run_privacy_mpi.py checks that nothing else listens.
         env.setdefault("OMPI_MCA_btl", "self,sm")
     elif interface:
         env.setdefault("OMPI_MCA_btl_tcp_if_include", interface)

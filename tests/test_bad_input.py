@@ -469,3 +469,28 @@ def test_a_typo_in_a_studys_objective_ends_it_before_any_trial(batched, batch_di
         assert study["status"] == "failed"
         # The trial that found the typo stays unfinished: the study resumed with the fix trains it.
         assert [t.state for t in store.trials(study["id"])] == ["running"]
+
+
+# ------------------------------------------------------------------ the run store
+STORE_CASES = {
+    "store-in-a-missing-directory": (
+        "{tmp}/nonexistent/dir/nb.db",
+        ["--store {tmp}/nonexistent/dir/nb.db: the directory {tmp}/nonexistent/dir does not exist", "create it"],
+    ),
+    "store-typo-of-off": ("of", ["--store 'of' is not a run store", "'off' (record nothing)", "(did you mean 'off'?)"]),
+    "store-with-a-password": (
+        "postgresql://me:hunter2@db.example/nbdist",
+        ["--store postgresql://me:***@db.example/nbdist holds a password", "PGPASSWORD, ~/.pgpass"],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(STORE_CASES))
+def test_a_bad_store_is_one_line_and_no_new_store(mpirun, tmp_path, name):
+    store, needles = STORE_CASES[name]
+    done = train(mpirun, 2, tmp_path, "--store", store.replace("{tmp}", str(tmp_path)))
+    line = assert_one_clear_error(done, *_needles(needles, tmp_path))
+    assert done.returncode == 2 and "hunter2" not in done.output, line
+    assert not (tmp_path / "nonexistent").exists() and not (ROOT / "of").exists()
+    runs = tmp_path / "runs"
+    assert not runs.exists() or not any(runs.iterdir()), list(runs.iterdir())  # no run, no store
