@@ -116,6 +116,19 @@ def test_a_store_url_with_a_password_is_refused_with_where_to_put_it(url):
         assert "PGPASSWORD, ~/.pgpass (chmod 600) or a service file" in message and "\n" not in message
 
 
+def test_a_url_of_another_database_is_refused_before_its_password():
+    """mysql://me:pw@db/x is no run store whatever its password: say that, not 'use PGPASSWORD'."""
+    for refuse in (
+        lambda: check_store("mysql://me:hunter2@db/nb"),
+        lambda: TrainOptions(store="mysql://me@db/nb").validate(),
+    ):
+        with pytest.raises(StoreError) as caught:
+            refuse()
+        message = str(caught.value)
+        assert "unknown scheme 'mysql'" in message and "postgresql://" in message and "hunter2" not in message
+        assert "holds a password" not in message
+
+
 @pytest.mark.parametrize(
     "word, hint", [("of", " (did you mean 'off'?)"), ("offf", " (did you mean 'off'?)"), ("nb", "")]
 )

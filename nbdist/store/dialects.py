@@ -48,6 +48,7 @@ __all__ = [
     "store_label",
     "url_password",
     "missing_directory",
+    "check_scheme",
     "POSTGRES_SCHEMES",
     "SCHEMES",
     "RECONNECT_SECONDS",
@@ -340,6 +341,13 @@ class PostgresDialect(Dialect):
         )
 
 
+def check_scheme(url: str) -> None:
+    """One StoreError for a URL of a database that is no run store (mysql://...)."""
+    scheme = url.split("://", 1)[0].lower()
+    if scheme not in SCHEMES:
+        raise StoreError(f"--store {mask_url(url)}: unknown scheme {scheme!r}; a run store is {_FORMS}")
+
+
 def missing_directory(path: str | Path) -> str | None:
     """Why a SQLite store cannot be made at `path`: its directory does not exist (or is a
     file); None when it can."""
@@ -373,9 +381,8 @@ def open_dialect(store: str | Path, *, create: bool = True) -> Dialect:
     if not is_url(store):
         return SQLiteDialect(Path(store), create=create)
     label = mask_url(str(store))
+    check_scheme(str(store))
     scheme = str(store).split("://", 1)[0].lower()
-    if scheme not in SCHEMES:
-        raise StoreError(f"--store {label}: unknown scheme {scheme!r}; a run store is {_FORMS}")
     try:
         parts = urlsplit(str(store))
         parts.port  # noqa: B018 - raises on a port that is not a number

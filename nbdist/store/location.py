@@ -28,7 +28,7 @@ from pathlib import Path
 
 from nbdist.durable import make_dir
 from nbdist.specs import did_you_mean
-from nbdist.store.dialects import StoreError, is_url, mask_url, missing_directory, url_password
+from nbdist.store.dialects import StoreError, check_scheme, is_url, mask_url, missing_directory, url_password
 from nbdist.store.mounts import network_mount
 
 __all__ = [
@@ -65,6 +65,7 @@ def check_store(store: str | Path | None) -> None:
     if text.lower() in OFF:
         return
     if is_url(text):
+        check_scheme(text)  # before its password: a database no store can be in
         if url_password(text):
             raise StoreError(
                 f"--store {mask_url(text)} holds a password, which every user of this machine can "
