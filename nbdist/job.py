@@ -77,9 +77,32 @@ class JobError(TrainingError):
 
 
 class Job:
-    """`engines`: the engine ids the job runs on when not the whole cluster (a study's
-    trial on one group): stops and give-ups are then signalled to those engines only.
-    `study`: the study a trial job's runs belong to, for the store."""
+    """The notebook's handle on a training running on a cluster's engines.
+
+    `nbdist.train(..., cluster=...)` and `%%distnn train` return one at once; it follows
+    the ranks' live records (`history`, `epochs`, `staleness`, `dashboard()`), records
+    them in the run store, and stops (`stop()`) or waits for (`wait()`) the training.
+    Nothing it does blocks without a deadline.
+
+    Args:
+        cluster: The `nbdist.Cluster` whose engines train.
+        async_result: ipyparallel's result of the training task on the engines.
+        options: The run's validated `TrainOptions`.
+        layout: The run's rank layout (`Layout.to_dict()`).
+        store: The run store the job is recorded in (None: not recorded).
+        show_progress: Show a live progress line under the cell.
+        engines: The engine ids the job runs on when not the whole cluster (a study's
+            trial on one group): stops and give-ups are then signalled to those only.
+        study: The study a trial job's runs belong to, for the store.
+
+    Example:
+        In a notebook, with a started cluster (see `nbdist.Cluster`)::
+
+            job = nbdist.train(build_model, cluster=cluster, epochs=10)
+            job.epochs               # per-epoch metrics so far, live
+            job.wait(timeout=600)    # or job.stop(): every rank stops at a step boundary
+            job.status, job.result.final, job.result.weights_path
+    """
 
     def __init__(
         self,
@@ -209,16 +232,34 @@ class Job:
 
     def dashboard(self, period_ms: int = 1000) -> Any:
         """The live dashboard of this job (Panel): displayed under the cell, it updates
-        while the job trains. Panel and HoloViews are imported only here."""
+        while the job trains. Panel and HoloViews are imported only here.
+
+        Args:
+            period_ms: How often the plots take the new records, in milliseconds.
+
+        Returns:
+            A servable Panel layout: the last expression of a cell, or `panel serve`.
+        """
         from nbdist.dashboard import dashboard
 
         return dashboard(job=self, period_ms=period_ms).servable()
 
     # -- control ----------------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> Job:
-        """Block until the job ends (KeyboardInterrupt stops it). Raises JobError if it
-        failed, TimeoutError if `timeout` seconds pass first. A failed rank or a dead
-        engine ends the job within FAILURE_GRACE_SECONDS + ABANDON_SECONDS."""
+        """Block until the job ends; an interrupt (Ctrl-C, the kernel's stop button) stops
+        it instead. A failed rank or a dead engine ends the job within
+        FAILURE_GRACE_SECONDS + ABANDON_SECONDS.
+
+        Args:
+            timeout: Seconds to wait at most (None: until the job ends).
+
+        Returns:
+            The job itself, ended (`status`, `result`).
+
+        Raises:
+            JobError: The job failed: one error naming the rank that failed first.
+            TimeoutError: `timeout` seconds passed first; the job goes on.
+        """
         try:
             if not wait_interruptibly(self._done, timeout):
                 raise TimeoutError(f"the job is still {self.status} after {timeout} s")
@@ -238,11 +279,22 @@ class Job:
 
     def stop(self, timeout: float = 30.0, abandon_timeout: float = ABANDON_SECONDS) -> Job:
         """Ask every rank to stop at its next step boundary (a final checkpoint is written
-        when checkpointing is on) and wait for them. Ranks still running after `timeout`
-        seconds are told to give up (SIGUSR2, no checkpoint), and those still running
-        `abandon_timeout` seconds later are left behind: then the job fails, its error
-        names them and says that the cluster needs a restart, and stop() raises it. It
-        never waits much longer than the two timeouts together."""
+        when checkpointing is on) and wait for them. It never waits much longer than the
+        two timeouts together.
+
+        Args:
+            timeout: Seconds the ranks have to stop before they are told to give up
+                (SIGUSR2, no checkpoint).
+            abandon_timeout: Seconds after that before ranks still running are left
+                behind.
+
+        Returns:
+            The job itself, ended (its `status` is `stopped`).
+
+        Raises:
+            JobError: Ranks were left behind: the error names them and says that the
+                cluster needs a restart.
+        """
         if not self.done:
             if not self._stop_requested:
                 self._stop_requested = True
@@ -287,7 +339,7 @@ class Job:
                 # (a dead engine sends nothing more).
                 self._result.wait_for_output(10)
             self._finish()
-        except Exception as exc:  # noqa: BLE001 - never die silently: the job reports it
+        except Exception as exc:  # never die silently: the job reports it
             self._error = self._error or JobError(f"the job's monitor failed: {type(exc).__name__}: {exc}")
         finally:
             self.ended = time.time()
@@ -300,7 +352,7 @@ class Job:
     def _signal(self, signum: int) -> None:
         try:
             self.cluster.signal(signum, engines=self.engines)
-        except Exception as exc:  # noqa: BLE001 - the escalation goes on without this signal
+        except Exception as exc:  # the escalation goes on without this signal
             print(
                 f"nbdist: could not signal the job's ranks ({signal.Signals(signum).name}): "
                 f"{type(exc).__name__}: {exc}",
@@ -334,7 +386,7 @@ class Job:
         dead = {d.engine_id for d in self.cluster.dead_engines(ping=False, engines=self._engine_ids)}
         if dead and not all(i.fault_tolerant for i in self.cluster.info):
             return True
-        for child, engine_id in zip(self._result._children, self._engine_ids):
+        for child, engine_id in zip(self._result._children, self._engine_ids, strict=True):
             if child.done() and engine_id not in dead:
                 value = child.exception() or _unwrap(child.result())
                 if not isinstance(value, EngineOutcome) or value.error:
@@ -367,7 +419,7 @@ class Job:
             if final:
                 for run_id, feed in self._feeds.items():
                     feed.end(*self._ending(run_id))
-        except Exception as exc:  # noqa: BLE001 - the training matters more than its record
+        except Exception as exc:  # the training matters more than its record
             self.store_error = f"{type(exc).__name__}: {exc}"
             print(
                 f"nbdist: the run store {store_label(self.store)} failed, the job goes on unrecorded: "
@@ -509,7 +561,7 @@ class _Progress:
     def __init__(self, job: Job):
         self.job = job
         self.handle = None
-        self._last = ""
+        self._last: dict[str, Any] | None = None  # the summary shown last
         try:
             from IPython import get_ipython
             from IPython.display import display

@@ -264,7 +264,7 @@ def test_evolution_children_follow_the_formulas():
     s = EvolutionSearcher(space, seed=3, population=2, generations=4)
     parents = s.ask(2)
     foms = [1.0, 2.0]
-    for p, f in zip(parents, foms):
+    for p, f in zip(parents, foms, strict=True):
         s.tell(p, f)
     child = s.ask(2)[1]  # [0] is the carried-over elite
     rng = s.rng(3, 0)  # the breeding stream of generation 0

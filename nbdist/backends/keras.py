@@ -166,7 +166,7 @@ class KerasLrSchedule(LrSchedule):
     def __init__(self, cls: type, spec: Spec, base_lr: float):
         self.spec = spec
         kwargs = dict(spec.kwargs)
-        if "initial_learning_rate" in inspect.signature(cls.__init__).parameters:
+        if "initial_learning_rate" in inspect.signature(cls).parameters:
             kwargs.setdefault("initial_learning_rate", float(base_lr))
         try:
             self._schedule = cls(**kwargs)
@@ -193,9 +193,10 @@ def aligned_zeros(n: int, dtype: Any = np.float32) -> np.ndarray:
 def _tensor(value: Any) -> tf.Tensor:
     """An argument of a compiled function as a tensor. An aligned numpy array becomes a
     tensor on the same memory (DLPack), without the copy that passing it to a tf.function
-    makes (4 ms of a 1.3 ms step for 2M floats here); the compiled functions only read
+    makes (for a large model, longer than its step); the compiled functions only read
     their inputs. Anything else is converted here rather than by the tf.function, whose
-    own conversion of numpy arguments cost more than the small MLP's whole step."""
+    own conversion of numpy arguments cost more than the small MLP's whole step
+    (bench/results/2026-11-25-keras_overhead.md)."""
     if isinstance(value, tf.Tensor):
         return value
     if isinstance(value, np.ndarray) and value.size and value.flags.c_contiguous and value.ctypes.data % ALIGNMENT == 0:
@@ -208,18 +209,20 @@ def _tensor(value: Any) -> tf.Tensor:
 
 class Traced:
     """A tf.function traced once, on its first call, with the first dimension of the
-    arguments in `batch` left open. Each new input shape would cost a trace (0.1-0.5 s
-    here): the probe, a full batch, an epoch's last batch and the validation set differ.
+    arguments in `batch` left open. Each new input shape would cost a trace (a fraction of
+    a second): the probe, a full batch, an epoch's last batch and the validation set differ.
 
     Calls go to the traced ConcreteFunction with tensors: the tf.function's dispatch
-    (matching the arguments against its signature, converting numpy ones) took 0.4-0.6
-    ms per call, more than a digits MLP's forward and backward pass; the concrete
-    function's takes about 0.2 ms."""
+    (matching the arguments against its signature, converting numpy ones) took longer per
+    call than a digits MLP's forward and backward pass, the concrete function's a fraction
+    of it (bench/results/2026-11-25-keras_overhead.md)."""
 
     __slots__ = ("_fn", "_batch", "_concrete", "_dtypes")
 
     def __init__(self, fn: Callable, batch: tuple[int, ...] = ()):
-        self._fn, self._batch, self._concrete, self._dtypes = fn, batch, None, ()
+        self._fn, self._batch = fn, batch
+        self._concrete: Any = None  # the traced function, once called
+        self._dtypes: tuple[Any, ...] = ()
 
     def __call__(self, *args: Any) -> Any:
         if self._concrete is None:
@@ -230,7 +233,7 @@ class Traced:
             self._dtypes = tuple(None if isinstance(s, list) else s.dtype for s in specs)
         tensors = [
             [_tensor(v) for v in a] if isinstance(a, list) else self._typed(_tensor(a), dtype)
-            for a, dtype in zip(args, self._dtypes)
+            for a, dtype in zip(args, self._dtypes, strict=True)
         ]
         return self._concrete(*tensors)
 
@@ -304,7 +307,7 @@ class FlatVariables:
         return [
             (prefix + v.path, where, v)
             for where, group in groups.items()
-            for prefix, variables in zip(prefixes, group)
+            for prefix, variables in zip(prefixes, group, strict=True)
             for v in variables
         ]
 
@@ -313,13 +316,13 @@ class FlatVariables:
     def _cut(flat: tf.Tensor, variables: list) -> list[tf.Tensor]:
         sizes = [int(np.prod(v.shape)) for v in variables]
         pieces = tf.split(flat, sizes) if variables else []
-        return [tf.cast(tf.reshape(p, v.shape), v.dtype) for p, v in zip(pieces, variables)]
+        return [tf.cast(tf.reshape(p, v.shape), v.dtype) for p, v in zip(pieces, variables, strict=True)]
 
     def unpack(self, params: tf.Tensor | list, state: tf.Tensor, others: list) -> tuple[list, list]:
         """Per model: its trainable values and its non-trainable values, in its own order.
         `params`: the flat buffer, or its parts model by model."""
         parts = params if isinstance(params, (list, tuple)) else tf.split(params, self.model_sizes)
-        trainable = [self._cut(part, vs) for part, vs in zip(parts, self.trainable)]
+        trainable = [self._cut(part, vs) for part, vs in zip(parts, self.trainable, strict=True)]
         floats = self._cut(state, [v for vs in self.non_trainable for v in vs if _is_float(v.dtype)])
         floats_it, others_it = iter(floats), iter(others)
         non_trainable = [
@@ -330,8 +333,8 @@ class FlatVariables:
     def pack(self, non_trainable: list[list[tf.Tensor]]) -> tuple[tf.Tensor, list[tf.Tensor]]:
         """The inverse of unpack for the non-trainable values a stateless call returned."""
         floats, others = [], []
-        for variables, values in zip(self.non_trainable, non_trainable):
-            for v, value in zip(variables, values):
+        for variables, values in zip(self.non_trainable, non_trainable, strict=True):
+            for v, value in zip(variables, values, strict=True):
                 if _is_float(v.dtype):
                     floats.append(tf.reshape(tf.cast(value, tf.float32), [-1]))
                 else:
@@ -342,7 +345,7 @@ class FlatVariables:
     def store(self, state: np.ndarray, new_state: tf.Tensor, new_others: list) -> None:
         if state.size:
             np.copyto(state, new_state.numpy())
-        for array, value in zip(self.others, new_others):
+        for array, value in zip(self.others, new_others, strict=True):
             np.copyto(array, value.numpy())
 
     def reseed(self, seed: int) -> None:
@@ -356,7 +359,7 @@ class FlatVariables:
 
 def build_models(models: list[Any], samples: list[Any]) -> None:
     """Create the weights of models that have none yet by calling them on a sample."""
-    for model, sample in zip(models, samples):
+    for model, sample in zip(models, samples, strict=True):
         if model.built and model.weights:
             continue
         if sample is None:
@@ -423,7 +426,7 @@ class KerasBackend(Backend):
             raise ModelError("the model has no trainable parameters")
         self.params, self.state = self._flat.params, self._flat.state
         self.grads = aligned_zeros(self.params.size)
-        self._loss, self._categorical = _resolve_loss(model, loss)
+        self._loss, self._categorical, self._indexes_classes = _resolve_loss(model, loss)
         self.metric_name, self._metric = _resolve_metric(model, metric)
         self._train_kwargs, self._eval_kwargs = call_kwargs(model, True), call_kwargs(model, False)
         self._train = Traced(self._train_step, batch=(3, 4))
@@ -503,6 +506,15 @@ class KerasBackend(Backend):
         n = len(y)
         return BatchStats(float(loss) * n, float(metric), n)
 
+    def class_count(self, x: Any) -> int | None:
+        if not self._indexes_classes:
+            return None
+        try:  # shapes only: nothing is computed
+            shape = self.model.compute_output_spec(keras.KerasTensor(x.shape, dtype=str(x.dtype))).shape
+        except Exception:  # noqa: BLE001 - a model Keras cannot trace symbolically: not checked here
+            return None
+        return int(shape[-1]) if len(shape) == 2 and shape[-1] is not None else None
+
     def evaluate(self, x: Any, y: Any, *, batch_size: int = 1024) -> BatchStats:
         stats = BatchStats()
         for start in range(0, len(y), batch_size):
@@ -529,13 +541,13 @@ class KerasBackend(Backend):
         known = keras_lr_schedules()
         if spec.name not in known:
             raise unknown_name("Keras learning-rate schedule (keras.optimizers.schedules)", spec.name, list(known))
-        check_kwargs(f"learning-rate schedule {spec.name!r}", known[spec.name].__init__, spec.kwargs, skip=1)
+        check_kwargs(f"learning-rate schedule {spec.name!r}", known[spec.name], spec.kwargs)
         return KerasLrSchedule(known[spec.name], spec, base_lr)
 
     def check_optimizer(self, spec: Spec) -> float:
         return step_on_scratch(spec, lambda scratch: KerasFlatOptimizer(spec, scratch), aligned_zeros(SCRATCH_SIZE))
 
-    def make_optimizer(self, spec: Spec, params: np.ndarray | None = None) -> KerasFlatOptimizer:
+    def make_optimizer(self, spec: Spec, params: np.ndarray | None = None) -> FlatOptimizer:
         return self._overflow_guard(KerasFlatOptimizer(spec, self.params if params is None else params))
 
     # -- state ------------------------------------------------------------------------
@@ -579,7 +591,7 @@ def named_arrays(
         values[id(v)], offsets[kind] = source[start : start + size].reshape(v.shape), start + size
     return {
         f"{prefix}{i:04d}/{v.path}": np.array(values[id(v)])
-        for prefix, model in zip(prefixes, models)
+        for prefix, model in zip(prefixes, models, strict=True)
         for i, v in enumerate(model.weights)
     }
 
@@ -591,9 +603,10 @@ def _compiled(model: keras.Model, key: str) -> Any:
     return config.get(key)
 
 
-def _resolve_loss(model: keras.Model, loss: Any) -> tuple[Callable, bool]:
+def _resolve_loss(model: keras.Model, loss: Any) -> tuple[Callable, bool, bool]:
     """The model's compiled loss (else `loss` from the model file or cell) as a function
-    of (target, prediction) returning the batch mean, and whether it is categorical."""
+    of (target, prediction) returning the batch mean, whether it is categorical, and
+    whether it reads integer labels as class indices (sparse, or categorical one-hot here)."""
     identifier = model.loss if getattr(model, "compiled", False) and model.loss is not None else loss
     if identifier is None:
         raise ModelError(
@@ -611,9 +624,10 @@ def _resolve_loss(model: keras.Model, loss: Any) -> tuple[Callable, bool]:
     if not callable(obj):
         raise ModelError(f"the loss must be a Keras loss or callable(y_true, y_pred), got {identifier!r}")
     categorical = getattr(obj, "fn", obj) in _CATEGORICAL_LOSSES
+    indexes = categorical or getattr(obj, "fn", obj) is keras.losses.sparse_categorical_crossentropy
     if isinstance(obj, keras.losses.Loss):
-        return obj, categorical  # reduces to the batch mean itself
-    return (lambda y, p: tf.reduce_mean(obj(y, p))), categorical
+        return obj, categorical, indexes  # reduces to the batch mean itself
+    return (lambda y, p: tf.reduce_mean(obj(y, p))), categorical, indexes
 
 
 def _accuracy_sum(y: tf.Tensor, y_pred: tf.Tensor) -> tf.Tensor:

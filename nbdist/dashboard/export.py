@@ -15,7 +15,7 @@ __all__ = ["export_html"]
 def export_html(store: str | Path, path: str | Path, *, run: str | None = None, study: str | None = None) -> Path:
     """Write the dashboard of `run` (default: the newest) in `store` to `path`."""
     from bokeh.document import Document
-    from bokeh.models import UIElement
+    from bokeh.models.ui.ui_element import UIElement
     from bokeh.resources import INLINE
     from panel.io.model import add_to_doc
     from panel.io.notebook import patch_inline_stylesheets

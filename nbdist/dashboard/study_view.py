@@ -139,28 +139,38 @@ def _parallel_element(data: Any) -> hv.Path:
     return hv.Path(paths or NO_PATHS, ["x", "y"], ["fom"]).opts(xticks=list(enumerate(axes)) or None)
 
 
+def _numeric_axis(lo: float, hi: float) -> Callable[[Any], float]:
+    """A parameter's values scaled to [0, 1] over [lo, hi], in decades where they span more
+    than two (log-scaled spaces)."""
+    f: Callable[[Any], Any] = np.log10 if lo > 0 and hi / lo > 100 else (lambda v: v)
+    lo_, hi_ = f(lo), f(hi)
+    return lambda v: 0.5 if hi_ == lo_ else (f(v) - lo_) / (hi_ - lo_)
+
+
+def _category_axis(levels: list[str]) -> Callable[[Any], float]:
+    """Categories placed evenly over [0, 1], in `levels` order."""
+    return lambda v: levels.index(str(v)) / max(len(levels) - 1, 1)
+
+
 def parallel_paths(trials: list[TrialRow], objective: str) -> tuple[list[dict[str, Any]], list[str]]:
     """One path per trial across the parameter axes (x = axis index), each parameter
     scaled to [0, 1] over the trials; categories placed evenly; the last axis is the fom.
     Returns the paths and the axes' names."""
     names = sorted({k for t in trials for k in t.params})
-    axes = []
+    axes: list[Callable[[Any], float]] = []
     for name in names:
         values = [t.params.get(name) for t in trials]
-        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-            lo, hi = min(values), max(values)
-            positive = lo > 0 and hi / lo > 100  # log-scaled spaces spread over decades
-            f = np.log10 if positive else (lambda v: v)
-            lo_, hi_ = f(lo), f(hi)
-            axes.append(lambda v, f=f, lo_=lo_, hi_=hi_: 0.5 if hi_ == lo_ else (f(v) - lo_) / (hi_ - lo_))
+        numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        if len(numbers) == len(values):
+            axes.append(_numeric_axis(min(numbers), max(numbers)))
         else:
-            levels = sorted({str(v) for v in values})
-            axes.append(lambda v, levels=levels: levels.index(str(v)) / max(len(levels) - 1, 1))
-    foms = [t.fom for t in trials]
+            axes.append(_category_axis(sorted({str(v) for v in values})))
+    # The study view passes finished trials only: each has its figure of merit.
+    foms = [t.fom if t.fom is not None else math.nan for t in trials]
     lo, hi = min(foms), max(foms)
     paths = []
-    for t in trials:
-        ys = [axis(t.params.get(name)) for axis, name in zip(axes, names)]
-        ys.append(0.5 if hi == lo else (t.fom - lo) / (hi - lo))
-        paths.append({"x": np.arange(len(ys), dtype=float), "y": np.array(ys, dtype=float), "fom": t.fom})
+    for t, fom in zip(trials, foms, strict=True):
+        ys = [axis(t.params.get(name)) for axis, name in zip(axes, names, strict=True)]
+        ys.append(0.5 if hi == lo else (fom - lo) / (hi - lo))
+        paths.append({"x": np.arange(len(ys), dtype=float), "y": np.array(ys, dtype=float), "fom": fom})
     return paths, [*names, objective]

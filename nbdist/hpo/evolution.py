@@ -43,8 +43,8 @@ from typing import Any
 
 import numpy as np
 
-from nbdist.hpo.searcher import Searcher, SearcherError, register
-from nbdist.hpo.space import Categorical
+from nbdist.hpo.searcher import SEARCHERS, Searcher, SearcherError
+from nbdist.hpo.space import Categorical, Integer, Real
 
 __all__ = ["EvolutionSearcher", "crossover", "mutation", "mutation_fraction", "tournament", "elite_count"]
 
@@ -84,9 +84,17 @@ def elite_count(population: int) -> int:
 
 
 # ----------------------------------------------------------------------------- the searcher
-@register
+@SEARCHERS.register
 class EvolutionSearcher(Searcher):
+    """An evolutionary algorithm: tournament selection, crossover and shrinking mutation
+    over generations of a population (NNLO's GA)."""
+
     name = "evolution"
+    parameter_help = {
+        "population": "points in each generation (at least 2)",
+        "generations": "generations in all (default: as many as the study's --trials allow)",
+        "reevaluate_elite": "train the fittest fifth carried over again in the next generation",
+    }
 
     def __init__(
         self,
@@ -197,6 +205,8 @@ class EvolutionSearcher(Searcher):
                     value = dim.categories[(dim.index(value) + 1 + int(rng.integers(count - 1))) % count]
                 child[name] = value
                 continue
+            if not isinstance(dim, (Real, Integer)):
+                raise TypeError(f"evolution cannot breed a {type(dim).__name__} dimension ({name})")
             low, high = dim.search_bounds
             p = crossover(dim.to_search(parent_a[name]), dim.to_search(parent_b[name]), rng.random(), low, high)
             p = mutation(p, rng.random(), rng.random(), g, self.generations, low, high)

@@ -40,7 +40,7 @@ class FunctionExecutor(TrialExecutor):
         try:
             value = self.objective(dict(trial.params))
             self._curve = [float(v) for v in value] if isinstance(value, Sequence) else [float(value)]
-        except Exception as exc:  # noqa: BLE001 - the user's objective failed: the trial fails
+        except Exception as exc:  # the user's objective failed: the trial fails
             self._curve, self._error = [], f"{type(exc).__name__}: {exc}"
 
     def poll(self, timeout: float) -> list[EpochReport | TrialFinished]:

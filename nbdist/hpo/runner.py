@@ -114,8 +114,9 @@ class TrialExecutor(ABC):
     def prune(self, group: int) -> None:
         """Ask the trial running on `group` to stop at its next step boundary."""
 
-    def close(self) -> None:
-        """The study is over (or interrupted): release the groups."""
+    def close(self) -> None:  # noqa: B027
+        """The study is over (or interrupted): release the groups. By default there is
+        nothing to release."""
 
 
 # ----------------------------------------------------------------------------- result
@@ -264,9 +265,17 @@ class StudyRunner:
         for trial, finished in recovered:
             self._on_finished(_Running(trial, group=None), finished)
 
+    @property
+    def _shared(self) -> RunStore:
+        """The run store a resumable study keeps its state in: the methods that call this
+        run only with one."""
+        if self.store is None:
+            raise RuntimeError("this study has no run store to keep its state in")
+        return self.store
+
     def _load_state(self) -> None:
         """The study's searcher and pruner as the store has them (inside its lock)."""
-        state = self.store.study(self.name).get("searcher_state") or {}
+        state = self._shared.study(self.name).get("searcher_state") or {}
         if "searcher" not in state:
             raise StudyError(f"study {self.name!r} has no saved searcher state: it cannot be resumed")
         self.searcher = restore_searcher(state["searcher"])
@@ -281,13 +290,13 @@ class StudyRunner:
         """Inside the study's lock: take over the running trials whose job is gone: those
         to train again join the queue; those whose fold runs all completed are returned
         with their outcome."""
-        live = self.store.live_jobs(self.name)
+        live = self._shared.live_jobs(self.name)
         claimed = [
             Trial(t.number, t.params, t.generation)
-            for t in self.store.trials(self.name)
+            for t in self._shared.trials(self.name)
             if t.state == "running"
             and t.owner not in live
-            and self.store.claim_trial(self.name, t.number, self.job, t.owner)
+            and self._shared.claim_trial(self.name, t.number, self.job, t.owner)
         ]
         if claimed:
             self.say(
@@ -304,7 +313,7 @@ class StudyRunner:
         from nbdist.hpo.trial import fold_of_run
 
         folds: dict[int, FoldOutcome] = {}
-        for run in self.store.runs(study=self.name):
+        for run in self._shared.runs(study=self.name):
             tagged = fold_of_run(run.id)
             if run.trial == number and run.status == "completed" and tagged is not None:
                 folds[tagged[1]] = FoldOutcome(final=run.final, stop_reason=run.reason or "", run_id=run.id)
@@ -348,7 +357,8 @@ class StudyRunner:
                 if self.stopping and not reason:
                     reason = self.stopping
                     for slot in running.values():
-                        self.executor.prune(slot.group)
+                        if slot.group is not None:
+                            self.executor.prune(slot.group)
                 if not reason:
                     self._fill(free, running)
                 if not running:
@@ -365,7 +375,8 @@ class StudyRunner:
                         self._on_epoch(event, running)
                     else:
                         slot = running.pop(event.number)
-                        free.append(slot.group)
+                        if slot.group is not None:
+                            free.append(slot.group)
                         self._look_after = 0.0
                         self._on_finished(slot, event)
         finally:
@@ -450,9 +461,9 @@ class StudyRunner:
         if time.monotonic() < self._look_after:
             return
         starts: list[tuple[int, Trial]] = []
-        with self.store.coordinate(self.name):
+        with self._shared.coordinate(self.name):
             recovered = self._adopt_orphans()
-            rows = self.store.trials(self.name)
+            rows = self._shared.trials(self.name)
             self._refresh_results(rows)
             self._watching = any(t.state == "running" for t in rows)
             if not self._stop_reason():
@@ -468,7 +479,7 @@ class StudyRunner:
                     self._save_state()
                 for group, trial in starts:
                     trial.group, trial.started = group, time.time()
-                    self.store.record_trial(
+                    self._shared.record_trial(
                         self.name,
                         trial.number,
                         params=trial.params,
@@ -499,7 +510,8 @@ class StudyRunner:
         if self.pruner.should_prune(event.epoch, mean):
             slot.pruning = True
             trial.pruned_at = event.epoch
-            self.executor.prune(slot.group)
+            if slot.group is not None:
+                self.executor.prune(slot.group)
 
     def _on_finished(self, slot: _Running, event: TrialFinished) -> None:
         trial = slot.trial
@@ -535,7 +547,7 @@ class StudyRunner:
         fom_std = statistics.pstdev(values) if len(values) > 1 else (0.0 if values else None)
         error = None if state != "failed" else "; ".join(f"fold {f}: {e}" for f, e in sorted(errors.items()))
         means = _mean_metrics([o.final for o in event.folds.values() if o.final]) if state == "complete" else {}
-        row = {
+        row: dict[str, Any] = {
             "number": trial.number,
             "params": trial.params,
             "state": state,

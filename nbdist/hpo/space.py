@@ -191,14 +191,14 @@ class Integer(_Bounded):
         # (rounding would give the two ends half a share each).
         if self.log:
             return self.coerce_clip(math.floor(math.exp(rng.uniform(math.log(self.low), math.log(self.high + 1)))))
-        return int(rng.integers(self.low, self.high + 1))
+        return int(rng.integers(int(self.low), int(self.high) + 1))
 
     def coerce_clip(self, value: float) -> int:
         return int(min(max(math.floor(float(value) + 0.5), self.low), self.high))
 
     def grid(self, points: int) -> list[int]:
         if self.high - self.low + 1 <= points:
-            return list(range(self.low, self.high + 1))
+            return list(range(int(self.low), int(self.high) + 1))
         lo, hi = self.search_bounds
         return sorted({self.from_search(x) for x in np.linspace(lo, hi, max(1, points))})
 
@@ -231,7 +231,7 @@ class Categorical(Dimension):
                     f"category {c!r} is a {type(c).__name__}; categories must be strings, "
                     f"numbers, True/False or None (write a tuple as a string, e.g. '64x64')"
                 )
-        seen = []
+        seen: list[Any] = []
         for c in cats:
             if any(_same(c, s) for s in seen):
                 raise SpaceError(f"category {c!r} is given twice")
@@ -333,7 +333,7 @@ class Space(Mapping[str, Dimension]):
 
     @classmethod
     def from_json(cls, items: Sequence[Mapping[str, Any]]) -> Space:
-        dims = {}
+        dims: dict[str, Dimension] = {}
         for item in items:
             item = dict(item)
             name, kind = item.pop("name"), item.pop("kind")

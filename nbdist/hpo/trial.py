@@ -31,9 +31,10 @@ from typing import Any
 
 import numpy as np
 
-from nbdist.algorithms import MASTER_WORKER_ALGORITHMS
+from nbdist.algorithms import RULES, Algorithm
 from nbdist.errors import UserError
 from nbdist.hpo.space import parse_space
+from nbdist.layout import Layout
 from nbdist.options import StudyOptions, TrainOptions, parse_target
 from nbdist.specs import parse_spec
 from nbdist.store import store_path
@@ -43,6 +44,8 @@ __all__ = [
     "TrialError",
     "trial_options",
     "with_params",
+    "takes_params",
+    "study_layout",
     "fold_split",
     "fold_fom",
     "run_name",
@@ -135,8 +138,9 @@ def _optimizer_option(options: TrainOptions) -> str:
     itself, Downpour pushing every batch its master's optimiser, else the workers'."""
     if options.topology != "master-worker":
         return "worker_optimizer"
-    rule = MASTER_WORKER_ALGORITHMS.get(parse_spec(options.algorithm or "downpour", what="--algorithm").name)
-    if rule is None:  # the run's set-up names the valid ones
+    name = parse_spec(options.algorithm or "downpour", what="--algorithm").name
+    rule = RULES.get(name) if name in RULES else None
+    if rule is None or not issubclass(rule, Algorithm):  # the run's set-up names the valid ones
         return "worker_optimizer"
     if not (rule.uses_worker_optimizer or rule.uses_master_optimizer):
         return "algorithm"
@@ -151,15 +155,19 @@ def _default_optimizer(option: str) -> str:
     return DEFAULT_MASTER_OPTIMIZER if option == "master_optimizer" else DEFAULT_WORKER_OPTIMIZER
 
 
+def takes_params(build: Callable[..., Any]) -> bool:
+    """Whether a model builder takes an argument: the trial's parameters."""
+    try:
+        return len(inspect.signature(build).parameters) > 0
+    except (TypeError, ValueError):  # a builtin or a class without a signature
+        return False
+
+
 def with_params(build: Callable[..., Any] | None, params: dict[str, Any]) -> Callable[[], Any] | None:
     """A no-argument builder that passes `params` to `build` when it takes an argument."""
     if build is None:
         return None
-    try:
-        takes = len(inspect.signature(build).parameters) > 0
-    except (TypeError, ValueError):  # a builtin or a class without a signature
-        takes = False
-    return (lambda: build(params)) if takes else build
+    return (lambda: build(params)) if takes_params(build) else build
 
 
 def fold_split(data: Any, fold: int, folds: int, seed: int) -> Any:
@@ -208,6 +216,21 @@ def fold_fom(final: dict[str, Any], objective: str) -> float:
     if value is None or not math.isfinite(float(value)):
         raise TrialError(f"the objective {objective} is {value}")
     return float(value)
+
+
+def study_layout(study: StudyOptions, train: TrainOptions, ranks: int) -> Layout:
+    """The layout of a batch study on `ranks` MPI ranks: rank 0 coordinates, the others
+    train in groups x folds runs (LayoutError when `ranks` cannot hold them)."""
+    return Layout.for_world(
+        ranks,
+        workers=train.workers,
+        masters=train.masters,
+        procs_per_worker=train.procs_per_worker,
+        topology=train.topology,
+        groups=study.groups,
+        folds=study.folds,
+        coordinator=True,
+    )
 
 
 def check_study(study: StudyOptions, train: TrainOptions) -> None:

@@ -92,7 +92,7 @@ def place_store(store: str | None, runs_dir: str, *, several_hosts: bool) -> str
     network file system written from one host."""
     database = store_path(store, runs_dir)
     sqlite = sqlite_file(database) if database is not None else None
-    if sqlite is None:
+    if database is None or sqlite is None:
         return database
     if store is None:
         make_dir(Path(runs_dir))

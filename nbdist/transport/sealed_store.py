@@ -31,6 +31,7 @@ import hashlib
 import hmac
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import torch.distributed as dist
 
@@ -61,7 +62,8 @@ class SealedStore(dist.Store):
         super().__init__()
         if len(secret) != SECRET_BYTES:
             raise ValueError(f"the rendezvous secret has {SECRET_BYTES} bytes, not {len(secret)}")
-        self.inner = inner
+        # Any: torch's stubs say str for values the C++ store takes as bytes, and leave out append.
+        self.inner: Any = inner
         self._names = _subkey(secret, b"names")
         self._stream = _subkey(secret, b"stream")
         self._tags = _subkey(secret, b"tags")

@@ -75,7 +75,7 @@ class CoordinatorChannel:
         for request in self.sends:
             try:
                 wait(request, timeout=timeout)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
 
 
