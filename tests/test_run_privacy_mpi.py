@@ -6,6 +6,7 @@ store the run recorded, and a one-node job with a gloo rendezvous listens on loo
 from __future__ import annotations
 
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -157,7 +158,7 @@ def test_a_postgres_password_comes_from_pgpassword_and_is_written_nowhere(tmp_pa
 # ------------------------------------------------------------------ who listens where
 def test_a_one_node_jobs_ranks_and_gloo_rendezvous_listen_on_loopback_only(tmp_path):
     """The ranks (MPI on shared memory; the torch.distributed store and gloo's pairs) listen
-    on loopback only. Open MPI's launcher cannot: PRRTE binds its out-of-band listeners to
+    on loopback only, as `ss -ltnp` shows. Open MPI's launcher cannot: PRRTE binds its out-of-band listeners to
     every IPv4 and IPv6 address (create_listen in oob_tcp_listener.c: INADDR_ANY and
     in6addr_any, no setting changes it; prte_if_include=lo finds no interface, oob=^tcp
     cannot start). Those two are named here, so that anything else beyond loopback fails."""
@@ -166,7 +167,7 @@ def test_a_one_node_jobs_ranks_and_gloo_rendezvous_listen_on_loopback_only(tmp_p
     try:
         # Until both ranks train (their group made): every listener of the job is up.
         job.wait_for(lambda: (tmp_path / "r" / "history.jsonl").exists() and listening(_ranks(job)), "training")
-        sockets = {(p.name(), ip, port) for p in job.processes() for ip, port in listening([p])}
+        sockets = _ss_listeners({p.pid: p.name() for p in job.processes()})
     finally:
         job.proc.send_signal(signal.SIGTERM)  # stops at a step boundary, with a final checkpoint
         status = job.finish()
@@ -175,6 +176,23 @@ def test_a_one_node_jobs_ranks_and_gloo_rendezvous_listen_on_loopback_only(tmp_p
     launcher = sorted(ip for name, ip, _ in sockets if name == "prterun")
     assert "127.0.0.1" in launcher and [ip for ip in launcher if ip not in LOOPBACK] == ["0.0.0.0", "::"], sockets
     assert status == 0, job.output
+
+
+def _ss_listeners(names: dict[int, str]) -> set[tuple[str, str, int]]:
+    """(process name, address, port) of every TCP socket these processes listen on, as
+    `ss -ltnp` shows them (the kernel's own view, over netlink): ss writes an IPv6 any
+    address as [::] or * (dual stack), an address on one interface as ADDR%IF."""
+    shown = subprocess.run(["ss", "-H", "-l", "-t", "-n", "-p"], capture_output=True, text=True, timeout=30)
+    assert shown.returncode == 0, shown.stderr
+    found = set()
+    for line in shown.stdout.splitlines():
+        fields = line.split()
+        pids = {int(pid) for pid in re.findall(r"pid=(\d+)", line)}
+        for pid in pids & set(names):
+            address, _, port = fields[3].rpartition(":")
+            address = address.strip("[]").split("%")[0]
+            found.add((names[pid], "::" if address == "*" else address, int(port)))
+    return found
 
 
 def _ranks(job: Launched) -> list[psutil.Process]:
