@@ -29,7 +29,7 @@ from nbdist.backends import DeviceRequest
 from nbdist.errors import UserError
 from nbdist.hpo.reads import check_space_is_read
 from nbdist.hpo.runner import resolve_options
-from nbdist.hpo.space import parse_space
+from nbdist.hpo.space_input import parse_space
 from nbdist.hpo.trial import check_study, study_layout, trial_options, watched_metrics
 from nbdist.options import model_file, options_from_args, study_options_from_args
 from nbdist.roles.fold import trial_definition

@@ -301,7 +301,7 @@ def build_model(params):
 )
 def test_a_study_parameter_nothing_reads_is_found(tmp_path, space, unread):
     from nbdist.hpo.reads import unread_params
-    from nbdist.hpo.space import parse_space
+    from nbdist.hpo.space_input import parse_space
     from nbdist.train.definition import load_model_file
 
     (tmp_path / "m.py").write_text(MODEL_FILE)
@@ -315,7 +315,7 @@ def test_a_study_parameter_nothing_reads_is_found(tmp_path, space, unread):
 
 def test_a_builder_without_parameters_reads_none_and_one_that_takes_them_all_reads_all(tmp_path):
     from nbdist.hpo.reads import check_params_read
-    from nbdist.hpo.space import parse_space
+    from nbdist.hpo.space_input import parse_space
     from nbdist.hpo.trial import TrialError
     from nbdist.train.definition import load_model_file
 

@@ -178,7 +178,7 @@ class KerasFramework(Framework):
         return KerasBackend(model, loss, metric, sample=sample, precision=precision)
 
     def optimizer_names(self) -> list[str]:
-        from nbdist.backends.keras import keras_optimizers
+        from nbdist.backends.keras_optimizers import keras_optimizers
 
         return list(keras_optimizers())
 

@@ -25,7 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from nbdist.hpo.space import Space, parse_space
+from nbdist.hpo.space import Space
+from nbdist.hpo.space_input import parse_space
 from nbdist.hpo.trial import OPTIMIZER_PARAMS, TrialError, takes_params
 from nbdist.options import StudyOptions, TrainOptions
 from nbdist.specs import did_you_mean

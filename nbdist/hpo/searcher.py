@@ -34,7 +34,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 from nbdist.errors import UserError
-from nbdist.hpo.space import Space, as_space
+from nbdist.hpo.space import Space
+from nbdist.hpo.space_input import as_space
 from nbdist.registry import Registry
 from nbdist.specs import Spec, SpecError, check_kwargs, parse_spec, unknown_name
 

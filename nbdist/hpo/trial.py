@@ -33,7 +33,7 @@ import numpy as np
 
 from nbdist.algorithms import RULES, Algorithm
 from nbdist.errors import UserError
-from nbdist.hpo.space import parse_space
+from nbdist.hpo.space_input import parse_space
 from nbdist.layout import Layout
 from nbdist.options import StudyOptions, TrainOptions, parse_target
 from nbdist.specs import parse_spec
