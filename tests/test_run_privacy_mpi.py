@@ -5,12 +5,14 @@ store the run recorded, and a one-node job with a gloo rendezvous listens on loo
 
 from __future__ import annotations
 
-import os
 import re
 import signal
+import socket
 import stat
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import postgres_server
@@ -29,10 +31,6 @@ MLP = str(ROOT / "examples" / "digits_mlp.py")
 LOOPBACK = {"127.0.0.1", "::1"}
 
 
-def _umask_022() -> None:
-    os.umask(0o022)
-
-
 def nbdist(*argv: str, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
     """`python -m nbdist ARGV` under umask 022, as a user whose files are readable by all
     would run it; a hang fails the test."""
@@ -44,7 +42,7 @@ def nbdist(*argv: str, env: dict | None = None, timeout: float = 240) -> subproc
             capture_output=True,
             text=True,
             timeout=timeout,
-            preexec_fn=_umask_022,
+            umask=0o022,
         )
     except subprocess.TimeoutExpired:
         pytest.fail(f"python -m nbdist {' '.join(argv)} hung for {timeout} s")
@@ -132,9 +130,17 @@ def test_a_postgres_password_comes_from_pgpassword_and_is_written_nowhere(tmp_pa
     env = {**mpi_env(), "PGPASSWORD": PASSWORD}
     done = nbdist("launch", "-n", "3", "train", *args, "--store", url, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
-    # Resumed without --store: the run reconnects to the store it recorded.
-    resumed = nbdist("launch", "-n", "3", "train", "--resume", str(runs / "r"), "--epochs", "4", "--quiet", env=env)
+    # Resumed without --store: the run reconnects to the store it recorded. Through the
+    # launcher's several-node path (--hosts), which hands PGPASSWORD to mpiexec as `-x
+    # PGPASSWORD`: prterun's command line, as ps shows it, names it and holds no value.
+    hosts = f"{socket.gethostname()}:3"
+    resume = ("launch", "-n", "3", "--hosts", hosts, "train", "--resume", str(runs / "r"), "--epochs", "4", "--quiet")
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(nbdist, *resume, env=env)
+        launcher = _launcher_command_line(running)
+        resumed = running.result()
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "-x PGPASSWORD" in launcher and PASSWORD not in launcher, launcher
     assert not (runs / "nbdist.db").exists()  # no SQLite store was made instead
     monkeypatch.setenv("PGPASSWORD", PASSWORD)  # for this test's own look at the store
     with RunStore(url) as store:
@@ -153,6 +159,21 @@ def test_a_postgres_password_comes_from_pgpassword_and_is_written_nowhere(tmp_pa
     rows = _rows(postgres.url("secrets"))
     assert "r" in rows and url in rows and PASSWORD not in rows
     assert PASSWORD not in done.stdout + done.stderr + resumed.stdout + resumed.stderr
+
+
+def _launcher_command_line(running) -> str:
+    """The command line of this test's prterun, read (as ps reads it) while `running` runs."""
+    me = psutil.Process()
+    while not running.done():
+        for process in me.children(recursive=True):
+            try:
+                if process.name() == "prterun":
+                    return " ".join(process.cmdline())
+            except psutil.Error:
+                continue
+        time.sleep(0.05)
+    done = running.result()
+    pytest.fail(f"no prterun seen while the job ran:\n{done.stdout}{done.stderr}")
 
 
 # ------------------------------------------------------------------ who listens where
