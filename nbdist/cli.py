@@ -267,7 +267,13 @@ def _study(args: argparse.Namespace) -> int:
     result = run_study(study, train, definition_of(train.model))
     if result is not None:
         print(f"nbdist: study {result.study}: {result.reason} in {result.seconds:.1f}s", flush=True)
-        if result.best_params is not None:
+        if result.pareto:
+            names = study.objectives
+            print(f"nbdist: Pareto front of {', '.join(names)} ({study.resolved_direction}):", flush=True)
+            for row in result.pareto:
+                values = ", ".join(f"{n} {v:.4g}" for n, v in zip(names, row["values"], strict=True))
+                print(f"nbdist:   trial {row['number']:>3}  {values}  {row['params']}", flush=True)
+        elif result.best_params is not None:
             print(f"nbdist: best {study.objective} {result.best_fom:.4f} with {result.best_params}", flush=True)
         if result.store:
             store = store_label(result.store)

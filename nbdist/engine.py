@@ -203,15 +203,19 @@ def open_study(study: str, layout: dict[str, Any]) -> None:
     from mpi4py import MPI
 
     from nbdist.layout import Layout
+    from nbdist.roles.exchange import Kept
 
     close_study(study)
-    _STUDIES[study] = Layout.from_dict(layout).split(MPI.COMM_WORLD)
+    whole = Layout.from_dict(layout)
+    # The layout, this engine's communicators, and its share of the last checkpoint its
+    # group's trial wrote (PBT sends it to another group over MPI).
+    _STUDIES[study] = (whole, whole.split(MPI.COMM_WORLD), Kept())
 
 
 def close_study(study: str) -> None:
-    comms = _STUDIES.pop(study, None)
-    if comms is not None:
-        comms.free()
+    opened = _STUDIES.pop(study, None)
+    if opened is not None:
+        opened[1].free()
 
 
 def run_trial(
@@ -227,21 +231,34 @@ def run_trial(
     metric: Any = "accuracy",
     data: Any = None,
     live: bool = True,
+    segment: dict[str, Any] | None = None,
 ) -> EngineOutcome:
-    """One rank's part of a study's trial: collective over this engine's group (its fold
-    runs in parallel). The outcome's result is a FoldOutcome on each fold's leader."""
+    """One rank's part of a segment of a study's trial: collective over this engine's group
+    (its fold runs in parallel), PBT's copies between groups first. The outcome's result
+    is a FoldOutcome on each fold's leader."""
+    from mpi4py import MPI
+
+    from nbdist.hpo.trial import Segment
     from nbdist.options import StudyOptions, TrainOptions
+    from nbdist.roles.exchange import exchange
     from nbdist.roles.fold import train_fold
+    from nbdist.transport.collectives import Collectives
 
-    comms = _STUDIES.get(study)
-    if comms is None:
-        from mpi4py import MPI
-
+    opened = _STUDIES.get(study)
+    if opened is None:
         return EngineOutcome(MPI.COMM_WORLD.Get_rank(), error=f"study {study!r} is not open on this engine")
+    layout, comms, kept = opened
     definition = _definition(cell, model, loss, metric, data)
     train_options, study_options = TrainOptions.from_dict(train), StudyOptions.from_dict(options)
-    return _as_outcome(
-        lambda stop, sink: train_fold(
+    part = Segment.from_dict(segment) if segment else None
+
+    def work(stop: Any, sink: Any) -> Any:
+        if part is not None:
+            collectives = Collectives(lambda: EXCHANGE_WAIT)
+            exchange(
+                MPI.COMM_WORLD, comms, layout, collectives, kept, number, train_options.runs_dir, part, EXCHANGE_WAIT
+            )
+        return train_fold(
             study,
             number,
             params,
@@ -253,6 +270,11 @@ def run_trial(
             stop,
             sink=sink,
             record=False,
-        ),
-        live,
-    )
+            segment=part,
+            keep=kept.keeper(number),
+        )
+
+    return _as_outcome(work, live)
+
+
+EXCHANGE_WAIT = 600.0  # how long a group waits for another in PBT's copy of a training state

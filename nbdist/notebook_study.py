@@ -28,7 +28,7 @@ from nbdist.hpo.runner import (
     TrialFinished,
     new_study_name,
 )
-from nbdist.hpo.trial import Trial, fold_of_run, trial_options
+from nbdist.hpo.trial import Segment, Trial, fold_of_run, trial_options
 from nbdist.job import JobError, wait_interruptibly
 from nbdist.layout import Layout
 from nbdist.options import StudyOptions, TrainOptions
@@ -68,7 +68,7 @@ class EngineGroups(TrialExecutor):
         self.jobs: dict[int, tuple[Any, Trial, int]] = {}  # group -> (job, trial, records read)
         cluster.view.apply_sync(engine.open_study, study, layout.to_dict())
 
-    def start(self, group: int, trial: Trial) -> None:
+    def start(self, group: int, trial: Trial, segment: Segment) -> None:
         from nbdist import engine
         from nbdist.job import Job
 
@@ -83,6 +83,7 @@ class EngineGroups(TrialExecutor):
             trial.params,
             self.train.to_dict(),
             self.options.to_dict(),
+            segment=segment.to_dict(),
             **self.what,
         )
         job = Job(
@@ -139,7 +140,9 @@ class EngineGroups(TrialExecutor):
                 fold.error = fold.error or str(job.error)
         return folds
 
-    def prune(self, group: int) -> None:
+    def stop(self, group: int, reason: str) -> None:
+        """A signal: the trial's runs stop at their next step boundary (a notebook's engines
+        take no message while they train)."""
         import signal
 
         if group in self.jobs:
@@ -289,7 +292,8 @@ class Study:
     @property
     def trials(self) -> Any:
         """Every finished trial: its parameters, figure of merit (mean over folds), its
-        spread over the folds, state (complete, pruned, failed) and generation."""
+        spread over the folds, state (complete, pruned, stopped, failed), generation, the
+        epochs it trained and, in a multi-objective study, its values."""
         import pandas as pd
 
         rows = [
@@ -300,6 +304,8 @@ class Study:
                 "fom_std": r["fom_std"],
                 "state": r["state"],
                 "generation": r["generation"],
+                "epochs": r.get("epochs"),
+                **({"values": r["values"]} if r.get("values") is not None else {}),
                 "error": r["error"],
             }
             for r in list(self.runner.results)
@@ -311,6 +317,12 @@ class Study:
     def best_params(self) -> dict[str, Any] | None:
         best = self.runner.best()
         return best[2] if best else None
+
+    @property
+    def pareto(self) -> list[dict[str, Any]]:
+        """A multi-objective study's Pareto front so far: the complete trials no other beats
+        in every objective (empty for one objective)."""
+        return self.runner.pareto()
 
     @property
     def best_fom(self) -> float | None:

@@ -112,6 +112,34 @@ def run_python(argv: list[str], *, timeout: float = 120, cwd: Path | None = None
     return Completed(proc.returncode, proc.stdout, proc.stderr)
 
 
+def kill_when(n: int, argv: list[str], ready, *, timeout: float, what: str) -> None:
+    """Start `mpiexec -n n python <argv>` in a session of its own, look every 0.1 s until
+    `ready()` says so, then kill the whole job with SIGKILL: no handler runs, it vanishes.
+    The job ending first, or `timeout` s without `ready()`, fails the test (`what` says
+    what was awaited)."""
+    import os
+    import signal
+
+    job = subprocess.Popen(
+        mpiexec_command(n, argv),
+        cwd=ROOT,
+        env=mpi_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            assert job.poll() is None, job.communicate()[0][-3000:]
+            assert time.monotonic() < deadline, f"{what} within {timeout} s"
+            time.sleep(0.1)
+    finally:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.communicate(timeout=60)
+
+
 @pytest.fixture
 def mpirun():
     return run_mpi

@@ -44,6 +44,7 @@ FAST = {
     "evolution": "evolution(population=4, generations=3)",
     "grid": "grid(points=3)",
     "random": "random",
+    "optuna": "optuna(sampler='tpe', n_startup_trials=3)",
 }
 
 
@@ -53,7 +54,7 @@ def searcher(name: str, seed: int = 0, space: str = MIXED, **kw):
 
 # ----------------------------------------------------------------------------- registry
 def test_registry_and_specs():
-    assert set(SEARCHERS) == {"bayes", "evolution", "grid", "random"}
+    assert set(SEARCHERS) == {"bayes", "evolution", "grid", "optuna", "random"}
     s = make_searcher("evolution(population=6, generations=2)", MIXED, direction="maximize", seed=3)
     assert isinstance(s, EvolutionSearcher) and (s.population, s.generations, s.seed) == (6, 2, 3)
     assert s.direction == "maximize" and s.planned == 12
@@ -64,7 +65,7 @@ def test_registry_and_specs():
     with pytest.raises(
         SpecError,
         match=r"unknown searcher 'bayesian' \(did you mean 'bayes'\?\); "
-        r"choose one of: bayes, evolution, grid, random",
+        r"choose one of: bayes, evolution, grid, optuna, random",
     ):
         make_searcher("bayesian", MIXED)
     with pytest.raises(

@@ -85,6 +85,11 @@ def test_tutorial_executes_top_to_bottom(path, tmp_path, request):
         runs = {json.loads(f.read_text())["worker_parallel"] for f in (tmp_path / "runs").glob("*/options.json")}
         assert runs == {"pipeline", "allreduce"}, runs  # the pipeline ran as stages, the rest as replicas
         assert "cluster stopped" in text
+    if path.stem == "05_hpo_schedulers":
+        assert "ASHA: every promoted trial went on from its checkpoint, no epoch trained twice" in text
+        assert "PBT: 3 exploits, each copied the weights and optimiser state bit for bit" in text
+        assert len(list((tmp_path / "runs").glob("*-trial*-fold0/checkpoints/exploit-0001"))) == 1
+        assert "cluster stopped" in text
     if path.stem == "03_gan":
         assert "the trained generator's digits are closer to the real ones" in text
         runs = list((tmp_path / "runs").glob("*-master-worker-easgd"))

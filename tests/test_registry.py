@@ -136,5 +136,5 @@ def test_nbdist_s_registries_load_without_mpi_or_a_framework(pyrun):
     )
     assert done.returncode == 0, done.output
     kinds, heavy = done.stdout.strip().splitlines()[-2:]
-    assert kinds == str(sorted(["update rule", "codec", "allreduce backend", "searcher"]))
+    assert kinds == str(sorted(["update rule", "codec", "allreduce backend", "searcher", "scheduler"]))
     assert heavy == "[]"

@@ -11,8 +11,9 @@ import pytest
 
 from nbdist.errors import OptionsError
 from nbdist.hpo.inprocess import optimize
-from nbdist.hpo.pruning import MedianPruner
 from nbdist.hpo.runner import StudyError
+from nbdist.hpo.schedulers import COMPLETE, STOPPED, Median, Setting
+from nbdist.hpo.space_input import parse_space
 from nbdist.hpo.trial import TrialError, fold_fom, fold_of_run, fold_split, run_name, trial_options, with_params
 from nbdist.options import StudyOptions, TrainOptions
 from nbdist.store import RunStore
@@ -102,17 +103,31 @@ def test_figure_of_merit_and_run_names():
     assert fold_of_run("20261123-allreduce-sgd") is None
 
 
+def _median(maximize: bool = False, warmup_trials: int = 2) -> Median:
+    median = Median(warmup_trials=warmup_trials)
+    median.bind(Setting(epochs=5, groups=1, trials=10, space=parse_space("x=real(0,1)"), maximize=maximize))
+    return median
+
+
+def _finish(median: Median, number: int, curve: dict[int, float], outcome: str = COMPLETE) -> None:
+    for epoch, value in curve.items():
+        median.on_epoch(number, epoch, value)
+    median.reached(number, max(curve), curve[max(curve)], outcome)
+
+
 def test_the_median_pruner_compares_with_finished_trials_at_the_same_epoch():
-    pruner = MedianPruner(maximize=False, warmup_trials=2)
-    assert not pruner.should_prune(1, 100.0)  # nobody to compare with yet
-    pruner.finished({1: 1.0, 2: 0.5})
-    pruner.finished({1: 3.0, 2: 2.5})
-    assert pruner.should_prune(1, 2.5) and not pruner.should_prune(1, 1.5)
-    assert not pruner.should_prune(3, 9.9)  # no finished trial reached epoch 3
-    restored = MedianPruner(maximize=False, warmup_trials=2)
-    restored.load_state(pruner.state())
-    assert restored.should_prune(2, 2.0) and not restored.should_prune(2, 1.0)
-    assert MedianPruner(maximize=True, warmup_trials=1, warmup_epochs=1).should_prune(0, 0.0) is False
+    median = _median()
+    assert not median.on_epoch(0, 1, 100.0)  # nobody to compare with yet
+    _finish(median, 1, {1: 1.0, 2: 0.5})
+    _finish(median, 2, {1: 3.0, 2: 2.5})
+    _finish(median, 3, {1: 0.1}, STOPPED)  # a stopped trial's curve is no yardstick
+    assert median.on_epoch(4, 1, 2.5).startswith("pruned: worse than the median of 2 finished trials at epoch 1")
+    assert not median.on_epoch(5, 1, 1.5)
+    assert not median.on_epoch(6, 3, 9.9)  # no finished trial reached epoch 3
+    restored = _median()
+    restored.load_state(median.state())
+    assert restored.on_epoch(7, 2, 2.0) and not restored.on_epoch(8, 2, 1.0)
+    assert not _median(maximize=True, warmup_trials=1).on_epoch(9, 0, 0.0)
 
 
 def test_study_options_say_what_is_wrong():
@@ -229,3 +244,13 @@ def test_an_interrupted_study_resumes_and_trains_only_what_did_not_finish(tmp_pa
     assert len(result.trials) == 10
     with pytest.raises(StudyError, match="has a study named 'resumable' already"):
         optimize(lambda p: 0.0, space="x=real(0,1)", trials=1, store=store, study_name="resumable", **QUIET)
+
+
+def test_what_pbt_may_change_during_a_run_and_a_rules_own_parameters():
+    from nbdist.hpo.trial import changeable
+
+    easgd = TrainOptions(algorithm="easgd")
+    assert all(changeable(name, easgd) for name in ("lr", "momentum", "dropout", "head_dropout", "elastic_force"))
+    assert not any(changeable(name, easgd) for name in ("hidden", "batch_size", "optimizer", "epochs"))
+    assert not changeable("elastic_force", TrainOptions(algorithm="downpour"))
+    assert trial_options(easgd, {"elastic_force": 0.3, "lr": 0.1}).algorithm == "easgd(elastic_force=0.3)"

@@ -5,14 +5,13 @@ study killed mid-way resumes and trains only what did not finish."""
 from __future__ import annotations
 
 import os
-import signal
 import statistics
 import subprocess
 import time
 from collections import Counter
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, kill_when
 
 from nbdist.launch import mpi_env, mpiexec_command
 from nbdist.store import RunStore
@@ -98,36 +97,22 @@ def test_a_study_on_digits_with_groups_and_folds(mpirun, tmp_path):
 def test_a_killed_study_resumes_with_only_its_unfinished_trials(tmp_path):
     # GEM: the space's lr is GEM's own (it has no optimiser), and its trials train.
     argv = _study_argv(tmp_path, "--trials", "6", "--groups", "2", "--study-name", "killed", "--algorithm", "gem")
-    job = subprocess.Popen(
-        mpiexec_command(5, argv),
-        cwd=ROOT,
-        env=mpi_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert job.poll() is None, job.communicate()[0][-3000:]
-            assert time.monotonic() < deadline, "no two trials finished"
-            if (tmp_path / "nbdist.db").exists():
-                with RunStore(tmp_path / "nbdist.db") as store:
-                    try:
-                        trials = store.trials("killed")
-                    except Exception:  # the study row is not written yet
-                        trials = []
-                    # Cut off in the middle of a trial: one that is running and whose run has
-                    # its row (a trial killed before its run began leaves nothing to count).
-                    started = {r.trial for r in store.runs(study="killed")} if trials else set()
-                states = Counter(t.state for t in trials)
-                if states["complete"] >= 2 and {t.number for t in trials if t.state == "running"} & started:
-                    break
-            time.sleep(0.2)
-    finally:
-        os.killpg(job.pid, signal.SIGKILL)  # no handler runs: the study just vanishes
-        job.communicate(timeout=60)
+
+    def two_finished_one_cut_off() -> bool:
+        if not (tmp_path / "nbdist.db").exists():
+            return False
+        with RunStore(tmp_path / "nbdist.db") as store:
+            try:
+                trials = store.trials("killed")
+            except Exception:  # the study row is not written yet
+                trials = []
+            # Cut off in the middle of a trial: one that is running and whose run has
+            # its row (a trial killed before its run began leaves nothing to count).
+            started = {r.trial for r in store.runs(study="killed")} if trials else set()
+        states = Counter(t.state for t in trials)
+        return states["complete"] >= 2 and bool({t.number for t in trials if t.state == "running"} & started)
+
+    kill_when(5, argv, two_finished_one_cut_off, timeout=240, what="no two trials finished")
     with RunStore(tmp_path / "nbdist.db") as store:
         coordinator = store.study("killed")["pid"]
         _wait_gone(coordinator)  # the ranks die a moment after mpiexec

@@ -5,8 +5,11 @@
                              direction="minimize", seed=0, trials=200)
     points = searcher.ask(2); searcher.tell(points[0], 0.12)
 
-Searchers are looked up by name once, in `SEARCHERS` (bayes, evolution, grid, random).
-Nothing here touches MPI or a framework; only `bayes` imports scikit-optimize, when used.
+Searchers are looked up by name once, in `SEARCHERS` (bayes, evolution, grid, random, and
+optuna(sampler=tpe|cmaes|gp|nsga2|nsga3|qmc|random), Optuna's samplers);
+schedulers, which decide how long each trial trains, in `SCHEDULERS` (nbdist.hpo.schedulers:
+fifo, median, asha, hyperband, pbt). Nothing here touches MPI or a framework; only `bayes`
+imports scikit-optimize, when used.
 """
 
 from __future__ import annotations
@@ -14,7 +17,10 @@ from __future__ import annotations
 from nbdist.hpo.bayes import BayesSearcher
 from nbdist.hpo.evolution import EvolutionSearcher
 from nbdist.hpo.grid import GridSearcher
+from nbdist.hpo.inprocess import TrialStopped, optimize
+from nbdist.hpo.optuna_searcher import OptunaSearcher
 from nbdist.hpo.random_search import RandomSearcher
+from nbdist.hpo.schedulers import SCHEDULERS, Scheduler, SchedulerError
 from nbdist.hpo.searcher import (
     DIRECTIONS,
     SEARCHERS,
@@ -47,4 +53,10 @@ __all__ = [
     "EvolutionSearcher",
     "GridSearcher",
     "RandomSearcher",
+    "OptunaSearcher",
+    "SCHEDULERS",
+    "Scheduler",
+    "SchedulerError",
+    "optimize",
+    "TrialStopped",
 ]

@@ -172,7 +172,7 @@ class BayesSearcher(Searcher):
         return self._design[k]
 
     def _model_points(self, n: int, asked: int, fresh: list[dict]) -> list[dict]:
-        told = [(p, self.loss(f)) for p, f in self.told]
+        told = self.losses()
         ok = [loss for _, loss in told if math.isfinite(loss)]
         if not ok:  # nothing to model yet (all pending or failed): random points
             return [self.space.sample(self.rng(RANDOM_POINT, asked + i)) for i in range(n)]

@@ -107,6 +107,7 @@ class EvolutionSearcher(Searcher):
         reevaluate_elite: bool = True,
     ):
         super().__init__(space, direction=direction, seed=seed)
+        self.trials: int | None = None  # the study's budget, when create() was told it
         for what, value, least in (("population", population, 2), ("generations", generations, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise SearcherError(f"evolution {what} must be an integer >= {least}, got {value!r}")
@@ -130,7 +131,20 @@ class EvolutionSearcher(Searcher):
             population = options.get("population", 10)
             if isinstance(population, int) and population > 0:
                 options["generations"] = max(1, math.ceil(trials / population))
-        return cls(space, direction=direction, seed=seed, **options)
+        searcher = cls(space, direction=direction, seed=seed, **options)
+        searcher.trials = trials
+        return searcher
+
+    def notes(self) -> list[str]:
+        trials = self.trials
+        if trials is None or 3 * self.population <= trials:
+            return []
+        bred = max(0, min(trials, self.planned) - self.population)
+        return [
+            f"evolution(population={self.population}) with {trials} trials is one random generation and "
+            f"{bred} bred points: too few generations to evolve; give it a population of at most a third of "
+            f"the trials (population={max(2, trials // 3)}) or --trials {3 * self.population}"
+        ]
 
     def options(self) -> dict:
         return {
@@ -175,7 +189,7 @@ class EvolutionSearcher(Searcher):
     def _breed(self) -> None:
         """Generation gen+1 from the fully told generation gen."""
         g, rng = self.gen, self.rng(BREED, self.gen)
-        losses = [self.loss(f) for f in self.foms]
+        losses = self.ranked(self.foms, self.members)
         order = sorted(range(self.population), key=lambda i: losses[i])  # stable: ties keep their order
         elite = order[: elite_count(self.population)]
         keep = not self.reevaluate_elite

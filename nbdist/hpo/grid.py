@@ -21,6 +21,7 @@ class GridSearcher(Searcher):
     never built: the k-th point is decoded from k, so a grid of millions costs nothing."""
 
     name = "grid"
+    multi_objective = True  # it models nothing: several objectives are as good as one
     parameter_help = {"points": "values per real dimension (and at most per integer one)"}
 
     def __init__(self, space: Any, *, direction: str = "minimize", seed: int = 0, points: int = 5):

@@ -20,6 +20,7 @@ class RandomSearcher(Searcher):
     the same however the runner splits its asks (ask(2) == ask(1) + ask(1))."""
 
     name = "random"
+    multi_objective = True  # it models nothing: several objectives are as good as one
 
     def __init__(self, space: Any, *, direction: str = "minimize", seed: int = 0):
         super().__init__(space, direction=direction, seed=seed)

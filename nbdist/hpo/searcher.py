@@ -85,6 +85,8 @@ class Searcher(ABC):
 
     name: ClassVar[str]
     parameter_help: ClassVar[dict[str, str]] = {}
+    multi_objective: ClassVar[bool] = False  # it may run a study of several objectives (a Pareto front)
+    takes_values: ClassVar[bool] = False  # it is told a list of values in a study of several objectives
 
     def __init__(self, space: Any, *, direction: str = "minimize", seed: int = 0):
         if direction not in DIRECTIONS:
@@ -97,6 +99,7 @@ class Searcher(ABC):
         self.pending: list[dict] = []  # asked, not told yet, in the order asked
         self._pending_keys: list[str] = []  # space.key of each pending point
         self.told: list[tuple[dict, float | None]] = []  # in the order told; None = failed
+        self.stopped: dict[str, int] = {}  # space.key of a told point stopped early -> its epochs
 
     # -- what the runner calls --------------------------------------------------------
     def ask(self, n: int = 1) -> list[dict]:
@@ -115,23 +118,61 @@ class Searcher(ABC):
         self._pending_keys.extend(self.space.key(p, coerced=True) for p in points)
         return [dict(p) for p in points]
 
-    def tell(self, params: Mapping[str, Any], fom: float | None) -> None:
+    def tell(self, params: Mapping[str, Any], fom: float | None, *, stopped_at: int | None = None) -> None:
         """Record the figure of merit of a point asked earlier; None, NaN or an infinity
-        marks a failed trial."""
+        marks a failed trial. `stopped_at`: the trial was stopped after that many epochs
+        (pruned, paused at a rung, out of budget) and `fom` is its value there, not a
+        finished trial's (`losses()` ranks it after the finished ones). A stopped point may
+        be told again (a paused trial promoted, then finished): the new value replaces it."""
         try:
             key = self.space.key(params)
         except ValueError as exc:
             raise SearcherError(f"cannot tell {params!r}: {exc}") from None
-        if key not in self._pending_keys:
-            raise SearcherError(f"cannot tell {dict(params)!r}: it was not asked, or was told already")
-        index = self._pending_keys.index(key)
         if fom is not None and (isinstance(fom, bool) or not isinstance(fom, RealNumber)):
             raise SearcherError(f"the figure of merit must be a number or None (failed), got {fom!r}")
         value = float(fom) if fom is not None and math.isfinite(fom) else None
+        if key not in self._pending_keys and key in self.stopped:
+            index = next(i for i, (p, _) in enumerate(self.told) if self.space.key(p, coerced=True) == key)
+            self.told[index] = (self.told[index][0], value)
+            self._mark_stopped(key, stopped_at)
+            return
+        if key not in self._pending_keys:
+            raise SearcherError(f"cannot tell {dict(params)!r}: it was not asked, or was told already")
+        index = self._pending_keys.index(key)
         point = self.pending.pop(index)
         del self._pending_keys[index]
         self.told.append((point, value))
+        self._mark_stopped(key, stopped_at)
         self._on_told(point, value)
+
+    def _mark_stopped(self, key: str, stopped_at: int | None) -> None:
+        if stopped_at is None:
+            self.stopped.pop(key, None)
+        else:
+            self.stopped[key] = int(stopped_at)
+
+    def losses(self) -> list[tuple[dict, float]]:
+        """(point, loss) of every told point, for a model of the objective: a failure is
+        +inf; a stopped trial's value is an earlier epoch's, so the stopped ones are moved,
+        in their order, behind the worst finished one (as Optuna's TPE ranks pruned trials
+        after complete ones)."""
+        points = [p for p, _ in self.told]
+        return list(zip(points, self.ranked([f for _, f in self.told], points), strict=True))
+
+    def ranked(self, foms: list[float | None], points: list[dict]) -> list[float]:
+        """The losses of `foms` (those of `points`), the stopped ones behind the finished."""
+        stopped = [self.space.key(p, coerced=True) in self.stopped for p in points]
+        losses = [self.loss(f) for f in foms]
+        finished = [loss for loss, early in zip(losses, stopped, strict=True) if not early and math.isfinite(loss)]
+        early = [loss for loss, early in zip(losses, stopped, strict=True) if early and math.isfinite(loss)]
+        shift = max(0.0, max(finished) - min(early)) if finished and early else 0.0
+        return [
+            loss + shift if early and math.isfinite(loss) else loss for loss, early in zip(losses, stopped, strict=True)
+        ]
+
+    def notes(self) -> list[str]:
+        """What the user should know of this set-up before it runs (one line each)."""
+        return []
 
     @property
     def exhausted(self) -> bool:
@@ -182,6 +223,7 @@ class Searcher(ABC):
             "options": self.options(),
             "pending": [dict(p) for p in self.pending],
             "told": [[dict(p), f] for p, f in self.told],
+            "stopped": dict(self.stopped),
             "extra": self._extra_state(),
         }
 
@@ -198,6 +240,7 @@ class Searcher(ABC):
         searcher.pending = [searcher.space.coerce(p) for p in state["pending"]]
         searcher._pending_keys = [searcher.space.key(p, coerced=True) for p in searcher.pending]
         searcher.told = [(searcher.space.coerce(p), None if f is None else float(f)) for p, f in state["told"]]
+        searcher.stopped = {str(k): int(v) for k, v in state.get("stopped", {}).items()}
         searcher._load_extra_state(state["extra"])
         return searcher
 

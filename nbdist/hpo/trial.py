@@ -6,6 +6,7 @@ A trial's parameters reach the training three ways:
   build_discriminator likewise; a builder without an argument ignores them);
 - a parameter named like a training option sets it for the trial (`batch_size`,
   `epochs`, `sync_every`, `algorithm`, `worker_optimizer`, ...);
+- a parameter named like one of the update rule's (`elastic_force` of easgd) sets it;
 - `optimizer`, `lr` and `momentum` go to the part that trains with them: the workers'
   optimiser (allreduce, EASGD, ADAG, DynSGD, Downpour with local steps), the master's
   for Downpour pushing every batch, and for GEM, which has no optimiser, its own `lr`
@@ -25,6 +26,7 @@ import dataclasses
 import inspect
 import math
 import re
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,10 +40,23 @@ from nbdist.layout import Layout
 from nbdist.options import StudyOptions, TrainOptions, parse_target
 from nbdist.specs import parse_spec
 from nbdist.store import store_path
+from nbdist.train.stopping import PAUSED_AT, pause_reason
+
+
+def exploit_label(epoch: int) -> str:
+    """The checkpoint that a trial's run takes another trial's state into (PBT)."""
+    return f"exploit-{epoch:04d}"
+
 
 __all__ = [
     "Trial",
+    "Segment",
     "TrialError",
+    "PAUSED_AT",
+    "pause_reason",
+    "exploit_label",
+    "changeable",
+    "CHANGEABLE_HELP",
     "trial_options",
     "with_params",
     "takes_params",
@@ -70,9 +85,55 @@ class Trial:
     generation: int | None = None
     group: int | None = None
     started: float | None = None
-    # Per epoch, per fold: the objective as the trial went (the pruner's evidence).
+    # Per epoch, per fold: the objective as the trial went (the scheduler's evidence).
     curve: dict[int, dict[int, float]] = field(default_factory=dict)
-    pruned_at: int | None = None  # the epoch at which the pruner stopped it
+    pruned_at: int | None = None  # the epoch after which the scheduler stopped it
+    stop_reason: str = ""  # why the study stopped it ('' while nothing did)
+    epochs: int = 0  # the epochs it trained, as its checkpoint holds them
+    value: float | None = None  # the objective after `epochs`, mean over its folds
+    runs: dict[int, str] = field(default_factory=dict)  # fold -> its run's directory name
+    asked: dict[str, Any] | None = None  # the parameters the searcher gave (PBT changes `params`)
+
+    @property
+    def placed(self) -> int:
+        """The group the trial runs or last ran on (a trial started has one)."""
+        if self.group is None:
+            raise RuntimeError(f"trial {self.number} has not run on a group")
+        return self.group
+
+    def mean_at(self, epoch: int) -> float | None:
+        values = self.curve.get(epoch)
+        return statistics.fmean(values.values()) if values else None
+
+
+@dataclass(slots=True)
+class Segment:
+    """What a group trains of a trial: from its checkpoint after `start` epochs (0: from
+    scratch) until `pause_at` (None: its last epoch, `epochs`), answering to the study at
+    each epoch when `gated`. PBT's exchange: first take the state of the trial
+    `receive_from` = (group, trial) as it was after `exchange_epoch`, or send this trial's
+    to the groups `send_to`."""
+
+    start: int
+    epochs: int
+    pause_at: int | None = None
+    gated: bool = False
+    runs: dict[int, str] = field(default_factory=dict)  # fold -> the run directory to resume
+    receive_from: tuple[int, int] | None = None
+    send_to: list[int] = field(default_factory=list)
+    exchange_epoch: int | None = None
+    receivers: list[int] = field(default_factory=list)  # the trials of the groups `send_to`
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> Segment:
+        values = dict(values)
+        values["runs"] = {int(f): r for f, r in values.get("runs", {}).items()}
+        if values.get("receive_from") is not None:
+            values["receive_from"] = tuple(values["receive_from"])
+        return cls(**values)
 
 
 def run_name(study: str, number: int, fold: int) -> str:
@@ -91,7 +152,7 @@ def fold_of_run(run_id: str) -> tuple[int, int] | None:
 def watched_metrics(options: StudyOptions) -> tuple[tuple[str, str], ...]:
     """The metrics the study reads from its runs, with the options that name them: each
     run checks during set-up that it reports them (nbdist.train.context)."""
-    watched = [(f"--objective {options.objective}", options.objective)]
+    watched = [(f"--objective {options.objective}", name) for name in options.objectives]
     if options.goal:
         watched.append((f"--goal {options.goal!r}", parse_target(options.goal).metric))
     return tuple(watched)
@@ -101,6 +162,11 @@ def trial_options(options: TrainOptions, params: dict[str, Any]) -> TrainOptions
     """The training options of one trial: `options` with the parameters that name them."""
     names = {f.name for f in dataclasses.fields(TrainOptions)}
     changes = {k: v for k, v in params.items() if k in names}
+    own = {k: v for k, v in params.items() if k in _rule_parameters(options.replace(**changes))}
+    if own:
+        spec = parse_spec(str(options.replace(**changes).algorithm), what="--algorithm")
+        args = ", ".join(f"{k}={v!r}" for k, v in {**spec.kwargs, **own}.items())
+        changes["algorithm"] = f"{spec.name}({args})"
     if any(k in params for k in OPTIMIZER_PARAMS):
         trial = options.replace(**changes)
         target = _optimizer_option(trial)
@@ -113,6 +179,29 @@ def trial_options(options: TrainOptions, params: dict[str, Any]) -> TrainOptions
             kwargs = {} if name != spec.name else dict(spec.kwargs)  # another optimiser: its own defaults
             changes[target] = _spec_text(name, kwargs, params)
     return options.replace(**changes)
+
+
+def _rule_parameters(options: TrainOptions) -> set[str]:
+    """The update rule's own parameters that a study's parameter may set (not GEM's lr and
+    momentum, which go with the optimiser parameters)."""
+    if options.topology != "master-worker" or not options.algorithm:
+        return set()
+    name = parse_spec(options.algorithm, what="--algorithm").name
+    rule = RULES.get(name) if name in RULES else None
+    if rule is None or not issubclass(rule, Algorithm):
+        return set()
+    return set(inspect.signature(rule.__init__).parameters) - {"self", "params", *STEP_PARAMS}
+
+
+# What PBT may change while a trial trains: the weights it copies must fit the receiver.
+CHANGEABLE_HELP = "lr, momentum, dropout (any parameter whose name says dropout) and the update rule's own parameters"
+
+
+def changeable(name: str, options: TrainOptions) -> bool:
+    """Whether parameter `name` can change between two segments of a run: it sets the
+    optimiser's step, the rule's own parameters or a dropout rate, none of which shapes
+    the weights, the optimiser's state or the data's order."""
+    return name in STEP_PARAMS or "dropout" in name.lower() or name in _rule_parameters(options)
 
 
 def _spec_text(name: str, kwargs: dict[str, Any], params: dict[str, Any]) -> str:

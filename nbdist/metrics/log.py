@@ -100,7 +100,8 @@ class RunLog:
         if now - self._last_sample >= self.sample_every:
             self._last_sample = now
             self._append("resources", self._resources.sample(), step, epoch)
-        if now - self._last_flush >= self.flush_every:
+        # An epoch's record goes out at once: a study (and the notebook) acts on it.
+        if kind == "epoch" or now - self._last_flush >= self.flush_every:
             self.flush()
 
     def _append(self, kind: str, values: dict[str, Any], step: int, epoch: int) -> None:

@@ -39,6 +39,6 @@ _FIELDS = tuple(f.name for f in fields(Record))
 
 def stopped_on_request(reason: str) -> bool:
     """Whether a run's stop reason says it ended before its epochs because it was asked to
-    (a stop signal, the study's pruner, a job giving up), not by a rule of its own (early
+    (a stop signal, the study's pruner or scheduler, a job giving up), not by a rule of its own (early
     stopping, target): its 'run' status is then "stopped", not "completed"."""
-    return reason.startswith(("stopped", "pruned", "abandoned"))
+    return reason.startswith(("stopped", "pruned", "paused", "abandoned"))

@@ -59,7 +59,8 @@ def run_study(
             serve_group(comm, comms, layout, name, study, train, definition, stop)
             return None
         say(
-            f"nbdist: study {name}: {layout.describe()}; {study.searcher}, {study.trials} trials, "
+            f"nbdist: study {name}: {layout.describe()}; {study.searcher}, {runner.scheduler_text}, "
+            f"{runner.scheduler.trials()} trials, "
             f"{study.objective} ({study.resolved_direction})"
         )
         _stop_on_signal(stop, runner)

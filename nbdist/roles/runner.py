@@ -31,6 +31,7 @@ from nbdist.options import TrainOptions
 from nbdist.train.checkpoint import Checkpoints
 from nbdist.train.context import RankContext, TrialTag, prepare
 from nbdist.train.definition import ModelDefinition
+from nbdist.train.measures import measure
 from nbdist.train.progress import RunResult
 from nbdist.train.stopping import StopFlag
 from nbdist.transport.faults import RunFailure, survivors, ulfm_enabled
@@ -140,6 +141,9 @@ def _run_once(
     try:
         with watch_with(ctx.peers.control.check):
             result = _train_in_role(ctx)
+            if result is not None and trial is not None:
+                # A study's objectives measured on the trained model (params, the model file's functions).
+                result.final.update(measure(ctx.backend, ctx.measures, [name for _, name in trial.watched]))
         return result
     except RunFailure as exc:
         failure = exc

@@ -60,7 +60,7 @@ class TrialRow:
     study: str
     number: int
     params: dict[str, Any]
-    state: str  # running | complete | pruned | failed
+    state: str  # running | paused | complete | pruned | stopped | failed
     fom: float | None
     fom_std: float | None
     folds: list[float]
@@ -71,6 +71,8 @@ class TrialRow:
     ended: float | None
     owner: str | None = None  # the job (coordinator) that trains or trained it
     goal_reached: bool = False  # it reached the study's --goal: every job of the study stops
+    epochs: int | None = None  # the epochs it trained (fewer than the study's when stopped early)
+    values: list[float] | None = None  # a multi-objective study's values, one per objective
 
 
 def _json(value: Any) -> str | None:
@@ -494,19 +496,23 @@ class RunStore:
         ended: float | None = None,
         owner: str | None = None,
         goal_reached: bool = False,
+        epochs: int | None = None,
+        values: list[float] | None = None,
     ) -> None:
         """Insert a trial or replace what is known of it (a running trial that completed)."""
         with self._write() as conn:
             conn.execute(
                 """INSERT INTO trials (study, number, params, state, fom, fom_std, folds, generation, grp,
-                                       error, started, ended, owner, goal_reached)
-                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                                       error, started, ended, owner, goal_reached, epochs, obj_values)
+                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
                    ON CONFLICT (study, number) DO UPDATE SET params = excluded.params,
                        state = excluded.state, fom = excluded.fom, fom_std = excluded.fom_std,
                        folds = excluded.folds, generation = excluded.generation, grp = excluded.grp,
                        error = excluded.error, started = COALESCE(trials.started, excluded.started),
                        ended = excluded.ended, owner = COALESCE(excluded.owner, trials.owner),
-                       goal_reached = excluded.goal_reached""",
+                       goal_reached = excluded.goal_reached,
+                       epochs = COALESCE(excluded.epochs, trials.epochs),
+                       obj_values = COALESCE(excluded.obj_values, trials.obj_values)""",
                 (
                     study_id,
                     int(number),
@@ -522,16 +528,49 @@ class RunStore:
                     ended,
                     owner,
                     int(goal_reached),
+                    epochs,
+                    None if values is None else _json(values),
                 ),
             )
 
     def trials(self, study_id: str) -> list[TrialRow]:
         rows = self._db.execute(
             "SELECT study, number, params, state, fom, fom_std, folds, generation, grp, error, started, ended, owner, "
-            "goal_reached FROM trials WHERE study = ? ORDER BY number",
+            "goal_reached, epochs, obj_values FROM trials WHERE study = ? ORDER BY number",
             (study_id,),
         )
         return [
-            TrialRow(s, n, json.loads(p), st, f, fs, _loads(fo, []), g, gr, e, t0, t1, o, bool(goal))
-            for s, n, p, st, f, fs, fo, g, gr, e, t0, t1, o, goal in rows
+            TrialRow(
+                s, n, json.loads(p), st, f, fs, _loads(fo, []), g, gr, e, t0, t1, o, bool(goal), ep, _loads(v, None)
+            )
+            for s, n, p, st, f, fs, fo, g, gr, e, t0, t1, o, goal, ep, v in rows
         ]
+
+    # -- what happened to each trial on the way (schedulers, PBT) -------------------------
+    def record_trial_events(self, study_id: str, events: Iterable[tuple[int, str, int, dict[str, Any]]]) -> None:
+        """(trial number, kind, epoch, data) rows: an intermediate 'value', 'pruned',
+        'paused', 'promoted', 'exploit' (PBT: the state it took and its new parameters),
+        'params' (the parameters it trains with from that epoch on). One row per (trial,
+        kind, epoch): written again, it is replaced (a resumed study repeats a segment)."""
+        rows = [(study_id, int(n), kind, int(epoch), time.time(), _json(data)) for n, kind, epoch, data in events]
+        if not rows:
+            return
+        with self._write() as conn:
+            conn.executemany(
+                "INSERT INTO trial_events (study, number, kind, epoch, time, data) VALUES (?, ?, ?, ?, ?, ?) "
+                "ON CONFLICT (study, number, kind, epoch) DO UPDATE SET time = excluded.time, data = excluded.data",
+                rows,
+            )
+
+    def trial_events(
+        self, study_id: str, *, number: int | None = None, kind: str | None = None
+    ) -> list[dict[str, Any]]:
+        """The study's trial events (all, or one trial's, or one kind's), by trial, epoch and kind."""
+        sql = "SELECT number, kind, epoch, time, data FROM trial_events WHERE study = ?"
+        args: list[Any] = [study_id]
+        if number is not None:
+            sql, args = sql + " AND number = ?", [*args, int(number)]
+        if kind is not None:
+            sql, args = sql + " AND kind = ?", [*args, kind]
+        rows = self._db.execute(sql + " ORDER BY number, epoch, kind", tuple(args))
+        return [{"number": n, "kind": k, "epoch": e, "time": t, "data": _loads(d, {})} for n, k, e, t, d in rows]

@@ -15,7 +15,7 @@ from nbdist.store.dialects import Dialect, StoreError
 
 __all__ = ["SCHEMA_VERSION", "StoreError", "prepare_schema"]
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 
 # Version 0 -> 1: the first schema. `records` rows are numbered as stored (SQLite's
@@ -115,6 +115,25 @@ _MIGRATIONS: list[list[str]] = [
     # of a shared study stops, whichever trained it.
     [
         "ALTER TABLE trials ADD COLUMN goal_reached INTEGER NOT NULL DEFAULT 0",
+    ],
+    # Version 3 -> 4: schedulers and multi-objective studies. A trial says how many epochs
+    # it trained (a trial stopped at a rung, pruned, or paused between PBT intervals) and
+    # its values for each objective; `trial_events` keeps what happened to each trial on
+    # the way, one row per (trial, kind, epoch), written again with the same key on a
+    # resume: its intermediate values, where it was pruned, paused or promoted, and a PBT
+    # member's exploits (whose state it took) and hyper-parameter schedule.
+    [
+        "ALTER TABLE trials ADD COLUMN epochs INTEGER",
+        "ALTER TABLE trials ADD COLUMN obj_values TEXT",
+        """CREATE TABLE trial_events (
+            study TEXT NOT NULL,
+            number INTEGER NOT NULL,
+            kind TEXT NOT NULL,
+            epoch INTEGER NOT NULL,
+            time {real},
+            data TEXT,
+            PRIMARY KEY (study, number, kind, epoch)
+        )""",
     ],
 ]
 assert len(_MIGRATIONS) == SCHEMA_VERSION

@@ -12,7 +12,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +39,9 @@ from nbdist.train.definition import ModelDefinition
 from nbdist.train.history import HistoryFile
 from nbdist.train.loop import LossGrowth
 from nbdist.train.lr import LrPlan, combined_workers, plan_learning_rates
+from nbdist.train.measures import MODEL_MEASURES
 from nbdist.train.progress import reported_metrics
-from nbdist.train.stopping import EarlyStopping, StopFlag
+from nbdist.train.stopping import EarlyStopping, StopFlag, TrialStopping
 from nbdist.transport.agreement import agree
 from nbdist.transport.compression import make_codec, parse_compression
 from nbdist.transport.interfaces import launch_spans_hosts
@@ -89,11 +90,19 @@ class MetricNameError(OptionsError):
 @dataclass(frozen=True, slots=True)
 class TrialTag:
     """The study and trial a run trains for. `watched`: the metrics the study reads from
-    the run's epochs, each with the option that names it, e.g. (("--objective val_acc", "val_acc"),)."""
+    the run's epochs, each with the option that names it, e.g. (("--objective val_acc", "val_acc"),).
+    `pause_at`: the epoch after which the run stops, keeping its checkpoint, for the study
+    to resume it (a rung, a PBT interval). `asks`: the run's leader tells the study each
+    epoch and takes its word (`ask`, on the leader only: train/stopping.TrialStopping).
+    `keep`: called with each share of a checkpoint this rank writes (label, arrays, scalars)."""
 
     study: str
     number: int
     watched: tuple[tuple[str, str], ...] = ()
+    pause_at: int | None = None
+    asks: bool = False
+    ask: Callable[[int, dict], str] | None = None
+    keep: Callable[[str, dict, dict], None] | None = None
 
 
 @dataclass
@@ -128,6 +137,8 @@ class RankContext:
     master_lr: LrPlan | None = None  # the lr of the master optimiser's steps
     compression: Spec | None = None  # --compression (None: none; transport/compression.py)
     loss_growth: LossGrowth | None = None  # the leader's watch on the training loss (None: a GAN's, not watched)
+    keep_state: Callable[[str, dict, dict], None] | None = None  # a study's trial keeps its checkpoint shares
+    measures: dict[str, Callable[[Any], float]] = field(default_factory=dict)  # the model file's `objectives`
 
     @property
     def rule(self) -> Algorithm:
@@ -320,6 +331,7 @@ class Settled:
     worker_lr: LrPlan | None
     master_lr: LrPlan | None
     initial_loss: float | None  # the untrained model's loss on rank 0's probe (None elsewhere)
+    measures: dict[str, Callable[[Any], float]] = field(default_factory=dict)  # the model file's `objectives`
 
 
 def settle(
@@ -401,7 +413,8 @@ def settle(
             _probe(backend, *data.train_batch(np.arange(min(2, data.n_train))), definition.source)
         if here and options.topology == "allreduce":  # e.g. nccl for a model on the CPU: one error, here
             choose_reducer(options.allreduce_backend, backend.rule_grads, compressed=compression is not None)
-        check_metric_names(options, trial, reported_metrics(backend.metric_name, staleness=algorithm is not None))
+        reported = reported_metrics(backend.metric_name, staleness=algorithm is not None)
+        check_metric_names(options, trial, [*reported, *MODEL_MEASURES, *definition.objectives])
         if here and rank == 0:  # the run leader, who writes the run directory (last: it may create --runs-dir)
             _check_run_dir_writable(options)
     except BaseException:
@@ -425,6 +438,7 @@ def settle(
         worker_lr,
         master_lr,
         initial_loss,
+        definition.objectives,
     )
 
 
@@ -529,12 +543,7 @@ def prepare(
     if database is not None:
         agree(run_comm, error, peers.collectives)
     log = RunLog(run_dir, run_id, comm.Get_rank(), role.kind, sink=sink, trial=trial.number if trial else None)
-    early = EarlyStopping(
-        options.monitor,
-        options.early_stopping,
-        options.min_delta,
-        parse_target(options.target) if options.target else None,
-    )
+    early = _stopping(options, trial, comms, peers)
     return RankContext(
         options=options,
         layout=layout,
@@ -565,7 +574,46 @@ def prepare(
         master_lr=master_lr,
         compression=compression,
         loss_growth=None if options.gan else LossGrowth(got.initial_loss),
+        keep_state=trial.keep if trial else None,
+        measures=got.measures,
     )
+
+
+def _stopping(options: TrainOptions, trial: TrialTag | None, comms: Communicators, peers: Peers) -> EarlyStopping:
+    """Early stopping, or for a study's trial its scheduler's pause and word on each epoch
+    too; in an allreduce run every rank decides, so the leader's word goes to them all."""
+    target = parse_target(options.target) if options.target else None
+    if trial is None:
+        return EarlyStopping(options.monitor, options.early_stopping, options.min_delta, target)
+    share = None
+    if trial.asks and options.topology == "allreduce" and comms.run.Get_size() > 1:
+        share = _share_from_leader(peers, comms.run)
+    return TrialStopping(
+        options.monitor,
+        options.early_stopping,
+        options.min_delta,
+        target,
+        pause_at=trial.pause_at,
+        ask=trial.ask if comms.run.Get_rank() == 0 else None,
+        share=share,
+    )
+
+
+STUDY_WORD_BYTES = 512  # the longest word of a study on an epoch that the ranks share
+
+
+def _share_from_leader(peers: Peers, comm: Any) -> Callable[[str], str]:
+    buffer = np.zeros(STUDY_WORD_BYTES, np.uint8)
+
+    def share(word: str) -> str:
+        buffer[:] = 0
+        if comm.Get_rank() == 0:
+            data = word.encode()[: STUDY_WORD_BYTES - 1]
+            buffer[: len(data)] = np.frombuffer(data, np.uint8)
+        peers.collectives.bcast(comm, buffer, "the study's word on the epoch")
+        return bytes(buffer).rstrip(b"\0").decode(errors="replace")
+
+    return share
 
 
 def _resume_rank(path: Path, layout: Layout, role: Role, comm: Any, restart: bool) -> tuple[int | None, bool]:

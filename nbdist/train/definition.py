@@ -12,7 +12,7 @@ import runpy
 import stat
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,8 @@ class ModelDefinition:
     build_discriminator: Callable[[], Any] | None = None
     latent_dim: int | None = None
     build_stages: Callable[[], Any] | None = None  # --worker-parallel pipeline: the model as stages
+    # A study's objectives measured on the trained model: name -> function of the model.
+    objectives: dict[str, Callable[[Any], float]] = field(default_factory=dict)
 
     def make_data(self) -> Data:
         if self.data is None:
@@ -225,4 +227,17 @@ def definition_from_namespace(namespace: dict[str, Any], source: str) -> ModelDe
         build_discriminator=discriminator,
         latent_dim=namespace.get("latent_dim"),
         build_stages=namespace.get("build_stages") if callable(namespace.get("build_stages")) else None,
+        objectives=_objectives(namespace.get("objectives"), source),
     )
+
+
+def _objectives(given: Any, source: str) -> dict[str, Callable[[Any], float]]:
+    """The `objectives` dict of a model file or cell: name -> function of the trained model."""
+    if given is None:
+        return {}
+    if not isinstance(given, dict) or not all(isinstance(k, str) and callable(v) for k, v in given.items()):
+        raise ModelError(
+            f"{source}: objectives must be a dict of names to functions of the trained model, e.g. "
+            f"objectives = {{'latency': latency}}"
+        )
+    return dict(given)

@@ -79,6 +79,10 @@ def write_rank_state(
     `label`; on the writer's thread if given (then `arrays` must be copies)."""
     meta = {"rank": ctx.role.rank, "role": ctx.role.kind, **extra}
     rank = ctx.comms.world.Get_rank()
+    if ctx.keep_state is not None:
+        # A study's trial keeps its last state in memory too: PBT sends it to another group
+        # over MPI when the run has ended (nbdist.roles.study), rather than through files.
+        ctx.keep_state(label, arrays, meta)
     if writer is None:
         ctx.checkpoints.write_rank(label, rank, arrays, meta, same_as=same_as, shared=IDENTICAL_ON_TWINS)
         return

@@ -1,14 +1,32 @@
-"""Stop requests and the decisions that end a run: signals, early stopping, targets."""
+"""Stop requests and the decisions that end a run: signals, early stopping, targets, and
+a study's word on each epoch of its trials."""
 
 from __future__ import annotations
 
 import math
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from nbdist.options import Target
 
-__all__ = ["StopFlag", "EarlyStopping", "StopDecision", "catch_stop_signals_early", "stop_caught_early"]
+__all__ = [
+    "StopFlag",
+    "EarlyStopping",
+    "TrialStopping",
+    "StopDecision",
+    "catch_stop_signals_early",
+    "stop_caught_early",
+    "PAUSED_AT",
+    "pause_reason",
+]
+
+# A run paused by its study says so in its stop reason (the study resumes it later).
+PAUSED_AT = "paused at epoch"
+
+
+def pause_reason(epoch: int) -> str:
+    return f"{PAUSED_AT} {epoch}: the study resumes it from this checkpoint"
 
 
 class StopFlag:
@@ -91,3 +109,40 @@ class EarlyStopping:
         if data.get("best") is not None:
             self.best = float(data["best"])
         self.bad_rounds = int(data.get("bad_rounds", 0))
+
+
+class TrialStopping(EarlyStopping):
+    """A study's trial decides at each epoch's end, where early stopping does (every rank
+    of an allreduce run, the top master): its own rules, then the pause its scheduler set
+    (`pause_at`: a rung, a PBT interval), then the study's word on the epoch, which the
+    run's leader asks for (`ask(epoch, metrics)`: '' to go on, else why to stop) and, where
+    every rank decides, `share` hands to the others. The run thus stops right after the
+    epoch the study judged, keeping its checkpoint there."""
+
+    __slots__ = ("pause_at", "ask", "share")
+
+    def __init__(
+        self,
+        monitor: str,
+        patience: int | None,
+        min_delta: float,
+        target: Target | None,
+        *,
+        pause_at: int | None = None,
+        ask: Callable[[int, dict], str] | None = None,
+        share: Callable[[str], str] | None = None,
+    ):
+        super().__init__(monitor, patience, min_delta, target)
+        self.pause_at, self.ask, self.share = pause_at, ask, share
+
+    def update(self, metrics: dict[str, float]) -> StopDecision:
+        decision = super().update(metrics)
+        epoch = int(metrics.get("epoch", 0))
+        word = self.ask(epoch, metrics) if self.ask is not None else ""
+        if self.share is not None:
+            word = self.share(word)
+        if decision.stop:
+            return decision
+        if self.pause_at is not None and epoch >= self.pause_at:
+            return StopDecision(True, pause_reason(epoch))
+        return StopDecision(True, word) if word else decision

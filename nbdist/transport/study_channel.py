@@ -1,25 +1,49 @@
 """A study's messages between its coordinator (rank 0 of the world) and the groups that
-train its trials (roles/study.py): small pickled tuples, never weights.
+train its trials (roles/study.py), and the training states that PBT copies from one
+group to another.
 
-The coordinator sends a group's leader its next trial (TAG_TRIAL) and, to prune, every
-fold leader of the group the trial's number (TAG_PRUNE); a fold leader reports each epoch
-(TAG_EPOCH), a group's leader the trial's end (TAG_DONE). Sends never block (a group that
-is busy training takes its message later); receives are probed, so neither side is ever
-held inside MPI.
+The coordinator sends a group's leader its next segment of a trial (TAG_TRIAL); a fold
+leader reports each epoch as it ends (TAG_EPOCH), and the coordinator answers it, or
+stops a trial unasked, with a verdict (TAG_VERDICT) to the fold leaders; a group's leader
+reports the segment's end (TAG_DONE). These are small pickled tuples. Sends never block (a
+group that is busy training takes its message later); receives are probed, so neither side
+is ever held inside MPI.
+
+A training state goes from each rank of one group to the rank in the same place of
+another (`send_state`, `receive_state`): a small pickled header naming its arrays, then
+each array as one buffer (mpi4py's upper-case methods: no pickling, no copy of a
+contiguous array, no file), and the receiver's acknowledgement once it has kept it.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
+import numpy as np
 from mpi4py import MPI
 
 from nbdist.transport.faults import failed_ranks
-from nbdist.transport.waiting import receive_object, wait
+from nbdist.transport.waiting import receive_object, wait, wait_all
 
-__all__ = ["CoordinatorChannel", "GroupChannel", "RanksFailed", "TAG_TRIAL", "TAG_EPOCH", "TAG_PRUNE", "TAG_DONE"]
+__all__ = [
+    "CoordinatorChannel",
+    "GroupChannel",
+    "RanksFailed",
+    "send_state",
+    "receive_state",
+    "acknowledge",
+    "await_acknowledgement",
+    "TAG_TRIAL",
+    "TAG_EPOCH",
+    "TAG_VERDICT",
+    "TAG_DONE",
+    "TAG_STATE",
+    "TAG_STATE_DATA",
+    "TAG_STATE_ACK",
+]
 
-TAG_TRIAL, TAG_EPOCH, TAG_PRUNE, TAG_DONE = 301, 302, 303, 304
+TAG_TRIAL, TAG_EPOCH, TAG_VERDICT, TAG_DONE = 301, 302, 303, 304
+TAG_STATE, TAG_STATE_DATA, TAG_STATE_ACK = 305, 306, 307
 
 
 class RanksFailed(Exception):
@@ -112,3 +136,48 @@ class GroupChannel:
     def send(self, message: Any, tag: int, timeout: float) -> None:
         """One message, waited for (up to `timeout` s)."""
         wait(self.world.isend(message, dest=0, tag=tag), timeout=timeout)
+
+
+def _bytes_of(array: np.ndarray) -> np.ndarray:
+    """The array's bytes as a flat uint8 view (a copy only if it is not contiguous)."""
+    return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+
+
+def send_state(world: Any, dest: int, arrays: dict[str, dict[str, np.ndarray]], info: dict[str, Any]) -> list[Any]:
+    """Start sending a rank's training state (groups of named arrays) to rank `dest`; the
+    caller waits for the returned requests (and, with `receive_object(..., TAG_STATE_ACK)`,
+    for the receiver's word that it kept it)."""
+    names = [
+        (group, name, np.asarray(a).dtype.str, np.asarray(a).shape)
+        for group, named in arrays.items()
+        for name, a in named.items()
+    ]
+    requests = [world.isend({"info": info, "arrays": names}, dest=dest, tag=TAG_STATE)]
+    for group, name, _, _ in names:
+        array = np.asarray(arrays[group][name])
+        if array.size:
+            requests.append(world.Isend(_bytes_of(array), dest=dest, tag=TAG_STATE_DATA))
+    return requests
+
+
+def receive_state(world: Any, source: int, timeout: float) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, Any]]:
+    """The training state rank `source` sends with `send_state`: (arrays, info)."""
+    header = cast(dict[str, Any], receive_object(world, source, TAG_STATE, timeout=timeout))
+    arrays: dict[str, dict[str, np.ndarray]] = {}
+    requests = []
+    for group, name, dtype, shape in header["arrays"]:
+        array = np.empty(tuple(shape), dtype=np.dtype(dtype))
+        arrays.setdefault(group, {})[name] = array
+        if array.size:
+            requests.append(world.Irecv(array.reshape(-1).view(np.uint8), source=source, tag=TAG_STATE_DATA))
+    wait_all(requests, timeout=timeout)
+    return arrays, header["info"]
+
+
+def acknowledge(world: Any, dest: int, info: Any, timeout: float) -> None:
+    """Tell rank `dest` that the state it sent is kept."""
+    wait(world.isend(info, dest=dest, tag=TAG_STATE_ACK), timeout=timeout)
+
+
+def await_acknowledgement(world: Any, source: int, timeout: float) -> Any:
+    return receive_object(world, source, TAG_STATE_ACK, timeout=timeout)
