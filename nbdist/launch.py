@@ -49,6 +49,7 @@ __all__ = [
     "STOP_GRACE",
     "ULFM_ARGS",
     "allocation_mpi_args",
+    "forwarded_environment",
     "remove_stale_session_dirs",
     "check_interface",
 ]
@@ -65,6 +66,9 @@ RANKS_CATCH_AFTER = 3.0
 class MPIExecNotFound(RuntimeError):
     pass
 
+
+# libpq's environment variables all start so (PGPASSWORD, PGSERVICE, PGHOST, ...).
+LIBPQ_PREFIX = "PG"
 
 # Open MPI 5's mpiexec (prterun) keeps its PMIx rendezvous files in TMPDIR/ompi.<its PID>.
 SESSION_DIR_PREFIX = "ompi."
@@ -121,9 +125,12 @@ def mpi_env(base: dict[str, str] | None = None, *, local: bool = True, interface
     for key, value in ULFM_ENV.items():
         env.setdefault(key, value)
     if local:
-        # One node: shared memory between the ranks, no TCP listener on any interface.
-        # (Open MPI 5.0's own daemon still listens on all interfaces for its control
-        # messages; PRRTE only learnt to bind them to loopback later, in 2026.)
+        # One node: shared memory between the ranks, no TCP listener in any rank. The
+        # launcher (prterun) keeps its PMIx server on 127.0.0.1 but binds its out-of-band
+        # listeners to every IPv4 and IPv6 address: PRRTE's create_listen uses INADDR_ANY
+        # and in6addr_any whatever is set (prte_if_include=lo finds no interface, loopback
+        # being left out of its list; oob=^tcp cannot start). They take PRRTE's own
+        # protocol only; tests/test_run_privacy_mpi.py checks that nothing else listens.
         env.setdefault("OMPI_MCA_btl", "self,sm")
     elif interface:
         env.setdefault("OMPI_MCA_btl_tcp_if_include", interface)
@@ -135,6 +142,14 @@ def mpi_env(base: dict[str, str] | None = None, *, local: bool = True, interface
     if bindir not in path.split(os.pathsep):
         env["PATH"] = bindir + os.pathsep + path if path else bindir
     return env
+
+
+def forwarded_environment(env: dict[str, str]) -> list[str]:
+    """mpiexec arguments that hand libpq's variables (PGPASSWORD, PGPASSFILE, PGSERVICE,
+    PGUSER, ...) to the ranks on other nodes: Open MPI passes its own variables there, not
+    these, and the run store's writers on every node need them. `-x NAME` puts the name
+    on the command line; the value travels with the job, out of `ps`."""
+    return [arg for name in sorted(env) if name.startswith(LIBPQ_PREFIX) for arg in ("-x", name)]
 
 
 def find_mpiexec() -> str:
@@ -190,6 +205,9 @@ def launch(
     if hostfile:
         mpi_args += ["--hostfile", hostfile]
     mpi_args += allocation_mpi_args()
+    env = mpi_env(local=local, interface=interface)
+    if not local:
+        mpi_args += forwarded_environment(env)
     command = mpiexec_command(n, ["-m", "nbdist", *argv], mpi_args=mpi_args)
     env = mpi_env(local=local, interface=interface)
     notes = tempfile.mkdtemp(prefix="nbdist-launch-")  # private to this user (0700)

@@ -25,6 +25,7 @@ from typing import Any
 from nbdist.algorithms import RULES
 from nbdist.errors import OptionsError
 from nbdist.registry import Registry
+from nbdist.store import check_store, mask_url
 from nbdist.transport.compression import CODECS, parse_compression
 from nbdist.transport.reducers import REDUCERS
 
@@ -187,9 +188,9 @@ class TrainOptions:
     runs_dir: str = _opt("runs", "where run directories are created")
     store: str | None = _opt(
         None,
-        "run store the run is recorded in, for the dashboard: a SQLite file or "
-        "postgresql://USER@HOST:PORT/DB (default: RUNS_DIR/nbdist.db; 'off' records "
-        "nothing)",
+        "run store the run is recorded in, for the dashboard: a SQLite file (NAME.db, or a path in a directory "
+        "that exists) or postgresql://USER@HOST:PORT/DB, its password in PGPASSWORD, ~/.pgpass or a service "
+        "file, never in the URL (default: RUNS_DIR/nbdist.db; 'off' records nothing)",
     )
     run_name: str | None = _opt(None, "name of the run directory (default: time, algorithm, topology)")
     threads: int = _opt(1, "framework threads per rank (torch, TensorFlow)")
@@ -347,6 +348,7 @@ class TrainOptions:
             )
         if self.target is not None:
             parse_target(self.target)
+        check_store(self.store)
         self._validate_files()
         if self.topology == "allreduce" and self.masters != 1:
             raise OptionsError("--masters applies to the master-worker topology; allreduce has no master")
@@ -546,7 +548,10 @@ def saved_run_options(run_dir: str | Path) -> TrainOptions:
             f"'results in RUNS_DIR/<run>')"
         )
     try:
-        return TrainOptions.from_dict(json.loads(saved.read_text()))
+        options = TrainOptions.from_dict(json.loads(saved.read_text()))
+        # Runs of older versions saved a store URL with its password masked as ***: the
+        # URL without it connects (libpq finds the password in PGPASSWORD or ~/.pgpass).
+        return options.replace(store=options.store and mask_url(options.store, None))
     except FileNotFoundError:
         raise OptionsError(f"--resume {run_dir}: not a run directory (no options.json in it)") from None
     except (OSError, ValueError, TypeError) as exc:

@@ -672,6 +672,22 @@ I25_WARNINGS = {
         ["the training loss grew to", "at epoch 1 (from", "before training", "lower the learning rate"],
     ),
 }
+# --store: refused on every rank before a run or a store is made (each with its own
+# --runs-dir, which must stay empty); a password never shows.
+STORE_CASES = {
+    "store-in-a-missing-directory": (
+        ["--store", "{tmp}/nonexistent/dir/nb.db", "--runs-dir", "{tmp}/runs-store-in-a-missing-directory"],
+        ["--store {tmp}/nonexistent/dir/nb.db: the directory {tmp}/nonexistent/dir does not exist", "create it"],
+    ),
+    "store-typo-of-off": (
+        ["--store", "of", "--runs-dir", "{tmp}/runs-store-typo-of-off"],
+        ["--store 'of' is not a run store", "'off' (record nothing)", "(did you mean 'off'?)"],
+    ),
+    "store-with-a-password": (
+        ["--store", "postgresql://me:hunter2@db.example/nbdist", "--runs-dir", "{tmp}/runs-store-with-a-password"],
+        ["--store postgresql://me:***@db.example/nbdist holds a password", "PGPASSWORD, ~/.pgpass"],
+    ),
+}
 
 
 @pytest.fixture(scope="module")
@@ -688,7 +704,7 @@ def i25_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def i25_batched(i25_dir):
-    return _run_batch(i25_dir, {**I25_ERRORS, **I25_WARNINGS}, 2)
+    return _run_batch(i25_dir, {**I25_ERRORS, **I25_WARNINGS, **STORE_CASES}, 2)
 
 
 @pytest.mark.timeout(400)
@@ -711,6 +727,17 @@ def test_a_warning_once_and_the_run_trains_on(i25_batched, name):
     for needle in I25_WARNINGS[name][1]:
         assert needle in warnings[0], f"{needle!r} not in {warnings[0]!r}"
     assert "completed 3 epochs" in part.stdout, part.output
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", list(STORE_CASES))
+def test_a_bad_store_is_one_line_and_no_new_store(i25_batched, i25_dir, name):
+    part = i25_batched[name]
+    line = assert_one_clear_error(part, *_needles(STORE_CASES[name][1], i25_dir))
+    assert part.returncode == 2 and "hunter2" not in part.output, line
+    assert not (i25_dir / "nonexistent").exists() and not (ROOT / "of").exists()
+    runs = i25_dir / f"runs-{name}"
+    assert not runs.exists() or not any(runs.iterdir()), list(runs.iterdir())  # no run, no store
 
 
 # name -> (argv of `python -m nbdist`, text the one error line must hold). Each fails

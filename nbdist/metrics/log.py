@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from nbdist.durable import make_dir, open_private
 from nbdist.metrics.record import Record
 from nbdist.metrics.resources import ResourceSampler
 
@@ -140,7 +141,7 @@ class RunLog:
     ):
         self.run, self.trial, self.rank, self.role = run, trial, rank, role
         directory = metrics_dir(run_dir)
-        directory.mkdir(parents=True, exist_ok=True)
+        make_dir(directory)
         self.path = directory / f"rank-{rank:05d}.jsonl"
         torn = repair_torn_tail(self.path)
         if torn:
@@ -152,7 +153,7 @@ class RunLog:
             )
         # A resumed run appends to its log: its records go on counting where it stopped.
         self.seq = _records_in(self.path)
-        self._file = open(self.path, "a", encoding="utf-8")
+        self._file = open_private(self.path, "a")
         self._pending: list[dict[str, Any]] = []
         self.sink = sink
         self._last_flush = time.monotonic()

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from nbdist.durable import private_fd
 from nbdist.errors import DiskFull, UserError
 from nbdist.layout import Layout
 from nbdist.metrics.log import RecordSink
@@ -306,7 +307,7 @@ def _record_failure(
         "attempt": attempt,
     }
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = private_fd(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     except FileExistsError:
         if _same_attempt(path, attempt):
             return

@@ -34,9 +34,9 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import load_file
 
+from nbdist.durable import DIGEST, file_digest, fsync_dir, make_dir, write_json
 from nbdist.errors import UserError
 from nbdist.train.diskspace import checkpoint_disk_full, is_disk_full
-from nbdist.train.durable import DIGEST, file_digest, fsync_dir, make_dir, write_json
 from nbdist.train.tensor_files import write_safetensors
 
 __all__ = ["Checkpoints", "CheckpointError", "flatten_arrays", "unflatten_arrays"]

@@ -8,7 +8,6 @@ one rank.
 
 from __future__ import annotations
 
-import json
 import sys
 import tempfile
 import time
@@ -24,13 +23,14 @@ from nbdist.backends import Backend, DeviceRequest, backend_for, configure_frame
 from nbdist.backends.base import ModelError
 from nbdist.data.base import Data, DataError
 from nbdist.data.sharding import ShardPlan
+from nbdist.durable import make_dir, write_json, write_text
 from nbdist.errors import OptionsError, UserError
 from nbdist.gan import gan_backend
 from nbdist.layout import Communicators, Layout, Role
 from nbdist.metrics.log import RecordSink, RunLog
 from nbdist.options import TrainOptions, parse_target
 from nbdist.specs import Spec, did_you_mean, parse_spec
-from nbdist.store import RunRecorder, RunStore, store_label, store_path
+from nbdist.store import RunRecorder, RunStore, place_store, store_path
 from nbdist.train.asynchrony import Notice, optimisers_for_asynchrony
 from nbdist.train.batchnorm import convert_for_sync
 from nbdist.train.checkpoint import CheckpointError, Checkpoints
@@ -45,6 +45,7 @@ from nbdist.train.relayout import Share, centre_share, change_note, check_resuma
 from nbdist.train.stopping import EarlyStopping, StopFlag, TrialStopping
 from nbdist.transport.agreement import agree
 from nbdist.transport.compression import make_codec, parse_compression
+from nbdist.transport.interfaces import launch_spans_hosts
 from nbdist.transport.node import local_rank, polling_suits_node
 from nbdist.transport.peers import Peers
 from nbdist.transport.reducers import choose as choose_reducer
@@ -491,6 +492,8 @@ def prepare(
     try:
         settled = settle(options, definition, comm.Get_size(), comm.Get_rank(), device, trial, restart_of)
         options = settled.options
+        if record and comm.Get_rank() == 0:  # its SQLite file's directory exists, not on NFS from several hosts
+            place_store(options.store, options.runs_dir, several_hosts=launch_spans_hosts())
         poll_without_sleeping(
             options.busy_poll == "on" or (options.busy_poll == "auto" and polling_suits_node(options.threads)),
             while_core_free=options.busy_poll == "auto",
@@ -751,7 +754,7 @@ def _check_writable(path: Path, flag: str) -> None:
     """Create `path` and a file in it, as the run leader will; one clear error if it cannot
     (a read-only file system, no permission, a file where the directory should be)."""
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        make_dir(path)
         with tempfile.TemporaryFile(dir=path):
             pass
     except (FileExistsError, NotADirectoryError):
@@ -826,7 +829,7 @@ def _fresh_dir(root: Path, name: str, database: str | None, trial: TrialTag | No
     Both are taken atomically: the directory by mkdir, the name by the store's INSERT.
     The reserved row names its study and trial from the start: a job killed before its
     run began still leaves a row the study's views count as the trial's."""
-    root.mkdir(parents=True, exist_ok=True)
+    make_dir(root)
     store = None
     if database is not None:
         try:
@@ -837,7 +840,7 @@ def _fresh_dir(root: Path, name: str, database: str | None, trial: TrialTag | No
     try:
         while True:
             try:
-                candidate.mkdir()
+                make_dir(candidate, exclusive=True)
                 if store is None or store.reserve_run(
                     candidate.name,
                     candidate.resolve(),
@@ -856,9 +859,8 @@ def _fresh_dir(root: Path, name: str, database: str | None, trial: TrialTag | No
 
 
 def _write_run_files(run_dir: Path, options: TrainOptions, layout: Layout) -> None:
-    with open(run_dir / "options.json", "w", encoding="utf-8") as fh:
-        # A store URL's password stays out of the run's files (libpq finds it in ~/.pgpass).
-        json.dump({**options.to_dict(), "store": options.store and store_label(options.store)}, fh, indent=1)
-    with open(run_dir / "layout.json", "w", encoding="utf-8") as fh:
-        json.dump(layout.to_dict(), fh, indent=1)
-    (run_dir / "layout.txt").write_text(layout.tree() + "\n", encoding="utf-8")
+    # The store as given: --resume reconnects to it (a URL never holds a password: the
+    # options refuse one, and libpq finds it in PGPASSWORD, ~/.pgpass or a service file).
+    write_json(run_dir / "options.json", options.to_dict())
+    write_json(run_dir / "layout.json", layout.to_dict())
+    write_text(run_dir / "layout.txt", layout.tree() + "\n")

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from safetensors.numpy import save_file
+from safetensors.numpy import save
 
 from nbdist.backends.base import BatchStats
+from nbdist.durable import make_dir, replace_file, write_json
 from nbdist.errors import TrainingError
 
 __all__ = [
@@ -181,10 +181,8 @@ def write_final(
     """Final weights (safetensors, loadable with load_state_dict) and summary.json.
     `faults`: what the run lost on its way (dropped workers, samples, restarts), if anything."""
     final_dir = run_dir / "final"
-    final_dir.mkdir(parents=True, exist_ok=True)
-    tmp = final_dir / "model.safetensors.tmp"
-    save_file({k: v for k, v in named_arrays.items()}, str(tmp))
-    tmp.replace(final_dir / "model.safetensors")
+    make_dir(final_dir)
+    replace_file(final_dir / "model.safetensors", save(dict(named_arrays)))
     final = dict(history[-1]) if history else {}
     summary = {
         "stop_reason": stop_reason,
@@ -194,6 +192,5 @@ def write_final(
         **(faults or {}),
         "history": history,
     }
-    with open(run_dir / "summary.json", "w", encoding="utf-8") as fh:
-        json.dump(summary, fh, indent=1, default=lambda v: None)
+    write_json(run_dir / "summary.json", summary, default=lambda v: None)
     return RunResult(run_dir, history, stop_reason, seconds, final)
