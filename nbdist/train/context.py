@@ -429,7 +429,8 @@ def settle(
         initial_loss = None
         if rank == 0:  # the run leader: labels against the whole model, and its loss before training
             whole = make_replica() if stage_process else backend
-            check_labels(data, whole, sample[:2], definition.source)
+            if not options.gan:  # a GAN's labels are real/fake, not classes of its outputs
+                check_labels(data, whole, sample[:2], definition.source)
             initial_loss = _probe(whole, sample, sample_labels, definition.source)
         elif not stage_process:
             _probe(backend, *data.train_batch(np.arange(min(2, data.n_train))), definition.source)
