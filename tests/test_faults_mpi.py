@@ -141,11 +141,20 @@ def test_a_frozen_asynchronous_worker_holds_up_no_epoch_and_a_sigterm_is_named(t
     """kill -STOP of one of three workers, with a 10 s peer timeout: the run goes on
     ending epochs, validating and checkpointing while it is frozen (its share of those
     epochs is pending), it is dropped with one line at the timeout, and SIGTERM to the
-    launcher (which passes it on as SIGUSR1) is named in the run's summary."""
+    launcher (which passes it on as SIGUSR1) is named in the run's summary.
+
+    It is frozen at the worst moment for the checkpoints: told to save its share of a
+    snapshot, with the share written and not yet acknowledged (a snapshot waited for it
+    until the peer timeout dropped it, and no checkpoint was committed while it was
+    frozen). Found by its share in the snapshot's directory, polled with no sleep: a
+    window missed is the next snapshot's, five epochs later."""
     run = tmp_path / "run"
     job = _asynchronous_job(tmp_path, 4, 100000, 10, "--checkpoint-every", "5", "--keep-checkpoints", "100000")
     job.wait_for(lambda: _epochs_logged(run) >= 3, "third epoch")
     frozen = job.rank(3)
+    deadline = time.monotonic() + 120
+    while not list((run / "checkpoints").glob(".tmp-epoch-*/rank-00003.json")):
+        assert job.proc.poll() is None and time.monotonic() < deadline, f"no share of rank 3 seen:\n{job.output}"
     frozen.suspend()
     try:
         job.wait_for(lambda: "rank 3 (worker 2, host" in job.output, "message about the frozen worker", timeout=200)
