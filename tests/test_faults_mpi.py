@@ -104,8 +104,11 @@ def _asynchronous_job(tmp_path: Path, ranks: int, epochs: int, peer_timeout: int
 
 @pytest.mark.timeout(400)
 def test_a_dead_and_a_frozen_asynchronous_worker_are_dropped_and_the_run_completes(tmp_path):
+    """A 2 s peer timeout drops both within a few epochs of the fifth: `epochs` leaves the
+    run many more after the drops (a loaded box slows the epochs, not the timeout)."""
     run = tmp_path / "run"
-    job = _asynchronous_job(tmp_path, 5, 500, 2)
+    epochs = 100
+    job = _asynchronous_job(tmp_path, 5, epochs, 2)
     job.wait_for(lambda: _epochs_logged(run) >= 5, "fifth epoch")
     dead, frozen = job.rank(2), job.rank(3)
     dead.kill()
@@ -120,7 +123,7 @@ def test_a_dead_and_a_frozen_asynchronous_worker_are_dropped_and_the_run_complet
     assert "the run goes on with 2 workers" in out, out
     assert "Traceback" not in out and "NBC_Progress" not in out, out
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["stop_reason"] == "completed 500 epochs"
+    assert summary["stop_reason"] == f"completed {epochs} epochs"
     assert sorted(d["rank"] for d in summary["dropped"]) == [2, 3], summary["dropped"]
     ended = [r["values"] for r in read_log(run, "run")]
     master_end = next(v for v in ended if "dropped" in v)
@@ -212,7 +215,7 @@ def test_an_allreduce_rank_killed_with_max_restarts_restarts_on_the_survivors(tm
         "--topology",
         "allreduce",
         "--epochs",
-        "150",
+        "30",
         "--batch-size",
         "8",
         "--max-restarts",
@@ -236,9 +239,9 @@ def test_an_allreduce_rank_killed_with_max_restarts_restarts_on_the_survivors(tm
     resumed_from = int(restarts[0]["checkpoint"].split("-")[1])
     assert resumed_from >= 2
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["stop_reason"] == "completed 150 epochs" and summary["restarts"] == 1
+    assert summary["stop_reason"] == "completed 30 epochs" and summary["restarts"] == 1
     # One run, its history whole: the epochs after the checkpoint were trained again.
-    assert [h["epoch"] for h in summary["history"]] == list(range(1, 151))
+    assert [h["epoch"] for h in summary["history"]] == list(range(1, 31))
     assert summary["final"]["val_acc"] > 0.9
     assert not job.processes()
 
