@@ -424,9 +424,13 @@ def batch_dir(tmp_path_factory):
     return tmp
 
 
+# Runs that train, in the same job, for the tests that need a finished run to start from.
+TRAINED = {"torn": (["--algorithm", "easgd", "--run-name", "torn"], [])}
+
+
 @pytest.fixture(scope="module")
 def batched(batch_dir):
-    return _run_batch(batch_dir, CASES, 2)
+    return _run_batch(batch_dir, {**CASES, **TRAINED}, 2)
 
 
 @pytest.fixture(scope="module")
@@ -474,20 +478,21 @@ def test_a_typo_in_a_studys_objective_ends_it_before_any_trial(batched, batch_di
 
 # -- crashes and full disks (issue 25): what a resubmitted job finds ------------------------
 @pytest.mark.timeout(300)
-def test_a_log_torn_by_a_killed_rank_is_cut_when_the_run_resumes(mpirun, tmp_path):
+def test_a_log_torn_by_a_killed_rank_is_cut_when_the_run_resumes(mpirun, batched, batch_dir):
     """A rank killed in the middle of writing its metrics leaves a line without its
-    newline: made here by cutting a real log inside its last line. The resume cuts it off
-    with a warning, and every line of every log is a whole record after it."""
-    done = train(mpirun, 3, tmp_path, "--algorithm", "easgd", "--run-name", "torn")
-    assert done.returncode == 0, done.output
-    run = tmp_path / "runs" / "torn"
+    newline: made here by cutting a real log (the worker's, of a run of the batch job)
+    inside its last line. The resume cuts it off with a warning, and every line of every
+    log is a whole record after it."""
+    assert batched["torn"].returncode == 0, batched["torn"].output
+    runs = batch_dir / "runs"
+    run = runs / "torn"
     log = run / "metrics" / "rank-00001.jsonl"
     data = log.read_bytes()
     last = data.rstrip(b"\n").rfind(b"\n") + 1
     cut = last + (len(data) - last) // 2
     log.write_bytes(data[:cut])
 
-    again = mpirun(3, ["-m", "nbdist", "train", "--resume", str(run), "--epochs", "5", "--quiet"], timeout=TIMEOUT)
+    again = mpirun(2, ["-m", "nbdist", "train", "--resume", str(run), "--epochs", "5", "--quiet"], timeout=TIMEOUT)
     assert again.returncode == 0, again.output
     assert f"{log} ended in a torn record ({cut - last} bytes with no newline" in again.output, again.output
     assert "Traceback" not in again.output and "JSONDecodeError" not in again.output, again.output
@@ -498,7 +503,7 @@ def test_a_log_torn_by_a_killed_rank_is_cut_when_the_run_resumes(mpirun, tmp_pat
     assert summary["stop_reason"] == "completed 5 epochs"
     from nbdist.store import RunStore
 
-    with RunStore(tmp_path / "runs" / "nbdist.db") as store:
+    with RunStore(runs / "nbdist.db") as store:
         assert store.run("torn").status == "completed"
 
 

@@ -321,39 +321,39 @@ def _epochs_went_on(run: Path, epochs: int, resumed_at: int) -> list[dict]:
 @pytest.mark.timeout(600)
 def test_a_sub_masters_death_restarts_on_a_layout_that_fits_then_resumes_on_six(tmp_path):
     run, job = _restarted(
-        tmp_path, 6, 3, "--model", MLP, "--masters", "2", "--algorithm", "gem", "--epochs", "40", "--batch-size", "16"
+        tmp_path, 6, 3, "--model", MLP, "--masters", "2", "--algorithm", "gem", "--epochs", "12", "--batch-size", "16"
     )
     out = job.output
     assert "rank 3 (" in out and "restarting on the 5 ranks left (restart 1 of 1)" in out, out
     assert "nbdist: note: restarting from a checkpoint of 6 ranks (2 masters x (1 + 2 workers)) on 5 ranks " in out
     assert _restart_layouts(run) == ["5 ranks: 1 master + 4 workers"]
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["stop_reason"] == "completed 40 epochs" and summary["restarts"] == 1
+    assert summary["stop_reason"] == "completed 12 epochs" and summary["restarts"] == 1
 
-    again = _resume(run, 6, 43)  # the job resubmitted at its original size
+    again = _resume(run, 6, 15)  # the job resubmitted at its original size
     assert again.returncode == 0, again.stdout + again.stderr
     assert (
         "nbdist: note: resuming a checkpoint of 5 ranks (1 master + 4 workers) on 6 ranks "
         "(2 masters x (1 + 2 workers)): sub-master 1 starts from the top master's centre" in again.stdout
     ), again.stdout
-    assert f"resumed from {run}/checkpoints/epoch-0040 at epoch 41," in again.stdout, again.stdout
-    assert _epochs_went_on(run, 43, 41)[-1]["val_acc"] > 0.9
+    assert f"resumed from {run}/checkpoints/epoch-0012 at epoch 13," in again.stdout, again.stdout
+    assert _epochs_went_on(run, 15, 13)[-1]["val_acc"] > 0.9
     assert not job.processes()
 
 
 @pytest.mark.timeout(600)
 def test_an_allreduce_run_restarted_on_fewer_ranks_resumes_on_its_original_size(tmp_path):
     run, job = _restarted(
-        tmp_path, 4, 2, "--model", MLP, "--topology", "allreduce", "--epochs", "20", "--batch-size", "8"
+        tmp_path, 4, 2, "--model", MLP, "--topology", "allreduce", "--epochs", "10", "--batch-size", "8"
     )
     assert "restarting on the 3 ranks left (restart 1 of 1)" in job.output, job.output
     assert _restart_layouts(run) == ["3 ranks: 3 workers"]
-    again = _resume(run, 4, 23)
+    again = _resume(run, 4, 13)
     assert again.returncode == 0, again.stdout + again.stderr
     assert "resuming a checkpoint of 3 ranks (3 workers) on 4 ranks (4 workers): rank 3 starts from replica 0's" in (
         again.stdout
     ), again.stdout
-    assert _epochs_went_on(run, 23, 21)[-1]["val_acc"] > 0.9
+    assert _epochs_went_on(run, 13, 11)[-1]["val_acc"] > 0.9
     assert not job.processes()
 
 
@@ -362,17 +362,17 @@ def test_pipeline_replicas_restart_on_the_ranks_whole_replicas_fit_then_resume_o
     """2 replicas x 2 stages lose a stage: the 3 ranks left hold one whole replica, which
     goes on (the third rank leaves the job); the run then resumes on 4 ranks."""
     run, job = _restarted(
-        tmp_path, 4, 3, "--model", PIPELINE, *PIPE, "--topology", "allreduce", "--epochs", "12", "--batch-size", "16"
+        tmp_path, 4, 3, "--model", PIPELINE, *PIPE, "--topology", "allreduce", "--epochs", "6", "--batch-size", "16"
     )
     out = job.output
     assert "restarting on 2 of the 3 ranks left (restart 1 of 1); with 2 processes per worker the layout fits" in out
     assert "on 2 ranks (1 worker of 2 processes): every worker starts epoch " in out, out
     assert _restart_layouts(run) == ["2 ranks: 1 worker of 2 processes"]
-    assert json.loads((run / "summary.json").read_text())["stop_reason"] == "completed 12 epochs"
-    again = _resume(run, 4, 14)
+    assert json.loads((run / "summary.json").read_text())["stop_reason"] == "completed 6 epochs"
+    again = _resume(run, 4, 8)
     assert again.returncode == 0, again.stdout + again.stderr
     assert "resuming a checkpoint of 2 ranks (1 worker of 2 processes) on 4 ranks (2 workers of 2 processes): " in (
         again.stdout
     )
-    _epochs_went_on(run, 14, 13)
+    _epochs_went_on(run, 8, 7)
     assert not job.processes()

@@ -59,13 +59,13 @@ def _not_private(root: Path) -> dict[str, str]:
 def test_a_run_and_its_store_are_their_owners_under_umask_022(tmp_path):
     runs = tmp_path / "runs"  # made by the run
     args = ("--model", MLP, "--epochs", "2", "--runs-dir", str(runs), "--run-name", "r", "--quiet")
-    done = nbdist("launch", "-n", "3", "train", *args)
+    done = nbdist("launch", "-n", "2", "train", *args)
     assert done.returncode == 0, done.stdout + done.stderr
     export = nbdist("dashboard", "--store", str(runs / "nbdist.db"), "--export", str(runs / "r" / "dashboard.html"))
     assert export.returncode == 0, export.stdout + export.stderr
     # The store open while the run is resumed: its -wal and -shm are there to be looked at.
     with RunStore(runs / "nbdist.db"):
-        resumed = nbdist("launch", "-n", "3", "train", "--resume", str(runs / "r"), "--epochs", "3", "--quiet")
+        resumed = nbdist("launch", "-n", "2", "train", "--resume", str(runs / "r"), "--epochs", "3", "--quiet")
         assert resumed.returncode == 0, resumed.stdout + resumed.stderr
         modes = _modes(runs)
         assert _not_private(runs) == {}, modes
@@ -128,13 +128,13 @@ def test_a_postgres_password_comes_from_pgpassword_and_is_written_nowhere(tmp_pa
 
     # From PGPASSWORD (libpq reads it; the launcher and mpiexec pass it to the ranks).
     env = {**mpi_env(), "PGPASSWORD": PASSWORD}
-    done = nbdist("launch", "-n", "3", "train", *args, "--store", url, env=env)
+    done = nbdist("launch", "-n", "2", "train", *args, "--store", url, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     # Resumed without --store: the run reconnects to the store it recorded. Through the
     # launcher's several-node path (--hosts), which hands PGPASSWORD to mpiexec as `-x
     # PGPASSWORD`: prterun's command line, as ps shows it, names it and holds no value.
-    hosts = f"{socket.gethostname()}:3"
-    resume = ("launch", "-n", "3", "--hosts", hosts, "train", "--resume", str(runs / "r"), "--epochs", "4", "--quiet")
+    hosts = f"{socket.gethostname()}:2"
+    resume = ("launch", "-n", "2", "--hosts", hosts, "train", "--resume", str(runs / "r"), "--epochs", "4", "--quiet")
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(nbdist, *resume, env=env)
         launcher = _launcher_command_line(running)

@@ -119,6 +119,12 @@ class Checkpoints:
             storage["files"] = {tensors: write_safetensors(directory / tensors, flat)}
             # Written last, atomically: `ranks_written` counts a rank once its JSON is there.
             write_json(directory / _file(rank, "json"), {**meta, STORAGE: storage})
+        except FileNotFoundError:
+            # An asynchronous snapshot commits without a worker that fell an epoch behind
+            # (roles/master/epochs.py): its share, written meanwhile, is not needed. Without
+            # its JSON the files it left are no share (`ranks_written`, the manifest).
+            if not (self.root / label).is_dir():
+                raise
         except OSError as exc:
             if is_disk_full(exc):
                 needed = sum(array.nbytes for array in flat.values())

@@ -165,11 +165,14 @@ def commit_ready_checkpoints(me: Master) -> None:
         if label == me.snapshot:
             # A worker that finished before it was told has no update left to hold back
             # (its share is its last one); nor is a snapshot held up by a worker still in an
-            # epoch that ended without it: without its share, a resume starts it from the
-            # centre, as a dropped one. A sub-master holds its workers' updates since its
-            # last push: it always acknowledges its share (hierarchy.py, SubMaster.save_last_epoch).
+            # epoch that ended without it, told or not: without its share, a resume starts
+            # it from the centre, as a dropped one (and its share, if it comes, is the state
+            # before an update the centre does not hold). A worker frozen between the
+            # SNAPSHOT reply and its acknowledgement held every checkpoint up until the peer
+            # timeout dropped it. A sub-master holds its workers' updates since its last
+            # push: it always acknowledges its share (hierarchy.py, SubMaster.save_last_epoch).
             finished_workers = {i for i in me.finished - me.snapshot_told if me.clients[i].kind == WORKER}
-            have = have | finished_workers | (me.behind() - me.snapshot_told)
+            have = have | finished_workers | me.behind()
         if needed <= have:
             me.commit(label)
             me.master_wrote.discard(label)
