@@ -3,7 +3,6 @@
 from nbdist import data, datasets  # nbdist.datasets.digits() after a plain `import nbdist`
 from nbdist.__about__ import __version__
 from nbdist.api import scale, study, train
-from nbdist.cluster import Cluster
 from nbdist.layout import Layout
 from nbdist.options import StudyOptions, TrainOptions
 
@@ -29,9 +28,13 @@ def load_ipython_extension(shell):  # IPython's hook: %load_ext nbdist
     load(shell)
 
 
-def __getattr__(name: str):  # nbdist.Study without importing the notebook layer up front
+def __getattr__(name: str):  # nbdist.Study and nbdist.Cluster without importing the notebook layer up front
     if name == "Study":
         from nbdist.notebook_study import Study
 
         return Study
+    if name == "Cluster":  # every rank of a batch job imports nbdist; only a notebook starts clusters
+        from nbdist.cluster import Cluster
+
+        return Cluster
     raise AttributeError(f"module 'nbdist' has no attribute {name!r}")

@@ -24,7 +24,6 @@ import traceback
 from pathlib import Path
 
 from nbdist.errors import DiskFull, UserError
-from nbdist.hpo import SEARCHERS
 from nbdist.options import (
     add_arguments,
     add_study_arguments,
@@ -32,7 +31,6 @@ from nbdist.options import (
     require_model,
     study_options_from_args,
 )
-from nbdist.scaling.options import ScaleOptions
 from nbdist.train.diskspace import disk_full, is_disk_full
 from nbdist.transport.faults import RunFailure, ulfm_enabled
 
@@ -45,7 +43,10 @@ DEFAULT_RUNS_DIR = "runs"
 DEFAULT_STORE = f"{DEFAULT_RUNS_DIR}/nbdist.db"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The command line's parser; given the `command` about to run, the study's and the
+    scaling study's options are left out unless it is theirs (the registries of searchers
+    and the scaling package they need cost every rank of every job its imports)."""
     parser = argparse.ArgumentParser(prog="python -m nbdist", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -55,14 +56,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(train)
 
     study = sub.add_parser("study", help="a hyper-parameter study under mpiexec/srun (rank 0 coordinates)")
-    add_study_arguments(study, SEARCHERS)
+    if command in (None, "study"):
+        from nbdist.hpo import SEARCHERS
+
+        add_study_arguments(study, SEARCHERS)
 
     scale = sub.add_parser(
         "scale",
         help="a scaling study under mpiexec/srun: calibrate a performance model, measure set-ups and rank "
         "counts, predict to many ranks, recommend a set-up",
     )
-    add_arguments(scale, config=ScaleOptions)
+    if command in (None, "scale"):
+        from nbdist.scaling.options import ScaleOptions
+
+        add_arguments(scale, config=ScaleOptions)
 
     launch = sub.add_parser(
         "launch",
@@ -274,6 +281,7 @@ def _scale(args: argparse.Namespace) -> int:
     # the points it measures must not move to a GPU (--device auto would, and every rank
     # would share it). Hidden in this process only, before anything asks torch for one.
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    from nbdist.scaling.options import ScaleOptions
     from nbdist.scaling.sweep import run_scale
 
     given = {f.name: getattr(args, f.name) for f in fields(ScaleOptions) if getattr(args, f.name, None) is not None}
@@ -533,7 +541,8 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv[0] if argv and argv[0] in COMMANDS else None).parse_args(argv)
     try:
         return COMMANDS[args.command](args)
     except RunFailure as exc:

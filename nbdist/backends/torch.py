@@ -36,9 +36,13 @@ from nbdist.backends.base import (
     step_on_scratch,
 )
 from nbdist.backends.frameworks import TORCH, unknown_optimizer
+from nbdist.backends.torch_dynamo import defer_dynamo_import, step_without_dynamo
 from nbdist.specs import Spec, SpecError, check_kwargs, check_value_kinds, unknown_name
 
 __all__ = ["TorchBackend", "TorchFlatOptimizer", "TorchLrSchedule", "torch_optimizers", "torch_lr_schedules"]
+
+# Every rank builds optimisers; none needs torch._dynamo until something compiles.
+defer_dynamo_import()
 
 # --precision: the dtype autocast runs the forward pass in (None: no autocast). The
 # parameters and the flat gradient stay float32 either way (autocast casts copies).
@@ -182,7 +186,7 @@ class TorchFlatOptimizer(FlatOptimizer):
             self._param.add_(tensor, alpha=-lr)
             return
         self._param.grad = tensor
-        self._opt.step()
+        step_without_dynamo(self._opt)
         self._param.grad = None
 
     def state_arrays(self) -> dict[str, np.ndarray]:
