@@ -43,6 +43,9 @@ class Check:
     scratch: Path
     quick: bool = False  # fewer epochs and rounds: the test command's dry run
     results: list[dict] = field(default_factory=list)
+    # Runs already made, by (ranks, model, options): a step that asks for the same run
+    # again (fp32 against bf16 is the 1-rank step's run) takes its figures.
+    trained: dict[tuple, dict] = field(default_factory=dict)
 
     def epochs(self, full: int) -> str:
         return str(max(2, full // 2) if self.quick else full)
@@ -99,7 +102,12 @@ class Check:
 
     # ------------------------------------------------------------------- runs
     def train(self, name: str, ranks: int, timeout: float, *options: str, model: str = "digits_cnn.py") -> dict:
-        """`python -m nbdist launch -n ranks train ...` on digits; its summary."""
+        """`python -m nbdist launch -n ranks train ...` on digits; its summary (that of the
+        same run made earlier, where one was)."""
+        key = (ranks, model, options)
+        if key in self.trained:
+            print(f"   {name}: the same run as {self.trained[key]['run']}, which this check made already")
+            return dict(self.trained[key])
         runs = self.scratch / "runs"
         argv = [sys.executable, "-m", "nbdist", "launch", "-n", str(ranks), "train"]
         argv += ["--model", str(self.root / "examples" / model), "--runs-dir", str(runs), "--run-name", name]
@@ -107,12 +115,14 @@ class Check:
         self.command(argv, timeout)
         summary = json.loads((runs / name / "summary.json").read_text())
         final = summary["final"]
-        return {
+        self.trained[key] = {
+            "run": name,
             "val_acc": final.get("val_acc"),
             "val_loss": final.get("val_loss"),
             "epochs": summary.get("epochs_run"),
             "samples_per_s": final.get("samples_per_s"),
         }
+        return dict(self.trained[key])
 
     def learned(self, name: str, ranks: int, timeout: float, *options: str, **kw: str) -> dict:
         figures = self.train(name, ranks, timeout, *options, **kw)
@@ -181,7 +191,8 @@ def gpu_tests(check: Check, timeout: float) -> dict:
 
 
 def single_rank(check: Check, timeout: float) -> dict:
-    return check.learned("one-rank", 1, timeout, "--topology", "allreduce", "--epochs", check.epochs(4))
+    # fp32 spelled out: the precisions step compares bf16 and fp16 with this very run.
+    return check.learned("one-rank", 1, timeout, *one_rank_options(check), "--precision", "fp32")
 
 
 def master_with_device_workers(check: Check, timeout: float) -> dict:
@@ -217,7 +228,7 @@ def pipeline(check: Check, timeout: float) -> dict:
 
 def precisions(check: Check, timeout: float) -> dict:
     each = timeout / len(PRECISIONS)
-    options = ("--topology", "allreduce", "--epochs", check.epochs(4))
+    options = one_rank_options(check)
     figures = {p: check.train(f"precision-{p}", 1, each, *options, "--precision", p) for p in PRECISIONS}
     gap = figures["fp32"]["val_acc"] - figures["bf16"]["val_acc"]
     figures["bf16_points_below_fp32"] = round(100 * gap, 2)
@@ -230,6 +241,11 @@ def precisions(check: Check, timeout: float) -> dict:
 
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def one_rank_options(check: Check) -> tuple[str, ...]:
+    """The 1-rank run's options, shared by the 1-rank step and the precisions step."""
+    return ("--topology", "allreduce", "--epochs", check.epochs(4))
 
 
 def overhead(check: Check, timeout: float) -> dict:
@@ -267,6 +283,8 @@ def scaling_sweep(check: Check, timeout: float) -> dict:
     ranks = 2 if check.dry_run else min(16, os.cpu_count() or 1)
     argv = [sys.executable, "-m", "nbdist", "launch", "-n", str(ranks), "scale"]
     argv += ["--model", str(check.root / "examples" / "digits_cnn.py"), "--quick"]
+    if check.dry_run:  # that the sweep runs, not its figures: two set-ups, short points
+        argv += ["--setups", "allreduce downpour", "--seconds", "0.5"]
     output = check.command(argv, timeout)
     (check.out / "scale.txt").write_text(output)
     return {"ranks": ranks}

@@ -15,8 +15,8 @@ Part 1 runs in each precision (--precision fp32, bf16, fp16: AMP off and on), DD
 torch.autocast with a GradScaler for fp16, so each ratio compares like with like.
 
 Usage: python bench/gpu.py [--quick] [--models small,large]   (--cpu-dry-run: every part on the CPU, gloo for
-DDP and for nbdist's torch.distributed reducer, to check the script on a machine without
-a GPU; its numbers say nothing of GPUs)
+DDP and for nbdist's torch.distributed reducer, a few steps each, to check the script on a
+machine without a GPU; its numbers say nothing of GPUs)
 """
 
 from __future__ import annotations
@@ -145,12 +145,14 @@ def main() -> None:
     device = "cpu" if args.cpu_dry_run else "cuda"
     q = args.quick
     header(f"nbdist on {'the CPU (dry run)' if args.cpu_dry_run else f'{gpus} GPU(s)'}, batch {args.batch_size}/rank")
+    # A dry run checks that every part runs, not its figures: a few steps each.
+    steps, warmup, rounds = (5, 2, 1) if args.cpu_dry_run else (50, 10, 2) if q else (200, 20, 3)
     plan = dict(
         models=args.models.split(","),
         precisions=["fp32", "bf16", "fp16"],
-        steps=50 if q else 200,
-        warmup=10 if q else 20,
-        rounds=2 if q else 3,
+        steps=steps,
+        warmup=warmup,
+        rounds=rounds,
     )
     cfg = dict(batch_size=args.batch_size, lr=0.01, device=device)
     common = ["--device", device, "--batch-size", str(args.batch_size)]
@@ -201,7 +203,8 @@ def main() -> None:
         ],
     )
 
-    trips = dict(steps=20 if q else 100, warmup=5, floats=[2**20, 10 * 2**20])
+    trip_steps, trip_warmup = (3, 1) if args.cpu_dry_run else (20, 5) if q else (100, 5)
+    trips = dict(steps=trip_steps, warmup=trip_warmup, floats=[2**20, 10 * 2**20])
     st = run_mpi(2, [WORKER, "--part", "staging", "--plan", json.dumps(trips), *common], timeout=600)[0]
     print("2. a worker's flat buffer to a host master and back (1 master + 1 worker, 2 ranks):")
     table(

@@ -8,6 +8,8 @@ comparison and where every run's results are:
 - master/worker with GEM: 1 master + 4 workers (staleness-aware);
 - allreduce (synchronous SGD with overlapped gradient buckets): 4 ranks.
 
+(`--workers N` for another number of workers.)
+
 While they train, the dashboard is served on localhost (its URL is printed: open it to
 watch the runs live); at the end each run's dashboard is also saved as one HTML file.
 """
@@ -24,15 +26,22 @@ from pathlib import Path
 
 from nbdist.launch import mpi_env, mpiexec_command
 
-RUNS = [
-    ("easgd, async, 1 master + 4 workers", 5, ["--topology", "master-worker", "--algorithm", "easgd"]),
-    (
-        "gem, async, 1 master + 4 workers",
-        5,
-        ["--topology", "master-worker", "--algorithm", "gem(lr=0.05, momentum=0.9, kappa=1.0)"],
-    ),
-    ("allreduce, 4 ranks", 4, ["--topology", "allreduce"]),
-]
+
+def runs(workers: int) -> list[tuple[str, int, list[str]]]:
+    """The set-ups: (title, ranks, options), each with `workers` workers."""
+    return [
+        (
+            f"easgd, async, 1 master + {workers} workers",
+            workers + 1,
+            ["--topology", "master-worker", "--algorithm", "easgd"],
+        ),
+        (
+            f"gem, async, 1 master + {workers} workers",
+            workers + 1,
+            ["--topology", "master-worker", "--algorithm", "gem(lr=0.05, momentum=0.9, kappa=1.0)"],
+        ),
+        (f"allreduce, {workers} ranks", workers, ["--topology", "allreduce"]),
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,13 +50,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs-dir", default="runs/demo")
     parser.add_argument("--model", default=str(Path(__file__).resolve().parent.parent / "examples" / "digits_cnn.py"))
     parser.add_argument("--no-dashboard", action="store_true", help="neither serve nor save the dashboard")
+    # Fewer ranks start faster on a small machine: the test suite's run takes 2.
+    parser.add_argument("--workers", type=int, default=4, help="workers of each set-up (default 4)")
     args = parser.parse_args(argv)
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
     rows = []
     store = Path(args.runs_dir) / "nbdist.db"
     server = None if args.no_dashboard else _serve_dashboard(store)
-    for title, ranks, extra in RUNS:
+    for title, ranks, extra in runs(args.workers):
         name = f"{stamp}-{extra[1]}-{extra[3].split('(')[0] if len(extra) > 3 else 'sgd'}"
         print(f"\n=== {title}: mpiexec -n {ranks} python -m nbdist train {' '.join(extra)}", flush=True)
         cmd = mpiexec_command(

@@ -117,8 +117,10 @@ def test_the_toy_rule_is_collected_and_passes_every_contract_test(pytester):
             """
         )
     )
-    collected = pytester.runpytest_subprocess("--collect-only", "-q", "-p", "no:cacheprovider")
-    toy_tests = [line for line in collected.outlines if "[toy_sgd" in line or "-toy_sgd" in line]
+    # One session collects and runs them (-v names each test with its outcome): a second
+    # session would import torch and the contract tests again for the same list.
+    run = pytester.runpytest_subprocess("-v", "-p", "no:cacheprovider", "-k", "toy_sgd")
+    toy_tests = [line for line in run.outlines if "::" in line and ("[toy_sgd" in line or "-toy_sgd" in line)]
     contracts = {line.split("::")[1].split("[")[0] for line in toy_tests}
     assert contracts == {
         "test_the_rule_is_built_by_name_and_describes_itself",
@@ -127,6 +129,6 @@ def test_the_toy_rule_is_collected_and_passes_every_contract_test(pytester):
         "test_torch_tensors_through_staging_give_the_numpy_result",
         "test_rule_state_on_torch_tensors_checkpoints_as_numpy",
         "test_rule_state_round_trips",
-    }, collected.outlines
-    run = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider", "-k", "toy_sgd")
+    }, run.outlines
+    assert all(line.split()[1] == "PASSED" for line in toy_tests), run.outlines
     run.assert_outcomes(passed=len(toy_tests))

@@ -1,4 +1,4 @@
-"""SLURM, for real: `python -m nbdist slurm-script` writes the sbatch scripts, and a real
+"""SLURM, for real: `nbdist slurm-script` (nbdist.cli.main) writes the sbatch scripts, and a real
 SLURM on this machine (tests/slurm_cluster.py: munged, slurmctld and two slurmd, the
 second node in a network namespace of its own, started by the `slurm` fixture) runs
 them: a train over both nodes and a study complete inside their allocations, and SIGUSR1
@@ -14,6 +14,8 @@ the script's own checks need no SLURM.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -56,15 +58,24 @@ def slurm(tmp_path_factory):
 
 
 def _write_script(path: Path, *options: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`python -m nbdist slurm-script OPTIONS`, as a user runs it, from the repository."""
-    done = subprocess.run(
-        [sys.executable, "-m", "nbdist", "slurm-script", *options],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    """`nbdist slurm-script OPTIONS` from the repository, through the command line's own
+    entry point (nbdist.cli.main) in this process: a fresh Python would spend seconds on
+    importing torch for the model's set-up check, before every job of this module."""
+    argv = ["slurm-script", *options]
+    out, err = io.StringIO(), io.StringIO()
+    saved_env, saved_cwd = dict(os.environ), os.getcwd()
+    try:
+        if env is not None:
+            os.environ.clear()
+            os.environ.update(env)
+        os.chdir(ROOT)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(argv)
+    finally:
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+    done = subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
     assert done.returncode == 0, done.stdout + done.stderr
     return done
 
