@@ -31,10 +31,11 @@ from typing import Any
 from nbdist.store.dialects import Dialect, StoreError, mask_url, open_dialect
 from nbdist.store.schema import prepare_schema
 
-__all__ = ["RunStore", "RunRow", "TrialRow", "STALE_SECONDS", "RUN_STATES"]
+__all__ = ["RunStore", "RunRow", "TrialRow", "STALE_SECONDS", "RUN_STATES", "TRIAL_STATES"]
 
 STALE_SECONDS = 60.0
 RUN_STATES = ("running", "completed", "stopped", "failed", "killed")
+TRIAL_STATES = ("running", "paused", "complete", "pruned", "stopped", "failed")
 _RECORD_COLUMNS = ("run", "rank", "seq", "trial", "role", "kind", "step", "epoch", "time")
 
 
@@ -546,6 +547,24 @@ class RunStore:
             for s, n, p, st, f, fs, fo, g, gr, e, t0, t1, o, goal, ep, v in rows
         ]
 
+    def study_digest(self, study_id: str) -> tuple:
+        """A summary of the study's trial rows, of its trial events and its status, which
+        changes when a trial is added or changes state, value, epochs, group, end or the
+        length of its parameters' text (PBT, which changes a running trial's parameters,
+        writes an exploit event with them), and when an event is added or written again.
+        A reader that polls (the dashboard) reads the rows themselves only when it changed."""
+        states = " ".join(f"WHEN '{s}' THEN {i}" for i, s in enumerate(TRIAL_STATES, start=1))
+        trials = self._db.execute(
+            f"SELECT COUNT(*), SUM((CASE state {states} ELSE 0 END) * (number + 1)), SUM(fom), SUM(epochs), "
+            "SUM(grp * (number + 1)), SUM(LENGTH(params)), MAX(ended) FROM trials WHERE study = ?",
+            (study_id,),
+        ).fetchone()
+        events = self._db.execute(
+            "SELECT COUNT(*), MAX(time) FROM trial_events WHERE study = ?", (study_id,)
+        ).fetchone()
+        status = self._db.execute("SELECT status FROM studies WHERE id = ?", (study_id,)).fetchone()
+        return tuple(trials), tuple(events), status[0] if status else None
+
     # -- what happened to each trial on the way (schedulers, PBT) -------------------------
     def record_trial_events(self, study_id: str, events: Iterable[tuple[int, str, int, dict[str, Any]]]) -> None:
         """(trial number, kind, epoch, data) rows: an intermediate 'value', 'pruned',
@@ -563,11 +582,14 @@ class RunStore:
             )
 
     def trial_events(
-        self, study_id: str, *, number: int | None = None, kind: str | None = None
+        self, study_id: str, *, number: int | None = None, kind: str | None = None, after: float | None = None
     ) -> list[dict[str, Any]]:
-        """The study's trial events (all, or one trial's, or one kind's), by trial, epoch and kind."""
+        """The study's trial events (all, or one trial's, or one kind's, or those written
+        after the time `after`: a reader polling for new ones), by trial, epoch and kind."""
         sql = "SELECT number, kind, epoch, time, data FROM trial_events WHERE study = ?"
         args: list[Any] = [study_id]
+        if after is not None:
+            sql, args = sql + " AND time > ?", [*args, float(after)]
         if number is not None:
             sql, args = sql + " AND number = ?", [*args, int(number)]
         if kind is not None:
