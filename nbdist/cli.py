@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     board.add_argument("--token", dest="token_on_command_line", default=None, help=argparse.SUPPRESS)
     board.add_argument("--run", default=None, help="the run to show first (default: the newest)")
     board.add_argument(
+        "--study", default=None, help="the study to show (default: the newest); with --export, that study's page alone"
+    )
+    board.add_argument(
         "--allow-websocket-origin",
         action="append",
         default=None,
@@ -362,7 +365,7 @@ def _dashboard(args: argparse.Namespace) -> int:
         raise token_on_command_line()
     if args.export:
         existing_store(args.store)
-        path = export_html(args.store, args.export, run=args.run)
+        path = export_html(args.store, args.export, run=args.run, study=args.study)
         print(f"nbdist: dashboard written to {path}")
         return 0
     if args.unix_socket is not None and args.address is not None:
@@ -375,6 +378,7 @@ def _dashboard(args: argparse.Namespace) -> int:
         token=dashboard_token(args.token_file),
         unix_socket=args.unix_socket,
         run=args.run,
+        study=args.study,
         allow_origin=args.allow_websocket_origin,
         create=args.create,
     )

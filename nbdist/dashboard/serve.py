@@ -59,6 +59,7 @@ def serve(
     token: str | None = None,
     unix_socket: str | Path | None = None,
     run: str | None = None,
+    study: str | None = None,
     allow_origin: list[str] | None = None,
     show: bool = False,
     create: bool = False,
@@ -90,7 +91,7 @@ def serve(
         )
         # Panel adds what the factory returns to each session's page: return the page, not .servable().
         server = pn.serve(
-            {APP_PATH: lambda: dashboard(store, run=run).start().page},
+            {APP_PATH: lambda: dashboard(store, run=run, study=study).start().page},
             prefix=prefix,
             show=False,
             start=False,
