@@ -9,8 +9,10 @@ the others replace their data when the trials change.
 from __future__ import annotations
 
 import math
+from typing import Any
 
-from bokeh.models import Arrow, ColumnDataSource, HoverTool, VeeHead
+from bokeh.models import ColumnDataSource, HoverTool
+from bokeh.models.annotations.arrows import Arrow, VeeHead
 from bokeh.palettes import Category10_10
 
 from nbdist.dashboard.plots import named_figure
@@ -22,8 +24,8 @@ __all__ = ["CurvesView", "ParetoView", "LineageView", "ScheduleView"]
 PARETO_SIZE = 560
 
 
-def _stream(source: ColumnDataSource, columns: dict[str, list]) -> None:
-    if columns and next(iter(columns.values())):
+def _stream(source: ColumnDataSource, columns: dict[str, Any]) -> None:
+    if any(len(rows) for rows in columns.values()):
         source.stream(columns)
 
 
@@ -55,15 +57,19 @@ class CurvesView:
         )
         fig.legend.location = "top_right"
         self.figure, self.objective = fig, objective
+        self._trials: set[int] = set()  # those with a point drawn
+        self._counts: dict[str, int] = {}  # marks drawn, by kind
 
     def add(self, points: dict[str, list], segments: dict[str, list], marks: dict[str, list]) -> None:
         _stream(self.points, points)
         _stream(self.segments, segments)
         _stream(self.marks, marks)
-        trials = len(set(self.points.data["trial"]))
-        counts = {k: self.marks.data["kind"].count(k) for k in ("pruned", "promoted")}
+        self._trials.update(points["trial"])
+        for kind in marks["kind"]:
+            self._counts[kind] = self._counts.get(kind, 0) + 1
+        counts = {k: self._counts.get(k, 0) for k in ("pruned", "promoted")}
         self.figure.title.text = (
-            f"Intermediate values: {self.objective} of {trials} trials "
+            f"Intermediate values: {self.objective} of {len(self._trials)} trials "
             f"({counts['pruned']} pruned, {counts['promoted']} promotions)"
         )
 
@@ -119,17 +125,16 @@ class LineageView:
             line_width=2,
             name="lineage-exploits",
         )
-        fig.add_layout(
-            Arrow(
-                end=VeeHead(size=9, fill_color="black"),
-                source=self.edges,
-                x_start="epoch",
-                y_start="source",
-                x_end="epoch",
-                y_end="receiver",
-                line_alpha=0,
-            )
+        heads = Arrow(
+            end=VeeHead(size=9, fill_color="black"),
+            source=self.edges,
+            x_start="epoch",
+            y_start="source",
+            x_end="epoch",
+            y_end="receiver",
         )
+        heads.update(line_alpha=0)  # the segments are the arrows' bodies (they carry the hover)
+        fig.add_layout(heads)
         fig.add_tools(
             HoverTool(renderers=[dots], tooltips=[("trial", "@trial"), ("epoch", "@epoch"), ("value", "@value")]),
             HoverTool(

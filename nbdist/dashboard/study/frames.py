@@ -48,6 +48,7 @@ STATE_COLORS = {
 
 def value_of(trial: TrialRow, k: int = 0) -> float | None:
     """Trial's value for objective k (None where it has none, or not a finite one)."""
+    value: float | None
     if trial.values is not None and k < len(trial.values):
         value = trial.values[k]
     elif k == 0:
@@ -125,7 +126,7 @@ def history_columns(trials: Sequence[TrialRow], k: int, maximize: bool) -> tuple
     colour), and the best complete value so far, by trial number."""
     drawn = sorted(_with_values(trials, k, tuple(STATE_COLORS)), key=lambda tv: tv[0].number)
     spread = [(t.fom_std or 0.0) if k == 0 else 0.0 for t, _ in drawn]
-    points = {
+    points: dict[str, list] = {
         "trial": [t.number for t, _ in drawn],
         "value": [v for _, v in drawn],
         "low": [v - s for (_, v), s in zip(drawn, spread, strict=True)],

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from bokeh.models import ColumnDataSource, DataTable, NumberFormatter, TableColumn
+from bokeh.models import ColumnDataSource
+from bokeh.models.widgets.tables import DataTable, NumberFormatter, TableColumn
 
 from nbdist.dashboard.study.frames import ParamAxis, objective_ranks, pareto_mask, value_of
 from nbdist.store import RunRow, TrialRow
@@ -70,8 +71,8 @@ def trial_table(
         columns[f"rank: {name}"] = [ranks.get(t.number, math.nan) for t in trials]
     if len(objectives) > 1:
         complete = [t for t in trials if t.state == "complete" and t.values is not None]
-        on_front = pareto_mask(np.array([t.values for t in complete]), maximize) if complete else []
-        front = {t.number for t, yes in zip(complete, on_front, strict=True) if yes}
+        on_front = pareto_mask(np.array([t.values for t in complete]), maximize) if complete else np.zeros(0, bool)
+        front = {t.number for t, yes in zip(complete, on_front.tolist(), strict=True) if yes}
         columns["Pareto front"] = ["yes" if t.number in front else "" for t in trials]
     columns["epochs"] = [_number(t.epochs) for t in trials]
     columns["ranks"] = [_ranks_of(t, groups, runs.get(t.number, [])) for t in trials]
