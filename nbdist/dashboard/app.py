@@ -23,9 +23,9 @@ from nbdist.dashboard.frames import RunFrames
 from nbdist.dashboard.layout_view import layout_html
 from nbdist.dashboard.panes import LiveMarkdown, NotebookPage
 from nbdist.dashboard.plots import RunPlots, phase_legend, queue_model_staleness
-from nbdist.dashboard.sources import JobSource, RecordSource, RunInfo, StoreSource, run_choices
+from nbdist.dashboard.sources import JobSource, RecordSource, RunInfo, StoreSource, check_choices, run_choices
 from nbdist.dashboard.study import StudyPage
-from nbdist.store import RunStore, StoreError, is_url
+from nbdist.store import RunStore, is_url
 
 __all__ = ["Dashboard", "dashboard"]
 
@@ -165,15 +165,11 @@ class Dashboard:
 
     # -- the store's pickers --------------------------------------------------------------
     def _build_pickers(self, run: str | None, study: str | None) -> None:
+        check_choices(self._store, run, study)
         studies = {s["id"]: s["id"] for s in self._store.studies()}
-        if study is not None and study not in studies:
-            known = ", ".join(studies) if studies else "none yet"
-            raise StoreError(f"no study {study!r} in the store {self._store.label} (its studies: {known})")
         widgets: list[Any] = []
         if self.runs:
             choices = run_choices(self._store)
-            if run is not None and run not in choices.values():
-                raise StoreError(f"no run {run!r} in the store {self._store.label}")
             self.run_picker = pn.widgets.Select(
                 label="run", options=choices, value=run or next(iter(choices.values()), None), width=420
             )

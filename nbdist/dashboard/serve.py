@@ -71,6 +71,7 @@ def serve(
     import panel as pn
 
     from nbdist.dashboard.app import dashboard
+    from nbdist.dashboard.sources import check_choices
     from nbdist.store import RunStore, is_url, store_label
 
     if not create and not is_url(store):
@@ -79,6 +80,7 @@ def serve(
     # every page; one connection says it.
     with RunStore(store, create=create) as opened:
         empty = not opened.runs()
+        check_choices(opened, run, study)
     token = dashboard_token() if token is None else token
     try:
         if unix_socket is not None:
