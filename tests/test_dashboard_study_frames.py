@@ -157,3 +157,33 @@ def test_polling_reads_only_what_is_new(study):
         store.record_trial(STUDY, TRIALS + 1, params={"lr": 0.01}, state="pruned", fom=0.4, epochs=1)
     changed, _, finished = data.poll()
     assert changed and finished == 1 and data.trials[-1].state == "pruned"
+
+
+def test_notes_written_on_the_page_are_kept_in_the_store_and_shown_everywhere(study, tmp_path):
+    pytest.importorskip("panel")
+    from nbdist.dashboard import export_html
+    from nbdist.dashboard.study import StudyPage
+
+    path, _, _ = study
+    with RunStore(path) as store:
+        page = StudyPage(store, STUDY)
+        page.notes.study_note.value = "lr matters most <b>here</b>"
+        page.notes.save_study.clicks += 1  # as a click in the browser
+        page.notes.trial.value = 5
+        page.notes.trial_note.value = "diverged after epoch 3"
+        page.notes.save_trial.clicks += 1
+        assert store.notes(STUDY) == {None: "lr matters most <b>here</b>", 5: "diverged after epoch 3"}
+        assert "trial 5's note saved" in page.notes.said.object
+        page.tabs.active = page._tab_names.index("Trials")
+        assert page.table.source.data["note"][5] == "diverged after epoch 3"
+        other = StudyPage(store, STUDY)  # another page, later: the notes are there
+        assert other.notes.study_note.value == "lr matters most <b>here</b>"
+        store.save_note(STUDY, "", trial=5)  # an empty note removes it
+        assert store.notes(STUDY) == {None: "lr matters most <b>here</b>"}
+    exported = export_html(path, tmp_path / "study.html", study=STUDY).read_text()
+    # In the page's embedded document, Markdown's own tags are escaped once and the note's
+    # escaped text once more: the note shows as written, never runs as HTML.
+    assert (
+        "&amp;lt;strong&amp;gt;Study:&amp;lt;/strong&amp;gt; lr matters most &amp;amp;lt;b&amp;amp;gt;here" in exported
+    )
+    assert "&amp;lt;b&amp;gt;here" not in exported

@@ -565,6 +565,26 @@ class RunStore:
         status = self._db.execute("SELECT status FROM studies WHERE id = ?", (study_id,)).fetchone()
         return tuple(trials), tuple(events), status[0] if status else None
 
+    # -- notes on a study and its trials (the study dashboard writes them) -----------------
+    def save_note(self, study_id: str, text: str, *, trial: int | None = None) -> None:
+        """Keep `text` as the study's note (or trial `trial`'s), replacing the one before;
+        an empty text removes it."""
+        number = -1 if trial is None else int(trial)
+        with self._write() as conn:
+            if text.strip():
+                conn.execute(
+                    "INSERT INTO notes (study, number, text, time) VALUES (?, ?, ?, ?) "
+                    "ON CONFLICT (study, number) DO UPDATE SET text = excluded.text, time = excluded.time",
+                    (study_id, number, text, time.time()),
+                )
+            else:
+                conn.execute("DELETE FROM notes WHERE study = ? AND number = ?", (study_id, number))
+
+    def notes(self, study_id: str) -> dict[int | None, str]:
+        """The study's notes: None -> the study's own, a trial number -> that trial's."""
+        rows = self._db.execute("SELECT number, text FROM notes WHERE study = ? ORDER BY number", (study_id,))
+        return {(None if n < 0 else n): text for n, text in rows}
+
     # -- what happened to each trial on the way (schedulers, PBT) -------------------------
     def record_trial_events(self, study_id: str, events: Iterable[tuple[int, str, int, dict[str, Any]]]) -> None:
         """(trial number, kind, epoch, data) rows: an intermediate 'value', 'pruned',

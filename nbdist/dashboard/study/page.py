@@ -40,6 +40,7 @@ from nbdist.dashboard.study.frames import (
     value_of,
 )
 from nbdist.dashboard.study.importance import EVALUATORS, ImportanceError, param_importances
+from nbdist.dashboard.study.notes import NotesView
 from nbdist.dashboard.study.table import TrialTable, trial_table
 from nbdist.dashboard.study.trial_views import (
     ContourView,
@@ -68,6 +69,8 @@ class StudyPage:
         self.parallel, self.slices = ParallelView(info.maximize[0]), SliceView()
         self.contour, self.importance = ContourView(info.maximize[0]), ImportanceView()
         self.curves, self.table = CurvesView(info.objectives[0]), TrialTable()
+        self.notes = NotesView(store, study_id, live=live)
+        self.notes.refresh()  # before the trial table, which shows them
         self.pareto = ParetoView() if len(info.objectives) > 1 else None
         self.lineage: LineageView | None = None
         self.schedule: ScheduleView | None = None
@@ -92,7 +95,7 @@ class StudyPage:
         if self.pareto is not None:
             pareto = [self._shown(pn.Row(self.pareto_x, self.pareto_y))] if len(info.objectives) > 2 else []
             tabs.append(("Pareto front", pn.Column(*pareto, bokeh(self.pareto.figure))))
-        tabs.append(("Trials", bokeh(self.table.table)))
+        tabs += [("Trials", bokeh(self.table.table)), ("Notes", self.notes.panel)]
         self.tabs = pn.Tabs(*tabs, dynamic=live, name="nbdist-study-tabs")
         self._tab_names = [name for name, _ in tabs]
         self.tabs.param.watch(self._tab_opened, "active")
@@ -138,7 +141,7 @@ class StudyPage:
         if self.lineage is not None:
             return
         self.lineage, self.schedule = LineageView(self.data.info.maximize[0]), ScheduleView()
-        at = len(self.tabs) - 1  # before the trial table
+        at = self._tab_names.index("Trials")  # before the trial table
         view = pn.Column(
             pn.pane.Bokeh(self.lineage.figure), self._shown(self.schedule_param), pn.pane.Bokeh(self.schedule.figure)
         )
@@ -180,6 +183,7 @@ class StudyPage:
             "Pareto front": self._refresh_pareto,
             "PBT lineage": self._refresh_lineage,
             "Trials": self._refresh_table,
+            "Notes": self.notes.refresh,
         }
 
     def _shown_tabs(self) -> list[str]:
@@ -200,6 +204,9 @@ class StudyPage:
                 self._refreshers[name]()
 
     def _tab_opened(self, event: Any) -> None:
+        # Notes are read again when opened (another page may have saved some), and the
+        # table's note column with them.
+        self._stale |= {"Notes", "Trials"}
         self._refresh_shown(force=True)
 
     def _refresh_axes(self) -> None:
@@ -231,7 +238,13 @@ class StudyPage:
         info = self.data.info
         self._refresh_axes()
         columns = trial_table(
-            self.data.trials, self.data.runs, info.layout, info.objectives, info.maximize, list(self.axes)
+            self.data.trials,
+            self.data.runs,
+            info.layout,
+            info.objectives,
+            info.maximize,
+            list(self.axes),
+            notes=self.notes.by_trial,
         )
         self.table.show(columns, self.axes)
 

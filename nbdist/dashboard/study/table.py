@@ -60,6 +60,7 @@ def trial_table(
     objectives: Sequence[str],
     maximize: Sequence[bool],
     params: Sequence[str],
+    notes: dict[int, str] | None = None,
 ) -> dict[str, list]:
     """The table's columns, one row per trial by number (values NaN where none)."""
     trials = sorted(trials, key=lambda t: t.number)
@@ -80,6 +81,8 @@ def trial_table(
     for name in params:
         columns[name] = [_cell(t.params.get(name)) for t in trials]
     columns["error"] = [t.error or "" for t in trials]
+    if notes:
+        columns["note"] = [notes.get(t.number, "") for t in trials]
     return columns
 
 
@@ -116,7 +119,7 @@ class TrialTable:
 
 
 def _column(name: str, values: list, is_param: bool) -> TableColumn:
-    wide = {"runs": 360, "ranks": 150, "error": 240}.get(name, 110 if is_param else 90)
+    wide = {"runs": 360, "ranks": 150, "error": 240, "note": 240}.get(name, 110 if is_param else 90)
     numbers = bool(values) and all(isinstance(v, float) for v in values) and name != "trial"
     if is_param or not numbers:  # parameters as given (a learning rate of 3e-5 is not 0)
         return TableColumn(field=name, title=name, width=wide)
