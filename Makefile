@@ -1,11 +1,19 @@
 # The three commands: `make demo`, `make test` and `make lab`. Each creates .venv when it is missing.
+# For the edit-test loop: `make check` (lint, types and the tests that need no server or
+# cluster: a few minutes), `make lint`, `make docs`.
 PYTHON ?= python3
-VENV   := .venv
+VENV   ?= .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed
-EXTRAS := mpi,torch,tensorflow,notebook,dashboard,hpo,hep,postgresql,test
+STAMP  ?= $(VENV)/.installed
+EXTRAS := mpi,torch,tensorflow,notebook,dashboard,hpo,hep,postgresql,test,lint,docs
+# What `make check` leaves to `make test`: the tests that start MPI jobs or engines, a
+# SLURM, a PostgreSQL server or a browser, and the slow ones (markers in pyproject.toml).
+FAST   := not mpi and not slurm and not postgres and not browser and not slow
+# Warnings are errors; -n (nitpicky) would also flag every type in a signature that
+# autodoc cannot link, which the API reference does not aim for.
+SPHINX := $(BIN)/sphinx-build -W --keep-going -q -b html
 
-.PHONY: demo test lab install clean bench
+.PHONY: demo test check lint docs lab install clean bench device-wheels
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -21,8 +29,21 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m nbdist.demo
 
-test: $(STAMP)
+# The README's and CI's test command: lint and types, the docs site, every test.
+test: lint docs
 	$(BIN)/python -m pytest -q
+
+check: lint
+	$(BIN)/python -m pytest -q -m "$(FAST)"
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy nbdist
+
+# The docs site, offline, into docs/_build/html (open docs/_build/html/index.html).
+docs: $(STAMP)
+	$(SPHINX) docs docs/_build/html
 
 # JupyterLab on the tutorials, on loopback with Jupyter's token (it prints the URL).
 # Jupyter refuses root without --allow-root (containers, CI boxes run as root).
@@ -43,5 +64,15 @@ bench: $(STAMP)
 	$(BIN)/python bench/convergence.py --quick
 	$(BIN)/python bench/noise_scale.py
 
+# What bench/device_check.sh installs on a GPU node that has no network (requirements/device.txt).
+DEVICE_WHEELS := .device-wheels
+device-wheels: $(STAMP)
+	rm -rf $(DEVICE_WHEELS) && mkdir -p $(DEVICE_WHEELS)
+	$(BIN)/python -m pip wheel --quiet --no-deps --no-build-isolation -w $(DEVICE_WHEELS) .
+	$(BIN)/python -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d $(DEVICE_WHEELS) -r requirements/device.txt
+	@ls $(DEVICE_WHEELS)
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache docs/_build $(DEVICE_WHEELS)

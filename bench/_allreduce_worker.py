@@ -24,15 +24,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from _common import MLPS, batch_indices, emit, mlp, synthetic  # noqa: E402
-from mpi4py import MPI  # noqa: E402
-from torch import nn  # noqa: E402
+import numpy as np
+import torch
+from _common import MLPS, batch_indices, emit, mlp, synthetic
+from mpi4py import MPI
+from torch import nn
 
-from nbdist.backends.torch import TorchBackend  # noqa: E402
-from nbdist.specs import parse_spec  # noqa: E402
-from nbdist.transport.reducers import MpiReducer  # noqa: E402
+from nbdist.backends.torch import TorchBackend
+from nbdist.specs import parse_spec
+from nbdist.transport.reducers import MpiReducer
 
 DATA_SAMPLES = 4096
 

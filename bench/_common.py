@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +30,7 @@ def mlp(sizes: Sequence[int]):
     from torch import nn
 
     layers: list = []
-    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+    for i, (a, b) in enumerate(pairwise(sizes)):
         layers.append(nn.Linear(a, b))
         if i < len(sizes) - 2:
             layers.append(nn.ReLU())
@@ -45,7 +46,7 @@ MLPS = {
 
 
 def count_params(sizes: Sequence[int]) -> int:
-    return sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:]))
+    return sum(a * b + b for a, b in pairwise(sizes))
 
 
 def synthetic(n: int, features: int, classes: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -86,7 +87,9 @@ def table(rows: list[list], headers: list[str]) -> None:
     cells = [[str(h) for h in headers]] + [[_fmt(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     for k, row in enumerate(cells):
-        print("  ".join(c.ljust(w) if k == 0 or not _numeric(c) else c.rjust(w) for c, w in zip(row, widths)))
+        print(
+            "  ".join(c.ljust(w) if k == 0 or not _numeric(c) else c.rjust(w) for c, w in zip(row, widths, strict=True))
+        )
         if k == 0:
             print("  ".join("-" * w for w in widths))
     print()

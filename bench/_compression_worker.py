@@ -17,13 +17,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
-from _common import MLPS, emit, mlp  # noqa: E402
-from mpi4py import MPI  # noqa: E402
+import torch
+from _common import MLPS, emit, mlp
+from mpi4py import MPI
 
-import nbdist  # noqa: E402
-from nbdist.datasets import digits  # noqa: E402
-from nbdist.metrics import read_log  # noqa: E402
+import nbdist
+from nbdist.datasets import digits
+from nbdist.metrics import read_log
 
 
 def one_run(comm, compression: str, args) -> dict | None:

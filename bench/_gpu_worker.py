@@ -17,24 +17,25 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from _common import MLPS, batch_indices, emit, mlp, synthetic  # noqa: E402
-from mpi4py import MPI  # noqa: E402
-from torch import nn  # noqa: E402
+import numpy as np
+import torch
+from _common import MLPS, batch_indices, emit, mlp, synthetic
+from mpi4py import MPI
+from torch import nn
 
-from nbdist.backends import DeviceRequest  # noqa: E402
-from nbdist.backends.torch import TorchBackend  # noqa: E402
-from nbdist.specs import parse_spec  # noqa: E402
-from nbdist.transport.collectives import Collectives  # noqa: E402
-from nbdist.transport.node import local_rank  # noqa: E402
-from nbdist.transport.reducers import make_reducer  # noqa: E402
-from nbdist.transport.staging import Staging, mpi_is_cuda_aware  # noqa: E402
+from nbdist.backends import DeviceRequest
+from nbdist.backends.torch import TorchBackend
+from nbdist.specs import parse_spec
+from nbdist.transport.collectives import Collectives
+from nbdist.transport.node import local_rank
+from nbdist.transport.reducers import make_reducer
+from nbdist.transport.staging import Staging, mpi_is_cuda_aware
 
 DATA_SAMPLES = 4096
 WAIT_SECONDS = 300.0  # the deadline of each wait on the other ranks
@@ -112,12 +113,7 @@ def staging(comm, floats: int, args, request: DeviceRequest) -> list[dict]:
             continue
         out = Staging(torch.randn(floats, device=device), copier, cuda_aware=aware)
         back = Staging(torch.empty(floats, device=device), copier, cuda_aware=aware)
-
-        def trip() -> None:
-            comm.Send(out.to_host(), dest=0, tag=1)
-            comm.Recv(back.host, source=0, tag=2)
-            back.to_device()
-
+        trip = _round_trip(comm, out, back)
         for _ in range(args.warmup):
             trip()
         _synchronize(device)
@@ -130,6 +126,17 @@ def staging(comm, floats: int, args, request: DeviceRequest) -> list[dict]:
             {"floats": floats, "way": out.way, "ms_per_trip": seconds * 1e3, "gb_per_s": 2 * 4 * floats / seconds / 1e9}
         )
     return results
+
+
+def _round_trip(comm, out: Staging, back: Staging) -> Callable[[], None]:
+    """One message to the master and its reply, through the staging buffers."""
+
+    def trip() -> None:
+        comm.Send(out.to_host(), dest=0, tag=1)
+        comm.Recv(back.host, source=0, tag=2)
+        back.to_device()
+
+    return trip
 
 
 def main() -> None:

@@ -37,21 +37,21 @@ from typing import Self
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from _common import emit, memcpy_ms  # noqa: E402
-from mpi4py import MPI  # noqa: E402
-from torch import nn  # noqa: E402
+import numpy as np
+import torch
+from _common import emit, memcpy_ms
+from mpi4py import MPI
+from torch import nn
 
-from nbdist.metrics.log import read_log  # noqa: E402
-from nbdist.options import TrainOptions  # noqa: E402
-from nbdist.roles.master import run_master  # noqa: E402
-from nbdist.roles.worker import run_worker  # noqa: E402
-from nbdist.train.context import prepare  # noqa: E402
-from nbdist.train.definition import ModelDefinition  # noqa: E402
-from nbdist.train.stopping import StopFlag  # noqa: E402
-from nbdist.transport import messages as m  # noqa: E402
-from nbdist.transport.waiting import wait  # noqa: E402
+from nbdist.metrics.log import read_log
+from nbdist.options import TrainOptions
+from nbdist.roles.master import run_master
+from nbdist.roles.worker import run_worker
+from nbdist.train.context import prepare
+from nbdist.train.definition import ModelDefinition
+from nbdist.train.stopping import StopFlag
+from nbdist.transport import messages as m
+from nbdist.transport.waiting import wait
 
 CLASSES = 10
 

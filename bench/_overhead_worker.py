@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import emit  # noqa: E402
+from _common import emit
 
 
 def main() -> None:
@@ -26,6 +26,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, required=True)
     p.add_argument("--runs-dir", required=True)
     p.add_argument("--busy-poll", default="auto")
+    p.add_argument("--device", default="auto")
     args = p.parse_args()
 
     from overhead import MODELS, load_data, plain_loop
@@ -33,7 +34,7 @@ def main() -> None:
     import nbdist
 
     if args.topology == "plain":
-        emit({"history": plain_loop(args.model, args.epochs, args.batch_size)})
+        emit({"history": plain_loop(args.model, args.epochs, args.batch_size, args.device)})
         return
 
     options = dict(
@@ -44,6 +45,7 @@ def main() -> None:
         validate_every=10**6,
         seed=0,
         busy_poll=args.busy_poll,
+        device=args.device,
     )
     if args.topology == "master-worker":
         options.update(

@@ -21,17 +21,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
-from _common import MLPS, batch_indices, emit, mlp, synthetic  # noqa: E402
-from mpi4py import MPI  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+from _common import MLPS, batch_indices, emit, mlp, synthetic
+from mpi4py import MPI
+from torch import nn
 
-from nbdist.backends.stages import TorchStage  # noqa: E402
-from nbdist.backends.torch import TorchBackend  # noqa: E402
-from nbdist.roles.pipeline import StageRunner  # noqa: E402
-from nbdist.specs import parse_spec  # noqa: E402
-from nbdist.transport.collectives import Collectives  # noqa: E402
-from nbdist.transport.pipeline import StageLinks  # noqa: E402
+from nbdist.backends.stages import TorchStage
+from nbdist.backends.torch import TorchBackend
+from nbdist.roles.pipeline import StageRunner
+from nbdist.specs import parse_spec
+from nbdist.transport.collectives import Collectives
+from nbdist.transport.pipeline import StageLinks
 
 DATA_SAMPLES = 2048
 
@@ -48,7 +48,7 @@ def cut(model: nn.Sequential, count: int) -> list[nn.Module]:
     sizes = [sum(p.numel() for m in block for p in m.parameters()) for block in blocks]
 
     def bounds(cuts: tuple[int, ...]) -> list[tuple[int, int]]:
-        return list(zip((0, *cuts), (*cuts, len(blocks))))
+        return list(zip((0, *cuts), (*cuts, len(blocks)), strict=True))
 
     best = min(
         combinations(range(1, len(blocks)), count - 1), key=lambda cuts: max(sum(sizes[a:b]) for a, b in bounds(cuts))

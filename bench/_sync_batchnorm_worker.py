@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import ROOT, emit  # noqa: E402
+from _common import ROOT, emit
 
 
 def main() -> None:

@@ -26,11 +26,12 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import MLPS, aim, batch_indices, count_params, header, mlp, run_mpi, synthetic, table  # noqa: E402
+from _common import MLPS, aim, batch_indices, count_params, header, mlp, run_mpi, synthetic, table
 
 DATA_SAMPLES = 4096  # as in _allreduce_worker.py
 RANKS = 2
@@ -59,15 +60,7 @@ def _ddp_rank(rank: int, world: int, port: int, plan: dict, cfg: dict, queue) ->
             loss_fn = nn.CrossEntropyLoss()
             x_all, y_all = synthetic(DATA_SAMPLES, sizes[0], sizes[-1], seed=1 + rank)
             batches = batch_indices(DATA_SAMPLES, cfg["batch_size"], 64, seed=100 + rank)
-
-            def step(k: int) -> None:
-                idx = batches[k % 64]
-                x, y = torch.from_numpy(x_all[idx]), torch.from_numpy(y_all[idx])
-                opt.zero_grad(set_to_none=True)
-                loss = loss_fn(net(x), y)
-                loss.backward()
-                opt.step()
-
+            step = _ddp_step(net, opt, loss_fn, x_all, y_all, batches)
             for k in range(p["warmup"]):
                 step(k)
             rounds = []
@@ -83,11 +76,26 @@ def _ddp_rank(rank: int, world: int, port: int, plan: dict, cfg: dict, queue) ->
                 "samples_per_s": samples / min(rounds),
                 "median_samples_per_s": samples / float(np.median(rounds)),
             }
-            del net, opt
+            del net, opt, step
         if rank == 0:
             queue.put(results)
     finally:
         dist.destroy_process_group()
+
+
+def _ddp_step(net, opt, loss_fn, x_all, y_all, batches) -> Callable[[int], None]:
+    """Step k of DDP training: forward, backward (DDP's allreduce) and the optimiser."""
+    import torch
+
+    def step(k: int) -> None:
+        idx = batches[k % 64]
+        x, y = torch.from_numpy(x_all[idx]), torch.from_numpy(y_all[idx])
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(net(x), y)
+        loss.backward()
+        opt.step()
+
+    return step
 
 
 def _free_port() -> int:

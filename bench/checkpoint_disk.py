@@ -23,9 +23,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _common import ROOT, header, table  # noqa: E402
+from _common import ROOT, header, table
 
-from nbdist.launch import mpi_env, mpiexec_command  # noqa: E402
+from nbdist.launch import mpi_env, mpiexec_command
 
 TOPOLOGIES = {"allreduce": ["--topology", "allreduce"], "master-worker": []}
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import header, run_mpi, table  # noqa: E402
+from _common import header, run_mpi, table
 
 RANKS = 4
 COMPRESSIONS = ["none", "fp16", "bf16", "topk(0.01)", "powersgd(4)"]

@@ -41,9 +41,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import ROOT, header, table  # noqa: E402
+from _common import ROOT, header, table
 
-from nbdist.metrics import read_log, samples_to_reach, staleness_entries, validation_curve  # noqa: E402
+from nbdist.metrics import read_log, samples_to_reach, staleness_entries, validation_curve
 
 JET_MODEL = str(ROOT / "examples" / "jet_cnn.py")
 DIGITS_MODEL = str(ROOT / "examples" / "digits_cnn.py")
@@ -260,7 +260,7 @@ def summarise(algorithm: str, single: list[Run], many: list[Run]) -> tuple[list,
     reached_n = [r.samples_to(goal) for r in many]
     if all(s is not None for s in reached1) and reached1:
         lower_bound = any(s is None for s in reached_n)
-        mean_n = statistics.fmean(s if s is not None else r.samples for s, r in zip(reached_n, many))
+        mean_n = statistics.fmean(s if s is not None else r.samples for s, r in zip(reached_n, many, strict=True))
         ratio = mean_n / statistics.fmean(reached1)
         ratio_text = f"{'>= ' if lower_bound else ''}{ratio:.2f}x"
         if lower_bound:

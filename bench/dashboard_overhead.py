@@ -27,14 +27,15 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, aim, header, table  # noqa: E402
+from _common import ROOT, aim, header, table
 
 CHROMIUM = "/usr/bin/chromium"
 # Points drawn in the throughput figure: the rows of its renderers' data sources.
 THROUGHPUT_POINTS = """() => {
     const doc = Bokeh.documents[0]; if (!doc) return 0;
     const figs = [...doc._all_models.values()].filter(m => m.name === 'nbdist-throughput');
-    return figs.length ? figs[0].renderers.reduce((n, r) => n + (r.data_source ? r.data_source.get_length() : 0), 0) : 0;
+    if (!figs.length) return 0;
+    return figs[0].renderers.reduce((n, r) => n + (r.data_source ? r.data_source.get_length() : 0), 0);
 }"""
 
 
@@ -44,7 +45,7 @@ def cpu_seconds(processes) -> float:
         try:
             times = process.cpu_times()
             total += times.user + times.system
-        except Exception:  # noqa: BLE001 - a renderer that exited meanwhile
+        except Exception:  # a renderer that exited meanwhile
             pass
     return total
 
@@ -167,7 +168,7 @@ def main() -> int:
     table(
         [
             [f"round {i + 1}", f"{a:,.0f}", f"{b:,.0f}", f"{b / a:.3f}", n, f"{c:.2f}", f"{w:.2f}"]
-            for i, (a, b, n, (c, w)) in enumerate(zip(off, on, received, costs))
+            for i, (a, b, n, (c, w)) in enumerate(zip(off, on, received, costs, strict=True))
         ],
         ["", "off samples/s", "on samples/s", "on/off", "points drawn", "client cpu/s", "chromium cpu/s"],
     )

@@ -30,10 +30,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import psutil  # noqa: E402
-from _common import ROOT, header, table  # noqa: E402
+import psutil
+from _common import ROOT, header, table
 
-from nbdist.launch import mpi_env, mpiexec_command  # noqa: E402
+from nbdist.launch import mpi_env, mpiexec_command
 
 MLP = str(ROOT / "examples" / "digits_mlp.py")
 BIG = str(ROOT / "tests" / "models" / "big_mlp.py")

@@ -27,11 +27,12 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import MLPS, batch_indices, count_params, header, mlp, run_mpi, synthetic, table  # noqa: E402
+from _common import MLPS, batch_indices, count_params, header, mlp, run_mpi, synthetic, table
 
 DATA_SAMPLES = 4096  # as in _gpu_worker.py
 WORKER = str(Path(__file__).with_name("_gpu_worker.py"))
@@ -68,16 +69,7 @@ def _ddp_rank(rank: int, world: int, port: int, plan: dict, cfg: dict, queue) ->
                 torch.from_numpy(b).to(device)
                 for b in batch_indices(DATA_SAMPLES, cfg["batch_size"], 64, seed=100 + rank)
             ]
-
-            def step(k: int) -> None:
-                idx = batches[k % 64]
-                opt.zero_grad(set_to_none=True)
-                with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-                    loss = loss_fn(net(x_all[idx]), y_all[idx])
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
-
+            step = _ddp_step(net, opt, loss_fn, scaler, dtype, device, x_all, y_all, batches)
             for k in range(plan["warmup"]):
                 step(k)
             rounds = []
@@ -97,6 +89,22 @@ def _ddp_rank(rank: int, world: int, port: int, plan: dict, cfg: dict, queue) ->
             queue.put(results)
     finally:
         dist.destroy_process_group()
+
+
+def _ddp_step(net, opt, loss_fn, scaler, dtype, device, x_all, y_all, batches) -> Callable[[int], None]:
+    """Step k of DDP training under autocast at `dtype` (None: fp32), with loss scaling."""
+    import torch
+
+    def step(k: int) -> None:
+        idx = batches[k % 64]
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            loss = loss_fn(net(x_all[idx]), y_all[idx])
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    return step
 
 
 def run_ddp(world: int, plan: dict, cfg: dict) -> dict:
@@ -131,6 +139,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=64, help="samples per rank per step (default 64)")
     p.add_argument("--cpu-dry-run", action="store_true", help="run every part on the CPU to check the script")
     p.add_argument("--models", default="small,large", help=f"MLPs of part 1, comma-separated (of {', '.join(MLPS)})")
+    p.add_argument("--json", help="also write the figures to this JSON file")
     args = p.parse_args()
     gpus = gpus_or_exit(args.cpu_dry_run)
     device = "cpu" if args.cpu_dry_run else "cuda"
@@ -201,6 +210,16 @@ def main() -> None:
     )
     if not st["cuda_aware"]:
         print("   device-direct not measured: this MPI is not CUDA-aware (MPIX_Query_cuda_support() is 0)")
+    if args.json:
+        columns = ["model", "precision", "nbdist_torch", "mpi_way", "nbdist_mpi", "ddp", "torch_vs_ddp", "mpi_vs_ddp"]
+        figures = {
+            "ranks": gpus,
+            "torch_backend": torch_way,
+            "cuda_aware": nb["mpi"]["cuda_aware"],
+            "allreduce": [dict(zip(columns, row, strict=True)) for row in rows],
+            "staging": st["results"],
+        }
+        Path(args.json).write_text(json.dumps(figures, indent=1))
 
 
 if __name__ == "__main__":

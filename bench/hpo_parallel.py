@@ -33,10 +33,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import aim, aim_at_most, header, table  # noqa: E402
+from _common import aim, aim_at_most, header, table
 
-from nbdist.hpo import BayesSearcher, RandomSearcher  # noqa: E402
-from nbdist.hpo.functions import BRANIN_MIN, BRANIN_SPACE, branin, drive  # noqa: E402
+from nbdist.hpo import BayesSearcher, RandomSearcher
+from nbdist.hpo.functions import BRANIN_MIN, BRANIN_SPACE, branin, drive
 
 BUDGET = 30
 TARGET = BRANIN_MIN * 1.01

@@ -120,7 +120,7 @@ def optuna_method(sampler: str, pruner: str | None) -> Callable[[Task, int, int]
     def run(task: Task, seed: int, budget: int) -> None:
         import optuna
 
-        from nbdist.hpo.space import parse_space
+        from nbdist.hpo.space_input import parse_space
 
         optuna.logging.set_verbosity(optuna.logging.ERROR)  # not the trial cut off by the budget
         space = parse_space(SPACE)

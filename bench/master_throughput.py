@@ -5,8 +5,9 @@
     torch's default (foreach) path is shown for reference.
 (b) the real MPI master: `mpiexec -n 3 python bench/_master_worker.py` runs nbdist's
     master loop (one posted Irecv per worker for its header, its body into a pooled
-    buffer, Testsome, master_apply, reply header + payload) against 2 workers that send precomputed gradients in the real wire format as
-    fast as the replies come back. Its phase totals say where the master's time goes.
+    buffer, Testsome, master_apply, reply header + payload) against 2 workers that send
+    precomputed gradients in the real wire format as fast as the replies come back.
+    Its phase totals say where the master's time goes.
     `--real-workers` adds runs with nbdist's own run_worker (trivial compute) for comparison.
 
 The reference is `np.copyto` of a float32 array of the same size: in (a) alternated with
@@ -27,8 +28,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import numpy as np  # noqa: E402
-from _common import aim_at_most, header, run_mpi, table  # noqa: E402
+import numpy as np
+from _common import aim_at_most, header, run_mpi, table
 
 OPTIMIZERS = {"sgd": "sgd(lr=0.01)", "adam": "adam(lr=0.001)"}
 REFERENCE = {"adam (torch default, foreach)": "adam(lr=0.001, foreach=True)"}

@@ -35,10 +35,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import ROOT, header, table  # noqa: E402
-from convergence import jet_sample  # noqa: E402
+from _common import ROOT, header, table
+from convergence import jet_sample
 
-from nbdist.metrics.noise_scale import NoiseScale, samples_ratio, simple_noise_scale  # noqa: E402
+from nbdist.metrics.noise_scale import NoiseScale, samples_ratio, simple_noise_scale
 
 JET_MODEL = ROOT / "examples" / "jet_cnn.py"
 BATCH, BIG = 32, 256
@@ -75,7 +75,7 @@ def gradient_sq_norms(
         loss_fn(model(torch.from_numpy(x[idx])), torch.from_numpy(y[idx])).backward()
         norms.append(float(sum((p.grad.double() ** 2).sum() for p in model.parameters() if p.grad is not None)))
     with torch.no_grad():
-        for b, s in zip(model.buffers(), saved):
+        for b, s in zip(model.buffers(), saved, strict=True):
             b.copy_(s)
     model.zero_grad(set_to_none=True)
     return norms

@@ -20,7 +20,8 @@ too, is a fresh process launched by mpiexec, and the runs alternate in rounds: p
 master-worker, allreduce, ..., plain. The aim is on the median of the nbdist runs' samples/s
 over the median of the plain runs'; each round's own ratio (against the mean of the plain
 runs just before and after it) is shown too, so that the spread can be seen. Runs are long
-(30 epochs, about 3 s of steady state each) so that a run's rate is not one hiccup. `--busy-poll off` as a fourth run of each round shows
+(30 epochs, about 3 s of steady state each) so that a run's rate is not one hiccup.
+`--busy-poll off` as a fourth run of each round shows
 what the rank's waits cost when they sleep (the default, auto, polls without sleeping
 where the ranks fit the cores). Aim: master-worker >= 0.95x plain.
 Usage: python bench/overhead.py [--quick] [--rounds N]
@@ -29,6 +30,7 @@ Usage: python bench/overhead.py [--quick] [--rounds N]
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -72,17 +74,19 @@ def load_data(model: str):
     return digits(images=(model == "cnn"))
 
 
-def plain_loop(model: str, epochs: int, batch_size: int) -> list[dict]:
-    """The loop a PyTorch user writes, on the batches nbdist's single worker gets."""
+def plain_loop(model: str, epochs: int, batch_size: int, device: str = "auto") -> list[dict]:
+    """The loop a PyTorch user writes, on the batches nbdist's single worker gets, with
+    the model on `device` (auto: the CPU, as nbdist's auto on a machine without a GPU)."""
     import torch
     from torch import nn
 
     from nbdist.data.sharding import ShardPlan
 
     torch.set_num_threads(1)
+    on = torch.device("cpu" if device == "auto" else device)
     data = load_data(model)
     torch.manual_seed(0)
-    net = MODELS[model]()
+    net = MODELS[model]().to(on)
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
     plan = ShardPlan(data.n_train, 1, batch_size, seed=0)
@@ -92,13 +96,15 @@ def plain_loop(model: str, epochs: int, batch_size: int) -> list[dict]:
         samples, loss_sum = 0, 0.0
         for indices in plan.epoch(epoch, 0):
             x, y = data.train_batch(indices)
-            xb, yb = torch.from_numpy(x), torch.from_numpy(y)
+            xb, yb = torch.from_numpy(x).to(on, non_blocking=True), torch.from_numpy(y).to(on, non_blocking=True)
             opt.zero_grad()
             loss = loss_fn(net(xb), yb)
             loss.backward()
             opt.step()
             samples += len(yb)
             loss_sum += loss.item() * len(yb)  # nbdist's per-step bookkeeping does the same
+        if on.type == "cuda":
+            torch.cuda.synchronize(on)
         history.append({"samples": samples, "seconds": time.time() - t0, "train_loss": loss_sum / samples})
     return history
 
@@ -109,7 +115,7 @@ def middle_rate(history: list[dict]) -> float:
 
 
 def launched_run(
-    n: int, topology: str, model: str, epochs: int, batch_size: int, busy_poll: str = "auto"
+    n: int, topology: str, model: str, epochs: int, batch_size: int, busy_poll: str = "auto", device: str = "auto"
 ) -> list[dict]:
     """One run (`topology` plain, master-worker or allreduce) as a fresh `mpiexec -n n`
     process; its per-epoch history."""
@@ -132,6 +138,8 @@ def launched_run(
             runs,
             "--busy-poll",
             busy_poll,
+            "--device",
+            device,
         ]
         return run_mpi(n, argv)[0]["history"]
 
@@ -157,6 +165,13 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--epochs", type=int, default=None, help="epochs per run (default 30, quick 15)")
     p.add_argument("--rounds", type=int, default=None, help="rounds of alternated runs (default 5, quick 3)")
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="where the model lives, in the plain loop and nbdist's --device alike (default auto)",
+    )
+    p.add_argument("--json", help="also write the ratios and rates to this JSON file")
     args = p.parse_args()
     epochs = args.epochs or (15 if args.quick else 30)
     rounds = args.rounds or (3 if args.quick else 5)
@@ -170,12 +185,12 @@ def main() -> None:
     )
     print()
 
-    plain = [launched_run(1, "plain", args.model, epochs, args.batch_size)]
+    plain = [launched_run(1, "plain", args.model, epochs, args.batch_size, device=args.device)]
     nbdist: dict[str, list[list[dict]]] = {label: [] for label, *_ in RUNS}
     for _ in range(rounds):
         for label, n, topology, busy_poll in RUNS:
-            nbdist[label].append(launched_run(n, topology, args.model, epochs, args.batch_size, busy_poll))
-        plain.append(launched_run(1, "plain", args.model, epochs, args.batch_size))
+            nbdist[label].append(launched_run(n, topology, args.model, epochs, args.batch_size, busy_poll, args.device))
+        plain.append(launched_run(1, "plain", args.model, epochs, args.batch_size, device=args.device))
     plain_rates = [middle_rate(h) for h in plain]
     plain_median = statistics.median(plain_rates)
     # Round i's nbdist runs lie between plain runs i and i+1.
@@ -193,7 +208,7 @@ def main() -> None:
                 label,
                 statistics.median(rates),
                 ratios[label],
-                " ".join(f"{rate / ref:.2f}" for rate, ref in zip(rates, around)),
+                " ".join(f"{rate / ref:.2f}" for rate, ref in zip(rates, around, strict=True)),
                 nbdist[label][-1][-1]["train_loss"],
             ]
         )
@@ -202,6 +217,9 @@ def main() -> None:
     print()
     aim("master-worker, 1 worker vs plain loop (medians)", AIM, ratios[RUNS[0][0]])
     aim("allreduce, 1 rank vs plain loop (medians)", AIM, ratios[RUNS[1][0]])
+    if args.json:
+        figures = {"device": args.device, "model": args.model, "plain_samples_per_s": plain_rates, "ratios": ratios}
+        Path(args.json).write_text(json.dumps(figures, indent=1))
 
 
 if __name__ == "__main__":

@@ -27,9 +27,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import MLPS, count_params, header, run_mpi, table  # noqa: E402
+from _common import MLPS, count_params, header, run_mpi, table
 
-from nbdist.train.pipeline_schedule import ideal_bubble  # noqa: E402
+from nbdist.train.pipeline_schedule import ideal_bubble
 
 WORKER = str(Path(__file__).resolve().parent / "_pipeline_worker.py")
 

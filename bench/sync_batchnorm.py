@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import header, run_mpi, table  # noqa: E402
+from _common import header, run_mpi, table
 
 HERE = Path(__file__).resolve().parent
 
@@ -58,7 +58,7 @@ def main() -> None:
         rates[result["synchronised"]].append(middle_rate(result["history"]))
     rows = [
         [f"round {k + 1}", plain, synced, synced / plain]
-        for k, (plain, synced) in enumerate(zip(rates[False], rates[True]))
+        for k, (plain, synced) in enumerate(zip(rates[False], rates[True], strict=True))
     ]
     best_plain, best_synced = max(rates[False]), max(rates[True])
     rows.append(["best", best_plain, best_synced, best_synced / best_plain])

@@ -1,6 +1,7 @@
 """nbdist: distributed training and hyper-parameter optimisation on MPI, from Jupyter."""
 
 from nbdist import data, datasets  # nbdist.datasets.digits() after a plain `import nbdist`
+from nbdist.__about__ import __version__
 from nbdist.api import study, train
 from nbdist.cluster import Cluster
 from nbdist.layout import Layout
@@ -17,17 +18,17 @@ __all__ = [
     "data",
     "datasets",
     "load_ipython_extension",
+    "__version__",
 ]
-__version__ = "0.1.0"
 
 
-def load_ipython_extension(shell):  # noqa: ANN001 - IPython's hook: %load_ext nbdist
+def load_ipython_extension(shell):  # IPython's hook: %load_ext nbdist
     from nbdist.magics import load_ipython_extension as load
 
     load(shell)
 
 
-def __getattr__(name: str):  # noqa: ANN202 - nbdist.Study without importing the notebook layer up front
+def __getattr__(name: str):  # nbdist.Study without importing the notebook layer up front
     if name == "Study":
         from nbdist.notebook_study import Study
 

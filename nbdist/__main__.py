@@ -8,6 +8,6 @@ if sys.argv[1:2] and sys.argv[1] in ("train", "study", "launch"):
 
     catch_stop_signals_early()
 
-from nbdist.cli import run  # noqa: E402 - after the signals are caught
+from nbdist.cli import run  # after the signals are caught
 
 run()

@@ -37,17 +37,45 @@ def train(
     """Train a model on MPI ranks.
 
     Under mpiexec (no `cluster`), every rank calls this; it trains on the ranks of `comm`
-    (default COMM_WORLD) and returns the RunResult on the run's leader, None elsewhere.
+    and returns the run's result on the run's leader, None elsewhere. From a notebook,
+    `cluster=` trains on the cluster's engines and returns a Job at once; `model`, `loss`
+    and `data` are then sent to every engine, which builds its own model and loads its own
+    data.
 
-    From a notebook, `cluster=` (an nbdist.Cluster) trains on its engines and returns a
-    Job at once (`block=True` waits for it); `model`, `loss` and `data` are then sent to
-    every engine, which builds its own model and loads its own data.
+    Args:
+        model: A function that builds a fresh `torch.nn.Module` or `keras.Model` (with
+            `gan=True`: an `nbdist.gan.GanModel`), or the path of a model file.
+        data: A function returning an `nbdist.data.ArrayData` (default: digits); under
+            mpiexec it may also be the ArrayData itself.
+        loss: The loss (default: cross-entropy; a compiled Keras model's own loss).
+        metric: `"accuracy"`, a callable `(output, target) -> float`, or None.
+        comm: Under mpiexec, the MPI communicator to train on (default COMM_WORLD).
+        cluster: An `nbdist.Cluster` whose engines train it, from a notebook.
+        block: With `cluster`, wait until the job ends before returning.
+        **options: The command-line options with underscores (`topology="allreduce"`,
+            `epochs=5`, `worker_optimizer="adam(lr=1e-3)"`); the options reference lists
+            them all.
 
-    `model` is a function that builds a fresh torch.nn.Module or keras.Model (with
-    gan=True: an nbdist.gan.GanModel), or the path of a model file. `data` is a function
-    returning an ArrayData (default: digits); under mpiexec it may also be the ArrayData
-    itself. Keywords are the command-line options with
-    underscores: `train(build, topology="allreduce", epochs=5, worker_optimizer="adam(lr=1e-3)")`.
+    Returns:
+        Under mpiexec, the `RunResult` (`run_dir`, `history`, `final` metrics,
+        `weights_path`) on the run's leader and None on the other ranks; with `cluster`,
+        the `Job` (already ended when `block=True`).
+
+    Raises:
+        OptionsError: An unknown option or a bad value, before any rank starts.
+
+    Example:
+        Saved as `train_digits.py` and run with `mpiexec -n 2 python train_digits.py`::
+
+            import nbdist
+            from torch import nn
+
+            def build_model():
+                return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+
+            result = nbdist.train(build_model, topology="allreduce", epochs=3)
+            if result:  # the run's leader
+                print(result.final["val_acc"], result.weights_path)
     """
     opts = _options(options)
     if cluster is not None:
@@ -172,15 +200,50 @@ def study(
 ) -> Study | StudyResult | None:
     """A hyper-parameter study: a searcher proposes parameters, groups of ranks train them.
 
-    `model` is a function `build_model(params)` (or a model file defining it); the
-    parameters also set the training options they name, and `optimizer`/`lr` the
-    optimiser (nbdist.hpo.trial). Keywords are the options of `python -m nbdist study`:
-    `study(build, space="lr=log(1e-4,1e-1) hidden=int(16,256)", searcher="evolution",
-    trials=20, groups=2, folds=3, workers=2, epochs=5)`.
+    Under mpiexec, every rank calls this: rank 0 coordinates and the others form the
+    study's groups (1 + groups x folds x the ranks of one run in all). From a notebook,
+    `cluster=` runs the trials on its engines (groups x folds x the ranks of one run) and
+    returns a Study at once. The parameters of each trial also set the training options
+    they name, and `optimizer`/`lr` the optimiser (`nbdist.hpo.trial`).
 
-    From a notebook, `cluster=` runs the trials on its engines (groups x folds x ranks of
-    a run) and returns a Study at once (`block=True` waits). Under mpiexec, every rank
-    calls this; rank 0 coordinates and gets the StudyResult, the others None.
+    Args:
+        model: A function `build_model(params)` that builds a fresh model from a dict of
+            parameters, or the path of a model file that defines it.
+        data: A function returning an `nbdist.data.ArrayData` (default: digits).
+        loss: The loss (default: cross-entropy).
+        metric: `"accuracy"`, a callable `(output, target) -> float`, or None.
+        comm: Under mpiexec, the MPI communicator of the study (default COMM_WORLD).
+        cluster: An `nbdist.Cluster` whose engines train the trials, from a notebook.
+        block: With `cluster`, wait until the study ends before returning.
+        show_progress: With `cluster`, show a live line per trial under the cell.
+        **options: The options of `python -m nbdist study` with underscores: the study's
+            (`space`, `searcher`, `trials`, `groups`, `folds`, `objective`, `goal`, ...)
+            and the training options every trial uses (`workers`, `epochs`, ...).
+
+    Returns:
+        Under mpiexec, the `StudyResult` (`trials`, `best_params`, `best_fom`, ...) on
+        rank 0 and None on the other ranks; with `cluster`, the `Study`.
+
+    Raises:
+        OptionsError: An unknown option, a bad value or a malformed space, before any
+            trial starts.
+
+    Example:
+        Saved as `study_digits.py` and run with `mpiexec -n 3 python study_digits.py`
+        (a coordinator and 2 groups of one rank)::
+
+            import nbdist
+            from torch import nn
+
+            def build_model(params):
+                hidden = params["hidden"]
+                return nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10))
+
+            result = nbdist.study(build_model, space="lr=log(1e-3,0.3) hidden=int(16,128)",
+                                  searcher="random", trials=4, groups=2,
+                                  topology="allreduce", workers=1, epochs=2)
+            if result:  # the coordinator
+                print(result.best_params, result.best_fom)
     """
     study_options, train_options = _study_options(options)
     if cluster is not None:

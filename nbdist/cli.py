@@ -20,9 +20,17 @@ import json
 import sys
 import time
 import traceback
+from pathlib import Path
 
 from nbdist.errors import UserError
-from nbdist.options import add_arguments, add_study_arguments, options_from_args, study_options_from_args
+from nbdist.hpo import SEARCHERS
+from nbdist.options import (
+    add_arguments,
+    add_study_arguments,
+    options_from_args,
+    require_model,
+    study_options_from_args,
+)
 from nbdist.transport.faults import RunFailure, ulfm_enabled
 
 __all__ = ["main", "run", "build_parser"]
@@ -41,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(train)
 
     study = sub.add_parser("study", help="a hyper-parameter study under mpiexec/srun (rank 0 coordinates)")
-    add_study_arguments(study)
+    add_study_arguments(study, SEARCHERS)
 
     launch = sub.add_parser(
         "launch",
@@ -101,6 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
     slurm.add_argument("--write", default=None, metavar="FILE", help="write the script to FILE (default: print it)")
     slurm.add_argument("--submit", action="store_true", help="also submit it with sbatch and print the job id")
     slurm.add_argument(
+        "--no-setup-check",
+        action="store_true",
+        help="only parse the nbdist command; by default its set-up is checked here as a launch checks it before "
+        "training (the options, the layout on -n ranks, the model file, its data, a study's space), with the "
+        "model built on this CPU: for a model that builds only on the compute nodes",
+    )
+    slurm.add_argument(
         "launched",
         nargs=argparse.REMAINDER,
         metavar="-- COMMAND ...",
@@ -159,11 +174,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     layout = sub.add_parser("layout", help="print the rank layout as a tree")
     layout.add_argument("--workers", type=int, default=None, help="workers per master")
-    layout.add_argument("--masters", type=int, default=1)
-    layout.add_argument("--procs-per-worker", type=int, default=1)
-    layout.add_argument("--groups", type=int, default=1)
-    layout.add_argument("--folds", type=int, default=1)
-    layout.add_argument("--topology", default="master-worker", choices=("master-worker", "allreduce"))
+    layout.add_argument(
+        "--masters", type=int, default=1, help="masters; more than 1 puts sub-masters under a top master"
+    )
+    layout.add_argument("--procs-per-worker", type=int, default=1, help="MPI processes per worker")
+    layout.add_argument("--groups", type=int, default=1, help="a study's trials trained at once (N_G)")
+    layout.add_argument("--folds", type=int, default=1, help="a study's folds per trial (N_F)")
+    layout.add_argument(
+        "--topology",
+        default="master-worker",
+        choices=("master-worker", "allreduce"),
+        help="master-worker (parameter server) or allreduce",
+    )
     layout.add_argument("--coordinator", action="store_true", help="add a study coordinator rank")
     layout.add_argument("--ranks", type=int, default=None, help="infer --workers from a rank count")
     layout.add_argument("--json", action="store_true", help="print the layout as JSON")
@@ -174,21 +196,25 @@ def build_parser() -> argparse.ArgumentParser:
         "jet-images", help="boosted top or W jets against QCD jets, Pythia 8 + FastJet, as HDF5 files of eta-phi images"
     )
     jets.add_argument("--out", required=True, help="directory for train_NNN.h5 and val_NNN.h5")
-    jets.add_argument("--signal", default="top", choices=("top", "w"))
+    jets.add_argument(
+        "--signal", default="top", choices=("top", "w"), help="the signal jets: boosted top quarks or W bosons"
+    )
     jets.add_argument("--events", type=int, default=2000, help="jet images in all, half signal, half QCD")
     jets.add_argument("--files", type=int, default=4, help="training files (validation files in proportion)")
-    jets.add_argument("--val-fraction", type=float, default=0.2)
+    jets.add_argument("--val-fraction", type=float, default=0.2, help="share of the jets kept for validation")
     jets.add_argument("--pixels", type=int, default=32, help="image side in pixels")
     jets.add_argument("--radius", type=float, default=0.8, help="anti-kt jet radius R (the image spans 2R)")
     jets.add_argument("--pt-min", type=float, default=550.0, help="jet pT window, GeV")
-    jets.add_argument("--pt-max", type=float, default=650.0)
-    jets.add_argument("--eta-max", type=float, default=2.0)
+    jets.add_argument("--pt-max", type=float, default=650.0, help="upper end of the jet pT window, GeV")
+    jets.add_argument("--eta-max", type=float, default=2.0, help="largest jet |eta|")
     jets.add_argument(
         "--no-underlying-event",
         action="store_true",
         help="switch off multiple parton interactions (about twice as fast)",
     )
-    jets.add_argument("--seed", type=int, default=0)
+    jets.add_argument(
+        "--seed", type=int, default=0, help="seed of the sample (each file derives its own from it and its number)"
+    )
     jets.add_argument("--overwrite", action="store_true", help="replace other samples' files in --out")
     return parser
 
@@ -198,7 +224,7 @@ def _world_rank() -> int:
         from mpi4py import MPI
 
         return MPI.COMM_WORLD.Get_rank()
-    except Exception:  # noqa: BLE001 - no MPI: a single process is rank 0
+    except Exception:  # no MPI: a single process is rank 0
         return 0
 
 
@@ -206,9 +232,7 @@ def _train(args: argparse.Namespace) -> int:
     from nbdist.roles.runner import run_rank
     from nbdist.train.definition import definition_of
 
-    options = options_from_args(args)
-    if not options.model:
-        raise UserError("--model is required: a Python file that defines build_model()")
+    options = require_model(options_from_args(args))
     result = run_rank(options, definition_of(options.model))
     if result is not None:
         final = result.final
@@ -229,8 +253,7 @@ def _study(args: argparse.Namespace) -> int:
     from nbdist.train.definition import definition_of
 
     study, train = resolve_options(*study_options_from_args(args))
-    if not train.model:
-        raise UserError("--model is required: a Python file that defines build_model(params)")
+    require_model(train, "build_model(params)")
     result = run_study(study, train, definition_of(train.model))
     if result is not None:
         print(f"nbdist: study {result.study}: {result.reason} in {result.seconds:.1f}s", flush=True)
@@ -252,7 +275,7 @@ LAUNCHABLE = ("train", "study", "datasets")
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from nbdist.launch import STOP_GRACE, launch
+    from nbdist.launch import STOP_GRACE, check_interface, launch
 
     if not args.launched or args.launched[0] not in LAUNCHABLE:
         given = f" (got {args.launched[0]!r})" if args.launched else ""
@@ -262,6 +285,13 @@ def _launch(args: argparse.Namespace) -> int:
         )
     if args.ranks < 1:
         raise UserError(f"-n must be at least 1, got {args.ranks}")
+    if args.stop_grace is not None and not args.stop_grace > 0:
+        raise UserError(
+            f"--stop-grace must be a number of seconds above 0 (the time a stopping run has for its final "
+            f"checkpoint), got {args.stop_grace:g}"
+        )
+    if args.interface is not None:
+        check_interface(args.interface)
     return launch(
         args.ranks,
         args.launched,
@@ -274,7 +304,6 @@ def _launch(args: argparse.Namespace) -> int:
 
 def _slurm_script(args: argparse.Namespace) -> int:
     import subprocess
-    from pathlib import Path
 
     from nbdist.slurm import SIGNAL_SECONDS, BatchScript
 
@@ -285,7 +314,9 @@ def _slurm_script(args: argparse.Namespace) -> int:
             f"slurm-script runs one of: {', '.join(LAUNCHABLE)}{given}, after --, e.g. python -m nbdist "
             f"slurm-script -n 4 --time 01:00:00 -- train --model examples/digits_mlp.py"
         )
-    _check_arguments(launched)
+    command = _check_arguments(launched)
+    if args.write:
+        _check_can_write(Path(args.write))
     script = BatchScript(
         ntasks=args.ntasks,
         launched=tuple(launched),
@@ -299,17 +330,25 @@ def _slurm_script(args: argparse.Namespace) -> int:
         signal_seconds=SIGNAL_SECONDS if args.signal_seconds is None else args.signal_seconds,
         workdir=str(Path(args.chdir or ".").resolve()),
     )
+    if not args.no_setup_check:
+        from nbdist.preflight import check_launched
+
+        for warning in check_launched(command, args.ntasks, Path(script.workdir)):
+            print(f"nbdist: warning: {warning}", file=sys.stderr, flush=True)
     text = script.text()
     if args.write:
-        Path(args.write).write_text(text)
+        try:
+            Path(args.write).write_text(text)
+        except OSError as exc:
+            raise UserError(f"--write {args.write}: cannot write the script there ({exc.strerror or exc})") from None
         print(f"nbdist: sbatch script written to {args.write}", flush=True)
     elif not args.submit:
         print(text, end="", flush=True)
     if args.submit:
-        command = ["sbatch", "--parsable", *([args.write] if args.write else [])]
+        sbatch = ["sbatch", "--parsable", *([args.write] if args.write else [])]
         try:
             done = subprocess.run(
-                command, input=None if args.write else text, capture_output=True, text=True, timeout=120
+                sbatch, input=None if args.write else text, capture_output=True, text=True, timeout=120
             )
         except FileNotFoundError:
             raise UserError(
@@ -322,7 +361,7 @@ def _slurm_script(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_arguments(launched: list[str]) -> None:
+def _check_arguments(launched: list[str]) -> argparse.Namespace:
     """Parse an nbdist command line now, so that a bad option fails here and not in the queue."""
     import contextlib
     import io
@@ -330,11 +369,20 @@ def _check_arguments(launched: list[str]) -> None:
     said = io.StringIO()
     try:
         with contextlib.redirect_stderr(said):
-            build_parser().parse_args(launched)
+            return build_parser().parse_args(launched)
     except SystemExit as exc:
-        if exc.code:
-            problem = said.getvalue().strip().splitlines()[-1] if said.getvalue().strip() else "bad arguments"
-            raise UserError(f"in the nbdist command after --: {problem.split('error: ', 1)[-1]}") from None
+        if not exc.code:  # --help: printed
+            raise
+        problem = said.getvalue().strip().splitlines()[-1] if said.getvalue().strip() else "bad arguments"
+        raise UserError(f"in the nbdist command after --: {problem.split('error: ', 1)[-1]}") from None
+
+
+def _check_can_write(path: Path) -> None:
+    """--write's directory exists and is one (the script is written after the checks)."""
+    where = path.parent
+    if not where.is_dir():
+        problem = "is not a directory" if where.exists() else "does not exist"
+        raise UserError(f"--write {path}: the directory {where} {problem}; create it first, or write elsewhere")
 
 
 def _layout(args: argparse.Namespace) -> int:
@@ -484,15 +532,15 @@ def run() -> None:
 def _reports(failure: RunFailure) -> bool:
     """Whether this rank is the one to print `failure`: the first to record it in the run
     directory, or, before there is one, the lowest rank that did not fail."""
-    if hasattr(failure, "reported_here"):
-        return bool(failure.reported_here)
-    if getattr(failure, "run_dir", None) is not None:
+    if failure.reported_here is not None:
+        return failure.reported_here
+    if failure.run_dir is not None:
         return False
     try:
         from mpi4py import MPI
 
         size = MPI.COMM_WORLD.Get_size()
-    except Exception:  # noqa: BLE001 - no MPI: a single process
+    except Exception:  # no MPI: a single process
         return True
     alive = [r for r in range(size) if r not in failure.ranks]
     return bool(alive) and _world_rank() == alive[0]

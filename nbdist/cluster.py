@@ -85,7 +85,7 @@ def _launcher_exited(engine_set: Any) -> bool:
     process = getattr(engine_set, "process", None)
     try:
         return process is not None and (not process.is_running() or process.status() == "zombie")
-    except Exception:  # noqa: BLE001 - psutil: the process is gone
+    except Exception:  # psutil: the process is gone
         return True
 
 
@@ -116,9 +116,53 @@ def interface_address(interface: str) -> str:
 class Cluster:
     """Start, use and stop ipyparallel MPI engines; also a context manager.
 
-    The controller listens on 127.0.0.1: engines on this host and the notebook reach it,
-    other hosts do not. For engines on several nodes, `interface="ib0"` (the address of
-    that interface) or `ip="10.1.2.3"` say where it listens and where engines connect."""
+    The engines are the ranks of one MPI job: `nbdist.train(..., cluster=...)`,
+    `nbdist.study(..., cluster=...)` and the `%%distnn` magics run on them. The controller
+    listens on 127.0.0.1: engines on this host and the notebook reach it, other hosts do
+    not. For engines on several nodes, `interface="ib0"` (the address of that interface)
+    or `ip="10.1.2.3"` say where it listens and where engines connect (then with
+    CurveZMQ encryption). A kernel that dies takes the controller and engines with it.
+
+    Args:
+        n: The number of engines, i.e. MPI ranks.
+        engines: `"mpi"` (the `mpiexec` beside this Python, or inside a SLURM allocation)
+            or `"slurm"` (the engines submitted as a SLURM job, `mpiexec` inside it).
+        mpiexec: The `mpiexec` to start the engines with (default: this environment's).
+        mpi_args: More `mpiexec` arguments, e.g. `["--hostfile", "hosts"]`.
+        start_timeout: Seconds to wait for every engine to register (a SLURM job's wait
+            in the queue included).
+        cluster_id: ipyparallel's id for the cluster, so that another notebook can
+            attach to it (`Cluster.attach(cluster_id)`).
+        profile: The IPython profile the cluster's files go to.
+        interface: The network interface the controller listens on, for engines on
+            other nodes (e.g. `"ib0"`).
+        ip: The address the controller listens on, instead of `interface`.
+        partition: With `engines="slurm"`: the partition (`sbatch --partition`).
+        time: With `engines="slurm"`: the time limit, e.g. `"01:00:00"`.
+        account: With `engines="slurm"`: the account to charge.
+        nodes: With `engines="slurm"`: the nodes the engines spread over.
+        **ipp_options: Passed on to `ipyparallel.Cluster`.
+
+    Raises:
+        ClusterError: A bad argument (no engines, an unknown launcher, SLURM settings
+            without `engines="slurm"`, both `interface` and `ip`); `start()` raises it too
+            when the engines do not come up, with the reason.
+
+    Example:
+        In a notebook or a script (the `notebook` extra installed)::
+
+            import nbdist
+
+            def build_model():  # runs on every engine: what it needs, it imports there
+                from torch import nn
+
+                return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+
+            with nbdist.Cluster(n=2) as cluster:      # started here, stopped at the end
+                print(cluster.status())
+                job = nbdist.train(build_model, cluster=cluster, topology="allreduce", epochs=2)
+                print(job.wait().result.final)
+    """
 
     def __init__(
         self,
@@ -144,7 +188,7 @@ class Cluster:
             raise ClusterError(f"unknown engine launcher {engines!r}; choose one of: {', '.join(ENGINE_KINDS)}")
         if interface and ip:
             raise ClusterError("give the controller's network interface or its ip address, not both")
-        self.slurm = {"partition": partition, "time": time, "account": account, "nodes": nodes}
+        self.slurm: dict[str, Any] = {"partition": partition, "time": time, "account": account, "nodes": nodes}
         if engines != "slurm" and any(self.slurm.values()):
             given = ", ".join(k for k, v in self.slurm.items() if v)
             raise ClusterError(f"{given} belong to engines submitted to SLURM: add --slurm (engines='slurm')")
@@ -181,7 +225,16 @@ class Cluster:
         return self.client is not None
 
     def start(self) -> Cluster:
-        """Start the cluster; on a running one with dead engines, replace them (heal)."""
+        """Start the controller and the engines and wait until every engine has registered;
+        on a running cluster with dead engines, replace them (heal).
+
+        Returns:
+            The cluster itself, started.
+
+        Raises:
+            ClusterError: ipyparallel or mpi4py is missing, or the engines did not come up
+                within `start_timeout` (SLURM's refusal or the engines' output says why).
+        """
         global _current
         if self.running:
             if self.broken():
@@ -457,7 +510,7 @@ class Cluster:
         for engine_set in getattr(self._ipp, "engines", {}).values():
             try:
                 texts.append(engine_set.get_output().strip())
-            except Exception:  # noqa: BLE001 - no output file yet
+            except Exception:  # no output file yet
                 pass
         text = "\n".join(t for t in texts if t)
         return "\n".join(text.splitlines()[-40:])
@@ -469,7 +522,8 @@ class Cluster:
         replies = view.apply_sync(engine.describe_engine)
         uuids = dict(self.client._engines)
         infos = [
-            EngineInfo(engine_id=eid, uuid=uuids.get(eid, ""), **reply) for eid, reply in zip(view.targets, replies)
+            EngineInfo(engine_id=eid, uuid=uuids.get(eid, ""), **reply)
+            for eid, reply in zip(view.targets, replies, strict=True)
         ]
         sizes = {i.size for i in infos}
         if sizes != {size or len(infos)}:
@@ -517,7 +571,7 @@ class Cluster:
             self._unwatch(key)
             try:
                 self._ipp.stop_engines_sync(key)
-            except Exception:  # noqa: BLE001 - its mpiexec is gone already
+            except Exception:  # its mpiexec is gone already
                 self._ipp.engines.pop(key, None)
         # Engines that did not go with their mpiexec (stopped with kill -STOP, orphaned).
         local = [psutil.Process(i.pid) for i in stragglers if not process_gone(i.host, i.pid)]
@@ -546,7 +600,7 @@ class Cluster:
         if self.client is not None:
             try:
                 self.client.close()
-            except Exception:  # noqa: BLE001 - closing a dead connection
+            except Exception:  # closing a dead connection
                 pass
         if self._ipp is not None and self.owned:
             # A batch job that was never submitted has nothing to cancel, and ipyparallel's
@@ -557,7 +611,7 @@ class Cluster:
             controller = self._controller_processes()
             try:
                 self._ipp.stop_cluster_sync()
-            except Exception:  # noqa: BLE001 - already gone
+            except Exception:  # already gone
                 pass
             # A controller stopped while it still starts its schedulers can leave them
             # orphaned (seen under load after a refused engines job): they go too, those

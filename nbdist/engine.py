@@ -101,7 +101,7 @@ def definition_from_cell(source: str) -> Any:
     except SyntaxError as exc:
         raise ModelError(f"the cell has a syntax error on line {exc.lineno}: {exc.msg}") from None
     try:
-        exec(code, namespace)  # noqa: S102 - the user's own cell, on the user's own engines
+        exec(code, namespace)  # the user's own cell, on the user's own engines
     except Exception as exc:
         raise ModelError(f"the cell failed: {_where(exc)}") from exc
     # An earlier cell may have left e.g. a build_model(params) on this engine; what this
@@ -159,7 +159,7 @@ def _as_outcome(work: Callable[[Any, Any], Any], live: bool) -> EngineOutcome:
         return EngineOutcome(rank, error=str(exc), user_error=True, abandoned=not exc.origin)
     except UserError as exc:
         return EngineOutcome(rank, error=str(exc), user_error=True)
-    except Exception as exc:  # noqa: BLE001 - reported to the client, named by rank
+    except Exception as exc:  # reported to the client, named by rank
         return EngineOutcome(rank, error=f"{type(exc).__name__}: {exc}", detail=traceback.format_exc())
     finally:
         signal.signal(signal.SIGUSR2, lambda *_: None)  # a late SIGUSR2 is for this job only

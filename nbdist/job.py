@@ -25,9 +25,11 @@ from typing import Any
 
 from nbdist.cluster import HEAL_HINT
 from nbdist.engine import LIVE_PREFIX, EngineOutcome
-from nbdist.errors import TrainingError
+from nbdist.job_failures import JobError, remote_text, run_ending, unwrap, verdict
+from nbdist.job_progress import ProgressLine
 from nbdist.liveness import DeadEngine
 from nbdist.metrics.collect import LiveRecords
+from nbdist.metrics.frames import epochs_frame, history_frame, staleness_frame
 from nbdist.metrics.record import stopped_on_request
 from nbdist.options import TrainOptions
 from nbdist.store import RunFeed, store_label
@@ -43,8 +45,6 @@ FAILURE_GRACE_SECONDS = 3.0
 # still runs then is blocked where no signal reaches it (a blocking MPI call, the model's
 # own code), and only a restart of its engine frees it.
 ABANDON_SECONDS = 10.0
-# How much later than the MPI peers of a dead engine the client may hear of its death.
-DEATH_NOTICE_SECONDS = 1.0
 
 # How often a blocking wait wakes to let the main thread see a Ctrl-C. A SIGINT that a
 # thread other than the main one takes (Linux gives a process's signal to another thread
@@ -68,18 +68,33 @@ def wait_interruptibly(done: threading.Event, timeout: float | None) -> bool:
             return True
 
 
-class JobError(TrainingError):
-    """A job that failed: the message names the rank(s) and what happened there."""
-
-    def __init__(self, message: str, detail: str = ""):
-        super().__init__(message)
-        self.detail = detail  # a traceback from the rank, for unexpected failures
-
-
 class Job:
-    """`engines`: the engine ids the job runs on when not the whole cluster (a study's
-    trial on one group): stops and give-ups are then signalled to those engines only.
-    `study`: the study a trial job's runs belong to, for the store."""
+    """The notebook's handle on a training running on a cluster's engines.
+
+    `nbdist.train(..., cluster=...)` and `%%distnn train` return one at once; it follows
+    the ranks' live records (`history`, `epochs`, `staleness`, `dashboard()`), records
+    them in the run store, and stops (`stop()`) or waits for (`wait()`) the training.
+    Nothing it does blocks without a deadline.
+
+    Args:
+        cluster: The `nbdist.Cluster` whose engines train.
+        async_result: ipyparallel's result of the training task on the engines.
+        options: The run's validated `TrainOptions`.
+        layout: The run's rank layout (`Layout.to_dict()`).
+        store: The run store the job is recorded in (None: not recorded).
+        show_progress: Show a live progress line under the cell.
+        engines: The engine ids the job runs on when not the whole cluster (a study's
+            trial on one group): stops and give-ups are then signalled to those only.
+        study: The study a trial job's runs belong to, for the store.
+
+    Example:
+        In a notebook, with a started cluster (see `nbdist.Cluster`)::
+
+            job = nbdist.train(build_model, cluster=cluster, epochs=10)
+            job.epochs               # per-epoch metrics so far, live
+            job.wait(timeout=600)    # or job.stop(): every rank stops at a step boundary
+            job.status, job.result.final, job.result.weights_path
+    """
 
     def __init__(
         self,
@@ -119,7 +134,7 @@ class Job:
         self._error: JobError | None = None
         self.warning = ""  # what went wrong in a job that still ended well (ranks lost, a restart)
         self._done = threading.Event()
-        self._progress = _Progress(self) if show_progress else None
+        self._progress = ProgressLine(self) if show_progress else None
         self._monitor = threading.Thread(target=self._watch, name="nbdist-job-monitor", daemon=True)
         self._monitor.start()
 
@@ -176,49 +191,51 @@ class Job:
         histogram; one 'update' record per update with --trace-updates), 'epoch' (the
         run's, with validation), 'val' (--validate-every-samples: a validation after
         samples_seen samples), 'phase' and 'run'."""
-        import pandas as pd
-
-        rows = [{**{k: v for k, v in r.items() if k != "values"}, **r["values"]} for r in self.records]
-        frame = pd.DataFrame(rows)
-        if not frame.empty:
-            frame = frame.sort_values("time", kind="stable").reset_index(drop=True)
-        return frame
+        return history_frame(self.records)
 
     @property
     def staleness(self) -> Any:
         """The staleness of the updates the master applied, per worker rank (a DataFrame:
         rank, updates, mean, min, max; empty for allreduce, which has no master)."""
-        import pandas as pd
-
-        from nbdist.metrics import staleness_by_rank
-
-        return pd.DataFrame(staleness_by_rank(self.records), columns=["rank", "updates", "mean", "min", "max"])
+        return staleness_frame(self.records)
 
     @property
     def epochs(self) -> Any:
         """The run's per-epoch metrics (train and validation loss, accuracy, throughput), one
         row per epoch: after a restart (--max-restarts) the epochs trained again from the last
         checkpoint replace the ones first reported (every record stays in .history)."""
-        import pandas as pd
-
-        latest: dict[tuple[str, int], dict[str, Any]] = {}
-        for r in self.records:
-            if r["kind"] == "epoch":
-                latest[(r["run"], r["values"].get("epoch", r["epoch"]))] = r["values"]
-        return pd.DataFrame(list(latest.values()))
+        return epochs_frame(self.records)
 
     def dashboard(self, period_ms: int = 1000) -> Any:
         """The live dashboard of this job (Panel): displayed under the cell, it updates
-        while the job trains. Panel and HoloViews are imported only here."""
+        while the job trains. Panel and HoloViews are imported only here.
+
+        Args:
+            period_ms: How often the plots take the new records, in milliseconds.
+
+        Returns:
+            A servable Panel layout: the last expression of a cell, or `panel serve`.
+        """
         from nbdist.dashboard import dashboard
 
         return dashboard(job=self, period_ms=period_ms).servable()
 
     # -- control ----------------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> Job:
-        """Block until the job ends (KeyboardInterrupt stops it). Raises JobError if it
-        failed, TimeoutError if `timeout` seconds pass first. A failed rank or a dead
-        engine ends the job within FAILURE_GRACE_SECONDS + ABANDON_SECONDS."""
+        """Block until the job ends; an interrupt (Ctrl-C, the kernel's stop button) stops
+        it instead. A failed rank or a dead engine ends the job within
+        FAILURE_GRACE_SECONDS + ABANDON_SECONDS.
+
+        Args:
+            timeout: Seconds to wait at most (None: until the job ends).
+
+        Returns:
+            The job itself, ended (`status`, `result`).
+
+        Raises:
+            JobError: The job failed: one error naming the rank that failed first.
+            TimeoutError: `timeout` seconds passed first; the job goes on.
+        """
         try:
             if not wait_interruptibly(self._done, timeout):
                 raise TimeoutError(f"the job is still {self.status} after {timeout} s")
@@ -238,11 +255,22 @@ class Job:
 
     def stop(self, timeout: float = 30.0, abandon_timeout: float = ABANDON_SECONDS) -> Job:
         """Ask every rank to stop at its next step boundary (a final checkpoint is written
-        when checkpointing is on) and wait for them. Ranks still running after `timeout`
-        seconds are told to give up (SIGUSR2, no checkpoint), and those still running
-        `abandon_timeout` seconds later are left behind: then the job fails, its error
-        names them and says that the cluster needs a restart, and stop() raises it. It
-        never waits much longer than the two timeouts together."""
+        when checkpointing is on) and wait for them. It never waits much longer than the
+        two timeouts together.
+
+        Args:
+            timeout: Seconds the ranks have to stop before they are told to give up
+                (SIGUSR2, no checkpoint).
+            abandon_timeout: Seconds after that before ranks still running are left
+                behind.
+
+        Returns:
+            The job itself, ended (its `status` is `stopped`).
+
+        Raises:
+            JobError: Ranks were left behind: the error names them and says that the
+                cluster needs a restart.
+        """
         if not self.done:
             if not self._stop_requested:
                 self._stop_requested = True
@@ -287,7 +315,7 @@ class Job:
                 # (a dead engine sends nothing more).
                 self._result.wait_for_output(10)
             self._finish()
-        except Exception as exc:  # noqa: BLE001 - never die silently: the job reports it
+        except Exception as exc:  # never die silently: the job reports it
             self._error = self._error or JobError(f"the job's monitor failed: {type(exc).__name__}: {exc}")
         finally:
             self.ended = time.time()
@@ -300,7 +328,7 @@ class Job:
     def _signal(self, signum: int) -> None:
         try:
             self.cluster.signal(signum, engines=self.engines)
-        except Exception as exc:  # noqa: BLE001 - the escalation goes on without this signal
+        except Exception as exc:  # the escalation goes on without this signal
             print(
                 f"nbdist: could not signal the job's ranks ({signal.Signals(signum).name}): "
                 f"{type(exc).__name__}: {exc}",
@@ -334,9 +362,9 @@ class Job:
         dead = {d.engine_id for d in self.cluster.dead_engines(ping=False, engines=self._engine_ids)}
         if dead and not all(i.fault_tolerant for i in self.cluster.info):
             return True
-        for child, engine_id in zip(self._result._children, self._engine_ids):
+        for child, engine_id in zip(self._result._children, self._engine_ids, strict=True):
             if child.done() and engine_id not in dead:
-                value = child.exception() or _unwrap(child.result())
+                value = child.exception() or unwrap(child.result())
                 if not isinstance(value, EngineOutcome) or value.error:
                     return True
         return False
@@ -366,31 +394,14 @@ class Job:
                 self._feeds[run_id].add(batch)
             if final:
                 for run_id, feed in self._feeds.items():
-                    feed.end(*self._ending(run_id))
-        except Exception as exc:  # noqa: BLE001 - the training matters more than its record
+                    feed.end(*run_ending(self._error, self._outcomes, run_id))
+        except Exception as exc:  # the training matters more than its record
             self.store_error = f"{type(exc).__name__}: {exc}"
             print(
                 f"nbdist: the run store {store_label(self.store)} failed, the job goes on unrecorded: "
                 f"{self.store_error}",
                 flush=True,
             )
-
-    def _ending(self, run_id: str) -> tuple[str, str | None, dict[str, Any] | None]:
-        if self._error is not None:
-            return "failed", str(self._error), None
-        result = next(
-            (
-                o.result
-                for o in self._outcomes or []
-                if o.result is not None and getattr(o.result, "run_id", None) == run_id
-            ),
-            None,
-        )
-        if result is None:
-            return "failed", "the job ended without a result", None
-        if getattr(result, "error", None):
-            return "failed", result.error, None
-        return ("stopped" if stopped_on_request(result.stop_reason) else "completed"), result.stop_reason, result.final
 
     def _finish(self) -> None:
         lost = {d.engine_id: d for d in self.cluster.dead_engines(ping=False, engines=self._engine_ids)}
@@ -399,7 +410,7 @@ class Job:
         stuck: list[int] = []
         for index, child in enumerate(self._result._children):
             rank, engine_id = self._ranks[index], self._engine_ids[index]
-            value = (child.exception() or _unwrap(child.result())) if child.done() else None
+            value = (child.exception() or unwrap(child.result())) if child.done() else None
             if isinstance(value, EngineOutcome):
                 pass
             elif engine_id in lost:
@@ -411,7 +422,7 @@ class Job:
             else:
                 # Raised outside run_training: the call never reached the rank's code
                 # (e.g. a function the engine cannot unpickle).
-                value = EngineOutcome(rank, error=_remote_text(value))
+                value = EngineOutcome(rank, error=remote_text(value))
             outcomes.append(value)
         self._outcomes = outcomes
         stuck_ranks = [self._ranks[self._engine_ids.index(e)] for e in stuck]
@@ -419,155 +430,8 @@ class Job:
             self.cluster.mark_stuck(
                 stuck, f"still running a job {self._abandon_seconds:g} s after being told to give up (SIGUSR2)"
             )
-        # The ranks that gave up because of another's failure say nothing new.
-        errors = [o for o in outcomes if o.error and not o.abandoned and o.rank not in stuck_ranks]
-        gave_up = any(o.abandoned for o in outcomes)
-        if not errors and not stuck_ranks and not gave_up:
-            return
-        if (
-            dead
-            and not stuck_ranks
-            and any(o.result is not None for o in outcomes)
-            and all(o.rank in dead for o in errors)
-        ):
-            # The run went on without them (an asynchronous master dropped them, or the
-            # ranks left restarted from the last checkpoint) and ended well.
-            self.warning = (
-                f"{_one_error(errors, len(outcomes), dead)}; the run went on without "
-                f"{_ranks(sorted(dead))} and ended well; {HEAL_HINT}"
-            )
+        error, warning = verdict(outcomes, dead, stuck_ranks, self._abandon_seconds, self._abandon_why)
+        self.warning = warning or ""
+        if self.warning:
             print(f"nbdist: {self.warning}", flush=True)
-            return
-        first = _one_error(errors, len(outcomes), dead) if errors else None
-        said = [str(first) if first is not None else f"the ranks {self._abandon_why or 'were told to give up'}"]
-        if stuck_ranks:
-            said.append(
-                f"{_ranks(stuck_ranks)} still running {self._abandon_seconds:g} s after being told to give "
-                f"up (SIGUSR2): blocked in MPI or in the model's code"
-            )
-        elif first is None:
-            said.append("they gave up (SIGUSR2), without a final checkpoint; the cluster is ready for the next job")
-        if stuck_ranks or dead:
-            said.append(HEAL_HINT)
-        self._error = JobError("; ".join(said), first.detail if first is not None else "")
-
-
-def _unwrap(value: Any) -> Any:
-    return value[0] if isinstance(value, list) and len(value) == 1 else value
-
-
-def _remote_text(value: Any) -> str:
-    # ipyparallel's RemoteError carries the remote exception's name and value.
-    name, text = getattr(value, "ename", None), getattr(value, "evalue", None)
-    if name:
-        return f"{name}: {text}"
-    return f"{type(value).__name__}: {value}"
-
-
-def _when(outcome: EngineOutcome) -> float:
-    return outcome.failed_at if outcome.failed_at is not None else float("inf")
-
-
-def _ranks(ranks: list[int]) -> str:
-    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, sorted(ranks)))}"
-
-
-def _one_error(errors: list[EngineOutcome], ranks_in_job: int, dead: dict[int, DeadEngine] | None = None) -> JobError:
-    """One message for the user, led by the failure that came first: the same error from
-    several ranks is said once; a rank whose engine died is named with its host and pid
-    (those that died with it after it, once); later, different failures follow."""
-    dead = dead or {}
-    parts: list[tuple[float, str]] = []
-    died = sorted((o for o in errors if o.rank in dead), key=_when)
-    if died:
-        first = dead[died[0].rank]
-        text = f"rank {first.rank} (engine {first.engine_id} on {first.host}, pid {first.pid}) died: {first.why}"
-        if len(died) > 1:
-            text += f"; {_ranks([o.rank for o in died[1:]])} died with it"
-        # The client hears of a death through the controller, after the peers' MPI calls
-        # already failed on it: those errors are its consequences, not earlier failures.
-        parts.append((_when(died[0]) - DEATH_NOTICE_SECONDS, text))
-    by_text: dict[str, list[EngineOutcome]] = {}
-    for o in sorted((o for o in errors if o.rank not in dead), key=_when):
-        by_text.setdefault(o.error, []).append(o)
-    for text, group in by_text.items():
-        ranks = [o.rank for o in group]
-        if "rank" not in text and not group[0].user_error:
-            # User errors were agreed by all ranks and already say where; name the rest.
-            text = f"{text} (on {'every rank' if len(ranks) == ranks_in_job else _ranks(ranks)})"
-        parts.append((_when(group[0]), text))
-    parts.sort(key=lambda part: part[0])
-    lead, *later = [text for _, text in parts]
-    detail = next((o.detail for o in sorted(errors, key=_when) if o.detail), "")
-    hint = "; its traceback: job.error.detail" if detail else ""
-    return JobError(lead + (f"; then {'; '.join(later[:2])}" if later else "") + hint, detail)
-
-
-class _Progress:
-    """The live line under the cell: epoch, samples/s, loss, validation metric."""
-
-    def __init__(self, job: Job):
-        self.job = job
-        self.handle = None
-        self._last = ""
-        try:
-            from IPython import get_ipython
-            from IPython.display import display
-
-            shell = get_ipython()
-            # Only in a kernel (JupyterLab, nbclient): a terminal would print every update.
-            if shell is not None and type(shell).__name__ == "ZMQInteractiveShell":
-                self.handle = display(self, display_id=True)
-        except ImportError:
-            pass
-
-    def update(self, final: bool = False) -> None:
-        if self.handle is None:
-            return
-        text = self.summary()
-        if text != self._last or final:
-            self._last = text
-            self.handle.update(self)
-
-    def summary(self) -> dict[str, Any]:
-        job = self.job
-        records = job.live.records
-        epochs = [r["values"] for r in records if r["kind"] == "epoch"]
-        latest: dict[int, dict[str, Any]] = {}
-        for r in records:
-            if r["kind"] == "train":
-                latest[r["rank"]] = r["values"]
-        speed = sum(v.get("samples_per_s") or 0.0 for v in latest.values())
-        losses = [v["loss"] for v in latest.values() if v.get("loss") is not None]
-        state = {
-            "status": job.status,
-            "epoch": epochs[-1]["epoch"] if epochs else 0,
-            "epochs": job.options.epochs,
-            "samples_per_s": speed,
-            "loss": sum(losses) / len(losses) if losses else None,
-            "seconds": (job.ended or time.time()) - job.started,
-        }
-        if epochs:
-            state.update({k: v for k, v in epochs[-1].items() if k.startswith("val_")})
-        return state
-
-    def _text(self) -> str:
-        s = self.summary()
-        parts = [f"nbdist {s['status']}", f"epoch {s['epoch']}/{s['epochs']}", f"{s['samples_per_s']:.0f} samples/s"]
-        if s["loss"] is not None:
-            parts.append(f"loss {s['loss']:.4f}")
-        parts += [f"{k} {v:.4f}" for k, v in s.items() if k.startswith("val_") and v is not None]
-        parts.append(f"{s['seconds']:.1f} s")
-        if self.job.error is not None:
-            parts.append(f"error: {self.job.error}")
-        return " | ".join(parts)
-
-    def __repr__(self) -> str:
-        return self._text()
-
-    def _repr_html_(self) -> str:
-        s = self.summary()
-        return (
-            f'<div><progress value="{s["epoch"]}" max="{s["epochs"]}" style="width:16em"></progress> '
-            f"<code>{html.escape(self._text())}</code></div>"
-        )
+        self._error = error or self._error

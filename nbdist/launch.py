@@ -11,7 +11,7 @@ through `srun` by itself and the ranks talk over TCP (checked with the wheel's O
 
 `python -m nbdist launch -n 4 train ...` (`launch()`) runs a command under that mpiexec
 and stands between it and the batch system's signals. Open MPI's launcher (prterun) kills
-every rank about 0.6 s after it gets SIGTERM, far too soon for a final checkpoint of a
+every rank within a second of getting SIGTERM, far too soon for a final checkpoint of a
 large model. The launcher starts prterun with SIGTERM and SIGINT blocked (its ranks get
 their signals unblocked again) and turns SIGTERM, SIGUSR1 and a first Ctrl-C into SIGUSR1
 for every rank: each stops at its next step boundary and the run writes its final
@@ -31,8 +31,10 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from socket import AF_INET, AF_INET6
 from typing import Any
 
+from nbdist.errors import UserError
 from nbdist.train.stopping import stop_caught_early
 from nbdist.transport.faults import ULFM_ARGS, ULFM_ENV
 
@@ -46,14 +48,15 @@ __all__ = [
     "ULFM_ARGS",
     "allocation_mpi_args",
     "remove_stale_session_dirs",
+    "check_interface",
 ]
 
 # How long a stopping job may take (its final checkpoint) before the launcher kills it.
 STOP_GRACE = 600.0
 # A stop is passed on no sooner than this after prterun starts. Before the ranks run
 # `python -m nbdist`'s first line (which catches it: train/stopping.py) SIGUSR1 kills
-# them, and prterun ended such a job with status 0 and no run at all; measured, a
-# SIGUSR1 0.4 s after the start did that, one at 1 s was caught.
+# them, and prterun ended such a job with status 0 and no run at all (a SIGUSR1 in the
+# first second did that; later ones were caught).
 RANKS_CATCH_AFTER = 3.0
 
 
@@ -268,3 +271,39 @@ def _kill(job: subprocess.Popen) -> None:
         os.killpg(job.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def check_interface(interface: str) -> None:
+    """UserError unless every entry of `interface` (interface names or subnets, comma-
+    separated, as Open MPI's if_include takes them) is a network interface of this node,
+    or a subnet one of its addresses is in: a typo would otherwise leave Open MPI on
+    every interface without a word."""
+    import ipaddress
+
+    import psutil
+
+    nics = psutil.net_if_addrs()
+    addresses = {
+        name: [ipaddress.ip_address(a.address.split("%")[0]) for a in found if a.family in (AF_INET, AF_INET6)]
+        for name, found in nics.items()
+    }
+    valid = ", ".join(sorted(nics)) or "none"
+    for entry in (part.strip() for part in interface.split(",")):
+        if "/" in entry:
+            try:
+                subnet = ipaddress.ip_network(entry, strict=False)
+            except ValueError:
+                raise UserError(
+                    f"--interface {entry!r} is not a subnet (e.g. 10.1.0.0/16) nor an interface name: "
+                    f"this node has {valid}"
+                ) from None
+            if not any(address in subnet for found in addresses.values() for address in found):
+                raise UserError(
+                    f"--interface {entry}: no network interface of this node has an address in that subnet; "
+                    f"give a subnet of one of its addresses, or one of its interfaces: {valid}"
+                )
+        elif entry not in nics:
+            raise UserError(
+                f"--interface {entry!r}: this node has no such network interface; choose one of: {valid} "
+                f"(or a subnet, e.g. 10.1.0.0/16)"
+            )

@@ -59,6 +59,27 @@ class Role:
     proc: int | None  # within its worker; 0 is the leader
 
     @property
+    def run(self) -> tuple[int, int]:
+        """(group, fold) of a rank of a run (the coordinator is in none: LayoutError)."""
+        if self.group is None or self.fold is None:
+            raise LayoutError(f"{self} is in no run")
+        return self.group, self.fold
+
+    @property
+    def master_index(self) -> int:
+        """A master's index, or a worker's master's (LayoutError where there is none)."""
+        return _present(self.master, "master", self)
+
+    @property
+    def worker_index(self) -> int:
+        return _present(self.worker, "worker", self)
+
+    @property
+    def proc_index(self) -> int:
+        """The process within its worker (0: the leader)."""
+        return _present(self.proc, "process of a worker", self)
+
+    @property
     def is_top_master(self) -> bool:
         return self.kind == "master" and self.master == 0
 
@@ -78,6 +99,12 @@ class Role:
             return f"rank {self.rank}: master {self.master} ({where})"
         boss = "" if self.master is None else f" of master {self.master}"
         return f"rank {self.rank}: worker {self.worker}{boss}, process {self.proc} ({where})"
+
+
+def _present(index: int | None, what: str, role: Role) -> int:
+    if index is None:
+        raise LayoutError(f"{role} has no {what} index")
+    return index
 
 
 def _plural(count: int | str, word: str) -> str:
@@ -289,7 +316,7 @@ class Layout:
             ]
 
         for g in range(self.groups):
-            folds = []
+            folds: list[dict[str, Any]] = []
             for f in range(self.folds):
                 ranks = self.fold_ranks(g, f)
                 if self.topology == "allreduce":
@@ -386,20 +413,21 @@ class Layout:
         role = self.role(comm.Get_rank())
         undefined = MPI.UNDEFINED
         in_run = role.kind != "coordinator"
-        run_index = (role.group * self.folds + role.fold) if in_run else undefined
+        group, fold = role.run if in_run else (undefined, undefined)
+        run_index = (group * self.folds + fold) if in_run else undefined
 
         def split(color: int, key: int = 0) -> MPI.Intracomm:
             # key defaults to 0 so members keep world-rank order (MPI breaks key ties by rank).
-            return comm.Split(color, key)
+            return comm.Split(color, key)  # type: ignore[return-value]  # mpi4py's stubs: Comm
 
         comms = Communicators(world=comm, role=role)
         comms.run = split(run_index)
-        comms.group = split(role.group if in_run else undefined)
+        comms.group = split(group)
         if self.topology == "master-worker":
             if role.kind == "master":
-                comms.block = split(run_index * self.masters + role.master, 0)
+                comms.block = split(run_index * self.masters + role.master_index, 0)
             elif role.is_leader:
-                comms.block = split(run_index * self.masters + role.master, role.worker + 1)
+                comms.block = split(run_index * self.masters + role.master_index, role.worker_index + 1)
             else:
                 comms.block = split(undefined)
             is_master = role.kind == "master"
@@ -412,7 +440,7 @@ class Layout:
             if self.procs_per_worker > 1:
                 is_worker = role.kind == "worker"
                 comms.stage = split(
-                    run_index * self.procs_per_worker + role.proc if is_worker else undefined, role.worker or 0
+                    run_index * self.procs_per_worker + role.proc_index if is_worker else undefined, role.worker or 0
                 )
         return comms
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -31,11 +31,18 @@ PING_SECONDS = 5.0
 
 
 class Engine(Protocol):
-    engine_id: int
-    rank: int
-    host: str
-    pid: int
-    uuid: str
+    """What the health checks read of an engine (cluster.EngineInfo, frozen: read-only)."""
+
+    @property
+    def engine_id(self) -> int: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def host(self) -> str: ...
+    @property
+    def pid(self) -> int: ...
+    @property
+    def uuid(self) -> str: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +115,7 @@ class Liveness:
             return f"no reply to a ping within {self.ping_seconds:g} s (frozen?)", ping.sent
         return None
 
-    def dead(self, client: Any, engines: list[Engine], *, ping: bool = True) -> list[DeadEngine]:
+    def dead(self, client: Any, engines: Sequence[Engine], *, ping: bool = True) -> list[DeadEngine]:
         """The dead among `engines`, the first to die first. With `ping`, idle engines not
         known dead are pinged, and those that do not answer within the deadline are dead."""
         found: list[DeadEngine] = []

@@ -19,6 +19,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import ArgDecorator, MagicArgumentParser, magic_arguments
 
+from nbdist.hpo import SEARCHERS
 from nbdist.options import STUDY_SKIPS, add_arguments, add_study_arguments, options_from_args, study_options_from_args
 
 __all__ = ["DistnnMagics", "load_ipython_extension"]
@@ -26,6 +27,8 @@ __all__ = ["DistnnMagics", "load_ipython_extension"]
 
 class _commands(ArgDecorator):
     """The sub-commands of %distnn, built on the train options' own parser."""
+
+    subparsers: Any = None  # set when the parser is built: the full help lists each
 
     def add_to_parser(self, parser: MagicArgumentParser, group: Any) -> None:
         sub = parser.add_subparsers(
@@ -79,7 +82,7 @@ class _commands(ArgDecorator):
         )
 
         study = sub.add_parser("study", help="a hyper-parameter study; the cell defines build_model(params)")
-        add_study_arguments(study)
+        add_study_arguments(study, SEARCHERS)
         study.add_argument("--block", action="store_true", help="wait for the study to end")
         study.add_argument("--no-progress", action="store_true", help="no live lines under the cell")
         study.add_argument(

@@ -165,7 +165,45 @@ class EngineGroups(TrialExecutor):
 
 
 class Study:
-    """A study running on a notebook's cluster; the coordinator runs on a thread of the kernel."""
+    """A hyper-parameter study running on a notebook's cluster.
+
+    `nbdist.study(..., cluster=...)` and `%%distnn study` return one at once. The
+    coordinator runs on a thread of the kernel: it asks the searcher for parameters,
+    trains each trial's folds on a group of engines (the cluster's engines are cut into
+    `groups` x `folds` runs), tells the searcher each trial's figure of merit and records
+    everything in the run store, so that `--resume-study` can continue it.
+
+    Args:
+        cluster: The `nbdist.Cluster` whose engines train the trials.
+        options: The study's validated `StudyOptions`.
+        train: The `TrainOptions` every trial trains with (its parameters override the
+            options they name).
+        what: The model, loss, metric and data (or the cell) every engine builds from.
+        store: The run store the study is recorded in (None: not recorded).
+        show_progress: Show a live line per trial under the cell.
+
+    Raises:
+        UserError: One clear error for what is wrong before any engine trains: a bad
+            option or space (`OptionsError`, `TrialError`), a cluster whose engines do
+            not make `groups` x `folds` runs (`LayoutError`), a dead engine
+            (`ClusterError`).
+
+    Example:
+        In a notebook, with a started cluster of 2 engines (see `nbdist.Cluster`)::
+
+            def build_model(params):  # runs on every engine
+                from torch import nn
+
+                return nn.Sequential(nn.Linear(64, params["hidden"]), nn.ReLU(),
+                                     nn.Linear(params["hidden"], 10))
+
+            study = nbdist.study(build_model, cluster=cluster, trials=4, groups=2,
+                                 space="lr=log(1e-3,0.3) hidden=int(16,128)",
+                                 topology="allreduce", workers=1, epochs=2)
+            study.trials             # finished trials so far, live
+            study.wait()
+            study.best_params, study.best_fom
+    """
 
     def __init__(
         self,
@@ -177,9 +215,14 @@ class Study:
         store: str | None,
         show_progress: bool = True,
     ):
+        from nbdist.hpo.reads import check_space_is_read
         from nbdist.hpo.trial import check_study
+        from nbdist.train.definition import definition_of
 
         check_study(options, train)
+        if what.get("model") is not None:  # a cell's names are the engines': its trials report them
+            model = definition_of(what["model"], loss=what.get("loss"), metric=what.get("metric", "accuracy"))
+            check_space_is_read(options, train, model)
         cluster.check_alive()
         self.options, self.train, self.store = options, train, store
         self.layout = Layout.for_world(
@@ -220,7 +263,7 @@ class Study:
     def _run(self) -> None:
         try:
             self._result = self.runner.run()
-        except BaseException as exc:  # noqa: BLE001 - reported by wait()/result
+        except BaseException as exc:  # reported by wait()/result
             self._error = exc
         finally:
             self._done.set()
@@ -288,7 +331,18 @@ class Study:
 
     # -- control -------------------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> Study:
-        """Until the study ends (KeyboardInterrupt stops it; --resume-study continues it)."""
+        """Block until the study ends; an interrupt stops it instead (`--resume-study`
+        continues it).
+
+        Args:
+            timeout: Seconds to wait at most (None: until the study ends).
+
+        Returns:
+            The study itself, ended (`trials`, `best_params`, `best_fom`, `result`).
+
+        Raises:
+            TimeoutError: `timeout` seconds passed first; the study goes on.
+        """
         try:
             if not wait_interruptibly(self._done, timeout):
                 raise TimeoutError(f"the study is still {self.status} after {timeout} s")
@@ -301,7 +355,17 @@ class Study:
         return self
 
     def stop(self, timeout: float = 60.0) -> Study:
-        """Stop the running trials at their next step boundary and end the study."""
+        """Stop the running trials at their next step boundary and end the study.
+
+        Args:
+            timeout: Seconds to wait for the study to end.
+
+        Returns:
+            The study itself, stopped.
+
+        Raises:
+            TimeoutError: The study did not end within `timeout` seconds.
+        """
         self.runner.stop("stopped")
         if not self._done.wait(timeout):
             raise TimeoutError(f"the study did not stop within {timeout} s")
@@ -311,7 +375,17 @@ class Study:
         """The study's live dashboard (nbdist.dashboard.study): optimisation history,
         parallel coordinates, slice, contour, parameter importances, learning curves with
         pruned and promoted trials marked, the Pareto front of several objectives, a PBT
-        population's lineage and schedules, and the trial table with each trial's runs."""
+        population's lineage and schedules, the trial table with each trial's runs, notes.
+
+        Args:
+            period_ms: How often the page reads the store's new rows, in milliseconds.
+
+        Returns:
+            A servable Panel layout, live under the cell.
+
+        Raises:
+            ValueError: The study is not recorded in a run store (`store="off"`).
+        """
         from nbdist.dashboard import dashboard
 
         if self.store is None:

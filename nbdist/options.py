@@ -3,6 +3,10 @@
 Each field carries its flag and help; `add_arguments` builds the argparse parser from
 them, so `python -m nbdist train`, `%%distnn train` and `nbdist.train(...)` take the same
 names with the same meaning. Validation that needs no model happens here, at the edge.
+
+The options that name an extension (--algorithm, --compression, --allreduce-backend,
+--searcher) list its registry's entries in their help, made when the parser is built
+(nbdist.registry): a rule registered by the user's code is listed too.
 """
 
 from __future__ import annotations
@@ -13,12 +17,16 @@ import json
 import math
 import numbers
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from nbdist.algorithms import RULES
 from nbdist.errors import OptionsError
-from nbdist.transport.compression import parse_compression
+from nbdist.registry import Registry
+from nbdist.transport.compression import CODECS, parse_compression
+from nbdist.transport.reducers import REDUCERS
 
 __all__ = [
     "TrainOptions",
@@ -26,6 +34,7 @@ __all__ = [
     "add_arguments",
     "add_study_arguments",
     "options_from_args",
+    "require_model",
     "saved_run_options",
     "study_options_from_args",
     "Target",
@@ -37,8 +46,6 @@ TOPOLOGIES = ("master-worker", "allreduce")
 # free of the training package).
 MOMENTUM_CORRECTIONS = ("auto", "off")
 DEVICES = ("auto", "cpu", "cuda")
-# What --allreduce-backend takes (transport/reducers.py maps each to its reducer).
-ALLREDUCE_BACKENDS = ("auto", "mpi", "nccl", "gloo")
 # How the learning rate grows with the number of workers W (train/lr.py). One constant:
 # the convergence bench may change the default.
 LR_SCALINGS = ("none", "linear", "sqrt")
@@ -55,7 +62,20 @@ DEFAULT_LR_SCALING = "none"
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
+    """A field with its --help text; `registry` (a Registry, or the kind of one made in a
+    package the options may not import) lists its entries after the text, `listed_default`
+    the entry marked as the default there."""
     return field(default=default, metadata={"help": help, **extra})
+
+
+def _registry_help(registry: Registry[Any] | str, default: str | None) -> str:
+    entries = Registry.named(registry) if isinstance(registry, str) else registry
+    return entries.help_text(default=default)
+
+
+def allreduce_backends() -> list[str]:
+    """What --allreduce-backend takes: auto, then every reducer registered."""
+    return ["auto", *REDUCERS.names()]
 
 
 @dataclass
@@ -64,10 +84,10 @@ class TrainOptions:
     topology: str = _opt("master-worker", "master-worker (parameter server) or allreduce", choices=TOPOLOGIES)
     algorithm: str | None = _opt(
         None,
-        "update rule, optionally with parameters: downpour (default), easgd(elastic_force=0.9/workers, "
-        "elastic_lr=1.0, elastic_momentum=0.0: momentum on the centre's elastic moves, not EAMSGD), "
-        "gem(lr=0.05, momentum=0.9, kappa=1.0), adag, dynsgd (adag's workers, updates scaled by "
-        "1/(1+staleness)); allreduce uses sgd",
+        "the update rule, optionally with parameters, e.g. 'easgd(elastic_momentum=0.5)' (--topology "
+        "allreduce trains with sgd)",
+        registry=RULES,
+        listed_default="downpour",
     )
     synchronous: bool = _opt(False, "master waits for every worker before each update (master-worker)")
     workers: int | None = _opt(None, "workers per master (default: fill the MPI ranks)")
@@ -202,15 +222,16 @@ class TrainOptions:
     bucket_mb: float = _opt(2.0, "allreduce bucket size in MB (gradients reduced while backward runs)")
     compression: str = _opt(
         "none",
-        "what gradients and worker-to-master messages travel as: none, fp16, bf16, topk(RATIO) (the RATIO "
-        "fraction of entries largest in magnitude) or powersgd(RANK) (rank-RANK factors of each weight "
-        "matrix); topk and powersgd keep what they leave out for the next step (error feedback)",
+        "what gradients and worker-to-master messages travel as, e.g. 'topk(0.01)' (a codec of one "
+        "parameter takes it by position too)",
+        registry=CODECS,
+        listed_default="none",
     )
     allreduce_backend: str = _opt(
         "auto",
-        "what reduces the allreduce topology's gradient buckets: mpi, nccl (a torch.distributed group made "
-        "from the MPI ranks, for a model on GPUs), gloo (the same for a model on the CPU) or auto (nccl where "
-        "the model is on a GPU and torch has NCCL, else mpi)",
+        "what reduces the allreduce topology's gradient buckets: auto (nccl where the model is on a GPU and "
+        "torch has NCCL, else mpi) or one of the reducers",
+        registry=REDUCERS,
     )
     quiet: bool = _opt(False, "print only the final summary")
     trace_updates: bool = _opt(
@@ -295,18 +316,18 @@ class TrainOptions:
             raise OptionsError(f"--max-restarts must be 0 or more, got {self.max_restarts}")
         if self.peer_timeout is not None and not self.peer_timeout > 0:
             raise OptionsError(f"--peer-timeout must be a number of seconds above 0, got {self.peer_timeout}")
-        name = self.run_name
-        if name is not None and (Path(name).name != name or name in ("", ".", "..")):
+        run_name = self.run_name
+        if run_name is not None and (Path(run_name).name != run_name or run_name in ("", ".", "..")):
             raise OptionsError(
-                f"--run-name {name!r}: a directory name inside --runs-dir, without '/'; "
+                f"--run-name {run_name!r}: a directory name inside --runs-dir, without '/'; "
                 f"give the parent directory with --runs-dir"
             )
         if not self.bucket_mb > 0:
             raise OptionsError(f"--bucket-mb must be above 0, got {self.bucket_mb}")
         parse_compression(self.compression)
-        if self.allreduce_backend not in ALLREDUCE_BACKENDS:
+        if self.allreduce_backend not in allreduce_backends():
             raise OptionsError(
-                f"--allreduce-backend {self.allreduce_backend!r}: choose one of {', '.join(ALLREDUCE_BACKENDS)}"
+                f"--allreduce-backend {self.allreduce_backend!r}: choose one of {', '.join(allreduce_backends())}"
             )
         if self.allreduce_backend != "auto" and self.topology != "allreduce":
             raise OptionsError(
@@ -402,18 +423,33 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def add_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = (), config: type | None = None) -> None:
-    """Add every field of `config` (TrainOptions by default) to `parser` as --kebab-case flags."""
+def add_arguments(
+    parser: argparse.ArgumentParser,
+    *,
+    skip: tuple[str, ...] = (),
+    config: type | None = None,
+    registries: Mapping[str, Registry[Any]] | None = None,
+) -> None:
+    """Add every field of `config` (TrainOptions by default) to `parser` as --kebab-case flags.
+    `registries`: by kind, those a field names by kind (default: Registry.named(kind))."""
     for f in fields(config or TrainOptions):
         if f.name in skip:
             continue
         meta = dict(f.metadata)
         helptext = meta.pop("help")
+        registry, listed_default = meta.pop("registry", None), meta.pop("listed_default", None)
+        if isinstance(registry, str) and registry in (registries or {}):
+            registry = (registries or {})[registry]
+        if registry is not None:
+            # argparse formats help with %: a docstring's % must stay itself.
+            helptext += ": " + _registry_help(registry, listed_default).replace("%", "%%")
         kind, _ = field_kind(f)
         if kind is bool:
             parser.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, default=None, help=helptext)
             continue
-        parser.add_argument(flag(f.name), type=kind, default=None, help=f"{helptext} (default: {f.default})", **meta)
+        if listed_default is None:  # a registry's list marks its default itself
+            helptext += f" (default: {f.default})"
+        parser.add_argument(flag(f.name), type=kind, default=None, help=helptext, **meta)
 
 
 _KINDS = {
@@ -462,6 +498,19 @@ def options_from_args(args: argparse.Namespace, base: TrainOptions | None = None
     return (base or TrainOptions()).replace(**given)
 
 
+def require_model(options: TrainOptions, defines: str = "build_model()") -> TrainOptions:
+    """`options`, or one error when they name no model file (the command line's run needs one)."""
+    model_file(options, defines)
+    return options
+
+
+def model_file(options: TrainOptions, defines: str = "build_model()") -> str:
+    """The model file `options` name, or one error when they name none."""
+    if not options.model:
+        raise OptionsError(f"--model is required: a Python file that defines {defines}")
+    return options.model
+
+
 def saved_run_options(run_dir: str | Path) -> TrainOptions:
     """The options a run directory was trained with (what --resume continues), or one
     error saying why `run_dir` is not a run directory."""
@@ -494,7 +543,12 @@ class StudyOptions:
         'the search space, e.g. "lr=log(1e-4,1e-1) hidden=int(16,256) '
         'optimizer=cat(adam,sgd,rmsprop)"; kinds: real/uniform, log, int, logint, cat',
     )
-    searcher: str = _opt("bayes", "bayes (Gaussian process), evolution(population=20), random or grid")
+    searcher: str = _opt(
+        "bayes",
+        "how the trials' points are chosen, optionally with parameters, e.g. 'evolution(population=20)'",
+        registry="searcher",  # nbdist.hpo.searcher.SEARCHERS (nbdist.hpo imports the options)
+        listed_default="bayes",
+    )
     trials: int = _opt(20, "trials in all (the study's budget)")
     groups: int = _opt(1, "trials trained at once, each on its own group of ranks")
     folds: int = _opt(1, "K-fold cross-validation: folds per trial, trained in parallel, fom = their mean")
@@ -614,9 +668,10 @@ def _direction_of(objective: str) -> str:
 STUDY_SKIPS = ("resume", "run_name")
 
 
-def add_study_arguments(parser: argparse.ArgumentParser) -> None:
-    """The study's options, then every training option a trial uses."""
-    add_arguments(parser, config=StudyOptions)
+def add_study_arguments(parser: argparse.ArgumentParser, searchers: Registry[Any] | None = None) -> None:
+    """The study's options, then every training option a trial uses. `searchers`: the
+    registry --searcher lists (nbdist.hpo.SEARCHERS; the options may not import it)."""
+    add_arguments(parser, config=StudyOptions, registries={"searcher": searchers} if searchers else None)
     add_arguments(parser, skip=STUDY_SKIPS)
 
 

@@ -22,17 +22,29 @@ The parameters, their defaults and their order come from the constructor's signa
 help of each from `parameter_help`, the one-line summary from the docstring's first line:
 the command-line help, the docs reference and the contract tests' parametrisation are all
 generated from here, so none of them can drift from the code.
+
+The registries of nbdist (each made where its base class lives, so that it is filled as its
+entries are imported; none of these modules imports MPI or a framework):
+
+    nbdist.algorithms.RULES             update rules       --algorithm
+    nbdist.transport.compression.CODECS codecs             --compression
+    nbdist.transport.reducers.REDUCERS  allreduce backends --allreduce-backend
+    nbdist.hpo.searcher.SEARCHERS       searchers          --searcher
+
+`Registry.every()` lists those of the modules imported so far.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator, Mapping
+import itertools
+import weakref
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from nbdist.errors import UserError
-from nbdist.specs import Spec, SpecError, check_kwargs, parse_spec, unknown_name
+from nbdist.specs import Spec, SpecError, parse_spec, unknown_name
 
 __all__ = ["Registry", "Parameter"]
 
@@ -60,24 +72,39 @@ class Parameter:
 class Registry(Generic[T]):
     """Classes of one kind by name.
 
-    `kind` names the extension point in messages ("update rule", "codec"); `skip` is the
-    number of leading constructor parameters that nbdist fills itself (a searcher's space),
-    which are neither user parameters nor listed in the help.
+    `kind` names the extension point in messages ("update rule", "codec"). The constructor
+    parameters that nbdist fills itself are neither user parameters nor listed in the help:
+    the first `skip` of them (a searcher's space, a codec's vector length) and those named in
+    `supplied` (a searcher's direction and seed, the parameter shapes PowerSGD is given).
     """
 
-    _every: list[Registry[Any]] = []
+    # Weak references: a registry a test makes for its toys goes when the test is done
+    # (or when the test removes it: `Registry._every.remove(toys)`).
+    _every: weakref.WeakSet[Registry[Any]] = weakref.WeakSet()
+    _made = itertools.count()
 
-    def __init__(self, kind: str, *, skip: int = 0) -> None:
+    def __init__(self, kind: str, *, skip: int = 0, supplied: Iterable[str] = ()) -> None:
         self.kind = kind
         self._skip = skip
+        self._supplied = frozenset(supplied)
         self._entries: dict[str, type[T]] = {}
-        Registry._every.append(self)
+        self._order = next(Registry._made)
+        Registry._every.add(self)
 
     @classmethod
     def every(cls) -> list[Registry[Any]]:
         """Every registry made so far (of the modules imported): what the docs reference
         and the contract tests walk over."""
-        return list(cls._every)
+        return sorted(cls._every, key=lambda registry: registry._order)
+
+    @classmethod
+    def named(cls, kind: str) -> Registry[Any]:
+        """The registry of `kind` (the first made), for a part that may not import the
+        module that makes it (the options and the searchers: nbdist.hpo imports the options)."""
+        for registry in cls.every():
+            if registry.kind == kind:
+                return registry
+        raise LookupError(f"no {kind} registry has been made: import the module that makes it first")
 
     # -- registering ---------------------------------------------------------------------
     def register(self, cls: type[T]) -> type[T]:
@@ -121,15 +148,27 @@ class Registry(Generic[T]):
         """The user parameters of `name`'s constructor, in order, with defaults and help."""
         cls = self.get(name)
         helps: Mapping[str, str] = getattr(cls, "parameter_help", {}) or {}
-        signature = inspect.signature(cls.__init__)  # type: ignore[misc]
-        params = list(signature.parameters.values())[1 + self._skip :]
+        params = list(inspect.signature(cls).parameters.values())[self._skip :]
         kinds = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        return [Parameter(p.name, p.default, helps.get(p.name, "")) for p in params if p.kind in kinds]
+        return [
+            Parameter(p.name, p.default, helps.get(p.name, ""))
+            for p in params
+            if p.kind in kinds and p.name not in self._supplied
+        ]
+
+    def check_parameters(self, spec: Spec) -> None:
+        """One SpecError naming the parameters `spec.name` takes, for any other in `spec`."""
+        takes = [p.name for p in self.parameters(spec.name)]
+        bad = [k for k in spec.kwargs if k not in takes]
+        if bad:
+            accepted = f"it takes: {', '.join(takes)}" if takes else "it takes no parameters"
+            raise SpecError(f"{self.kind} {spec.name!r} takes no parameter {', '.join(map(repr, bad))}; {accepted}")
 
     def summary(self, name: str) -> str:
-        """The first line of the class's docstring."""
-        doc = inspect.getdoc(self.get(name)) or ""
-        return doc.strip().splitlines()[0] if doc.strip() else ""
+        """The first paragraph of the class's own docstring, as one line ('' without one:
+        a base class's docstring says nothing about this entry)."""
+        doc = inspect.cleandoc(self.get(name).__doc__ or "")
+        return " ".join(doc.split("\n\n")[0].split())
 
     def describe(self, name: str) -> str:
         """`name(param=default, ...)`, or the bare name when it takes no parameters."""
@@ -137,11 +176,12 @@ class Registry(Generic[T]):
         return f"{name}({', '.join(map(str, params))})" if params else name
 
     def help_text(self, *, default: str | None = None) -> str:
-        """One line per entry, `describe: summary`, for --help and the docs reference."""
+        """`describe: summary` of every entry, the default first, for --help."""
+        names = sorted(self._entries, key=lambda name: name != default)
         lines = []
-        for name in self._entries:
+        for name in names:
             mark = " (default)" if name == default else ""
-            summary = self.summary(name)
+            summary = self.summary(name).rstrip(".")
             lines.append(f"{self.describe(name)}{mark}" + (f": {summary}" if summary else ""))
         return "; ".join(lines)
 
@@ -152,7 +192,7 @@ class Registry(Generic[T]):
         parameter, or a value the constructor refuses with ValueError, is one SpecError."""
         spec = parse_spec(spec, what=self.kind)
         cls = self.get(spec.name)
-        check_kwargs(f"{self.kind} {spec.name!r}", cls.__init__, spec.kwargs, skip=1 + self._skip)  # type: ignore[misc]
+        self.check_parameters(spec)
         try:
             return cls(*args, **fixed, **spec.kwargs)
         except UserError:

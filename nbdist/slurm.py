@@ -150,7 +150,7 @@ class BatchScript:
         named = [
             ("--job-name", self.job_name or f"nbdist-{self.launched[0]}"),
             ("--ntasks", str(self.ntasks)),
-            ("--nodes", self.nodes and str(self.nodes)),
+            ("--nodes", str(self.nodes) if self.nodes else None),
             ("--partition", self.partition),
             ("--time", self.time),
             ("--account", self.account),
@@ -216,7 +216,7 @@ def engines_batch_template(
             literal(line)
             for line in directives(
                 [
-                    ("--nodes", nodes and str(nodes)),
+                    ("--nodes", str(nodes) if nodes else None),
                     ("--partition", partition),
                     ("--time", time),
                     ("--account", account),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import queue
 import re
 import subprocess
@@ -17,6 +18,25 @@ import pytest
 from nbdist.launch import mpi_env, mpiexec_command
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# The markers a test gets from the fixtures it uses (directly or through other fixtures),
+# so that a new test is marked without anyone thinking of it: `make check` leaves out
+# whatever these mark (pyproject.toml lists the markers).
+FIXTURE_MARKS = {
+    "mpirun": ("mpi",),
+    "jet_sample": ("mpi", "slow"),
+    "slurm": ("slurm",),
+    "postgres": ("postgres",),
+    "browser": ("browser",),
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for name in getattr(item, "fixturenames", ()):
+            for mark in FIXTURE_MARKS.get(name, ()):
+                item.add_marker(mark)
 
 
 @dataclass
@@ -128,6 +148,35 @@ def mpirun():
 @pytest.fixture
 def pyrun():
     return run_python
+
+
+# -- a headless browser for the page tests ----------------------------------------------------
+CHROMIUM = "/usr/bin/chromium"
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Debian's Chromium driven by Playwright, for the tests that load pages (dashboard,
+    notebooks offline)."""
+    sync_playwright = pytest.importorskip("playwright.sync_api").sync_playwright
+    if not Path(CHROMIUM).exists():
+        if os.environ.get("CI"):
+            pytest.fail("Debian's chromium is missing: .ci/run installs it (apt-get install chromium)")
+        pytest.skip("Debian's chromium is not installed (apt-get install chromium; .ci/run does)")
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=CHROMIUM,
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--no-first-run",
+            ],
+        )
+        yield browser
+        browser.close()
 
 
 # -- one generated jet sample for the whole session ----------------------------------------

@@ -261,7 +261,7 @@ class SlurmCluster:
                 return
         self.netns, self.subnet = netns, subnet  # netns is also the name of the interface between the nodes
         self.nodes.append(self.second_node)
-        self.addresses = dict(zip(self.nodes, (first, second)))
+        self.addresses = dict(zip(self.nodes, (first, second), strict=True))
 
     def _remove_second_node(self) -> None:
         if self.netns is not None:

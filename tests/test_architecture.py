@@ -1,6 +1,6 @@
-"""The package layout keeps its arrows one way (ARCHITECTURE.md, section 3): no package
-imports another that imports it back, not even lazily inside a function, and the update
-rules import neither MPI nor a framework."""
+"""The package layout keeps its arrows one way (docs/explanation/architecture.md,
+section 3): no package imports another that imports it back, not even lazily inside a
+function, and the update rules import neither MPI nor a framework."""
 
 from __future__ import annotations
 
@@ -80,3 +80,20 @@ def test_role_loops_leave_mpi_to_the_transport():
     assert not on_mpi - ROLES_STILL_ON_MPI, f"role loops importing mpi4py: {sorted(on_mpi - ROLES_STILL_ON_MPI)}"
     off_mpi = ROLES_STILL_ON_MPI - on_mpi
     assert not off_mpi, f"no longer on MPI, take off the list: {sorted(off_mpi)}"
+
+
+def test_the_result_files_the_code_points_at_exist():
+    """Measured numbers live in dated files under bench/results/; the code gives the
+    reason in words and points there, and every file it points at is there."""
+    import re
+
+    pointer = re.compile(r"bench/results/([\w.-]+\.md)")
+    named = {
+        (path.relative_to(PACKAGE.parent), name)
+        for path in PACKAGE.rglob("*.py")
+        for name in pointer.findall(path.read_text())
+    }
+    assert named, "no pointer to bench/results found: the pattern is stale"
+    results = PACKAGE.parent / "bench" / "results"
+    missing = sorted(f"{path}: {name}" for path, name in named if not (results / name).is_file())
+    assert not missing, "pointers to result files that do not exist: " + "; ".join(missing)

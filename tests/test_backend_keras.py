@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from itertools import pairwise
 
 import numpy as np
 import pytest
@@ -77,7 +78,7 @@ def test_steps_equal_keras_own_training(loss):
     ours = backend.named_arrays()
     theirs = [np.asarray(v.numpy()) for v in reference.weights]
     assert len(ours) == len(theirs)
-    for key, expected in zip(sorted(ours), theirs):
+    for key, expected in zip(sorted(ours), theirs, strict=True):
         np.testing.assert_allclose(ours[key], expected, atol=1e-5, err_msg=key)
     # The moving statistics travelled through `state`.
     assert np.abs(backend.state[:16]).max() > 1e-3
@@ -96,7 +97,7 @@ def test_gradient_is_scaled_and_the_model_variables_are_left_alone():
     other = backend_for(model, sample=x)
     other.params[:] = 0.0
     assert np.abs(backend.params).max() > 0
-    assert all(np.array_equal(a, np.asarray(v.numpy())) for a, v in zip(before, model.weights))
+    assert all(np.array_equal(a, np.asarray(v.numpy())) for a, v in zip(before, model.weights, strict=True))
 
 
 @pytest.mark.parametrize(
@@ -149,7 +150,7 @@ def test_bucket_hooks_fire_once_each_with_the_final_gradient():
     assert len(buckets) >= 2
     covered = sorted(buckets)
     assert covered[0][0] == 0 and covered[-1][1] == backend.num_params
-    assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
+    assert all(a[1] == b[0] for a, b in pairwise(covered))
     backend.compute_gradients(x[:16], y[:16])
     assert [i for i, _ in seen] == list(range(len(buckets)))
     for i, grads in seen:

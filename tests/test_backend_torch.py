@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from itertools import pairwise
 
 import numpy as np
 import pytest
@@ -84,7 +85,7 @@ def test_every_grad_lives_inside_the_flat_buffer():
     for ranges, (lo, hi) in ((grad_ranges, (g_lo, g_hi)), (param_ranges, (p_lo, p_hi))):
         ranges.sort()
         assert ranges[0][0] == lo and ranges[-1][1] == hi
-        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+        assert all(a[1] == b[0] for a, b in pairwise(ranges))
     # Flat gradient and per-parameter .grad are the same numbers.
     np.testing.assert_array_equal(backend.grads, reversed_flat(p.grad for p in model.parameters()))
 
@@ -181,7 +182,7 @@ def test_bucket_hooks_fire_once_with_final_gradients():
     buckets.extend(backend.bucket_hooks(30, on_ready))
     assert len(buckets) >= 3
     assert buckets[0][0] == 0 and buckets[-1][1] == n
-    assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(buckets, buckets[1:]))
+    assert all(a[1] == b[0] and a[0] < a[1] for a, b in pairwise(buckets))
     # Buckets end at parameter boundaries.
     ends = {hi for _, hi in backend._slices}
     assert all(hi in ends for _, hi in buckets)

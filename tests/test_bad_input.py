@@ -469,3 +469,199 @@ def test_a_typo_in_a_studys_objective_ends_it_before_any_trial(batched, batch_di
         assert study["status"] == "failed"
         # The trial that found the typo stays unfinished: the study resumed with the fix trains it.
         assert [t.state for t in store.trials(study["id"])] == ["running"]
+
+
+# ------------------------------------------------ issue 25: more bad input, one block
+# Set-up errors on every rank (labels beyond the model's outputs, an lr of 0, a negative
+# --max-restarts, a model path that is not a file), a study parameter nothing reads, and
+# the two warnings of a run that trains on (a batch larger than the data, a loss that
+# grows by orders of magnitude): one job of 2 ranks. The checks made before any rank
+# starts (launch, dashboard, slurm-script) run in one process, without mpiexec.
+I25_MODELS = {
+    "five_outputs.py": """
+        from torch import nn
+
+        def build_model():
+            return nn.Sequential(nn.Linear(64, 5))  # digits have 10 classes, labels 0-9
+    """,
+    "label_42.py": """
+        from torch import nn
+
+        import nbdist.datasets
+
+        def build_model():
+            return nn.Sequential(nn.Linear(64, 10))
+
+        def load_data():
+            d = nbdist.datasets.digits()
+            d.y_train[7] = 42  # one label of 10 classes
+            return d
+    """,
+}
+# name -> (argv, text the one error line must hold)
+I25_ERRORS = {
+    "labels-beyond-outputs": (
+        ["--model", "{tmp}/five_outputs.py"],
+        ["five_outputs.py: the labels run from 0 to 9, but the model scores 5 classes", "give 10 outputs"],
+    ),
+    "label-beyond-classes": (
+        ["--model", "{tmp}/label_42.py", "--topology", "allreduce"],
+        ["label_42.py: the labels of its data run from 0 to 42, outside the data's 10 classes", "fix the labels"],
+    ),
+    "zero-lr": (
+        ["--algorithm", "easgd", "--worker-optimizer", "sgd(lr=0)"],
+        ["optimizer sgd(lr=0): a learning rate of 0 never changes the weights: give lr above 0"],
+    ),
+    "negative-max-restarts": (["--max-restarts", "-1"], ["--max-restarts must be 0 or more, got -1"]),
+    "model-is-a-fifo": (
+        ["--model", "{tmp}/fifo.py"],
+        ["model file '{tmp}/fifo.py' is a named pipe (FIFO), not a file: give the path of a Python file"],
+    ),
+    "model-is-a-directory": (
+        ["--model", "{tmp}/a_dir.py"],
+        ["model file '{tmp}/a_dir.py' is a directory, not a file: give the path of a Python file"],
+    ),
+    "study-parameter-nothing-reads": (
+        ["study", "--space", "lr=log(1e-3,0.3) momentom=real(0,1)", "--trials", "2", "--topology", "allreduce"],
+        [
+            "--space: the parameter 'momentom' is read by no part of the run (did you mean 'momentum'?); "
+            "those read are: lr.",
+            "goes to build_model(params)",
+        ],
+    ),
+}
+# name -> (argv, text the one warning line must hold); these runs train to the end.
+I25_WARNINGS = {
+    "batch-larger-than-data": (
+        ["--batch-size", "5000", "--topology", "allreduce"],
+        [
+            "--batch-size 5000 is larger than a worker's share of the training data (718 of 1437 samples over "
+            "2 workers)",
+            "give --batch-size 718 or less",
+        ],
+    ),
+    # lr 100 with momentum: the loss of digits' MLP jumps from about 2.3 to 1e5 and more.
+    "loss-grows": (
+        ["--topology", "allreduce", "--worker-optimizer", "sgd(lr=100, momentum=0.9)"],
+        ["the training loss grew to", "at epoch 1 (from", "before training", "lower the learning rate"],
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def i25_dir(tmp_path_factory):
+    import os
+
+    tmp = tmp_path_factory.mktemp("bad25")
+    for name, source in I25_MODELS.items():
+        model_file(tmp, name, source)
+    os.mkfifo(tmp / "fifo.py")  # nothing ever writes to it: reading it would block for good
+    (tmp / "a_dir.py").mkdir()
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def i25_batched(i25_dir):
+    return _run_batch(i25_dir, {**I25_ERRORS, **I25_WARNINGS}, 2)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", list(I25_ERRORS))
+def test_bad_input_found_at_set_up(i25_batched, i25_dir, name):
+    part = i25_batched[name]
+    assert_one_clear_error(part, *_needles(I25_ERRORS[name][1], i25_dir))
+    assert part.returncode == 2, part.output
+    assert "nbdist: epoch" not in part.output and "completed" not in part.output  # before any training
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", list(I25_WARNINGS))
+def test_a_warning_once_and_the_run_trains_on(i25_batched, name):
+    part = i25_batched[name]
+    assert part.returncode == 0, part.output
+    assert "nbdist: error" not in part.output and "Traceback" not in part.output, part.output
+    warnings = [line for line in part.output.splitlines() if line.startswith("nbdist: warning:")]
+    assert len(warnings) == 1, part.output  # once per run, not per rank or per epoch
+    for needle in I25_WARNINGS[name][1]:
+        assert needle in warnings[0], f"{needle!r} not in {warnings[0]!r}"
+    assert "completed 3 epochs" in part.stdout, part.output
+
+
+# name -> (argv of `python -m nbdist`, text the one error line must hold). Each fails
+# before any rank would start: no mpiexec is needed to see it.
+I25_COMMANDS = {
+    "launch-negative-stop-grace": (
+        ["launch", "-n", "2", "--stop-grace", "-1", "train", "--model", MLP],
+        ["--stop-grace must be a number of seconds above 0", "got -1"],
+    ),
+    "launch-interface-typo": (
+        ["launch", "-n", "2", "--interface", "nosuch0", "train", "--model", MLP],
+        ["--interface 'nosuch0': this node has no such network interface; choose one of: ", "lo"],
+    ),
+    "dashboard-port-out-of-range": (
+        ["dashboard", "--port", "99999", "--store", "{tmp}/dashboard.db", "--create"],
+        ["--port 99999: a port is a number from 1 to 65535, or 0 for any free port"],
+    ),
+    "slurm-script-negative-worker-lr": (
+        ["slurm-script", "-n", "3", "--", "train", "--model", MLP, "--algorithm", "easgd"]
+        + ["--worker-optimizer", "sgd(lr=-1.0)"],
+        ["the job would fail before training", "optimizer sgd(lr=-1.0): Invalid learning rate: -1.0"],
+    ),
+    "slurm-script-target-typo": (
+        ["slurm-script", "-n", "3", "--", "train", "--model", MLP, "--target", "val_acu > 0.5"],
+        ["the job would fail before training", "--target 'val_acu > 0.5': ", "(did you mean 'val_acc'?)"],
+    ),
+    "slurm-script-model-missing": (
+        ["slurm-script", "-n", "3", "--", "train", "--model", "{tmp}/no_such_model.py"],
+        ["the job would fail before training", "model file '{tmp}/no_such_model.py' not found"],
+    ),
+    "slurm-script-ranks-cannot-hold-workers": (
+        ["slurm-script", "-n", "4", "--", "train", "--model", MLP, "--workers", "5"],
+        ["the job would fail before training", "this layout needs 6 ranks", "use --workers 3 to fit 4 ranks"],
+    ),
+    "slurm-script-malformed-space": (
+        ["slurm-script", "-n", "3", "--", "study", "--model", MLP, "--space", "lr=log(1e-3"],
+        ["the job would fail before training", "'lr=log(1e-3': missing ')'"],
+    ),
+    "slurm-script-study-parameter-nothing-reads": (
+        ["slurm-script", "-n", "3", "--", "study", "--model", MLP, "--space", "lr=log(1e-3,0.3) momentom=real(0,1)"],
+        ["the job would fail before training", "the parameter 'momentom' is read by no part of the run"],
+    ),
+    "slurm-script-write-into-a-missing-directory": (
+        ["slurm-script", "-n", "3", "--write", "{tmp}/no_such_dir/job.sh", "--", "train", "--model", MLP],
+        ["--write {tmp}/no_such_dir/job.sh: the directory {tmp}/no_such_dir does not exist"],
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def i25_commands(tmp_path_factory):
+    """Every command of I25_COMMANDS, then a slurm-script that is fine, in one process."""
+    from conftest import run_python
+
+    tmp = tmp_path_factory.mktemp("bad25cmd")
+    argvs = [[a.replace("{tmp}", str(tmp)) for a in argv] for argv, _ in I25_COMMANDS.values()]
+    argvs.append(["slurm-script", "-n", "3", "--write", str(tmp / "job.sh"), "--", "train", "--model", MLP])
+    spec = tmp / "commands.json"
+    spec.write_text(json.dumps(argvs))
+    done = run_python([str(ROOT / "tests" / "mpi_scripts" / "train_many.py"), str(spec)], timeout=300)
+    assert "Traceback" not in done.output, done.output
+    outs, codes = _cut(done.stdout, len(argvs))
+    errs, _ = _cut(done.stderr, len(argvs))
+    return tmp, [Part(codes[i], outs[i], errs[i]) for i in range(len(argvs))]
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", list(I25_COMMANDS))
+def test_bad_input_before_any_rank_starts(i25_commands, name):
+    tmp, parts = i25_commands
+    part = parts[list(I25_COMMANDS).index(name)]
+    assert_one_clear_error(part, *_needles(I25_COMMANDS[name][1], tmp))
+    assert part.returncode == 2, part.output
+    assert not (tmp / "dashboard.db").exists()  # refused before the store was made
+
+
+def test_slurm_script_writes_a_script_that_passes_the_checks(i25_commands):
+    tmp, parts = i25_commands
+    assert parts[-1].returncode == 0 and "nbdist: error" not in parts[-1].output, parts[-1].output
+    assert (tmp / "job.sh").read_text().startswith("#!/bin/bash\n")

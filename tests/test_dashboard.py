@@ -25,16 +25,14 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("panel")
-from conftest import ROOT, OutputLines, listening  # noqa: E402
-from playwright.sync_api import sync_playwright  # noqa: E402
+from conftest import ROOT, OutputLines, listening
 
-from nbdist.dashboard.serve import free_port  # noqa: E402
-from nbdist.launch import mpi_env, mpiexec_command  # noqa: E402
-from nbdist.store import RunStore  # noqa: E402
+from nbdist.dashboard.serve import free_port
+from nbdist.launch import mpi_env, mpiexec_command
+from nbdist.store import RunStore
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(600)]
 
-CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = ROOT / "test-artifacts"
 LIVE_PLOTS = ("throughput", "staleness", "loss-by-samples", "timeline", "cpu", "bytes-sent")
 # Points drawn in a named figure: the rows of its renderers' data sources.
@@ -75,28 +73,6 @@ class Server:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             self.proc.wait(timeout=30)
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if not Path(CHROMIUM).exists():
-        if os.environ.get("CI"):
-            pytest.fail("Debian's chromium is missing: .ci/run installs it (apt-get install chromium)")
-        pytest.skip("Debian's chromium is not installed (apt-get install chromium; .ci/run does)")
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=CHROMIUM,
-            args=[
-                "--no-sandbox",
-                "--disable-gpu",
-                "--disable-background-networking",
-                "--disable-component-update",
-                "--disable-sync",
-                "--no-first-run",
-            ],
-        )
-        yield browser
-        browser.close()
 
 
 def _wait(condition, timeout: float, what: str):
@@ -163,7 +139,7 @@ def test_live_dashboard_of_a_training_run_in_chromium(tmp_path, browser):
         # New points arrive while the page is open.
         for name in ("throughput", "staleness", "loss-by-samples"):
             _wait(
-                lambda: (page.evaluate(COUNT_POINTS, f"nbdist-{name}") or 0) > counts[name],
+                lambda name=name: (page.evaluate(COUNT_POINTS, f"nbdist-{name}") or 0) > counts[name],
                 60,
                 f"no new points reached the {name} plot",
             )

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("panel")
-from nbdist.dashboard.access import TOKEN_ENV, TokenError, dashboard_token  # noqa: E402
+from nbdist.dashboard.access import TOKEN_ENV, TokenError, dashboard_token
 
 
 def test_the_token_comes_from_a_file_else_the_environment_else_chance(tmp_path, monkeypatch):

@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("pandas")
 
-from nbdist.dashboard.frames import RunFrames, phase_parts  # noqa: E402
+from nbdist.dashboard.frames import RunFrames, phase_parts
 
 
 def _rec(kind, rank, t, role="worker", **values):

@@ -9,11 +9,11 @@ import pytest
 
 pytest.importorskip("bokeh")
 
-from bokeh.embed import json_item  # noqa: E402
+from bokeh.embed import json_item
 
-from nbdist.dashboard.frames import RunFrames  # noqa: E402
-from nbdist.dashboard.plots import RunPlots, queue_model_staleness  # noqa: E402
-from nbdist.layout import Layout  # noqa: E402
+from nbdist.dashboard.frames import RunFrames
+from nbdist.dashboard.plots import RunPlots, queue_model_staleness
+from nbdist.layout import Layout
 
 
 def _rec(kind, rank, t, role="master", **values):

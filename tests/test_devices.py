@@ -34,7 +34,7 @@ def test_device_cpu_gives_tensors_over_the_models_own_memory():
     for flat in (backend.params, backend.grads, backend.state, backend.rule_params, backend.rule_grads):
         assert isinstance(flat, torch.Tensor)
     assert backend.rule_params is backend.params and backend.num_params == 47
-    assert [torch.equal(p, w) for p, w in zip(model.parameters(), weights)] == [True] * len(weights)
+    assert [torch.equal(p, w) for p, w in zip(model.parameters(), weights, strict=True)] == [True] * len(weights)
     assert len(backend.state) == 10  # BatchNorm's running mean and variance, flattened too
     backend.rule_params[...] = 0.5
     assert all(bool((p == 0.5).all()) for p in model.parameters())

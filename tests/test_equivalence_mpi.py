@@ -1,4 +1,4 @@
-"""Equivalences on real MPI ranks (ARCHITECTURE.md section 7).
+"""Equivalences on real MPI ranks (docs/explanation/architecture.md, section 7).
 
 - allreduce over 2 and 4 ranks == one process on the concatenated batch (also when the
   ranks' batch sizes differ by one), through nbdist's own MpiReducer (several

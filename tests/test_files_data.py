@@ -56,7 +56,7 @@ def file_of(ids: np.ndarray) -> np.ndarray:
 def run_epoch(ranks: list[HDF5Data], plans: list[FilePlan], epoch: int) -> list[list[np.ndarray]]:
     """What each worker reads in one epoch, batch by batch, as a training loop reads it."""
     seen = []
-    for shard, (data, plan) in enumerate(zip(ranks, plans)):
+    for shard, (data, plan) in enumerate(zip(ranks, plans, strict=True)):
         batches = []
         for indices in plan.epoch(epoch, shard):
             x, y = data.train_batch(indices)
@@ -130,7 +130,7 @@ def test_the_cache_directory_is_used_and_cleaned(files, tmp_path):
     # Each rank copied the files it reads into its own directory under the cache root.
     private = sorted(p for p in cache_root.iterdir() if p.is_dir())
     assert len(private) == WORKERS
-    for data, batches in zip(ranks, first):
+    for data, batches in zip(ranks, first, strict=True):
         wanted = {files["paths"][f] for f in set(file_of(np.concatenate(batches)))}
         assert wanted <= set(data.cache.copies)
         for original, copy in data.cache.copies.items():

@@ -5,6 +5,8 @@ except the evolution budget (population x generations), which a study always set
 
 from __future__ import annotations
 
+import pytest
+
 from nbdist.hpo import BayesSearcher, EvolutionSearcher, RandomSearcher
 from nbdist.hpo.functions import BRANIN_MIN, BRANIN_SPACE, HARTMANN6_MIN, HARTMANN6_SPACE, branin, drive, hartmann6
 
@@ -16,6 +18,7 @@ def evaluations_to_target(searcher, budget: int = 30) -> int | None:
     return len(values) if values[-1] <= TARGET else None
 
 
+@pytest.mark.slow  # 10 seeds of 30 Gaussian-process fits each: minutes of CPU
 def test_bayes_reaches_branin_minimum_within_30_evaluations():
     runs = {seed: evaluations_to_target(BayesSearcher(BRANIN_SPACE, seed=seed)) for seed in range(10)}
     reached = [n for n in runs.values() if n is not None]

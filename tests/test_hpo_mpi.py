@@ -131,7 +131,7 @@ def test_pbt_copies_states_between_groups_and_resumes_after_a_kill(tmp_path):
         with RunStore(tmp_path / "nbdist.db") as store:
             try:
                 return bool(store.trial_events("pbt", kind="exploit"))
-            except Exception:  # noqa: BLE001 - the study is not in the store yet
+            except Exception:  # the study is not in the store yet
                 return False
 
     # Killed in the middle of the first exploit: nothing is told, nothing is flushed.

@@ -12,7 +12,7 @@ import pytest
 
 from nbdist.hpo import SCHEDULERS, SchedulerError, TrialStopped, optimize
 from nbdist.hpo.schedulers import ASHA, PAUSED, PBT, Hyperband, Setting, explore, rungs
-from nbdist.hpo.space import parse_space
+from nbdist.hpo.space_input import parse_space
 from nbdist.store import RunStore
 
 QUIET = {"say": lambda _line: None}

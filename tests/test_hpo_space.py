@@ -51,7 +51,7 @@ def test_skopt_dimensions_and_dicts_are_accepted():
         SkCategorical(["adam", "sgd", "rmsprop"], name="optimizer"),
     ]
     assert as_space(skopt_list) == expected
-    assert as_space(dict(zip(["lr", "hidden", "optimizer"], skopt_list))) == expected
+    assert as_space(dict(zip(["lr", "hidden", "optimizer"], skopt_list, strict=True))) == expected
     mixed = {"lr": "log(1e-4,1e-1)", "hidden": Integer(16, 256), "optimizer": "cat(adam,sgd,rmsprop)"}
     assert as_space(mixed) == expected
     assert as_space(expected) is expected

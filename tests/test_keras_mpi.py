@@ -120,10 +120,11 @@ class Job(BatchedRuns):
     """The job's runs, with its output cut per run and its other files."""
 
     def __init__(self, done, out: Path, names: list[str]):
-        codes = dict(zip(names, _codes(done.stdout, len(names))))
+        # A run that never ended has no code: BatchedRuns.run names it.
+        codes = dict(zip(names, _codes(done.stdout, len(names)), strict=False))
         super().__init__(done.output, done.returncode, out / "runs", codes)
         self.out, self.stdout = out, done.stdout
-        self.stderr = dict(zip(names, _cut(done.stderr, len(names))))
+        self.stderr = dict(zip(names, _cut(done.stderr, len(names)), strict=True))
 
 
 def _cut(text: str, count: int) -> list[str]:
@@ -276,7 +277,7 @@ def test_keras_and_gan_runs_resume_exactly(job, name):
     # Keras paths hold per-process layer counters (dense_7): the keys' index and
     # variable name say which weight it is.
     assert [_weight_id(k) for k in sorted(weights_a)] == [_weight_id(k) for k in sorted(weights_b)]
-    for key_a, key_b in zip(sorted(weights_a), sorted(weights_b)):
+    for key_a, key_b in zip(sorted(weights_a), sorted(weights_b), strict=True):
         diff = float(np.max(np.abs(weights_a[key_a].astype(np.float64) - weights_b[key_b])))
         assert diff <= 1e-6, f"{key_a}: resumed run differs from the straight run by {diff:g}"
     history_a = json.loads((a / "summary.json").read_text())["history"]

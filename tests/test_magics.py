@@ -8,17 +8,18 @@ import signal
 import threading
 import time
 from dataclasses import fields
+from itertools import pairwise
 
 import pytest
 
 pytest.importorskip("ipyparallel")
-from IPython.core.error import UsageError  # noqa: E402
-from IPython.core.interactiveshell import InteractiveShell  # noqa: E402
+from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
 
-import nbdist  # noqa: E402
-from nbdist.errors import UserError  # noqa: E402
-from nbdist.job import JobError, wait_interruptibly  # noqa: E402
-from nbdist.options import TrainOptions, flag  # noqa: E402
+import nbdist
+from nbdist.errors import UserError
+from nbdist.job import JobError, wait_interruptibly
+from nbdist.options import TrainOptions, flag
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(600)]
 
@@ -219,7 +220,7 @@ def test_history_grows_while_training(cluster, shell, tmp_path):
             time.sleep(1.0)
             counts.append(len(job.records))
         assert not job.done
-        growth = [b - a for a, b in zip(counts, counts[1:])]
+        growth = [b - a for a, b in pairwise(counts)]
         assert all(g > 0 for g in growth), counts
     finally:
         job.stop(timeout=30)

@@ -23,14 +23,14 @@ from urllib.parse import urlparse
 import pytest
 
 pytest.importorskip("panel")
-from conftest import ROOT, OutputLines  # noqa: E402
-from test_dashboard import Server, _wait, browser  # noqa: E402,F401  (the same Chromium, server and waits)
+from conftest import ROOT, OutputLines
+from test_dashboard import Server, _wait  # the same server and waits
 
-from nbdist.dashboard import export_html  # noqa: E402
-from nbdist.dashboard.serve import free_port  # noqa: E402
-from nbdist.launch import mpi_env  # noqa: E402
-from nbdist.layout import Layout  # noqa: E402
-from nbdist.store import RunStore  # noqa: E402
+from nbdist.dashboard import export_html
+from nbdist.dashboard.serve import free_port
+from nbdist.launch import mpi_env
+from nbdist.layout import Layout
+from nbdist.store import RunStore
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(300)]
 
@@ -263,7 +263,11 @@ def test_dashboards_under_notebook_cells_draw_without_the_internet(tmp_path, bro
             f"the job's dashboard drew no points (errors: {offline.errors})",
         )
         for name in names:
-            _wait(lambda: (offline.points(name) or 0) > counts[name], 60, f"no new points reached the {name} plot")
+            _wait(
+                lambda name=name: (offline.points(name) or 0) > counts[name],
+                60,
+                f"no new points reached the {name} plot",
+            )
         assert _drawn_plots(page, 2) >= 8
         page.screenshot(path=str(ARTIFACTS / "notebook-offline-job.png"), full_page=True)
         run(3, "stopped")

@@ -90,3 +90,51 @@ def test_a_name_is_registered_once_and_an_entry_can_be_removed():
 def test_every_registry_made_is_listed_for_the_docs_and_the_contract_tests():
     toys = _toys()
     assert any(registry is toys for registry in Registry.every())
+
+
+def test_parameters_nbdist_supplies_are_neither_listed_nor_taken_from_a_spec():
+    searchers: Registry = Registry("toy searcher", skip=1, supplied=("seed",))
+
+    @searchers.register
+    class Toy:
+        """Draws points."""
+
+        name = "toy"
+
+        def __init__(self, space: str, *, seed: int = 0, points: int = 5) -> None:
+            self.space, self.seed, self.points = space, seed, points
+
+    assert searchers.describe("toy") == "toy(points=5)"
+    assert searchers.build("toy(points=3)", "x=real(0,1)", seed=7).seed == 7
+    with pytest.raises(SpecError, match="takes no parameter 'seed'; it takes: points"):
+        searchers.build("toy(seed=3)", "x=real(0,1)")
+
+
+def test_a_registry_is_found_by_its_kind_and_a_test_s_toys_go_with_it():
+    import gc
+
+    toys: Registry = Registry("short-lived toy rule")
+    assert Registry.named("short-lived toy rule") is toys
+    del toys
+    gc.collect()
+    assert all(registry.kind != "short-lived toy rule" for registry in Registry.every())
+    with pytest.raises(LookupError, match="no short-lived toy rule registry"):
+        Registry.named("short-lived toy rule")
+
+
+def test_nbdist_s_registries_load_without_mpi_or_a_framework(pyrun):
+    """The options list every registry's entries in --help: the notebook's kernel and the
+    launcher's process import them, and must not start MPI or load torch doing so."""
+    done = pyrun(
+        [
+            "-c",
+            "import sys, nbdist.options, nbdist.hpo\n"
+            "from nbdist.registry import Registry\n"
+            "print(sorted(r.kind for r in Registry.every()))\n"
+            "print(sorted(m for m in ('mpi4py.MPI', 'torch', 'tensorflow', 'keras') if m in sys.modules))",
+        ]
+    )
+    assert done.returncode == 0, done.output
+    kinds, heavy = done.stdout.strip().splitlines()[-2:]
+    assert kinds == str(sorted(["update rule", "codec", "allreduce backend", "searcher", "scheduler"]))
+    assert heavy == "[]"

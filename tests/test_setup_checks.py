@@ -85,22 +85,22 @@ def arrays(n_train: int, n_val: int = 5) -> ArrayData:
             1,
             Layout(workers=2, topology="allreduce"),
             32,
-            "too few training samples for 2 workers: 1 with --batch-size 32 leave a worker without a batch at some step; "
-            "use at most 1 worker, or give more training samples",
+            "too few training samples for 2 workers: 1 with --batch-size 32 leave a worker without a batch "
+            "at some step; use at most 1 worker, or give more training samples",
         ),
         (
             3,
             Layout(workers=2, topology="allreduce"),
             1,
-            "too few training samples for 2 workers: 3 with --batch-size 1 leave a worker without a batch at some step; "
-            "use --batch-size 2 or more, or fewer workers",
+            "too few training samples for 2 workers: 3 with --batch-size 1 leave a worker without a batch "
+            "at some step; use --batch-size 2 or more, or fewer workers",
         ),
         (
             2,
             Layout(workers=1, masters=3),
             32,  # sub-masters' workers share the one training set
-            "too few training samples for 3 workers: 2 with --batch-size 32 leave a worker without a batch at some step; "
-            "use at most 2 workers, or give more training samples",
+            "too few training samples for 3 workers: 2 with --batch-size 32 leave a worker without a batch "
+            "at some step; use at most 2 workers, or give more training samples",
         ),
         (
             5,
@@ -127,7 +127,7 @@ def test_the_sample_check_agrees_with_the_plan_the_workers_train_on():
         shards = workers if topology == "master-worker" else layout.n_ranks
         each = procs if topology == "master-worker" else 1
 
-        def fits(batch_size: int) -> bool:
+        def fits(batch_size: int, n: int = n, shards: int = shards, each: int = each) -> bool:
             try:
                 plan = ShardPlan(n, shards, batch_size)
             except ValueError:
@@ -201,3 +201,169 @@ def test_option_values_of_the_wrong_kind_from_python(changes, message):
         StudyOptions(space="lr=log(1e-3,1)", trials="20").validate()
     with pytest.raises(OptionsError, match="--study-name 'a/b': its trials' run directories are named after it"):
         StudyOptions(space="lr=log(1e-3,1)", study_name="a/b").validate()
+
+
+# ------------------------------------------- issue 25: labels, batches, loss, parameters
+# The pure parts of the checks tests/test_bad_input.py runs under mpiexec: each with the
+# values on both sides of its line.
+def _digits_like(y_train, y_val, num_classes=None):
+    x = np.zeros((len(y_train), 4), np.float32)
+    return ArrayData(x, np.asarray(y_train), x[: len(y_val)], np.asarray(y_val), num_classes=num_classes)
+
+
+def _torch_backend(outputs: int, loss=None):
+    from torch import nn
+
+    from nbdist.backends.torch import TorchBackend
+
+    return TorchBackend(nn.Sequential(nn.Linear(4, outputs)), loss)
+
+
+def test_labels_are_checked_against_the_outputs_and_the_declared_classes():
+    from torch import nn
+
+    from nbdist.backends.base import ModelError
+    from nbdist.train.data_checks import check_labels
+
+    x = np.zeros((2, 4), np.float32)
+    check_labels(_digits_like([0, 4, 2], [1]), _torch_backend(5), x, "m.py")  # labels 0-4 of 5 outputs
+    with pytest.raises(ModelError, match=r"^m.py: the labels run from 0 to 5, but the model scores 5 classes"):
+        check_labels(_digits_like([0, 4, 2], [5]), _torch_backend(5), x, "m.py")  # a validation label too
+    with pytest.raises(ModelError, match=r"the labels run from -1 to 3"):
+        check_labels(_digits_like([-1, 3], [1]), _torch_backend(5), x, "m.py")
+    check_labels(_digits_like([-100, 3], [1]), _torch_backend(5), x, "m.py")  # cross-entropy's ignore_index
+    with pytest.raises(DataError, match=r"outside the data's 10 classes \(num_classes=10: labels 0 to 9\)"):
+        check_labels(_digits_like([0, 42], [1], num_classes=10), _torch_backend(50), x, "m.py")
+    # A loss that does not index classes by the label (a regression), or float labels: not checked.
+    check_labels(_digits_like([0, 9], [1]), _torch_backend(1, nn.MSELoss()), x, "m.py")
+    check_labels(_digits_like([0.0, 9.0], [1.0]), _torch_backend(5), x, "m.py")
+
+
+def test_a_batch_larger_than_a_workers_share_is_one_warning():
+    from nbdist.train.data_checks import batch_notices
+
+    data = _digits_like(np.zeros(100, int), [0])
+    assert batch_notices(data, Layout(workers=2), TrainOptions(batch_size=50)) == []  # 50 per worker: fits
+    [notice] = batch_notices(data, Layout(workers=2), TrainOptions(batch_size=51))
+    assert notice.warning and "--batch-size 51 is larger than a worker's share" in notice.text
+    assert "(50 of 100 samples over 2 workers)" in notice.text and "give --batch-size 50 or less" in notice.text
+    allreduce = Layout(workers=4, topology="allreduce")
+    assert batch_notices(data, allreduce, TrainOptions(batch_size=25, topology="allreduce")) == []
+
+
+def test_a_loss_that_grows_by_orders_of_magnitude_warns_once():
+    from nbdist.train.loop import LossGrowth
+
+    watch = LossGrowth(2.3)  # the untrained model's
+    assert watch.check(1, 2.0) is None and watch.check(2, 229.0) is None  # under 100x the start
+    warning = watch.check(3, 231.0)
+    assert warning.startswith("the training loss grew to 231 at epoch 3 (from 2.3 before training, lowest 2)")
+    assert "lower the learning rate" in warning
+    assert watch.check(4, 1e9) is None  # once per run
+    # From a low point: 1000x the lowest, once above where it started.
+    watch = LossGrowth(2.3)
+    assert watch.check(1, 0.001) is None and watch.check(2, 2.0) is None
+    assert watch.check(3, 2.4) is not None
+    # Without the probe's loss the first epoch's is the reference; NaN is check_loss's business.
+    watch = LossGrowth(None)
+    assert watch.check(1, 5.0) is None and watch.check(2, float("nan")) is None
+    assert "(from 5 at epoch 1)" in watch.check(3, 501.0)
+
+
+def test_an_lr_of_zero_is_refused_when_the_optimizer_is_checked():
+    from nbdist.specs import SpecError, parse_spec
+
+    backend = _torch_backend(2)
+    assert backend.check_optimizer(parse_spec("sgd(lr=0.01)")) == 0.01
+    for spec in ("sgd(lr=0)", "adam(lr=0.0)"):
+        with pytest.raises(SpecError, match=r"a learning rate of 0 never changes the weights"):
+            backend.check_optimizer(parse_spec(spec))
+
+
+MODEL_FILE = """
+from torch import nn
+
+def build_model(params):
+    hidden = int(params.get("hidden", 8))
+    widths = [params[f"layer{i}"] for i in range(2) if f"layer{i}" in params]
+    return nn.Sequential(nn.Linear(64, hidden), nn.Linear(hidden, 10))
+"""
+
+
+@pytest.mark.parametrize(
+    "space, unread",
+    [
+        ("hidden=int(4,8) lr=log(1e-3,0.1) batch_size=int(8,64) optimizer=cat(sgd,adam)", []),
+        ("hidden=int(4,8) layer0=int(2,4) layer1=int(2,4)", []),  # names made at run time: found by a call
+        ("hidden=int(4,8) momentom=real(0,1)", ["momentom"]),
+        ("hiden=int(4,8) layer2=int(2,4)", ["hiden", "layer2"]),
+    ],
+)
+def test_a_study_parameter_nothing_reads_is_found(tmp_path, space, unread):
+    from nbdist.hpo.reads import unread_params
+    from nbdist.hpo.space_input import parse_space
+    from nbdist.train.definition import load_model_file
+
+    (tmp_path / "m.py").write_text(MODEL_FILE)
+    parsed = parse_space(space)
+    found, read_by = unread_params(
+        list(parsed), load_model_file(tmp_path / "m.py"), parsed.sample(np.random.default_rng(0))
+    )
+    assert found == unread
+    assert read_by["build_model"][0]  # it takes the parameters
+
+
+def test_a_builder_without_parameters_reads_none_and_one_that_takes_them_all_reads_all(tmp_path):
+    from nbdist.hpo.reads import check_params_read
+    from nbdist.hpo.space_input import parse_space
+    from nbdist.hpo.trial import TrialError
+    from nbdist.train.definition import load_model_file
+
+    space = parse_space("hidden=int(4,8) lr=log(1e-3,0.1)")
+    (tmp_path / "plain.py").write_text("from torch import nn\ndef build_model():\n    return nn.Linear(64, 10)\n")
+    with pytest.raises(
+        TrialError,
+        match=r"'hidden' is read by no part of the run; those read are: lr\. .*"
+        r"goes to build_model\(\), which takes no parameters",
+    ):
+        check_params_read(space, load_model_file(tmp_path / "plain.py"), {"hidden": 4, "lr": 0.01})
+    (tmp_path / "all.py").write_text(
+        "from torch import nn\ndef make(hidden, lr):\n    return nn.Linear(64, hidden)\n"
+        "def build_model(params):\n    return make(**params)\n"
+    )
+    check_params_read(space, load_model_file(tmp_path / "all.py"), {"hidden": 4, "lr": 0.01})
+
+
+def test_interfaces_and_ports_are_checked_against_what_exists():
+    import psutil
+
+    from nbdist.dashboard.serve import DashboardError, check_port
+    from nbdist.errors import UserError
+    from nbdist.launch import check_interface
+
+    names = sorted(psutil.net_if_addrs())
+    check_interface(names[0])
+    check_interface(",".join(names))
+    check_interface("127.0.0.0/8")  # a subnet of this node's loopback address
+    with pytest.raises(
+        UserError,
+        match=rf"--interface 'nosuch0': this node has no such network interface; "
+        rf"choose one of: {', '.join(names)} \(or a subnet",
+    ):
+        check_interface(f"{names[0]},nosuch0")
+    import ipaddress
+
+    mine = [ipaddress.ip_address(a.address) for found in psutil.net_if_addrs().values() for a in found if a.family == 2]
+    # A documentation subnet (RFC 5737) that holds none of this node's addresses.
+    elsewhere = next(
+        net
+        for net in ("198.51.100.0/24", "203.0.113.0/24", "192.0.2.0/24")
+        if not any(address in ipaddress.ip_network(net) for address in mine)
+    )
+    with pytest.raises(UserError, match=rf"--interface {elsewhere}: no network interface of this node"):
+        check_interface(elsewhere)
+    for port in (0, 1, 65535):
+        check_port(port)
+    for port in (-1, 65536, 99999):
+        with pytest.raises(DashboardError, match=rf"--port {port}: a port is a number from 1 to 65535, or 0"):
+            check_port(port)

@@ -44,7 +44,7 @@ def test_epochs_differ_and_seeds_reproduce():
     again = ShardPlan(200, 3, 16, seed=7)
     for epoch in (0, 1, 5):
         for shard in range(3):
-            for a, b in zip(plan.epoch(epoch, shard), again.epoch(epoch, shard)):
+            for a, b in zip(plan.epoch(epoch, shard), again.epoch(epoch, shard), strict=True):
                 np.testing.assert_array_equal(a, b)
     other_seed = ShardPlan(200, 3, 16, seed=8)
     assert not np.array_equal(np.concatenate(other_seed.epoch(0, 0)), e0)

@@ -158,6 +158,7 @@ def test_option_strings_are_quoted_never_run(tmp_path, capsys):
                 str(tmp_path),
                 "--write",
                 str(tmp_path / "job.sh"),
+                "--no-setup-check",  # m.py is not there: the quoting is what is tried
                 "--",
                 "train",
                 "--model",

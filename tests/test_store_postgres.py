@@ -382,7 +382,7 @@ def _two_coordinators(database: str, objective, joined: threading.Event | None =
                 **options,
                 **kwargs,
             )
-        except Exception as exc:  # noqa: BLE001 - reported below
+        except Exception as exc:  # reported below
             errors.append(exc)
 
     first = threading.Thread(target=run, args=("first",), kwargs={"study_name": "shared"})
@@ -444,7 +444,7 @@ def test_a_study_is_resumable_from_the_moment_it_appears_in_the_store(tmp_path, 
     assert len(resumed.trials) == 3
 
 
-@pytest.mark.parametrize("kind", ["postgresql", "sqlite"])
+@pytest.mark.parametrize("kind", [pytest.param("postgresql", marks=pytest.mark.postgres), "sqlite"])
 def test_two_coordinators_share_one_study_and_run_every_trial_once(kind, request, tmp_path):
     """Every trial number once, every point told once, both did trials."""
     database = request.getfixturevalue("database") if kind == "postgresql" else str(tmp_path / "s.db")

@@ -13,7 +13,7 @@ from nbdist.errors import OptionsError
 from nbdist.hpo.inprocess import optimize
 from nbdist.hpo.runner import StudyError
 from nbdist.hpo.schedulers import COMPLETE, STOPPED, Median, Setting
-from nbdist.hpo.space import parse_space
+from nbdist.hpo.space_input import parse_space
 from nbdist.hpo.trial import TrialError, fold_fom, fold_of_run, fold_split, run_name, trial_options, with_params
 from nbdist.options import StudyOptions, TrainOptions
 from nbdist.store import RunStore

@@ -104,7 +104,7 @@ def test_a_killed_study_resumes_with_only_its_unfinished_trials(tmp_path):
         with RunStore(tmp_path / "nbdist.db") as store:
             try:
                 trials = store.trials("killed")
-            except Exception:  # noqa: BLE001 - the study row is not written yet
+            except Exception:  # the study row is not written yet
                 trials = []
             # Cut off in the middle of a trial: one that is running and whose run has
             # its row (a trial killed before its run began leaves nothing to count).

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -573,7 +574,7 @@ def test_staleness_is_counted_as_each_update_of_a_batch_is_applied(batches, name
     for mine in by_worker.values():
         # The first update of each worker was computed from the initial weights (version 0).
         assert mine[0]["version"] - 1 - mine[0]["staleness"] == 0, mine[0]
-        for previous, update in zip(mine, mine[1:]):
+        for previous, update in pairwise(mine):
             batch_end = update["version"] - 1 - update["staleness"]
             assert batch_end >= previous["version"], (previous, update)
             if batch_end > previous["version"]:

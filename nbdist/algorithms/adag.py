@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from nbdist.algorithms.arrays import Array, zeros_like_buffer
-from nbdist.algorithms.base import Algorithm, RuleState, Update
+from nbdist.algorithms.base import RULES, Algorithm, RuleState, Update
 from nbdist.backends.base import FlatOptimizer
 
 
@@ -42,9 +42,14 @@ class ADAGWorker(RuleState):
     sync_every: int
 
 
+@RULES.register
 class ADAG(Algorithm):
+    """Workers send their displacement over a window divided by its length; the master
+    adds each as it is (Hermans 2017, dist-keras)."""
+
     name = "adag"
-    sends_weights = True
+    one_worker_is_plain_training = True
+    carries_local_steps = True
     centre_takes_worker_steps = True
     auto_stale_discount = True  # see above
     default_sync_every = 4

@@ -21,6 +21,11 @@ a time however many workers it serves; the result is master_apply's, bit for bit
 
 Optimisers are passed in as `FlatOptimizer` objects (the backend makes them), so the
 rules never name a framework.
+
+Every rule registers on `RULES` (nbdist.registry): its class carries its name, its
+parameters (the constructor's, with defaults, and `parameter_help`), the topologies it
+trains and what the contract tests may expect of it (tests/test_rule_contracts.py). A new
+rule is one module and `@RULES.register` (docs/howto/custom-rule.md).
 """
 
 from __future__ import annotations
@@ -34,9 +39,20 @@ import numpy as np
 
 from nbdist.algorithms.arrays import Array, copy_into, f32, is_array, to_numpy
 from nbdist.backends.base import FlatOptimizer
+from nbdist.registry import Registry
 from nbdist.specs import ValueRange
 
-__all__ = ["Algorithm", "RuleState", "Update", "MOMENTUM", "weighted_mean", "mean_factors", "accumulate_mean"]
+__all__ = [
+    "Rule",
+    "RULES",
+    "Algorithm",
+    "RuleState",
+    "Update",
+    "MOMENTUM",
+    "weighted_mean",
+    "mean_factors",
+    "accumulate_mean",
+]
 
 # The momentum of a rule's velocity: at 1 or above it never decays and the run diverges.
 MOMENTUM = ValueRange(0.0, 1.0, high_open=True)
@@ -73,15 +89,64 @@ class Update:
     version: int = 0  # the master version the worker computed from (staleness is set from it when applied)
 
 
-class Algorithm(ABC):
+class Rule:
+    """What every registered update rule's class carries: its name, the help of its
+    constructor's parameters and the topologies it trains (--topology)."""
+
     name: ClassVar[str]
+    parameter_help: ClassVar[dict[str, str]] = {}
+    topologies: ClassVar[tuple[str, ...]] = ("master-worker",)
+    # Parameters that exercise every part of the rule (EASGD's elastic momentum, say):
+    # the contract tests build it with these.
+    example_parameters: ClassVar[dict[str, Any]] = {}
+
+
+RULES: Registry[Rule] = Registry("update rule")
+
+
+class Algorithm(Rule, ABC):
+    """A master/worker update rule: pure functions of flat float32 arrays and a state.
+
+    The topology calls the worker side (`worker_start`, `worker_step`, `worker_message`,
+    `worker_reply`) on every worker and the master side (`master_apply`, `master_round`)
+    on the master, at the points the module docstring lists. Arrays are numpy arrays or
+    torch tensors wherever the model lives (the array API); a rule imports no MPI and no
+    framework, so it is tested on plain arrays. The class attributes say what the rest of
+    nbdist needs to know: `name` (what `--algorithm` takes), `default_sync_every`, which
+    optimisers it uses, what a worker sends (`carries_local_steps`,
+    `message_is_weights`) and whether the master adds updates as they are
+    (`centre_takes_worker_steps`, `auto_stale_discount`). A rule registers on `RULES`
+    (docs/howto/custom-rule.md).
+
+    Args:
+        **params: The rule's own parameters (`--algorithm "easgd(elastic_force=0.5)"`),
+            given to the subclass's constructor; they show in its `repr`.
+
+    Example:
+        ADAG's master adds each update as it comes; the centre is every reply:
+
+        >>> import numpy as np
+        >>> from nbdist.algorithms import ADAG, Update
+        >>> rule = ADAG()
+        >>> centre = np.zeros(3, dtype=np.float32)
+        >>> update = Update(np.full(3, 0.5, np.float32), staleness=0, samples=32)
+        >>> replies = rule.master_apply(rule.new_master_state(3), centre, [update], None)
+        >>> centre
+        array([0.5, 0.5, 0.5], dtype=float32)
+        >>> replies[0] is centre
+        True
+    """
+
     default_sync_every: ClassVar[int] = 1
     uses_worker_optimizer: ClassVar[bool] = True
     uses_master_optimizer: ClassVar[bool] = False
+    # With one worker that syncs after every batch, the rule is plain training with its
+    # optimiser (the master's, else the worker's): a contract test holds it to that.
+    one_worker_is_plain_training: ClassVar[bool] = False
     # What a worker sends is made from its weights (the weights, or their displacement),
-    # not from its gradients: whatever moved the weights between syncs reaches the centre
-    # (a GAN's discriminator steps, taken inside the gradient computation, do).
-    sends_weights: ClassVar[bool] = False
+    # not from its gradients: every local step reaches the centre, whatever took it (a
+    # GAN's discriminator steps, taken inside the gradient computation, do).
+    carries_local_steps: ClassVar[bool] = False
     # The centre takes each worker's window displacement as it is (no elastic pull, no
     # rescaling): the workers' momentum then reaches the centre, and with many workers
     # its total with asynchrony's can make the centre collapse (train/asynchrony.py).
@@ -94,7 +159,7 @@ class Algorithm(ABC):
     discount_stale: bool = False
     # A worker's message is its weights themselves (EASGD), not a step: a codec that sends
     # a part and keeps the rest for later (--compression topk, powersgd) does not fit.
-    sends_weights_themselves: ClassVar[bool] = False
+    message_is_weights: ClassVar[bool] = False
 
     def __init__(self, **params: Any):
         self.params = params
@@ -105,7 +170,7 @@ class Algorithm(ABC):
 
     def bind(self, workers: int) -> None:
         """Called once, before any update, with the number of workers whose updates reach
-        the centre (every master's, with sub-masters)."""
+        the centre (every master's, with sub-masters). By default a rule ignores it."""
 
     # -- worker side ------------------------------------------------------------------
     @abstractmethod
@@ -114,7 +179,8 @@ class Algorithm(ABC):
         (the worker's weights; numpy without it)."""
 
     def worker_start(self, state: RuleState, params: Array) -> None:
-        """Called once the worker holds the master's initial weights."""
+        """Called once the worker holds the master's initial weights. By default nothing
+        happens: only rules that remember where a window started need it."""
 
     @abstractmethod
     def worker_step(self, state: RuleState, params: Array, grad: Array, opt: FlatOptimizer | None) -> bool:
@@ -216,7 +282,7 @@ def weighted_mean(updates: Sequence[Update]) -> Array:
         return updates[0].payload
     factors = mean_factors([u.samples for u in updates])
     out = updates[0].payload * factors[0]
-    for u, factor in zip(updates[1:], factors[1:]):
+    for u, factor in zip(updates[1:], factors[1:], strict=True):
         out += u.payload * factor
     return out
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from nbdist.algorithms.arrays import Array, zeros_like_buffer
-from nbdist.algorithms.base import Algorithm, RuleState, Update, weighted_mean
+from nbdist.algorithms.base import RULES, Algorithm, RuleState, Update, weighted_mean
 from nbdist.backends.base import FlatOptimizer
 
 
@@ -22,9 +22,14 @@ class DownpourWorker(RuleState):
     sync_every: int
 
 
+@RULES.register
 class Downpour(Algorithm):
+    """Workers push their gradients; the master's optimiser applies each as it arrives
+    (Dean et al. 2012)."""
+
     name = "downpour"
     uses_master_optimizer = True
+    one_worker_is_plain_training = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -50,6 +55,8 @@ class Downpour(Algorithm):
         params[...] = reply
 
     def master_apply(self, state, center, updates: Sequence[Update], opt: FlatOptimizer | None):
+        if opt is None:
+            raise ValueError("downpour's master steps with its optimizer, and it was given none")
         # Synchronous: one step on the sample-weighted mean, i.e. the big-batch gradient.
         opt.step(weighted_mean(updates))
         return [center] * len(updates)

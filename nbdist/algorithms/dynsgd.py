@@ -20,12 +20,18 @@ does.
 from __future__ import annotations
 
 from nbdist.algorithms.adag import ADAG
+from nbdist.algorithms.base import RULES
 
 
+@RULES.register
 class DynSGD(ADAG):
+    """ADAG's workers; the master divides each update by 1 + its staleness (Jiang et al.
+    2017)."""
+
     name = "dynsgd"
     # Its updates are rescaled by staleness: at 8 workers on the jet images it did not
-    # collapse where ADAG did (bench/convergence.py), so no warning for its momentum.
+    # collapse where ADAG did (bench/results/2026-11-24-convergence.md), so no warning for
+    # its momentum.
     centre_takes_worker_steps = False
     auto_stale_discount = False  # it always discounts
     discount_stale = True

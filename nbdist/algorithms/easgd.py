@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from nbdist.algorithms.arrays import Array, zeros_like_buffer
-from nbdist.algorithms.base import MOMENTUM, Algorithm, RuleState, Update
+from nbdist.algorithms.base import MOMENTUM, RULES, Algorithm, RuleState, Update
 from nbdist.backends.base import FlatOptimizer
 from nbdist.specs import ValueRange
 
@@ -67,10 +67,20 @@ class EASGDMaster(RuleState):
     velocity: Array  # u, the centre's elastic momentum
 
 
+@RULES.register
 class EASGD(Algorithm):
+    """Elastic averaging: workers train freely and are pulled towards the centre, which
+    is pulled towards them (Zhang, Choromanska & LeCun 2015)."""
+
     name = "easgd"
-    sends_weights = True
-    sends_weights_themselves = True
+    parameter_help = {
+        "elastic_force": "how hard a worker and the centre pull each other, per sync (None: 0.9 / workers)",
+        "elastic_lr": "multiplies the elastic force (the elastic step is elastic_lr * elastic_force)",
+        "elastic_momentum": "momentum on the centre's elastic moves, in [0, 1) (not Zhang et al.'s EAMSGD)",
+    }
+    example_parameters = {"elastic_momentum": 0.5}
+    carries_local_steps = True
+    message_is_weights = True
     default_sync_every = 4
 
     def __init__(self, elastic_force: float | None = None, elastic_lr: float = 1.0, elastic_momentum: float = 0.0):

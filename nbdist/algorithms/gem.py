@@ -20,14 +20,13 @@ the centre just before it sends, so |c| reaches up to the moment its update is a
 Here a worker's pull is the master's reply to its previous update, and the update it
 sends next was scaled by a |c| one computation older: the updates of the other W - 1
 workers in between are not in it. Each worker makes up the whole shortfall of energy it
-sees, so W workers answer a shortfall about W times over, a cycle late. With 16 workers on
-the jet images that oscillated: 3 of 4 runs collapsed (bench/convergence.py,
-2026-11-25). So a run sets `discount_stale` under --momentum-correction auto from 8
-asynchronous workers (nbdist.train.asynchrony): the master scales each update by
-1 / (1 + staleness), DynSGD's discount, before adding it, which takes each worker's answer
-down to about its 1/W share, while the energy matching raises pi where the centre then
-moves too little. Measured: none of 8 runs collapsed at 16 workers (mean best 0.932), none
-of 6 at 8 (0.946; without the discount 1 of 3 dipped to chance, best 0.945).
+sees, so W workers answer a shortfall about W times over, a cycle late: with many workers
+the centre oscillates, and on the jet images at 16 workers it collapsed. So a run sets
+`discount_stale` under --momentum-correction auto from 8 asynchronous workers
+(nbdist.train.asynchrony): the master scales each update by 1 / (1 + staleness), DynSGD's
+discount, before adding it, which takes each worker's answer down to about its 1/W share,
+while the energy matching raises pi where the centre then moves too little. With it GEM
+did not collapse at 8 or 16 workers (bench/results/2026-11-25-convergence.md).
 `--momentum-correction off` keeps the rule above.
 """
 
@@ -39,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from nbdist.algorithms.arrays import Array, namespace, zeros_like_buffer
-from nbdist.algorithms.base import MOMENTUM, Algorithm, RuleState, Update
+from nbdist.algorithms.base import MOMENTUM, RULES, Algorithm, RuleState, Update
 from nbdist.backends.base import FlatOptimizer
 from nbdist.specs import ValueRange
 
@@ -59,8 +58,19 @@ class GEMWorker(RuleState):
     pulls: int
 
 
+@RULES.register
 class GEM(Algorithm):
+    """Gradient energy matching: each update is rescaled so that the centre moves with the
+    energy of momentum SGD as one worker would run it (Hermans & Louppe 2018)."""
+
     name = "gem"
+    parameter_help = {
+        "lr": "the learning rate of the proxy momentum SGD",
+        "momentum": "the proxy's momentum, in [0, 1)",
+        "kappa": "amplifies the proxy's energy",
+        "epsilon": "keeps the rescaling finite where a gradient is zero",
+        "pi_max": "the largest rescaling of an update",
+    }
     uses_worker_optimizer = False
     auto_stale_discount = True  # see above
 

@@ -183,6 +183,34 @@ class LrSchedule(ABC):
 
 
 class Backend(ABC):
+    """A framework's model on flat float32 buffers: gradients in, weights out.
+
+    The only code that touches torch or TensorFlow. A backend wraps the user's model (it
+    does not replace it): `params`, `grads` and `state` are one flat float32 buffer each,
+    aliasing the model's own weights, gradients and statistics, so that MPI sends them
+    without a copy and an update rule works on them as arrays. `TorchBackend`
+    (`nbdist.backends.torch`) and `KerasBackend` (`nbdist.backends.keras`, imported only
+    for a Keras model) implement it; the framework is chosen from the model's type.
+
+    Example:
+        One batch's gradient into the flat buffer, then an SGD step on it:
+
+        >>> import numpy as np, torch
+        >>> from nbdist.backends.torch import TorchBackend
+        >>> from nbdist.specs import parse_spec
+        >>> backend = TorchBackend(torch.nn.Linear(4, 2))   # 4 x 2 weights + 2 biases
+        >>> backend.params.shape, backend.params.dtype
+        ((10,), dtype('float32'))
+        >>> x, y = np.ones((3, 4), np.float32), np.array([0, 1, 0])
+        >>> stats = backend.compute_gradients(x, y)          # grads = d(mean loss)/d(params)
+        >>> stats.n
+        3
+        >>> before = backend.params.copy()
+        >>> backend.make_optimizer(parse_spec("sgd(lr=0.1)")).step(backend.grads)
+        >>> bool(np.allclose(backend.params, before - 0.1 * backend.grads))
+        True
+    """
+
     # The flat float32 buffers, aliasing the model, where the model lives: numpy arrays on
     # the host path, torch tensors on the device path (--device; the CPU or a GPU). Code
     # outside the backend reads them as host memory only through the transport's staging
@@ -257,7 +285,15 @@ class Backend(ABC):
         """
 
     @abstractmethod
-    def evaluate(self, x: Any, y: Any, *, batch_size: int = 1024) -> BatchStats: ...
+    def evaluate(self, x: Any, y: Any, *, batch_size: int = 1024) -> BatchStats:
+        """The loss and metric sums of the model on `x`, `y`, `batch_size` samples at a
+        time, in evaluation mode (BatchNorm's running statistics, no dropout)."""
+
+    def class_count(self, x: Any) -> int | None:
+        """How many classes the model scores on input `x` when its loss takes each label as
+        the index of one (cross-entropy on class indices); None for any other loss, or where
+        the framework cannot tell. Set-up compares it with the labels."""
+        return None
 
     @abstractmethod
     def make_optimizer(self, spec: Spec, params: np.ndarray | None = None) -> FlatOptimizer:
@@ -281,7 +317,7 @@ class Backend(ABC):
             lrs = [schedule.lr_at(epoch) for epoch in range(3)]
         except UserError:
             raise
-        except Exception as exc:  # noqa: BLE001 - the framework's own words name the argument
+        except Exception as exc:  # the framework's own words name the argument
             raise SpecError(f"learning-rate schedule {spec}: {type(exc).__name__}: {exc}") from None
         if not all(np.isfinite(lr) and lr >= 0 for lr in lrs):
             raise SpecError(
@@ -332,11 +368,16 @@ def step_on_scratch(spec: Spec, make: Callable[[np.ndarray], FlatOptimizer], scr
     scratch[:] = 0.0
     optimizer = make(scratch)
     lr = optimizer.learning_rate
+    if lr == 0:
+        raise SpecError(
+            f"optimizer {spec}: a learning rate of 0 never changes the weights: give lr above 0, "
+            f"e.g. {spec.name}(lr=0.01)"
+        )
     try:
         optimizer.step(np.ones_like(scratch))
     except UserError:
         raise
-    except Exception as exc:  # noqa: BLE001 - the framework's own words name the argument
+    except Exception as exc:  # the framework's own words name the argument
         raise SpecError(f"optimizer {spec}: {type(exc).__name__}: {exc}") from None
     if not np.all(np.isfinite(scratch)):
         raise SpecError(

@@ -14,7 +14,7 @@ import os
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from typing import Any, ClassVar, ContextManager
+from typing import Any, ClassVar
 
 from nbdist.backends.base import Backend, ModelError
 from nbdist.specs import SpecError, unknown_name
@@ -47,14 +47,15 @@ class Framework(ABC):
     def owns(self, model: Any) -> bool:
         """Whether `model` is one of this framework's models (False when not imported)."""
 
-    def prepare_environment(self, threads: int) -> None:
-        """Before the user's code runs: what the framework reads when it starts."""
+    def prepare_environment(self, threads: int) -> None:  # noqa: B027
+        """Before the user's code runs: what the framework reads when it starts. By
+        default nothing: only a framework that reads its settings at import needs it."""
 
     @abstractmethod
     def configure(self, threads: int, seed: int) -> None:
         """Threads per rank and the seed of every generator the weights are drawn from."""
 
-    def making_models(self, precision: str) -> ContextManager[None]:
+    def making_models(self, precision: str) -> contextlib.AbstractContextManager[None]:
         """While models are made: what they compute in, where the framework fixes that
         when a model is made (--precision)."""
         return contextlib.nullcontext()
@@ -177,7 +178,7 @@ class KerasFramework(Framework):
         return KerasBackend(model, loss, metric, sample=sample, precision=precision)
 
     def optimizer_names(self) -> list[str]:
-        from nbdist.backends.keras import keras_optimizers
+        from nbdist.backends.keras_optimizers import keras_optimizers
 
         return list(keras_optimizers())
 

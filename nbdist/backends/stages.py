@@ -120,6 +120,6 @@ class TorchStage(TorchBackend):
 
     @staticmethod
     def _input_grad(x: torch.Tensor | None) -> np.ndarray | None:
-        if x is None:
+        if x is None or x.grad is None:
             return None
         return np.ascontiguousarray(x.grad.to(torch.float32).cpu().numpy())

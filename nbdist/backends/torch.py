@@ -117,19 +117,19 @@ class TorchLrSchedule(LrSchedule):
         return self._lrs[epoch]
 
 
-def _accepts(cls: type, name: str) -> bool:
-    return name in inspect.signature(cls.__init__).parameters
+def _accepts(cls: Callable[..., Any], name: str) -> bool:
+    return name in inspect.signature(cls).parameters
 
 
 class TorchFlatOptimizer(FlatOptimizer):
     """torch.optim over one flat tensor (or the tensor of a numpy array's memory).
 
     One tensor means the fused (or foreach) kernels update the whole model in a single
-    pass; `fused=True` is the default where the optimiser offers it (Adam on 10M
-    parameters: 12 ms fused against ~50 ms for the default path on this kind of CPU).
+    pass; `fused=True` is the default where the optimiser offers it (Adam's default
+    foreach path took several times as long: bench/results/2026-11-22-master_throughput.md).
     """
 
-    def __init__(self, cls: type[torch.optim.Optimizer], spec: Spec, params: np.ndarray | torch.Tensor):
+    def __init__(self, cls: Callable[..., torch.optim.Optimizer], spec: Spec, params: np.ndarray | torch.Tensor):
         self.spec = spec
         self._param = torch.as_tensor(params)
         kwargs = dict(spec.kwargs)
@@ -169,6 +169,12 @@ class TorchFlatOptimizer(FlatOptimizer):
         self._opt.state[self._param] = {
             k: torch.from_numpy(np.array(v)).to(self._param.device) for k, v in arrays.items()
         }
+
+
+def _indexes_classes(loss: Any) -> bool:
+    """Whether `loss` reads each label as the index of a class score (output[:, label])."""
+    functional = (nn.functional.cross_entropy, nn.functional.nll_loss)
+    return isinstance(loss, (nn.CrossEntropyLoss, nn.NLLLoss)) or any(loss is f for f in functional)
 
 
 def _accuracy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -264,6 +270,7 @@ class TorchBackend(Backend):
         return int(self._flat_params.numel())
 
     def _set_metric(self, metric: str | Callable | None) -> None:
+        self._metric: Callable[[torch.Tensor, torch.Tensor], Any] | None
         if metric is None:
             self.metric_name, self._metric = None, None
         elif metric in ("accuracy", "acc"):
@@ -319,7 +326,8 @@ class TorchBackend(Backend):
         if self.loss_scale is not None:
             start, stop = self._bucket_ranges[bucket]
             self._flat_grads[start:stop].mul_(1.0 / self.loss_scale.scale)
-        self._on_ready(bucket)
+        if self._on_ready is not None:
+            self._on_ready(bucket)
 
     def evaluate(self, x: Any, y: Any, *, batch_size: int = 1024) -> BatchStats:
         stats = BatchStats()
@@ -337,6 +345,19 @@ class TorchBackend(Backend):
             self.model.train()
         return stats
 
+    def class_count(self, x: Any) -> int | None:
+        if not _indexes_classes(self.loss_fn):
+            return None
+        self.model.eval()
+        try:
+            with torch.no_grad(), self._autocasting():
+                output = self.model(self._tensor(x))
+        except Exception:  # noqa: BLE001 - a model that cannot take the data: set-up's probe says so
+            return None
+        finally:
+            self.model.train()
+        return int(output.shape[1]) if isinstance(output, torch.Tensor) and output.ndim >= 2 else None
+
     def bucket_hooks(self, cap: int, on_ready: Callable[[int], None]) -> list[tuple[int, int]]:
         if self._on_ready is not None:
             raise RuntimeError("bucket hooks are already installed on this model")
@@ -352,7 +373,7 @@ class TorchBackend(Backend):
         self._bucket_sizes = [self._bucket_of.count(i) for i in range(len(buckets))]
         self._bucket_ranges = buckets
         self._on_ready = on_ready
-        for p, bucket in zip(self._order, self._bucket_of):
+        for p, bucket in zip(self._order, self._bucket_of, strict=True):
             p.register_post_accumulate_grad_hook(self._make_hook(bucket))
         return buckets
 
@@ -371,7 +392,7 @@ class TorchBackend(Backend):
             spec, lambda scratch: TorchFlatOptimizer(cls, spec, scratch), np.zeros(SCRATCH_SIZE, np.float32)
         )
 
-    def make_optimizer(self, spec: Spec, params: np.ndarray | None = None) -> TorchFlatOptimizer:
+    def make_optimizer(self, spec: Spec, params: np.ndarray | None = None) -> FlatOptimizer:
         target = self.rule_params if params is None else params
         return self._overflow_guard(TorchFlatOptimizer(_optimizer_class(spec), spec, target))
 
@@ -379,8 +400,8 @@ class TorchBackend(Backend):
         known = torch_lr_schedules()
         if spec.name not in known:
             raise unknown_name("torch learning-rate schedule (torch.optim.lr_scheduler)", spec.name, list(known))
-        init = known[spec.name].__init__
-        check_kwargs(f"learning-rate schedule {spec.name!r}", init, spec.kwargs, skip=2)
+        init = known[spec.name]  # its signature: (optimizer, ...)
+        check_kwargs(f"learning-rate schedule {spec.name!r}", init, spec.kwargs, skip=1)
         check_value_kinds(f"learning-rate schedule {spec}", init, spec.kwargs)
         return TorchLrSchedule(known[spec.name], spec, base_lr)
 
@@ -398,7 +419,7 @@ class TorchBackend(Backend):
 
     # -- state ------------------------------------------------------------------------
     def param_blocks(self) -> list[tuple[int, int, tuple[int, ...]]]:
-        return [(lo, hi, tuple(p.shape)) for p, (lo, hi) in zip(self._order, self._slices)]
+        return [(lo, hi, tuple(p.shape)) for p, (lo, hi) in zip(self._order, self._slices, strict=True)]
 
     def named_arrays(self) -> dict[str, np.ndarray]:
         return {k: v.detach().cpu().numpy().copy() for k, v in self.model.state_dict().items()}

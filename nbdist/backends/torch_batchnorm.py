@@ -114,7 +114,7 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         if not synchronised:
             return super().forward(x)
         factor = 0.0
-        if self.track_running_stats:
+        if self.track_running_stats and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
             factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
         shift = (
@@ -125,7 +125,7 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         out, mean, var = _SyncBatchNormFunction.apply(
             x, self.weight, self.bias, shift, self.eps, self.reduce, self._sums(x)
         )
-        if self.track_running_stats:
+        if self.track_running_stats and self.running_mean is not None and self.running_var is not None:
             with torch.no_grad():
                 self.running_mean.mul_(1.0 - factor).add_(mean, alpha=factor)
                 self.running_var.mul_(1.0 - factor).add_(var, alpha=factor)

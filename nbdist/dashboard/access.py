@@ -107,7 +107,9 @@ def _from_header(authorization: str) -> str | None:
 
 
 def _matches(given: str | None, token: str | None) -> bool:
-    return bool(given and token) and hmac.compare_digest(given.encode(), token.encode())
+    if not given or not token:
+        return False
+    return hmac.compare_digest(given.encode(), token.encode())
 
 
 # What `panel serve dashboards/nbdist_dashboard.py` shows a session without the token.
@@ -163,7 +165,7 @@ class TokenAuth(AuthProvider):
             given, in_url = self.given(handler)
             if not _matches(given, self.token):
                 raise HTTPError(403, reason=REFUSED)
-            if in_url:
+            if in_url and given:
                 handler.set_cookie(self.cookie, given, path=self.cookie_path, httponly=True, samesite="Strict")
             return "nbdist"
 

@@ -155,21 +155,22 @@ class Dashboard:
         self._choices_read = time.monotonic()
         self._store = RunStore(self.store_path) if self.store_path is not None else None
         if self._store is not None:
-            self._build_pickers(run, study)
+            self._build_pickers(self._store, run, study)
         else:
             self.body[:] = [pn.pane.Markdown("*waiting for the job's first records ...*")]
         # A static page (live=False: an export) gets no pickers: nothing would answer them.
-        parts = [pn.pane.Markdown("## nbdist dashboard")] + ([self.controls] if live and len(self.controls) else [])
+        parts: list[Any] = [pn.pane.Markdown("## nbdist dashboard")]
+        parts += [self.controls] if live and len(self.controls) else []
         parts += [self.body] + ([self.study_body] if self.study is not None else [])
         self.page = NotebookPage(*parts, name="nbdist-dashboard")
 
     # -- the store's pickers --------------------------------------------------------------
-    def _build_pickers(self, run: str | None, study: str | None) -> None:
-        check_choices(self._store, run, study)
-        studies = {s["id"]: s["id"] for s in self._store.studies()}
+    def _build_pickers(self, store: RunStore, run: str | None, study: str | None) -> None:
+        check_choices(store, run, study)
+        studies = {s["id"]: s["id"] for s in store.studies()}
         widgets: list[Any] = []
         if self.runs:
-            choices = run_choices(self._store)
+            choices = run_choices(store)
             self.run_picker = pn.widgets.Select(
                 label="run", options=choices, value=run or next(iter(choices.values()), None), width=420
             )
@@ -193,10 +194,16 @@ class Dashboard:
         if self.run_picker.value:
             self.open_run(self.run_picker.value)
         else:
-            self.body[:] = [pn.pane.Markdown(f"*no runs in {self._store.label} yet: they appear here when they start*")]
+            self.body[:] = [pn.pane.Markdown(f"*no runs in {store.label} yet: they appear here when they start*")]
+
+    def _picked_store(self) -> tuple[str | Path, RunStore]:
+        """The run store the pickers read (there are pickers only with a store)."""
+        if self.store_path is None or self._store is None:
+            raise RuntimeError("this dashboard shows a job's live records: it has no run store to pick from")
+        return self.store_path, self._store
 
     def open_run(self, run_id: str) -> None:
-        source = StoreSource(self.store_path, run_id)
+        source = StoreSource(self._picked_store()[0], run_id)
         self._show(source, source.info())
         if getattr(self, "compare_picker", None) is not None and self.compare_picker.value:
             self.compare(self.compare_picker.value)
@@ -209,7 +216,7 @@ class Dashboard:
         if not run_id:
             plots.show_compared(None)
             return
-        other = StoreSource(self.store_path, run_id)
+        other = StoreSource(self._picked_store()[0], run_id)
         try:
             info = other.info()
             epochs = RunFrames(info.topology, info.started).ingest(_drain(other)).epochs
@@ -219,7 +226,7 @@ class Dashboard:
             plots.show_compared(epochs)
 
     def open_study(self, study_id: str) -> None:
-        self.study = StudyPage(self._store, study_id, live=self.live)
+        self.study = StudyPage(self._picked_store()[1], study_id, live=self.live)
         self.study_body[:] = [self.study.panel]
 
     # -- the live loop ------------------------------------------------------------------
@@ -254,7 +261,7 @@ class Dashboard:
         if now - self._choices_read < CHOICES_EVERY:
             return
         self._choices_read = now
-        choices = run_choices(self._store)
+        choices = run_choices(self._picked_store()[1])
         if choices != self.run_picker.options:
             self.run_picker.options = choices
             self.compare_picker.options = {"(none)": "", **choices}

@@ -15,7 +15,7 @@ def export_html(store: str | Path, path: str | Path, *, run: str | None = None, 
     `study` and no `run`, that study's page alone (every view of nbdist.dashboard.study,
     each tab drawn)."""
     from bokeh.document import Document
-    from bokeh.models import UIElement
+    from bokeh.models.ui.ui_element import UIElement
     from bokeh.resources import INLINE
     from panel.io.model import add_to_doc
     from panel.io.notebook import patch_inline_stylesheets

@@ -3,7 +3,7 @@
 
 Why Bokeh directly and not HoloViews Buffers here: a Buffer ends in the same `stream`
 call, but first re-evaluates its DynamicMap and, in an overlay of one line per rank,
-every layer of it: about 0.3 s per send on this project's 2-core machine under load,
+every layer of it: a noticeable part of a second per send on a busy two-core machine,
 with twenty sends per poll. These plots are polled twice a second while ranks train on
 the same cores, so they skip that machinery, as the study dashboard does
 (nbdist.dashboard.study).
@@ -17,7 +17,8 @@ from __future__ import annotations
 from typing import Any
 
 import pandas as pd
-from bokeh.models import ColumnDataSource, HoverTool, Legend, LegendItem
+from bokeh.models import ColumnDataSource, HoverTool
+from bokeh.models.annotations.legends import Legend, LegendItem
 from bokeh.palettes import Category10_10, Category20_20
 from bokeh.plotting import figure
 
@@ -151,7 +152,8 @@ class RunPlots:
         )
         self.staleness_mean = ColumnDataSource({"t": [], "staleness": []})
         mean = self.staleness.figure.line("t", "staleness", source=self.staleness_mean, color="black", line_width=2.5)
-        self.staleness.legend.items.insert(0, LegendItem(label="all workers", renderers=[mean]))
+        # bokeh's type hints give Legend.items as (label, renderers) pairs; it holds LegendItems.
+        self.staleness.legend.items.insert(0, LegendItem(label="all workers", renderers=[mean]))  # type: ignore[arg-type]
         self.staleness_reference = staleness_reference
         if staleness_reference is not None:
             # A glyph, not an annotation: the plot's range then always takes it in.
@@ -163,7 +165,8 @@ class RunPlots:
                 name="nbdist-staleness-reference",
             )
             self.staleness.legend.items.insert(
-                1, LegendItem(label=f"queue model: n-1 = {staleness_reference}", renderers=[reference])
+                1,
+                LegendItem(label=f"queue model: n-1 = {staleness_reference}", renderers=[reference]),  # type: ignore[arg-type]
             )
         self.staleness_ranks = [f"rank {r}" for r in worker_ranks[:MAX_RANK_LINES]]
         self.staleness_counts = ColumnDataSource({"staleness": [], **{r: [] for r in self.staleness_ranks}})

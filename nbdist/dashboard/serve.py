@@ -20,7 +20,7 @@ from typing import Any
 from nbdist.dashboard.access import SameOriginWebsocket, TokenAuth, cookie_name, dashboard_token
 from nbdist.errors import UserError
 
-__all__ = ["serve", "existing_store", "DashboardError", "free_port", "APP_PATH"]
+__all__ = ["serve", "existing_store", "check_port", "DashboardError", "free_port", "APP_PATH"]
 
 APP_PATH = "nbdist"
 
@@ -74,6 +74,7 @@ def serve(
     from nbdist.dashboard.sources import check_choices
     from nbdist.store import RunStore, is_url, store_label
 
+    check_port(port)
     if not create and not is_url(store):
         existing_store(store)  # a mistyped path is named, not created
     # An unreadable store (a database without nbdist's tables too) is an error now, not on
@@ -136,6 +137,15 @@ def _same_origin_websockets(server: Any) -> None:
         raise RuntimeError("Panel's websocket route was not found: the dashboard's origin rule cannot be set")
     for rule in rules:
         rule.target = SameOriginWebsocket
+
+
+MAX_PORT = 65535
+
+
+def check_port(port: int) -> None:
+    """A TCP port number, or 0 for any free one (beyond them Bokeh's server fails on an assertion)."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= MAX_PORT:
+        raise DashboardError(f"--port {port}: a port is a number from 1 to {MAX_PORT}, or 0 for any free port")
 
 
 def _cannot_listen(exc: OSError, address: str, port: int, unix_socket: str | Path | None) -> DashboardError:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nbdist.data.base import Data
+from nbdist.data.base import Data, class_label_range
 
 
 @dataclass(slots=True)
@@ -27,9 +27,7 @@ class ArrayData(Data):
     def __post_init__(self) -> None:
         for split, x, y in (("train", self.x_train, self.y_train), ("val", self.x_val, self.y_val)):
             if len(x) != len(y):
-                raise ValueError(
-                    f"{self.name}: {split} features have {len(x)} samples but labels have {len(y)}"
-                )
+                raise ValueError(f"{self.name}: {split} features have {len(x)} samples but labels have {len(y)}")
         if len(self.x_train) == 0:
             raise ValueError(f"{self.name}: the training set is empty")
 
@@ -49,3 +47,6 @@ class ArrayData(Data):
 
     def val_arrays(self) -> tuple[np.ndarray, np.ndarray]:
         return self.x_val, self.y_val
+
+    def label_range(self) -> tuple[int, int] | None:
+        return class_label_range(np.asarray(self.y_train), np.asarray(self.y_val))

@@ -10,7 +10,7 @@ import numpy as np
 from nbdist.data.sharding import ShardPlan
 from nbdist.errors import UserError
 
-__all__ = ["Data", "DataError", "DataReadError"]
+__all__ = ["Data", "DataError", "DataReadError", "class_label_range"]
 
 
 class DataError(UserError):
@@ -56,5 +56,20 @@ class Data(ABC):
         """The whole validation set (a master validates on all of it)."""
         return self.val_batch(np.arange(self.n_val))
 
-    def close(self) -> None:
+    def label_range(self) -> tuple[int, int] | None:
+        """The smallest and largest label of the training and validation sets when the
+        labels are class indices (integers, one per sample), else None. Set-up checks
+        them against the model's outputs (nbdist.train.context.check_labels)."""
+        return None
+
+    def close(self) -> None:  # noqa: B027 - most data hold nothing to release
         """Release what reading needed (threads, cache copies); the run has ended."""
+
+
+def class_label_range(*labels: np.ndarray) -> tuple[int, int] | None:
+    """(smallest, largest) of label arrays that hold one integer class index per sample;
+    None for any other kind of label (floats, one-hot rows, none at all)."""
+    kept = [y for y in labels if len(y)]
+    if not kept or not all(np.issubdtype(y.dtype, np.integer) and y.ndim == 1 for y in kept):
+        return None
+    return int(min(y.min() for y in kept)), int(max(y.max() for y in kept))

@@ -41,8 +41,7 @@ class FileCache:
                 (self.root / MARKER).touch()
             except FileExistsError:
                 pass
-            self.dir = Path(tempfile.mkdtemp(prefix=f"nbdist-{socket.gethostname()}-{os.getpid()}-",
-                                             dir=self.root))
+            self.dir = Path(tempfile.mkdtemp(prefix=f"nbdist-{socket.gethostname()}-{os.getpid()}-", dir=self.root))
         except OSError as exc:
             raise CacheError(f"--cache-dir {str(root)!r} cannot be used: {exc.strerror or exc}") from None
         self._copies: dict[Path, Path] = {}
@@ -60,8 +59,9 @@ class FileCache:
                     shutil.copyfile(path, partial)
                     os.replace(partial, copy)
                 except OSError as exc:
-                    raise DataReadError(f"cannot copy {path} into the cache {self.dir}: "
-                                        f"{exc.strerror or exc}") from None
+                    raise DataReadError(
+                        f"cannot copy {path} into the cache {self.dir}: {exc.strerror or exc}"
+                    ) from None
                 self._copies[path] = copy
             return copy
 

@@ -13,15 +13,16 @@ background while the current one trains.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from glob import glob
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
-from nbdist.data.base import Data, DataError, DataReadError
+from nbdist.data.base import Data, DataError, DataReadError, class_label_range
 from nbdist.data.cache import FileCache
 from nbdist.data.sharding import FilePlan, Piece
 
@@ -73,7 +74,7 @@ class FileSet:
     what: str
 
     @classmethod
-    def open(cls, patterns: Any, keys: Sequence[str], what: str) -> "FileSet":
+    def open(cls, patterns: Any, keys: Sequence[str], what: str) -> FileSet:
         h5py = _h5py()
         paths = expand_files(patterns, what)
         keys = tuple(keys)
@@ -93,8 +94,10 @@ class FileSet:
                     )
                 x, y = fh[keys[0]], fh[keys[1]]
                 if x.ndim == 0 or y.ndim == 0 or len(x) != len(y):
-                    raise DataError(f"{what}: {path} has {x.shape[0] if x.ndim else 0} rows of "
-                                    f"{keys[0]!r} but {y.shape[0] if y.ndim else 0} of {keys[1]!r}")
+                    raise DataError(
+                        f"{what}: {path} has {x.shape[0] if x.ndim else 0} rows of "
+                        f"{keys[0]!r} but {y.shape[0] if y.ndim else 0} of {keys[1]!r}"
+                    )
                 kind = (x.shape[1:], x.dtype, y.shape[1:], y.dtype)
                 if first is None:
                     first = (path, kind)
@@ -106,10 +109,10 @@ class FileSet:
                         f"{first[1][3]}"
                     )
                 sizes.append(len(x))
-        if sum(sizes) == 0:
+        if first is None or sum(sizes) == 0:
             raise DataError(f"{what}: the files hold no samples")
         x_shape, x_dtype, y_shape, y_dtype = first[1]
-        return cls(tuple(paths), keys, tuple(sizes), x_shape, x_dtype, y_shape, y_dtype, what)
+        return cls(tuple(paths), (keys[0], keys[1]), tuple(sizes), x_shape, x_dtype, y_shape, y_dtype, what)
 
     @property
     def offsets(self) -> np.ndarray:
@@ -119,12 +122,23 @@ class FileSet:
     def n(self) -> int:
         return int(sum(self.sizes))
 
-    def same_kind(self, other: "FileSet") -> None:
+    def same_kind(self, other: FileSet) -> None:
         if (self.x_shape, self.y_shape) != (other.x_shape, other.y_shape):
             raise DataError(
                 f"{other.what} holds samples of shape {_shape(other.x_shape)} with labels "
                 f"{_shape(other.y_shape)}, {self.what} holds {_shape(self.x_shape)} with {_shape(self.y_shape)}"
             )
+
+    def labels(self) -> list[np.ndarray]:
+        """Every file's labels dataset (the labels only: a few bytes per sample)."""
+        try:
+            found = []
+            for path in self.paths:
+                with _h5py().File(path, "r") as fh:
+                    found.append(fh[self.keys[1]][...])
+            return found
+        except OSError as exc:
+            raise DataError(f"{self.what}: cannot read the labels of {path}: {exc}") from None
 
     def read_piece(self, piece: Piece, cache: FileCache | None) -> tuple[np.ndarray, np.ndarray]:
         path = self.paths[piece.file]
@@ -135,8 +149,9 @@ class FileSet:
         except OSError as exc:
             raise DataReadError(f"{self.what}: cannot read {path}: {exc}") from None
 
-    def gather(self, indices: np.ndarray, fetch: Callable[[int, int, int], tuple[Piece, Any]]
-               ) -> tuple[np.ndarray, np.ndarray, list[Piece]]:
+    def gather(
+        self, indices: np.ndarray, fetch: Callable[[int, int, int], tuple[Piece, Any]]
+    ) -> tuple[np.ndarray, np.ndarray, list[Piece]]:
         """The samples at `indices` (into the files' concatenation), file by file:
         `fetch(file, lo, hi)` gives a piece covering rows [lo, hi) with its arrays."""
         indices = np.asarray(indices)
@@ -249,8 +264,16 @@ class HDF5Data(Data):
     pieces of files are shuffled together in each window (see FilePlan).
     """
 
-    def __init__(self, train: Any, val: Any, *, keys: Sequence[str] = DEFAULT_KEYS,
-                 cache_dir: str | Path | None = None, mix: int = 2, name: str = "hdf5"):
+    def __init__(
+        self,
+        train: Any,
+        val: Any,
+        *,
+        keys: Sequence[str] = DEFAULT_KEYS,
+        cache_dir: str | Path | None = None,
+        mix: int = 2,
+        name: str = "hdf5",
+    ):
         if len(keys) != 2 or not all(keys):
             raise DataError(f"--data-keys takes two names, features and labels, got {','.join(keys)!r}")
         self.name = name
@@ -271,8 +294,7 @@ class HDF5Data(Data):
         return self.val_files.n
 
     def plan(self, shards: int, batch_size: int, seed: int) -> FilePlan:
-        return FilePlan(self.train_files.sizes, shards, batch_size, seed, mix=self.mix,
-                        on_epoch=self.reader.schedule)
+        return FilePlan(self.train_files.sizes, shards, batch_size, seed, mix=self.mix, on_epoch=self.reader.schedule)
 
     def train_batch(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return self.reader.read(indices)
@@ -289,6 +311,11 @@ class HDF5Data(Data):
         piece = Piece(file, lo, hi)
         return piece, self.val_files.read_piece(piece, self.cache)
 
+    def label_range(self) -> tuple[int, int] | None:
+        if self.train_files.y_shape or not np.issubdtype(self.train_files.y_dtype, np.integer):
+            return None  # not class indices: nothing to read
+        return class_label_range(*self.train_files.labels(), *self.val_files.labels())
+
     def close(self) -> None:
         self.reader.close()
         self._val = None
@@ -296,5 +323,7 @@ class HDF5Data(Data):
             self.cache.close()
 
     def __repr__(self) -> str:
-        return (f"<HDF5Data {self.n_train} train samples in {len(self.train_files.paths)} files, "
-                f"{self.n_val} val in {len(self.val_files.paths)}, samples {_shape(self.train_files.x_shape)}>")
+        return (
+            f"<HDF5Data {self.n_train} train samples in {len(self.train_files.paths)} files, "
+            f"{self.n_val} val in {len(self.val_files.paths)}, samples {_shape(self.train_files.x_shape)}>"
+        )

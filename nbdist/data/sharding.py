@@ -11,7 +11,9 @@ FilePlan keeps these promises for samples stored in files, read a piece at a tim
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from itertools import pairwise
+from typing import NamedTuple
 
 import numpy as np
 
@@ -92,24 +94,32 @@ class FilePlan(ShardPlan):
 
     __slots__ = ("offsets", "mix", "pieces", "on_epoch")
 
-    def __init__(self, sizes: Sequence[int], shards: int, batch_size: int, seed: int = 0, *, mix: int = 2,
-                 on_epoch: Callable[[list[list[Piece]]], None] | None = None):
+    def __init__(
+        self,
+        sizes: Sequence[int],
+        shards: int,
+        batch_size: int,
+        seed: int = 0,
+        *,
+        mix: int = 2,
+        on_epoch: Callable[[list[list[Piece]]], None] | None = None,
+    ):
         if mix < 1:
             raise ValueError(f"files mixed per window must be at least 1, got {mix}")
-        sizes = np.asarray(sizes, np.int64)
-        super().__init__(int(sizes.sum()), shards, batch_size, seed)
-        self.offsets = np.concatenate([[0], np.cumsum(sizes)])
+        file_sizes = np.asarray(sizes, np.int64)
+        super().__init__(int(file_sizes.sum()), shards, batch_size, seed)
+        self.offsets = np.concatenate([[0], np.cumsum(file_sizes)])
         self.mix = int(mix)
         self.on_epoch = on_epoch
-        order = np.random.default_rng([self.seed, _FILE_ORDER]).permutation(len(sizes))
-        starts = np.cumsum(sizes[order]) - sizes[order]  # where each file begins in that order
+        order = np.random.default_rng([self.seed, _FILE_ORDER]).permutation(len(file_sizes))
+        starts = np.cumsum(file_sizes[order]) - file_sizes[order]  # where each file begins in that order
         q, r = divmod(self.n_samples, self.shards)
         bounds = [s * q + min(s, r) for s in range(self.shards + 1)]
         self.pieces: list[list[Piece]] = []
-        for lo, hi in zip(bounds, bounds[1:]):
+        for lo, hi in pairwise(bounds):
             mine = []
-            for file, begin in zip(order, starts):
-                a, b = max(lo, begin), min(hi, begin + sizes[file])
+            for file, begin in zip(order, starts, strict=True):
+                a, b = max(lo, begin), min(hi, begin + file_sizes[file])
                 if a < b:
                     mine.append(Piece(int(file), int(a - begin), int(b - begin)))
             self.pieces.append(mine)
@@ -126,16 +136,16 @@ class FilePlan(ShardPlan):
         rng = np.random.default_rng([self.seed, epoch, shard, _WITHIN_WINDOW])
         parts = []
         for window in self.windows(epoch, shard):
-            rows = np.concatenate([np.arange(self.offsets[p.file] + p.start, self.offsets[p.file] + p.stop)
-                                   for p in window])
+            rows = np.concatenate(
+                [np.arange(self.offsets[p.file] + p.start, self.offsets[p.file] + p.stop) for p in window]
+            )
             parts.append(rng.permutation(rows))
         return np.concatenate(parts)
 
     def _batches(self, epoch: int) -> list[np.ndarray]:
         # Step-major like ShardPlan's (batch k of every shard side by side), so epoch()
         # and step_sizes() read it the same way; sizes at a step differ by at most one.
-        per_shard = [np.array_split(self.shard_order(epoch, s), self.batches_per_epoch)
-                     for s in range(self.shards)]
+        per_shard = [np.array_split(self.shard_order(epoch, s), self.batches_per_epoch) for s in range(self.shards)]
         return [per_shard[s][k] for k in range(self.batches_per_epoch) for s in range(self.shards)]
 
     def epoch(self, epoch: int, shard: int) -> list[np.ndarray]:

@@ -71,7 +71,7 @@ def stratified_split(labels: np.ndarray, val_fraction: float, seed: int) -> tupl
     for c in np.argsort(per_class - exact, kind="stable")[: n_val - per_class.sum()]:
         per_class[c] += 1
     train, val = [], []
-    for c, take in zip(classes, per_class):
+    for c, take in zip(classes, per_class, strict=True):
         members = rng.permutation(np.flatnonzero(labels == c))
         val.append(members[:take])
         train.append(members[take:])

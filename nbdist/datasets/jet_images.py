@@ -121,7 +121,7 @@ class JetSample:
         parts: list[list[np.ndarray]] = [[] for _ in names]
         for path in self.train_files if split == "train" else self.val_files:
             with h5py.File(path, "r") as fh:
-                for part, name in zip(parts, names):
+                for part, name in zip(parts, names, strict=True):
                     part.append(fh[name][:])
         return tuple(np.concatenate(p) for p in parts)
 
@@ -183,7 +183,12 @@ def jet_images(
     directory = Path(out).expanduser().absolute()
     started = time.time()
     rank, size = (comm.Get_rank(), comm.Get_size()) if comm is not None else (0, 1)
-    _together(comm, lambda: rank == 0 and _prepare_directory(directory, spec, overwrite))
+
+    def prepare() -> None:
+        if rank == 0:
+            _prepare_directory(directory, spec, overwrite)
+
+    _together(comm, prepare)
     todo = [job for job in spec.jobs if not _made(directory / job.name, spec.fingerprint(job))]
     if cluster is not None:
         _on_cluster(cluster, spec, directory, todo, progress)
@@ -215,7 +220,7 @@ def _together(comm: Any, step: Callable[[], Any]) -> None:
     error = None
     try:
         step()
-    except Exception as exc:  # noqa: BLE001 - the other ranks must hear of it, or they wait
+    except Exception as exc:  # the other ranks must hear of it, or they wait
         if comm is None:
             raise
         error = exc
@@ -256,7 +261,7 @@ def _spec(
             f"{events} events are too few for {files} training and {n_val_files} validation "
             f"files: every file needs a signal and a background jet"
         )
-    jobs = []
+    jobs: list[FileJob] = []
     for split, total, count in (("train", n_train, int(files)), ("val", n_val, n_val_files)):
         for index, n in enumerate(np.array_split(np.arange(total), count)):
             jobs.append(FileJob(split, index, len(jobs), (len(n) + 1) // 2, len(n) // 2))
@@ -422,7 +427,7 @@ def _engine_share(spec: Spec, directory: str, todo: list[FileJob]) -> str:
 
     try:
         _make_files(spec, Path(directory), todo[rank::size], advance)
-    except Exception as exc:  # noqa: BLE001 - reported to the client, named by rank
+    except Exception as exc:  # reported to the client, named by rank
         return f"{type(exc).__name__}: {exc}"
     publish_data({PROGRESS_KEY: done})
     return ""

@@ -10,15 +10,8 @@ import numpy as np
 import tensorflow as tf
 
 from nbdist.backends.base import ModelError
-from nbdist.backends.keras import (
-    FlatVariables,
-    KerasBackend,
-    Traced,
-    aligned_zeros,
-    build_models,
-    call_kwargs,
-    check_model,
-)
+from nbdist.backends.keras import KerasBackend, call_kwargs, check_model
+from nbdist.backends.keras_flat import FlatVariables, Traced, aligned_zeros, build_models
 from nbdist.gan.model import GanModel
 from nbdist.gan.training import GanTraining
 

@@ -41,7 +41,10 @@ class GaussianMMD:
         return cls(median_distance(x))
 
     def _kernel(self, d2: np.ndarray) -> np.ndarray:
-        return sum(np.exp(-d2 / (2.0 * w * w)) for w in self.widths) / len(self.widths)
+        total = np.zeros_like(d2)
+        for w in self.widths:
+            total += np.exp(-d2 / (2.0 * w * w))
+        return total / len(self.widths)
 
     def __call__(self, x: np.ndarray, y: np.ndarray) -> float:
         x = np.asarray(x, np.float64).reshape(len(x), -1)

@@ -74,7 +74,8 @@ class GanOptimizer(FlatOptimizer):
 class GanTraining(Backend):
     """Mixed in before a framework's Backend, which lays the generator's trainable weights
     out first in `params` (`g_part`) and the discriminator's after them (`d_part`), and
-    provides the hooks below."""
+    provides the hooks below. Its super() calls reach that framework's Backend, which
+    comes after it in the class's MRO (mypy sees only the abstract Backend: safe-super)."""
 
     g_part: slice
     d_part: slice
@@ -141,26 +142,26 @@ class GanTraining(Backend):
         n = self._sums[0]
         if not n:
             return {}
-        means = dict(zip(EXTRAS, (self._sums[1:] / n).tolist()))
+        means = dict(zip(EXTRAS, (self._sums[1:] / n).tolist(), strict=True))
         self._sums[:] = 0.0
         return means
 
     def make_optimizer(self, spec: Spec, params: np.ndarray | None = None) -> FlatOptimizer:
         if params is not None and params is not self.params:
             raise ModelError("a GAN trains with worker optimizers only (easgd, adag, dynsgd); its master takes none")
-        generator = super().make_optimizer(spec, self.params[self.g_part])
-        self._d_opt = super().make_optimizer(spec, self.params[self.d_part])
+        generator = super().make_optimizer(spec, self.params[self.g_part])  # type: ignore[safe-super]
+        self._d_opt = super().make_optimizer(spec, self.params[self.d_part])  # type: ignore[safe-super]
         return GanOptimizer(spec, generator, self._d_opt, self.g_part)
 
     def rng_state(self) -> dict[str, np.ndarray]:
         state = json.dumps(self._noise_rng.bit_generator.state).encode()
-        return {**super().rng_state(), "gan_noise": np.frombuffer(state, np.uint8).copy()}
+        return {**super().rng_state(), "gan_noise": np.frombuffer(state, np.uint8).copy()}  # type: ignore[safe-super]
 
     def set_rng_state(self, arrays: dict[str, np.ndarray]) -> None:
-        super().set_rng_state(arrays)
+        super().set_rng_state(arrays)  # type: ignore[safe-super]
         if "gan_noise" in arrays:
             self._noise_rng.bit_generator.state = json.loads(np.asarray(arrays["gan_noise"], np.uint8).tobytes())
 
     def reseed(self, seed: int) -> None:
-        super().reseed(seed)
+        super().reseed(seed)  # type: ignore[safe-super]
         self._noise_rng = np.random.default_rng(seed)

@@ -30,7 +30,8 @@ from nbdist.hpo.searcher import (
     register,
     restore_searcher,
 )
-from nbdist.hpo.space import Categorical, Dimension, Integer, Real, Space, SpaceError, as_space, parse_space
+from nbdist.hpo.space import Categorical, Dimension, Integer, Real, Space, SpaceError
+from nbdist.hpo.space_input import as_space, parse_space
 
 __all__ = [
     "Space",

@@ -16,8 +16,8 @@ A failed trial is told to the model as the worst value seen so far: the region t
 it fail (a learning rate that diverges) is then avoided, without a made-up number that
 would distort the GP's scale.
 
-Two choices keep it fast (Branin: ~0.1 s of CPU per point, against ~1 s for skopt's
-`gp_minimize` in bench/hpo_parallel.py):
+Two choices keep it fast (less CPU per point than skopt's `gp_minimize`, and better on
+Branin: bench/results/2026-11-23-hpo_parallel.md):
 - the kernel's hyper-parameters are fitted once per ask, on the real results only, by
   maximum likelihood from two starts: skopt's default and the previous fit (`theta` in the
   state), the better one kept (the previous fit alone can stay stuck in a poor optimum,
@@ -29,7 +29,7 @@ Two choices keep it fast (Branin: ~0.1 s of CPU per point, against ~1 s for skop
 Defaults that differ from skopt's: `xi=1e-4` (skopt: 0.01, in the figure of merit's units:
 larger than the differences that matter near an optimum, such as 1% of a loss of 0.4);
 `n_points=1000` random candidates for the acquisition (skopt: 10000) before L-BFGS refines
-the best five, ten times cheaper and no worse on Branin; a Latin hypercube start
+the best five, a tenth of the work and no worse on Branin; a Latin hypercube start
 (skopt: random points).
 
 `acq_func` is one of EI (default), LCB, PI: skopt's `gp_hedge` keeps gains across
@@ -42,19 +42,23 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 
-from nbdist.hpo.searcher import Searcher, SearcherError, register
-from nbdist.hpo.space import Categorical
+from nbdist.hpo.searcher import SEARCHERS, Searcher, SearcherError
+from nbdist.hpo.space import Integer, Real
 
 __all__ = ["BayesSearcher"]
 
 ACQ_FUNCS = ("EI", "LCB", "PI")
-LIARS = {"cl_min": min, "cl_mean": lambda ys: sum(ys) / len(ys), "cl_max": max}
+LIARS: dict[str, Callable[[list[float]], float]] = {
+    "cl_min": min,
+    "cl_mean": lambda ys: sum(ys) / len(ys),
+    "cl_max": max,
+}
 DESIGNS = ("lhs", "random")
 DESIGN_SEED, RANDOM_POINT, GP_ASK = 4, 5, 6  # rng streams
 
@@ -70,9 +74,22 @@ def _quiet_single_thread() -> Iterator[None]:
         yield
 
 
-@register
+@SEARCHERS.register
 class BayesSearcher(Searcher):
+    """Bayesian optimisation: a Gaussian process fitted to the results so far proposes the
+    points (scikit-optimize; constant liar for the points still training)."""
+
     name = "bayes"
+    parameter_help = {
+        "initial_points": "points of the initial design, before the GP proposes any",
+        "initial_design": "lhs (a Latin hypercube) or random",
+        "acq_func": "the acquisition function: EI, LCB or PI",
+        "xi": "EI's and PI's exploration margin, in the figure of merit's units",
+        "kappa": "LCB's exploration weight",
+        "liar": "what a pending point is told as: cl_min, cl_mean or cl_max of the results",
+        "n_points": "random candidates for the acquisition before L-BFGS refines the best",
+        "noise": "'gaussian' (fitted) or a fixed noise variance",
+    }
 
     def __init__(
         self,
@@ -213,6 +230,6 @@ class BayesSearcher(Searcher):
     def _from_skopt(self, row) -> dict:
         # skopt hands back numpy scalars, and reals a rounding error outside their bounds.
         return {
-            name: dim.coerce(v) if isinstance(dim, Categorical) else dim.coerce_clip(v)
+            name: dim.coerce_clip(v) if isinstance(dim, (Real, Integer)) else dim.coerce(v)
             for (name, dim), v in zip(self.space.items(), row, strict=True)
         }

@@ -43,8 +43,8 @@ from typing import Any
 
 import numpy as np
 
-from nbdist.hpo.searcher import Searcher, SearcherError, register
-from nbdist.hpo.space import Categorical
+from nbdist.hpo.searcher import SEARCHERS, Searcher, SearcherError
+from nbdist.hpo.space import Categorical, Integer, Real
 
 __all__ = ["EvolutionSearcher", "crossover", "mutation", "mutation_fraction", "tournament", "elite_count"]
 
@@ -84,9 +84,17 @@ def elite_count(population: int) -> int:
 
 
 # ----------------------------------------------------------------------------- the searcher
-@register
+@SEARCHERS.register
 class EvolutionSearcher(Searcher):
+    """An evolutionary algorithm: tournament selection, crossover and shrinking mutation
+    over generations of a population (NNLO's GA)."""
+
     name = "evolution"
+    parameter_help = {
+        "population": "points in each generation (at least 2)",
+        "generations": "generations in all (default: as many as the study's --trials allow)",
+        "reevaluate_elite": "train the fittest fifth carried over again in the next generation",
+    }
 
     def __init__(
         self,
@@ -99,6 +107,7 @@ class EvolutionSearcher(Searcher):
         reevaluate_elite: bool = True,
     ):
         super().__init__(space, direction=direction, seed=seed)
+        self.trials: int | None = None  # the study's budget, when create() was told it
         for what, value, least in (("population", population, 2), ("generations", generations, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise SearcherError(f"evolution {what} must be an integer >= {least}, got {value!r}")
@@ -127,7 +136,7 @@ class EvolutionSearcher(Searcher):
         return searcher
 
     def notes(self) -> list[str]:
-        trials = getattr(self, "trials", None)
+        trials = self.trials
         if trials is None or 3 * self.population <= trials:
             return []
         bred = max(0, min(trials, self.planned) - self.population)
@@ -210,6 +219,8 @@ class EvolutionSearcher(Searcher):
                     value = dim.categories[(dim.index(value) + 1 + int(rng.integers(count - 1))) % count]
                 child[name] = value
                 continue
+            if not isinstance(dim, (Real, Integer)):
+                raise TypeError(f"evolution cannot breed a {type(dim).__name__} dimension ({name})")
             low, high = dim.search_bounds
             p = crossover(dim.to_search(parent_a[name]), dim.to_search(parent_b[name]), rng.random(), low, high)
             p = mutation(p, rng.random(), rng.random(), g, self.generations, low, high)

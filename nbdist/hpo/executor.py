@@ -53,6 +53,20 @@ class Running:
     group: int | None
     segment: Segment | None = None
 
+    @property
+    def placed(self) -> int:
+        """The group of a segment that runs (every one the runner started has one)."""
+        if self.group is None:
+            raise RuntimeError(f"trial {self.trial.number} runs on no group: it was recovered from its records")
+        return self.group
+
+    @property
+    def planned(self) -> Segment:
+        """The segment that runs (every one the runner started has one)."""
+        if self.segment is None:
+            raise RuntimeError(f"trial {self.trial.number} has no segment: it was recovered from its records")
+        return self.segment
+
 
 class TrialExecutor(ABC):
     """Trains trials on `groups` groups of ranks, one trial per group at a time."""

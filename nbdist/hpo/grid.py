@@ -6,20 +6,23 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from nbdist.hpo.searcher import Searcher, SearcherError, register
+from nbdist.hpo.searcher import SEARCHERS, Searcher, SearcherError
 
 __all__ = ["GridSearcher"]
 
 
-@register
+@SEARCHERS.register
 class GridSearcher(Searcher):
-    """`points` values per real dimension (evenly spaced, in log for log-uniform ones), all
+    """Every combination of a few values per dimension, in a fixed order.
+
+    `points` values per real dimension (evenly spaced, in log for log-uniform ones), all
     integers of an integer dimension when there are at most `points` of them (else `points`
     of them evenly spread), every category. The last dimension varies fastest. The grid is
     never built: the k-th point is decoded from k, so a grid of millions costs nothing."""
 
     name = "grid"
     multi_objective = True  # it models nothing: several objectives are as good as one
+    parameter_help = {"points": "values per real dimension (and at most per integer one)"}
 
     def __init__(self, space: Any, *, direction: str = "minimize", seed: int = 0, points: int = 5):
         super().__init__(space, direction=direction, seed=seed)

@@ -68,7 +68,7 @@ class _Reported:
                 self.values.put(("return", result))
             except TrialStopped:
                 self.values.put(("stopped",))
-            except BaseException as exc:  # noqa: BLE001 - the trial's failure, told to the study
+            except BaseException as exc:  # the trial's failure, told to the study
                 self.values.put(("error", exc))
 
         self.thread = threading.Thread(target=body, name="nbdist-objective", daemon=True)
@@ -114,7 +114,7 @@ class _Curve:
                     return
                 whole = isinstance(value, Sequence) and not isinstance(value, str) and not self._one_epoch(value)
                 self._values = iter(value if whole else [value])
-        except Exception as exc:  # noqa: BLE001 - the user's objective failed: the trial fails
+        except Exception as exc:  # the user's objective failed: the trial fails
             self.fail(exc)
 
     def _one_epoch(self, value: Any) -> bool:
@@ -149,7 +149,7 @@ class _Curve:
         except StopIteration:
             self.done = True
             return False
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # the user's generator failed: the trial fails
             self.fail(exc)
             return False
         self.epoch, self.last = self.epoch + 1, self._metrics(value)

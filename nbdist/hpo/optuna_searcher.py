@@ -31,7 +31,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from nbdist.hpo.searcher import DIRECTIONS, Searcher, SearcherError, register
+from nbdist.hpo.searcher import DIRECTIONS, SEARCHERS, Searcher, SearcherError
 from nbdist.hpo.space import Categorical, Integer, Real
 from nbdist.specs import unknown_name
 
@@ -62,11 +62,15 @@ def _optuna() -> Any:
     return optuna
 
 
-@register
+@SEARCHERS.register
 class OptunaSearcher(Searcher):
     """Optuna's samplers (TPE, CMA-ES, GP, NSGA-II/III, QMC) through Optuna's ask/tell."""
 
     name = "optuna"
+    parameter_help = {
+        "sampler": "Optuna's sampler: " + ", ".join(SAMPLERS) + "; other keywords go to its constructor",
+        "directions": "one direction per objective (a study of several objectives sets them)",
+    }
     multi_objective = True  # NSGA-II/III, TPE, GP and random take several objectives
     takes_values = True  # told a list of values in a multi-objective study
 

@@ -5,16 +5,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from nbdist.hpo.searcher import Searcher, register
+from nbdist.hpo.searcher import SEARCHERS, Searcher
 
 __all__ = ["RandomSearcher"]
 
 RANDOM_POINT = 1  # rng stream of the k-th random point
 
 
-@register
+@SEARCHERS.register
 class RandomSearcher(Searcher):
-    """The k-th point is drawn from its own generator (seed, k): the sequence of points is
+    """Independent draws from the priors (log-uniform where the space says so).
+
+    The k-th point is drawn from its own generator (seed, k): the sequence of points is
     the same however the runner splits its asks (ask(2) == ask(1) + ask(1))."""
 
     name = "random"

@@ -99,7 +99,7 @@ class StudyRecords(SharedStudy):
         return scheduler
 
     def _check_objectives(self) -> None:
-        if len(self.objectives) > 1 and not getattr(self.searcher, "multi_objective", False):
+        if len(self.objectives) > 1 and not self.searcher.multi_objective:
             raise StudyError(
                 f"searcher {self.searcher.name} optimises one objective; a study of {len(self.objectives)} "
                 f"({', '.join(self.objectives)}) needs one that takes several: random, grid or "

@@ -93,12 +93,12 @@ class StudyRunner(StudyRecords):
                 if self.stopping and not reason:
                     reason = self.stopping
                     for slot in running.values():
-                        self.executor.stop(slot.group, self.stopping)
+                        self.executor.stop(slot.placed, self.stopping)
                 if not reason and self._out_of_time() and not self._timed_out:
                     self._timed_out = True
                     for slot in running.values():
                         slot.trial.stop_reason = slot.trial.stop_reason or OUT_OF_TIME
-                        self.executor.stop(slot.group, OUT_OF_TIME)
+                        self.executor.stop(slot.placed, OUT_OF_TIME)
                 if not reason:
                     self._fill(free, running)
                 if not running:
@@ -118,7 +118,7 @@ class StudyRunner(StudyRecords):
                         self._on_epoch(event, running)
                     else:
                         slot = running.pop(event.number)
-                        free.append(slot.group)
+                        free.append(slot.placed)
                         self._look_after = 0.0
                         self._on_finished(slot, event)
         finally:
@@ -191,7 +191,7 @@ class StudyRunner(StudyRecords):
             self._on_finished(slot, finished)
         for slot in starts:
             running[slot.trial.number] = slot
-            self.executor.start(slot.group, slot.trial, slot.segment)
+            self.executor.start(slot.placed, slot.trial, slot.planned)
         if self.store is not None and not starts and not recovered:
             self._look_after = time.monotonic() + self.WATCH_SECONDS
 
@@ -217,9 +217,10 @@ class StudyRunner(StudyRecords):
             if work is None:
                 self._budget_short = left < math.inf and (new_allowed or bool(self.paused))
                 return None
-            trial = self._trial_for(work)
-            if trial is None:  # an evolution waiting for its generation, or a grid run out
+            chosen = self._trial_for(work)
+            if chosen is None:  # an evolution waiting for its generation, or a grid run out
                 return None
+            trial = chosen
             self.scheduler.started(trial.number, work)
         group = trial.group if trial.group in free else free[0]
         free.remove(group)
@@ -253,7 +254,7 @@ class StudyRunner(StudyRecords):
         )
         if work.exchange is not None:
             source = known[work.exchange.source]
-            segment.receive_from = (source.group, source.number)
+            segment.receive_from = (source.placed, source.number)
             segment.exchange_epoch = work.exchange.epoch
             previous, trial.params = trial.params, self.scheduler.params_for(work, source.params)
             self._events.append(
@@ -266,7 +267,7 @@ class StudyRunner(StudyRecords):
             )
             self._events.append((trial.number, "params", work.exchange.epoch, dict(trial.params)))
         if work.send_to:
-            segment.send_to = [known[n].group for n in work.send_to]
+            segment.send_to = [known[n].placed for n in work.send_to]
             segment.receivers = list(work.send_to)
             segment.exchange_epoch = trial.epochs
         if trial.epochs and work.trial is not None and not work.exchange:
@@ -287,11 +288,11 @@ class StudyRunner(StudyRecords):
                 self._events.append(
                     (trial.number, "value", event.epoch, {"value": mean, "folds": trial.curve[event.epoch]})
                 )
-                if not trial.stop_reason:
+                if not trial.stop_reason and mean is not None:
                     reason = self.scheduler.on_epoch(trial.number, event.epoch, mean)
                     if reason:
                         trial.stop_reason, trial.pruned_at = reason, event.epoch
-                        self.executor.stop(slot.group, reason)
+                        self.executor.stop(slot.placed, reason)
         self.executor.answer(event, trial.stop_reason)
 
     def _on_finished(self, slot: Running, event: TrialFinished) -> None:
@@ -329,7 +330,7 @@ class StudyRunner(StudyRecords):
         self.say(self._line(row, trial, settled))
 
     def _tell(self, trial: Trial, settled: Settled) -> None:
-        several = settled.values is not None and getattr(self.searcher, "takes_values", False)
+        several = settled.values is not None and self.searcher.takes_values
         value: Any = settled.values if several else settled.fom
         if settled.outcome == FAILED:
             value = None

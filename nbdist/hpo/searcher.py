@@ -11,6 +11,11 @@ A point is a dict of plain Python values (float, int, a category). `ask(n)` may 
 than n points: an evolution waits for the last members of a generation to be told before
 it breeds the next, and grid runs out; `exhausted` says that no point will ever come again.
 
+Searchers register on SEARCHERS (nbdist.registry) with `@SEARCHERS.register` (or
+`register`): the class carries its name, its options (the constructor's keyword parameters
+after direction and seed, with defaults, and `parameter_help`) and, in its docstring's
+first paragraph, what it does; --searcher's help is made from them.
+
 Randomness never lives in a generator object that would have to be saved: each searcher
 draws from `rng(...)`, a generator made afresh from the seed and a counter of what it is
 drawing (the k-th random point, the g-th generation), so a searcher's state is its
@@ -29,7 +34,9 @@ from typing import Any, ClassVar
 import numpy as np
 
 from nbdist.errors import UserError
-from nbdist.hpo.space import Space, as_space
+from nbdist.hpo.space import Space
+from nbdist.hpo.space_input import as_space
+from nbdist.registry import Registry
 from nbdist.specs import Spec, SpecError, check_kwargs, parse_spec, unknown_name
 
 __all__ = ["Searcher", "SearcherError", "DIRECTIONS", "SEARCHERS", "register", "make_searcher", "restore_searcher"]
@@ -43,11 +50,43 @@ class SearcherError(UserError, ValueError):
 
 
 class Searcher(ABC):
-    """Subclasses give `name`, `_propose(n)` and, when they keep more than the history,
-    `_extra_state()` / `_load_extra_state()`; the base class keeps the history: the points
-    asked and not yet told (`pending`), and those told with their figure of merit (`told`)."""
+    """What proposes a study's parameters: ask for points, tell their figures of merit.
+
+    Every searcher (`bayes`, `evolution`, `random`, `grid`) has the same ask/tell
+    interface; points are dicts of plain Python values. A study's coordinator asks for
+    one point per free group of ranks and tells each trial's figure of merit as it
+    arrives, in any order. Subclasses give `name`, `_propose(n)` and, when they keep more
+    than the history, `_extra_state()` / `_load_extra_state()`; the base class keeps the
+    history: the points asked and not yet told (`pending`), and those told with their
+    figure of merit (`told`). `make_searcher` builds one from its name.
+
+    Args:
+        space: The search space: a string such as `"lr=log(1e-4,1e-1) hidden=int(16,256)"`,
+            scikit-optimize dimensions, or an `nbdist.hpo.Space`.
+        direction: `"minimize"` or `"maximize"` the figure of merit.
+        seed: The seed of every random choice: the same seed and the same results
+            give the same points.
+
+    Raises:
+        SearcherError: A bad direction or seed; `ask` and `tell` raise it for a bad count
+            or a point that was not asked.
+
+    Example:
+        >>> from nbdist.hpo import make_searcher
+        >>> searcher = make_searcher("random", "lr=log(1e-4,1e-1) hidden=int(16,256)", seed=0)
+        >>> points = searcher.ask(2)          # one per free group of ranks
+        >>> sorted(points[0])
+        ['hidden', 'lr']
+        >>> searcher.tell(points[1], 0.31)    # in any order, as trials finish
+        >>> searcher.tell(points[0], None)    # a failed trial
+        >>> [fom for _, fom in searcher.told]
+        [0.31, None]
+    """
 
     name: ClassVar[str]
+    parameter_help: ClassVar[dict[str, str]] = {}
+    multi_objective: ClassVar[bool] = False  # it may run a study of several objectives (a Pareto front)
+    takes_values: ClassVar[bool] = False  # it is told a list of values in a study of several objectives
 
     def __init__(self, space: Any, *, direction: str = "minimize", seed: int = 0):
         if direction not in DIRECTIONS:
@@ -64,6 +103,14 @@ class Searcher(ABC):
 
     # -- what the runner calls --------------------------------------------------------
     def ask(self, n: int = 1) -> list[dict]:
+        """Propose `n` points to train next (they stay `pending` until told).
+
+        Args:
+            n: How many points: one per free group of ranks.
+
+        Returns:
+            `n` dicts of parameter name to a plain Python value, inside the space.
+        """
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
             raise SearcherError(f"ask(n) needs a positive integer n, got {n!r}")
         points = [self.space.coerce(p) for p in self._propose(int(n))]
@@ -202,14 +249,15 @@ class Searcher(ABC):
     def _propose(self, n: int) -> list[dict]:
         """Up to n new points (they join `pending` when returned)."""
 
-    def _on_told(self, point: dict, fom: float | None) -> None:  # noqa: B027 - a hook: by default nothing
-        """Called after a point moved from `pending` to `told`."""
+    def _on_told(self, point: dict, fom: float | None) -> None:  # noqa: B027
+        """Called after a point moved from `pending` to `told`. By default nothing more
+        happens: a searcher that reads only `told` when it proposes needs no hook."""
 
     def _extra_state(self) -> dict:
         return {}
 
-    def _load_extra_state(self, extra: Mapping[str, Any]) -> None:  # noqa: B027 - a hook: by default nothing
-        pass
+    def _load_extra_state(self, extra: Mapping[str, Any]) -> None:  # noqa: B027
+        """Take back what `_extra_state` gave; by default there is nothing."""
 
     @classmethod
     def create(cls, space: Any, *, direction: str, seed: int, trials: int | None, **options: Any) -> Searcher:
@@ -222,12 +270,10 @@ class Searcher(ABC):
         return f"{type(self).__name__}({str(self.space)!r}, direction={self.direction!r}, seed={self.seed}{opts})"
 
 
-SEARCHERS: dict[str, type[Searcher]] = {}
-
-
-def register(cls: type[Searcher]) -> type[Searcher]:
-    SEARCHERS[cls.name] = cls
-    return cls
+# The space is the first constructor parameter; direction and seed are the study's own
+# options (--direction, --seed): a searcher's listed options are the rest.
+SEARCHERS: Registry[Searcher] = Registry("searcher", skip=1, supplied=("direction", "seed"))
+register = SEARCHERS.register
 
 
 def make_searcher(
@@ -241,8 +287,6 @@ def make_searcher(
     """`spec` names the searcher, with options: `"bayes"`, `"evolution(population=20)"`."""
     spec = parse_spec(spec, what="searcher")
     cls = SEARCHERS.get(spec.name)
-    if cls is None:
-        raise unknown_name("searcher", spec.name, list(SEARCHERS))
     check_kwargs(f"searcher {spec.name!r}", cls.__init__, spec.kwargs, skip=2)
     kwargs = {"direction": direction, "seed": seed, **spec.kwargs}
     try:
@@ -255,7 +299,7 @@ def make_searcher(
 
 def restore_searcher(state: Mapping[str, Any]) -> Searcher:
     """The searcher that `state()` described, continuing exactly where it was."""
-    cls = SEARCHERS.get(state.get("searcher"))  # type: ignore[arg-type]
-    if cls is None:
-        raise unknown_name("searcher", str(state.get("searcher")), list(SEARCHERS))
-    return cls.from_state(state)
+    name = str(state.get("searcher"))
+    if name not in SEARCHERS:
+        raise unknown_name("searcher", name, SEARCHERS.names())
+    return SEARCHERS.get(name).from_state(state)

@@ -14,10 +14,15 @@ without a beat.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from nbdist.hpo.executor import FoldOutcome, Running, TrialFinished
+from nbdist.hpo.schedulers import Scheduler
 from nbdist.hpo.trial import Segment, Trial, exploit_label, fold_of_run
+from nbdist.options import StudyOptions, TrainOptions
+from nbdist.store import RunStore
 
 __all__ = ["SharedStudy", "HEARTBEAT_SECONDS"]
 
@@ -27,11 +32,38 @@ HEARTBEAT_SECONDS = 5.0  # a shared study's coordinator says it is alive this of
 class SharedStudy:
     """What StudyRecords does for a study in a store that other jobs may share."""
 
+    # What StudyRecords (records.py), which this is mixed into, gives.
+    name: str
+    job: str
+    study: StudyOptions
+    train: TrainOptions
+    store: RunStore | None
+    scheduler: Scheduler
+    requeue: list[tuple[Trial, Segment]]
+    fresh: list[Trial]
+    stopping: str
+    say: Callable[[str], None]
+    _beat: float
+    _watching: bool
+    _rows: list[Any]
+    _refresh_results: Callable[[list[Any]], None]
+    _load_state: Callable[[], None]
+    _trials_of: Callable[[list[Any], str], list[Trial]]
+    _runs_by_trial: Callable[[], dict[int, dict[int, str]]]
+
+    @property
+    def _shared(self) -> RunStore:
+        """The run store a shared or resumed study keeps its state in: the methods that
+        call this run only with one."""
+        if self.store is None:
+            raise RuntimeError("this study has no run store to keep its state in")
+        return self.store
+
     def _sync_with_store(self) -> list[tuple[Running, TrialFinished]]:
         """Inside the study's lock: adopt the trials of jobs that are gone, read every job's
         rows, load the searcher and the scheduler."""
         recovered = self._adopt_orphans()
-        rows = self.store.trials(self.name)
+        rows = self._shared.trials(self.name)
         self._refresh_results(rows)
         self._watching = any(t.state == "running" for t in rows)
         self._load_state()
@@ -41,8 +73,8 @@ class SharedStudy:
         """Inside the study's lock: take over the running trials whose job is gone. Those
         whose fold runs all reached the end of their segment are returned with their
         outcome; the others go on from their checkpoints or train again."""
-        live = self.store.live_jobs(self.name)
-        rows = self.store.trials(self.name)
+        live = self._shared.live_jobs(self.name)
+        rows = self._shared.trials(self.name)
         self._rows = rows
         orphans = {t.number for t in rows if t.state == "running" and t.owner not in live}
         owners = {t.number: t.owner for t in rows}
@@ -50,7 +82,7 @@ class SharedStudy:
             trial
             for trial in self._trials_of(rows, "running")
             if trial.number in orphans
-            and self.store.claim_trial(self.name, trial.number, self.job, owners[trial.number])
+            and self._shared.claim_trial(self.name, trial.number, self.job, owners[trial.number])
         ]
         if claimed:
             self.say(
@@ -96,7 +128,7 @@ class SharedStudy:
     def _segments(self) -> dict[int, Segment]:
         """Each trial's last segment, as its start was recorded."""
         last: dict[int, Segment] = {}
-        for event in self.store.trial_events(self.name, kind="segment"):
+        for event in self._shared.trial_events(self.name, kind="segment"):
             last[event["number"]] = Segment.from_dict(event["data"])
         return last
 
@@ -105,7 +137,7 @@ class SharedStudy:
         end of its segment (a whole trial: completed)."""
         target = None if segment is None else (segment.pause_at or segment.epochs)
         folds: dict[int, FoldOutcome] = {}
-        for run in self.store.runs(study=self.name):
+        for run in self._shared.runs(study=self.name):
             tagged = fold_of_run(run.id)
             if run.trial != number or tagged is None:
                 continue
@@ -122,7 +154,7 @@ class SharedStudy:
         """Inside the lock: whether this job still owns the trial. One taken over while this
         job seemed gone (paused past its heartbeat) counts as the other job's: its result
         here is dropped, so that it is told once."""
-        mine = next((t.owner for t in self.store.trials(self.name) if t.number == number), None)
+        mine = next((t.owner for t in self._shared.trials(self.name) if t.number == number), None)
         if mine != self.job:
             self.say(f"nbdist: trial {number} was taken over by another job; this result is dropped")
             return False

@@ -23,8 +23,6 @@ from __future__ import annotations
 import ast
 import json
 import math
-import re
-import sys
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -33,9 +31,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 from nbdist.errors import UserError
-from nbdist.specs import unknown_name
 
-__all__ = ["Dimension", "Real", "Integer", "Categorical", "Space", "SpaceError", "as_space", "parse_space"]
+__all__ = ["Dimension", "Real", "Integer", "Categorical", "Space", "SpaceError", "category_from_text", "category_text"]
 
 PRIORS = ("uniform", "log-uniform")
 EXAMPLE = "lr=log(1e-4,1e-1) hidden=int(16,256) optimizer=cat(adam,sgd,rmsprop)"
@@ -50,7 +47,7 @@ def _same(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
-def _plain(value: Any) -> Any:
+def plain_value(value: Any) -> Any:
     """numpy scalars (what skopt hands back) as Python values."""
     return value.item() if isinstance(value, np.generic) else value
 
@@ -58,7 +55,7 @@ def _plain(value: Any) -> Any:
 def _number(value: Any, what: str) -> float:
     if type(value) is float and math.isfinite(value):  # the common case, fast
         return value
-    value = _plain(value)
+    value = plain_value(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise SpaceError(f"{what} must be a number, got {value!r}")
     if not math.isfinite(value):
@@ -69,7 +66,7 @@ def _number(value: Any, what: str) -> float:
 def _integer(value: Any, what: str) -> int:
     v = _number(value, what)
     if v != int(v):
-        raise SpaceError(f"{what} must be an integer, got {_plain(value)!r}")
+        raise SpaceError(f"{what} must be an integer, got {plain_value(value)!r}")
     return int(v)
 
 
@@ -191,14 +188,14 @@ class Integer(_Bounded):
         # (rounding would give the two ends half a share each).
         if self.log:
             return self.coerce_clip(math.floor(math.exp(rng.uniform(math.log(self.low), math.log(self.high + 1)))))
-        return int(rng.integers(self.low, self.high + 1))
+        return int(rng.integers(int(self.low), int(self.high) + 1))
 
     def coerce_clip(self, value: float) -> int:
         return int(min(max(math.floor(float(value) + 0.5), self.low), self.high))
 
     def grid(self, points: int) -> list[int]:
         if self.high - self.low + 1 <= points:
-            return list(range(self.low, self.high + 1))
+            return list(range(int(self.low), int(self.high) + 1))
         lo, hi = self.search_bounds
         return sorted({self.from_search(x) for x in np.linspace(lo, hi, max(1, points))})
 
@@ -222,7 +219,7 @@ class Categorical(Dimension):
     def __init__(self, categories: Sequence[Any]):
         if isinstance(categories, (str, bytes)) or not isinstance(categories, Sequence):
             raise SpaceError(f"categories must be a list, got {categories!r}")
-        cats = tuple(_plain(c) for c in categories)
+        cats = tuple(plain_value(c) for c in categories)
         if not cats:
             raise SpaceError("a categorical dimension needs at least one category")
         for c in cats:
@@ -231,7 +228,7 @@ class Categorical(Dimension):
                     f"category {c!r} is a {type(c).__name__}; categories must be strings, "
                     f"numbers, True/False or None (write a tuple as a string, e.g. '64x64')"
                 )
-        seen = []
+        seen: list[Any] = []
         for c in cats:
             if any(_same(c, s) for s in seen):
                 raise SpaceError(f"category {c!r} is given twice")
@@ -240,7 +237,7 @@ class Categorical(Dimension):
 
     def index(self, value: Any) -> int:
         for i, c in enumerate(self.categories):
-            if _same(c, _plain(value)):
+            if _same(c, plain_value(value)):
                 return i
         raise ValueError(f"{value!r} is not one of {list(self.categories)!r}")
 
@@ -262,7 +259,7 @@ class Categorical(Dimension):
         return SkCategorical(list(self.categories), name=name)
 
     def __str__(self) -> str:
-        return f"cat({','.join(_format_category(c) for c in self.categories)})"
+        return f"cat({','.join(category_text(c) for c in self.categories)})"
 
 
 # ----------------------------------------------------------------------------- the space
@@ -333,7 +330,7 @@ class Space(Mapping[str, Dimension]):
 
     @classmethod
     def from_json(cls, items: Sequence[Mapping[str, Any]]) -> Space:
-        dims = {}
+        dims: dict[str, Dimension] = {}
         for item in items:
             item = dict(item)
             name, kind = item.pop("name"), item.pop("kind")
@@ -350,108 +347,7 @@ class Space(Mapping[str, Dimension]):
 _BOUNDED_KINDS: dict[str, type[_Bounded]] = {Real.kind: Real, Integer.kind: Integer}
 
 
-def as_space(space: Any) -> Space:
-    """A Space from what a user may hand over: a Space, the compact text, a dict of
-    name -> dimension (nbdist's, skopt's, or compact text like 'log(1e-4,1e-1)'), or a list
-    of skopt dimensions that have names."""
-    if isinstance(space, Space):
-        return space
-    if isinstance(space, str):
-        return parse_space(space)
-    if isinstance(space, Mapping):
-        return Space({name: _dimension(name, dim) for name, dim in space.items()})
-    if isinstance(space, Sequence):
-        dims = {}
-        for dim in space:
-            name = getattr(dim, "name", None)
-            if not name:
-                raise SpaceError(
-                    f"{dim!r} has no name; give skopt dimensions a name=..., or pass a dict name -> dimension"
-                )
-            if name in dims:
-                raise SpaceError(f"parameter {name!r} is given twice")
-            dims[name] = _dimension(name, dim)
-        return Space(dims)
-    raise SpaceError(f"cannot make a search space from {space!r}; write e.g. {EXAMPLE!r}")
-
-
-def _dimension(name: str, dim: Any) -> Dimension:
-    if isinstance(dim, Dimension):
-        return dim
-    if isinstance(dim, str):
-        parts = list(_parts(f"{name}={dim}"))
-        if len(parts) != 1:
-            raise SpaceError(f"parameter {name!r}: write one dimension such as 'log(1e-4,1e-1)', got {dim!r}")
-        return _parse_part(*parts[0])
-    skopt_space = sys.modules.get("skopt.space")  # a skopt object means skopt is imported
-    if skopt_space is not None:
-        if isinstance(dim, skopt_space.Categorical):
-            return Categorical(list(dim.categories))
-        if isinstance(dim, (skopt_space.Real, skopt_space.Integer)):
-            cls = Integer if isinstance(dim, skopt_space.Integer) else Real
-            try:
-                return cls(_plain(dim.low), _plain(dim.high), prior=dim.prior)
-            except SpaceError as exc:
-                raise SpaceError(f"parameter {name!r}: {exc}") from None
-    raise SpaceError(
-        f"parameter {name!r}: {dim!r} is not a dimension; use Real, Integer or Categorical "
-        f"(nbdist.hpo or skopt.space), or text such as 'log(1e-4,1e-1)'"
-    )
-
-
-# ----------------------------------------------------------------------------- compact text
-def _real(prior: str):
-    def make(args: list[str]) -> Real:
-        low, high = _numbers(args, 2)
-        return Real(low, high, prior=prior)
-
-    return make
-
-
-def _int(prior: str):
-    def make(args: list[str]) -> Integer:
-        low, high = _numbers(args, 2)
-        return Integer(low, high, prior=prior)
-
-    return make
-
-
-def _cat(args: list[str]) -> Categorical:
-    if not args or args == [""]:
-        raise SpaceError("no category given")
-    return Categorical([_category(a) for a in args])
-
-
-# One registry, looked up once per part: kind -> (constructor from the argument texts, usage).
-KINDS = {
-    "real": (_real("uniform"), "real(low,high) for a uniform real"),
-    "uniform": (_real("uniform"), "uniform(low,high) for a uniform real"),
-    "log": (_real("log-uniform"), "log(low,high) for a log-uniform real, 0 < low"),
-    "loguniform": (_real("log-uniform"), "loguniform(low,high) for a log-uniform real, 0 < low"),
-    "int": (_int("uniform"), "int(low,high) for integers from low to high included"),
-    "logint": (_int("log-uniform"), "logint(low,high) for log-uniform integers, 0 < low"),
-    "cat": (_cat, "cat(a,b,...) for one of the categories"),
-}
-
-
-def _numbers(args: list[str], count: int) -> list[float | int]:
-    if any(not a.strip() for a in args) and args != [""]:
-        raise SpaceError("an argument is empty")
-    if len(args) != count or args == [""]:
-        raise SpaceError(f"expected {count} numbers (low,high), got {len(args) if args != [''] else 0}")
-    out = []
-    for a in args:
-        try:
-            value = ast.literal_eval(a.strip())
-        except (ValueError, SyntaxError):
-            value = None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise SpaceError(f"{a.strip()!r} is not a number")
-        out.append(value)
-    return out
-
-
-def _category(text: str) -> Any:
+def category_from_text(text: str) -> Any:
     text = text.strip()
     if not text:
         raise SpaceError("a category is empty")
@@ -464,88 +360,7 @@ def _category(text: str) -> Any:
     return text
 
 
-def _format_category(c: Any) -> str:
-    if isinstance(c, str) and _category(c) == c and not any(ch in c for ch in ",()'\" \t\n"):
+def category_text(c: Any) -> str:
+    if isinstance(c, str) and category_from_text(c) == c and not any(ch in c for ch in ",()'\" \t\n"):
         return c
     return repr(c)
-
-
-def _split_args(text: str) -> list[str]:
-    """Split on commas that are outside quotes."""
-    args, current, quote = [], [], None
-    for ch in text:
-        if quote:
-            current.append(ch)
-            if ch == quote:
-                quote = None
-        elif ch in "'\"":
-            quote = ch
-            current.append(ch)
-        elif ch == ",":
-            args.append("".join(current))
-            current = []
-        else:
-            current.append(ch)
-    args.append("".join(current))
-    return args
-
-
-# name = kind (   -- loose on purpose, so that a bad name or kind gets its own message
-_HEAD = re.compile(r"([^\s=(),;]+)\s*=\s*([^\s=(),;]*)\s*\(")
-_SEPARATORS = " \t\n,;"
-
-
-def _parts(text: str) -> Iterator[tuple[str, str, str, str]]:
-    """Yield (part, name, kind, argument text) for each `name=kind(args)` of the text;
-    parts are separated by blanks, commas or semicolons."""
-    i, n = 0, len(text)
-    while True:
-        while i < n and text[i] in _SEPARATORS:
-            i += 1
-        if i >= n:
-            return
-        head = _HEAD.match(text, i)
-        if head is None:
-            bad = text[i:].strip()
-            bad = bad if len(bad) <= 40 else bad[:37] + "..."
-            raise SpaceError(f"cannot read {bad!r} in the space: write name=kind(args), e.g. {EXAMPLE!r}")
-        j, depth, quote = head.end(), 1, None
-        while j < n and depth:
-            ch = text[j]
-            if quote:
-                quote = None if ch == quote else quote
-            elif ch in "'\"":
-                quote = ch
-            elif ch == "(":
-                depth += 1
-            elif ch == ")":
-                depth -= 1
-            j += 1
-        if depth:
-            raise SpaceError(f"{text[i:].strip()!r}: missing ')'")
-        yield text[i:j], head.group(1), head.group(2).lower(), text[head.end() : j - 1]
-        i = j
-
-
-def _parse_part(part: str, name: str, kind: str, inner: str) -> Dimension:
-    if not name.isidentifier():
-        raise SpaceError(f"{part!r}: parameter name {name!r} must be a Python identifier (letters, digits, _)")
-    if kind not in KINDS:
-        raise SpaceError(f"{part!r}: {unknown_name('kind', kind, list(KINDS))}")
-    make, usage = KINDS[kind]
-    try:
-        return make(_split_args(inner))
-    except SpaceError as exc:
-        raise SpaceError(f"{part!r}: {exc}; write {usage}") from None
-
-
-def parse_space(text: str) -> Space:
-    """The compact form: `"lr=log(1e-4,1e-1) hidden=int(16,256) optimizer=cat(adam,sgd)"`.
-
-    A malformed space is one SpaceError that quotes the part at fault."""
-    dims: dict[str, Dimension] = {}
-    for part, name, kind, inner in _parts(str(text)):
-        if name in dims:
-            raise SpaceError(f"{part!r}: parameter {name!r} is given twice")
-        dims[name] = _parse_part(part, name, kind, inner)
-    return Space(dims)

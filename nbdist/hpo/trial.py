@@ -33,9 +33,10 @@ from typing import Any
 
 import numpy as np
 
-from nbdist.algorithms import MASTER_WORKER_ALGORITHMS
+from nbdist.algorithms import RULES, Algorithm
 from nbdist.errors import UserError
-from nbdist.hpo.space import parse_space
+from nbdist.hpo.space_input import parse_space
+from nbdist.layout import Layout
 from nbdist.options import StudyOptions, TrainOptions, parse_target
 from nbdist.specs import parse_spec
 from nbdist.store import store_path
@@ -58,6 +59,8 @@ __all__ = [
     "CHANGEABLE_HELP",
     "trial_options",
     "with_params",
+    "takes_params",
+    "study_layout",
     "fold_split",
     "fold_fom",
     "run_name",
@@ -90,6 +93,13 @@ class Trial:
     value: float | None = None  # the objective after `epochs`, mean over its folds
     runs: dict[int, str] = field(default_factory=dict)  # fold -> its run's directory name
     asked: dict[str, Any] | None = None  # the parameters the searcher gave (PBT changes `params`)
+
+    @property
+    def placed(self) -> int:
+        """The group the trial runs or last ran on (a trial started has one)."""
+        if self.group is None:
+            raise RuntimeError(f"trial {self.number} has not run on a group")
+        return self.group
 
     def mean_at(self, epoch: int) -> float | None:
         values = self.curve.get(epoch)
@@ -176,8 +186,9 @@ def _rule_parameters(options: TrainOptions) -> set[str]:
     momentum, which go with the optimiser parameters)."""
     if options.topology != "master-worker" or not options.algorithm:
         return set()
-    rule = MASTER_WORKER_ALGORITHMS.get(parse_spec(options.algorithm, what="--algorithm").name)
-    if rule is None:
+    name = parse_spec(options.algorithm, what="--algorithm").name
+    rule = RULES.get(name) if name in RULES else None
+    if rule is None or not issubclass(rule, Algorithm):
         return set()
     return set(inspect.signature(rule.__init__).parameters) - {"self", "params", *STEP_PARAMS}
 
@@ -216,8 +227,9 @@ def _optimizer_option(options: TrainOptions) -> str:
     itself, Downpour pushing every batch its master's optimiser, else the workers'."""
     if options.topology != "master-worker":
         return "worker_optimizer"
-    rule = MASTER_WORKER_ALGORITHMS.get(parse_spec(options.algorithm or "downpour", what="--algorithm").name)
-    if rule is None:  # the run's set-up names the valid ones
+    name = parse_spec(options.algorithm or "downpour", what="--algorithm").name
+    rule = RULES.get(name) if name in RULES else None
+    if rule is None or not issubclass(rule, Algorithm):  # the run's set-up names the valid ones
         return "worker_optimizer"
     if not (rule.uses_worker_optimizer or rule.uses_master_optimizer):
         return "algorithm"
@@ -232,15 +244,19 @@ def _default_optimizer(option: str) -> str:
     return DEFAULT_MASTER_OPTIMIZER if option == "master_optimizer" else DEFAULT_WORKER_OPTIMIZER
 
 
+def takes_params(build: Callable[..., Any]) -> bool:
+    """Whether a model builder takes an argument: the trial's parameters."""
+    try:
+        return len(inspect.signature(build).parameters) > 0
+    except (TypeError, ValueError):  # a builtin or a class without a signature
+        return False
+
+
 def with_params(build: Callable[..., Any] | None, params: dict[str, Any]) -> Callable[[], Any] | None:
     """A no-argument builder that passes `params` to `build` when it takes an argument."""
     if build is None:
         return None
-    try:
-        takes = len(inspect.signature(build).parameters) > 0
-    except (TypeError, ValueError):  # a builtin or a class without a signature
-        takes = False
-    return (lambda: build(params)) if takes else build
+    return (lambda: build(params)) if takes_params(build) else build
 
 
 def fold_split(data: Any, fold: int, folds: int, seed: int) -> Any:
@@ -289,6 +305,21 @@ def fold_fom(final: dict[str, Any], objective: str) -> float:
     if value is None or not math.isfinite(float(value)):
         raise TrialError(f"the objective {objective} is {value}")
     return float(value)
+
+
+def study_layout(study: StudyOptions, train: TrainOptions, ranks: int) -> Layout:
+    """The layout of a batch study on `ranks` MPI ranks: rank 0 coordinates, the others
+    train in groups x folds runs (LayoutError when `ranks` cannot hold them)."""
+    return Layout.for_world(
+        ranks,
+        workers=train.workers,
+        masters=train.masters,
+        procs_per_worker=train.procs_per_worker,
+        topology=train.topology,
+        groups=study.groups,
+        folds=study.folds,
+        coordinator=True,
+    )
 
 
 def check_study(study: StudyOptions, train: TrainOptions) -> None:

@@ -87,7 +87,7 @@ class RecordHistory:
         """Drop the oldest interval records, keeping the newest `keep_recent` of them."""
         drop = self._interval_kept - self._keep_recent
         kept, numbers = [], []
-        for record, number in zip(self.records, self._numbers):
+        for record, number in zip(self.records, self._numbers, strict=True):
             if drop > 0 and record["kind"] not in KEPT_KINDS:
                 drop -= 1
                 continue

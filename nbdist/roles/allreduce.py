@@ -23,6 +23,7 @@ go on from the last checkpoint on fewer ranks (roles/runner.py).
 
 from __future__ import annotations
 
+import functools
 import time
 
 import numpy as np
@@ -57,7 +58,7 @@ class Replica:
         self.comm = ctx.comms.run  # the ranks that hold the same parameters as this one
         self.index, self.count = self.comm.Get_rank(), self.comm.Get_size()  # shard, of shards
         # The rank whose checkpoint share holds this rank's weights and optimiser bit for bit.
-        self.twin = ctx.layout.fold_ranks(ctx.role.group, ctx.role.fold)[0]
+        self.twin = ctx.layout.fold_ranks(*ctx.role.run)[0]
 
     def gradients(self, x, y, scale: float) -> BatchStats:
         """This rank's gradient of its shard (x, y), times `scale`; the shard's sums."""
@@ -81,6 +82,8 @@ def run_allreduce(ctx: RankContext, replica: Replica | None = None) -> RunResult
     backend = ctx.backend
     # The weights and BatchNorm statistics as MPI sees them (zero-copy on the host).
     params, model_state = Staging(backend.params, backend.copier), Staging(backend.state, backend.copier)
+    if ctx.worker_optimizer is None:
+        raise RuntimeError("the allreduce topology steps with --worker-optimizer, and none was resolved")
     opt = backend.make_optimizer(ctx.worker_optimizer)
     collectives = ctx.peers.collectives
     reducer = make_reducer(
@@ -119,7 +122,8 @@ def run_allreduce(ctx: RankContext, replica: Replica | None = None) -> RunResult
     started = time.time()
     stop_reason = ""
     report = TrainReport(ctx, ("compute", "wait", "update"))
-    tally, sizes, n_batches = EpochTally(), [], 0
+    tally, n_batches = EpochTally(), 0
+    sizes: np.ndarray = np.empty((0, 0), np.int64)  # the step's shard sizes, per step (begin_epoch)
 
     # Each rank writes its share on a thread (train/writer.py), from copies: the ranks go on
     # training. Once its share is on disk a rank starts a barrier for that checkpoint (in
@@ -165,7 +169,7 @@ def run_allreduce(ctx: RankContext, replica: Replica | None = None) -> RunResult
                     "world_ranks": ctx.world_ranks,
                     "time": time.time(),
                 }
-                writer.submit(lambda label=label, meta=meta: ctx.checkpoints.commit(label, meta))
+                writer.submit(functools.partial(ctx.checkpoints.commit, label, meta))
         if block:
             writer.finish()
 
@@ -235,6 +239,7 @@ def run_allreduce(ctx: RankContext, replica: Replica | None = None) -> RunResult
             # Every rank holds the same global metrics; one record per epoch, like a master's.
             ctx.log.emit("epoch", metrics, step=(epoch + 1) * n_batches, epoch=epoch + 1)
         ctx.say(format_epoch(metrics, ctx.options.epochs))
+        ctx.watch_loss(metrics)
         decision = ctx.early.update(metrics)
         if ctx.checkpoint_due(epoch + 1) or decision.stop:
             save(f"epoch-{epoch + 1:04d}", epoch + 1, 0)
@@ -262,6 +267,8 @@ def run_allreduce(ctx: RankContext, replica: Replica | None = None) -> RunResult
     final = replica.final_arrays()
     if rank != 0:
         return None
+    if final is None:
+        raise RuntimeError("rank 0 of the run gathered no final weights")
     return write_final(ctx.run_dir, final, history, reason, time.time() - started, faults)
 
 

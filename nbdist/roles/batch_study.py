@@ -13,8 +13,9 @@ from collections.abc import Callable
 from typing import Any
 
 from nbdist.errors import UserError
+from nbdist.hpo.reads import check_space_is_read
 from nbdist.hpo.runner import StudyResult, StudyRunner
-from nbdist.hpo.trial import check_study
+from nbdist.hpo.trial import check_study, study_layout
 from nbdist.options import StudyOptions, TrainOptions
 from nbdist.roles.study import MPIGroups, serve_group
 from nbdist.store import store_path
@@ -32,27 +33,18 @@ def run_study(
     say: Callable[[str], None] = print,
 ) -> StudyResult | None:
     """Collective over `comm` (default COMM_WORLD): the StudyResult on rank 0, None elsewhere."""
-    from nbdist.layout import Layout
     from nbdist.transport.agreement import agree
     from nbdist.transport.node import world
 
     comm = world() if comm is None else comm
     check_study(study, train)
-    layout = Layout.for_world(
-        comm.Get_size(),
-        workers=train.workers,
-        masters=train.masters,
-        procs_per_worker=train.procs_per_worker,
-        topology=train.topology,
-        groups=study.groups,
-        folds=study.folds,
-        coordinator=True,
-    )
+    layout = study_layout(study, train, comm.Get_size())
     stop = StopFlag()
     stop.install()
     runner, error = None, None
     if comm.Get_rank() == 0:
         try:  # the searcher, the store and a resumed study's state: the coordinator's
+            check_space_is_read(study, train, definition)
             runner = StudyRunner(study, train, MPIGroups(comm, layout), store_path(train.store, train.runs_dir), say)
         except UserError as exc:
             error = exc

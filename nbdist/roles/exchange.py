@@ -83,7 +83,7 @@ def send_shares(
 ) -> None:
     """This rank's share of trial `number` to its place in each receiving group; returns
     once each has committed it."""
-    index, fold = comms.run.Get_rank(), comms.role.fold
+    index, (_, fold) = comms.run.Get_rank(), comms.role.run
     arrays, _, label = kept.share(number, run_dir, index)
     info = {"trial": number, "epoch": epoch, "label": label}
     shared = {group: arrays.get(group, {}) for group in TAKEN}
@@ -108,14 +108,16 @@ def receive_share(
 ) -> dict[str, Any]:
     """Take the source group's share into this run's checkpoint `exploit-<epoch>`
     (collective over the fold); returns what was copied, for the run's records."""
-    index, fold = comms.run.Get_rank(), comms.role.fold
+    index, (_, fold) = comms.run.Get_rank(), comms.role.run
     source_group, source_trial = source
     origin = _peer(layout, source_group, fold, index)
     arrays, info = receive_state(world, origin, timeout)
     label = exploit_label(epoch)
     checkpoints = Checkpoints(run_dir)
     latest = checkpoints.latest()
-    done = latest is not None and latest.name == label  # copied before a kill: kept as it was
+    if latest is None:  # a receiver has trained a segment: its run has a checkpoint on every rank
+        raise RuntimeError(f"trial {number} has no checkpoint in {run_dir} to take trial {source_trial}'s state into")
+    done = latest.name == label  # copied before a kill: kept as it was
     if not done:
         own, scalars, _ = kept.share(number, run_dir, index)
         share = {**{g: own.get(g, {}) for g in own if g not in TAKEN}, **arrays}
@@ -147,7 +149,7 @@ def exchange(
     it, or the state it takes into its run's checkpoint. Every rank of the group calls it."""
     if segment.exchange_epoch is None:
         return None
-    run_dir = Path(runs_dir) / segment.runs[comms.role.fold]
+    run_dir = Path(runs_dir) / segment.runs[comms.role.run[1]]
     if segment.send_to:
         send_shares(world, comms, layout, kept, number, run_dir, segment.send_to, segment.exchange_epoch, timeout)
     if segment.receive_from is not None:

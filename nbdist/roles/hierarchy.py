@@ -30,7 +30,7 @@ is bound to every worker of the run (train/context.py), so each master's step is
 workers' share of one elastic round, and the sum is exactly one master serving them all.
 
 Message, as a worker's: [header | delta | model state] (the state is the mean of its
-workers'), VERSION = the top version of the last pull. Its header forwards
+workers'), VERSION = the top version of the last pull. Its header forwards::
 
   EPOCH_END    with the epoch's train sums of its workers (other pushes carry 0 samples),
                so the top master's epoch ends when its workers and every sub-master ended it;
@@ -97,14 +97,14 @@ __all__ = ["run_sub_master", "sub_master_clients"]
 def sub_master_clients(ctx: RankContext) -> list[Client]:
     """The top master's clients on the `masters` communicator, sub-master j = peer j."""
     layout, role = ctx.layout, ctx.role
-    masters = [r for r in layout.fold_ranks(role.group, role.fold) if layout.role(r).kind == "master"]
+    masters = [r for r in layout.fold_ranks(*role.run) if layout.role(r).kind == "master"]
     return [
         Client(
             ctx.comms.masters,
             j,
             SUB_MASTER,
             rank,
-            merge=ctx.algorithm.merge_master_steps,
+            merge=ctx.rule.merge_master_steps,
             weight=layout.workers,
             silence=Silence(ctx.options.peer_timeout),
         )
@@ -118,9 +118,13 @@ class SubMaster(Master):
     """A master of its own workers that asks the top master instead of deciding (stops),
     pushes instead of validating (epochs) and acknowledges instead of committing."""
 
-    uplink: WorkerChannel | None = None  # to the top master, on the `masters` communicator
-    pulled: np.ndarray | None = None  # the top centre at the last pull
-    incoming: np.ndarray | None = None  # the top master's reply (a STOP reply is no pull)
+    # Set by run_sub_master before it serves: to the top master, on the `masters`
+    # communicator; the top centre at the last pull; the top master's reply (a STOP reply
+    # is no pull); the push it sends.
+    uplink: WorkerChannel = field(init=False, repr=False)
+    pulled: np.ndarray = field(init=False, repr=False)
+    incoming: np.ndarray = field(init=False, repr=False)
+    out: m.Message = field(init=False, repr=False)
     pulled_version: int = 0  # the top master's version of `pulled`
     unpushed: int = 0  # updates applied since the last push
     samples_pushed: int = 0  # samples_seen at the last push the top master took
@@ -129,7 +133,6 @@ class SubMaster(Master):
     epochs_acked: int = 0
     stop_acked: bool = False
     snapshot_ack: float = m.NO_CHECKPOINT  # the top's snapshot, complete below: acknowledged at the next push
-    out: m.Message | None = None
     top_reply: np.ndarray = field(default_factory=m.new_header)
 
     def request_stop(self, reason: str) -> None:
@@ -261,9 +264,7 @@ class SubMaster(Master):
 def run_sub_master(ctx: RankContext) -> None:
     layout, role = ctx.layout, ctx.role
     top_rank = next(
-        r
-        for r in layout.fold_ranks(role.group, role.fold)
-        if layout.role(r).kind == "master" and layout.role(r).master == 0
+        r for r in layout.fold_ranks(*role.run) if layout.role(r).kind == "master" and layout.role(r).master == 0
     )
     me = SubMaster(ctx, top_reply=m.new_header(layout.workers))
     open_master(me, worker_clients(ctx))

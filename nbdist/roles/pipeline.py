@@ -134,8 +134,11 @@ def stage_layout(sizes: list[int], floats: list[int]) -> tuple[list[int], list[i
 
 def stage_runner(ctx: RankContext) -> StageRunner:
     """This rank's stage of its worker (or replica), linked to its neighbours."""
-    links = StageLinks(ctx.comms.worker, ctx.peers.collectives, ctx.role.proc, ctx.comms.worker.Get_size())
-    return StageRunner(ctx.backend, links, ctx.options.pipeline_schedule, ctx.options.micro_batches)
+    links = StageLinks(ctx.comms.worker, ctx.peers.collectives, ctx.role.proc_index, ctx.comms.worker.Get_size())
+    stage = ctx.backend
+    if not isinstance(stage, TorchStage):
+        raise TypeError(f"a pipeline stage's backend is a TorchStage, not {type(stage).__name__}")
+    return StageRunner(stage, links, ctx.options.pipeline_schedule, ctx.options.micro_batches)
 
 
 def stage_parts(ctx: RankContext) -> tuple[StageParts, StageParts]:
@@ -235,7 +238,7 @@ class StageReplica(Replica):
         role = ctx.role
         self.comm = ctx.comms.stage
         self.index, self.count = role.worker, ctx.layout.workers
-        self.twin = ctx.layout.fold_ranks(role.group, role.fold)[0] + role.proc  # replica 0's stage
+        self.twin = ctx.layout.fold_ranks(*role.run)[0] + role.proc_index  # replica 0's stage
         self.runner = stage_runner(ctx)
 
     def gradients(self, x, y, scale: float) -> BatchStats:
@@ -251,20 +254,24 @@ class StageReplica(Replica):
         ctx = self.ctx
         if ctx.role.worker != 0:
             return None
-        backend, first = ctx.backend, ctx.role.proc == 0
-        whole = ctx.make_replica() if first else None  # the stages in a row, as a master holds them
+        backend = ctx.backend
+        # The first stage gathers the stages in a row, as a master holds them.
+        whole = ctx.make_replica() if ctx.role.proc == 0 else None
         for parts, mine, into in zip(
-            stage_parts(ctx), (backend.params, backend.state), (whole.params, whole.state) if first else (None, None)
+            stage_parts(ctx),
+            (backend.params, backend.state),
+            (whole.params, whole.state) if whole is not None else (None, None),
+            strict=True,
         ):
-            target = Staging(into, whole.copier) if first else None
+            target = Staging(into, whole.copier) if whole is not None else None
             parts.gather(
                 Staging(mine, backend.copier).to_host(),
-                target.to_host() if first else None,
+                target.to_host() if target is not None else None,
                 "the pipeline stages' final weights",
             )
-            if first:
+            if target is not None:
                 target.to_device()
-        return whole.named_arrays() if first else None
+        return whole.named_arrays() if whole is not None else None
 
 
 def run_pipeline_replicas(ctx: RankContext) -> RunResult | None:

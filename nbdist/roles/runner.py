@@ -68,7 +68,10 @@ def run_rank(
         if threading.current_thread() is threading.main_thread():
             stop.install()
     restart_of: Path | None = None
-    for attempt in range(options.max_restarts + 1):
+    # A bad --max-restarts (negative, not a number) still makes one attempt, whose set-up
+    # rejects it with the options' own error: no attempt at all would report nothing.
+    restarts = options.max_restarts if isinstance(options.max_restarts, int) else 0
+    for attempt in range(max(restarts, 0) + 1):
         try:
             return _run_once(options, definition, comm, stop, sink, record, trial, restart_of, attempt)
         except RunFailure as failure:
@@ -163,7 +166,8 @@ def _run_once(
         )
         ctx.peers.control.tell_all(told)
         _record_failure(ctx, told, options, attempt)
-        exc.reported_here = getattr(told, "reported_here", False)
+        # Whatever the exception, the CLI asks it whether to print it (cli.py, _reports).
+        setattr(exc, "reported_here", bool(told.reported_here))  # noqa: B010
         raise
     finally:
         restarting = isinstance(failure, RunFailure) and _restartable(failure, options, attempt)

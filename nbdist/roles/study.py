@@ -1,6 +1,6 @@
 """A study under mpiexec: rank 0 coordinates, the other ranks form N_G groups of N_F fold
-runs each (the layout of ARCHITECTURE.md, section 2), and every group trains one segment
-of a trial at a time.
+runs each (the rank layout, docs/explanation/architecture.md section 2), and every group
+trains one segment of a trial at a time.
 
     coordinator (rank 0)                      group g (its first rank leads)
       TRIAL (number, params, segment)  ---->  to the group; PBT's copies first (exchange.py),
@@ -185,7 +185,7 @@ def serve_group(
     """A non-coordinator rank: train the segments of trials the coordinator hands this
     rank's group, until it says stop. Collective over the group."""
     role = comms.role
-    group, fold = comms.group, role.fold
+    group, (_, fold) = comms.group, role.run
     fold_leader = comms.run.Get_rank() == 0
     collectives = Collectives(lambda: STUDY_WAIT)
     channel = GroupChannel(world)

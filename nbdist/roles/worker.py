@@ -75,25 +75,25 @@ class Worker:
             synchronise_batchnorm(ctx, self.wcomm)  # --sync-batchnorm: over the worker's processes
         n, s = backend.num_params, len(backend.state)
         self.opt = backend.make_optimizer(ctx.worker_optimizer) if ctx.worker_optimizer else None
-        self.rule_state = ctx.algorithm.new_worker_state(n, ctx.sync_every, like=self.rule_params)
+        self.rule_state = ctx.rule.new_worker_state(n, ctx.sync_every, like=self.rule_params)
         # One shard per worker of the whole run, sub-masters' workers included: an epoch is
         # one pass over the data however the workers are grouped.
         self.workers, masters = ctx.layout.workers, max(ctx.layout.masters, 1)
         self.plan = ctx.data.plan(masters * self.workers, ctx.options.batch_size, ctx.options.seed)
-        self.first_shard = role.master * self.workers
+        self.first_shard = role.master_index * self.workers
         taker = self.opt if self.opt is not None else rule_lr(ctx.algorithm)  # GEM steps with its own lr
         self.lr = WorkerLr(ctx.worker_lr, taker, self.plan.batches_per_epoch)
         self.members: tuple[int, ...] = tuple(range(self.workers))
         self.version = 0
         # --compression: the leader encodes its message (one point: _exchange); a worker of
         # several processes also reduces its gradient through the codec (_reduce_gradient).
-        compressed = ctx.compression is not None and self.replicas
-        codec = make_codec(ctx.compression, n, backend.param_blocks()) if compressed else None
+        compression = ctx.compression if self.replicas else None
+        codec = make_codec(compression, n, backend.param_blocks()) if compression is not None else None
         self.compressor = Compressor(codec) if codec is not None and self.leader else None
         self.carried_before: dict[str, np.ndarray] = {}  # the compressor's state before the last message
         self.reduction = (
-            compressed_reduction(self.wcomm, ctx.compression, n, [(0, n)], backend.param_blocks())
-            if compressed and reduces
+            compressed_reduction(self.wcomm, compression, n, [(0, n)], backend.param_blocks())
+            if compression is not None and reduces
             else None
         )
         self.out = m.Message(n, s, codec.wire_size if codec is not None else 0)
@@ -114,7 +114,7 @@ class Worker:
         self.overflows = 0  # fp16 gradients left out (_overflowed)
         self.master_rank = next(
             r
-            for r in ctx.layout.fold_ranks(role.group, role.fold)
+            for r in ctx.layout.fold_ranks(*role.run)
             if ctx.layout.role(r).kind == "master" and ctx.layout.role(r).master == role.master
         )
         self.channel = WorkerChannel(
@@ -165,7 +165,7 @@ class Worker:
         ctx = self.ctx
         if ctx.resume_from is None:
             self._first_weights()
-            ctx.algorithm.worker_start(self.rule_state, self.rule_params)
+            ctx.rule.worker_start(self.rule_state, self.rule_params)
             return 0, 0
         try:
             carried = self._carried()
@@ -177,7 +177,7 @@ class Worker:
         if ctx.relayout:
             # Restarted on other ranks: the shards are new, so every worker starts the
             # master's current epoch from its first batch.
-            _, master = Checkpoints.read_rank(ctx.resume_from, master_share(ctx.resume_from, ctx.role.master))
+            _, master = Checkpoints.read_rank(ctx.resume_dir, master_share(ctx.resume_dir, ctx.role.master_index))
             return int(master["next_epoch"]), 0
         if extra.get("members") is not None:
             self.members = tuple(int(w) for w in extra["members"])
@@ -198,8 +198,8 @@ class Worker:
         finished (then it says DONE at once), or it had been dropped (then it starts again
         from the centre, at the first epoch whose data it owns)."""
         ctx = self.ctx
-        meta = Checkpoints.read_meta(ctx.resume_from)
-        arrays, master = Checkpoints.read_rank(ctx.resume_from, master_share(ctx.resume_from, ctx.role.master))
+        meta = Checkpoints.read_meta(ctx.resume_dir)
+        arrays, master = Checkpoints.read_rank(ctx.resume_dir, master_share(ctx.resume_dir, ctx.role.master_index))
         if not ctx.relayout and ctx.comms.world.Get_rank() in meta.get("finished", []):
             # It had trained every epoch of the run as it was then; a resume that extends
             # the run has it go on from the centre.
@@ -207,7 +207,7 @@ class Worker:
             if done >= ctx.options.epochs:
                 return ctx.options.epochs, 0
             copy_into(self.params.device, arrays["model"]["params"])
-            ctx.algorithm.worker_start(self.rule_state, self.rule_params)
+            ctx.rule.worker_start(self.rule_state, self.rule_params)
             return done, 0
         if ctx.relayout:
             fixed: dict[int, tuple[int, ...]] = {}
@@ -217,7 +217,7 @@ class Worker:
         if "state" in arrays["model"]:
             copy_into(self.model_state.device, arrays["model"]["state"])
         self.version = int(master["version"])
-        ctx.algorithm.worker_start(self.rule_state, self.rule_params)
+        ctx.rule.worker_start(self.rule_state, self.rule_params)
         mine = [e for e, members in sorted(fixed.items()) if ctx.role.worker in members]
         start = mine[0] if mine else max([int(master["next_epoch"]), *(e + 1 for e in fixed)])
         if start in fixed:
@@ -225,7 +225,7 @@ class Worker:
         return start, 0
 
     def _batches(self, epoch: int) -> list[np.ndarray]:
-        me = self.ctx.role.worker
+        me = self.ctx.role.worker_index
         if len(self.members) == self.workers:
             return self.plan.epoch(epoch, self.first_shard + me)
         shards = self.plan.every_shard(epoch)[self.first_shard : self.first_shard + self.workers]
@@ -247,7 +247,7 @@ class Worker:
         if self._overflowed():
             sync_now = last  # this batch's gradient is left out, as GradScaler skips its step
         else:
-            sync_now = ctx.algorithm.worker_step(self.rule_state, self.rule_params, self.rule_grads, self.opt) or last
+            sync_now = ctx.rule.worker_step(self.rule_state, self.rule_params, self.rule_grads, self.opt) or last
         phases["compute"] += time.perf_counter() - t0
         ctx.peers.pace.heard()
         if sync_now:
@@ -268,7 +268,7 @@ class Worker:
 
     def _share(self, indices: np.ndarray) -> np.ndarray:
         """The samples of a batch this process computes the gradient of."""
-        return split_evenly(indices, self.procs, self.ctx.role.proc) if self.procs > 1 else indices
+        return split_evenly(indices, self.procs, self.ctx.role.proc_index) if self.procs > 1 else indices
 
     def _gradients(self, x, y, scale: float) -> BatchStats:
         """The worker's gradient of this batch (this process's share of it, `scale`),
@@ -288,26 +288,29 @@ class Worker:
         """Sum the gradient over the worker's processes, through the codec if any."""
         what = "the worker's gradient allreduce"
         collectives = self.ctx.peers.collectives
+        grads = self.grads
+        if grads is None:
+            raise RuntimeError("a worker of one process has no gradient to reduce")
         if self.reduction is None:
-            collectives.allreduce(self.wcomm, self.grads, what)
+            collectives.allreduce(self.wcomm, grads, what)
             self.report.bytes_sent += 4 * self.ctx.backend.num_params
             return
         before = self.reduction.bytes_sent
-        host = self.grads.to_host()
+        host = grads.to_host()
 
         def wait(requests: list) -> None:
             collectives.wait_all(self.wcomm, requests, what)
 
         wait(self.reduction.start(0, host))
         self.reduction.finish(lambda: host, wait)
-        self.grads.to_device()
+        grads.to_device()
         self.report.bytes_sent += self.reduction.bytes_sent - before
 
     # -- talking to the master ----------------------------------------------------------
     def _exchange(self, epoch: int, step: int, flags: int) -> None:
         """Send this window's update, wait for the reply, act on it."""
         ctx = self.ctx
-        ctx.algorithm.worker_message(self.rule_state, self.rule_params, self.message.device)
+        ctx.rule.worker_message(self.rule_state, self.rule_params, self.message.device)
         self.message.to_host()
         self._collect_message()
         if self.compressor is not None:
@@ -337,7 +340,7 @@ class Worker:
             raise _Leave()
         self.reply.to_device()
         # A synchronous master replies its round's one array (Algorithm.master_round).
-        apply = ctx.algorithm.worker_round_reply if ctx.options.synchronous else ctx.algorithm.worker_reply
+        apply = ctx.rule.worker_round_reply if ctx.options.synchronous else ctx.rule.worker_reply
         apply(self.rule_state, self.rule_params, self.reply.device)
         self.version = int(self.reply_header[m.VERSION])
         if flags & m.EPOCH_END:
@@ -439,7 +442,7 @@ class Worker:
 
     def _twin(self) -> int | None:
         """The rank whose checkpoint share holds this rank's weights bit for bit: the leader."""
-        return self.ctx.role.rank - self.ctx.role.proc
+        return self.ctx.role.rank - self.ctx.role.proc_index
 
     def _save(self, label: str, epoch: int, step: int, before_message: bool = False) -> None:
         """`before_message`: the state from before the message just sent (which the

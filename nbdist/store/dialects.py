@@ -156,8 +156,9 @@ class Dialect(ABC):
         """The schema version of a store from before the version table (0: a new store)."""
         return 0
 
-    def after_version(self, version: int) -> None:
-        """Anything else that should know the version (SQLite's user_version)."""
+    def after_version(self, version: int) -> None:  # noqa: B027
+        """Anything else that should know the version (SQLite's user_version). By default
+        the version table is all."""
 
     def close(self) -> None:
         self._conn.close()

@@ -34,14 +34,11 @@ the whole lr.
 A rule whose master adds the workers' updates as they are (ADAG, GEM) has neither a
 momentum nor an lr to correct: from 8 workers (COLLAPSE_SEEN_FROM) its updates themselves
 are scaled by 1 / (1 + staleness) before they are added, which is DynSGD's rule (Jiang et
-al. 2017). Measured on the jet images (bench/convergence.py, 2026-11-25):
-- ADAG as published collapsed or never learned in 5 of 5 seeds at 8 workers and 3 of 3
-  at 16; discounted, in none of 13 at 8 and 5 at 16. The workers' momentum (0.9 by
-  default) is left as it is: correcting it by 1 - 1/W also stopped the collapses at 8
-  workers but slowed ADAG on digits at 4.
-- GEM as published collapsed in 3 of 4 seeds at 16 workers (and in 3 of 8, with 2 more
-  that never learned, the day before); discounted, in none of 8 at 16 and 6 at 8, with
-  the same best accuracy at 8 (why GEM needs it: nbdist.algorithms.gem).
+al. 2017). As published, both collapsed on the jet images with many workers, and
+discounted neither did (bench/results/2026-11-25-convergence.md; why GEM needs it:
+nbdist.algorithms.gem). The workers' own momentum is left as it is: correcting it too
+stopped ADAG's collapses but slowed it on digits with few workers
+(bench/results/2026-11-24-convergence.md).
 
 With `--momentum-correction off` the momentum and lr stay as given, and a set-up whose
 total reaches 1 gets a warning that says why and what to use instead. Synchronous rounds
@@ -69,32 +66,24 @@ __all__ = [
     "optimisers_for_asynchrony",
 ]
 
-# Workers from which a centre that takes their steps as they are (ADAG) was seen to
-# collapse with the workers' default momentum 0.9: every one of 3 seeds at 8 workers on
-# the jet images, with lr 0.1 and with 0.05, none at 4 on digits (bench/convergence.py).
-# From there its updates get the staleness discount by default; below, the discount slowed
-# ADAG on digits at 4 workers to 0.897 after 12 epochs (the test suite asks 0.90). GEM's
-# (Algorithm.auto_stale_discount) start here too: it held at 8 (one early dip in 3 seeds)
-# and fell apart at 16, and with the discount its best accuracy at 8 was the same.
+# Workers from which ADAG's centre, taking their steps as they are, collapsed on the jet
+# images (not with fewer: there the discount only slowed it); GEM's discount starts here too
+# (Algorithm.auto_stale_discount). bench/results/2026-11-24- and 2026-11-25-convergence.md.
 COLLAPSE_SEEN_FROM = 8
-# Workers from which a master with no momentum gets the per-update lr correction: with
-# 8 (and 16) workers Downpour's default master collapsed or never learned on the jet
-# images in 5 of 5 (3 of 3) seeds without it, and with it every run learned (early dips
-# in 4 of 13, 4 of 5); with 4 on digits it slowed Downpour below the test suite's 0.90
-# in 12 epochs (0.886), where the implicit momentum had not harmed it.
+# Workers from which Downpour's master without momentum collapsed on the jet images without
+# the per-update lr correction (with fewer, the correction only slowed it on digits):
+# bench/results/2026-11-25-convergence.md.
 STALE_LR_FROM = 8
-# Workers from which GEM as published (--momentum-correction off) was seen to collapse on
-# the jet images: 3 of 4 seeds at 16 (2026-11-25); at 8, one early dip in 3.
+# Workers from which GEM as published (--momentum-correction off) collapsed on the jet
+# images (at 8 it held): bench/results/2026-11-25-convergence.md.
 GEM_COLLAPSE_SEEN_FROM = 16
 # What a master whose lr is discounted by staleness (from STALE_LR_FROM workers) is also
-# told: Downpour so fell back to chance early on, for a validation or two, before it
-# learned on, in 7 of 12 runs at 16 workers and 6 of 33 at 8 on the jet images
-# (bench/convergence.py, 2026-11-25/26).
+# told: Downpour's early validations on the jet images can still dip to chance, then it
+# learns on (bench/results/2026-11-25-convergence.md and 2026-11-26-convergence.md).
 EARLY_DIPS = (
-    ". The centre's first epochs can still swing: on jet images Downpour's validation fell back to "
-    "chance once or twice within its first 11,000 samples, then learned on, in 6 of 33 runs at 8 "
-    "workers and 7 of 12 at 16; gem, adag and easgd did not (at 16: 0 of 4 each), and --synchronous "
-    "takes no stale step"
+    ". The centre's first epochs can still swing: Downpour's validation may fall back to chance once or "
+    "twice early on, then learn on (on jet images, bench/results/2026-11-26-convergence.md); gem, adag and "
+    "easgd did not, and --synchronous takes no stale step"
 )
 # The optimiser argument that is a heavy-ball momentum (torch's SGD and RMSprop, Keras'
 # SGD and RMSprop); Adam's beta1 averages gradients but its steps are normalised, and
@@ -135,9 +124,9 @@ def corrected_momentum(spec: Spec | None, workers: int, synchronous: bool, corre
 
     Only the master's: the workers' local optimisers (EASGD, ADAG, DynSGD) reach the centre
     through their windows' displacements, not step by step. Correcting ADAG's workers the
-    same way stopped its collapses on jets at 8 workers (3 of 3 seeds without, 0 of 3
-    with), but made it learn digits more slowly at 4 (0.88 instead of 0.90 after 12
-    epochs): ADAG's updates get the staleness discount instead (optimisers_for_asynchrony)."""
+    same way stopped its collapses on jets at 8 workers, but made it learn digits more
+    slowly at 4 (bench/results/2026-11-24-convergence.md): ADAG's updates get the staleness
+    discount instead (optimisers_for_asynchrony)."""
     if spec is None:
         return None
     explicit = float(spec.kwargs.get(MOMENTUM_ARGUMENT, 0.0) or 0.0)
@@ -153,9 +142,9 @@ def corrected_momentum(spec: Spec | None, workers: int, synchronous: bool, corre
                 spec,
                 (
                     f"{source} (Mitliagkas et al. 2016), and with --momentum-correction off the lr of the master's "
-                    f"{spec.name} is not divided by the updates' staleness: on jet images Downpour's default "
-                    f"sgd(lr=0.1) so collapsed or never learned in 5 of 5 runs at 8 workers and 3 of 3 at 16; drop "
-                    f"--momentum-correction off, or use --algorithm gem or --synchronous"
+                    f"{spec.name} is not divided by the updates' staleness: Downpour's default sgd(lr=0.1) so "
+                    f"collapsed or never learned on jet images at 8 and 16 workers (bench/results/2026-11-25-"
+                    f"convergence.md); drop --momentum-correction off, or use --algorithm gem or --synchronous"
                 ),
                 warning=True,
             )
@@ -188,10 +177,8 @@ def corrected_momentum(spec: Spec | None, workers: int, synchronous: bool, corre
     if corrected == 0.0 and workers >= STALE_LR_FROM:
         # The asynchrony's momentum alone exceeds the master's: lowered to 0, the master
         # has no momentum left, and what exceeds it goes to the lr as for a master that
-        # never had any. Downpour with sgd(lr=0.05, momentum=0.9) at 16 workers on digits,
-        # 5 seeds, 20 epochs: without this it fell back to chance after passing 0.6 in 3
-        # and first reached 0.85 at epoch 13 or later (never in 2); with it no run fell
-        # below 0.69 once past 0.6, and every one reached 0.85 by epoch 6 (README).
+        # never had any. Without this, Downpour with a momentum master at 16 workers fell
+        # back to chance on digits (bench/results/2026-11-26-convergence.md).
         return CorrectedMomentum(
             Spec(spec.name, kwargs),
             (
@@ -225,8 +212,9 @@ def worker_momentum_warning(algorithm: str, spec: Spec | None, workers: int, syn
     return (
         f"{algorithm} adds each worker's steps to the centre as they are, and asynchrony with {workers} workers "
         f"adds a momentum of about {implicit:.2f} to the workers' {explicit:g}: the centre can collapse (ADAG "
-        f"at 8 workers did in 3 of 3 runs on jet images); give the workers a momentum below {1.0 / workers:.2g}, "
-        f"e.g. --worker-optimizer 'sgd(lr=0.05, momentum={round(1.0 / workers / 2, 3):g})', or use --algorithm "
+        f"at 8 workers did on jet images: bench/results/2026-11-24-convergence.md); give the workers a "
+        f"momentum below {1.0 / workers:.2g}, e.g. --worker-optimizer "
+        f"'sgd(lr=0.05, momentum={round(1.0 / workers / 2, 3):g})', or use --algorithm "
         f"dynsgd (ADAG with a staleness discount: it did not collapse there) or gem, or drop "
         f"--momentum-correction off (the default discounts {algorithm}'s stale updates as DynSGD does)"
     )
@@ -256,9 +244,9 @@ def published_gem_warning(algorithm: Algorithm, workers: int, synchronous: bool,
         return ""
     return (
         f"gem as published, with {workers} asynchronous workers, answers the energy it sees missing from "
-        f"every worker at once and a cycle late: at 16 workers on jet images it collapsed in 3 of 4 runs; "
-        f"drop --momentum-correction off (the default discounts stale updates: it did not collapse), or "
-        f"use --synchronous"
+        f"every worker at once and a cycle late: at 16 workers on jet images it collapsed (bench/results/"
+        f"2026-11-25-convergence.md); drop --momentum-correction off (the default discounts stale updates: "
+        f"it did not collapse), or use --synchronous"
     )
 
 

@@ -208,7 +208,7 @@ class Checkpoints:
         if label is not None:
             pointed = self.root / label
             candidates = [pointed] + [p for p in candidates if p != pointed]
-        problems = []
+        problems: list[str] = []
         for path in candidates:
             damage = self.damage(path)
             if damage is None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from nbdist.algorithms import Algorithm, make_algorithm
+from nbdist.algorithms import Algorithm, make_algorithm, rule_class
 from nbdist.backends import Backend, DeviceRequest, backend_for, configure_frameworks, making_models
 from nbdist.backends.base import ModelError
 from nbdist.data.base import Data, DataError
@@ -31,11 +31,13 @@ from nbdist.metrics.log import RecordSink, RunLog
 from nbdist.options import TrainOptions, parse_target
 from nbdist.specs import Spec, did_you_mean, parse_spec
 from nbdist.store import RunRecorder, RunStore, store_label, store_path
-from nbdist.train.asynchrony import optimisers_for_asynchrony
+from nbdist.train.asynchrony import Notice, optimisers_for_asynchrony
 from nbdist.train.batchnorm import convert_for_sync
 from nbdist.train.checkpoint import CheckpointError, Checkpoints
+from nbdist.train.data_checks import batch_notices, check_labels, shards_of
 from nbdist.train.definition import ModelDefinition
 from nbdist.train.history import HistoryFile
+from nbdist.train.loop import LossGrowth
 from nbdist.train.lr import LrPlan, combined_workers, plan_learning_rates
 from nbdist.train.measures import MODEL_MEASURES
 from nbdist.train.progress import reported_metrics
@@ -55,18 +57,21 @@ __all__ = [
     "agree",
     "check_metric_names",
     "check_data_size",
+    "Settled",
+    "settle",
     "master_share",
 ]
 
-# Workers explore with momentum (GEM's own default is the same): lr 0.1 with momentum 0.9
-# (a step of 1.0 in effect) made 8-worker allreduce (batch 256) collapse on the jet images
-# in 2 of 3 seeds, warm-up or not; 0.05 did not (bench/convergence.py). A Downpour master
-# gets no momentum by default, because asynchronous updates already act as momentum
-# (train/asynchrony.py); a momentum-0.9 master corrected for it learned digits more
-# slowly with 4 workers (the correction assumes staleness W - 1; measured, it is less).
+# Workers explore with momentum (GEM's own default is the same); lr 0.05 because 0.1 with
+# momentum 0.9 (a step of 1.0 in effect) made 8-worker allreduce collapse on the jet images
+# (bench/results/2026-11-24-convergence.md). A Downpour master gets no momentum by default:
+# asynchronous updates already act as momentum (train/asynchrony.py), and a momentum-0.9
+# master corrected for it learned digits more slowly with few workers (the correction
+# assumes staleness W - 1; it is less: the same file).
 DEFAULT_WORKER_OPTIMIZER = "sgd(lr=0.05, momentum=0.9)"
 DEFAULT_MASTER_OPTIMIZER = "sgd(lr=0.1)"
-ALLREDUCE_RULES = ("sgd", "allreduce")
+# What --algorithm may also say for the allreduce topology's rule (the registered "sgd").
+ALLREDUCE_ALIAS = "allreduce"
 # GANs: EASGD with RMSprop workers, as the 3D calorimeter GAN was trained (see
 # gan/training.py for why only rules whose workers send their weights apply).
 DEFAULT_GAN_ALGORITHM = "easgd"
@@ -130,8 +135,23 @@ class RankContext:
     worker_lr: LrPlan | None = None  # the lr of workers' steps by position (train/lr.py); None: no such lr
     master_lr: LrPlan | None = None  # the lr of the master optimiser's steps
     compression: Spec | None = None  # --compression (None: none; transport/compression.py)
+    loss_growth: LossGrowth | None = None  # the leader's watch on the training loss (None: a GAN's, not watched)
     keep_state: Callable[[str, dict, dict], None] | None = None  # a study's trial keeps its checkpoint shares
     measures: dict[str, Callable[[Any], float]] = field(default_factory=dict)  # the model file's `objectives`
+
+    @property
+    def rule(self) -> Algorithm:
+        """The master/worker update rule (the roles of that topology use it; allreduce has none)."""
+        if self.algorithm is None:
+            raise RuntimeError("the allreduce topology has no master/worker update rule")
+        return self.algorithm
+
+    @property
+    def resume_dir(self) -> Path:
+        """The run directory this run resumes from (the code that calls this runs only then)."""
+        if self.resume_from is None:
+            raise RuntimeError("this run resumes from no checkpoint")
+        return self.resume_from
 
     @property
     def world_ranks(self) -> list[int]:
@@ -148,6 +168,14 @@ class RankContext:
         import sys
 
         print(text, file=sys.stderr, flush=True)
+
+    def watch_loss(self, metrics: dict[str, Any]) -> None:
+        """After each epoch, on the run leader: one warning when the training loss has grown
+        by orders of magnitude (train/loop.py's LossGrowth)."""
+        if self.is_leader and self.loss_growth is not None and "train_loss" in metrics:
+            warning = self.loss_growth.check(int(metrics["epoch"]), float(metrics["train_loss"]))
+            if warning is not None:
+                self.warn(f"nbdist: warning: {warning}")
 
     def checkpoint_due(self, epochs_done: int) -> bool:
         every = self.options.checkpoint_every
@@ -172,7 +200,7 @@ def _check_gan(options: TrainOptions) -> TrainOptions:
             "whose BatchNorm layers already normalise over its whole batch; drop --sync-batchnorm"
         )
     algorithm = make_algorithm(parse_spec(options.algorithm or DEFAULT_GAN_ALGORITHM, what="--algorithm"))
-    if not algorithm.sends_weights:
+    if not algorithm.carries_local_steps:
         raise OptionsError(
             f"--gan trains with easgd, adag or dynsgd, whose workers send their weights (generator and "
             f"discriminator together); {algorithm.name} sends gradients, which would leave the "
@@ -191,7 +219,7 @@ def _check_gan(options: TrainOptions) -> TrainOptions:
 def _resolve_rules(options: TrainOptions) -> tuple[Algorithm | None, int, Spec | None, Spec | None]:
     if options.topology == "allreduce":
         spec = parse_spec(options.algorithm or "sgd", what="--algorithm")
-        if spec.name not in ALLREDUCE_RULES:
+        if spec.name != ALLREDUCE_ALIAS and "allreduce" not in rule_class(spec.name).topologies:
             raise OptionsError(
                 f"{spec.name} is a master/worker algorithm; the allreduce topology trains with "
                 f"synchronous sgd (use --topology master-worker for {spec.name})"
@@ -200,8 +228,12 @@ def _resolve_rules(options: TrainOptions) -> tuple[Algorithm | None, int, Spec |
             raise OptionsError("--master-optimizer applies to the master-worker topology; allreduce has no master")
         if options.sync_every not in (None, 1):
             raise OptionsError("--sync-every applies to the master-worker topology; allreduce syncs every batch")
-        worker = parse_spec(options.worker_optimizer or DEFAULT_WORKER_OPTIMIZER, what="--worker-optimizer")
-        return None, 1, worker, None
+        return (
+            None,
+            1,
+            parse_spec(options.worker_optimizer or DEFAULT_WORKER_OPTIMIZER, what="--worker-optimizer"),
+            None,
+        )
 
     algorithm = make_algorithm(parse_spec(options.algorithm or "downpour", what="--algorithm"))
     if options.worker_optimizer and not algorithm.uses_worker_optimizer:
@@ -214,7 +246,7 @@ def _resolve_rules(options: TrainOptions) -> tuple[Algorithm | None, int, Spec |
             f"{algorithm.name} takes no master optimizer: its master adds the workers' updates "
             f"to the centre; drop --master-optimizer"
         )
-    worker = (
+    worker: Spec | None = (
         parse_spec(options.worker_optimizer or DEFAULT_WORKER_OPTIMIZER, what="--worker-optimizer")
         if algorithm.uses_worker_optimizer
         else None
@@ -239,12 +271,7 @@ def _resolve_rules(options: TrainOptions) -> tuple[Algorithm | None, int, Spec |
 
 def _resolve_compression(options: TrainOptions, algorithm: Algorithm | None) -> Spec | None:
     spec = parse_compression(options.compression)
-    if (
-        spec is not None
-        and algorithm is not None
-        and algorithm.sends_weights_themselves
-        and make_codec(spec, 2).feedback
-    ):
+    if spec is not None and algorithm is not None and algorithm.message_is_weights and make_codec(spec, 2).feedback:
         raise OptionsError(
             f"--compression {spec} sends a part of each message and keeps the rest for the next one: a fit for "
             f"gradients and updates, but {algorithm.name}'s workers send their weights; use fp16 or bf16"
@@ -252,11 +279,11 @@ def _resolve_compression(options: TrainOptions, algorithm: Algorithm | None) -> 
     return spec
 
 
-def _probe(backend: Backend, data: Data, source: str) -> None:
-    """One tiny forward pass, so a model that cannot take the data fails here, clearly."""
-    x, y = data.train_batch(np.arange(min(2, data.n_train)))
+def _probe(backend: Backend, x: Any, y: Any, source: str) -> float:
+    """A forward pass on a few samples, so a model that cannot take the data fails here,
+    clearly; returns their loss."""
     try:
-        backend.evaluate(x, y)
+        return backend.evaluate(x, y).loss
     except UserError:
         raise
     except Exception as exc:
@@ -282,6 +309,138 @@ def _run_name(options: TrainOptions) -> str:
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{options.topology}-{rule}"
 
 
+@dataclass
+class Settled:
+    """What a rank's set-up found, every input checked (settle())."""
+
+    options: TrainOptions
+    layout: Layout
+    role: Role
+    algorithm: Algorithm | None
+    sync_every: int
+    worker_optimizer: Spec | None
+    master_optimizer: Spec | None
+    compression: Spec | None
+    notices: list[Notice]
+    resume_from: Path | None
+    damaged: list[str]
+    data: Data
+    backend: Backend
+    make_replica: Callable[[], Backend]
+    worker_lr: LrPlan | None
+    master_lr: LrPlan | None
+    initial_loss: float | None  # the untrained model's loss on rank 0's probe (None elsewhere)
+    measures: dict[str, Callable[[Any], float]] = field(default_factory=dict)  # the model file's `objectives`
+
+
+def settle(
+    options: TrainOptions,
+    definition: ModelDefinition | Callable[[], ModelDefinition],
+    ranks: int,
+    rank: int,
+    device: DeviceRequest,
+    trial: TrialTag | None = None,
+    restart_of: Path | None = None,
+    *,
+    here: bool = True,
+) -> Settled:
+    """Every check of a run's set-up as rank `rank` of `ranks` makes it: the options, the
+    layout, the rules, the model and its data, the optimisers, the metrics named; one
+    UserError for the first mistake. No MPI: prepare() runs it on every rank, and
+    `python -m nbdist slurm-script` runs it for rank 0 before the job waits in a queue
+    (`here=False`: away from the nodes that train, so the model is built on this CPU and
+    what depends on those nodes, their GPUs and the runs directory, is left to them)."""
+    options = options.validate()
+    layout = Layout.for_world(
+        ranks,
+        workers=options.workers,
+        masters=options.masters,
+        procs_per_worker=options.procs_per_worker,
+        topology=options.topology,
+    )
+    role = layout.role(rank)
+    # The user's code first: a model file (or cell) may register its own update rule
+    # (docs/howto/custom-rule.md). The frameworks are configured before and after it:
+    # the same seed on every rank gives identical initial replicas even before the first sync.
+    configure_frameworks(options.threads, options.seed)
+    definition = definition() if callable(definition) else definition
+    configure_frameworks(options.threads, options.seed)
+    options = _check_gan(options)
+    algorithm, sync_every, worker_opt, master_opt = _resolve_rules(options)
+    compression = _resolve_compression(options, algorithm)
+    notices, stale_lr = [], False
+    if algorithm is not None:
+        # Every worker of the run moves the one centre, through its master or a
+        # sub-master's merged push: a synchronous round of EASGD under sub-masters
+        # then pulls the centre exactly as far as one master with all the workers would.
+        # Asynchronous, they all add to the momentum the centre moves with.
+        workers = combined_workers(layout)
+        algorithm.bind(workers)
+        asynchrony = optimisers_for_asynchrony(
+            algorithm, master_opt, worker_opt, workers, options.synchronous, options.momentum_correction
+        )
+        master_opt, stale_lr, notices = asynchrony.optimizer, asynchrony.stale_lr, asynchrony.notices
+        if asynchrony.stale_updates:
+            algorithm.discount_stale = True  # ADAG, GEM: DynSGD's discount (train/asynchrony.py)
+    resume_from, damaged = (
+        _find_resume(options, layout) if restart_of is None else Checkpoints(restart_of).latest_intact()
+    )
+    data = _make_data(options, definition)
+    try:
+        check_data_size(data, layout, options)
+        notices += batch_notices(data, layout, options)
+        sample, sample_labels = data.train_batch(np.arange(min(SAMPLE_ROWS, data.n_train)))
+        # A master keeps its centre in host memory (numpy): only workers go to a device.
+        make_replica = _replica_factory(definition, options, sample, device if role.kind != "master" else None)
+        # A pipeline's stage process holds its own stage only; its master holds (and
+        # probes, for every rank) the whole model.
+        stage_process = options.worker_parallel == "pipeline" and role.kind == "worker"
+        backend = _stage_backend(definition, options, role, device) if stage_process else make_replica()
+        notices += convert_for_sync(options, layout, backend)
+        worker_start_lr, master_start_lr = (
+            backend.check_optimizer(spec) if spec is not None else None for spec in (worker_opt, master_opt)
+        )
+        worker_lr, master_lr = plan_learning_rates(
+            options, layout, algorithm, backend, worker_start_lr, master_start_lr, master_stale_lr=stale_lr
+        )
+        initial_loss = None
+        if rank == 0:  # the run leader: labels against the whole model, and its loss before training
+            whole = make_replica() if stage_process else backend
+            check_labels(data, whole, sample[:2], definition.source)
+            initial_loss = _probe(whole, sample, sample_labels, definition.source)
+        elif not stage_process:
+            _probe(backend, *data.train_batch(np.arange(min(2, data.n_train))), definition.source)
+        if here and options.topology == "allreduce":  # e.g. nccl for a model on the CPU: one error, here
+            choose_reducer(options.allreduce_backend, backend.rule_grads, compressed=compression is not None)
+        reported = reported_metrics(backend.metric_name, staleness=algorithm is not None)
+        check_metric_names(options, trial, [*reported, *MODEL_MEASURES, *definition.objectives])
+        if here and rank == 0:  # the run leader, who writes the run directory (last: it may create --runs-dir)
+            _check_run_dir_writable(options)
+    except BaseException:
+        data.close()  # its cache copies and reading thread
+        raise
+    return Settled(
+        options,
+        layout,
+        role,
+        algorithm,
+        sync_every,
+        worker_opt,
+        master_opt,
+        compression,
+        notices,
+        resume_from,
+        damaged,
+        data,
+        backend,
+        make_replica,
+        worker_lr,
+        master_lr,
+        initial_loss,
+        definition.objectives,
+    )
+
+
 def prepare(
     options: TrainOptions,
     definition: ModelDefinition | Callable[[], ModelDefinition],
@@ -300,75 +459,17 @@ def prepare(
     `restart_of`: the run directory of a run that lost ranks: it goes on there, from its
     last checkpoint (if any), on the ranks of `comm`, laid out anew."""
     error: BaseException | None = None
-    data: Data | None = None
+    settled: Settled | None = None
     peers = Peers(comm, options.peer_timeout)
     device = DeviceRequest(options.device, local_rank(comm))  # collective: before any rank can fail
     try:
-        options = _check_gan(options.validate())
+        settled = settle(options, definition, comm.Get_size(), comm.Get_rank(), device, trial, restart_of)
+        options = settled.options
         poll_without_sleeping(
             options.busy_poll == "on" or (options.busy_poll == "auto" and polling_suits_node(options.threads))
         )
-        layout = Layout.for_world(
-            comm.Get_size(),
-            workers=options.workers,
-            masters=options.masters,
-            procs_per_worker=options.procs_per_worker,
-            topology=options.topology,
-        )
-        role = layout.role(comm.Get_rank())
-        algorithm, sync_every, worker_opt, master_opt = _resolve_rules(options)
-        compression = _resolve_compression(options, algorithm)
-        notices, stale_lr = [], False
-        if algorithm is not None:
-            # Every worker of the run moves the one centre, through its master or a
-            # sub-master's merged push: a synchronous round of EASGD under sub-masters
-            # then pulls the centre exactly as far as one master with all the workers would.
-            # Asynchronous, they all add to the momentum the centre moves with.
-            workers = combined_workers(layout)
-            algorithm.bind(workers)
-            asynchrony = optimisers_for_asynchrony(
-                algorithm, master_opt, worker_opt, workers, options.synchronous, options.momentum_correction
-            )
-            master_opt, stale_lr, notices = asynchrony.optimizer, asynchrony.stale_lr, asynchrony.notices
-            if asynchrony.stale_updates:
-                algorithm.discount_stale = True  # ADAG, GEM: DynSGD's discount (train/asynchrony.py)
-        resume_from, damaged = (
-            _find_resume(options, layout) if restart_of is None else Checkpoints(restart_of).latest_intact()
-        )
-        configure_frameworks(options.threads, options.seed)
-        definition = definition() if callable(definition) else definition
-        # Again for the frameworks the user's code imported: the same seed on every rank
-        # gives identical initial replicas even before the first sync.
-        configure_frameworks(options.threads, options.seed)
-        data = _make_data(options, definition)
-        check_data_size(data, layout, options)
-        sample, _ = data.train_batch(np.arange(min(SAMPLE_ROWS, data.n_train)))
-        # A master keeps its centre in host memory (numpy): only workers go to a device.
-        make_replica = _replica_factory(definition, options, sample, device if role.kind != "master" else None)
-        # A pipeline's stage process holds its own stage only; its master holds (and
-        # probes, for every rank) the whole model.
-        stage_process = options.worker_parallel == "pipeline" and role.kind == "worker"
-        backend = _stage_backend(definition, options, role, device) if stage_process else make_replica()
-        notices += convert_for_sync(options, layout, backend)
-        starting_lrs = [
-            backend.check_optimizer(spec) if spec is not None else None for spec in (worker_opt, master_opt)
-        ]
-        worker_lr, master_lr = plan_learning_rates(
-            options, layout, algorithm, backend, *starting_lrs, master_stale_lr=stale_lr
-        )
-        if not stage_process:
-            _probe(backend, data, definition.source)
-        elif options.topology == "allreduce" and role.worker == 0 and role.proc == 0:
-            # Pipeline replicas have no master to probe the whole model for them: their first rank does.
-            _probe(make_replica(), data, definition.source)
-        if options.topology == "allreduce":  # e.g. nccl for a model on the CPU: one error, here
-            choose_reducer(options.allreduce_backend, backend.rule_grads, compressed=compression is not None)
-        reported = reported_metrics(backend.metric_name, staleness=algorithm is not None)
-        check_metric_names(options, trial, [*reported, *MODEL_MEASURES, *definition.objectives])
-        if comm.Get_rank() == 0:  # the run leader, who writes the run directory (last: it may create --runs-dir)
-            _check_run_dir_writable(options)
         # Dropout (and a GAN's noise) differs per rank after this point; weights do not.
-        backend.reseed(options.seed * 100003 + role.rank)
+        settled.backend.reseed(options.seed * 100003 + settled.role.rank)
     except UserError as exc:
         error = exc
     except Exception as exc:  # a bug or a user-code failure: keep it visible, named
@@ -376,16 +477,26 @@ def prepare(
     try:
         agree(comm, error, peers.collectives)
     except BaseException:
-        if data is not None:
-            data.close()  # its cache copies and reading thread
+        if settled is not None:
+            settled.data.close()  # its cache copies and reading thread
         peers.close()
         raise
-
+    assert settled is not None  # every rank agreed that none failed
+    got = settled
+    layout, role, backend, data, algorithm, sync_every = (
+        got.layout, got.role, got.backend, got.data, got.algorithm, got.sync_every
+    )  # fmt: skip
+    notices, damaged, resume_from, make_replica, compression = (
+        got.notices, got.damaged, got.resume_from, got.make_replica, got.compression
+    )  # fmt: skip
+    worker_opt, master_opt, worker_lr, master_lr = (
+        got.worker_optimizer, got.master_optimizer, got.worker_lr, got.master_lr
+    )  # fmt: skip
     comms = layout.split(comm)
     peers.meet(comm, _role_name(role))
     run_comm = comms.run
     is_leader = run_comm.Get_rank() == 0
-    run_dir = restart_of or (Path(options.resume) if resume_from is not None else None)
+    run_dir = restart_of or (Path(options.resume) if resume_from is not None and options.resume else None)
     if run_dir is None:
         name = None
         if is_leader:
@@ -459,8 +570,9 @@ def prepare(
         worker_lr=worker_lr,
         master_lr=master_lr,
         compression=compression,
+        loss_growth=None if options.gan else LossGrowth(got.initial_loss),
         keep_state=trial.keep if trial else None,
-        measures=definition.objectives,
+        measures=got.measures,
     )
 
 
@@ -519,7 +631,7 @@ def _resume_rank(path: Path, layout: Layout, role: Role, comm: Any, restart: boo
     me = MPI.COMM_WORLD.Get_rank()
     old_rank = old_world.index(me) if me in old_world else None
     if role.kind == "master":
-        return master_share(path, role.master), True
+        return master_share(path, role.master_index), True
     if old_rank is not None and old_layout.role(old_rank).kind == role.kind:
         return old_rank, True
     return None, True
@@ -570,12 +682,7 @@ def check_data_size(data: Data, layout: Layout, options: TrainOptions) -> None:
                 f"the {which} set is empty ({data.n_train} training and {data.n_val} validation "
                 f"samples): give the model's data {which} samples, or {flag} files that hold some"
             )
-    # Each worker takes its own shard (master-worker); in allreduce, every rank does, but
-    # the stages of a pipeline replica share one.
-    if layout.masters:
-        shards = layout.workers * layout.masters
-    else:
-        shards = layout.workers if options.worker_parallel == "pipeline" else layout.n_ranks
+    shards = shards_of(layout, options)
     # A master-worker worker of several processes splits each of its batches between them.
     procs = layout.procs_per_worker if layout.masters else 1
     try:
@@ -657,7 +764,7 @@ def _stage_backend(definition: ModelDefinition, options: TrainOptions, role: Rol
 
     stages = definition.make_stages(options.procs_per_worker)
     check_stages(stages)
-    backend = TorchStage(stages[role.proc], role.proc, len(stages), definition.loss, definition.metric)
+    backend = TorchStage(stages[role.proc_index], role.proc_index, len(stages), definition.loss, definition.metric)
     backend.place(device)
     return backend
 

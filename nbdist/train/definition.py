@@ -9,6 +9,7 @@ generator and a discriminator factory and the latent size instead of one model.
 from __future__ import annotations
 
 import runpy
+import stat
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -89,12 +90,13 @@ class ModelDefinition:
                 built.d_steps = d_steps
                 return built
             raise ModelError(f"--gan: {self.source} defines a model but no generator and discriminator")
+        build_generator, build_discriminator = self.build_generator, self.build_discriminator
         missing = [
             name
-            for name, build in (("generator", self.build_generator), ("discriminator", self.build_discriminator))
+            for name, build in (("generator", build_generator), ("discriminator", build_discriminator))
             if build is None
         ]
-        if missing:
+        if build_generator is None or build_discriminator is None:
             raise ModelError(
                 f"--gan: {self.source} defines no {' and no '.join(missing)}: define "
                 f"`generator` and `discriminator` (or build_generator() and build_discriminator())"
@@ -104,8 +106,8 @@ class ModelDefinition:
                 f"--gan: {self.source} defines no latent_dim (the size of the generator's "
                 f"input noise), e.g. latent_dim = 16"
             )
-        generator = _call(self.build_generator, f"{self.source}: build_generator()")
-        discriminator = _call(self.build_discriminator, f"{self.source}: build_discriminator()")
+        generator = _call(build_generator, f"{self.source}: build_generator()")
+        discriminator = _call(build_discriminator, f"{self.source}: build_discriminator()")
         return GanModel(generator, discriminator, int(self.latent_dim), d_steps)
 
 
@@ -139,7 +141,9 @@ def load_model_file(path: str | Path) -> ModelDefinition:
     file = Path(path)
     if not file.exists():
         raise ModelError(f"model file {str(path)!r} not found")
-    if file.is_dir() or file.suffix != ".py":
+    if not file.is_file():  # a directory, or a FIFO or a device that reading would block on
+        raise ModelError(f"model file {str(path)!r} is {_kind(file)}, not a file: give the path of a Python file (.py)")
+    if file.suffix != ".py":
         raise ModelError(f"model file {str(path)!r} must be a Python file (.py)")
     try:
         namespace = runpy.run_path(str(file), run_name="__nbdist_model__")
@@ -149,6 +153,21 @@ def load_model_file(path: str | Path) -> ModelDefinition:
         raise ModelError(f"model file {file} failed while loading: {_short(exc)}") from exc
 
     return definition_from_namespace(namespace, f"model file {file}")
+
+
+def _kind(path: Path) -> str:
+    """What `path` is when it is not a regular file (without opening it)."""
+    mode = path.stat().st_mode
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a named pipe (FIFO)"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a device"),
+        (stat.S_ISBLK, "a device"),
+    ):
+        if test(mode):
+            return name
+    return "something else"
 
 
 def _builder(namespace: dict[str, Any], name: str) -> Callable[[], Any] | None:

@@ -67,6 +67,9 @@ def write_json(path: Path, data: Any) -> None:
 
 def file_digest(path: Path) -> dict[str, Any]:
     """Size and digest of a file on disk, as `write_bytes` returns them."""
+    digest = hashlib.new(DIGEST)
     with open(path, "rb") as fh:
-        digest = hashlib.file_digest(fh, DIGEST).hexdigest()
-        return {"bytes": os.fstat(fh.fileno()).st_size, DIGEST: digest}
+        # hashlib.file_digest would do this, from Python 3.11 on only.
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+        return {"bytes": os.fstat(fh.fileno()).st_size, DIGEST: digest.hexdigest()}

@@ -6,15 +6,17 @@ with a batch's gradient) and its end of an epoch.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
 from nbdist.backends.base import BatchStats
 from nbdist.errors import TrainingError
 
-__all__ = ["run_epochs", "check_loss", "NonFiniteLoss", "TrainReport", "REPORT_EVERY"]
+__all__ = ["run_epochs", "check_loss", "NonFiniteLoss", "LossGrowth", "TrainReport", "REPORT_EVERY"]
 
 REPORT_EVERY = 0.5  # seconds between a rank's throughput/phase records
 
@@ -24,7 +26,7 @@ def run_epochs(
     start_step: int,
     epochs: int,
     begin_epoch: Callable[[int], Sequence],
-    step: Callable[[int, int, object, bool], bool | None],
+    step: Callable[[int, int, Any, bool], bool | None],
     end_epoch: Callable[[int], bool | None],
 ) -> int:
     """Train epochs start_epoch..epochs-1, the first from batch `start_step` (a resume's
@@ -54,6 +56,46 @@ def check_loss(stats: BatchStats, epoch: int, step: int, where: Callable[[], str
         raise NonFiniteLoss(
             f"the loss became {stats.loss_sum / max(stats.n, 1)}{on} at epoch {epoch + 1}, "
             f"batch {step + 1}: lower the learning rate or check the data"
+        )
+
+
+# An epoch's training loss this many times the untrained model's (or, once above that,
+# this many times the lowest epoch loss so far) is diverging, though still a number.
+GROWTH_OVER_START = 100.0
+GROWTH_OVER_BEST = 1000.0
+
+
+class LossGrowth:
+    """The epochs' training loss, watched for growth by orders of magnitude: a diverging
+    run whose loss has not (yet) become NaN, which check_loss would stop. It warns once
+    per run; the run goes on (a loss may recover, and the user decides)."""
+
+    __slots__ = ("start", "since", "best", "warned")
+
+    def __init__(self, start: float | None):
+        # The untrained model's loss on a few samples (set-up's probe), if known and positive.
+        self.start = start if start is not None and math.isfinite(start) and start > 0 else None
+        self.since = "before training"
+        self.best = math.inf
+        self.warned = False
+
+    def check(self, epoch: int, loss: float) -> str | None:
+        """The warning for epoch `epoch`'s (1-based) training loss `loss`, once; else None."""
+        if self.warned or not math.isfinite(loss):
+            return None
+        if self.start is None and loss > 0:
+            self.start, self.since = loss, f"at epoch {epoch}"  # without a probe's loss, the first epoch's
+        self.best = min(self.best, loss)
+        start = self.start
+        if start is None:
+            return None
+        if not (loss > GROWTH_OVER_START * start or (loss > start and loss > GROWTH_OVER_BEST * self.best)):
+            return None
+        self.warned = True
+        lowest = f", lowest {self.best:.3g}" if self.best < start else ""
+        return (
+            f"the training loss grew to {loss:.3g} at epoch {epoch} (from {start:.3g} {self.since}{lowest}): "
+            f"the training is diverging; lower the learning rate (e.g. ten times), or check the data and the loss"
         )
 
 

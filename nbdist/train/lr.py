@@ -144,7 +144,7 @@ def plan_learning_rates(
     # Only what steps on the combined gradient of the W workers is scaled (see above).
     worker_scale = scale if options.topology == "allreduce" or (own is not None and synchronous) else 1.0
     master_scale = scale if synchronous else 1.0
-    plans = []
+    plans: list[LrPlan | None] = []
     for name, base, plan_scale, text in (
         ("worker", worker_lr, worker_scale, options.worker_lr_schedule),
         ("master", master_lr, master_scale, options.master_lr_schedule),
@@ -180,8 +180,9 @@ def _no_lr(name: str, options: TrainOptions, algorithm: Algorithm | None) -> str
         if algorithm is None:
             return "the allreduce topology has no master; use --worker-lr-schedule"
         return f"{algorithm.name} has no master optimizer (its master adds the workers' updates); drop it"
+    rule = algorithm.name if algorithm is not None else "sgd"
     return (
-        f"the workers of {algorithm.name} with --sync-every 1 take no steps of their own (the master "
+        f"the workers of {rule} with --sync-every 1 take no steps of their own (the master "
         f"optimizer steps); use --master-lr-schedule"
     )
 
@@ -207,7 +208,7 @@ class WorkerLr:
         self.current: float | None = None
 
     def before_step(self, epoch: int, step: int) -> None:
-        if self.plan is None:
+        if self.plan is None or self.taker is None:
             return
         lr = self.plan.lr(epoch, epoch + min(step / self.batches, 1.0))
         if lr != self.current:
@@ -230,7 +231,7 @@ class MasterLr:
     def before_update(self, samples: int, staleness: int = 0) -> None:
         """Called before each step of the optimiser, with the samples behind it and its
         staleness (0 for a synchronous round)."""
-        if self.plan is not None:
+        if self.plan is not None and self.opt is not None:
             progress = self.samples / self.epoch_samples
             lr = self.plan.update_lr(int(progress), progress, staleness)
             if lr != self.current:

@@ -33,7 +33,8 @@ class BackgroundValidator:
     __slots__ = ("_make_replica", "_replica", "_x", "_y", "_thread", "_pending", "_result", "_error")
 
     def __init__(self, make_replica: Callable[[], Backend], x: Any, y: Any):
-        self._make_replica, self._replica = make_replica, None
+        self._make_replica = make_replica
+        self._replica: Backend | None = None  # made on the first start, in the serving thread
         self._x, self._y = x, y
         self._thread: threading.Thread | None = None
         self._pending: Any = None
@@ -48,15 +49,16 @@ class BackgroundValidator:
         """Evaluate a snapshot of (params, state); `tag` comes back with the result."""
         if self._replica is None:
             self._replica = self._make_replica()
-        self._replica.params[:] = params
-        self._replica.state[:] = state
+        replica = self._replica
+        replica.params[:] = params
+        replica.state[:] = state
         self._pending, self._result, self._error = tag, None, None
-        self._thread = threading.Thread(target=self._run, name="nbdist-validation", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(replica,), name="nbdist-validation", daemon=True)
         self._thread.start()
 
-    def _run(self) -> None:
+    def _run(self, replica: Backend) -> None:
         try:
-            self._result = self._replica.evaluate(self._x, self._y)
+            self._result = replica.evaluate(self._x, self._y)
         except BaseException as exc:  # re-raised in the serving thread by poll()
             self._error = exc
 
@@ -68,6 +70,8 @@ class BackgroundValidator:
         self._thread = None
         if self._error is not None:
             raise self._error
+        if self._result is None:
+            raise RuntimeError("the validation thread ended without a result or an error")
         return self._pending, self._result
 
 

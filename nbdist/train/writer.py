@@ -2,14 +2,13 @@
 commits, done in order on a thread of their own.
 
 A master that wrote its share and committed inline held every worker whose update came in
-meanwhile: on the digits CNN (151k parameters, 12 steps an epoch) the write, its digest,
-the fsyncs and the commit's renames took 3-8 ms of each 120 ms epoch, 3-5% of the worker's
-time (bench/overhead.py). Here the master copies what it saves (a memcpy of its weights and
-optimiser state) and goes on; the thread writes and fsyncs as before (train/checkpoint.py),
-so a checkpoint is exactly as atomic and durable, only later. A share counts as written,
-and so can be committed, only once `written()` has returned its label, which is after its
-fsyncs. Jobs run one at a time in submission order: a commit never overtakes the share it
-needs, nor an earlier commit.
+meanwhile, for the write, its digest, the fsyncs and the commit's renames: a few percent
+of the workers' time on the digits CNN (bench/results/2026-11-25-overhead.md). Here the
+master copies what it saves (a memcpy of its weights and optimiser state) and goes on; the
+thread writes and fsyncs as before (train/checkpoint.py), so a checkpoint is exactly as
+atomic and durable, only later. A share counts as written, and so can be committed, only
+once `written()` has returned its label, which is after its fsyncs. Jobs run one at a time
+in submission order: a commit never overtakes the share it needs, nor an earlier commit.
 
 A failed job (a full disk) is raised in the master's thread at its next look, naming the
 checkpoint; jobs after it are not run. `finish(timeout)` waits for every job, at the end of
@@ -50,7 +49,7 @@ class CheckpointWriter:
         self._failed_job = ""
         self._thread: threading.Thread | None = None
 
-    def submit(self, job: Callable[[], None], name: str | None = None) -> None:
+    def submit(self, job: Callable[[], object], name: str | None = None) -> None:
         """Run `job()` after the jobs before it; `name` (a label), if given, is what
         `written()` gives back once it has run. The job must not read anything the caller
         changes later."""
@@ -98,7 +97,7 @@ class CheckpointWriter:
             if self._error is None:
                 try:
                     job()
-                except BaseException as exc:  # noqa: BLE001 - raised in the master's thread
+                except BaseException as exc:  # raised in the master's thread
                     self._error, self._failed_job = exc, name or "commit"
             with self._lock:
                 self._pending -= 1

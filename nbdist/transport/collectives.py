@@ -31,7 +31,7 @@ __all__ = ["Collectives", "Pending"]
 # Longest text of one rank in a polled allgather (set-up errors, host names).
 OBJECT_BYTES = 4096
 # How long a survivor gives MPI's fault tolerance to learn of a death that another
-# library (torch.distributed's sockets) saw first; Open MPI's runtime takes about 0.6 s.
+# library (torch.distributed's sockets) saw first; Open MPI's runtime takes under a second.
 LOST_GRACE = 3.0
 
 

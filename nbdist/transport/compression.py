@@ -16,6 +16,10 @@ message to its master.
 
 Top-k and PowerSGD drop most of a gradient, so they keep what they dropped and add it
 to the next one (error feedback, `Compressor`): over the steps, everything is sent.
+
+Every codec registers on `CODECS` (nbdist.registry): --compression's choices, help and
+checks are made from the codecs' classes (their name, constructor parameters with
+defaults, `parameter_help` and `parameter_ranges`).
 """
 
 from __future__ import annotations
@@ -27,11 +31,13 @@ from typing import ClassVar
 
 import numpy as np
 
+from nbdist.registry import Registry
 from nbdist.specs import Spec, SpecError, ValueRange, did_you_mean, parse_spec
 
 __all__ = [
-    "COMPRESSIONS",
+    "CODECS",
     "Codec",
+    "Uncompressed",
     "Fp16",
     "Bf16",
     "TopK",
@@ -47,20 +53,52 @@ Block = tuple[int, int, tuple[int, ...]]
 
 
 class Codec(ABC):
-    """Encodes float32 vectors of length `n` into `wire_size` float32 words."""
+    """Encodes float32 vectors of length `n` into `wire_size` float32 words, and back.
 
+    What `--compression` names: `fp16`, `bf16`, `topk(RATIO)`, `powersgd(RANK)`. The wire
+    has a fixed size, so that every message stays a plain MPI buffer. A codec whose
+    `feedback` is set drops part of each vector; `Compressor` keeps what it dropped and
+    adds it to the next one (error feedback). Codecs with a state (PowerSGD's warm start)
+    checkpoint it through `state_arrays` / `load_state_arrays`.
+
+    Args:
+        n: The length of the vectors it encodes (a model's flat gradient, or a bucket).
+
+    Example:
+        Top-k keeps the k entries largest in magnitude, as k values and k indices:
+
+        >>> import numpy as np
+        >>> from nbdist.transport.compression import TopK
+        >>> codec = TopK(8, ratio=0.25)
+        >>> x = np.array([0.1, -3.0, 0.2, 0.0, 2.0, 0.1, 0.0, 0.3], np.float32)
+        >>> wire = np.empty(codec.wire_size, np.float32)
+        >>> codec.encode(x, wire)
+        >>> out = np.empty(8, np.float32)
+        >>> codec.decode(wire, out)
+        >>> codec.wire_size, out
+        (4, array([ 0., -3.,  0.,  0.,  2.,  0.,  0.,  0.], dtype=float32))
+    """
+
+    name: ClassVar[str]
+    parameter_help: ClassVar[dict[str, str]] = {}
+    # Where each parameter may lie (a whole number where its default is an int).
+    parameter_ranges: ClassVar[dict[str, ValueRange]] = {}
     # Whether what the codec drops is worth carrying to the next step (error feedback).
     feedback: ClassVar[bool] = False
+    # Whether it needs the parameters' shapes (`blocks`, the stretches of the flat buffer).
+    uses_blocks: ClassVar[bool] = False
 
     def __init__(self, n: int):
         self.n = n
 
     @property
     @abstractmethod
-    def wire_size(self) -> int: ...
+    def wire_size(self) -> int:
+        """The number of float32 words an encoded vector takes."""
 
     @abstractmethod
-    def encode(self, x: np.ndarray, wire: np.ndarray) -> None: ...
+    def encode(self, x: np.ndarray, wire: np.ndarray) -> None:
+        """wire[:] = `x` (float32, length `n`) encoded; `wire` has `wire_size` words."""
 
     @abstractmethod
     def decode(self, wire: np.ndarray, out: np.ndarray) -> None:
@@ -73,16 +111,42 @@ class Codec(ABC):
         out += decoded
 
     def state_arrays(self) -> dict[str, np.ndarray]:
+        """What the codec carries from step to step (PowerSGD's warm start), for checkpoints."""
         return {}
 
-    def load_state_arrays(self, arrays: dict[str, np.ndarray]) -> None:
-        pass
+    def load_state_arrays(self, arrays: dict[str, np.ndarray]) -> None:  # noqa: B027
+        """Take back what state_arrays gave (a resume); by default there is nothing."""
 
 
+CODECS: Registry[Codec] = Registry("codec", skip=1, supplied=("blocks",))
+
+
+@CODECS.register
+class Uncompressed(Codec):
+    """float32 as it is: nothing saved, nothing lost."""
+
+    name = "none"
+
+    @property
+    def wire_size(self) -> int:
+        return self.n
+
+    def encode(self, x: np.ndarray, wire: np.ndarray) -> None:
+        wire[:] = x
+
+    def decode(self, wire: np.ndarray, out: np.ndarray) -> None:
+        out[:] = wire
+
+
+@CODECS.register
 class Fp16(Codec):
-    """IEEE half precision, rounded to nearest even, by integer operations on the bits:
-    numpy's own float16 conversion takes about 60 ns a value, and seconds for a gradient
-    of values below fp16's normal range (small gradients are common), against a few ns."""
+    """IEEE half precision (two values a word), rounded to nearest even; sums in fp32.
+
+    The rounding is done by integer operations on the bits: numpy's own float16
+    conversion is far slower, the more so for values below fp16's normal range (small
+    gradients are common); bench/compression.py measures the codecs."""
+
+    name = "fp16"
 
     @property
     def wire_size(self) -> int:
@@ -133,9 +197,13 @@ def _half_to_float(h: np.ndarray) -> np.ndarray:
     return bits
 
 
+@CODECS.register
 class Bf16(Codec):
-    """bfloat16 as the upper 16 bits of a float32, rounded to nearest even (numpy has no
-    bfloat16 type; torch's own conversion rounds the same way)."""
+    """bfloat16 (two values a word): a float32's upper 16 bits, rounded to nearest even.
+
+    numpy has no bfloat16 type; torch's own conversion rounds the same way."""
+
+    name = "bf16"
 
     @property
     def wire_size(self) -> int:
@@ -152,14 +220,19 @@ class Bf16(Codec):
         out.view(np.uint32)[:] = wire.view(np.uint16)[: self.n].astype(np.uint32) << np.uint32(16)
 
 
+@CODECS.register
 class TopK(Codec):
-    """The k = ceil(ratio * n) entries largest in magnitude: k values, then k int32 indices."""
+    """The RATIO fraction of the entries largest in magnitude, as values and int32 indices;
+    what it leaves out is sent later (error feedback; Aji & Heafield 2017)."""
 
+    name = "topk"
+    parameter_help = {"ratio": "the fraction of the entries sent, in (0, 1]"}
+    parameter_ranges = {"ratio": ValueRange(0, 1, low_open=True)}
     feedback = True
 
-    def __init__(self, n: int, ratio: float):
+    def __init__(self, n: int, ratio: float = 0.01):
         super().__init__(n)
-        self.k = max(1, min(n, math.ceil(ratio * n)))
+        self.k = max(1, min(n, math.ceil(float(ratio) * n)))
 
     @property
     def wire_size(self) -> int:
@@ -180,17 +253,27 @@ class TopK(Codec):
         out[wire[self.k :].view(np.int32)] += wire[: self.k]
 
 
+@CODECS.register
 class PowerSgd(Codec):
-    """Rank-r factors of every matrix-shaped block; the other blocks as they are.
+    """Rank-RANK factors of each weight matrix, warm-started from the last step; biases as
+    they are; what it leaves out is sent later (error feedback; Vogels et al. 2019).
 
     The wire is [vectors | P_1 | P_2 ... | Q_1 | Q_2 ...]. An allreduce reduces the first
     part (`p_size` words: the vectors and P = M Q), orthonormalises each P, then reduces
-    the Q = M^T P that follow (reduction.py); a message to a master carries both parts."""
+    the Q = M^T P that follow (reduction.py); a message to a master carries both parts.
+    `blocks` (the parameters' stretches and shapes) say which are matrices (default: one
+    vector)."""
 
+    name = "powersgd"
+    parameter_help = {"rank": "the rank of the factors (a whole number, at least 1)"}
+    parameter_ranges = {"rank": ValueRange(1, None)}
     feedback = True
+    uses_blocks = True
 
-    def __init__(self, n: int, rank: int, blocks: Sequence[Block]):
+    def __init__(self, n: int, rank: int = 1, blocks: Sequence[Block] | None = None):
         super().__init__(n)
+        rank = int(rank)
+        blocks = [(0, n, (n,))] if blocks is None else blocks
         self.vectors: list[tuple[int, int]] = []
         self.matrices: list[tuple[int, int, int, int, int]] = []  # start, stop, rows, cols, r
         for start, stop, shape in blocks:
@@ -308,61 +391,54 @@ class Compressor:
         self.codec.load_state_arrays(arrays)
 
 
-# name -> (the codec's one parameter, where it may lie, whether a whole number)
-_PARAMETERS: dict[str, tuple[str, ValueRange, bool] | None] = {
-    "none": None,
-    "fp16": None,
-    "bf16": None,
-    "topk": ("ratio", ValueRange(0, 1, low_open=True), False),
-    "powersgd": ("rank", ValueRange(1, None), True),
-}
-COMPRESSIONS = tuple(_PARAMETERS)
-_CHOICES = "none, fp16, bf16, topk(RATIO), powersgd(RANK)"
-_DEFAULTS = {"topk": 0.01, "powersgd": 1}
+def _choices() -> str:
+    """`none, fp16, bf16, topk(RATIO), powersgd(RANK)`: every codec with its parameters."""
+    return ", ".join(
+        name + (f"({', '.join(p.name.upper() for p in params)})" if (params := CODECS.parameters(name)) else "")
+        for name in CODECS
+    )
 
 
 def parse_compression(text: str | Spec) -> Spec | None:
     """`topk(0.01)` or `topk(ratio=0.01)` -> Spec('topk', {'ratio': 0.01}); None for none.
-    One error naming the valid choices for anything else."""
+    A codec of one parameter takes it by position too. One error naming the valid choices
+    for anything else."""
     what = "--compression"
+    single = {name: params[0].name for name in CODECS if len(params := CODECS.parameters(name)) == 1}
     try:
-        spec = parse_spec(text, what=what, positional={k: v[0] for k, v in _PARAMETERS.items() if v})
+        spec = parse_spec(text, what=what, positional=single)
     except SpecError as exc:
-        raise SpecError(f"{exc}; {what} takes one of: {_CHOICES}") from None
-    if spec.name not in _PARAMETERS:
+        raise SpecError(f"{exc}; {what} takes one of: {_choices()}") from None
+    if spec.name not in CODECS:
         raise SpecError(
-            f"unknown {what} {spec.name!r}{did_you_mean(spec.name, list(COMPRESSIONS))}; choose one of: {_CHOICES}"
+            f"unknown {what} {spec.name!r}{did_you_mean(spec.name, CODECS.names())}; choose one of: {_choices()}"
         )
-    parameter = _PARAMETERS[spec.name]
-    if parameter is None:
+    params = CODECS.parameters(spec.name)
+    if not params:
         if spec.kwargs:
-            raise SpecError(f"{what} {spec.name} takes no parameter; choose one of: {_CHOICES}")
-        return None if spec.name == "none" else spec
-    name, allowed, whole = parameter
-    unknown = [k for k in spec.kwargs if k != name]
+            raise SpecError(f"{what} {spec.name} takes no parameter; choose one of: {_choices()}")
+        return None if spec.name == Uncompressed.name else spec
+    names = [p.name for p in params]
+    unknown = [k for k in spec.kwargs if k not in names]
     if unknown:
-        raise SpecError(
-            f"{what} {spec.name} takes one parameter, {name}, not {', '.join(unknown)}; "
-            f"e.g. {spec.name}({_DEFAULTS[spec.name]})"
-        )
-    spec = spec.with_defaults(**{name: _DEFAULTS[spec.name]})
-    value = spec.kwargs[name]
-    allowed.check(f"{what} {spec.name}", name, value)
-    if whole and (isinstance(value, bool) or value != int(value)):
-        raise SpecError(f"{what} {spec.name}: {name} must be a whole number, got {value!r}")
+        takes = f"one parameter, {names[0]}" if len(names) == 1 else f"the parameters {', '.join(names)}"
+        example = ", ".join(f"{p.name}={p.default!r}" for p in params)
+        raise SpecError(f"{what} {spec.name} takes {takes}, not {', '.join(unknown)}; e.g. {spec.name}({example})")
+    spec = spec.with_defaults(**{p.name: p.default for p in params})
+    ranges = CODECS.get(spec.name).parameter_ranges
+    for p in params:
+        value = spec.kwargs[p.name]
+        if p.name in ranges:
+            ranges[p.name].check(f"{what} {spec.name}", p.name, value)
+        whole = isinstance(p.default, int) and not isinstance(p.default, bool)
+        if whole and (isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value)):
+            raise SpecError(f"{what} {spec.name}: {p.name} must be a whole number, got {value!r}")
     return spec
-
-
-# name -> the codec for vectors of length n, from the spec's parameters and the blocks
-_CODECS = {
-    "fp16": lambda n, blocks: Fp16(n),
-    "bf16": lambda n, blocks: Bf16(n),
-    "topk": lambda n, blocks, ratio: TopK(n, float(ratio)),
-    "powersgd": lambda n, blocks, rank: PowerSgd(n, int(rank), blocks),
-}
 
 
 def make_codec(spec: Spec, n: int, blocks: Sequence[Block] | None = None) -> Codec:
     """The codec of a parsed --compression for vectors of length n; `blocks` (the
     parameters' stretches and shapes) tell PowerSGD the matrices (default: one vector)."""
-    return _CODECS[spec.name](n, list(blocks) if blocks is not None else [(0, n, (n,))], **spec.kwargs)
+    cls = CODECS.get(spec.name)
+    supplied = {"blocks": list(blocks) if blocks is not None else None} if cls.uses_blocks else {}
+    return cls(n, **supplied, **spec.kwargs)

@@ -21,6 +21,7 @@ import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from nbdist.errors import TrainingError
@@ -111,6 +112,8 @@ class RunFailure(TrainingError):
     failure itself (it says so to the others; the ones it tells raise RunAborted)."""
 
     origin = True
+    run_dir: Path | None = None  # the run it ended (set by the role runner), where a restart goes on
+    reported_here: bool | None = None  # whether this rank is the one to print it (None: not decided yet)
 
     def __init__(self, message: str, *, ranks: Sequence[int] = (), restartable: bool = False):
         super().__init__(message)
@@ -131,6 +134,7 @@ class RunAborted(RunFailure):
     """Another rank said that the run cannot go on (its message, its verdict)."""
 
     origin = False
+    sender: int | None = None  # the rank that said so
 
 
 def failed_ranks(comm: Any, run: Any) -> list[int]:

@@ -43,7 +43,7 @@ class MasterChannel:
 
     __slots__ = ("links", "headers")
 
-    def __init__(self, links: Sequence[tuple[object, int, np.ndarray]]):
+    def __init__(self, links: Sequence[tuple[MPI.Comm, int, np.ndarray]]):
         self.links = list(links)
         self.headers = [MPI.REQUEST_NULL] * len(self.links)  # the posted header receives
 

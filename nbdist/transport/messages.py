@@ -9,7 +9,8 @@ grow with the number of workers. The header is 10 float64 slots viewed over the 
 message followed by the payload array itself, so the master sends its centre without
 copying it. With --compression a worker's payload travels encoded (transport/compression.py):
 the body is then [model state | wire], and the master decodes the wire into the payload
-slot of its receive buffer before the rule sees it; replies stay float32. A sub-master speaks the same format to the top master (roles/hierarchy.py).
+slot of its receive buffer before the rule sees it; replies stay float32. A sub-master
+speaks the same format to the top master (roles/hierarchy.py).
 
 A reply header carries, after the 10 slots, one slot per worker of the master: 1.0 for the
 workers that share the data of epoch `reply[EPOCH]` (the epoch after the one the worker's

@@ -122,7 +122,7 @@ class StageParts:
         codec for the whole model's message needs); None on the other stages."""
         here = self.displs[self.comm.Get_rank()]
         mine = np.zeros((len(blocks), BLOCK_WORDS), np.int64)
-        for row, (start, stop, shape) in zip(mine, blocks):
+        for row, (start, stop, shape) in zip(mine, blocks, strict=True):
             if len(shape) > MAX_DIMS:
                 raise ValueError(f"a parameter of {len(shape)} dimensions; at most {MAX_DIMS} in a pipeline stage")
             row[:3] = start + here, stop + here, len(shape)
@@ -132,7 +132,7 @@ class StageParts:
         every = np.empty(sum(counts), np.int64) if leader else None
         target = [every, counts, np.cumsum([0, *counts[:-1]]).tolist(), MPI.INT64_T] if leader else None
         self.collectives.wait(self.comm, self.comm.Igatherv(mine.ravel(), target, root=0), what)
-        if not leader:
+        if every is None:  # not the leader
             return None
         rows = every.reshape(-1, BLOCK_WORDS)
         return sorted((int(r[0]), int(r[1]), tuple(int(d) for d in r[3 : 3 + r[2]])) for r in rows)

@@ -4,7 +4,8 @@ clients it serves.
 A body is taken when its header is in (roles/master/receive.py), and given back once its update
 is applied, or, when the reply is the body itself (an asynchronous EASGD master answers
 each worker its own elastic step), once that reply has left. A synchronous round streams
-its workers' bodies through the pool: each is given back once the rule has folded it in. A buffer that MPI may still read (a lost
+its workers' bodies through the pool: each is given back once the rule has folded it in.
+A buffer that MPI may still read (a lost
 client's reply that never left) is written off: the pool may make a new one in its place.
 """
 

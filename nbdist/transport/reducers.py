@@ -14,7 +14,9 @@ deadline and failure naming.
   runs the torch.distributed path on a machine without a GPU.
 
 `--allreduce-backend auto` takes nccl where the gradient is on a GPU and torch has NCCL,
-else mpi. The name is looked up once (`choose`), here at the edge, in REDUCERS.
+else mpi. The name is looked up once (`choose`), here at the edge, in REDUCERS, the
+registry every reducer class registers on (nbdist.registry). This module imports MPI and
+torch only when a reducer is made, so that the options can list the reducers.
 
 --compression (compression.py, reduction.py) runs on the MPI reducer only: its codecs
 are numpy, so the buckets go through host memory anyway; `auto` then takes mpi, and
@@ -25,31 +27,66 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import array_api_compat
 import numpy as np
-from mpi4py import MPI
 
 from nbdist.errors import OptionsError
+from nbdist.registry import Registry
 from nbdist.specs import Spec
-from nbdist.transport.reduction import compressed_reduction
-from nbdist.transport.staging import Staging
-from nbdist.transport.torch_group import TorchGroup, all_completed, keep_until_done
-from nbdist.transport.waiting import wait_all, wait_for
 
-__all__ = ["Reducer", "MpiReducer", "TorchReducer", "REDUCERS", "choose", "make_reducer"]
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
+    from nbdist.transport.torch_group import TorchGroup
+
+__all__ = ["Reducer", "MpiReducer", "TorchReducer", "NcclReducer", "GlooReducer", "REDUCERS", "choose", "make_reducer"]
 
 WHAT = "the gradient allreduce"
 
 
 class Reducer(ABC):
     """Sums a flat gradient (the backend's `rule_grads`) over the ranks of a communicator,
-    bucket by bucket from inside backward."""
+    bucket by bucket from inside backward.
 
-    way: str  # how the buckets travel, for benchmarks and messages
-    bytes_sent: int  # the gradient bytes this rank handed over to be reduced, over the run
+    What `--allreduce-backend` chooses (`make_reducer`): `MpiReducer` (MPI's
+    `Iallreduce`, with `--compression` through a codec) or `TorchReducer` (a
+    torch.distributed NCCL or gloo group made from the MPI ranks). The backend calls
+    `start(index)` as each bucket becomes final during backward; the role calls
+    `finish(trailer)` once per step. Every rank ends the step with the same sums, so the
+    replicas stay bit-identical.
+
+    Example:
+        On one rank (`MPI.COMM_SELF`) the sum is the gradient itself; under
+        `mpiexec -n N` the same code sums over N ranks:
+
+        >>> import numpy as np, torch
+        >>> from mpi4py import MPI
+        >>> from nbdist.backends.torch import TorchBackend
+        >>> from nbdist.transport.reducers import MpiReducer
+        >>> backend = TorchBackend(torch.nn.Linear(4, 2))
+        >>> reducer = MpiReducer(MPI.COMM_SELF, backend, bucket_floats=2**20)
+        >>> x, y = np.ones((3, 4), np.float32), np.array([0, 1, 0])
+        >>> stats = backend.compute_gradients(x, y)   # backward starts the buckets
+        >>> trailer = np.array([3.0], np.float32)     # e.g. the step's samples
+        >>> reducer.finish(trailer)                   # waits for the sums
+        >>> reducer.buckets, trailer
+        ([(0, 10)], array([3.], dtype=float32))
+    """
+
+    name: ClassVar[str]  # what --allreduce-backend calls it
     buckets: list[tuple[int, int]]  # [start, stop) of each bucket of the flat gradient
+
+    @property
+    @abstractmethod
+    def way(self) -> str:
+        """How the buckets travel, for benchmarks and messages."""
+
+    @property
+    @abstractmethod
+    def bytes_sent(self) -> int:
+        """The gradient bytes this rank handed over to be reduced, over the run."""
 
     @abstractmethod
     def start(self, index: int) -> None:
@@ -60,19 +97,26 @@ class Reducer(ABC):
     def finish(self, trailer: np.ndarray) -> None:
         """Sum `trailer` too, and return once the gradient and the trailer hold the sums."""
 
-    def close(self) -> None:
-        """Release what the reducer holds, after a run that ended well."""
+    def close(self) -> None:  # noqa: B027
+        """Release what the reducer holds, after a run that ended well; by default nothing."""
 
     def state_arrays(self) -> dict[str, np.ndarray]:
         """What the reducer carries from step to step (a compression's residuals), for checkpoints."""
         return {}
 
-    def load_state_arrays(self, arrays: dict[str, np.ndarray]) -> None:
-        """Take back what state_arrays gave (a resume)."""
+    def load_state_arrays(self, arrays: dict[str, np.ndarray]) -> None:  # noqa: B027
+        """Take back what state_arrays gave (a resume); by default there is nothing."""
 
 
+REDUCERS: Registry[Reducer] = Registry(
+    "allreduce backend", supplied=("comm", "group", "backend", "bucket_floats", "finish_wait", "compression")
+)
+
+
+@REDUCERS.register
 class MpiReducer(Reducer):
-    """Starts one in-place Iallreduce per gradient bucket from inside backward.
+    """One in-place MPI Iallreduce per gradient bucket, started from inside backward; the
+    only one that takes --compression.
 
     The gradient goes through the transport's staging: on the host MPI reduces the
     backend's own memory; on a GPU, the device buffer itself (CUDA-aware MPI) or a pinned
@@ -84,7 +128,7 @@ class MpiReducer(Reducer):
     With a `compression` (--compression), the buckets go through its codec instead
     (reduction.py)."""
 
-    __slots__ = ("comm", "staging", "buckets", "requests", "finish_wait", "compressed", "plain_bytes")
+    name = "mpi"
 
     def __init__(
         self,
@@ -94,6 +138,13 @@ class MpiReducer(Reducer):
         finish_wait: Callable | None = None,
         compression: Spec | None = None,
     ):
+        from mpi4py import MPI
+
+        from nbdist.transport.reduction import compressed_reduction
+        from nbdist.transport.staging import Staging
+        from nbdist.transport.waiting import wait_all
+
+        self._mpi = MPI
         self.comm = comm
         # The codecs are numpy: a compressed gradient goes through host memory even where
         # MPI could read the device (cuda_aware=False: pinned host copies).
@@ -115,19 +166,20 @@ class MpiReducer(Reducer):
     def start(self, index: int) -> None:
         start, stop = self.buckets[index]
         host = self.staging.to_host(start, stop)
+        mpi = self._mpi
         if self.compressed is None:
-            self.requests.append(self.comm.Iallreduce(MPI.IN_PLACE, host, op=MPI.SUM))
+            self.requests.append(self.comm.Iallreduce(mpi.IN_PLACE, host, op=mpi.SUM))
             self.plain_bytes += host.nbytes
         else:
             self.requests += self.compressed.start(index, host)
-        MPI.Request.Testall(self.requests)  # progress the earlier buckets
+        mpi.Request.Testall(self.requests)  # progress the earlier buckets
 
     @property
     def way(self) -> str:
         return f"mpi ({self.staging.way})"
 
     def finish(self, trailer: np.ndarray) -> None:
-        self.requests.append(self.comm.Iallreduce(MPI.IN_PLACE, trailer, op=MPI.SUM))
+        self.requests.append(self.comm.Iallreduce(self._mpi.IN_PLACE, trailer, op=self._mpi.SUM))
         try:
             self.finish_wait(self.requests)
         finally:
@@ -151,10 +203,10 @@ class TorchReducer(Reducer):
     `finish_wait(done)` polls `done()` (default: waiting.wait_for without a deadline; a
     run passes its collectives' `wait_for`, with the run's deadline and failure naming)."""
 
-    __slots__ = ("group", "grads", "trailer", "buckets", "works", "finish_wait", "bytes_sent")
-
     def __init__(self, group: TorchGroup, backend: Any, bucket_floats: int, finish_wait: Callable | None = None):
         import torch
+
+        from nbdist.transport.waiting import wait_for
 
         self.group = group
         grads = backend.rule_grads
@@ -162,7 +214,7 @@ class TorchReducer(Reducer):
         self.grads = torch.from_numpy(grads) if isinstance(grads, np.ndarray) else grads
         self.trailer = torch.zeros(4, dtype=torch.float32, device=self.grads.device)
         self.works: list[Any] = []
-        self.bytes_sent = 0
+        self._bytes_sent = 0
         self.finish_wait = finish_wait or wait_for
         self.buckets = backend.bucket_hooks(bucket_floats, self.start)
 
@@ -170,13 +222,19 @@ class TorchReducer(Reducer):
     def way(self) -> str:
         return self.group.kind
 
+    @property
+    def bytes_sent(self) -> int:
+        return self._bytes_sent
+
     def start(self, index: int) -> None:
         start, stop = self.buckets[index]
         self.works.append(self.group.allreduce(self.grads[start:stop]))
-        self.bytes_sent += 4 * (stop - start)
+        self._bytes_sent += 4 * (stop - start)
 
     def finish(self, trailer: np.ndarray) -> None:
         import torch
+
+        from nbdist.transport.torch_group import all_completed, keep_until_done
 
         self.trailer.copy_(torch.from_numpy(trailer))
         self.works.append(self.group.allreduce(self.trailer))
@@ -194,7 +252,20 @@ class TorchReducer(Reducer):
         self.group.close()
 
 
-REDUCERS: dict[str, type[Reducer]] = {"mpi": MpiReducer, "nccl": TorchReducer, "gloo": TorchReducer}
+@REDUCERS.register
+class NcclReducer(TorchReducer):
+    """The buckets of a gradient on GPUs, reduced there by NCCL (a torch.distributed group
+    made from the MPI ranks)."""
+
+    name = "nccl"
+
+
+@REDUCERS.register
+class GlooReducer(TorchReducer):
+    """The same over gloo, for a gradient in host memory (how the test suite runs the
+    torch.distributed path without a GPU)."""
+
+    name = "gloo"
 
 
 def choose(name: str, grads: Any, compressed: bool = False) -> str:
@@ -202,7 +273,7 @@ def choose(name: str, grads: Any, compressed: bool = False) -> str:
     `compressed` by --compression), or one OptionsError saying why it cannot reduce it (the
     same on every rank of a run)."""
     if name != "auto" and name not in REDUCERS:
-        raise OptionsError(f"--allreduce-backend {name!r}: choose one of auto, {', '.join(REDUCERS)}")
+        raise OptionsError(f"--allreduce-backend {name!r}: choose one of auto, {', '.join(REDUCERS.names())}")
     where = str(array_api_compat.device(grads))
     on_gpu = where.startswith("cuda")
     if name == "auto":
@@ -251,11 +322,15 @@ def make_reducer(
     """Collective over `comm`: the reducer `--allreduce-backend name` means for this
     backend's gradient (through `compression`'s codec, if any), its waits polled by the
     run's `collectives`."""
-    kind = choose(name, backend.rule_grads, compressed=compression is not None)
-    if REDUCERS[kind] is MpiReducer:
-        return MpiReducer(
+    kind = REDUCERS.get(choose(name, backend.rule_grads, compressed=compression is not None))
+    if issubclass(kind, MpiReducer):
+        return kind(
             comm, backend, bucket_floats, lambda requests: collectives.wait_all(comm, requests, what), compression
         )
+    if not issubclass(kind, TorchReducer):
+        raise TypeError(f"{kind!r}: make_reducer knows MPI and torch.distributed reducers")
+    from nbdist.transport.torch_group import TorchGroup
+
     device = array_api_compat.device(backend.rule_grads)
-    group = TorchGroup(comm, kind, collectives, device=device if kind == "nccl" else None)
-    return TorchReducer(group, backend, bucket_floats, lambda done: collectives.wait_for(comm, done, what))
+    group = TorchGroup(comm, kind.name, collectives, device=device if kind.name == "nccl" else None)
+    return kind(group, backend, bucket_floats, lambda done: collectives.wait_for(comm, done, what))

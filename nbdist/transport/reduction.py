@@ -68,23 +68,28 @@ class GatheredBuckets(CompressedReduction):
         return [self.comm.Iallgather(wire, self.gathered[index])]
 
     def finish(self, whole: Callable[[], np.ndarray], wait: Wait) -> None:
-        for compressor, host, parts in zip(self.compressors, self.hosts, self.gathered):
+        for compressor, host, parts in zip(self.compressors, self.hosts, self.gathered, strict=True):
+            if host is None:
+                raise RuntimeError("finish() before every bucket was started")
             host[:] = 0.0
             for part in parts:  # fp32 accumulation, in rank order on every rank
                 compressor.codec.decode_add(part, host)
 
+    def _residuals(self) -> list[np.ndarray]:
+        """The buckets' residuals, in order ([] for a codec without error feedback)."""
+        return [c.residual for c in self.compressors if c.residual is not None]
+
     def state_arrays(self) -> dict[str, np.ndarray]:
-        if self.compressors[0].residual is None:
-            return {}
-        return {"residual": np.concatenate([c.residual for c in self.compressors])}
+        residuals = self._residuals()
+        return {"residual": np.concatenate(residuals)} if residuals else {}
 
     def load_state_arrays(self, arrays: dict[str, np.ndarray]) -> None:
-        if "residual" not in arrays or self.compressors[0].residual is None:
+        if "residual" not in arrays:
             return
         at = 0
-        for c in self.compressors:
-            c.residual[:] = arrays["residual"][at : at + c.codec.n]
-            at += c.codec.n
+        for residual in self._residuals():
+            residual[:] = arrays["residual"][at : at + residual.size]
+            at += residual.size
 
 
 class PowerSgdReduction(CompressedReduction):
@@ -93,7 +98,10 @@ class PowerSgdReduction(CompressedReduction):
     def __init__(self, comm: MPI.Intracomm, spec: Spec, n: int, blocks: Sequence[Block]):
         super().__init__(comm)
         self.compressor = Compressor(make_codec(spec, n, blocks))
-        self.codec: PowerSgd = self.compressor.codec
+        codec = self.compressor.codec
+        if not isinstance(codec, PowerSgd):
+            raise TypeError(f"PowerSgdReduction takes a powersgd codec, not {spec}")
+        self.codec = codec
         self.p = np.empty(self.codec.p_size, np.float32)
         self.q = np.empty(self.codec.q_size, np.float32)
 

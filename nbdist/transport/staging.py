@@ -57,7 +57,7 @@ class Staging:
     def __init__(self, device: Any, copier: Any = None, cuda_aware: bool | None = None):
         self.device = device
         self._copier = copier
-        self._host_tensor = None
+        self._host_tensor: Any = None  # the pinned host copy's tensor (PINNED only)
         if _on_host(device):
             self.way, self.host = VIEW, np.asarray(device)  # zero-copy view of a CPU tensor
         elif mpi_is_cuda_aware() if cuda_aware is None else cuda_aware:

@@ -17,7 +17,7 @@ contiguous array, no file), and the receiver's acknowledgement once it has kept 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from mpi4py import MPI
@@ -99,7 +99,7 @@ class CoordinatorChannel:
         for request in self.sends:
             try:
                 wait(request, timeout=timeout)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
 
 
@@ -162,7 +162,7 @@ def send_state(world: Any, dest: int, arrays: dict[str, dict[str, np.ndarray]], 
 
 def receive_state(world: Any, source: int, timeout: float) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, Any]]:
     """The training state rank `source` sends with `send_state`: (arrays, info)."""
-    header = receive_object(world, source, TAG_STATE, timeout=timeout)
+    header = cast(dict[str, Any], receive_object(world, source, TAG_STATE, timeout=timeout))
     arrays: dict[str, dict[str, np.ndarray]] = {}
     requests = []
     for group, name, dtype, shape in header["arrays"]:

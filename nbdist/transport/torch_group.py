@@ -123,7 +123,7 @@ def _make_group(
     import torch.distributed as dist
 
     if kind == "gloo":
-        options = dist.ProcessGroupGloo._Options()
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private in torch's stubs
         options._timeout = timeout
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
         return dist.ProcessGroupGloo(store, rank, size, options)

@@ -15,17 +15,15 @@ then polls between short sleeps that give the core away; and while it polls it w
 
 A node whose ranks fit its cores needs no sleeps at all (`poll_without_sleeping`, the
 run's --busy-poll): a rank that slept while its peer computed wakes slowly, on a core
-whose caches went cold (a master's step after a 10 ms sleep took 0.25 ms instead of 0.035 ms
-on the 2-core development machine, 0.08 ms after 10 ms of polling), and notices its message
-up to a sleep late; polling keeps the core busy, which costs only where another rank
-needed it.
+whose caches went cold (a master's step took several times as long after a sleep as after
+polling: bench/results/2026-11-25-overhead.md), and notices its message up to a sleep
+late; polling keeps the core busy, which costs only where another rank needed it.
 
 The sleeps stay short because a sleeping rank stalls its partner, not only itself: a
 large message is a rendezvous, so the peer's blocking `Send` (and every round of an
-`Iallreduce`) waits until this rank polls again. Sleeps that grew to 2 ms cost the
-master/worker exchange several milliseconds per update (a worker's compute share went
-from 0.82 to 0.90 of its step time with the 0.2 ms cap, bench/overhead.py); polling
-every 0.2 ms costs about 6% of a core while a rank waits long.
+`Iallreduce`) waits until this rank polls again. Sleeps that grew to milliseconds cost the
+master/worker exchange milliseconds per update, so they stop growing at LONGEST_SLEEP;
+polling at that pace costs a small part of a core while a rank waits long.
 """
 
 from __future__ import annotations
@@ -95,7 +93,7 @@ class CommFailure(Exception):
 
     def __init__(self, error: MPI.Exception):
         super().__init__(str(error))
-        self.error_class = error.Get_error_class()
+        self.error_class: int | None = error.Get_error_class()  # None: not MPI's (torch's)
 
 
 _abandoned = False
@@ -123,7 +121,8 @@ class watch_with:
     watch on exit, so nested runs (a study's trial in a group) keep theirs."""
 
     def __init__(self, check: Callable[[], None] | None):
-        self.check, self.previous = check, None
+        self.check: Callable[[], None] | None = check
+        self.previous: Callable[[], None] | None = None
 
     def __enter__(self) -> watch_with:
         global _watch

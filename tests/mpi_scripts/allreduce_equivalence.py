@@ -28,17 +28,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import equivalence_common as common  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from mpi4py import MPI  # noqa: E402
-from rank_main import run_or_abort  # noqa: E402
-from safetensors.numpy import save_file  # noqa: E402
-from torch import nn  # noqa: E402
+import equivalence_common as common
+import numpy as np
+import torch
+from mpi4py import MPI
+from rank_main import run_or_abort
+from safetensors.numpy import save_file
+from torch import nn
 
-from nbdist.backends import DeviceRequest  # noqa: E402
-from nbdist.backends.torch import TorchBackend  # noqa: E402
-from nbdist.transport.staging import Staging  # noqa: E402
+from nbdist.backends import DeviceRequest
+from nbdist.backends.torch import TorchBackend
+from nbdist.transport.staging import Staging
 
 
 def train(comm: MPI.Intracomm, steps: int, unequal: bool, device: bool = False) -> TorchBackend:

@@ -15,6 +15,7 @@ the job so that no rank hangs.
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -22,12 +23,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import equivalence_common as common  # noqa: E402
-from mpi4py import MPI  # noqa: E402
-from rank_main import run_or_abort  # noqa: E402
-from torch import nn  # noqa: E402
+import equivalence_common as common
+from mpi4py import MPI
+from rank_main import run_or_abort
+from torch import nn
 
-import nbdist  # noqa: E402
+import nbdist
 
 
 def main() -> None:
@@ -41,7 +42,11 @@ def main() -> None:
         comm = world.Split(0 if inside else MPI.UNDEFINED, world.Get_rank())
         if inside:
             result = nbdist.train(
-                build, data=lambda: common.make_data(n_train), loss=nn.CrossEntropyLoss(), comm=comm, **options
+                build,
+                data=functools.partial(common.make_data, n_train),
+                loss=nn.CrossEntropyLoss(),
+                comm=comm,
+                **options,
             )
             # The run's leader (the master, or rank 0) gets the RunResult, the others None.
             if comm.Get_rank() == 0:

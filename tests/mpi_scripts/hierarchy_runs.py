@@ -16,11 +16,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from train_many import run_all  # noqa: E402
+from train_many import run_all
 
-from nbdist.roles import master as mw  # noqa: E402
-from nbdist.roles.master import run as serving  # noqa: E402
-from nbdist.transport import messages as m  # noqa: E402
+from nbdist.roles import master as mw
+from nbdist.roles.master import run as serving
+from nbdist.transport import messages as m
 
 RUN = "stop-at-sub-epoch-end"
 EPOCH = 1  # the second epoch, counted from 0

@@ -31,21 +31,21 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import equivalence_common as common  # noqa: E402
-import keras  # noqa: E402
-import keras_common  # noqa: E402
-import numpy as np  # noqa: E402
-from mpi4py import MPI  # noqa: E402
-from rank_main import run_or_abort  # noqa: E402
-from safetensors.numpy import load_file, save_file  # noqa: E402
-from train_many import run_all  # noqa: E402
+import equivalence_common as common
+import keras
+import keras_common
+import numpy as np
+from mpi4py import MPI
+from rank_main import run_or_abort
+from safetensors.numpy import load_file, save_file
+from train_many import run_all
 
-import nbdist  # noqa: E402
-from nbdist.backends import configure_frameworks  # noqa: E402
-from nbdist.backends.keras import KerasBackend  # noqa: E402
-from nbdist.data.sharding import ShardPlan  # noqa: E402
-from nbdist.specs import parse_spec  # noqa: E402
-from nbdist.train.definition import load_model_file  # noqa: E402
+import nbdist
+from nbdist.backends import configure_frameworks
+from nbdist.backends.keras import KerasBackend
+from nbdist.data.sharding import ShardPlan
+from nbdist.specs import parse_spec
+from nbdist.train.definition import load_model_file
 
 STEPS = 12
 DOWNPOUR = dict(epochs=3, batch_size=16, seed=3)

@@ -16,11 +16,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import numpy as np  # noqa: E402
-from mpi4py import MPI  # noqa: E402
-from rank_main import run_or_abort  # noqa: E402
+import numpy as np
+from mpi4py import MPI
+from rank_main import run_or_abort
 
-from nbdist.layout import Layout, LayoutError  # noqa: E402
+from nbdist.layout import Layout, LayoutError
 
 FIELDS = ("run", "group", "block", "masters", "worker", "leaders", "stage")
 

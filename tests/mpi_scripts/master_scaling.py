@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from mpi4py import MPI  # noqa: E402
+from mpi4py import MPI
 
 ROOT = Path(__file__).resolve().parents[2]
 from rank_main import run_or_abort  # noqa: E402

@@ -3,9 +3,10 @@
 Usage: mpiexec -n N python tests/mpi_scripts/train_many.py RUNS.json
 
 RUNS.json holds a list of argv lists (what follows `python -m nbdist train`, or a whole
-`study ...` command line). Each is handed to `nbdist.cli.main`, the very function behind `python -m nbdist`, so the runs go
-through the real option parsing, layout, topologies and files. Starting Python, torch
-and MPI costs seconds per rank on a small box while a digits run trains in well under a
+command line of another command: `study ...`, `slurm-script ...`). Each is handed to
+`nbdist.cli.main`, the very function behind `python -m nbdist`, so the runs go through
+the real option parsing, layout, topologies and files. Starting Python, torch and MPI
+costs seconds per rank on a small box while a digits run trains in well under a
 second, so one job for a batch of runs keeps the integration tests affordable.
 
 After each run, rank 0 prints `nbdist-test: run I rc=RC` to stdout AND to stderr, so a
@@ -23,9 +24,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from mpi4py import MPI  # noqa: E402
+from mpi4py import MPI
 
-from nbdist.cli import main as nbdist_main  # noqa: E402
+from nbdist.cli import COMMANDS
+from nbdist.cli import main as nbdist_main
 
 
 def run_all(path: str) -> int:
@@ -33,7 +35,7 @@ def run_all(path: str) -> int:
     world = MPI.COMM_WORLD
     worst = 0
     for i, argv in enumerate(runs):
-        rc = nbdist_main(argv if argv[:1] == ["study"] else ["train", *argv])
+        rc = nbdist_main(argv if argv[:1] and argv[0] in COMMANDS else ["train", *argv])
         worst = max(worst, rc)
         world.Barrier()
         if world.Get_rank() == 0:

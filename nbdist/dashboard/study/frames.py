@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from nbdist.hpo.space import Categorical, Space, as_space
+from nbdist.hpo.space import Categorical, Space
+from nbdist.hpo.space_input import as_space
 from nbdist.store import TrialRow
 
 __all__ = [

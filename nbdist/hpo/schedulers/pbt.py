@@ -33,7 +33,7 @@ from nbdist.hpo.schedulers.base import (
     Setting,
     Work,
 )
-from nbdist.hpo.space import Categorical, Space
+from nbdist.hpo.space import Categorical, Integer, Real, Space
 
 __all__ = ["PBT", "explore"]
 
@@ -50,9 +50,11 @@ def explore(params: Mapping[str, Any], space: Space, perturb: float, resample: f
         elif isinstance(dim, Categorical):
             step = 1 if rng.random() < 0.5 else -1
             moved[name] = dim.categories[min(max(dim.index(value) + step, 0), len(dim.categories) - 1)]
-        else:
+        elif isinstance(dim, (Real, Integer)):
             factor = 1.0 + perturb if rng.random() < 0.5 else 1.0 - perturb
             moved[name] = dim.coerce_clip(float(value) * factor)
+        else:
+            moved[name] = value
     return moved
 
 

@@ -75,14 +75,14 @@ def _apply_rule(me: Master, updates: list[tuple[int, Update]]) -> list[tuple[int
     master_round with the bodies streamed in; (client, array to reply) pairs."""
     ctx = me.ctx
     if not ctx.options.synchronous:
-        payloads = ctx.algorithm.master_apply(me.rule_state, me.center, [u for _, u in updates], me.opt)
-        return [(i, payload) for (i, _), payload in zip(updates, payloads)]
+        payloads = ctx.rule.master_apply(me.rule_state, me.center, [u for _, u in updates], me.opt)
+        return [(i, payload) for (i, _), payload in zip(updates, payloads, strict=True)]
     stream = round_updates(me, updates)
-    payload = ctx.algorithm.master_round(
+    payload = ctx.rule.master_round(
         me.rule_state, me.center, stream, [u.samples for _, u in updates], me.opt, me.round_buffer
     )
     if next(stream, None) is not None:
-        raise TrainingError(f"internal: {ctx.algorithm.name}'s master_round left updates of the round undrawn")
+        raise TrainingError(f"internal: {ctx.rule.name}'s master_round left updates of the round undrawn")
     return [(i, payload) for i, _ in updates]
 
 

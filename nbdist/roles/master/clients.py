@@ -64,6 +64,6 @@ def worker_clients(ctx: RankContext) -> list[Client]:
 
 
 def _leader_world_ranks(ctx: RankContext, workers: int) -> list[int]:
-    ranks = ctx.layout.fold_ranks(ctx.role.group, ctx.role.fold)
+    ranks = ctx.layout.fold_ranks(*ctx.role.run)
     roles = [ctx.layout.role(r) for r in ranks]
     return [r.rank for r in roles if r.kind == "worker" and r.master == ctx.role.master and r.proc == 0][:workers]

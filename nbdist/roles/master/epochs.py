@@ -116,6 +116,7 @@ def finish_epoch(me: Master, epoch: int, tally: EpochTally, seconds: float, val,
     me.history.append(metrics)
     ctx.log.emit("epoch", metrics, step=me.version, epoch=epoch + 1)
     ctx.say(format_epoch(metrics, ctx.options.epochs))
+    ctx.watch_loss(metrics)
     if not me.stopping:
         decision = ctx.early.update(metrics)
         if decision.stop:

@@ -171,7 +171,8 @@ def _receive_bodies(me: Master, ready: list[int], streamed: set[int]) -> list[in
     order. Those the pool has no buffer for wait for the next pass, in order; a client
     whose body does not follow its header is lost."""
     t0 = time.perf_counter()
-    served, receiving = [], []
+    served: list[int] = []
+    receiving: list[tuple[int, Transfer | None]] = []
     for i in ready:
         client = me.clients[i]
         if client.inbox.header[m.KIND] != m.UPDATE:
@@ -240,7 +241,7 @@ def _body_arrived(me: Master, i: int, receiving: Transfer) -> bool:
 def _error_text(me: Master, i: int) -> str:
     """The text that follows an ERROR or LOST header (sent right after it)."""
     try:
-        return me.channel.error_text(i, me.clients[i].silence.limit)
+        return str(me.channel.error_text(i, me.clients[i].silence.limit))
     except (WaitTimeout, CommFailure):
         return "failed (its message did not arrive)"
 

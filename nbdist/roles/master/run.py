@@ -124,7 +124,7 @@ def open_master(me: Master, clients: list[Client]) -> None:
     """What every master holds besides its clients: the centre, its rule and optimiser."""
     ctx = me.ctx
     me.center = ctx.backend.params
-    me.rule_state = ctx.algorithm.new_master_state(me.center.size)
+    me.rule_state = ctx.rule.new_master_state(me.center.size)
     me.opt = ctx.backend.make_optimizer(ctx.master_optimizer) if ctx.master_optimizer else None
     me.lr = master_lr_for(ctx, me.opt)
     me.validator = BackgroundValidator(ctx.make_replica, *ctx.data.val_arrays())

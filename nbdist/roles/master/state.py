@@ -38,23 +38,27 @@ class Master:
 
     ctx: RankContext
     clients: list = field(default_factory=list)  # [Client]
-    center: np.ndarray | None = None  # the backend's flat parameters
+    # Set by open_master (master/run.py) before the master serves: the backend's flat
+    # parameters, one posted header receive per client, the bodies' buffers, each
+    # client's latest model state, the epochs' members, the background validation.
+    center: np.ndarray = field(init=False, repr=False)
+    channel: MasterChannel = field(init=False, repr=False)
+    pool: BodyPool = field(init=False, repr=False)
+    states: np.ndarray = field(init=False, repr=False)
+    members: EpochMembers = field(init=False, repr=False)
+    validator: BackgroundValidator = field(init=False, repr=False)
     rule_state: Any = None
     opt: Any = None
     lr: Any = None  # sets opt's lr per update (train/lr.py MasterLr)
-    channel: MasterChannel | None = None  # one posted header receive per client, bodies, replies
-    pool: BodyPool | None = None  # the bodies updates are received into
     round_buffer: np.ndarray | None = None  # a synchronous round's mean (or EASGD's reply), master_round's `out`
     waiting: list = field(default_factory=list)  # clients whose header is in, served at the next pass
     active: set = field(default_factory=set)  # clients still training: not DONE, failed or dropped
     dropped: dict = field(default_factory=dict)  # client -> why the run went on without it
     finished: set = field(default_factory=set)  # clients that said DONE
     acked_upto: list = field(default_factory=list)  # per client, see m.EPOCHS_ACKED
-    states: np.ndarray | None = None  # each client's latest model state
     reply_headers: list = field(default_factory=list)  # one per client: a reply in flight keeps its own
     replying: dict = field(default_factory=dict)  # client -> _Reply still in flight
     silence_checked: float = 0.0  # when the clients' silence was last looked at
-    members: EpochMembers | None = None
     version: int = 0
     next_epoch: int = 0  # lowest epoch not yet ended
     stopping: str = ""
@@ -71,7 +75,6 @@ class Master:
     unwritten: list = field(default_factory=list)  # (label, arrays, scalars) taken, awaiting a validation
     failed: set = field(default_factory=set)
     epoch_clock: float = field(default_factory=time.time)  # when the previous epoch ended
-    validator: BackgroundValidator | None = None
     # Training samples in the centre: those of every update applied, over all clients.
     samples_seen: int = 0
     sampled: SampledValidation | None = None  # --validate-every-samples, at the top (or only) master
@@ -100,7 +103,7 @@ class Master:
             now = time.time()
             seconds, self.epoch_clock = now - self.epoch_clock, now
             finished.append((epoch, tally, seconds))
-        if finished and self.members is not None:
+        if finished:
             self.members.forget_before(self.next_epoch)
         return finished
 
@@ -112,7 +115,7 @@ class Master:
         """The clients whose end of `epoch` the master waits for: the workers that share
         its data and the sub-masters, less those dropped or failed since."""
         gone = set(self.dropped) | self.failed
-        workers = set(self.members.of(epoch, self.live_workers())) if self.members is not None else set()
+        workers = set(self.members.of(epoch, self.live_workers()))
         others = {i for i, c in enumerate(self.clients) if c.kind != WORKER}
         return (workers | others) - gone
 
