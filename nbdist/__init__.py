@@ -2,7 +2,7 @@
 
 from nbdist import data, datasets  # nbdist.datasets.digits() after a plain `import nbdist`
 from nbdist.__about__ import __version__
-from nbdist.api import study, train
+from nbdist.api import scale, study, train
 from nbdist.cluster import Cluster
 from nbdist.layout import Layout
 from nbdist.options import StudyOptions, TrainOptions
@@ -10,6 +10,7 @@ from nbdist.options import StudyOptions, TrainOptions
 __all__ = [
     "train",
     "study",
+    "scale",
     "Study",
     "Cluster",
     "Layout",

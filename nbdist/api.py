@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from nbdist.errors import OptionsError
 from nbdist.options import STUDY_SKIPS, StudyOptions, TrainOptions, saved_run_options
 from nbdist.store import RunStore, is_url, store_path
-from nbdist.train.definition import definition_of
+from nbdist.train.definition import ModelDefinition, definition_of
 from nbdist.train.progress import RunResult
 
 if TYPE_CHECKING:
@@ -19,8 +19,9 @@ if TYPE_CHECKING:
     from nbdist.hpo.runner import StudyResult
     from nbdist.job import Job
     from nbdist.notebook_study import Study
+    from nbdist.scaling.sweep import ScaleResult
 
-__all__ = ["train", "submit", "study", "submit_study"]
+__all__ = ["train", "submit", "study", "submit_study", "scale"]
 
 
 def train(
@@ -295,3 +296,75 @@ def _study_options(options: dict[str, Any]) -> tuple[StudyOptions, TrainOptions]
         {k: v for k, v in options.items() if k in study_names}, {k: v for k, v in options.items() if k in train_names}
     )
     return study.validate(), train.validate()
+
+
+def scale(
+    model: Callable[[], Any] | str | Path | None = None,
+    *,
+    data: Any = None,
+    loss: Any = None,
+    metric: Any = "accuracy",
+    comm: Any = None,
+    cluster: Cluster | None = None,
+    **options: Any,
+) -> ScaleResult | None:
+    """A scaling study: calibrate the performance model on the ranks at hand, measure a
+    sweep of set-ups and rank counts, predict to many ranks, recommend a set-up.
+
+    Keywords are the options of `python -m nbdist scale` with underscores:
+    `scale("examples/digits_cnn.py", quick=True, setups="allreduce downpour", max_ranks=256)`.
+    Under mpiexec every rank calls it (on the ranks of `comm`, default COMM_WORLD) and rank
+    0 gets the ScaleResult (its `text` is the report), the others None. From a notebook,
+    `cluster=` runs it on the cluster's engines (a model file then: each engine loads it),
+    waits, prints the report and returns the ScaleResult.
+
+    Example (under `python -m nbdist launch -n 4 python script.py`):
+
+        result = nbdist.scale("examples/digits_cnn.py", quick=True)
+        if result is not None:
+            print(result.analysis.recommendation["label"])
+    """
+    from nbdist.scaling.options import ScaleOptions
+
+    if isinstance(model, (str, Path)):
+        options["model"] = str(model)
+    elif model is not None:
+        options.setdefault("model", getattr(model, "__name__", "model"))
+    try:
+        opts = ScaleOptions.from_dict(options).validate()
+    except TypeError as exc:
+        raise OptionsError(str(exc)) from None
+    if cluster is not None:
+        return _scale_on(cluster, opts, model)
+    from nbdist.scaling.sweep import run_scale
+
+    definition = None
+    if model is not None and not isinstance(model, (str, Path)):
+        made = definition_of(model, loss=loss, metric=metric, data=data)
+        definition = made if isinstance(made, ModelDefinition) else made()
+    return run_scale(opts, definition, comm)
+
+
+def _scale_on(cluster: Cluster, options: Any, model: Any) -> ScaleResult:
+    """The study on a notebook cluster's engines; the report printed here."""
+    from nbdist import engine
+    from nbdist.errors import UserError
+
+    if model is not None and not isinstance(model, (str, Path)):
+        raise OptionsError("with a cluster, give the model as a file (each engine loads it): scale('model.py', ...)")
+    changes = {"model": str(Path(str(options.model)).resolve()), "runs_dir": str(Path(options.runs_dir).resolve())}
+    if (
+        options.store is not None
+        and store_path(options.store, options.runs_dir) is not None
+        and not is_url(options.store)
+    ):
+        changes["store"] = str(Path(options.store).resolve())
+    options = options.replace(**changes)
+    cluster.check_alive()
+    outcomes = cluster.view.apply_async(engine.run_scaling, options.to_dict()).get()
+    failed = sorted((o for o in outcomes if o.error and not o.abandoned), key=lambda o: o.failed_at or 0.0)
+    if failed:
+        raise UserError(failed[0].error if failed[0].user_error else f"rank {failed[0].rank}: {failed[0].error}")
+    result = next(o.result for o in outcomes if o.rank == 0)
+    print(result.text, flush=True)
+    return result

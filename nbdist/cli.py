@@ -3,6 +3,7 @@
     python -m nbdist launch -n 4 train --model examples/digits_mlp.py --algorithm easgd
     python -m nbdist slurm-script -n 8 --time 02:00:00 --write job.sh -- train --model model.py   # sbatch job.sh
     mpiexec -n 4 python -m nbdist train --model examples/digits_mlp.py --algorithm easgd
+    python -m nbdist launch -n 4 scale --model examples/digits_cnn.py --quick    # a scaling study
     mpiexec -n 9 python -m nbdist study --model examples/digits_mlp.py --space "lr=log(1e-3,0.3)" --groups 2 --folds 2
     python -m nbdist layout --workers 4 --masters 2
     python -m nbdist dashboard --store runs/nbdist.db        # live, on localhost
@@ -31,6 +32,7 @@ from nbdist.options import (
     require_model,
     study_options_from_args,
 )
+from nbdist.scaling.options import ScaleOptions
 from nbdist.transport.faults import RunFailure, ulfm_enabled
 
 __all__ = ["main", "run", "build_parser"]
@@ -51,9 +53,16 @@ def build_parser() -> argparse.ArgumentParser:
     study = sub.add_parser("study", help="a hyper-parameter study under mpiexec/srun (rank 0 coordinates)")
     add_study_arguments(study, SEARCHERS)
 
+    scale = sub.add_parser(
+        "scale",
+        help="a scaling study under mpiexec/srun: calibrate a performance model, measure set-ups and rank "
+        "counts, predict to many ranks, recommend a set-up",
+    )
+    add_arguments(scale, config=ScaleOptions)
+
     launch = sub.add_parser(
         "launch",
-        help="run train, study or datasets on N MPI ranks of this environment's mpiexec, surviving "
+        help="run train, study, scale or datasets on N MPI ranks of this environment's mpiexec, surviving "
         "dead ranks (MPI fault tolerance) and stopping gracefully on SIGTERM/SIGUSR1/Ctrl-C",
         description="Like `mpiexec -n N python -m nbdist COMMAND ...`, with Open MPI's settings for fault "
         "tolerance and, on one node, shared memory only; SIGTERM, SIGUSR1 (SLURM's --signal) and Ctrl-C "
@@ -246,6 +255,21 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _scale(args: argparse.Namespace) -> int:
+    import os
+    from dataclasses import fields
+
+    # The study is of the node's CPU cores: its calibration times the model on the host, so
+    # the points it measures must not move to a GPU (--device auto would, and every rank
+    # would share it). Hidden in this process only, before anything asks torch for one.
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    from nbdist.scaling.sweep import run_scale
+
+    given = {f.name: getattr(args, f.name) for f in fields(ScaleOptions) if getattr(args, f.name, None) is not None}
+    run_scale(ScaleOptions(**given), say=lambda text: print(text, flush=True))
+    return 0
+
+
 def _study(args: argparse.Namespace) -> int:
     from nbdist.hpo.runner import resolve_options
     from nbdist.roles.batch_study import run_study
@@ -271,7 +295,7 @@ def _study(args: argparse.Namespace) -> int:
     return 0
 
 
-LAUNCHABLE = ("train", "study", "datasets")
+LAUNCHABLE = ("train", "study", "scale", "datasets")
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -476,6 +500,7 @@ def _datasets(args: argparse.Namespace) -> int:
 COMMANDS = {
     "train": _train,
     "study": _study,
+    "scale": _scale,
     "launch": _launch,
     "slurm-script": _slurm_script,
     "layout": _layout,

@@ -32,6 +32,7 @@ __all__ = [
     "open_study",
     "close_study",
     "run_trial",
+    "run_scaling",
     "CELL_FILENAME",
     "LIVE_PREFIX",
 ]
@@ -275,6 +276,19 @@ def run_trial(
         )
 
     return _as_outcome(work, live)
+
+
+def run_scaling(options: dict[str, Any]) -> EngineOutcome:
+    """One rank's part of a scaling study (`%distnn scale`, nbdist.scale(cluster=...)):
+    collective over COMM_WORLD; the ScaleResult on rank 0. Its progress lines stay on
+    the engines; the notebook shows the report."""
+    from mpi4py import MPI
+
+    from nbdist.scaling.options import ScaleOptions
+    from nbdist.scaling.sweep import run_scale
+
+    opts = ScaleOptions.from_dict(options)
+    return _as_outcome(lambda stop, sink: run_scale(opts, comm=MPI.COMM_WORLD, say=lambda _text: None), False)
 
 
 EXCHANGE_WAIT = 600.0  # how long a group waits for another in PBT's copy of a training state

@@ -21,6 +21,7 @@ from IPython.core.magic_arguments import ArgDecorator, MagicArgumentParser, magi
 
 from nbdist.hpo import SEARCHERS
 from nbdist.options import STUDY_SKIPS, add_arguments, add_study_arguments, options_from_args, study_options_from_args
+from nbdist.scaling.options import ScaleOptions
 
 __all__ = ["DistnnMagics", "load_ipython_extension"]
 
@@ -32,7 +33,7 @@ class _commands(ArgDecorator):
 
     def add_to_parser(self, parser: MagicArgumentParser, group: Any) -> None:
         sub = parser.add_subparsers(
-            dest="command", metavar="{cluster,train,study,last,stop}", parser_class=MagicArgumentParser
+            dest="command", metavar="{cluster,train,study,scale,last,stop}", parser_class=MagicArgumentParser
         )
         cluster = sub.add_parser("cluster", help="start, stop or describe the MPI engines")
         actions = cluster.add_subparsers(dest="action", parser_class=MagicArgumentParser)
@@ -90,6 +91,11 @@ class _commands(ArgDecorator):
             action="store_true",
             help="show the study's live dashboard (population, trials, best so far) under the cell",
         )
+
+        scale = sub.add_parser(
+            "scale", help="a scaling study on the engines: calibrate, measure set-ups and rank counts, predict"
+        )
+        add_arguments(scale, config=ScaleOptions)
 
         sub.add_parser("last", help="the last job started from a cell")
         sub.add_parser("stop", help="stop the last job on every rank")
@@ -151,7 +157,9 @@ class DistnnMagics(Magics):
         line, cell = _continued(line, cell)
         args = _parse(self.distnn.parser, line)
         if args.command is None:
-            raise UsageError("say what to do: %distnn cluster start | train | study | last | stop  (%distnn? for help)")
+            raise UsageError(
+                "say what to do: %distnn cluster start | train | study | scale | last | stop  (%distnn? for help)"
+            )
         if cell is not None and args.command not in ("train", "study") and cell.strip():
             raise UsageError(f"%%distnn {args.command} takes no cell body; use %distnn {args.command}")
         # A UserError raised from here shows as its one line (UserError._render_traceback_).
@@ -250,6 +258,17 @@ class DistnnMagics(Magics):
                 current_cluster(), study_options, train_options, cell=cell, show_progress=not args.no_progress
             )
         return self._started(handle, args)
+
+    def _scale(self, args: argparse.Namespace, cell: str | None) -> Any:
+        from dataclasses import fields
+
+        from nbdist.api import scale
+        from nbdist.cluster import current_cluster
+
+        given = {f.name: getattr(args, f.name) for f in fields(ScaleOptions) if getattr(args, f.name, None) is not None}
+        if not given.get("model"):
+            raise UsageError("%distnn scale needs --model FILE.py (each engine loads the model file)")
+        return scale(cluster=current_cluster(), **given)
 
     def _started(self, handle: Any, args: argparse.Namespace) -> Any:
         """A job or a study just started from a cell: remembered, shown, waited for as asked."""

@@ -82,6 +82,44 @@ def test_role_loops_leave_mpi_to_the_transport():
     assert not off_mpi, f"no longer on MPI, take off the list: {sorted(off_mpi)}"
 
 
+# scaling/ (ARCHITECTURE.md, section 4): the model, the simulator and what they read and
+# report are pure, no MPI, so a notebook kernel can predict from a store's numbers; the
+# probe and the sweep use transport/ and roles/. Only the ways in (and the dashboard,
+# which draws a study) import scaling/: nothing below it does.
+SCALING_PURE = (
+    "analysis",
+    "goodput",
+    "inputs",
+    "load",
+    "measure",
+    "model",
+    "network",
+    "options",
+    "queueing",
+    "report",
+    "setups",
+    "simulator",
+    "store",
+)
+ABOVE_SCALING = {"cli", "api", "magics", "engine", "dashboard", "__init__", "scaling"}
+
+
+def test_the_performance_model_and_simulator_are_pure():
+    for name in SCALING_PURE:
+        imported = _imports(PACKAGE / "scaling" / f"{name}.py")
+        roots = {n.split(".")[0] for n in imported}
+        assert not roots & {"mpi4py", "torch", "tensorflow", "keras"}, (name, roots)
+        below = {n.split(".")[1] for n in imported if n.startswith("nbdist.") and n.count(".") >= 1}
+        assert not below & {"transport", "roles", "train", "cluster", "job"}, (name, below)
+    package = _imports(PACKAGE / "scaling" / "__init__.py")
+    assert all(n.split(".")[-1] in SCALING_PURE for n in package if n.startswith("nbdist.scaling.")), package
+
+
+def test_nothing_below_scaling_imports_it():
+    importers = {unit for unit, after in _graph().items() if "scaling" in after}
+    assert importers <= ABOVE_SCALING, f"packages importing scaling/ from below: {sorted(importers - ABOVE_SCALING)}"
+
+
 def test_the_result_files_the_code_points_at_exist():
     """Measured numbers live in dated files under bench/results/; the code gives the
     reason in words and points there, and every file it points at is there."""

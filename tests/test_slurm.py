@@ -181,9 +181,9 @@ def test_option_strings_are_quoted_never_run(tmp_path, capsys):
     [
         (
             ["-n", "4", "--", "trian", "--model", "m.py"],
-            "slurm-script runs one of: train, study, datasets (got 'trian')",
+            "slurm-script runs one of: train, study, scale, datasets (got 'trian')",
         ),
-        (["-n", "4"], "slurm-script runs one of: train, study, datasets, after --"),
+        (["-n", "4"], "slurm-script runs one of: train, study, scale, datasets, after --"),
         (["-n", "4", "--", "train", "--bogus"], "in the nbdist command after --: unrecognized arguments: --bogus"),
         (["-n", "4", "--", "train", "--epochs", "x"], "in the nbdist command after --: argument --epochs"),
         (["-n", "0", "--", "train"], "--ntasks must be at least 1, got 0"),

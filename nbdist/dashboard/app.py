@@ -23,6 +23,7 @@ from nbdist.dashboard.frames import RunFrames
 from nbdist.dashboard.layout_view import layout_html
 from nbdist.dashboard.panes import LiveMarkdown, NotebookPage
 from nbdist.dashboard.plots import RunPlots, phase_legend, queue_model_staleness
+from nbdist.dashboard.scaling_view import ScalingView
 from nbdist.dashboard.sources import JobSource, RecordSource, RunInfo, StoreSource, check_choices, run_choices
 from nbdist.dashboard.study import StudyPage
 from nbdist.store import RunStore, is_url
@@ -145,7 +146,7 @@ class Dashboard:
         self.live = live
         self.runs = runs  # False: the study's page alone, without a run's
         self.period_ms = period_ms
-        self.view: _RunView | None = None
+        self.view: _RunView | ScalingView | None = None
         self.study: StudyPage | None = None
         self.body = pn.Column(sizing_mode="stretch_width")
         self.study_body = pn.Column()
@@ -210,8 +211,8 @@ class Dashboard:
 
     def compare(self, run_id: str) -> None:
         """Draw another run's validation curves under this one's ('' clears them)."""
-        if self.view is None:
-            return
+        if not isinstance(self.view, _RunView):
+            return  # a scaling study compares nothing
         plots = self.view.plots
         if not run_id:
             plots.show_compared(None)
@@ -233,7 +234,7 @@ class Dashboard:
     def _show(self, source: RecordSource, info: RunInfo) -> None:
         if self.view is not None:
             self.view.source.close()
-        self.view = _RunView(source, info)
+        self.view = ScalingView(source, info) if info.kind == "scale" else _RunView(source, info)
         self.view.tick()
         self.body[:] = [self.view.panel]
 

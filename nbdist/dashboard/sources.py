@@ -24,6 +24,7 @@ class RunInfo:
     options: dict[str, Any]
     started: float | None
     reason: str | None = None
+    kind: str = "train"  # "scale": a scaling study (scaling_view.py)
 
 
 class RecordSource(Protocol):
@@ -56,6 +57,7 @@ class StoreSource:
             run.options,
             run.started,
             run.reason,
+            run.kind,
         )
 
     def poll(self) -> list[dict[str, Any]]:

@@ -1,0 +1,124 @@
+"""Does the performance model predict what it did not measure? (a script, not a test)
+
+`python -m nbdist scale` calibrates the model on 1-2 ranks (the model's step alone and with
+every core busy, messages and a two-rank allreduce, the rules' costs, a lone allreduce rank
+and a master serving one worker), then measures every other configuration that fits this
+machine, up to --ranks ranks: allreduce (weak and strong scaling), each master/worker
+rule, sub-masters, --sync-every and a synchronous master, with more ranks than cores
+included (the model treats those as sharing the cores). Each point's prediction comes
+from the calibration alone. Per configuration: predicted and measured samples/s and mean
+staleness, and the errors; then the aim line.
+
+Usage: python bench/scaling_model.py [--quick] [--ranks 4] [--repeats 2] [--model examples/digits_cnn.py]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import ROOT, header  # noqa: E402
+
+from nbdist.scaling.analysis import Comparison  # noqa: E402
+from nbdist.scaling.inputs import Calibration  # noqa: E402
+from nbdist.scaling.report import calibration_text, comparison_text  # noqa: E402
+from nbdist.scaling.store import scale_records  # noqa: E402
+from nbdist.store import RunStore  # noqa: E402
+
+SETUPS = (
+    "allreduce downpour easgd gem adag dynsgd downpour(masters=2) downpour(sync_every=4) downpour(synchronous=True)"
+)
+QUICK_SETUPS = "allreduce downpour gem downpour(masters=2) downpour(sync_every=4)"
+MEDIAN_AIM, WORST_AIM = 0.10, 0.20
+DEADLINE = 590.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer set-ups, one run per point")
+    parser.add_argument("--ranks", type=int, default=4, help="the largest rank count (default 4: twice 2 cores)")
+    parser.add_argument("--repeats", type=int, default=None, help="runs per point, the fastest kept (default 2)")
+    parser.add_argument("--model", default=str(ROOT / "examples" / "digits_cnn.py"))
+    parser.add_argument("--seconds", type=float, default=2.0, help="seconds each point trains (default 2)")
+    args = parser.parse_args()
+    repeats = args.repeats or (1 if args.quick else 2)
+    header("scaling model: predicted (from a 1-2 rank calibration) vs measured")
+    print(f"   {time.strftime('%Y-%m-%d %H:%M')}, up to {args.ranks} ranks, {repeats} run(s) per point", flush=True)
+    loads = [os.getloadavg()[0]]
+    with tempfile.TemporaryDirectory(prefix="nbdist-scaling-") as tmp:
+        store = str(Path(tmp) / "nbdist.db")
+        command = [
+            sys.executable,
+            "-m",
+            "nbdist",
+            "launch",
+            "-n",
+            str(args.ranks),
+            "scale",
+            "--model",
+            args.model,
+            "--setups",
+            QUICK_SETUPS if args.quick else SETUPS,
+            "--repeats",
+            str(repeats),
+            "--runs-dir",
+            tmp,
+            "--store",
+            store,
+            "--run-name",
+            "bench",
+            "--max-ranks",
+            "64",
+        ]
+        if args.seconds:
+            command += ["--seconds", str(args.seconds)]
+        if args.quick:
+            command += ["--quick"]
+        started = time.time()
+        done = subprocess.run(command, capture_output=True, text=True, timeout=DEADLINE)
+        loads.append(os.getloadavg()[0])
+        if done.returncode != 0:
+            print(done.stdout[-3000:], done.stderr[-3000:], sep="\n")
+            raise SystemExit(f"the scaling study failed (exit {done.returncode})")
+        with RunStore(store) as opened:
+            found = scale_records(opened, "bench")
+    print(f"   the study took {time.time() - started:.0f} s; load average {loads[0]:.2f} before, {loads[1]:.2f} after")
+    calibration = Calibration.from_dict(found["calibration"][-1])
+    print(
+        f"   calibrated on {calibration.ranks} ranks ({calibration.cores} cores) in "
+        f"{calibration.seconds:.0f} s, with a lone allreduce rank and a master with one worker:\n"
+    )
+    print(calibration_text(calibration), *calibration.notes, "", sep="\n")
+    comparisons = [Comparison.from_dict(entry) for entry in found["measured"]]
+    checked = [c for c in comparisons if not (c.measured.extra or {}).get("calibration")]
+    print(comparison_text(comparisons), "\n", sep="")
+    errors = [abs(c.error) for c in checked]
+    stale_errors = [abs(c.staleness_error) for c in checked if c.staleness_error is not None]
+    every = errors + stale_errors
+    median, worst = statistics.median(every), max(every)
+    print(
+        f"{len(checked)} configurations besides the calibration's; samples/s: median error "
+        f"{statistics.median(errors):.1%}, worst {max(errors):.1%}; mean staleness: "
+        + (
+            f"median error {statistics.median(stale_errors):.1%}, worst {max(stale_errors):.1%}"
+            if stale_errors
+            else "-"
+        )
+    )
+    met = median <= MEDIAN_AIM and worst <= WORST_AIM
+    print(
+        f"aim median error <= {MEDIAN_AIM:.0%}, worst <= {WORST_AIM:.0%} (samples/s and mean staleness, "
+        f"{len(every)} figures): median {median:.1%}, worst {worst:.1%} ({'met' if met else 'not met'})"
+    )
+
+
+if __name__ == "__main__":
+    main()

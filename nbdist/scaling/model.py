@@ -1,0 +1,411 @@
+"""The analytic performance model: samples/s, time per step and staleness for any ranks.
+
+From a `Calibration` (what the probe measured) and a `Machine` (nodes, cores, network):
+
+allreduce  a step is every rank's forward and backward (the slowest rank's: the expected
+           maximum of W draws from the measured spread), the loop's own costs, and the
+           part of the gradient's allreduce that backward does not hide. The allreduce is
+           hierarchical: within a node with the measured shared-memory costs, between
+           nodes with the network preset; ring (2 (p - 1) latency terms, 2 (p - 1) / p of
+           the bytes) or tree (recursive doubling: log2 p rounds of the whole message),
+           whichever is faster, per bucket of --bucket-mb. Buckets but the last overlap
+           the backward pass.
+master/    W workers around one master: a closed queueing network (queueing.py). A worker's
+worker     cycle is `sync_every` batches of compute plus its side of the exchange (think
+           time Z), the messages' way (a delay) and the master's response (queueing and
+           its service S: its loop, the rule's apply, receiving the message, and looking
+           at every client's posted receive once per pass). Staleness: in the long run a
+           worker sees one update from each other worker per cycle, W - 1, less the ones
+           applied in the same pass as its own and answered with it (the master takes up
+           to two ready updates per pass).
+sub-       M masters of W workers each; a sub-master pushes its displacement to the top
+masters    master after every W updates and waits for the reply, which stretches its own
+           service; the top master serves its own workers and the sub-masters' pushes (a
+           two-class network). Solved together by fixed-point iteration.
+
+More ranks than cores on a node (the points a 2-core machine can measure beyond 2 ranks)
+share the cores (processor sharing); waiting ranks then sleep between polls, which adds
+half a poll sleep to each wait.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from nbdist.scaling.inputs import Calibration
+from nbdist.scaling.network import Machine
+from nbdist.scaling.queueing import Closed, mva, mva_shared_cores, saturation_workers, two_class_mva
+from nbdist.scaling.setups import Point, SetUp
+
+__all__ = ["PerformanceModel", "BACKWARD_SHARE", "DEFAULT_BUCKET_BYTES", "expected_max", "makespan"]
+
+# The share of a step's compute that is the backward pass (about twice the forward's
+# work): what gradient buckets can overlap.
+BACKWARD_SHARE = 2.0 / 3.0
+DEFAULT_BUCKET_BYTES = 2 * 2**20  # --bucket-mb's default
+PASS_UPDATES = 2  # the most ready updates one pass of an asynchronous master serves (ASYNC_BODIES)
+
+
+def expected_max(spread: list[float], count: int) -> float:
+    """E[max] of `count` draws from the empirical distribution `spread` (sorted values)."""
+    n = len(spread)
+    total = 0.0
+    for i, value in enumerate(spread, start=1):
+        total += value * ((i / n) ** count - ((i - 1) / n) ** count)
+    return total
+
+
+def makespan(spread: list[float], count: int, cores: float) -> float:
+    """When the last of `count` jobs ends, their works the expected order statistics of
+    `spread`, sharing `cores` equally (processor sharing); the largest when each has a core."""
+    n = len(spread)
+    works = [spread[min(n - 1, int((i + 0.5) / count * n))] for i in range(count)]
+    works.sort()
+    done, previous = 0.0, 0.0
+    for i, work in enumerate(works):
+        running = count - i
+        done += (work - previous) * max(running, cores) / cores
+        previous = work
+    return done
+
+
+@dataclass(frozen=True, slots=True)
+class _Exchange:
+    """One worker's cycle with its master: CPU seconds, seconds without the CPU, the
+    master's CPU seconds per update, and how they split for the report."""
+
+    compute: float
+    delay: float
+    service: float
+    talk: float  # the worker's own exchange costs (a part of `compute` for the CPU)
+    sweep: float  # the master's look at every client's posted receive, once per pass
+    wake: float = 0.0  # a sleeping master's delay to notice an update (a part of `delay`)
+
+
+class PerformanceModel:
+    """Predictions from a calibration on a machine; `bucket_bytes` is --bucket-mb in bytes,
+    `overlap` the share of backward that a bucket's reduction can really use (1: the
+    reduction progresses on its own, as NCCL's or an MPI with a progress thread does)."""
+
+    def __init__(
+        self,
+        calibration: Calibration,
+        machine: Machine,
+        *,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        overlap: float = 1.0,
+    ):
+        calibration.check()
+        self.cal, self.machine = calibration, machine
+        self.bucket_bytes, self.overlap = bucket_bytes, overlap
+
+    # -- compute ----------------------------------------------------------------------
+    def compute_s(self, batch: int, busy: float) -> float:
+        """One forward and backward with `busy` ranks of the node computing at once (at most
+        its cores: beyond that they share cores, which the callers model)."""
+        cal, cores = self.cal, self.machine.own_cores
+        share = 0.0 if cores <= 1 else (min(max(busy, 1.0), cores) - 1.0) / (cores - 1.0)
+        return cal.compute_s(batch) * (1.0 + (cal.busy_factor - 1.0) * share)
+
+    def slicing_s(self, runnable: float) -> float:
+        """What a synchronous step loses to the cores being time-sliced, not shared evenly,
+        with `runnable` ranks on a node: measured for one beyond the cores, taken to grow
+        with each one more."""
+        return self.cal.round_extra_s * max(0.0, runnable - self.machine.cores)
+
+    def sleeping_wait_s(self) -> float:
+        """What a wait costs more when ranks sleep between polls (more ranks than cores):
+        measured, a message's way with its receiver sleeping on busy cores, less its way
+        with the receiver polling (at least half a poll sleep: the rest of the sleep it is
+        in when its message comes)."""
+        return max(self.cal.poll_sleep_s / 2.0, self.cal.wake_s)
+
+    # -- allreduce --------------------------------------------------------------------
+    def allreduce_s(self, ranks: int, nbytes: int, algorithm: str = "best") -> float:
+        """An allreduce of `nbytes` over `ranks` ranks, in buckets; "ring", "tree" or the faster."""
+        if ranks <= 1:
+            return 0.0
+        if algorithm == "best":
+            return min(self.allreduce_s(ranks, nbytes, "ring"), self.allreduce_s(ranks, nbytes, "tree"))
+        cal, machine = self.cal, self.machine
+        buckets = max(1, math.ceil(nbytes / self.bucket_bytes))
+        per_node = min(machine.ranks_per_node(ranks), ranks)
+        nodes = machine.nodes_for(ranks)
+        alpha = cal.allreduce_alpha_s
+        if machine.sleeps(ranks):
+            alpha += self.sleeping_wait_s()  # a round waits for a peer that sleeps between polls
+        within = _collective(algorithm, per_node, nbytes, buckets, alpha, cal.allreduce_beta_s)
+        between = _collective(algorithm, nodes, nbytes, buckets, machine.net.latency_s, machine.net.beta_s)
+        return within + between
+
+    def _allreduce(self, setup: SetUp, ranks: int, batch: int) -> Point:
+        cal, machine = self.cal, self.machine
+        per_node, cores = machine.ranks_per_node(ranks), machine.cores
+        compute = self.compute_s(batch, min(per_node, machine.own_cores))
+        loop = cal.allreduce_loop_s
+        if per_node > cores:  # the ranks take turns on the cores: every step's work stretches
+            share = per_node / cores
+            slowest = compute * makespan(cal.spread, per_node, cores) + self.slicing_s(per_node)
+            loop *= share
+            mean_compute = compute * share
+        else:
+            slowest = compute * expected_max(cal.spread, ranks)
+            mean_compute = compute
+        nbytes = 4 * cal.params
+        reduce = self.allreduce_s(ranks, nbytes)
+        buckets = max(1, math.ceil(nbytes / self.bucket_bytes))
+        hidden = self.overlap * BACKWARD_SHARE * mean_compute * (buckets - 1) / buckets
+        exposed = max(reduce / buckets, reduce - hidden) if ranks > 1 else 0.0
+        step = slowest + loop + exposed
+        return Point(
+            setup,
+            ranks,
+            ranks,
+            batch,
+            samples_per_s=ranks * batch / step,
+            step_s=step,
+            compute_s=mean_compute + loop,
+            communicate_s=exposed,
+            wait_s=slowest - mean_compute,
+            staleness_mean=0.0,
+            staleness_p99=0.0,
+            cores=machine.cores_for(ranks),
+            oversubscribed=machine.sleeps(ranks),
+        )
+
+    # -- master/worker ----------------------------------------------------------------
+    def message_s(self, bytes_: int, off_node: bool) -> float:
+        """One message's way from a rank to another (latency and bytes)."""
+        cal, net = self.cal, self.machine.net
+        if off_node:
+            return net.latency_s + bytes_ * net.beta_s
+        return cal.p2p_alpha_s + bytes_ * cal.p2p_beta_s
+
+    def exchange(self, setup: SetUp, batch: int, workers_per_master: int, ranks: int) -> _Exchange:
+        """The mean worker's cycle with its master, over where the workers are placed."""
+        cal, machine = self.cal, self.machine
+        cal.check_rule(setup.rule)
+        per_node = machine.ranks_per_node(ranks)
+        # The workers that compute at once on a node (a master's polling does not slow them).
+        masters_here = setup.masters if machine.nodes_for(ranks) == 1 else 0
+        busy = min(max(1, per_node - masters_here), machine.own_cores)
+        nbytes = cal.message_bytes
+        k = max(1, setup.sync_every)
+        talk = cal.worker_exchange_s[setup.rule]
+        compute = k * (self.compute_s(batch, busy) + cal.worker_step_s[setup.rule]) + talk
+        block = 1 + workers_per_master  # a master and its workers are neighbours in rank order
+        off = sum(1 for w in range(1, block) if machine.node_of(w, ranks) != 0) / max(1, workers_per_master)
+        # What a lone worker waits beyond the service (measured within the node), with the
+        # way there and back over the network for the workers on other nodes.
+        delay = cal.reply_latency_s + off * self._network_extra()
+        if machine.sleeps(ranks):
+            delay += 2 * self.sleeping_wait_s()  # the worker's wait for its reply, the master's for the update
+        receive = (1 - off) * nbytes * cal.p2p_beta_s + off * nbytes * machine.net.beta_s
+        service = cal.master_fixed_s + cal.apply_s[setup.rule] + receive
+        sweep = cal.client_test_s * (workers_per_master + setup.masters - 1)
+        wake = self.sleeping_wait_s() if machine.sleeps(ranks) else 0.0
+        return _Exchange(compute, delay, service, talk, sweep, wake)
+
+    def _network_extra(self) -> float:
+        """What a message there and back costs more between nodes than within one."""
+        nbytes = self.cal.message_bytes
+        return 2.0 * max(0.0, self.message_s(nbytes, True) - self.message_s(nbytes, False))
+
+    def _solve(self, ex: _Exchange, workers: int, ranks: int, others: float = 0.0, masters_busy: float = 0.0) -> Closed:
+        """The closed network of one master and its `workers`. Each pass of the master looks
+        at every client once (`sweep`) and serves up to PASS_UPDATES ready updates, so the
+        sweep's share per update falls as the queue grows. On a node with more ranks than
+        cores, the workers share them with `others` ranks computing elsewhere and with the
+        other masters, busy `masters_busy` of the time."""
+        machine = self.machine
+        per_pass = 1.0
+        net = None
+        for _ in range(50):
+            service = ex.service + ex.sweep / per_pass
+            if machine.oversubscribed(ranks):
+                net = mva_shared_cores(
+                    workers,
+                    ex.compute,
+                    ex.delay,
+                    service,
+                    machine.cores,
+                    other_load=others,
+                    other_masters_busy=masters_busy,
+                )
+            else:
+                net = mva(workers, ex.compute + ex.delay, service)
+            new = 1.0 + (PASS_UPDATES - 1) * min(1.0, _waiting(net, ex, workers))
+            if abs(new - per_pass) < 1e-4:
+                break
+            per_pass = 0.5 * (per_pass + new)
+        assert net is not None
+        return net
+
+    def _master_worker(self, setup: SetUp, ranks: int, batch: int) -> Point:
+        if setup.synchronous:
+            return self._synchronous(setup, ranks, batch)
+        if setup.masters > 1:
+            return self._sub_masters(setup, ranks, batch)
+        w = setup.workers_per_master(ranks) or 1
+        ex = self.exchange(setup, batch, w, ranks)
+        net = self._solve(ex, w, ranks)
+        return self._point(
+            setup, ranks, batch, w, ex, net.x, _staleness(w, net, ex, 0.0), net.u, _computing(net, ex), _extra(net)
+        )
+
+    def _sub_masters(self, setup: SetUp, ranks: int, batch: int) -> Point:
+        cal, m = self.cal, setup.masters
+        w = setup.workers_per_master(ranks) or 1
+        ex = self.exchange(setup, batch, w, ranks)
+        off = self.machine.nodes_for(ranks) > 1
+        push_delay = cal.reply_latency_s + (self._network_extra() if off else 0.0)
+        if self.machine.sleeps(ranks):
+            push_delay += 2 * self.sleeping_wait_s()
+        nbytes = cal.message_bytes
+        merge = cal.master_fixed_s + (cal.merge_s or min(cal.apply_s.values()))
+        merge += nbytes * (self.machine.net.beta_s if off else cal.p2p_beta_s) + ex.sweep
+        push_cpu = cal.worker_exchange_s.get("downpour", ex.talk)
+        top_wait, sub, top_w, top_s = ex.service, None, None, None
+        busy_elsewhere, masters_busy = 0.0, 0.0
+        for _ in range(100):
+            # A sub-master's push every W updates holds its loop: its service per update grows.
+            stretched = replace(ex, service=ex.service + (push_cpu + push_delay + top_wait) / w)
+            sub = self._solve(stretched, w, ranks, busy_elsewhere, masters_busy)
+            # The other blocks are alike: what one block's ranks keep busy, the others do too.
+            busy_elsewhere, masters_busy = (m - 1) * sub.n_computing, (m - 1) * sub.u
+            computing = sub.n_computing / sub.x if sub.x else ex.compute
+            sm_think = max(0.0, w / sub.x - top_wait - push_delay)
+            top_w, top_s = two_class_mva(
+                (w, m - 1),
+                (computing + ex.delay, sm_think + push_delay),
+                (ex.service + ex.sweep / (1.0 + min(1.0, _waiting(sub, ex, w))), merge),
+            )
+            if abs(top_s.r - top_wait) <= 1e-6 * top_wait:
+                break
+            top_wait = 0.5 * (top_wait + top_s.r)
+        assert sub is not None and top_w is not None and top_s is not None
+        updates = top_w.x + (m - 1) * sub.x
+        # Versions at the top move with its workers' updates and every merge (top_s.x: the
+        # sub-masters' pushes per second); at a sub-master with its workers' and each pull,
+        # one per W updates, which the workers answered in the pull's own pass already see.
+        top_cycle = w / top_w.x if top_w.x else 0.0
+        top_stale = _staleness(w, top_w, ex, top_s.x * top_cycle)
+        sub_stale = _staleness(w, sub, ex, 1.0 - 1.0 / w)
+        staleness = (top_w.x * top_stale + (m - 1) * sub.x * sub_stale) / updates
+        extra = {"service_s": sub.s, "response_s": top_w.r}
+        return self._point(setup, ranks, batch, w, ex, updates, staleness, top_w.u, _computing(sub, ex), extra)
+
+    def _synchronous(self, setup: SetUp, ranks: int, batch: int) -> Point:
+        """A round: every worker's cycle, the slowest's, then the master takes the W bodies,
+        applies once and answers all."""
+        cal = self.cal
+        w = setup.workers_per_master(ranks) or 1
+        ex = self.exchange(setup, batch, w, ranks)
+        if self.machine.oversubscribed(ranks):
+            slowest = ex.compute * makespan(cal.spread, w, self.machine.cores)
+            slowest += self.slicing_s(self.machine.ranks_per_node(ranks))
+        else:
+            slowest = ex.compute * expected_max(cal.spread, w)
+        # A round receives every body, then folds them in at once (master_round).
+        apply = cal.apply_s[setup.rule]
+        serving = w * (ex.service - apply) + cal.round_s.get(setup.rule, apply) + ex.sweep
+        round_s = slowest + ex.delay + serving
+        updates = setup.masters * w / round_s
+        point = self._point(setup, ranks, batch, w, ex, updates, 0.0, serving / round_s, ex.compute, {})
+        point.staleness_p99 = 0.0
+        return point
+
+    def _point(
+        self,
+        setup: SetUp,
+        ranks: int,
+        batch: int,
+        w: int,
+        ex: _Exchange,
+        updates: float,
+        staleness: float,
+        util: float,
+        computing: float,
+        extra: dict[str, float],
+    ) -> Point:
+        """A master/worker point from its update rate; `computing`: a worker's CPU time per
+        cycle as it stretches on shared cores."""
+        cycle = setup.masters * w / updates
+        return Point(
+            setup,
+            ranks,
+            setup.masters * w,
+            batch,
+            samples_per_s=updates * max(1, setup.sync_every) * batch,
+            step_s=cycle,
+            compute_s=max(0.0, computing - ex.talk),
+            communicate_s=ex.talk + ex.delay,
+            wait_s=max(0.0, cycle - computing - ex.delay),
+            staleness_mean=staleness,
+            master_utilisation=min(1.0, util),
+            cores=self.machine.cores_for(ranks),
+            oversubscribed=self.machine.sleeps(ranks),
+            extra=extra,
+        )
+
+    # -- the public face --------------------------------------------------------------
+    def predict(self, setup: SetUp, ranks: int, batch: int | None = None, scaling: str = "weak") -> Point:
+        """The figures of `setup` on `ranks` ranks, at `batch` samples per worker."""
+        batch = batch or self.cal.batch_size
+        if setup.workers(ranks) is None:
+            raise ValueError(f"{setup.label} cannot be laid out on {ranks} ranks")
+        point = self._allreduce(setup, ranks, batch) if setup.allreduce else self._master_worker(setup, ranks, batch)
+        point.scaling = scaling
+        return point
+
+    def saturation(self, setup: SetUp, batch: int | None = None) -> float:
+        """The workers one master serves before it saturates, W* = (Z + S) / S, with the
+        workers on other nodes (the master's loop looks at each client once per pass: S
+        grows with W, so W* is where W = (Z + S(W)) / S(W))."""
+        batch = batch or self.cal.batch_size
+        flat = SetUp(setup.topology, setup.rule, 1, setup.sync_every)
+        workers = 1.0
+        for _ in range(100):
+            ranks = 1 + max(1, int(workers))
+            ex = self.exchange(flat, batch, ranks - 1, ranks)
+            service = ex.service + ex.sweep / PASS_UPDATES
+            new = saturation_workers(ex.compute + ex.delay, service)
+            if abs(new - workers) < 1e-7 * new:
+                break
+            workers = 0.5 * (workers + new)
+        return workers
+
+
+def _computing(net: Closed, ex: _Exchange) -> float:
+    """A worker's time computing per cycle (stretched where it shares cores)."""
+    return net.n_computing / net.x if net.x else ex.compute
+
+
+def _extra(net: Closed) -> dict[str, float]:
+    return {"service_s": net.s, "response_s": net.r}
+
+
+def _waiting(net: Closed, ex: _Exchange, workers: int) -> float:
+    """Updates an arriving update finds queued behind the one in service, and, where the
+    master sleeps between polls, those that arrive while it wakes (served in the same pass)."""
+    return max(0.0, net.q_seen - net.u) + net.x * ex.wake * (workers - 1) / max(1, workers)
+
+
+def _staleness(workers: int, net: Closed, ex: _Exchange, other_versions: float) -> float:
+    """Mean versions between a worker's reply and its next update: W - 1 (and whatever else
+    moves the master's version meanwhile), less those answered in its own pass: of two
+    updates served in one pass, the first one's worker is answered after the second."""
+    paired = 0.5 * min(1.0, _waiting(net, ex, workers)) * (PASS_UPDATES - 1)
+    return max(0.0, workers - 1 + other_versions - paired)
+
+
+def _collective(algorithm: str, ranks: int, nbytes: int, buckets: int, alpha: float, beta: float) -> float:
+    """One allreduce over `ranks` peers with per-message `alpha` and per-byte `beta`, sent as
+    `buckets` reductions (each pays the latency terms; the bytes add up)."""
+    if ranks <= 1:
+        return 0.0
+    if algorithm == "ring":
+        return buckets * 2 * (ranks - 1) * alpha + 2 * (ranks - 1) / ranks * nbytes * beta
+    rounds = math.ceil(math.log2(ranks))
+    return buckets * rounds * alpha + rounds * nbytes * beta
