@@ -22,8 +22,16 @@ at 4, 8 and 16 workers (`examples/digits_cnn.py`, 20 epochs), the GEM paper's po
 asynchrony adds momentum of its own, and momentum on top of it diverges; with the
 momentum as given and as nbdist corrects it by default (nbdist/train/asynchrony.py).
 
+The same 1-vs-many table runs on the digits too with `--table-data digits`
+(`examples/digits_mlp.py`, for a small run). Every row also gives the bytes the workers
+handed to MPI per training sample at the many-worker count (the 'train' records'
+`bytes_sent` over their samples): the rules that talk every H steps (diloco,
+async_local_sgd; issue 29) should send about 1/H of what Downpour sends.
+`diloco-sync` is diloco with --synchronous.
+
 Usage: python bench/convergence.py [--quick] [--seeds 10] [--algorithms gem,adag]
-       [--workers 16] [--no-single] [--no-digits] [--no-jets] [--extra '...']
+       [--workers 16] [--no-single] [--no-digits] [--no-jets] [--table-data digits]
+       [--extra '...']
 """
 
 from __future__ import annotations
@@ -47,8 +55,13 @@ from nbdist.metrics import read_log, samples_to_reach, staleness_entries, valida
 
 JET_MODEL = str(ROOT / "examples" / "jet_cnn.py")
 DIGITS_MODEL = str(ROOT / "examples" / "digits_cnn.py")
+DIGITS_MLP = str(ROOT / "examples" / "digits_mlp.py")
 JETS = {"signal": "top", "events": 6000, "files": 6}
 ALGORITHMS = ["downpour", "easgd", "gem", "adag", "allreduce"]
+# Issue 29's rules; a name here may stand for a rule with options (VARIANTS).
+NEW_ALGORITHMS = ["diloco", "diloco-sync", "async_local_sgd", "eamsgd"]
+ALGORITHMS += NEW_ALGORITHMS
+VARIANTS = {"diloco-sync": ["--algorithm", "diloco", "--synchronous"]}
 OTHER_ALGORITHMS = ["dynsgd"]  # not in the issue's table; --algorithms dynsgd runs it
 COLLAPSED_AT = 0.51  # validation accuracy of a constant answer on balanced classes is 0.5
 LEARNED_AT = 0.6  # a curve above this has learned something it can lose
@@ -70,6 +83,13 @@ class Run:
     error: str = ""
     # staleness -> updates the master applied with it (asynchronous rules)
     staleness: Counter = field(default_factory=Counter)
+    # what the workers handed to MPI, and the training samples behind it ('train' records)
+    bytes_sent: int = 0
+    trained: int = 0
+
+    @property
+    def bytes_per_sample(self) -> float:
+        return self.bytes_sent / self.trained if self.trained else float("nan")
 
     @property
     def best(self) -> float:
@@ -129,6 +149,8 @@ def train(algorithm: str, workers: int, seed: int, extra: list[str], runs_dir: P
     name = f"{algorithm}-{workers}w-s{seed}-{len(list(runs_dir.iterdir()))}"
     if algorithm == "allreduce":
         ranks, rule = workers, ["--topology", "allreduce"]
+    elif algorithm in VARIANTS:
+        ranks, rule = workers + 1, VARIANTS[algorithm]
     else:
         ranks, rule = workers + 1, ["--algorithm", algorithm]
     argv = [
@@ -165,6 +187,9 @@ def train(algorithm: str, workers: int, seed: int, extra: list[str], runs_dir: P
         for record in read_log(runs_dir / name, "updates"):
             for _, staleness, updates in staleness_entries(record):
                 run.staleness[staleness] += updates
+        for record in read_log(runs_dir / name, "train"):
+            run.bytes_sent += int(record["values"].get("bytes_sent", 0))
+            run.trained += int(record["values"].get("samples", 0))
     return run
 
 
@@ -187,6 +212,8 @@ def staleness_text(counts: Counter) -> str:
 def say(run: Run, seconds: float) -> None:
     state = f"error: {run.error}" if run.error else f"best {run.best:.3f}" + (" COLLAPSED" if run.collapsed else "")
     state += staleness_text(run.staleness)
+    if run.trained:
+        state += f"; {run.bytes_per_sample:.0f} bytes sent / sample"
     print(f"   {run.algorithm:9s} {run.workers:2d} workers seed {run.seed}: {state} ({seconds:.0f} s)", flush=True)
     if run.collapsed and run.curve:  # where it fell, whether it came back, and how (the loss)
         print(
@@ -198,14 +225,13 @@ def say(run: Run, seconds: float) -> None:
 
 # ----------------------------------------------------------------------------- jets
 def jets(args: argparse.Namespace, runs_dir: Path) -> bool:
-    train_glob, val_glob = jet_sample(Path(args.cache).expanduser())
+    if args.table_data == "digits":
+        data = ["--model", DIGITS_MLP]
+    else:
+        train_glob, val_glob = jet_sample(Path(args.cache).expanduser())
+        data = ["--model", JET_MODEL, "--train", train_glob, "--val", val_glob]
     extra = [
-        "--model",
-        JET_MODEL,
-        "--train",
-        train_glob,
-        "--val",
-        val_glob,
+        *data,
         "--epochs",
         str(args.epochs),
         "--batch-size",
@@ -230,7 +256,8 @@ def jets(args: argparse.Namespace, runs_dir: Path) -> bool:
         met &= ok
     print()
     print(
-        f"== jets: best val acc and samples to {REACH:.0%} of the 1-worker best, 1 vs {args.workers} workers, "
+        f"== {args.table_data}: best val acc and samples to {REACH:.0%} of the 1-worker best, 1 vs {args.workers} "
+        f"workers, "
         f"{args.seeds} seeds, {args.epochs} epochs, batch 32 per worker"
     )
     table(
@@ -243,6 +270,7 @@ def jets(args: argparse.Namespace, runs_dir: Path) -> bool:
             f"samples to {REACH:.0%}, {args.workers} w / 1 w",
             f"collapsed ({args.workers} w)",
             "collapsed (1 w)",
+            f"bytes sent / sample ({args.workers} w)",
         ],
     )
     if not args.no_single:
@@ -268,7 +296,9 @@ def summarise(algorithm: str, single: list[Run], many: list[Run]) -> tuple[list,
     collapsed_n = sum(r.collapsed for r in many)
     collapsed_1 = sum(r.collapsed for r in single)
     ok = gap <= GAP_AIM and ratio <= SAMPLES_AIM and collapsed_n == 0
-    return [algorithm, best1, best_n, round(gap, 1), ratio_text, collapsed_n, collapsed_1], ok
+    sent = [r.bytes_per_sample for r in many if r.trained]
+    per_sample = f"{statistics.fmean(sent):.0f}" if sent else "n/a"
+    return [algorithm, best1, best_n, round(gap, 1), ratio_text, collapsed_n, collapsed_1, per_sample], ok
 
 
 # ----------------------------------------------------------------------------- digits
@@ -330,6 +360,12 @@ def main() -> None:
         help="skip the 1-worker runs (collapses at --workers only; no gap or samples ratio)",
     )
     parser.add_argument("--cache", default="~/.cache/nbdist/bench", help="where the jet sample is kept")
+    parser.add_argument(
+        "--table-data",
+        choices=["jets", "digits"],
+        default="jets",
+        help="the data of the 1-vs-many table: the jet images, or the digits (digits_mlp.py, a small run)",
+    )
     parser.add_argument("--extra", default="", help="more train options for every run, e.g. '--lr-scaling sqrt'")
     args = parser.parse_args()
     args.seeds = args.seeds or (3 if args.quick else 10)

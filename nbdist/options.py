@@ -90,6 +90,11 @@ class TrainOptions:
         listed_default="downpour",
     )
     synchronous: bool = _opt(False, "master waits for every worker before each update (master-worker)")
+    warm_start_epochs: int = _opt(
+        0,
+        "asynchronous master-worker runs: train the first E epochs synchronously, then go asynchronous "
+        "(Dean et al. 2012's warm start); a checkpoint on either side of the switch resumes on that side",
+    )
     workers: int | None = _opt(None, "workers per master (default: fill the MPI ranks)")
     masters: int = _opt(1, "masters per run; >1 puts sub-masters under a top master")
     procs_per_worker: int = _opt(1, "MPI processes per worker (a worker's gradient is allreduced over them)")
@@ -297,6 +302,8 @@ class TrainOptions:
                 f"--validate-every-samples must be at least one batch (--batch-size "
                 f"{self.batch_size}), got {self.validate_every_samples}"
             )
+        if self.warm_start_epochs:
+            self._check_warm_start()
         if self.checkpoint_every < 0:
             raise OptionsError("--checkpoint-every must be 0 (only at the end) or more")
         if self.keep_checkpoints < 2:
@@ -414,6 +421,22 @@ class TrainOptions:
         if unknown:
             raise OptionsError(f"unknown option(s): {', '.join(unknown)}")
         return cls(**values)
+
+    def _check_warm_start(self) -> None:
+        """A warm start is a synchronous phase before an asynchronous master-worker run."""
+        e = self.warm_start_epochs
+        if isinstance(e, bool) or int(e) != e or e < 0:
+            raise OptionsError(f"--warm-start-epochs must be a whole number of epochs, 0 or more, got {e!r}")
+        if self.topology != "master-worker" or self.synchronous:
+            raise OptionsError(
+                "--warm-start-epochs makes an asynchronous master-worker run synchronous for its first "
+                f"epochs; this run is {'synchronous' if self.synchronous else self.topology} throughout: drop it"
+            )
+        if e >= self.epochs:
+            raise OptionsError(
+                f"--warm-start-epochs {e} is not shorter than the run (--epochs {self.epochs}): the run "
+                f"would never go asynchronous; give fewer warm-start epochs, or --synchronous"
+            )
 
     def replace(self, **changes: Any) -> TrainOptions:
         return dataclasses.replace(self, **changes)

@@ -288,6 +288,7 @@ def test_argparse_round_trip_of_every_field(tmp_path):
         trace_updates=True,
         precision="bf16",
         sync_batchnorm=True,
+        warm_start_epochs=1,
     )
     assert set(changed) == {f.name for f in dataclasses.fields(TrainOptions)}
     opts = TrainOptions(**changed)

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from nbdist.algorithms.adag import ADAG
 from nbdist.algorithms.allreduce_sgd import SynchronousSGD
+from nbdist.algorithms.async_local_sgd import AsyncLocalSGD
 from nbdist.algorithms.base import RULES, Algorithm, Rule, RuleState, Update, weighted_mean
+from nbdist.algorithms.diloco import DiLoCo
 from nbdist.algorithms.downpour import Downpour
 from nbdist.algorithms.dynsgd import DynSGD
+from nbdist.algorithms.eamsgd import EAMSGD
 from nbdist.algorithms.easgd import EASGD
 from nbdist.algorithms.gem import GEM
 from nbdist.specs import Spec, SpecError, unknown_name
@@ -23,6 +26,9 @@ __all__ = [
     "GEM",
     "ADAG",
     "DynSGD",
+    "DiLoCo",
+    "AsyncLocalSGD",
+    "EAMSGD",
     "SynchronousSGD",
     "rule_class",
     "make_algorithm",

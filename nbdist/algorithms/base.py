@@ -160,6 +160,13 @@ class Algorithm(Rule, ABC):
     # A worker's message is its weights themselves (EASGD), not a step: a codec that sends
     # a part and keeps the rest for later (--compression topk, powersgd) does not fit.
     message_is_weights: ClassVar[bool] = False
+    # The workers' optimiser when --worker-optimizer is not given (None: nbdist's default);
+    # DiLoCo's workers take AdamW steps, as in the paper.
+    default_worker_optimizer: ClassVar[str | None] = None
+    # Set by the run (train/context.py) when the master applies each update as it comes
+    # (no --synchronous): a rule whose asynchronous update is a share of a round (DiLoCo)
+    # reads it; master_apply on a synchronous round's updates sees it False.
+    asynchronous: bool = False
 
     def __init__(self, **params: Any):
         self.params = params
@@ -167,6 +174,11 @@ class Algorithm(Rule, ABC):
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
         return f"{self.name}({args})"
+
+    def sync_window(self) -> int | None:
+        """The window (batches between syncs) that the rule's own parameters fix, as
+        DiLoCo's inner_steps does; None: --sync-every, else default_sync_every."""
+        return None
 
     def bind(self, workers: int) -> None:
         """Called once, before any update, with the number of workers whose updates reach

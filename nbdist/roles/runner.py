@@ -20,8 +20,11 @@ import os
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from nbdist.errors import UserError
 from nbdist.metrics.log import RecordSink
@@ -67,13 +70,61 @@ def run_rank(
         stop = StopFlag()
         if threading.current_thread() is threading.main_thread():
             stop.install()
+    given = _Given(definition, stop, sink, record, trial)
+    warm = warm_start_phase(options)
+    if warm is not None:
+        # The synchronous first phase is a run of its own in the run's directory (whose
+        # options.json keeps the whole run's options); the asynchronous phase resumes it
+        # from its last checkpoint. A resume before the switch lands here again.
+        phase = _PhaseEnd()
+        result = _run_with_restarts(warm, comm, given, phase, written=options)
+        if not phase.completed:
+            return result  # stopped, or stopped early: the run ends with the warm phase
+        options = options.replace(resume=str(phase.run_dir))
+    return _run_with_restarts(options, comm, given, _PhaseEnd())
+
+
+def warm_start_phase(options: TrainOptions) -> TrainOptions | None:
+    """The options of the synchronous first phase still to train under --warm-start-epochs,
+    or None (no warm start, or the checkpoint to resume from is past the switch)."""
+    if not options.warm_start_epochs or options.synchronous or options.topology != "master-worker":
+        return None
+    if options.resume:
+        latest, _ = Checkpoints(Path(options.resume)).latest_intact()
+        if latest is not None and not Checkpoints.read_meta(latest).get("options", {}).get("synchronous", False):
+            return None  # written after the switch: an asynchronous resume
+    return options.replace(synchronous=True, epochs=options.warm_start_epochs, warm_start_epochs=0)
+
+
+@dataclass
+class _Given:
+    """What run_rank was given that every attempt and phase of the run keeps."""
+
+    definition: ModelDefinition | Callable[[], ModelDefinition]
+    stop: StopFlag
+    sink: RecordSink | None
+    record: bool
+    trial: TrialTag | None
+
+
+@dataclass
+class _PhaseEnd:
+    """Where a phase's run went, on every rank, and whether it trained all its epochs."""
+
+    run_dir: Path | None = None
+    completed: bool = False
+
+
+def _run_with_restarts(
+    options: TrainOptions, comm: Any, given: _Given, phase: _PhaseEnd, written: TrainOptions | None = None
+) -> RunResult | None:
     restart_of: Path | None = None
     # A bad --max-restarts (negative, not a number) still makes one attempt, whose set-up
     # rejects it with the options' own error: no attempt at all would report nothing.
     restarts = options.max_restarts if isinstance(options.max_restarts, int) else 0
     for attempt in range(max(restarts, 0) + 1):
         try:
-            return _run_once(options, definition, comm, stop, sink, record, trial, restart_of, attempt)
+            return _run_once(options, comm, given, restart_of, attempt, phase, written)
         except RunFailure as failure:
             if not _restartable(failure, options, attempt):
                 raise
@@ -102,17 +153,26 @@ def _restartable(failure: RunFailure, options: TrainOptions, attempt: int) -> bo
 
 def _run_once(
     options: TrainOptions,
-    definition: ModelDefinition | Callable[[], ModelDefinition],
     comm: Any,
-    stop: StopFlag,
-    sink: RecordSink | None,
-    record: bool,
-    trial: TrialTag | None,
+    given: _Given,
     restart_of: Path | None,
     attempt: int,
+    phase: _PhaseEnd,
+    written: TrainOptions | None = None,
 ) -> RunResult | None:
-    ctx = prepare(options, definition, comm, stop, sink, record, trial, restart_of=restart_of)
+    ctx = prepare(
+        options,
+        given.definition,
+        comm,
+        given.stop,
+        given.sink,
+        given.record,
+        given.trial,
+        restart_of=restart_of,
+        written=written,
+    )
     ctx.attempt = attempt
+    phase.run_dir = ctx.run_dir
     if restart_of is None:
         ctx.say(
             f"nbdist: {ctx.layout.describe()}, {ctx.options.topology}"
@@ -140,9 +200,14 @@ def _run_once(
     try:
         with watch_with(ctx.peers.control.check):
             result = _train_in_role(ctx)
-            if result is not None and trial is not None:
+            if result is not None and given.trial is not None:
                 # A study's objectives measured on the trained model (params, the model file's functions).
-                result.final.update(measure(ctx.backend, ctx.measures, [name for _, name in trial.watched]))
+                result.final.update(measure(ctx.backend, ctx.measures, [name for _, name in given.trial.watched]))
+            if written is not None:
+                # Every rank learns from the leader whether the phase trained all its epochs.
+                done = np.array([result is not None and result.stop_reason == f"completed {options.epochs} epochs"])
+                ctx.peers.collectives.bcast(ctx.comms.run, done.view(np.uint8), "the end of the warm start")
+                phase.completed = bool(done[0])
         return result
     except RunFailure as exc:
         failure = exc

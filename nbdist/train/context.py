@@ -247,7 +247,10 @@ def _resolve_rules(options: TrainOptions) -> tuple[Algorithm | None, int, Spec |
             f"to the centre; drop --master-optimizer"
         )
     worker: Spec | None = (
-        parse_spec(options.worker_optimizer or DEFAULT_WORKER_OPTIMIZER, what="--worker-optimizer")
+        parse_spec(
+            options.worker_optimizer or algorithm.default_worker_optimizer or DEFAULT_WORKER_OPTIMIZER,
+            what="--worker-optimizer",
+        )
         if algorithm.uses_worker_optimizer
         else None
     )
@@ -256,7 +259,13 @@ def _resolve_rules(options: TrainOptions) -> tuple[Algorithm | None, int, Spec |
         if algorithm.uses_master_optimizer
         else None
     )
-    sync_every = options.sync_every or algorithm.default_sync_every
+    window = algorithm.sync_window()
+    if window is not None and options.sync_every not in (None, window):
+        raise OptionsError(
+            f"{algorithm.name} syncs every {window} batches (its inner_steps) and --sync-every says "
+            f"{options.sync_every}: give one of them"
+        )
+    sync_every = options.sync_every or window or algorithm.default_sync_every
     if algorithm.name == "downpour" and sync_every == 1:
         # Downpour workers step locally only between pushes; with a push after every
         # batch a worker optimizer would be silently ignored.
@@ -376,6 +385,7 @@ def settle(
         # Asynchronous, they all add to the momentum the centre moves with.
         workers = combined_workers(layout)
         algorithm.bind(workers)
+        algorithm.asynchronous = not options.synchronous
         asynchrony = optimisers_for_asynchrony(
             algorithm, master_opt, worker_opt, workers, options.synchronous, options.momentum_correction
         )
@@ -450,6 +460,7 @@ def prepare(
     record: bool = True,
     trial: TrialTag | None = None,
     restart_of: Path | None = None,
+    written: TrainOptions | None = None,
 ) -> RankContext:
     """Collective over `comm`: build this rank's context or raise one UserError everywhere.
 
@@ -457,7 +468,9 @@ def prepare(
     False, because the notebook's collector records it. `trial`: the study and trial
     number a study's run belongs to (its records and its row in the store say so).
     `restart_of`: the run directory of a run that lost ranks: it goes on there, from its
-    last checkpoint (if any), on the ranks of `comm`, laid out anew."""
+    last checkpoint (if any), on the ranks of `comm`, laid out anew. `written`: the
+    options the run directory keeps, where they are not these (a warm start's first,
+    synchronous phase keeps the whole run's)."""
     error: BaseException | None = None
     settled: Settled | None = None
     peers = Peers(comm, options.peer_timeout)
@@ -507,7 +520,7 @@ def prepare(
             name = str(run_dir)
         run_dir = Path(run_comm.bcast(name, root=0))
     if is_leader:
-        _write_run_files(run_dir, options, layout)
+        _write_run_files(run_dir, written or options, layout)
         for notice in notices:
             if notice.warning:
                 print(f"nbdist: warning: {notice.text}", file=sys.stderr, flush=True)

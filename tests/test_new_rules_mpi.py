@@ -1,0 +1,169 @@
+"""DiLoCo, asynchronous local SGD and EAMSGD on real MPI ranks (issue 29), in ONE mpiexec
+job of 3 ranks (a master and two workers) through tests/mpi_scripts/train_many.py: each
+rule learns the digits; a synchronous DiLoCo round with H = 1, outer lr 1 and no
+momentum is synchronous averaging (the same weights as synchronous Downpour with the
+workers' sgd as its master optimiser); a run stopped after 2 epochs and resumed (a later
+run of the job, reading the checkpoint from disk) ends where the straight run did, its
+outer momentum included; the pseudo-gradients go through --compression fp16. And
+--warm-start-epochs: synchronous first, then asynchronous, resumed on either side of the
+switch; a warm start as long as the run is one clear error."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import BatchedRuns, run_mpi
+from safetensors.numpy import load_file
+
+from nbdist.train.checkpoint import Checkpoints
+
+pytestmark = pytest.mark.mpi
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN_MANY = str(ROOT / "tests" / "mpi_scripts" / "train_many.py")
+MLP = str(ROOT / "examples" / "digits_mlp.py")
+EPOCHS = 8
+ACCURACY = 0.85
+
+LEARNS = {
+    "diloco-sync": ["--algorithm", "diloco(inner_steps=8)", "--synchronous"],
+    "diloco-async": ["--algorithm", "diloco(inner_steps=8)"],
+    "diloco-fp16": ["--algorithm", "diloco(inner_steps=8)", "--synchronous", "--compression", "fp16"],
+    "async_local_sgd": ["--algorithm", "async_local_sgd(inner_steps=8)"],
+    "eamsgd": ["--algorithm", "eamsgd(lr=0.05)"],
+}
+AVERAGING = {
+    "diloco-averaging": [
+        "--algorithm",
+        "diloco(inner_steps=1, outer_lr=1.0, outer_momentum=0.0)",
+        "--worker-optimizer",
+        "sgd(lr=0.05)",
+    ],
+    "downpour-averaging": ["--algorithm", "downpour", "--master-optimizer", "sgd(lr=0.05)"],
+}
+RESUMED = ["--algorithm", "diloco(inner_steps=8)", "--synchronous"]
+WARM = ["--model", MLP, "--algorithm", "downpour", "--warm-start-epochs"]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    runs_dir = tmp_path_factory.mktemp("new-rules")
+    runs = {name: ["--model", MLP, "--epochs", str(EPOCHS), *argv] for name, argv in LEARNS.items()}
+    runs.update({name: ["--model", MLP, "--epochs", "2", "--synchronous", *argv] for name, argv in AVERAGING.items()})
+    runs["resume-A"] = ["--model", MLP, "--epochs", "4", "--checkpoint-every", "1", *RESUMED]
+    runs["resume-B"] = ["--model", MLP, "--epochs", "2", *RESUMED]
+    runs["warm"] = [*WARM, "2", "--epochs", "4", "--keep-checkpoints", "6"]
+    # Its target holds after epoch 1, inside the warm phase: the run ends there.
+    runs["warm-early"] = [*WARM, "3", "--epochs", "4", "--target", "val_acc > 0.0"]
+    runs["warm-too-long"] = [*WARM, "4", "--epochs", "4"]
+    names = list(runs)
+    argvs = [[*runs[n], "--runs-dir", str(runs_dir), "--run-name", n, "--quiet"] for n in names]
+    resumes = {
+        "resume-B-resumed": ["--resume", str(runs_dir / "resume-B"), "--epochs", "4"],
+        "warm-resumed": ["--resume", str(runs_dir / "warm"), "--epochs", "5"],  # after the switch
+        # Before the switch (epoch 1 of 3 synchronous ones), with a target that never holds.
+        "warm-early-resumed": ["--resume", str(runs_dir / "warm-early"), "--target", "val_acc > 2.0"],
+    }
+    names += list(resumes)
+    argvs += [[*argv, "--no-quiet"] for argv in resumes.values()]
+    spec = runs_dir / "runs.json"
+    spec.write_text(json.dumps(argvs))
+    done = run_mpi(3, [TRAIN_MANY, str(spec)], timeout=400)
+    codes = {names[int(i)]: int(rc) for i, rc in re.findall(r"nbdist-test: run (\d+) rc=(-?\d+)", done.stdout)}
+    return BatchedRuns(done.output, done.returncode, runs_dir, codes)
+
+
+def weights(job, name):
+    return load_file(str(job.run(name) / "final" / "model.safetensors"))
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", list(LEARNS))
+def test_each_new_rule_learns_digits(job, name):
+    summary = job.summary(name)
+    assert summary["stop_reason"] == f"completed {EPOCHS} epochs"
+    history = summary["history"]
+    accuracies = [round(h["val_acc"], 3) for h in history]
+    if name == "diloco-async":
+        # Outer Nesterov momentum on every stale delta: Liu et al. (2024) found it slows
+        # asynchronous local SGD, and here its accuracy swings from epoch to epoch (the
+        # bench/results/2026-11-27-convergence-new-rules.md runs); async_local_sgd is the fix.
+        # It learns, but is held to less.
+        assert max(accuracies) >= 0.7, accuracies
+    else:
+        assert history[-1]["val_acc"] >= ACCURACY, f"{name}: {accuracies}"
+    assert history[-1]["val_loss"] < history[0]["val_loss"]
+
+
+@pytest.mark.timeout(600)
+def test_diloco_with_h1_outer_lr_1_no_momentum_is_synchronous_averaging(job):
+    diloco, downpour = weights(job, "diloco-averaging"), weights(job, "downpour-averaging")
+    start = job.summary("diloco-averaging")["history"][0]["val_loss"]
+    assert start == pytest.approx(job.summary("downpour-averaging")["history"][0]["val_loss"], rel=1e-4)
+    for key in diloco:
+        np.testing.assert_allclose(diloco[key], downpour[key], rtol=0, atol=2e-5, err_msg=key)
+
+
+@pytest.mark.timeout(600)
+def test_a_resumed_diloco_run_continues_its_outer_momentum_exactly(job):
+    job.run("resume-B-resumed")
+    assert re.search(r"resumed from \S*/resume-B/checkpoints/epoch-0002 at epoch 3\b", job.output), job.output[-3000:]
+    a, b = weights(job, "resume-A"), weights(job, "resume-B")
+    for key in a:
+        np.testing.assert_allclose(b[key], a[key], rtol=0, atol=1e-6, err_msg=key)
+    # The outer momentum is in the master's (rank 0's) share of the checkpoint, not zero,
+    # and the straight run had the same at that epoch.
+    shares = []
+    for name in ("resume-A", "resume-B"):
+        shares.append(
+            Checkpoints.read_rank(Checkpoints(job.runs_dir / name).root / "epoch-0002", 0)[0]["rule"]["momentum"]
+        )
+    assert np.abs(shares[1]).max() > 0
+    np.testing.assert_array_equal(shares[1], shares[0])
+    history_a, history_b = job.summary("resume-A")["history"], job.summary("resume-B")["history"]
+    assert [h["val_loss"] for h in history_b] == pytest.approx([h["val_loss"] for h in history_a], rel=1e-6)
+
+
+# ----------------------------------------------------------------------------- warm start
+def synchronous_at(run: Path, epoch: int) -> bool:
+    meta = json.loads((run / "checkpoints" / f"epoch-{epoch:04d}" / "meta.json").read_text())
+    return meta["options"]["synchronous"]
+
+
+@pytest.mark.timeout(600)
+def test_a_warm_start_trains_synchronously_then_asynchronously(job):
+    run = job.run("warm")
+    summary = job.summary("warm")
+    # (resumed for a fifth epoch later in the job: see the next test)
+    assert [h["epoch"] for h in summary["history"]][:4] == [1, 2, 3, 4], summary["history"]
+    assert summary["history"][3]["val_acc"] >= 0.8, summary["history"]
+    # The run directory keeps the run's own options; the checkpoints say which phase wrote them.
+    saved = json.loads((run / "options.json").read_text())
+    assert saved["synchronous"] is False and saved["warm_start_epochs"] == 2
+    assert synchronous_at(run, 2) and not synchronous_at(run, 3) and not synchronous_at(run, 4)
+
+
+@pytest.mark.timeout(600)
+def test_a_warm_start_resumes_on_either_side_of_the_switch(job):
+    job.run("warm-resumed")
+    assert re.search(r"resumed from \S*/warm/checkpoints/epoch-0004 at epoch 5\b", job.output), job.output[-3000:]
+    assert [h["epoch"] for h in job.summary("warm")["history"]] == [1, 2, 3, 4, 5]
+    assert not synchronous_at(job.runs_dir / "warm", 5)
+    # Stopped by its target inside the warm phase, then resumed there: epochs 2 and 3
+    # synchronous, then asynchronous.
+    early = job.runs_dir / "warm-early"
+    # (from the checkpoint the target's stop wrote)
+    assert re.search(r"resumed from \S*/warm-early/checkpoints/\S+ at epoch 2\b", job.output), job.output[-3000:]
+    job.run("warm-early-resumed")
+    assert [h["epoch"] for h in job.summary("warm-early")["history"]] == [1, 2, 3, 4]
+    assert synchronous_at(early, 3) and not synchronous_at(early, 4)
+
+
+def test_a_warm_start_as_long_as_the_run_is_one_clear_error(job):
+    assert job.codes["warm-too-long"] != 0
+    assert "--warm-start-epochs 4 is not shorter than the run (--epochs 4)" in job.output
+    assert "Traceback" not in job.output
