@@ -1,16 +1,19 @@
 """The nbdist side of allreduce_vs_ddp.py; run under `mpiexec -n N` (not on its own).
 
-For each model of --plan, two measurements, both with the same batch size and SGD:
+For each model of --plan, these measurements, all with the same batch size and SGD:
 
 loop   the per-step hot path of `run_allreduce`, step for step: fancy-index a batch,
        TorchBackend.compute_gradients (the MpiReducer starts one Iallreduce per bucket
        from inside backward), reduce the four-float trailer with the gradient, check the
-       loss, step the flat SGD. Repeated for each bucket size asked for (a fresh model per
-       size). Warm-up steps are excluded; the best and the median of `rounds` timed rounds
-       are reported.
+       loss, step the flat SGD; waits as --busy-poll makes them. Repeated for each bucket
+       size asked for (a fresh model per size). Warm-up steps are excluded; the best and
+       the median of `rounds` timed rounds are reported.
 train  `nbdist.train(topology="allreduce")` itself on synthetic data: samples/s of the
        middle epochs as nbdist reports them (the first has the warm-up, the last the
-       validation).
+       validation), twice: with a checkpoint at the end only (`checkpoint_every=0`: like
+       the DDP loop, which writes none, and like nbdist's default before 2e7f709), and
+       with one every epoch (the default since: each one written while the next epoch
+       trains).
 """
 
 from __future__ import annotations
@@ -32,13 +35,19 @@ from torch import nn
 
 from nbdist.backends.torch import TorchBackend
 from nbdist.specs import parse_spec
+from nbdist.transport.node import polling_suits_node
 from nbdist.transport.reducers import MpiReducer
+from nbdist.transport.waiting import poll_without_sleeping
 
 DATA_SAMPLES = 4096
 
 
 def hot_loop(comm, sizes, args, bucket_mb: float) -> dict:
     rank, size = comm.Get_rank(), comm.Get_size()
+    # The waits as a run's with this --busy-poll (nbdist.train sets it at set-up; set here
+    # too, so that the loops measured before and after a train wait alike).
+    auto = args.busy_poll == "auto"
+    poll_without_sleeping(args.busy_poll == "on" or (auto and polling_suits_node()), while_core_free=auto)
     torch.manual_seed(0)
     backend = TorchBackend(mlp(sizes), nn.CrossEntropyLoss())
     opt = backend.make_optimizer(parse_spec(f"sgd(lr={args.lr})"))
@@ -82,7 +91,7 @@ def hot_loop(comm, sizes, args, bucket_mb: float) -> dict:
     }
 
 
-def via_train(comm, sizes, args) -> dict | None:
+def via_train(comm, sizes, args, checkpoint_every: int) -> dict | None:
     import nbdist
     from nbdist.data import ArrayData
 
@@ -104,6 +113,8 @@ def via_train(comm, sizes, args) -> dict | None:
         runs_dir=runs,
         quiet=True,
         validate_every=10**6,
+        checkpoint_every=checkpoint_every,
+        busy_poll=args.busy_poll,
     )  # nbdist's default bucket size
     if result is None:
         return None
@@ -124,6 +135,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--train-epochs", type=int, default=0, help="also run nbdist.train (0: skip)")
     p.add_argument("--runs-dir", default=None)
+    p.add_argument("--busy-poll", default="auto", choices=("auto", "on", "off"))
     args = p.parse_args()
 
     torch.set_num_threads(1)
@@ -133,8 +145,9 @@ def main() -> None:
         run = argparse.Namespace(**vars(args), **plan)
         sizes = MLPS[model]
         loops = [hot_loop(comm, sizes, run, mb) for mb in plan["buckets"]]
-        train = via_train(comm, sizes, run) if args.train_epochs else None
-        results[model] = {"loops": loops, "train": train}
+        train = via_train(comm, sizes, run, checkpoint_every=0) if args.train_epochs else None
+        every_epoch = via_train(comm, sizes, run, checkpoint_every=1) if args.train_epochs else None
+        results[model] = {"loops": loops, "train": train, "train_every_epoch": every_epoch}
     if comm.Get_rank() == 0:
         emit({"ranks": comm.Get_size(), "models": results})
 

@@ -81,7 +81,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="nbdist-curves-") as tmp:
         for k, (title, (model, extra)) in enumerate(models.items()):
             cal = calibrate(f"model{k}", model, extra, Path(tmp))
-            print(f"\n### {title}\n\n{calibration_text(cal)}")
+            print(f"\n## {title}\n\n{calibration_text(cal)}")
             for net in args.networks.split(","):
                 analysis = analyse(
                     cal,
@@ -93,7 +93,7 @@ def main() -> None:
                     max_ranks=args.max_ranks,
                     target_samples=args.target_epochs * max(1, cal.train_samples),
                 )
-                print(f"\n#### {net}\n\n{curves_text(analysis)}\n")
+                print(f"\n### {net}\n\n{curves_text(analysis)}\n")
                 print(goodput_text(analysis, args.target_epochs * max(1, cal.train_samples)), flush=True)
 
 

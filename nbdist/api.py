@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from nbdist.errors import OptionsError
 from nbdist.options import STUDY_SKIPS, StudyOptions, TrainOptions, saved_run_options
-from nbdist.store import RunStore, is_url, store_path
+from nbdist.store import RunStore, is_url, place_store, store_path
 from nbdist.train.definition import ModelDefinition, definition_of
 from nbdist.train.progress import RunResult
 
@@ -138,8 +138,9 @@ def _for_the_engines(options: TrainOptions, *, cell: str | None, model: Any, dat
 
 
 def _store_for(options: TrainOptions) -> str | None:
-    """The run store the job is recorded in; one that cannot be used is an error now, in the cell."""
-    database = store_path(options.store, options.runs_dir)
+    """The run store the job is recorded in; one that cannot be used is an error now, in the cell.
+    The notebook records it: one host writes it."""
+    database = place_store(options.store, options.runs_dir, several_hosts=False)
     if database is not None:
         RunStore(database).close()
     return database
@@ -166,7 +167,8 @@ def submit(
     cluster.check_alive()
     # Checked here, before any engine is busy, with the rules the ranks apply.
     options.validate()
-    layout = Layout.for_world(
+    # A resume lays the run out anew on this cluster, as its ranks will (train/context.py).
+    layout = (Layout.fitting if options.resume else Layout.for_world)(
         cluster.n,
         workers=options.workers,
         masters=options.masters,

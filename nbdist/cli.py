@@ -23,7 +23,7 @@ import time
 import traceback
 from pathlib import Path
 
-from nbdist.errors import UserError
+from nbdist.errors import DiskFull, UserError
 from nbdist.hpo import SEARCHERS
 from nbdist.options import (
     add_arguments,
@@ -33,12 +33,16 @@ from nbdist.options import (
     study_options_from_args,
 )
 from nbdist.scaling.options import ScaleOptions
+from nbdist.train.diskspace import disk_full, is_disk_full
 from nbdist.transport.faults import RunFailure, ulfm_enabled
 
 __all__ = ["main", "run", "build_parser"]
 
 # How long a rank leaving without MPI_Finalize gives mpiexec to forward its last output.
 LAST_WORDS_SECONDS = 0.5
+# The store of runs trained with the default --runs-dir (runs) and no --store.
+DEFAULT_RUNS_DIR = "runs"
+DEFAULT_STORE = f"{DEFAULT_RUNS_DIR}/nbdist.db"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -132,8 +136,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     board = sub.add_parser("dashboard", help="serve the live dashboard of a run store (or export one run)")
-    board.add_argument("--store", default="runs/nbdist.db", help="the run store (default: runs/nbdist.db)")
-    board.add_argument("--address", default=None, help="interface to listen on (default: localhost only)")
+    board.add_argument("--store", default=None, help=f"the run store (default: {DEFAULT_STORE})")
+    board.add_argument(
+        "--address",
+        default=None,
+        help="interface to listen on (default: 127.0.0.1, this machine only; any other needs --insecure)",
+    )
+    board.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow an --address beyond loopback, where the token and the runs travel over plain HTTP "
+        "(a network you trust; else an SSH tunnel to the default address)",
+    )
     board.add_argument("--port", type=int, default=5006, help="port (0: any free port)")
     board.add_argument(
         "--unix-socket",
@@ -179,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     store_sub = store.add_subparsers(dest="action", required=True)
     imports = store_sub.add_parser("import", help="record run directories (finished, stopped or killed) in the store")
     imports.add_argument("run_dirs", nargs="+", help="run directories")
-    imports.add_argument("--store", default="runs/nbdist.db", help="the run store (default: runs/nbdist.db)")
+    imports.add_argument("--store", default=DEFAULT_STORE, help=f"the run store (default: {DEFAULT_STORE})")
 
     layout = sub.add_parser("layout", help="print the rank layout as a tree")
     layout.add_argument("--workers", type=int, default=None, help="workers per master")
@@ -329,6 +343,7 @@ def _launch(args: argparse.Namespace) -> int:
 def _slurm_script(args: argparse.Namespace) -> int:
     import subprocess
 
+    from nbdist.durable import write_text
     from nbdist.slurm import SIGNAL_SECONDS, BatchScript
 
     launched = args.launched[1:] if args.launched[:1] == ["--"] else args.launched
@@ -362,7 +377,7 @@ def _slurm_script(args: argparse.Namespace) -> int:
     text = script.text()
     if args.write:
         try:
-            Path(args.write).write_text(text)
+            write_text(Path(args.write), text)  # the user's alone, as everything nbdist writes
         except OSError as exc:
             raise UserError(f"--write {args.write}: cannot write the script there ({exc.strerror or exc})") from None
         print(f"nbdist: sbatch script written to {args.write}", flush=True)
@@ -390,15 +405,19 @@ def _check_arguments(launched: list[str]) -> argparse.Namespace:
     import contextlib
     import io
 
+    from nbdist.store import check_store
+
     said = io.StringIO()
     try:
         with contextlib.redirect_stderr(said):
-            return build_parser().parse_args(launched)
+            parsed = build_parser().parse_args(launched)
     except SystemExit as exc:
         if not exc.code:  # --help: printed
             raise
         problem = said.getvalue().strip().splitlines()[-1] if said.getvalue().strip() else "bad arguments"
         raise UserError(f"in the nbdist command after --: {problem.split('error: ', 1)[-1]}") from None
+    check_store(getattr(parsed, "store", None))  # a password would be written into the script
+    return parsed
 
 
 def _check_can_write(path: Path) -> None:
@@ -432,9 +451,14 @@ def _dashboard(args: argparse.Namespace) -> int:
     from nbdist.dashboard import export_html, serve
     from nbdist.dashboard.access import dashboard_token, token_on_command_line
     from nbdist.dashboard.serve import existing_store
+    from nbdist.store import check_store, place_store
 
     if args.token_on_command_line is not None:
         raise token_on_command_line()
+    check_store(args.store)  # a password on the command line, or a bare word
+    if args.create and args.store is None:  # before the first run: the runs directory it will use
+        args.store = place_store(None, DEFAULT_RUNS_DIR, several_hosts=False)
+    args.store = args.store or DEFAULT_STORE
     if args.export:
         existing_store(args.store)
         path = export_html(args.store, args.export, run=args.run, study=args.study)
@@ -453,6 +477,7 @@ def _dashboard(args: argparse.Namespace) -> int:
         study=args.study,
         allow_origin=args.allow_websocket_origin,
         create=args.create,
+        insecure=args.insecure,
     )
     return 0
 
@@ -460,8 +485,9 @@ def _dashboard(args: argparse.Namespace) -> int:
 def _store(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from nbdist.store import RunStore, import_run, is_url
+    from nbdist.store import RunStore, check_store, import_run, is_url
 
+    check_store(args.store)
     if not is_url(args.store) and not Path(args.store).exists():  # a new store is fine; a silent new one is not
         print(f"nbdist: creating the run store {args.store}", flush=True)
     with RunStore(args.store) as store:
@@ -520,13 +546,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"nbdist: error: {exc}", file=sys.stderr, flush=True)
         return 1
     except UserError as exc:
-        if _world_rank() == 0:
+        # Raised in a run: the rank that recorded it first says it (a worker's full disk);
+        # before one (bad options, every rank alike): rank 0.
+        if getattr(exc, "reported_here", _world_rank() == 0):
             print(f"nbdist: error: {exc}", file=sys.stderr, flush=True)
-        return 2
+        # A full disk ends the run as a failed rank does (status 1, as on the other ranks).
+        return 1 if isinstance(exc, DiskFull) else 2
     except KeyboardInterrupt:
         return 130
-    except Exception:  # a bug or a failure inside user code while training
+    except Exception as exc:  # a bug or a failure inside user code while training
         rank = _world_rank()
+        if is_disk_full(exc):  # set-up's own files, before there is a run to report it in
+            if rank == 0:
+                print(f"nbdist: error: {disk_full(exc)}", file=sys.stderr, flush=True)
+            return 1
         # The run's other ranks were told over its control channel and end on their own.
         sys.stderr.write(f"nbdist: rank {rank} failed:\n{traceback.format_exc()}")
         sys.stderr.flush()

@@ -32,7 +32,6 @@ import importlib.util
 import ipaddress
 import os
 import signal
-import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +42,7 @@ from nbdist import watchdog
 from nbdist.errors import UserError
 from nbdist.launch import ULFM_ARGS, MPIExecNotFound, allocation_mpi_args, find_mpiexec, mpi_env
 from nbdist.liveness import DeadEngine, Liveness, process_gone
+from nbdist.transport.interfaces import interface_address
 
 __all__ = ["Cluster", "ClusterError", "DeadEngine", "EngineInfo", "current_cluster", "HEAL_HINT"]
 
@@ -96,21 +96,6 @@ def current_cluster() -> Cluster:
             "no cluster is running: start one with  %distnn cluster start -n 4  (or nbdist.Cluster(n=4).start())"
         )
     return _current
-
-
-def interface_address(interface: str) -> str:
-    """The IPv4 address of a network interface (eth0, ib0, ...), for the controller to listen on."""
-    interfaces = psutil.net_if_addrs()
-    if interface not in interfaces:
-        raise ClusterError(
-            f"no network interface {interface!r} on this host; choose one of: {', '.join(sorted(interfaces))}"
-        )
-    for address in interfaces[interface]:
-        if address.family == socket.AF_INET:
-            return address.address
-    raise ClusterError(
-        f"network interface {interface!r} has no IPv4 address; choose another of: {', '.join(sorted(interfaces))}"
-    )
 
 
 class Cluster:
@@ -200,7 +185,7 @@ class Cluster:
         self.cluster_id = cluster_id
         self.profile = profile
         self.interface = interface
-        self.ip = ip or (interface_address(interface) if interface else LOOPBACK)
+        self.ip = ip or (interface_address(interface, ClusterError) if interface else LOOPBACK)
         self.ipp_options = ipp_options
         self._ipp: Any = None
         self.owned = True  # started here; an attached cluster's engines belong to whoever started them

@@ -6,7 +6,7 @@ the command line; anything else is a bug and keeps its traceback.
 
 from __future__ import annotations
 
-__all__ = ["UserError", "OptionsError", "TrainingError"]
+__all__ = ["UserError", "OptionsError", "TrainingError", "DiskFull"]
 
 
 class UserError(Exception):
@@ -24,3 +24,7 @@ class OptionsError(UserError, ValueError):
 
 class TrainingError(UserError, RuntimeError):
     """Training could not go on (a NaN loss, a worker that failed)."""
+
+
+class DiskFull(TrainingError):
+    """A write of the run found no space left on its file system (nbdist.train.diskspace)."""

@@ -16,7 +16,9 @@ large model. The launcher starts prterun with SIGTERM and SIGINT blocked (its ra
 their signals unblocked again) and turns SIGTERM, SIGUSR1 and a first Ctrl-C into SIGUSR1
 for every rank: each stops at its next step boundary and the run writes its final
 checkpoint, however long that takes; a second Ctrl-C, or `--stop-grace` seconds without
-an end, kills the job.
+an end, kills the job. Before it passes a stop on, it writes the name of the signal it was
+sent into a file of its own that the ranks read (train/stopping.py), so that the run says
+it was stopped by SIGTERM, not by the SIGUSR1 that carried the stop.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from socket import AF_INET, AF_INET6
 from typing import Any
 
 from nbdist.errors import UserError
-from nbdist.train.stopping import stop_caught_early
+from nbdist.train.stopping import FORWARDED_SIGNAL_FILE, stop_caught_early
 from nbdist.transport.faults import ULFM_ARGS, ULFM_ENV
 
 __all__ = [
@@ -47,6 +49,7 @@ __all__ = [
     "STOP_GRACE",
     "ULFM_ARGS",
     "allocation_mpi_args",
+    "forwarded_environment",
     "remove_stale_session_dirs",
     "check_interface",
 ]
@@ -63,6 +66,9 @@ RANKS_CATCH_AFTER = 3.0
 class MPIExecNotFound(RuntimeError):
     pass
 
+
+# libpq's environment variables all start so (PGPASSWORD, PGSERVICE, PGHOST, ...).
+LIBPQ_PREFIX = "PG"
 
 # Open MPI 5's mpiexec (prterun) keeps its PMIx rendezvous files in TMPDIR/ompi.<its PID>.
 SESSION_DIR_PREFIX = "ompi."
@@ -119,9 +125,12 @@ def mpi_env(base: dict[str, str] | None = None, *, local: bool = True, interface
     for key, value in ULFM_ENV.items():
         env.setdefault(key, value)
     if local:
-        # One node: shared memory between the ranks, no TCP listener on any interface.
-        # (Open MPI 5.0's own daemon still listens on all interfaces for its control
-        # messages; PRRTE only learnt to bind them to loopback later, in 2026.)
+        # One node: shared memory between the ranks, no TCP listener in any rank. The
+        # launcher (prterun) keeps its PMIx server on 127.0.0.1 but binds its out-of-band
+        # listeners to every IPv4 and IPv6 address: PRRTE's create_listen uses INADDR_ANY
+        # and in6addr_any whatever is set (prte_if_include=lo finds no interface, loopback
+        # being left out of its list; oob=^tcp cannot start). They take PRRTE's own
+        # protocol only; tests/test_run_privacy_mpi.py checks that nothing else listens.
         env.setdefault("OMPI_MCA_btl", "self,sm")
     elif interface:
         env.setdefault("OMPI_MCA_btl_tcp_if_include", interface)
@@ -133,6 +142,14 @@ def mpi_env(base: dict[str, str] | None = None, *, local: bool = True, interface
     if bindir not in path.split(os.pathsep):
         env["PATH"] = bindir + os.pathsep + path if path else bindir
     return env
+
+
+def forwarded_environment(env: dict[str, str]) -> list[str]:
+    """mpiexec arguments that hand libpq's variables (PGPASSWORD, PGPASSFILE, PGSERVICE,
+    PGUSER, ...) to the ranks on other nodes: Open MPI passes its own variables there, not
+    these, and the run store's writers on every node need them. `-x NAME` puts the name
+    on the command line; the value travels with the job, out of `ps`."""
+    return [arg for name in sorted(env) if name.startswith(LIBPQ_PREFIX) for arg in ("-x", name)]
 
 
 def find_mpiexec() -> str:
@@ -188,10 +205,25 @@ def launch(
     if hostfile:
         mpi_args += ["--hostfile", hostfile]
     mpi_args += allocation_mpi_args()
+    env = mpi_env(local=local, interface=interface)
+    if not local:
+        mpi_args += forwarded_environment(env)
     command = mpiexec_command(n, ["-m", "nbdist", *argv], mpi_args=mpi_args)
+    env = mpi_env(local=local, interface=interface)
+    notes = tempfile.mkdtemp(prefix="nbdist-launch-")  # private to this user (0700)
+    signal_file = env[FORWARDED_SIGNAL_FILE] = os.path.join(notes, "signal")
+    try:
+        return _run_job(command, env, signal_file, stop_grace)
+    finally:
+        shutil.rmtree(notes, ignore_errors=True)
+
+
+def _run_job(command: list[str], env: dict[str, str], signal_file: str, stop_grace: float) -> int:
+    """`launch`'s job, with the stop signals passed on as SIGUSR1 (the first one's name in
+    `signal_file`); returns its exit status."""
     job = subprocess.Popen(
         command,
-        env=mpi_env(local=local, interface=interface),
+        env=env,
         preexec_fn=_block_stop_signals,
         start_new_session=True,
         stderr=subprocess.PIPE,
@@ -208,6 +240,8 @@ def launch(
             return
         if not stopping:
             stopping.append(time.monotonic())
+            if not os.path.exists(signal_file):
+                _note_signal(signal_file, signal.Signals(signum).name)
             print(
                 f"nbdist: {signal.Signals(signum).name}: every rank stops at its next step and the run writes its "
                 f"final checkpoint (Ctrl-C again to kill it at once)",
@@ -221,6 +255,7 @@ def launch(
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
     if stop_caught_early():  # it came while this launcher was starting: pass it on
+        _note_signal(signal_file, stop_caught_early().removeprefix("stopped by "))
         stop(signal.SIGUSR1, None)
     try:
         while True:
@@ -242,6 +277,18 @@ def launch(
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _note_signal(path: str, name: str) -> None:
+    """Where the ranks read which signal stopped the run: written whole, then renamed, so
+    that a rank never reads half a name."""
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, "w", encoding="ascii") as fh:
+            fh.write(name)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # the ranks then name the SIGUSR1 that reached them
 
 
 # Open MPI's nonblocking collectives print this, unconditionally, on every survivor of a

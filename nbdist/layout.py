@@ -121,7 +121,8 @@ def _count(name: str, value: Any) -> int:
     return int(value)
 
 
-def _ranks_text(ranks: list[int]) -> str:
+def ranks_text(ranks: list[int]) -> str:
+    """'rank 3', 'ranks 3-5' or 'ranks 1, 4'."""
     if len(ranks) == 1:
         return f"rank {ranks[0]}"
     if ranks == list(range(ranks[0], ranks[-1] + 1)):
@@ -207,6 +208,42 @@ class Layout:
                 f"{' or '.join(runs)}, or change {', '.join(knobs)}"
             )
         return cls(workers=fits, **options)
+
+    @classmethod
+    def fitting(cls, size: int, *, masters: int = 1, **options: Any) -> Layout:
+        """The layout of `size` ranks nearest to `masters` masters, the workers inferred:
+        that many masters if they fit, else the most below that do. For a run laid out
+        anew on a size it did not choose (a restart on the ranks left, a resume on another
+        `-n`): 5 ranks take 2 masters x (1 + W workers) nowhere, 1 master + 4 workers
+        instead. Raises `for_world`'s error for `masters` when no count fits."""
+        try:
+            return cls.for_world(size, masters=masters, **options)
+        except LayoutError as exc:
+            first = exc
+        if isinstance(masters, numbers.Integral) and not isinstance(masters, bool):
+            for fewer in range(int(masters) - 1, 0, -1):
+                try:
+                    return cls.for_world(size, masters=fewer, **options)
+                except LayoutError:
+                    continue
+        raise first
+
+    @classmethod
+    def within(cls, size: int, **options: Any) -> Layout:
+        """The `fitting` layout of the most ranks, at most `size`: a pipeline of 2 stages
+        per worker that lost a rank (1 master + 2 workers x 2 stages, 4 ranks left) goes on
+        as 1 master + 1 worker of 2 on 3 of them. Raises `fitting`'s error for `size`
+        when no size fits."""
+        try:
+            return cls.fitting(size, **options)
+        except LayoutError as exc:
+            first = exc
+        for fewer in range(size - 1, 0, -1):
+            try:
+                return cls.fitting(fewer, **options)
+            except LayoutError:
+                continue
+        raise first
 
     @staticmethod
     def _infer_workers(size: int, layout: Layout) -> int | None:
@@ -367,7 +404,7 @@ class Layout:
         def draw(node: dict[str, Any], text: str, prefix: str, branch: str, below: str) -> None:
             # A master's line shows its own rank; its workers show theirs below it.
             ranks = [node["rank"]] if node["kind"] == "master" else node["ranks"]
-            lines.append(f"{prefix}{branch}{text}  {_ranks_text(ranks)}")
+            lines.append(f"{prefix}{branch}{text}  {ranks_text(ranks)}")
             kids = node["children"]
             for i, kid in enumerate(kids):
                 last = i == len(kids) - 1

@@ -25,6 +25,7 @@ from typing import Any
 from nbdist.algorithms import RULES
 from nbdist.errors import OptionsError
 from nbdist.registry import Registry
+from nbdist.store import check_store, mask_url
 from nbdist.transport.compression import CODECS, parse_compression
 from nbdist.transport.reducers import REDUCERS
 
@@ -187,9 +188,9 @@ class TrainOptions:
     runs_dir: str = _opt("runs", "where run directories are created")
     store: str | None = _opt(
         None,
-        "run store the run is recorded in, for the dashboard: a SQLite file or "
-        "postgresql://USER@HOST:PORT/DB (default: RUNS_DIR/nbdist.db; 'off' records "
-        "nothing)",
+        "run store the run is recorded in, for the dashboard: a SQLite file (NAME.db, or a path in a directory "
+        "that exists) or postgresql://USER@HOST:PORT/DB, its password in PGPASSWORD, ~/.pgpass or a service "
+        "file, never in the URL (default: RUNS_DIR/nbdist.db; 'off' records nothing)",
     )
     run_name: str | None = _opt(None, "name of the run directory (default: time, algorithm, topology)")
     threads: int = _opt(1, "framework threads per rank (torch, TensorFlow)")
@@ -219,9 +220,9 @@ class TrainOptions:
         "how a rank waits for its peers: on (it polls without sleeping: the shortest reply times and a core "
         "that stays warm, but one busy core per waiting rank), off (it polls between short sleeps that give "
         "the core away) or auto (on where this node's ranks of the launch, times --threads, fit the cores "
-        "they may run on; off when oversubscribed, when the launcher does not say how many ranks share "
-        "the node, and under JupyterHub outside a batch job: a login node's idle cores are other "
-        "people's)",
+        "they may run on, and only while a rank does not wait for its core behind other work; off when "
+        "oversubscribed, when the launcher does not say how many ranks share the node, and under "
+        "JupyterHub outside a batch job: a login node's idle cores are other people's)",
         choices=BUSY_POLLS,
     )
     bucket_mb: float = _opt(2.0, "allreduce bucket size in MB (gradients reduced while backward runs)")
@@ -347,6 +348,7 @@ class TrainOptions:
             )
         if self.target is not None:
             parse_target(self.target)
+        check_store(self.store)
         self._validate_files()
         if self.topology == "allreduce" and self.masters != 1:
             raise OptionsError("--masters applies to the master-worker topology; allreduce has no master")
@@ -514,9 +516,10 @@ def check_types(config: Any) -> None:
 
 def options_from_args(args: argparse.Namespace, base: TrainOptions | None = None) -> TrainOptions:
     """Options given on the command line over `base`: by default the saved options of
-    the run named by --resume, else the defaults."""
+    the run named by --resume, else the defaults. A resume fills its own ranks: the
+    saved worker count was the old job's size (train/relayout.py)."""
     if base is None and getattr(args, "resume", None):
-        base = saved_run_options(args.resume)
+        base = saved_run_options(args.resume).replace(workers=None)
     given = {f.name: getattr(args, f.name) for f in fields(TrainOptions) if getattr(args, f.name, None) is not None}
     return (base or TrainOptions()).replace(**given)
 
@@ -545,7 +548,10 @@ def saved_run_options(run_dir: str | Path) -> TrainOptions:
             f"'results in RUNS_DIR/<run>')"
         )
     try:
-        return TrainOptions.from_dict(json.loads(saved.read_text()))
+        options = TrainOptions.from_dict(json.loads(saved.read_text()))
+        # Runs of older versions saved a store URL with its password masked as ***: the
+        # URL without it connects (libpq finds the password in PGPASSWORD or ~/.pgpass).
+        return options.replace(store=options.store and mask_url(options.store, None))
     except FileNotFoundError:
         raise OptionsError(f"--resume {run_dir}: not a run directory (no options.json in it)") from None
     except (OSError, ValueError, TypeError) as exc:

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from nbdist.algorithms import RULES, Algorithm, Update
+from nbdist.algorithms import RULES, Algorithm, Update, allreduce_sgd
 from nbdist.algorithms.arrays import to_numpy
 from nbdist.backends import DeviceRequest
 from nbdist.backends.torch import TorchBackend, TorchFlatOptimizer, torch_optimizers
@@ -227,3 +227,15 @@ def scramble(state, rng) -> None:
             value[:] = rng.normal(size=value.shape)
         else:
             setattr(state, name, int(rng.integers(2, 50)))
+
+
+def allreduce_sgd_steps(tensors: bool | str) -> np.ndarray:
+    """Three allreduce_sgd steps with momentum of the test model on one batch, with the
+    backend placed as Simulation places it (`tensors`); the final weights on the host."""
+    x, y = make_batches(1, 9, seed=4)[0]
+    backend = Simulation._backend(make_model(), tensors)
+    opt = backend.make_optimizer(parse_spec("sgd(lr=0.1, momentum=0.9)"))
+    for _ in range(3):
+        backend.compute_gradients(x, y)
+        allreduce_sgd.apply(opt, backend.rule_grads)
+    return to_numpy(backend.rule_params).copy()

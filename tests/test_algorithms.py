@@ -18,6 +18,7 @@ from rule_simulation import (
     SAMPLES,
     STALE,
     Simulation,
+    allreduce_sgd_steps,
     assert_close,
     device_runs,
     flat,
@@ -40,7 +41,6 @@ from nbdist.algorithms import (
     allreduce_sgd,
     make_algorithm,
 )
-from nbdist.algorithms.arrays import to_numpy
 from nbdist.algorithms.base import _NoState
 from nbdist.backends.torch import TorchBackend, TorchFlatOptimizer
 from nbdist.data.sharding import ShardPlan
@@ -490,15 +490,7 @@ def test_allreduce_apply_steps_the_optimizer():
 
 
 def test_allreduce_sgd_on_torch_tensors_gives_the_numpy_result():
-    x, y = make_batches(1, 9, seed=4)[0]
-    results = []
-    for tensors in (False, True):
-        backend = Simulation._backend(make_model(), tensors)
-        opt = backend.make_optimizer(parse_spec("sgd(lr=0.1, momentum=0.9)"))
-        for _ in range(3):
-            backend.compute_gradients(x, y)
-            allreduce_sgd.apply(opt, backend.rule_grads)
-        results.append(to_numpy(backend.rule_params).copy())
+    results = [allreduce_sgd_steps(tensors) for tensors in (False, True)]
     assert_close(results[1], results[0], rtol=0, atol=1e-6)
     assert np.abs(results[0] - flat(make_model())).max() > 1e-3
 

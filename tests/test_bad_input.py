@@ -16,6 +16,7 @@ MPI costs seconds per rank, a failing run costs nothing. Cases that need sub-mas
 from __future__ import annotations
 
 import json
+import os
 import re
 import textwrap
 from pathlib import Path
@@ -471,6 +472,131 @@ def test_a_typo_in_a_studys_objective_ends_it_before_any_trial(batched, batch_di
         assert [t.state for t in store.trials(study["id"])] == ["running"]
 
 
+# -- crashes and full disks (issue 25): what a resubmitted job finds ------------------------
+@pytest.mark.timeout(300)
+def test_a_log_torn_by_a_killed_rank_is_cut_when_the_run_resumes(mpirun, tmp_path):
+    """A rank killed in the middle of writing its metrics leaves a line without its
+    newline: made here by cutting a real log inside its last line. The resume cuts it off
+    with a warning, and every line of every log is a whole record after it."""
+    done = train(mpirun, 3, tmp_path, "--algorithm", "easgd", "--run-name", "torn")
+    assert done.returncode == 0, done.output
+    run = tmp_path / "runs" / "torn"
+    log = run / "metrics" / "rank-00001.jsonl"
+    data = log.read_bytes()
+    last = data.rstrip(b"\n").rfind(b"\n") + 1
+    cut = last + (len(data) - last) // 2
+    log.write_bytes(data[:cut])
+
+    again = mpirun(3, ["-m", "nbdist", "train", "--resume", str(run), "--epochs", "5", "--quiet"], timeout=TIMEOUT)
+    assert again.returncode == 0, again.output
+    assert f"{log} ended in a torn record ({cut - last} bytes with no newline" in again.output, again.output
+    assert "Traceback" not in again.output and "JSONDecodeError" not in again.output, again.output
+    for path in sorted((run / "metrics").glob("rank-*.jsonl")):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            assert json.loads(line)["kind"], f"{path} line {number}: {line!r}"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["stop_reason"] == "completed 5 epochs"
+    from nbdist.store import RunStore
+
+    with RunStore(tmp_path / "runs" / "nbdist.db") as store:
+        assert store.run("torn").status == "completed"
+
+
+WIDE_MLP = str(ROOT / "tests" / "models" / "wide_mlp.py")
+
+
+def fill_but(disk: Path, leave: int) -> None:
+    """Another job fills the file system at `disk`, all but `leave` bytes (the run writes
+    meanwhile: the file is cut back once the disk is full)."""
+    import shutil
+
+    filler = disk / "filler"
+    with open(filler, "wb", buffering=0) as fh:
+        try:
+            fh.write(b"\0" * max(0, shutil.disk_usage(disk).free - leave))
+        except OSError:
+            pass  # full before it was all written
+    free = shutil.disk_usage(disk).free
+    if free < leave:
+        os.truncate(filler, max(0, filler.stat().st_size - (leave - free)))
+
+
+@pytest.mark.timeout(400)
+def test_a_full_disk_is_one_line_naming_the_directory_the_sizes_and_the_checkpoint(tmp_path):
+    """A file system of its own (a tmpfs mounted for the test) fills up while the run
+    trains, as a shared scratch does when another job writes to it: the next checkpoint
+    does not fit. One line says where, how big the checkpoint is, what is free and which
+    checkpoint to resume from; every rank ends; the resume it names, once space was
+    freed, goes on."""
+    import subprocess
+    import sys
+    import time
+
+    from nbdist.launch import mpi_env
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64m,mode=0700", "tmpfs", str(disk)], capture_output=True, text=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"a full disk needs a small file system of its own; mounting a tmpfs failed: {mounted.stderr}")
+    run = disk / "full"
+    argv = ["--model", WIDE_MLP, "--algorithm", "easgd", "--batch-size", "64", "--runs-dir", str(disk)]
+    output = tmp_path / "output.txt"
+    try:
+        with open(output, "w") as out:
+            job = subprocess.Popen(
+                [sys.executable, "-m", "nbdist", "launch", "-n", "3", "train", *argv, "--epochs", "100000"]
+                + ["--run-name", "full", "--quiet"],
+                cwd=ROOT,
+                env=mpi_env(),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+            try:
+                deadline = time.monotonic() + 200
+                latest = run / "checkpoints" / "LATEST.json"
+                while not latest.exists():
+                    assert job.poll() is None, output.read_text()
+                    assert time.monotonic() < deadline, "no checkpoint within 200 s:\n" + output.read_text()
+                    time.sleep(0.1)
+                label = json.loads(latest.read_text())["label"]
+                files = json.loads((run / "checkpoints" / label / "meta.json").read_text())["files"]
+                fill_but(disk, sum(f["bytes"] for f in files.values()) // 4)
+                code = job.wait(timeout=200)
+            finally:
+                if job.poll() is None:
+                    job.kill()
+        text = output.read_text()
+        assert code == 1, text
+        assert "Traceback" not in text and "Errno 28" not in text, text
+        errors = [line for line in text.splitlines() if "nbdist: error" in line]
+        assert len(errors) == 1, text
+        line = errors[0]
+        assert f"no space left on the device of {run / 'checkpoints'} for checkpoint epoch-" in line, line
+        assert re.search(r"about \d+\.\d MB, as the last one; \d+\.\d [kM]B is free", line), line
+        resume_from = re.search(r"the last intact checkpoint is (epoch-\d+): free some space there", line)
+        assert resume_from and line.endswith(f"then continue with --resume {run}"), line
+        assert (run / "checkpoints" / resume_from[1] / "meta.json").exists()
+
+        (disk / "filler").unlink()
+        epochs = int(resume_from[1].split("-")[1]) + 1
+        again = subprocess.run(
+            [sys.executable, "-m", "nbdist", "launch", "-n", "3", "train", "--resume", str(run)]
+            + ["--epochs", str(epochs), "--quiet"],
+            cwd=ROOT,
+            env=mpi_env(),
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+        )
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert json.loads((run / "summary.json").read_text())["stop_reason"] == f"completed {epochs} epochs"
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
 # ------------------------------------------------ issue 25: more bad input, one block
 # Set-up errors on every rank (labels beyond the model's outputs, an lr of 0, a negative
 # --max-restarts, a model path that is not a file), a study parameter nothing reads, and
@@ -546,6 +672,22 @@ I25_WARNINGS = {
         ["the training loss grew to", "at epoch 1 (from", "before training", "lower the learning rate"],
     ),
 }
+# --store: refused on every rank before a run or a store is made (each with its own
+# --runs-dir, which must stay empty); a password never shows.
+STORE_CASES = {
+    "store-in-a-missing-directory": (
+        ["--store", "{tmp}/nonexistent/dir/nb.db", "--runs-dir", "{tmp}/runs-store-in-a-missing-directory"],
+        ["--store {tmp}/nonexistent/dir/nb.db: the directory {tmp}/nonexistent/dir does not exist", "create it"],
+    ),
+    "store-typo-of-off": (
+        ["--store", "of", "--runs-dir", "{tmp}/runs-store-typo-of-off"],
+        ["--store 'of' is not a run store", "'off' (record nothing)", "(did you mean 'off'?)"],
+    ),
+    "store-with-a-password": (
+        ["--store", "postgresql://me:hunter2@db.example/nbdist", "--runs-dir", "{tmp}/runs-store-with-a-password"],
+        ["--store postgresql://me:***@db.example/nbdist holds a password", "PGPASSWORD, ~/.pgpass"],
+    ),
+}
 
 
 @pytest.fixture(scope="module")
@@ -562,7 +704,7 @@ def i25_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def i25_batched(i25_dir):
-    return _run_batch(i25_dir, {**I25_ERRORS, **I25_WARNINGS}, 2)
+    return _run_batch(i25_dir, {**I25_ERRORS, **I25_WARNINGS, **STORE_CASES}, 2)
 
 
 @pytest.mark.timeout(400)
@@ -585,6 +727,17 @@ def test_a_warning_once_and_the_run_trains_on(i25_batched, name):
     for needle in I25_WARNINGS[name][1]:
         assert needle in warnings[0], f"{needle!r} not in {warnings[0]!r}"
     assert "completed 3 epochs" in part.stdout, part.output
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", list(STORE_CASES))
+def test_a_bad_store_is_one_line_and_no_new_store(i25_batched, i25_dir, name):
+    part = i25_batched[name]
+    line = assert_one_clear_error(part, *_needles(STORE_CASES[name][1], i25_dir))
+    assert part.returncode == 2 and "hunter2" not in part.output, line
+    assert not (i25_dir / "nonexistent").exists() and not (ROOT / "of").exists()
+    runs = i25_dir / f"runs-{name}"
+    assert not runs.exists() or not any(runs.iterdir()), list(runs.iterdir())  # no run, no store
 
 
 # name -> (argv of `python -m nbdist`, text the one error line must hold). Each fails

@@ -15,7 +15,6 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from nbdist.algorithms import EASGD, GEM
-from nbdist.layout import Layout
 from nbdist.options import TrainOptions, parse_target
 from nbdist.train.checkpoint import CheckpointError, Checkpoints, flatten_arrays, unflatten_arrays
 from nbdist.train.context import _find_resume
@@ -264,7 +263,7 @@ def test_resume_names_the_damaged_checkpoint_and_uses_the_previous(tmp_path):
     _three_checkpoints(tmp_path)
     _truncate(tmp_path / "checkpoints" / "epoch-0003" / "rank-00000.safetensors")
     (tmp_path / "checkpoints" / "epoch-0003" / "rank-00001.json").unlink()
-    path, problems = _find_resume(TrainOptions(resume=str(tmp_path)), Layout(workers=1))
+    path, problems = _find_resume(TrainOptions(resume=str(tmp_path)))
     assert path == tmp_path / "checkpoints" / "epoch-0002"
     assert problems == [
         f"checkpoint {tmp_path / 'checkpoints' / 'epoch-0003'} is damaged: rank-00000.safetensors "
@@ -278,7 +277,7 @@ def test_no_intact_checkpoint_left_is_one_clear_error(tmp_path):
     for label in ("epoch-0001", "epoch-0002", "epoch-0003"):
         _flip_a_byte(tmp_path / "checkpoints" / label / "rank-00001.safetensors")
     with pytest.raises(CheckpointError) as info:
-        _find_resume(TrainOptions(resume=str(tmp_path)), Layout(workers=1))
+        _find_resume(TrainOptions(resume=str(tmp_path)))
     message = str(info.value)
     assert "\n" not in message
     assert message.startswith(f"--resume {tmp_path}: no intact checkpoint is left (checkpoint ")
@@ -556,20 +555,34 @@ def test_the_writer_thread_writes_in_order_and_says_what_is_on_disk(tmp_path):
     assert arrays["model"]["params"].tolist() == [0, 1, 2, 3]
 
 
-def test_a_failed_checkpoint_write_is_raised_in_the_master_naming_it_and_nothing_after_it_runs(tmp_path):
-    from nbdist.train.writer import CheckpointWriteFailed, CheckpointWriter
+@pytest.mark.parametrize(
+    ("errno_", "raised", "message"),
+    [
+        (5, "CheckpointWriteFailed", "writing checkpoint epoch-0003 failed: .*Input/output error"),
+        # A full disk is the one line of train/diskspace.py, naming the directory and the job.
+        (28, "DiskFull", "no space left on the device of .*committing checkpoint epoch-0003: .* is free"),
+    ],
+)
+def test_a_failed_checkpoint_write_is_raised_in_the_master_naming_it_and_nothing_after_it_runs(
+    tmp_path, errno_, raised, message
+):
+    import os
 
-    ran, writer = [], CheckpointWriter()
+    from nbdist import errors
+    from nbdist.train import writer as writer_module
 
-    def full_disk() -> None:
-        raise OSError(28, "No space left on device")
+    ran, writer = [], writer_module.CheckpointWriter()
+    error = getattr(errors, raised, None) or getattr(writer_module, raised)
 
-    writer.submit(full_disk, name="epoch-0003")
+    def failing() -> None:
+        raise OSError(errno_, os.strerror(errno_), str(tmp_path / "checkpoints" / "LATEST.json"))
+
+    writer.submit(failing, name="epoch-0003")
     writer.submit(lambda: ran.append("commit"))
-    with pytest.raises(CheckpointWriteFailed, match="writing checkpoint epoch-0003 failed: .*No space left"):
+    with pytest.raises(error, match=message):
         writer.finish(timeout=60)
     assert ran == []
-    with pytest.raises(CheckpointWriteFailed, match="epoch-0003"):
+    with pytest.raises(error, match="epoch-0003"):
         writer.written()
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import socket
+from pathlib import Path
 
 import pytest
 
@@ -83,6 +85,7 @@ def test_a_mistyped_store_is_an_error_not_a_new_empty_store(tmp_path, capsys):
     # A directory that holds a store: the store is named.
     from nbdist.store import RunStore
 
+    (tmp_path / "runs").mkdir()  # a store is not made in a directory that does not exist
     RunStore(tmp_path / "runs" / "nbdist.db").close()
     assert main(["dashboard", "--store", str(tmp_path / "runs")]) == 2
     assert f"(it holds one: --store {tmp_path / 'runs' / 'nbdist.db'})" in _error_line(capsys)
@@ -136,9 +139,36 @@ def test_a_study_or_run_not_in_the_store_is_named_with_the_studies_it_holds(tmp_
     assert not (tmp_path / "study.html").exists()
 
 
+def test_the_dashboard_serves_plain_http_beyond_loopback_only_when_told(tmp_path, capsys):
+    from nbdist.cli import main
+    from nbdist.dashboard.serve import is_loopback
+    from nbdist.store import RunStore
+
+    store = tmp_path / "nbdist.db"
+    RunStore(store).close()
+    for address in ("0.0.0.0", "::"):
+        assert main(["dashboard", "--store", str(store), "--address", address, "--port", "0"]) == 2
+        line = _error_line(capsys)
+        assert f"--address {address} would serve the dashboard beyond this machine over plain HTTP" in line
+        assert "ssh -L 5006:127.0.0.1:5006" in line and "--insecure on a network you trust" in line
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost") and is_loopback("127.0.0.2")
+    assert not is_loopback("0.0.0.0") and not is_loopback("192.0.2.7") and not is_loopback("no-such-host.invalid")
+
+
+def test_a_store_password_or_bare_word_is_refused_by_the_dashboard_and_the_import(tmp_path, capsys):
+    from nbdist.cli import main
+
+    for command in (["dashboard"], ["dashboard", "--export", str(tmp_path / "x.html")], ["store", "import", "runs/r"]):
+        assert main([*command, "--store", "postgresql://me:hunter2@db/nbdist"]) == 2
+        line = _error_line(capsys)
+        assert "--store postgresql://me:***@db/nbdist holds a password" in line and "hunter2" not in line
+        assert main([*command, "--store", "of"]) == 2
+        assert "(did you mean 'off'?)" in _error_line(capsys)
+    assert not (tmp_path / "x.html").exists() and not Path("of").exists()
+
+
 @pytest.mark.timeout(120)
 def test_a_dashboard_port_in_use_says_so_and_suggests_port_0(tmp_path, capsys):
-    import socket
 
     from nbdist.cli import main
     from nbdist.store import RunStore

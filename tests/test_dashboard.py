@@ -277,7 +277,8 @@ def test_the_dashboard_needs_its_token_on_localhost_too(tmp_path):
         assert status == 403 and "token required" in body and "Bokeh" not in body
         assert _get(bare + "?token=wrong")[0] == 403
         status, body, cookie = _get(server.url)
-        # Its own cookie (cookies do not tell ports apart: not sent to another server's token check).
+        # A cookie named after its port: a second dashboard in the same browser does not overwrite
+        # it (the browser still sends it to every port of this host: access.cookie_name).
         assert status == 200 and "Bokeh" in body and cookie.startswith(f"nbdist-dashboard-token-{port}=")
         assert _get(bare, cookie=f"nbdist-dashboard-token-{port}=from-the-environment")[0] == 200
         assert _get(bare, cookie="nbdist-dashboard-token=from-the-environment")[0] == 403
@@ -300,7 +301,8 @@ def test_the_dashboard_needs_its_token_on_localhost_too(tmp_path):
     finally:
         server.stop()
 
-    # A public interface, the token from a file only its owner reads.
+    # A public interface (plain HTTP: only with --insecure, and said), the token from a file
+    # only its owner reads.
     token_file = tmp_path / "token"
     token_file.write_text("from-the-file\n")
     token_file.chmod(0o600)
@@ -311,6 +313,7 @@ def test_the_dashboard_needs_its_token_on_localhost_too(tmp_path):
             str(tmp_path / "nbdist.db"),
             "--address",
             "0.0.0.0",
+            "--insecure",
             "--port",
             "0",
             "--token-file",
@@ -320,6 +323,7 @@ def test_the_dashboard_needs_its_token_on_localhost_too(tmp_path):
     )
     try:
         assert server.url.endswith("/nbdist?token=from-the-file")
+        assert "nbdist: warning: serving on 0.0.0.0 over plain HTTP (--insecure)" in server.output
         local = re.sub(r"//[^:/]+:", "//127.0.0.1:", server.url)
         assert _get(local)[0] == 200
         assert _get(local.split("?")[0])[0] == 403

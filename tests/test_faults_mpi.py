@@ -11,6 +11,7 @@ Every wait has a deadline; a run that hangs fails its test through it.
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -90,28 +91,21 @@ def _epochs_logged(run_dir: Path) -> int:
     return path.read_text(errors="replace").count('"kind":"epoch"')
 
 
+def _asynchronous_job(tmp_path: Path, ranks: int, epochs: int, peer_timeout: int, *extra: str) -> Launched:
+    """EASGD on digits, 1 master + ranks - 1 workers, into tmp_path/run."""
+    return Launched(
+        tmp_path,
+        ranks,
+        *("--model", MLP, "--algorithm", "easgd", "--epochs", str(epochs), "--batch-size", "16"),
+        *("--peer-timeout", str(peer_timeout), "--runs-dir", str(tmp_path), "--run-name", "run", "--quiet"),
+        *extra,
+    )
+
+
 @pytest.mark.timeout(400)
 def test_a_dead_and_a_frozen_asynchronous_worker_are_dropped_and_the_run_completes(tmp_path):
     run = tmp_path / "run"
-    job = Launched(
-        tmp_path,
-        5,
-        "--model",
-        MLP,
-        "--algorithm",
-        "easgd",
-        "--epochs",
-        "500",
-        "--batch-size",
-        "16",
-        "--peer-timeout",
-        "2",
-        "--runs-dir",
-        str(tmp_path),
-        "--run-name",
-        "run",
-        "--quiet",
-    )
+    job = _asynchronous_job(tmp_path, 5, 500, 2)
     job.wait_for(lambda: _epochs_logged(run) >= 5, "fifth epoch")
     dead, frozen = job.rank(2), job.rank(3)
     dead.kill()
@@ -136,8 +130,65 @@ def test_a_dead_and_a_frozen_asynchronous_worker_are_dropped_and_the_run_complet
     # From the epoch after the drops, the two workers left share the whole training set.
     history = summary["history"]
     assert history[-1]["samples"] == 1437 and history[-1]["workers"] == 2, history[-1]
-    lost = sum(h.get("samples_lost", 0) for h in history)
-    assert lost == master_end["samples_lost"], (lost, master_end)
+    # Every epoch's samples that never came: a late share counts in a later epoch.
+    lost = sum(1437 - h["samples"] for h in history)
+    assert lost == master_end["samples_lost"] == summary["samples_lost"] > 0, (lost, master_end)
+    assert not job.processes(), "a process of the job was left behind"
+
+
+@pytest.mark.timeout(400)
+def test_a_frozen_asynchronous_worker_holds_up_no_epoch_and_a_sigterm_is_named(tmp_path):
+    """kill -STOP of one of three workers, with a 10 s peer timeout: the run goes on
+    ending epochs, validating and checkpointing while it is frozen (its share of those
+    epochs is pending), it is dropped with one line at the timeout, and SIGTERM to the
+    launcher (which passes it on as SIGUSR1) is named in the run's summary."""
+    run = tmp_path / "run"
+    job = _asynchronous_job(tmp_path, 4, 100000, 10, "--checkpoint-every", "5", "--keep-checkpoints", "100000")
+    job.wait_for(lambda: _epochs_logged(run) >= 3, "third epoch")
+    frozen = job.rank(3)
+    frozen.suspend()
+    try:
+        job.wait_for(lambda: "rank 3 (worker 2, host" in job.output, "message about the frozen worker", timeout=200)
+    finally:
+        frozen.resume()  # it wakes up into a run that went on without it
+    dropped_epochs = _epochs_logged(run)
+    job.wait_for(lambda: _epochs_logged(run) >= dropped_epochs + 3, "epochs after the drop")
+    job.proc.send_signal(signal.SIGTERM)
+    assert job.finish() == 0, job.output
+    out = job.output
+    # Silent for the peer timeout: it sent nothing, or did not take its last reply.
+    dropped = (
+        r"rank 3 \(worker 2, host [^)]*\) (sent nothing|did not take its reply) for 10 s .*; the run goes on with 2"
+    )
+    assert len(re.findall(dropped, out)) == 1, out
+    assert "Traceback" not in out, out
+
+    master = [json.loads(line) for line in (run / "metrics" / "rank-00000.jsonl").read_text().splitlines()]
+    fault = next(r for r in master if r["kind"] == "fault")
+    assert fault["values"]["rank"] == 3 and fault["values"]["workers_left"] == 2, fault
+    # The epochs that ended while it was frozen, before it was dropped: each without its
+    # share (pending), and each validated.
+    while_frozen = [r["values"] for r in master if r["kind"] == "epoch" and r["seq"] < fault["seq"]]
+    behind = [v for v in while_frozen if v.get("workers_behind") == 1]
+    assert len(behind) >= 5, while_frozen[-3:]
+    assert all(v["samples_pending"] > 0 and "val_loss" in v for v in behind), behind[:2]
+    assert [v["epoch"] for v in while_frozen] == list(range(1, len(while_frozen) + 1))
+    # A checkpoint was committed while it was frozen: without its share.
+    committed_while_frozen = [
+        c
+        for c in (run / "checkpoints").glob("epoch-*")
+        if json.loads((c / "meta.json").read_text())["time"] < fault["time"]
+        and int(c.name.split("-")[1]) > behind[0]["epoch"]
+    ]
+    assert committed_while_frozen, sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert not list(committed_while_frozen[0].glob("rank-00003.*")), committed_while_frozen[0]
+    assert list(committed_while_frozen[0].glob("rank-00002.*"))
+
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["stop_reason"] == "stopped by SIGTERM", summary["stop_reason"]
+    assert "stopped by SIGTERM" in out and "SIGUSR1" not in out, out
+    assert [d["rank"] for d in summary["dropped"]] == [3], summary["dropped"]
+    assert summary["samples_lost"] == sum(1437 - h["samples"] for h in summary["history"]) > 0
     assert not job.processes(), "a process of the job was left behind"
 
 

@@ -17,10 +17,9 @@ import pytest
 import torch
 from conftest import ROOT, run_mpi
 from mpi4py import MPI
-from rule_simulation import Simulation, assert_close, device_runs, flat, make_batches, make_model
+from rule_simulation import Simulation, allreduce_sgd_steps, assert_close, device_runs, flat, make_batches, make_model
 from torch import nn
 
-from nbdist.algorithms import allreduce_sgd
 from nbdist.algorithms.arrays import to_numpy
 from nbdist.backends import DeviceRequest
 from nbdist.backends.torch import TorchBackend
@@ -78,15 +77,7 @@ def test_every_rule_on_the_device_gives_the_numpy_result(name, synchronous):
 
 
 def test_allreduce_sgd_on_the_device_gives_the_numpy_result():
-    x, y = make_batches(1, 9, seed=4)[0]
-    results = []
-    for tensors in (False, DEVICE):
-        backend = Simulation._backend(make_model(), tensors)
-        opt = backend.make_optimizer(parse_spec("sgd(lr=0.1, momentum=0.9)"))
-        for _ in range(3):
-            backend.compute_gradients(x, y)
-            allreduce_sgd.apply(opt, backend.rule_grads)
-        results.append(to_numpy(backend.rule_params).copy())
+    results = [allreduce_sgd_steps(tensors) for tensors in (False, DEVICE)]
     assert_close(results[1], results[0], rtol=0, atol=1e-6)
     assert np.abs(results[0] - flat(make_model())).max() > 1e-3
 

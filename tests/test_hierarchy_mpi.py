@@ -174,11 +174,18 @@ def test_sub_masters_learn_digits(job, name):
     assert summary["stop_reason"] == f"completed {EPOCHS} epochs"
     history = summary["history"]
     assert [h["epoch"] for h in history] == list(range(1, EPOCHS + 1))
-    # All 4 workers (2 per master) share one pass over the data per epoch.
+    # All 4 workers (2 per master) share one pass over the data per epoch. Synchronous,
+    # every epoch counts exactly that; asynchronous, an epoch ends without waiting for a
+    # late worker, whose share counts in the epoch it arrives in: every sample is still
+    # counted once over the run.
     import nbdist.datasets
 
     n_train = nbdist.datasets.digits().n_train
-    assert {h["samples"] for h in history} == {n_train}
+    samples = [h["samples"] for h in history]
+    if name.endswith("-sync"):
+        assert set(samples) == {n_train}, samples
+    else:
+        assert sum(samples) == EPOCHS * n_train and min(samples) > 0, samples
     final = summary["final"]["val_acc"]
     assert final >= ACCURACY, f"{name}: val_acc {final:.4f} after {EPOCHS} epochs: {history}"
 

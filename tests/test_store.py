@@ -248,3 +248,58 @@ def test_a_killed_batch_run_is_marked_killed(tmp_path):
         run = store.runs()[0]
         assert run.status == "killed" and "killed" in run.reason
         assert store.records(run.id, kinds=["train"])[0], "the records up to the kill are kept"
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(300)
+def test_the_recorder_of_a_batch_run_outlives_a_locked_store_and_records_its_end(tmp_path):
+    """Another writer holds the store's write lock (a second SQLite connection, for real)
+    longer than the recorder waits: its pass fails with "database is locked", it says once
+    that the records are delayed, tries again, and the run ends recorded `completed` with
+    every record once."""
+    runs = tmp_path / "runs"
+    output = tmp_path / "output.txt"
+    with open(output, "w") as out:
+        job = subprocess.Popen(
+            mpiexec_command(
+                3,
+                ["-m", "nbdist", "train", "--model", "examples/digits_mlp.py", "--epochs", "30"]
+                + ["--runs-dir", str(runs), "--run-name", "locked", "--quiet"],
+            ),
+            cwd=ROOT,
+            env=mpi_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 180
+        while not any(r[3] == "train" for r in _rows_so_far(runs)):
+            assert job.poll() is None, output.read_text()
+            assert time.monotonic() < deadline, "the run never reached the store"
+            time.sleep(0.1)
+        blocker = sqlite3.connect(runs / "nbdist.db", isolation_level=None)
+        blocker.execute("BEGIN EXCLUSIVE")
+        try:
+            while "cannot take this run's records now" not in output.read_text():
+                assert time.monotonic() < deadline, "the recorder said nothing of the locked store:\n" + (
+                    output.read_text()
+                )
+                time.sleep(0.1)
+            time.sleep(1.0)  # locked a while longer: it keeps trying, and says nothing more
+        finally:
+            blocker.execute("COMMIT")
+            blocker.close()
+        assert job.wait(timeout=200) == 0, output.read_text()
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    text = output.read_text()
+    assert text.count("cannot take this run's records now (OperationalError: database is locked)") == 1, text
+    assert "Traceback" not in text, text
+    run_dir = runs / "locked"
+    with RunStore(runs / "nbdist.db") as store:
+        run = store.run("locked")
+        assert run.status == "completed" and run.reason == "completed 30 epochs", run
+    rows = _store_rows(runs)
+    assert sorted(rows) == sorted((r["run"], r["rank"], r["seq"], r["kind"], r["time"]) for r in read_log(run_dir))

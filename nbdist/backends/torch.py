@@ -14,6 +14,7 @@ out in reverse registration order (roughly the order autograd finishes them), so
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
 from collections.abc import Callable
@@ -42,6 +43,7 @@ __all__ = ["TorchBackend", "TorchFlatOptimizer", "TorchLrSchedule", "torch_optim
 # --precision: the dtype autocast runs the forward pass in (None: no autocast). The
 # parameters and the flat gradient stay float32 either way (autocast casts copies).
 _AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+_NO_AUTOCAST = contextlib.nullcontext()  # fp32's: reusable, and re-entrant
 
 # Optimisers that need a closure or sparse gradients cannot step a flat dense buffer.
 _UNSUITABLE = {"lbfgs", "sparseadam"}
@@ -121,6 +123,16 @@ def _accepts(cls: Callable[..., Any], name: str) -> bool:
     return name in inspect.signature(cls).parameters
 
 
+def _is_plain_sgd(opt: torch.optim.Optimizer) -> bool:
+    """Whether `opt` is SGD without momentum, weight decay or maximize: a step is then
+    param.add_(grad, alpha=-lr), which is what torch.optim.SGD computes (its single-tensor
+    and fused kernels alike, bit for bit)."""
+    if type(opt) is not torch.optim.SGD:
+        return False
+    group = opt.param_groups[0]
+    return group["momentum"] == 0 and group["weight_decay"] == 0 and not group["maximize"]
+
+
 class TorchFlatOptimizer(FlatOptimizer):
     """torch.optim over one flat tensor (or the tensor of a numpy array's memory).
 
@@ -132,17 +144,22 @@ class TorchFlatOptimizer(FlatOptimizer):
     def __init__(self, cls: Callable[..., torch.optim.Optimizer], spec: Spec, params: np.ndarray | torch.Tensor):
         self.spec = spec
         self._param = torch.as_tensor(params)
+        self._grad_source: Any = None  # the gradient array last stepped on, and its tensor
+        self._grad: torch.Tensor | None = None
         kwargs = dict(spec.kwargs)
+        self._opt = self._build(cls, kwargs)
+        self._plain_sgd = _is_plain_sgd(self._opt)
+
+    def _build(self, cls: Callable[..., torch.optim.Optimizer], kwargs: dict[str, Any]) -> torch.optim.Optimizer:
         if "fused" not in kwargs and "foreach" not in kwargs and _accepts(cls, "fused"):
             try:
-                self._opt = cls([self._param], **kwargs, fused=True)
-                return
+                return cls([self._param], **kwargs, fused=True)
             except (TypeError, ValueError, RuntimeError):
                 pass  # no fused kernel here, or a bad value: the plain path says which
         try:
-            self._opt = cls([self._param], **kwargs)
+            return cls([self._param], **kwargs)
         except (TypeError, ValueError, RuntimeError) as exc:
-            raise SpecError(f"optimizer {spec}: {exc}") from None
+            raise SpecError(f"optimizer {self.spec}: {exc}") from None
 
     @property
     def learning_rate(self) -> float:
@@ -153,7 +170,18 @@ class TorchFlatOptimizer(FlatOptimizer):
             group["lr"] = lr
 
     def step(self, grad: np.ndarray | torch.Tensor) -> None:
-        self._param.grad = torch.as_tensor(grad)
+        tensor = self._grad
+        if grad is not self._grad_source or tensor is None:
+            # A role steps on the same flat gradient every time: its tensor is made once.
+            tensor = torch.as_tensor(grad)
+            self._grad_source, self._grad = grad, tensor
+        lr = self._opt.param_groups[0]["lr"]
+        if self._plain_sgd and type(lr) in (float, int):
+            # torch.optim's own SGD step, without its wrappers (hooks, profiler ranges,
+            # grad mode, grouping), which cost a small model more than the update itself.
+            self._param.add_(tensor, alpha=-lr)
+            return
+        self._param.grad = tensor
         self._opt.step()
         self._param.grad = None
 
@@ -285,10 +313,14 @@ class TorchBackend(Backend):
     # -- training ---------------------------------------------------------------------
     def _tensor(self, value: Any) -> torch.Tensor:
         tensor = torch.from_numpy(value) if isinstance(value, np.ndarray) else value
-        return tensor.to(self.device, non_blocking=True) if isinstance(tensor, torch.Tensor) else tensor
+        if not isinstance(tensor, torch.Tensor) or tensor.device == self._flat_params.device:
+            return tensor  # a batch already where the model is (the host path): no copy, no dispatch
+        return tensor.to(self._flat_params.device, non_blocking=True)
 
-    def _autocasting(self) -> torch.autocast:
-        return torch.autocast(self._flat_params.device.type, dtype=self._autocast, enabled=self._autocast is not None)
+    def _autocasting(self) -> torch.autocast | contextlib.nullcontext:
+        if self._autocast is None:
+            return _NO_AUTOCAST  # fp32: entering a disabled autocast costs a dozen calls a step
+        return torch.autocast(self._flat_params.device.type, dtype=self._autocast)
 
     def compute_gradients(self, x: Any, y: Any, *, scale: float = 1.0) -> BatchStats:
         xb, yb = self._tensor(x), self._tensor(y)

@@ -92,8 +92,19 @@ def token_on_command_line(option: str = "--token") -> TokenError:
 
 
 def cookie_name(port: int | None) -> str:
-    """Cookies do not tell ports apart: each server's cookie has its own name, so one
-    dashboard's token is not sent to another (another user's) on the same host."""
+    """The cookie that carries the token after `?token=`, named after the server's port.
+
+    What the name does: two dashboards a browser opens on one host (two ports) keep a
+    cookie each, instead of the second overwriting the first's token.
+
+    What it does not do: keep the token from other servers on that host. Cookies do not
+    tell ports apart: a browser sends every cookie of a host (this one included, under any
+    name) to every port of that host, so a server of another user on the same login node
+    that the browser visits receives the token. HttpOnly keeps it from scripts and
+    SameSite=Strict from other sites' pages, not from another port of the same host. The
+    token is random per server by default and dies with it; where other users run servers
+    on the host, reach the dashboard through an SSH tunnel to a host of your own, or
+    through the hub (jupyter-server-proxy: a Unix socket, no cookie of this server)."""
     return "nbdist-dashboard-token" + (f"-{port}" if port else "")
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import base64
 from pathlib import Path
 
+from nbdist.durable import make_dir, open_private
+
 __all__ = ["export_html"]
 
 
@@ -26,7 +28,10 @@ def export_html(store: str | Path, path: str | Path, *, run: str | None = None, 
     board = dashboard(store, run=run, study=study, live=False, runs=study is None or run is not None)
     board.drain()
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_dir(path.parent)
+    # Made private before bokeh writes into it (it keeps the mode of a file it truncates):
+    # the page holds the run's options, hosts and metrics.
+    open_private(path, "w").close()
     doc = Document()
     root = board.page.get_root(doc)
     add_to_doc(root, doc)

@@ -8,19 +8,27 @@ where the token comes from):
 On a Unix socket (what the jupyter-server-proxy entry uses, nbdist.dashboard.proxy) the
 server opens no TCP port at all: only its owner can connect to the socket, and the page
 is reached through the hub, which authenticates.
+
+Beyond loopback (`--address 0.0.0.0` or a host's address) the server speaks plain HTTP:
+the token travels in the clear in the URL and the cookie, and anyone on the network path
+can read it, and the runs with it. That is refused unless the user says `--insecure` (a
+network they trust), and then said on the terminal; an SSH tunnel to the loopback server
+(`ssh -L 5006:127.0.0.1:5006 HOST`) or the hub's proxy encrypt the way instead.
 """
 
 from __future__ import annotations
 
 import errno
+import ipaddress
 import socket
+import sys
 from pathlib import Path
 from typing import Any
 
 from nbdist.dashboard.access import SameOriginWebsocket, TokenAuth, cookie_name, dashboard_token
 from nbdist.errors import UserError
 
-__all__ = ["serve", "existing_store", "check_port", "DashboardError", "free_port", "APP_PATH"]
+__all__ = ["serve", "existing_store", "check_port", "DashboardError", "free_port", "is_loopback", "APP_PATH"]
 
 APP_PATH = "nbdist"
 
@@ -63,11 +71,13 @@ def serve(
     allow_origin: list[str] | None = None,
     show: bool = False,
     create: bool = False,
+    insecure: bool = False,
 ) -> Any:
     """Serve the dashboard of `store` until interrupted. Returns when the server stops.
     `token`: what every request must carry (default: $NBDIST_DASHBOARD_TOKEN, else a
     fresh random one). `unix_socket`: listen on this socket instead of `address`/`port`.
-    `create`: start an empty store when there is none (the dashboard of runs to come)."""
+    `create`: start an empty store when there is none (the dashboard of runs to come).
+    `insecure`: listen beyond loopback, where the token travels over plain HTTP."""
     import panel as pn
 
     from nbdist.dashboard.app import dashboard
@@ -75,6 +85,9 @@ def serve(
     from nbdist.store import RunStore, is_url, store_label
 
     check_port(port)
+    beyond_loopback = unix_socket is None and not is_loopback(address)
+    if beyond_loopback and not insecure:
+        raise DashboardError(plain_http_refused(address))
     if not create and not is_url(store):
         existing_store(store)  # a mistyped path is named, not created
     # An unreadable store (a database without nbdist's tables too) is an error now, not on
@@ -115,6 +128,8 @@ def serve(
     else:
         host = socket.gethostname() if address in ("0.0.0.0", "::") else address
         where = f"at http://{host}:{server.port}{path}?token={token}"
+    if beyond_loopback:
+        print(f"nbdist: warning: {plain_http_warning(address)}", file=sys.stderr, flush=True)
     print(f"nbdist: dashboard of {store_label(store)}{' (no runs yet)' if empty else ''} {where}", flush=True)
     if show and unix_socket is None:
         server.show(f"/{APP_PATH}?token={token}")
@@ -159,6 +174,35 @@ def _cannot_listen(exc: OSError, address: str, port: int, unix_socket: str | Pat
     return DashboardError(
         f"cannot listen on {address} port {port}: {exc.strerror or exc}; --address takes an "
         f"interface of this machine: 127.0.0.1 (the default), or 0.0.0.0 for all"
+    )
+
+
+def is_loopback(address: str) -> bool:
+    """Whether `address` (an IP address or a host name) is this machine's loopback."""
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:  # a host name: where it resolves
+        try:
+            return all(ipaddress.ip_address(info[4][0]).is_loopback for info in socket.getaddrinfo(address, None))
+        except (OSError, ValueError):
+            return False
+
+
+def plain_http_refused(address: str) -> str:
+    return (
+        f"--address {address} would serve the dashboard beyond this machine over plain HTTP: its token "
+        f"(in the URL and the cookie) and the runs would cross the network unencrypted; serve on "
+        f"127.0.0.1 (the default) and reach it through an SSH tunnel (ssh -L 5006:127.0.0.1:5006 "
+        f"{socket.gethostname()}) or the hub's proxy, or add --insecure on a network you trust"
+    )
+
+
+def plain_http_warning(address: str) -> str:
+    return (
+        f"serving on {address} over plain HTTP (--insecure): the token and the runs cross the "
+        f"network unencrypted; anyone on its path can read them"
     )
 
 

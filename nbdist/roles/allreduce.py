@@ -107,7 +107,8 @@ def run_allreduce(ctx: RankContext, replica: Replica | None = None) -> RunResult
         carried = reducer.state_arrays()  # --compression's residuals, PowerSGD's Q
         extra = load_rank_state(ctx, ctx.resume_from, opt, None, own=carried)
         reducer.load_state_arrays(carried)
-        start_epoch, start_step = int(extra["epoch"]), int(extra["step"])
+        # On another layout the shards are new: the checkpoint's epoch again from its start.
+        start_epoch, start_step = int(extra["epoch"]), 0 if ctx.relayout else int(extra["step"])
         ctx.early.load_json(extra.get("early", {}))
         history = ctx.history_file.resume(extra)
         samples_seen = int(extra.get("samples_seen", sum(h.get("samples", 0) for h in history)))

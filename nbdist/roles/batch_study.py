@@ -18,9 +18,10 @@ from nbdist.hpo.runner import StudyResult, StudyRunner
 from nbdist.hpo.trial import check_study, study_layout
 from nbdist.options import StudyOptions, TrainOptions
 from nbdist.roles.study import MPIGroups, serve_group
-from nbdist.store import store_path
+from nbdist.store import place_store
 from nbdist.train.definition import ModelDefinition
 from nbdist.train.stopping import StopFlag
+from nbdist.transport.interfaces import launch_spans_hosts
 
 __all__ = ["run_study"]
 
@@ -45,7 +46,9 @@ def run_study(
     if comm.Get_rank() == 0:
         try:  # the searcher, the store and a resumed study's state: the coordinator's
             check_space_is_read(study, train, definition)
-            runner = StudyRunner(study, train, MPIGroups(comm, layout), store_path(train.store, train.runs_dir), say)
+            # Its trials' leaders record their runs in the store too: from every host of the launch.
+            database = place_store(train.store, train.runs_dir, several_hosts=launch_spans_hosts())
+            runner = StudyRunner(study, train, MPIGroups(comm, layout), database, say)
         except UserError as exc:
             error = exc
     agree(comm, error)

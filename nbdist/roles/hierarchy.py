@@ -69,6 +69,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from nbdist.algorithms.arrays import copy_into
 from nbdist.backends.base import BatchStats
 from nbdist.roles.master import (
     SUB_MASTER,
@@ -84,8 +85,10 @@ from nbdist.roles.master import (
     share_initial_weights,
     worker_clients,
 )
+from nbdist.train.checkpoint import Checkpoints
 from nbdist.train.context import RankContext
 from nbdist.train.progress import EpochTally
+from nbdist.train.relayout import centre_share
 from nbdist.train.state import load_rank_state, save_rank_state
 from nbdist.transport import messages as m
 from nbdist.transport.deadlines import Silence
@@ -181,6 +184,16 @@ class SubMaster(Master):
 
     def take_snapshot(self, label: str) -> None:
         """Only the top master decides snapshots; a sub-master passes them down (_push)."""
+
+    def save_last_epoch(self) -> None:
+        # Its share of the run's last checkpoint (the top master's save_last_epoch), which
+        # it acknowledges in its DONE as a snapshot's (commit, send_done): the top master
+        # cannot commit that checkpoint without it.
+        if self.next_epoch == 0:
+            return
+        label = m.label_of(self.next_epoch)
+        self.snapshot, self.snapshot_told, self.snapshot_due = label, set(), ""
+        self.save(label)
 
     def save(self, label: str) -> None:
         average_state(self)
@@ -281,13 +294,7 @@ def run_sub_master(ctx: RankContext) -> None:
     )
     me.phases["uplink"] = 0.0
     if ctx.resume_from is not None:
-        extra = load_rank_state(ctx, ctx.resume_from, me.opt, me.rule_state, {"pulled": me.pulled})
-        me.version, me.next_epoch = int(extra["version"]), int(extra["next_epoch"])
-        me.pulled_version = int(extra["pulled_version"])
-        me.lr.load_json(extra.get("lr", {}))
-        me.epochs_acked = me.next_epoch  # the checkpoint resumed from was committed
-        me.samples_seen = int(extra.get("unpushed_samples", 0))  # in the delta the checkpoint holds
-        restore_tallies(me, extra)
+        _resume(me)
     else:
         share_initial_weights(ctx)
         me.pulled[:] = me.center
@@ -297,6 +304,8 @@ def run_sub_master(ctx: RankContext) -> None:
     # is acknowledged only when every worker stopped on the same STOP.
     if me.stopping and not me.error:
         me.save(me.stop_label)
+    elif not me.error and not ctx.options.synchronous:
+        me.save_last_epoch()
     finish_checkpoints(me)
     me.send_done()
     ctx.log.emit("phase", dict(me.phases), step=me.version, epoch=me.next_epoch)
@@ -306,3 +315,31 @@ def run_sub_master(ctx: RankContext) -> None:
         status = "stopped" if me.stopping else "completed"
         ctx.log.emit("run", {"status": status, "reason": me.stopping or f"completed {ctx.options.epochs} epochs"})
     ctx.log.close()
+
+
+def _resume(me: SubMaster) -> None:
+    """From the checkpoint: this sub-master's own share or, on a layout whose sub-master
+    the checkpoint lacks, the top master's centre (train/relayout.py). On another layout
+    its epoch is the top master's (every worker starts it again) and no tally is open."""
+    ctx = me.ctx
+    path = ctx.resume_dir
+    top = Checkpoints.read_scalars(path, centre_share(ctx.old_layout, 0)) if ctx.relayout else {}
+    if ctx.resume_rank is None:
+        arrays, _ = Checkpoints.read_rank(path, centre_share(ctx.old_layout, 0))
+        copy_into(me.center, arrays["model"]["params"])
+        if "state" in arrays["model"]:
+            copy_into(ctx.backend.state, arrays["model"]["state"])
+        me.pulled[:] = me.center
+        me.version = me.pulled_version = int(top["version"])
+        me.lr.load_json(top.get("lr", {}))
+    else:
+        extra = load_rank_state(ctx, path, me.opt, me.rule_state, {"pulled": me.pulled})
+        me.version, me.next_epoch = int(extra["version"]), int(extra["next_epoch"])
+        me.pulled_version = int(extra["pulled_version"])
+        me.lr.load_json(extra.get("lr", {}))
+        me.samples_seen = int(extra.get("unpushed_samples", 0))  # in the delta the checkpoint holds
+        if not ctx.relayout:
+            restore_tallies(me, extra)
+    if ctx.relayout:
+        me.next_epoch = int(top["next_epoch"])
+    me.epochs_acked = me.next_epoch  # the checkpoint resumed from was committed

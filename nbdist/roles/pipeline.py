@@ -197,6 +197,13 @@ class PipelineWorker(Worker):
         )
         self.model_state.to_device()
 
+    def _centre_parts(self, model: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray | None]:
+        # The master's centre is the whole model, the stages in a row (stage_layout).
+        proc, state = self.ctx.role.proc_index, model.get("state")
+        p0, p1 = self.param_parts.displs[proc], self.param_parts.displs[proc] + self.param_parts.counts[proc]
+        s0, s1 = self.state_parts.displs[proc], self.state_parts.displs[proc] + self.state_parts.counts[proc]
+        return model["params"][p0:p1], None if state is None else state[s0:s1]
+
     def _collect_message(self) -> None:
         leader = self.leader
         self.param_parts.gather(

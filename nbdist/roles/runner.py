@@ -8,9 +8,13 @@ to record the failure in the run directory (`failure.json`) is the one that repo
 
 When a rank died or froze (and was removed) and the user allowed restarts
 (`--max-restarts N`), the survivors do not end: they agree on who is left (MPI's fault
-tolerance, `Comm.Shrink`), lay the run out again on fewer ranks where the layout allows
-it, and continue from the last checkpoint, in the same run directory and the same row of
-the run store.
+tolerance, `Comm.Shrink`), lay the run out again on fewer ranks, and continue from the
+last checkpoint, in the same run directory and the same row of the run store. The new
+layout keeps the most masters that fit the ranks left (a sub-master's death leaves 5 of
+6 ranks: 1 master + 4 workers) and fills them with workers; where workers come in units of
+several processes (a pipeline's stages) and the ranks left are not a whole number of them,
+it uses as many as it can and the others leave the job. What carries over to the new
+layout: train/relayout.py.
 """
 
 from __future__ import annotations
@@ -26,17 +30,20 @@ from typing import Any
 
 import numpy as np
 
-from nbdist.errors import UserError
+from nbdist.durable import private_fd
+from nbdist.errors import DiskFull, UserError
+from nbdist.layout import Layout
 from nbdist.metrics.log import RecordSink
 from nbdist.metrics.record import stopped_on_request
 from nbdist.options import TrainOptions
 from nbdist.train.checkpoint import Checkpoints
 from nbdist.train.context import RankContext, TrialTag, prepare
 from nbdist.train.definition import ModelDefinition
+from nbdist.train.diskspace import disk_full, is_disk_full
 from nbdist.train.measures import measure
 from nbdist.train.progress import RunResult
 from nbdist.train.stopping import StopFlag
-from nbdist.transport.faults import RunFailure, survivors, ulfm_enabled
+from nbdist.transport.faults import RunFailure, first_ranks, survivors, ulfm_enabled
 from nbdist.transport.node import world
 from nbdist.transport.waiting import Abandoned, watch_with
 
@@ -130,16 +137,39 @@ def _run_with_restarts(
                 raise
             restart_of = failure.run_dir
             comm = survivors(comm)
+            # The same run on fewer ranks: let the layout fill them again, as many as it can.
+            options = options.replace(workers=None)
+            left, used = comm.Get_size(), _ranks_to_use(comm.Get_size(), options)
             if comm.Get_rank() == 0:
+                where = f"the {left} ranks left" if used == left else f"{used} of the {left} ranks left"
                 print(
-                    f"nbdist: {failure}: restarting on the {comm.Get_size()} ranks left (restart {attempt + 1} of "
-                    f"{options.max_restarts})",
+                    f"nbdist: {failure}: restarting on {where} (restart {attempt + 1} of {options.max_restarts})"
+                    + (
+                        ""
+                        if used == left
+                        else f"; with {options.procs_per_worker} processes per worker the layout fits no more of them"
+                    ),
                     file=sys.stderr,
                     flush=True,
                 )
-            # The same run on fewer ranks: let the layout fill them again.
-            options = options.replace(workers=None)
+            if used < left:
+                comm = first_ranks(comm, used)
+                if comm is None:
+                    return None
     raise AssertionError("unreachable")  # the last attempt returns or raises
+
+
+def _ranks_to_use(left: int, options: TrainOptions) -> int:
+    """How many of the `left` ranks the restart's layout uses: all of them unless the
+    layout comes in larger units (pipeline stages, processes per worker), then the most it
+    can (Layout.within). When none fits, all: the run's set-up then says why."""
+    try:
+        layout = Layout.within(
+            left, masters=options.masters, procs_per_worker=options.procs_per_worker, topology=options.topology
+        )
+    except UserError:
+        return left
+    return layout.n_ranks
 
 
 def _restartable(failure: RunFailure, options: TrainOptions, attempt: int) -> bool:
@@ -223,16 +253,23 @@ def _run_once(
     except BaseException as exc:
         # This rank's own failure (its code, its data, a bug): the others must not wait
         # for it. They hear it as this rank's message; the CLI shows its traceback here.
-        failure = exc
+        # Any write of the run (a log, the history, the weights) on a full disk: one line.
+        error = disk_full(exc) if is_disk_full(exc) else exc
+        failure = error
         told = RunFailure(
-            f"{ctx.peers.directory.describe(ctx.comms.world.Get_rank())} failed: {type(exc).__name__}: {exc}"
-            if not isinstance(exc, UserError)
-            else str(exc)
+            f"{ctx.peers.directory.describe(ctx.comms.world.Get_rank())} failed: {type(error).__name__}: {error}"
+            if not isinstance(error, UserError)
+            else str(error)
         )
         ctx.peers.control.tell_all(told)
-        _record_failure(ctx, told, options, attempt)
+        _record_failure(ctx, told, options, attempt, disk=isinstance(error, DiskFull))
         # Whatever the exception, the CLI asks it whether to print it (cli.py, _reports).
-        setattr(exc, "reported_here", bool(told.reported_here))  # noqa: B010
+        setattr(error, "reported_here", bool(told.reported_here))  # noqa: B010
+        if isinstance(error, DiskFull):
+            error.args = told.args  # with the checkpoint to resume from
+            ctx.checkpoints.discard_incomplete()  # what was written of the one that did not fit
+        if error is not exc:
+            raise error from None
         raise
     finally:
         restarting = isinstance(failure, RunFailure) and _restartable(failure, options, attempt)
@@ -250,12 +287,14 @@ def _run_once(
         ctx.data.close()
 
 
-def _record_failure(ctx: RankContext, failure: RunFailure, options: TrainOptions, attempt: int) -> None:
+def _record_failure(
+    ctx: RankContext, failure: RunFailure, options: TrainOptions, attempt: int, disk: bool = False
+) -> None:
     """The first rank to get here writes failure.json and reports the failure (the CLI
-    prints it); the message says what to do next."""
+    prints it); the message says what to do next (`disk`: after freeing some space)."""
     if not failure.origin:
         return
-    hint = _what_next(ctx, failure, options, attempt)
+    hint = _what_next(ctx, failure, options, attempt, disk)
     if hint and hint not in str(failure):
         failure.args = (f"{failure}; {hint}",)
     path = ctx.run_dir / FAILURE_FILE
@@ -268,7 +307,7 @@ def _record_failure(ctx: RankContext, failure: RunFailure, options: TrainOptions
         "attempt": attempt,
     }
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = private_fd(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     except FileExistsError:
         if _same_attempt(path, attempt):
             return
@@ -276,8 +315,11 @@ def _record_failure(ctx: RankContext, failure: RunFailure, options: TrainOptions
     except OSError:
         failure.reported_here = True  # no run directory to arbitrate in: say it here
         return
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        json.dump(info, fh, indent=1)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(info, fh, indent=1)
+    except OSError:
+        pass  # a full disk: the file was made (this rank reports), its text did not fit
     failure.reported_here = True
 
 
@@ -288,8 +330,15 @@ def _same_attempt(path: Path, attempt: int) -> bool:
         return True
 
 
-def _what_next(ctx: RankContext, failure: RunFailure, options: TrainOptions, attempt: int) -> str:
+def _what_next(ctx: RankContext, failure: RunFailure, options: TrainOptions, attempt: int, disk: bool) -> str:
     latest = Checkpoints(ctx.run_dir).latest()
+    if disk:
+        if latest is None:
+            return "no checkpoint was written yet: free some space there, then run it again"
+        return (
+            f"the last intact checkpoint is {latest.name}: free some space there, then continue with "
+            f"--resume {ctx.run_dir}"
+        )
     if failure.restartable and attempt < options.max_restarts and not ulfm_enabled():
         return (
             "restarts need MPI fault tolerance: start the run with python -m nbdist launch, or with "

@@ -28,12 +28,14 @@ import numpy as np
 from nbdist.algorithms.arrays import copy_into, to_numpy
 from nbdist.backends.base import BatchStats, all_finite
 from nbdist.data.sharding import split_evenly
+from nbdist.layout import Layout
 from nbdist.roles.membership import batches_for
 from nbdist.train.batchnorm import synchronise_batchnorm
-from nbdist.train.checkpoint import CheckpointError, Checkpoints
-from nbdist.train.context import RankContext, master_share
+from nbdist.train.checkpoint import Checkpoints
+from nbdist.train.context import RankContext
 from nbdist.train.loop import NonFiniteLoss, TrainReport, check_loss, run_epochs
 from nbdist.train.lr import WorkerLr, rule_lr
+from nbdist.train.relayout import centre_share
 from nbdist.train.state import load_rank_state, save_rank_state
 from nbdist.train.writer import CheckpointWriter
 from nbdist.transport import messages as m
@@ -167,21 +169,29 @@ class Worker:
             self._first_weights()
             ctx.rule.worker_start(self.rule_state, self.rule_params)
             return 0, 0
-        try:
-            carried = self._carried()
-            extra = load_rank_state(ctx, ctx.resume_from, self.opt, self.rule_state, own=carried)
-        except CheckpointError:
+        if ctx.resume_rank is None or not Checkpoints.has_rank(ctx.resume_dir, ctx.resume_rank):
             return self._start_without_state()
+        carried = self._carried()
+        extra = load_rank_state(ctx, ctx.resume_dir, self.opt, self.rule_state, own=carried)
         self._load_carried(carried)
         self.version = int(extra["version"])
         if ctx.relayout:
-            # Restarted on other ranks: the shards are new, so every worker starts the
-            # master's current epoch from its first batch.
-            _, master = Checkpoints.read_rank(ctx.resume_dir, master_share(ctx.resume_dir, ctx.role.master_index))
-            return int(master["next_epoch"]), 0
+            # On another layout the shards are new: every worker starts the master's
+            # current epoch from its first batch (train/relayout.py).
+            return self._relaid_start()
         if extra.get("members") is not None:
             self.members = tuple(int(w) for w in extra["members"])
         return int(extra["epoch"]), int(extra["step"])
+
+    def _relaid_start(self) -> tuple[int, int]:
+        """On another layout: the top master's next epoch, at this worker's master's version
+        (staleness starts at 0)."""
+        ctx = self.ctx
+        old = ctx.old_layout
+        self.version = int(
+            Checkpoints.read_scalars(ctx.resume_dir, centre_share(old, ctx.role.master_index))["version"]
+        )
+        return int(Checkpoints.read_scalars(ctx.resume_dir, centre_share(old, 0))["next_epoch"]), 0
 
     def _first_weights(self) -> None:
         """Every process: the master's weights (the leader receives them, shares them)."""
@@ -193,31 +203,38 @@ class Worker:
             collectives.bcast(self.wcomm, self.params, "the worker's first weights")
             collectives.bcast(self.wcomm, self.model_state, "the worker's first weights")
 
+    def _centre_parts(self, model: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray | None]:
+        """This process's part of a master's saved centre: its parameters and model state
+        (all of them here; a pipeline stage its own)."""
+        return model["params"], model.get("state")
+
     def _start_without_state(self) -> tuple[int, int]:
-        """Resumed from an asynchronous checkpoint that holds nothing of this worker: it had
-        finished (then it says DONE at once), or it had been dropped (then it starts again
-        from the centre, at the first epoch whose data it owns)."""
+        """Resumed from a checkpoint that holds nothing of this worker: it had finished
+        (then it says DONE at once), or it had been dropped, or the checkpoint had fewer
+        workers (then it starts again from its master's centre, at the first epoch whose
+        data it owns)."""
         ctx = self.ctx
         meta = Checkpoints.read_meta(ctx.resume_dir)
-        arrays, master = Checkpoints.read_rank(ctx.resume_dir, master_share(ctx.resume_dir, ctx.role.master_index))
+        old = ctx.resumed_layout or Layout.from_dict(meta["layout"])
+        arrays, master = Checkpoints.read_rank(ctx.resume_dir, centre_share(old, ctx.role.master_index))
+        params, state = self._centre_parts(arrays["model"])
         if not ctx.relayout and ctx.comms.world.Get_rank() in meta.get("finished", []):
             # It had trained every epoch of the run as it was then; a resume that extends
             # the run has it go on from the centre.
             done = int(meta.get("options", {}).get("epochs", ctx.options.epochs))
             if done >= ctx.options.epochs:
                 return ctx.options.epochs, 0
-            copy_into(self.params.device, arrays["model"]["params"])
+            copy_into(self.params.device, params)
             ctx.rule.worker_start(self.rule_state, self.rule_params)
             return done, 0
-        if ctx.relayout:
-            fixed: dict[int, tuple[int, ...]] = {}
-        else:
-            fixed = {int(e): tuple(w) for e, w in master.get("members", {}).items()}
-        copy_into(self.params.device, arrays["model"]["params"])
-        if "state" in arrays["model"]:
-            copy_into(self.model_state.device, arrays["model"]["state"])
+        copy_into(self.params.device, params)
+        if state is not None:
+            copy_into(self.model_state.device, state)
         self.version = int(master["version"])
         ctx.rule.worker_start(self.rule_state, self.rule_params)
+        if ctx.relayout:
+            return self._relaid_start()
+        fixed = {int(e): tuple(w) for e, w in master.get("members", {}).items()}
         mine = [e for e, members in sorted(fixed.items()) if ctx.role.worker in members]
         start = mine[0] if mine else max([int(master["next_epoch"]), *(e + 1 for e in fixed)])
         if start in fixed:

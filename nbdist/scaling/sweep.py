@@ -17,7 +17,6 @@ Collective over the job's ranks (COMM_WORLD or `comm`):
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import socket
 import time
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nbdist.durable import make_dir, write_json, write_text
 from nbdist.errors import OptionsError, UserError
 from nbdist.options import TrainOptions
 from nbdist.scaling.analysis import Analysis, analyse, between_nodes, machine_of
@@ -169,7 +169,7 @@ def run_scale(
         measured: list[Point] = []
         if calibration is not None:
             tell(f"nbdist: calibrated in {calibration.seconds:.0f} s; measuring {len(plan)} points")
-            (directory / "calibration.json").write_text(json.dumps(calibration.to_dict(), indent=1))
+            write_json(directory / "calibration.json", calibration.to_dict())
             if recorder is not None:
                 recorder.add("calibration", calibration.to_dict())
             for point in calibration_points:
@@ -253,7 +253,7 @@ def _conclude(
     reference = {p.scaling: p.samples_per_s for p in measured if p.setup.allreduce and p.ranks == 1}
     text = report(calibration, measured, reference, analysis, target)
     tell(text)
-    (directory / "report.md").write_text(text + "\n")
+    write_text(directory / "report.md", text + "\n")
     if recorder is not None:
         recorder.add("predicted", [p.to_dict() for p in analysis.curves])
         recorder.add("saturation", [{"label": k, "workers": v} for k, v in analysis.saturation.items()])
@@ -287,12 +287,12 @@ def _study_dir(options: ScaleOptions, rank: int, collectives: Collectives, comm:
     made = None
     if rank == 0:
         root = Path(options.runs_dir)
-        root.mkdir(parents=True, exist_ok=True)
+        make_dir(root)
         stem = options.run_name or f"{time.strftime('%Y%m%d-%H%M%S')}-scale-{Path(str(options.model)).stem}"
         candidate, n = root / stem, 1
         while True:
             try:
-                candidate.mkdir(mode=0o700)
+                make_dir(candidate, exclusive=True)
                 break
             except FileExistsError:
                 n += 1

@@ -2,10 +2,17 @@
 SQLite file or one PostgreSQL database (several jobs), written by one writer per run and
 read by the dashboard while runs train."""
 
-from pathlib import Path
-
-from nbdist.store.dialects import is_url, mask_url, store_label
+from nbdist.store.dialects import is_url, mask_url, missing_directory, store_label
 from nbdist.store.ingest import LogFollower, RunFeed, RunRecorder, import_run
+from nbdist.store.location import (
+    OFF,
+    STORE_FILE,
+    check_store,
+    network_store_problem,
+    place_store,
+    sqlite_file,
+    store_path,
+)
 from nbdist.store.runstore import STALE_SECONDS, RunRow, RunStore, TrialRow
 from nbdist.store.schema import SCHEMA_VERSION, StoreError
 
@@ -24,15 +31,11 @@ __all__ = [
     "is_url",
     "mask_url",
     "store_label",
+    "check_store",
+    "missing_directory",
+    "network_store_problem",
+    "sqlite_file",
+    "place_store",
+    "OFF",
+    "STORE_FILE",
 ]
-
-STORE_FILE = "nbdist.db"
-OFF = ("off", "none", "")
-
-
-def store_path(store: str | None, runs_dir: str) -> str | None:
-    """Where a run is recorded: --store (a file or a URL), else RUNS_DIR/nbdist.db; None
-    when --store off."""
-    if store is None:
-        return str(Path(runs_dir) / STORE_FILE)
-    return None if store.strip().lower() in OFF else store

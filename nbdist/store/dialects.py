@@ -24,6 +24,7 @@ StoreError, never replayed, and the next call uses the new connection.
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import time
 from abc import ABC, abstractmethod
@@ -33,6 +34,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+from nbdist.durable import private_fd
 from nbdist.errors import UserError
 
 __all__ = [
@@ -44,6 +46,9 @@ __all__ = [
     "is_url",
     "mask_url",
     "store_label",
+    "url_password",
+    "missing_directory",
+    "check_scheme",
     "POSTGRES_SCHEMES",
     "SCHEMES",
     "RECONNECT_SECONDS",
@@ -66,8 +71,9 @@ def is_url(store: str | Path) -> bool:
     return isinstance(store, str) and "://" in store
 
 
-def mask_url(url: str) -> str:
-    """The URL with its password (in the authority or a password= parameter) as ***."""
+def mask_url(url: str, mask: str | None = "***") -> str:
+    """The URL with its password (in the authority or a password= parameter) as `mask`;
+    `mask` None: without it (what libpq then looks up in PGPASSWORD or ~/.pgpass)."""
     if not is_url(url):
         return url
     try:
@@ -78,11 +84,15 @@ def mask_url(url: str) -> str:
     if "@" in netloc:
         userinfo, host = netloc.rsplit("@", 1)
         if ":" in userinfo:
-            netloc = f"{userinfo.split(':', 1)[0]}:***@{host}"
+            user = userinfo.split(":", 1)[0]
+            netloc = f"{user}:{mask}@{host}" if mask is not None else f"{user}@{host}"
     query = parts.query
     if query:
         pairs = parse_qsl(query, keep_blank_values=True)
-        query = urlencode([(k, "***" if k.lower() == "password" else v) for k, v in pairs], safe="*")
+        query = urlencode(
+            [(k, mask) if k.lower() == "password" else (k, v) for k, v in pairs if mask or k.lower() != "password"],
+            safe="*",
+        )
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
@@ -160,6 +170,10 @@ class Dialect(ABC):
         """Anything else that should know the version (SQLite's user_version). By default
         the version table is all."""
 
+    def lock_wait(self, seconds: float) -> None:  # noqa: B027 - optional, a no-op where the server decides
+        """How long a write waits for another writer's lock before it fails (SQLite's busy
+        timeout; a PostgreSQL server queues row locks by itself)."""
+
     def close(self) -> None:
         self._conn.close()
 
@@ -177,8 +191,14 @@ class SQLiteDialect(Dialect):
         self.errors = (sqlite3.Error,)
         if not create and not self.path.exists():
             raise StoreError(f"no run store at {self.label}")
+        missing = missing_directory(self.path)  # a typo's directory is not made: the store would be lost
+        if missing:
+            raise StoreError(missing)
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if create:
+                # The owner's alone (0600, whatever the umask): SQLite gives its -wal and
+                # -shm files the mode of the database file.
+                os.close(private_fd(self.path, os.O_RDWR | os.O_CREAT))
             self._conn = sqlite3.connect(str(self.path), timeout=30.0, isolation_level=None, check_same_thread=False)
         except (OSError, sqlite3.Error) as exc:
             raise StoreError(f"cannot open the run store {self.label}: {exc}") from None
@@ -207,11 +227,14 @@ class SQLiteDialect(Dialect):
             is not None
         )
 
+    def lock_wait(self, seconds: float) -> None:
+        self._conn.execute(f"PRAGMA busy_timeout = {int(seconds * 1000)}")
+
     def legacy_version(self) -> int:
         # Stores of schema 1 kept their version in SQLite's user_version only.
         return self._conn.execute("PRAGMA user_version").fetchone()[0]
 
-    def after_version(self, version: int) -> None:
+    def after_version(self, version: int) -> None:  # noqa: B027 - a hook: most dialects need nothing
         # Kept in step, so that an nbdist from before the version table refuses this store.
         self._conn.execute(f"PRAGMA user_version = {int(version)}")
 
@@ -326,17 +349,38 @@ class PostgresDialect(Dialect):
         )
 
 
+def check_scheme(url: str) -> None:
+    """One StoreError for a URL of a database that is no run store (mysql://...)."""
+    scheme = url.split("://", 1)[0].lower()
+    if scheme not in SCHEMES:
+        raise StoreError(f"--store {mask_url(url)}: unknown scheme {scheme!r}; a run store is {_FORMS}")
+
+
+def missing_directory(path: str | Path) -> str | None:
+    """Why a SQLite store cannot be made at `path`: its directory does not exist (or is a
+    file); None when it can."""
+    directory = Path(path).expanduser().parent
+    if directory.is_dir():
+        return None
+    problem = "is not a directory" if directory.exists() else "does not exist"
+    return (
+        f"--store {path}: the directory {directory} {problem}; create it first, or give a store in an "
+        f"existing directory (a store is not made where a typo points: its runs would seem lost)"
+    )
+
+
 def _first_line(exc: BaseException, url: str) -> str:
     text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-    password = _password(url)
+    password = url_password(url)
     return text.replace(password, "***") if password else text
 
 
-def _password(url: str) -> str | None:
+def url_password(url: str) -> str | None:
+    """The password a store URL carries (USER:PASSWORD@ or ?password=), if any."""
     try:
         parts = urlsplit(url)
-        return parts.password or dict(parse_qsl(parts.query)).get("password")
-    except ValueError:
+        return parts.password or dict(parse_qsl(parts.query)).get("password") or None
+    except ValueError:  # a malformed URL: open_dialect says what is wrong with it
         return None
 
 
@@ -345,9 +389,8 @@ def open_dialect(store: str | Path, *, create: bool = True) -> Dialect:
     if not is_url(store):
         return SQLiteDialect(Path(store), create=create)
     label = mask_url(str(store))
+    check_scheme(str(store))
     scheme = str(store).split("://", 1)[0].lower()
-    if scheme not in SCHEMES:
-        raise StoreError(f"--store {label}: unknown scheme {scheme!r}; a run store is {_FORMS}")
     try:
         parts = urlsplit(str(store))
         parts.port  # noqa: B018 - raises on a port that is not a number

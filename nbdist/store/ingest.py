@@ -6,24 +6,39 @@ store's only writer: no rank ever waits on SQLite, and a thousand ranks never op
 database at once. The same follower imports a finished run's directory
 (`python -m nbdist store import RUN_DIR`), e.g. one trained where the store was not
 reachable. Records carry (run, rank, seq), so reading a file twice stores nothing twice.
+
+The recorder outlives any failure of one pass (a store locked by another writer past
+its wait, a connection lost, a damaged log line): the records stay in the files and in
+its hands, it tries again after a pause that doubles up to RETRY_LONGEST, and it says
+once, in one line, that the store's records are delayed. The run's end is recorded
+however long the store took, up to END_RETRY_SECONDS; past that, one line says how to
+record it later.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
-from nbdist.metrics.log import metrics_dir
+from nbdist.metrics.log import metrics_dir, parse_records
 from nbdist.metrics.record import stopped_on_request
-from nbdist.store.dialects import StoreError
 from nbdist.store.runstore import RunStore
 
 __all__ = ["LogFollower", "RunFeed", "RunRecorder", "import_run", "record_checkpoints"]
 
 RECORD_EVERY = 0.5  # seconds between the recorder's passes over the logs
+# After a failed pass the recorder waits twice as long as before, up to this.
+RETRY_LONGEST = 30.0
+# How long the recorder's writes wait for another writer's lock before the pass fails
+# and is tried again later (it holds the records meanwhile: no need to wait longer).
+RECORDER_LOCK_WAIT = 5.0
+# How long the end of a run tries to record its last records and its end.
+END_RETRY_SECONDS = 120.0
 
 
 class LogFollower:
@@ -32,6 +47,7 @@ class LogFollower:
     def __init__(self, run_dir: Path | str):
         self.directory = metrics_dir(Path(run_dir))
         self._offsets: dict[Path, int] = {}
+        self._lines: dict[Path, int] = {}  # lines read so far, to name a damaged one
 
     def poll(self) -> list[dict[str, Any]]:
         records: list[dict[str, Any]] = []
@@ -42,10 +58,10 @@ class LogFollower:
                 chunk = fh.read()
             # A line is complete once its newline is written; the rest waits for next time.
             complete = chunk[: chunk.rfind(b"\n") + 1]
-            for line in complete.splitlines():
-                if line.strip():
-                    records.append(json.loads(line))
+            lines = complete.splitlines()
+            records += parse_records(lines, path, first_line=self._lines.get(path, 0) + 1)
             self._offsets[path] = offset + len(complete)
+            self._lines[path] = self._lines.get(path, 0) + len(lines)
         return records
 
 
@@ -117,18 +133,38 @@ class RunRecorder:
         self.every = every
         self.follower = LogFollower(run_dir)
         self.feed = RunFeed(store_path, run_id, run_dir, options=options, layout=layout, study=study, trial=trial)
+        self.feed.store.lock_wait(RECORDER_LOCK_WAIT)
         self._unsent: list[dict[str, Any]] = []
+        self._pause = every  # until the next pass: `every`, longer after failures
+        self._delayed = False  # a pass failed since the last one that went through
+        self._full = False  # the last failure was a full disk
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="nbdist-run-recorder", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
         # The feed's connection is used by this thread only until finish() joins it.
-        while not self._stop.wait(self.every):
-            try:
-                self._record()
-            except StoreError as exc:  # e.g. a connection lost in the middle of a write
-                print(f"nbdist: warning: {exc}; its records go with the next pass", file=sys.stderr, flush=True)
+        while not self._stop.wait(self._pause):
+            self._attempt(self._record)
+
+    def _attempt(self, write: Any) -> bool:
+        """One write; on any error: say once that records are delayed, pause longer."""
+        try:
+            write()
+        except Exception as exc:  # noqa: BLE001 - whatever one write raises, the recorder goes on
+            self._full = _no_space(exc)
+            if not self._delayed:
+                self._delayed = True
+                print(
+                    f"nbdist: warning: the run store {self.feed.store.label} cannot take this run's records now "
+                    f"({_first_line(exc)}); they are kept and sent again, the store's view of the run is delayed",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            self._pause = min(2 * self._pause, RETRY_LONGEST)
+            return False
+        self._delayed, self._pause = False, self.every
+        return True
 
     def _record(self) -> None:
         """The logs' new records into the store. A pass that fails keeps them for the
@@ -137,20 +173,55 @@ class RunRecorder:
         self.feed.add(self._unsent)
         self._unsent = []
 
+    def _until_done(self, write: Any, what: str) -> None:
+        """`write()` at the end of the run, tried again until END_RETRY_SECONDS have passed."""
+        deadline = time.monotonic() + END_RETRY_SECONDS
+        self._pause = self.every
+        while not self._attempt(write):
+            # A full disk under the store is not freed by waiting: say so at once.
+            if self._full or time.monotonic() + self._pause > deadline:
+                why = "its disk is full" if self._full else f"not within {END_RETRY_SECONDS:.0f} s"
+                print(
+                    f"nbdist: warning: the run store {self.feed.store.label} did not take {what} ({why}); "
+                    f"`python -m nbdist store import {self.feed.run_dir}` records it later",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return
+            time.sleep(self._pause)
+
     def finish(self, status: str, reason: str | None = None, final: dict[str, Any] | None = None) -> None:
         """After every rank closed its log: the last records, then the run's end."""
         self._stop.set()
         self._thread.join()
-        self._record()
-        self.feed.end(status, reason, final)
+
+        def last_records_and_end() -> None:
+            self._record()
+            self.feed.store.end_run(self.feed.run_id, status, reason, final)
+
+        self._until_done(last_records_and_end, "the run's end")
+        self.feed.close()
 
     def pause(self) -> None:
         """The run restarts after a failure (its new leader records it from then on):
         the records so far, and the run left running."""
         self._stop.set()
         self._thread.join()
-        self._record()
+        self._until_done(self._record, "the run's last records")
         self.feed.close()
+
+
+def _no_space(exc: BaseException) -> bool:
+    """A write that failed for want of disk space (SQLite's SQLITE_FULL, or ENOSPC/EDQUOT)."""
+    return getattr(exc, "sqlite_errorname", "") == "SQLITE_FULL" or getattr(exc, "errno", None) in (
+        errno.ENOSPC,
+        errno.EDQUOT,
+    )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
 def import_run(store: RunStore, run_dir: Path | str) -> tuple[str, int]:

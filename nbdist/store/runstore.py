@@ -122,6 +122,10 @@ class RunStore:
     def close(self) -> None:
         self._db.close()
 
+    def lock_wait(self, seconds: float) -> None:
+        """How long this connection's writes wait for another writer's lock (SQLite)."""
+        self._db.lock_wait(seconds)
+
     def __enter__(self) -> RunStore:
         return self
 

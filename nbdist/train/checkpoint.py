@@ -26,16 +26,18 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
-from safetensors.numpy import load_file, save
+from safetensors.numpy import load_file
 
+from nbdist.durable import DIGEST, file_digest, fsync_dir, make_dir, write_json
 from nbdist.errors import UserError
-from nbdist.train.durable import DIGEST, file_digest, fsync_dir, make_dir, write_bytes, write_json
+from nbdist.train.diskspace import checkpoint_disk_full, is_disk_full
+from nbdist.train.tensor_files import write_safetensors
 
 __all__ = ["Checkpoints", "CheckpointError", "flatten_arrays", "unflatten_arrays"]
 
@@ -104,7 +106,6 @@ class Checkpoints:
         the arrays named in `shared` (a group such as "opt", or "group/name") are left to
         that rank's file, which holds the same values."""
         directory = self._tmp(label)
-        make_dir(directory)
         flat = flatten_arrays(arrays)
         storage: dict[str, Any] = {}
         if same_as is not None and same_as != rank:
@@ -113,9 +114,16 @@ class Checkpoints:
             flat = {k: v for k, v in flat.items() if k not in taken}
             storage.update(same_as=same_as, shared=taken)
         tensors = _file(rank, "safetensors")
-        storage["files"] = {tensors: write_bytes(directory / tensors, save(flat))}
-        # Written last, atomically: `ranks_written` counts a rank once its JSON is there.
-        write_json(directory / _file(rank, "json"), {**meta, STORAGE: storage})
+        try:
+            make_dir(directory)
+            storage["files"] = {tensors: write_safetensors(directory / tensors, flat)}
+            # Written last, atomically: `ranks_written` counts a rank once its JSON is there.
+            write_json(directory / _file(rank, "json"), {**meta, STORAGE: storage})
+        except OSError as exc:
+            if is_disk_full(exc):
+                needed = sum(array.nbytes for array in flat.values())
+                raise checkpoint_disk_full(exc, directory, label, needed) from None
+            raise
 
     def ranks_written(self, label: str) -> int:
         return len(list(self._tmp(label).glob("rank-*.json")))
@@ -200,9 +208,10 @@ class Checkpoints:
         path = self.root / label
         return path if (path / META).exists() else None
 
-    def latest_intact(self) -> tuple[Path | None, list[str]]:
+    def latest_intact(self, usable: Callable[[Path], str | None] | None = None) -> tuple[Path | None, list[str]]:
         """The newest checkpoint whose files are all as written (LATEST's first, then the
-        others newest first), and one line per damaged checkpoint passed over."""
+        others newest first), and one line per damaged checkpoint passed over. `usable`:
+        what else would keep a checkpoint from resuming ("it holds no state for master 1")."""
         candidates = self._by_commit_order()
         label = self._latest_label()
         if label is not None:
@@ -212,7 +221,11 @@ class Checkpoints:
         for path in candidates:
             damage = self.damage(path)
             if damage is None:
-                return path, problems
+                lacks = usable(path) if usable is not None else None
+                if lacks is None:
+                    return path, problems
+                problems.append(f"checkpoint {path} cannot be resumed: {lacks}")
+                continue
             problems.append(f"checkpoint {path} is damaged: {damage}")
         return None, problems
 
@@ -251,6 +264,21 @@ class Checkpoints:
             return _read_json(path / META)
         except _READ_ERRORS as exc:
             raise CheckpointError(f"checkpoint {path}: {META} cannot be read ({exc})") from None
+
+    @staticmethod
+    def has_rank(path: Path, rank: int) -> bool:
+        """Whether checkpoint `path` holds a share of rank `rank` (both of its files)."""
+        return (path / _file(rank, "safetensors")).exists() and (path / _file(rank, "json")).exists()
+
+    @staticmethod
+    def read_scalars(path: Path, rank: int) -> dict[str, Any]:
+        """Rank `rank`'s scalars (epoch, version, ...), without its arrays."""
+        try:
+            meta = _read_json(path / _file(rank, "json"))
+        except _READ_ERRORS as exc:
+            raise CheckpointError(f"checkpoint {path}: the state of rank {rank} cannot be read ({exc})") from None
+        meta.pop(STORAGE, None)
+        return meta
 
     @staticmethod
     def read_rank(path: Path, rank: int) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, Any]]:

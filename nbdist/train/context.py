@@ -8,7 +8,6 @@ one rank.
 
 from __future__ import annotations
 
-import json
 import sys
 import tempfile
 import time
@@ -24,13 +23,14 @@ from nbdist.backends import Backend, DeviceRequest, backend_for, configure_frame
 from nbdist.backends.base import ModelError
 from nbdist.data.base import Data, DataError
 from nbdist.data.sharding import ShardPlan
+from nbdist.durable import make_dir, write_json, write_text
 from nbdist.errors import OptionsError, UserError
 from nbdist.gan import gan_backend
 from nbdist.layout import Communicators, Layout, Role
 from nbdist.metrics.log import RecordSink, RunLog
 from nbdist.options import TrainOptions, parse_target
 from nbdist.specs import Spec, did_you_mean, parse_spec
-from nbdist.store import RunRecorder, RunStore, store_label, store_path
+from nbdist.store import RunRecorder, RunStore, place_store, store_path
 from nbdist.train.asynchrony import Notice, optimisers_for_asynchrony
 from nbdist.train.batchnorm import convert_for_sync
 from nbdist.train.checkpoint import CheckpointError, Checkpoints
@@ -41,9 +41,11 @@ from nbdist.train.loop import LossGrowth
 from nbdist.train.lr import LrPlan, combined_workers, plan_learning_rates
 from nbdist.train.measures import MODEL_MEASURES
 from nbdist.train.progress import reported_metrics
+from nbdist.train.relayout import Share, centre_share, change_note, check_resumable, plan_shares, saved_layout
 from nbdist.train.stopping import EarlyStopping, StopFlag, TrialStopping
 from nbdist.transport.agreement import agree
 from nbdist.transport.compression import make_codec, parse_compression
+from nbdist.transport.interfaces import launch_spans_hosts
 from nbdist.transport.node import local_rank, polling_suits_node
 from nbdist.transport.peers import Peers
 from nbdist.transport.reducers import choose as choose_reducer
@@ -59,7 +61,6 @@ __all__ = [
     "check_data_size",
     "Settled",
     "settle",
-    "master_share",
 ]
 
 # Workers explore with momentum (GEM's own default is the same); lr 0.05 because 0.1 with
@@ -131,7 +132,9 @@ class RankContext:
     recorder: RunRecorder | None = None  # the leader's feed of the run store (batch runs)
     attempt: int = 0  # restarts of the run so far (--max-restarts)
     resume_rank: int | None = None  # whose share of resume_from this rank loads (None: nothing of its own)
-    relayout: bool = False  # restarted on other ranks: positions and tallies start at an epoch boundary
+    resume_partial: bool = False  # of that share only what twins hold alike (train/relayout.py)
+    relayout: bool = False  # resumed on another layout: positions and tallies start at an epoch boundary
+    resumed_layout: Layout | None = None  # the layout that wrote resume_from, when it says
     worker_lr: LrPlan | None = None  # the lr of workers' steps by position (train/lr.py); None: no such lr
     master_lr: LrPlan | None = None  # the lr of the master optimiser's steps
     compression: Spec | None = None  # --compression (None: none; transport/compression.py)
@@ -152,6 +155,13 @@ class RankContext:
         if self.resume_from is None:
             raise RuntimeError("this run resumes from no checkpoint")
         return self.resume_from
+
+    @property
+    def old_layout(self) -> Layout:
+        """The layout that wrote the checkpoint of a run laid out anew (train/relayout.py)."""
+        if self.resumed_layout is None:
+            raise RuntimeError("this run resumes from no checkpoint that records its layout")
+        return self.resumed_layout
 
     @property
     def world_ranks(self) -> list[int]:
@@ -360,7 +370,10 @@ def settle(
     (`here=False`: away from the nodes that train, so the model is built on this CPU and
     what depends on those nodes, their GPUs and the runs directory, is left to them)."""
     options = options.validate()
-    layout = Layout.for_world(
+    # A run laid out anew (a resume, a restart on the ranks left) takes the masters that
+    # fit its ranks; a fresh one gets exactly what it asked for, or an error.
+    lay_out = Layout.fitting if options.resume or restart_of is not None else Layout.for_world
+    layout = lay_out(
         ranks,
         workers=options.workers,
         masters=options.masters,
@@ -393,7 +406,7 @@ def settle(
         if asynchrony.stale_updates:
             algorithm.discount_stale = True  # ADAG, GEM: DynSGD's discount (train/asynchrony.py)
     resume_from, damaged = (
-        _find_resume(options, layout) if restart_of is None else Checkpoints(restart_of).latest_intact()
+        _find_resume(options) if restart_of is None else Checkpoints(restart_of).latest_intact(check_resumable)
     )
     data = _make_data(options, definition)
     try:
@@ -416,7 +429,8 @@ def settle(
         initial_loss = None
         if rank == 0:  # the run leader: labels against the whole model, and its loss before training
             whole = make_replica() if stage_process else backend
-            check_labels(data, whole, sample[:2], definition.source)
+            if not options.gan:  # a GAN's labels are real/fake, not classes of its outputs
+                check_labels(data, whole, sample[:2], definition.source)
             initial_loss = _probe(whole, sample, sample_labels, definition.source)
         elif not stage_process:
             _probe(backend, *data.train_batch(np.arange(min(2, data.n_train))), definition.source)
@@ -473,14 +487,20 @@ def prepare(
     synchronous phase keeps the whole run's)."""
     error: BaseException | None = None
     settled: Settled | None = None
+    resume = _Resume()
     peers = Peers(comm, options.peer_timeout)
     device = DeviceRequest(options.device, local_rank(comm))  # collective: before any rank can fail
     try:
         settled = settle(options, definition, comm.Get_size(), comm.Get_rank(), device, trial, restart_of)
         options = settled.options
+        if record and comm.Get_rank() == 0:  # its SQLite file's directory exists, not on NFS from several hosts
+            place_store(options.store, options.runs_dir, several_hosts=launch_spans_hosts())
         poll_without_sleeping(
-            options.busy_poll == "on" or (options.busy_poll == "auto" and polling_suits_node(options.threads))
+            options.busy_poll == "on" or (options.busy_poll == "auto" and polling_suits_node(options.threads)),
+            while_core_free=options.busy_poll == "auto",
         )
+        # Which share of the checkpoint each rank loads, and what laying it out anew changed.
+        resume = _plan_resume(settled.resume_from, settled.layout, comm, restart_of is not None, options)
         # Dropout (and a GAN's noise) differs per rank after this point; weights do not.
         settled.backend.reseed(options.seed * 100003 + settled.role.rank)
     except UserError as exc:
@@ -529,11 +549,8 @@ def prepare(
         for problem in damaged:  # every rank found the same: one says so
             where = f"resuming from {resume_from.name}" if resume_from is not None else "starting afresh"
             print(f"nbdist: warning: {problem}; {where}", file=sys.stderr, flush=True)
-    resume_rank, relayout = (
-        _resume_rank(resume_from, layout, role, comm, restart_of is not None)
-        if resume_from is not None
-        else (None, False)
-    )
+        if resume.note:  # even with --quiet: what a run resumed on other ranks carries over differs
+            print(f"nbdist: note: {resume.note}", flush=True)
     run_id = run_dir.name
     recorder, error = None, None
     database = store_path(options.store, options.runs_dir) if record else None
@@ -578,8 +595,10 @@ def prepare(
         peers=peers,
         store_path=database,
         recorder=recorder,
-        resume_rank=resume_rank,
-        relayout=relayout,
+        resume_rank=resume.share.rank if resume.share is not None else None,
+        resume_partial=resume.share is not None and resume.share.partial,
+        relayout=resume.relayout,
+        resumed_layout=resume.old,
         worker_lr=worker_lr,
         master_lr=master_lr,
         compression=compression,
@@ -626,34 +645,36 @@ def _share_from_leader(peers: Peers, comm: Any) -> Callable[[str], str]:
     return share
 
 
-def _resume_rank(path: Path, layout: Layout, role: Role, comm: Any, restart: bool) -> tuple[int | None, bool]:
-    """(the rank whose share of checkpoint `path` this rank resumes from, whether the run
-    was laid out anew). A resume keeps its layout: every rank reads its own share. A
-    restart on fewer ranks maps roles: a master reads its predecessor's share (the
-    centre), any other rank its own if it had the same role, else nothing (None: it
-    starts from the centre)."""
-    if not restart:
-        return comm.Get_rank(), False
-    from mpi4py import MPI
-
-    meta = Checkpoints.read_meta(path)
-    old_world = list(meta.get("world_ranks", []))
-    old_layout = Layout.from_dict(meta["layout"]) if meta.get("layout") else None
-    if old_layout is None or (old_layout == layout and old_world == _world_ranks(comm)):
-        return comm.Get_rank(), False
-    me = MPI.COMM_WORLD.Get_rank()
-    old_rank = old_world.index(me) if me in old_world else None
-    if role.kind == "master":
-        return master_share(path, role.master_index), True
-    if old_rank is not None and old_layout.role(old_rank).kind == role.kind:
-        return old_rank, True
-    return None, True
+@dataclass(frozen=True, slots=True)
+class _Resume:
+    share: Share | None = None  # what this rank loads of the checkpoint
+    relayout: bool = False
+    old: Layout | None = None
+    note: str = ""  # what laying the run out anew changed, for the user
 
 
-def master_share(path: Path, master: int) -> int:
-    """The rank whose share of checkpoint `path` holds master `master`'s centre."""
-    layout = Layout.from_dict(Checkpoints.read_meta(path)["layout"])
-    return next(r for r in range(layout.n_ranks) if layout.role(r).kind == "master" and layout.role(r).master == master)
+def _plan_resume(path: Path | None, layout: Layout, comm: Any, restart: bool, options: TrainOptions) -> _Resume:
+    """Which share of checkpoint `path` this rank loads (train/relayout.py): its own when
+    the layout is the one that wrote it (and, restarting, on the same processes), else by
+    its place in the new layout. Every rank works out the same plan for every rank."""
+    if path is None:
+        return _Resume()
+    old = saved_layout(path)
+    rank = comm.Get_rank()
+    if old is None:  # written before checkpoints recorded their layout
+        return _Resume(Share(rank))
+    world = None
+    if restart:
+        world = ([int(r) for r in Checkpoints.read_meta(path).get("world_ranks", [])], _world_ranks(comm))
+    if old == layout and (world is None or world[0] == world[1]):
+        return _Resume(Share(rank), old=old)
+    pipeline = options.worker_parallel == "pipeline"
+    plans = plan_shares(old, layout, world, pipeline)
+    if old.topology == "allreduce":
+        epoch = int(Checkpoints.read_scalars(path, 0).get("epoch", 0))
+    else:
+        epoch = int(Checkpoints.read_scalars(path, centre_share(old, 0)).get("next_epoch", 0))
+    return _Resume(plans[rank], True, old, change_note(old, layout, plans, epoch, restart))
 
 
 def _world_ranks(comm: Any) -> list[int]:
@@ -734,7 +755,7 @@ def _check_writable(path: Path, flag: str) -> None:
     """Create `path` and a file in it, as the run leader will; one clear error if it cannot
     (a read-only file system, no permission, a file where the directory should be)."""
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        make_dir(path)
         with tempfile.TemporaryFile(dir=path):
             pass
     except (FileExistsError, NotADirectoryError):
@@ -782,15 +803,16 @@ def _stage_backend(definition: ModelDefinition, options: TrainOptions, role: Rol
     return backend
 
 
-def _find_resume(options: TrainOptions, layout: Layout) -> tuple[Path | None, list[str]]:
-    """The checkpoint to resume from and the damaged ones passed over (one line each).
-    Every rank verifies the same files, so every rank picks the same checkpoint."""
+def _find_resume(options: TrainOptions) -> tuple[Path | None, list[str]]:
+    """The checkpoint to resume from and those passed over (one line each: damaged, or
+    lacking a master's state). Every rank verifies the same files, so every rank picks the
+    same checkpoint. The layout may differ from the one that wrote it (train/relayout.py)."""
     if not options.resume:
         return None, []
     run_dir = Path(options.resume)
     if not (run_dir / "options.json").exists():
         raise CheckpointError(f"--resume {options.resume}: not a run directory (no options.json)")
-    latest, damaged = Checkpoints(run_dir).latest_intact()
+    latest, damaged = Checkpoints(run_dir).latest_intact(check_resumable)
     if latest is None and damaged:
         raise CheckpointError(
             f"--resume {options.resume}: no intact checkpoint is left ({'; '.join(damaged)}); "
@@ -798,12 +820,6 @@ def _find_resume(options: TrainOptions, layout: Layout) -> tuple[Path | None, li
         )
     if latest is None:
         raise CheckpointError(f"--resume {options.resume}: the run has no complete checkpoint")
-    saved = Checkpoints.read_meta(latest).get("layout", {})
-    if saved and Layout.from_dict(saved) != layout:
-        raise CheckpointError(
-            f"--resume {options.resume}: the checkpoint was written by {saved.get('describe')}, "
-            f"this run is {layout.describe()}; resume with the same number of ranks and layout"
-        )
     return latest, damaged
 
 
@@ -814,7 +830,7 @@ def _fresh_dir(root: Path, name: str, database: str | None, trial: TrialTag | No
     Both are taken atomically: the directory by mkdir, the name by the store's INSERT.
     The reserved row names its study and trial from the start: a job killed before its
     run began still leaves a row the study's views count as the trial's."""
-    root.mkdir(parents=True, exist_ok=True)
+    make_dir(root)
     store = None
     if database is not None:
         try:
@@ -825,7 +841,7 @@ def _fresh_dir(root: Path, name: str, database: str | None, trial: TrialTag | No
     try:
         while True:
             try:
-                candidate.mkdir()
+                make_dir(candidate, exclusive=True)
                 if store is None or store.reserve_run(
                     candidate.name,
                     candidate.resolve(),
@@ -844,9 +860,8 @@ def _fresh_dir(root: Path, name: str, database: str | None, trial: TrialTag | No
 
 
 def _write_run_files(run_dir: Path, options: TrainOptions, layout: Layout) -> None:
-    with open(run_dir / "options.json", "w", encoding="utf-8") as fh:
-        # A store URL's password stays out of the run's files (libpq finds it in ~/.pgpass).
-        json.dump({**options.to_dict(), "store": options.store and store_label(options.store)}, fh, indent=1)
-    with open(run_dir / "layout.json", "w", encoding="utf-8") as fh:
-        json.dump(layout.to_dict(), fh, indent=1)
-    (run_dir / "layout.txt").write_text(layout.tree() + "\n", encoding="utf-8")
+    # The store as given: --resume reconnects to it (a URL never holds a password: the
+    # options refuse one, and libpq finds it in PGPASSWORD, ~/.pgpass or a service file).
+    write_json(run_dir / "options.json", options.to_dict())
+    write_json(run_dir / "layout.json", layout.to_dict())
+    write_text(run_dir / "layout.txt", layout.tree() + "\n")

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from safetensors.numpy import save_file
+from safetensors.numpy import save
 
 from nbdist.backends.base import BatchStats
+from nbdist.durable import make_dir, replace_file, write_json
 from nbdist.errors import TrainingError
 
 __all__ = [
@@ -28,7 +28,12 @@ __all__ = [
 
 @dataclass(slots=True)
 class EpochTally:
-    """Sums over one epoch's training updates (from every worker)."""
+    """Sums over one epoch's training updates (from every worker).
+
+    Asynchronous, an epoch may end before a late worker (one silent for a whole epoch of
+    the others: roles/master/state.py) has ended it: that worker's share of it is counted, when it
+    comes, in the epoch open then (`late` of its samples), and `behind` says how many
+    clients had not ended the epoch when it ended."""
 
     train: BatchStats = field(default_factory=BatchStats)
     ended: set = field(default_factory=set)  # the master's clients that finished this epoch
@@ -36,6 +41,8 @@ class EpochTally:
     staleness_sum: int = 0
     staleness_max: int = 0
     started: float = field(default_factory=time.time)
+    late: int = 0  # samples in `train` of epochs that had ended without them
+    behind: int = 0  # clients that had not ended this epoch when it ended
 
     def add_staleness(self, value: int) -> None:
         self.updates += 1
@@ -44,17 +51,27 @@ class EpochTally:
 
     def to_json(self) -> list:
         t = self.train
-        return [t.loss_sum, t.metric_sum, t.n, sorted(self.ended), self.updates, self.staleness_sum, self.staleness_max]
+        return [
+            t.loss_sum,
+            t.metric_sum,
+            t.n,
+            sorted(self.ended),
+            self.updates,
+            self.staleness_sum,
+            self.staleness_max,
+            self.late,
+        ]
 
     @classmethod
     def from_json(cls, values: list) -> EpochTally:
-        loss_sum, metric_sum, n, ended, updates, staleness_sum, staleness_max = values
+        loss_sum, metric_sum, n, ended, updates, staleness_sum, staleness_max, *late = values
         return cls(
             BatchStats(float(loss_sum), float(metric_sum), int(n)),
             {int(c) for c in ended},
             int(updates),
             int(staleness_sum),
             int(staleness_max),
+            late=int(late[0]) if late else 0,  # checkpoints written before `late` lack it
         )
 
 
@@ -164,10 +181,8 @@ def write_final(
     """Final weights (safetensors, loadable with load_state_dict) and summary.json.
     `faults`: what the run lost on its way (dropped workers, samples, restarts), if anything."""
     final_dir = run_dir / "final"
-    final_dir.mkdir(parents=True, exist_ok=True)
-    tmp = final_dir / "model.safetensors.tmp"
-    save_file({k: v for k, v in named_arrays.items()}, str(tmp))
-    tmp.replace(final_dir / "model.safetensors")
+    make_dir(final_dir)
+    replace_file(final_dir / "model.safetensors", save(dict(named_arrays)))
     final = dict(history[-1]) if history else {}
     summary = {
         "stop_reason": stop_reason,
@@ -177,6 +192,5 @@ def write_final(
         **(faults or {}),
         "history": history,
     }
-    with open(run_dir / "summary.json", "w", encoding="utf-8") as fh:
-        json.dump(summary, fh, indent=1, default=lambda v: None)
+    write_json(run_dir / "summary.json", summary, default=lambda v: None)
     return RunResult(run_dir, history, stop_reason, seconds, final)

@@ -102,7 +102,9 @@ def load_rank_state(
 ) -> dict[str, Any]:
     """Restore this rank from checkpoint `path` (and the `own` arrays, in place); returns
     the rank's saved scalars. The share read is `ctx.resume_rank`'s: this rank's own, or
-    after a restart on fewer ranks the one its role maps to (train/context.py)."""
+    on another layout the one its place maps to (train/relayout.py); with
+    `ctx.resume_partial`, only what twins hold alike (weights, optimiser, rule state):
+    the rank keeps its own RNG, and its `own` arrays as they are."""
     backend = ctx.backend
     if ctx.resume_rank is None:
         raise CheckpointError(f"checkpoint {path} has no state for rank {ctx.comms.world.Get_rank()}")
@@ -120,6 +122,8 @@ def load_rank_state(
         opt.load_state_arrays(arrays.get("opt", {}))
     if rule_state is not None:
         rule_state.load_arrays(arrays.get("rule", {}))
+    if ctx.resume_partial:
+        return meta
     backend.set_rng_state(arrays.get("rng", {}))
     saved = arrays.get("own", {})
     for name, array in (own or {}).items():

@@ -4,6 +4,7 @@ a study's word on each epoch of its trials."""
 from __future__ import annotations
 
 import math
+import os
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ __all__ = [
     "stop_caught_early",
     "PAUSED_AT",
     "pause_reason",
+    "FORWARDED_SIGNAL_FILE",
+    "signal_name",
 ]
 
 # A run paused by its study says so in its stop reason (the study resumes it later).
@@ -27,6 +30,28 @@ PAUSED_AT = "paused at epoch"
 
 def pause_reason(epoch: int) -> str:
     return f"{PAUSED_AT} {epoch}: the study resumes it from this checkpoint"
+
+
+# `python -m nbdist launch` passes every stop on to the ranks as SIGUSR1 (Open MPI's
+# launcher kills the ranks soon after a SIGTERM), and first writes the name of the
+# signal it was sent into the file this variable names, so that the run says which one
+# stopped it (SIGTERM from the batch system, Ctrl-C, ...), not SIGUSR1.
+FORWARDED_SIGNAL_FILE = "NBDIST_FORWARDED_SIGNAL_FILE"
+
+
+def signal_name(signum: int) -> str:
+    """The name of the signal that stopped this rank: for the launcher's SIGUSR1, the one
+    the launcher was sent (FORWARDED_SIGNAL_FILE)."""
+    name = signal.Signals(signum).name
+    path = os.environ.get(FORWARDED_SIGNAL_FILE)
+    if signum != signal.SIGUSR1 or not path:
+        return name
+    try:
+        with open(path, encoding="ascii") as fh:
+            forwarded = fh.read(32).strip()
+    except (OSError, ValueError):
+        return name  # another node (the file is on the launcher's), or no stop passed on
+    return forwarded if forwarded in signal.Signals.__members__ else name
 
 
 class StopFlag:
@@ -45,7 +70,7 @@ class StopFlag:
 
     def install(self) -> None:
         def handler(signum: int, _frame: object) -> None:
-            self.request(f"stopped by {signal.Signals(signum).name}")
+            self.request(f"stopped by {signal_name(signum)}")
 
         for sig in (signal.SIGUSR1, signal.SIGTERM):
             signal.signal(sig, handler)

@@ -10,8 +10,9 @@ atomic and durable, only later. A share counts as written, and so can be committ
 once `written()` has returned its label, which is after its fsyncs. Jobs run one at a time
 in submission order: a commit never overtakes the share it needs, nor an earlier commit.
 
-A failed job (a full disk) is raised in the master's thread at its next look, naming the
-checkpoint; jobs after it are not run. `finish(timeout)` waits for every job, at the end of
+A failed job is raised in the master's thread at its next look, naming the checkpoint
+(a full disk as the DiskFull that says where and how much: train/diskspace.py); jobs
+after it are not run. `finish(timeout)` waits for every job, at the end of
 a run and before a restart reads the checkpoints.
 """
 
@@ -23,7 +24,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from nbdist.errors import TrainingError
+from nbdist.errors import DiskFull, TrainingError
+from nbdist.train.diskspace import disk_full, is_disk_full
 
 __all__ = ["CheckpointWriter", "CheckpointWriteFailed", "FINISH_SECONDS", "SETTLE_SECONDS"]
 
@@ -88,7 +90,7 @@ class CheckpointWriter:
         """When a run fails: let the writes already queued finish (SETTLE_SECONDS at most),
         so that a restart reads the checkpoints as they stand, not half-way through a
         commit. A write that failed, or did not finish, leaves the last committed one."""
-        with contextlib.suppress(CheckpointWriteFailed):
+        with contextlib.suppress(CheckpointWriteFailed, DiskFull):
             self.finish(timeout=SETTLE_SECONDS)
 
     def _work(self) -> None:
@@ -98,6 +100,10 @@ class CheckpointWriter:
                 try:
                     job()
                 except BaseException as exc:  # raised in the master's thread
+                    if is_disk_full(exc):  # a commit's small files (a share's is DiskFull already)
+                        exc = disk_full(
+                            exc, what=f"committing checkpoint {name}" if name else "committing a checkpoint"
+                        )
                     self._error, self._failed_job = exc, name or "commit"
             with self._lock:
                 self._pending -= 1
@@ -105,5 +111,7 @@ class CheckpointWriter:
                     self._done.append(name)
 
     def _raise_failure(self) -> None:
+        if isinstance(self._error, DiskFull):
+            raise DiskFull(str(self._error))
         if self._error is not None:
             raise CheckpointWriteFailed(f"writing checkpoint {self._failed_job} failed: {self._error}") from self._error

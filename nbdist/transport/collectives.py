@@ -5,7 +5,10 @@ inside MPI for as long as the slowest member takes, and forever when a member fr
 function here starts the nonblocking form and waits for it with waiting.wait_all, which
 watches the run's control channel and a deadline. A failure becomes a RunFailure naming
 the ranks MPI knows to have died (RankLost), or, past the deadline, the ranks that did not
-answer a roll call on the control channel (RankSilent; see control.py).
+answer a roll call on the control channel (RankSilent; see control.py). The roll is called
+ROLL_SHARE of the deadline before it passes (between ROLL_GRACE_LEAST and ROLL_GRACE_MOST
+seconds), and the wait goes on meanwhile: a frozen rank is named when the deadline the
+message states has passed, not a grace period later.
 
 MPI is handed host memory, or a device array through its Staging (staging.py): `bcast`
 and `allreduce` take either, and refuse anything else, so that no device buffer reaches
@@ -33,35 +36,74 @@ OBJECT_BYTES = 4096
 # How long a survivor gives MPI's fault tolerance to learn of a death that another
 # library (torch.distributed's sockets) saw first; Open MPI's runtime takes under a second.
 LOST_GRACE = 3.0
+# When a wait calls the roll: this share of its deadline before it passes, within these
+# bounds. A rank that waits anywhere answers within milliseconds; one still computing its
+# step answers at its next wait (and a rank that takes longer than the deadline to get
+# there is named with the frozen ones: it did not reach the collective in time either).
+ROLL_SHARE, ROLL_GRACE_LEAST, ROLL_GRACE_MOST = 0.25, 0.5, 30.0
+
+
+class _Overdue(Exception):
+    """A wait ran to its deadline (`seconds`); `roll`: the roll call made before it passed."""
+
+    def __init__(self, seconds: float, roll: Any = None):
+        super().__init__(f"no completion within {seconds:.1f} s")
+        self.seconds, self.roll = seconds, roll
+
+
+def roll_grace(seconds: float) -> float:
+    """How long before a deadline of `seconds` the roll is called."""
+    return min(ROLL_GRACE_MOST, max(ROLL_GRACE_LEAST, ROLL_SHARE * seconds), seconds / 2)
 
 
 class Collectives:
     """The polled collectives of one rank: `timeout()` gives the current deadline,
-    `missing(what)` finds and names the ranks that did not reach a collective (a roll
-    call), `describe(ranks)` names ranks for messages."""
+    `missing(comm, what, roll)` names the ranks that did not reach a collective (those
+    that did not answer `roll`, a roll call that `call_roll()` started before the
+    deadline, or one of its own when there is none), `describe(ranks)` names ranks for
+    messages."""
 
     def __init__(
         self,
         timeout: Callable[[], float],
-        missing: Callable[[Any, str], RunFailure] | None = None,
+        missing: Callable[[Any, str, Any], RunFailure] | None = None,
         describe: Callable[[list[int]], str] | None = None,
         run: Any = None,
+        call_roll: Callable[[], Any] | None = None,
     ):
         self.timeout = timeout
         self.missing = missing
         self.describe = describe or (lambda ranks: ", ".join(f"rank {r}" for r in ranks))
         self.run = run  # the run's communicator: failed ranks are named by their rank in it
+        self.call_roll = call_roll
 
     def wait(self, comm: Any, request: MPI.Request, what: str) -> None:
         self.wait_all(comm, [request], what)
 
     def wait_all(self, comm: Any, requests: list[MPI.Request], what: str) -> None:
         try:
-            wait_all(requests, timeout=self.timeout())
+            self._until_deadline(lambda seconds: wait_all(requests, timeout=seconds))
         except CommFailure:
             raise self.failed(comm, what) from None
-        except WaitTimeout as exc:
+        except _Overdue as exc:
             raise self._silent(comm, what, exc) from None
+
+    def _until_deadline(self, wait: Callable[[float], None]) -> None:
+        """`wait(seconds)` up to the run's deadline, calling the roll a while before it
+        passes; _Overdue at the deadline (with that roll call)."""
+        total = self.timeout()
+        before = total - roll_grace(total) if self.call_roll is not None else total
+        try:
+            wait(before)
+            return
+        except WaitTimeout:
+            if self.call_roll is None:
+                raise _Overdue(total) from None
+        roll = self.call_roll()
+        try:
+            wait(total - before)
+        except WaitTimeout:
+            raise _Overdue(total, roll) from None
 
     def failed(self, comm: Any, what: str) -> RunFailure:
         """The failure of a collective on `comm` that MPI reported: the ranks it knows died."""
@@ -73,13 +115,13 @@ class Collectives:
         That library sees a peer's death (its sockets close) before MPI does: MPI is
         given LOST_GRACE seconds to name the dead rank, then a roll call names it."""
         try:
-            wait_for(done, timeout=self.timeout())
+            self._until_deadline(lambda seconds: wait_for(done, timeout=seconds))
         except CommFailure:
             ranks = self._failed_within(comm, LOST_GRACE)
             if not ranks and self.missing is not None:
-                raise self.missing(comm, what) from None
+                raise self.missing(comm, what, None) from None
             raise self._lost(comm, what, ranks) from None
-        except WaitTimeout as exc:
+        except _Overdue as exc:
             raise self._silent(comm, what, exc) from None
 
     def _failed_within(self, comm: Any, seconds: float) -> list[int]:
@@ -101,9 +143,9 @@ class Collectives:
             restartable=bool(ranks),
         )
 
-    def _silent(self, comm: Any, what: str, exc: WaitTimeout) -> RunFailure:
+    def _silent(self, comm: Any, what: str, exc: _Overdue) -> RunFailure:
         if self.missing is not None:
-            return self.missing(comm, what)
+            return self.missing(comm, what, exc.roll)
         return RankSilent(f"a rank did not reach {what} within {exc.seconds:.0f} s")
 
     def bcast(

@@ -5,10 +5,13 @@ mix with training traffic. A message is a small pickled tuple, a handful per run
 never on the hot path: (text, failed ranks, restartable, sender), ranks in the run's
 communicator.
 
-It also finds frozen ranks: a rank whose collective ran past its deadline calls the roll
-(`roll_call`); every rank that is waiting anywhere answers from inside its wait, and the
-ranks that do not answer within the grace period are the frozen ones (or ones far slower
-than the peer timeout allows), which the caller then names.
+It also finds frozen ranks: a rank whose collective is about to run past its deadline
+calls the roll (`start_roll_call`, a while before the deadline, so that the frozen ones
+are named at the deadline itself, not a grace period after it); every rank that is
+waiting anywhere answers from inside its wait, and the ranks that have not answered when
+the deadline passes are the frozen ones (or ones far slower than the peer timeout
+allows), which the caller then names. Answers to a roll call whose collective completed
+after all are taken in by the next one (they count the same: that rank is alive).
 
 Every wait of the process looks at the channel now and then (waiting.watch_with), so a
 rank waiting anywhere (for its master, in an allreduce, for a checkpoint) learns within
@@ -25,7 +28,7 @@ from mpi4py import MPI
 
 from nbdist.transport.faults import RunAborted, RunFailure
 
-__all__ = ["ControlChannel"]
+__all__ = ["ControlChannel", "RollCall"]
 
 TAG_FAILURE, TAG_ROLL_CALL, TAG_PRESENT, TAG_END = 901, 902, 903, 904
 # How long a rank that told the others waits for its messages to leave (a dead or
@@ -77,8 +80,8 @@ class ControlChannel:
         failure.sender = sender
         raise failure
 
-    def roll_call(self, grace: float) -> list[int]:
-        """The ranks of the run that do not answer within `grace` seconds."""
+    def start_roll_call(self) -> RollCall:
+        """Ask every other rank of the run to answer; `RollCall.silent()` later says who did not."""
         me = self.comm.Get_rank()
         peers = [p for p in range(self.comm.Get_size()) if p != me]
         for peer in peers:
@@ -86,19 +89,17 @@ class ControlChannel:
                 self.sends.append(self.comm.isend(None, dest=peer, tag=TAG_ROLL_CALL))
             except MPI.Exception:
                 pass
-        answered: set[int] = set()
+        return RollCall(self, peers)
+
+    def roll_call(self, grace: float) -> list[int]:
+        """The ranks of the run that do not answer within `grace` seconds."""
+        call = self.start_roll_call()
         deadline = time.monotonic() + grace
-        status = MPI.Status()
-        while time.monotonic() < deadline and len(answered) < len(peers):
-            try:
-                while self.comm.iprobe(source=MPI.ANY_SOURCE, tag=TAG_PRESENT, status=status):
-                    answered.add(status.Get_source())
-                    self.comm.recv(source=status.Get_source(), tag=TAG_PRESENT)
-            except MPI.Exception:
-                self._acknowledge_failures()
+        while time.monotonic() < deadline and not call.complete:
+            call.collect()
             self.check()  # answer the others' calls meanwhile (and hear of a failure)
             time.sleep(0.01)
-        return [p for p in peers if p not in answered]
+        return call.silent()
 
     def say_ended(self) -> None:
         """Tell the run's leader (rank 0) that this rank has written its last record."""
@@ -130,6 +131,15 @@ class ControlChannel:
                 next_failure_check = time.monotonic() + 0.5
             time.sleep(0.005)
 
+    def _take_answers(self, answered: set[int]) -> None:
+        status = MPI.Status()
+        try:
+            while self.comm.iprobe(source=MPI.ANY_SOURCE, tag=TAG_PRESENT, status=status):
+                answered.add(status.Get_source())
+                self.comm.recv(source=status.Get_source(), tag=TAG_PRESENT)
+        except MPI.Exception:
+            self._acknowledge_failures()
+
     def _acknowledge_failures(self) -> None:
         try:
             self.comm.Ack_failed()
@@ -156,3 +166,26 @@ class ControlChannel:
         # for it, and Open MPI with fault tolerance on then never completes MPI_Finalize
         # (its finalizing barrier waits forever) when the channel was freed before. One
         # communicator handle per run is what this costs.
+
+
+class RollCall:
+    """A roll call in progress: the ranks asked, and those that answered so far."""
+
+    __slots__ = ("channel", "peers", "answered")
+
+    def __init__(self, channel: ControlChannel, peers: list[int]):
+        self.channel, self.peers = channel, peers
+        self.answered: set[int] = set()
+
+    @property
+    def complete(self) -> bool:
+        return self.answered.issuperset(self.peers)
+
+    def collect(self) -> None:
+        """Take in the answers that have arrived."""
+        self.channel._take_answers(self.answered)
+
+    def silent(self) -> list[int]:
+        """The ranks asked that have not answered (the answers in by now counted)."""
+        self.collect()
+        return [p for p in self.peers if p not in self.answered]

@@ -38,6 +38,7 @@ __all__ = [
     "is_rank_failure",
     "kill_frozen",
     "survivors",
+    "first_ranks",
     "ULFM_ENV",
     "ULFM_ARGS",
 ]
@@ -198,3 +199,15 @@ def survivors(comm: Any) -> Any:
     told over the control channel): a new communicator of the live ranks only, in the
     same order. Only with ULFM; the dead ranks must be known failed (frozen ones killed)."""
     return comm.Shrink()
+
+
+def first_ranks(comm: Any, count: int) -> Any:
+    """Collective over `comm`: a communicator of its first `count` ranks, in order, or None
+    on the others. A restart whose layout cannot use every survivor (pipeline stages come
+    in whole workers) goes on on the first ranks; the others leave, which MPI's fault
+    tolerance lets them do without disturbing a communicator they are not in."""
+    from mpi4py import MPI
+
+    rank = comm.Get_rank()
+    kept = comm.Split(0 if rank < count else MPI.UNDEFINED, rank)
+    return None if kept == MPI.COMM_NULL else kept

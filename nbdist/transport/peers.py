@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from nbdist.transport.collectives import Collectives
-from nbdist.transport.control import ControlChannel
+from nbdist.transport.collectives import Collectives, roll_grace
+from nbdist.transport.control import ControlChannel, RollCall
 from nbdist.transport.deadlines import FIRST_MESSAGE_TIMEOUT, Silence
 from nbdist.transport.faults import RankDirectory, RankSilent, RunFailure, kill_frozen
 
@@ -29,7 +29,9 @@ class Peers:
         # step, set-up's time.
         self.pace = Silence(peer_timeout)
         self.directory = RankDirectory([])
-        self.collectives = Collectives(self.timeout, self.missing, self.describe_all, run=comm)
+        self.collectives = Collectives(
+            self.timeout, self.missing, self.describe_all, run=comm, call_roll=self.control.start_roll_call
+        )
 
     def meet(self, comm: Any, role: str) -> None:
         """Collective: learn every rank's host, process and role."""
@@ -42,13 +44,16 @@ class Peers:
     def describe_all(self, ranks: list[int]) -> str:
         return self.directory.describe_all(ranks)
 
-    def missing(self, comm: Any, what: str) -> RunFailure:
-        """A collective ran past its deadline: call the roll, name (and, when frozen on
-        this host, remove) the ranks that do not answer."""
+    def missing(self, comm: Any, what: str, roll: RollCall | None = None) -> RunFailure:
+        """A collective ran past its deadline: name (and, when frozen on this host, remove)
+        the ranks that did not answer `roll`, the roll call made before the deadline
+        passed; without one (the collective failed another way), call the roll now."""
         seconds = self.timeout()
-        # A rank busy computing answers at its next wait: give it as long again (a frozen
-        # one never answers).
-        ranks = self.control.roll_call(grace=min(30.0, max(2.0, seconds)))
+        if roll is not None:
+            ranks = roll.silent()
+        else:
+            # A rank busy computing answers at its next wait (a frozen one never answers).
+            ranks = self.control.roll_call(grace=roll_grace(seconds))
         if not ranks:
             return RankSilent(f"{what} did not complete within {seconds:.0f} s, although every rank answers")
         infos = self.directory.infos

@@ -3,16 +3,28 @@
 NCCL reduces tensors where they live, on the GPUs; gloo does the same for CPU tensors
 (the way the test suite checks this path). Neither needs torch's launcher: MPI already
 knows the ranks, so rank 0 of the communicator opens a TCPStore on a free port, the port
-goes to the others with the polled broadcast, and every rank builds the group from that
-store with a timeout.
+and a fresh secret go to the others with the polled broadcast, and every rank builds the
+group from that store with a timeout.
 
 Each group is an object of its own (the backend class itself, never torch's default
 group) on a store of its own: the trials a study runs one after another in one process,
 and a restart on fewer ranks, each get a fresh group and do not meet the old one's keys.
 
-On one host the store and gloo listen on 127.0.0.1 only. torch's store takes no token:
-it holds only the rendezvous keys, and a group spanning hosts listens on the address of
-rank 0's host name, like MPI's own TCP transport.
+Where it listens, and who may use it. On one host the store and gloo's pairs listen on
+127.0.0.1 only; across hosts, on this host's address on the job's interface (`launch
+--interface`, which Open MPI hands every rank as OMPI_MCA_btl_tcp_if_include), else on
+the address of the host's name, as MPI's own TCP transport does. Loopback is not private
+on a shared node (every user reaches it) and torch's store checks no one, so the group
+talks through a SealedStore (sealed_store.py): keys hidden and values encrypted and
+authenticated under a 32-byte secret that rank 0 draws and sends to the others over MPI,
+the job's own channel. A stranger who connects to the store reads nothing (not gloo's
+addresses, not NCCL's unique id), and a value it writes fails the check: the group is
+not made, with one error. What stays open: gloo's pair sockets themselves authenticate
+nothing; a stranger who finds their ports (by scanning, since the store does not tell)
+can break the group's connections (the run stops, naming the rendezvous or a lost rank),
+not join it unnoticed, since each pair's connection is expected from one peer only. On a
+node shared with others, --allreduce-backend mpi (shared memory, no port at all) is the
+choice for CPU gradients.
 
 Every wait on the group is polled with the transport's deadline (`Collectives.wait_for`):
 a work that fails (a peer's process died, its sockets closed) raises WorkFailed, which the
@@ -23,13 +35,15 @@ within the peer timeout becomes a roll call naming the frozen rank.
 from __future__ import annotations
 
 import datetime
+import secrets
 import socket
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from nbdist.errors import TrainingError
+from nbdist.errors import TrainingError, UserError
+from nbdist.transport.interfaces import interface_address, job_interface
 from nbdist.transport.waiting import CommFailure
 
 __all__ = ["TorchGroup", "WorkFailed", "all_completed", "keep_until_done", "LOOPBACK"]
@@ -58,27 +72,42 @@ class WorkFailed(CommFailure):
 class TorchGroup:
     """The ranks of `comm` as one torch.distributed group (`kind`: nccl or gloo)."""
 
-    __slots__ = ("kind", "group", "store", "rank", "size", "wait_seconds")
+    __slots__ = ("kind", "group", "store", "sealed", "rank", "size", "wait_seconds")
 
     def __init__(self, comm: Any, kind: str, collectives: Any, device: Any = None):
         import torch.distributed as dist
+
+        from nbdist.transport.sealed_store import SECRET_BYTES, SealedStore  # torch: only when a group is made
 
         _left_behind[:] = [(group, works) for group, works in _left_behind if not all_ended(works)]
         self.kind = kind
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.wait_seconds = collectives.timeout  # the run's current deadline for a wait
         timeout = datetime.timedelta(seconds=collectives.timeout())
-        hosts = collectives.allgather(comm, socket.gethostname(), RENDEZVOUS)
-        # One host: loopback only (nothing outside the node can reach the group).
-        address = LOOPBACK if len(set(hosts)) == 1 else hosts[0]
-        port = np.array([self._open_store(address, timeout) if self.rank == 0 else 0], np.int64)
-        collectives.bcast(comm, port, RENDEZVOUS)
-        if port[0] < 0:
+        rows = collectives.allgather(comm, [socket.gethostname(), *_job_address()], RENDEZVOUS)
+        problem = next((error for _, _, error in rows if error), None)
+        if problem:  # every rank knows it: all raise it
+            raise TrainingError(f"{RENDEZVOUS}: {problem}")
+        # One host: loopback only. Several: each rank on its address on the job's network.
+        one_host = len({host for host, _, _ in rows}) == 1
+        address = LOOPBACK if one_host else rows[0][1]
+        mine = LOOPBACK if one_host else rows[self.rank][1]
+        # The store's port and the group's secret, from rank 0 over MPI (never through the store).
+        ticket = np.zeros(8 + SECRET_BYTES, np.uint8)
+        if self.rank == 0:
+            ticket[:8] = np.frombuffer(np.int64(self._open_store(address, timeout)).tobytes(), np.uint8)
+            ticket[8:] = np.frombuffer(secrets.token_bytes(SECRET_BYTES), np.uint8)
+        collectives.bcast(comm, ticket, RENDEZVOUS)
+        port = int(ticket[:8].view(np.int64)[0])
+        if port < 0:
             raise TrainingError(f"{RENDEZVOUS}: rank 0 could not open a store on {address}")
         if self.rank != 0:
-            self.store = dist.TCPStore(address, int(port[0]), is_master=False, timeout=timeout)
-        mine = LOOPBACK if address == LOOPBACK else socket.gethostname()
-        self.group = _make_group(kind, self.store, self.rank, self.size, timeout, mine, device)
+            self.store = dist.TCPStore(address, port, is_master=False, timeout=timeout)
+        self.sealed = SealedStore(self.store, ticket[8:].tobytes())
+        try:
+            self.group = _make_group(kind, self.sealed, self.rank, self.size, timeout, mine, device)
+        except RuntimeError as exc:  # torch's DistStoreError, or a sealed value that failed its check
+            raise TrainingError(f"{RENDEZVOUS} failed: {str(exc).strip().splitlines()[0]}") from None
 
     def _open_store(self, address: str, timeout: datetime.timedelta) -> int:
         """Rank 0: the store's server on a free port of `address`; its port, or -1."""
@@ -115,6 +144,18 @@ class TorchGroup:
         shutdown = getattr(self.group, "shutdown", None)
         if shutdown is not None:
             shutdown()
+
+
+def _job_address() -> tuple[str, str | None]:
+    """(the address this rank listens on between hosts, None), or ("", why there is none):
+    on the job's interface where it has one, else the host's name."""
+    interface = job_interface()
+    if interface is None:
+        return socket.gethostname(), None
+    try:
+        return interface_address(interface), None
+    except UserError as exc:
+        return "", f"the job's interface {interface} ({exc})"
 
 
 def _make_group(

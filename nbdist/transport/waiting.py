@@ -17,7 +17,9 @@ A node whose ranks fit its cores needs no sleeps at all (`poll_without_sleeping`
 run's --busy-poll): a rank that slept while its peer computed wakes slowly, on a core
 whose caches went cold (a master's step took several times as long after a sleep as after
 polling: bench/results/2026-11-25-overhead.md), and notices its message up to a sleep
-late; polling keeps the core busy, which costs only where another rank needed it.
+late; polling keeps the core busy, which costs only where another rank needed it. With
+--busy-poll auto a rank polls only while its core is its own: the waits look at its wait
+for a core now and then (core_share.py) and sleep again while other work shares the core.
 
 The sleeps stay short because a sleeping rank stalls its partner, not only itself: a
 large message is a rendezvous, so the peer's blocking `Send` (and every round of an
@@ -33,6 +35,8 @@ import time
 from collections.abc import Callable, Sequence
 
 from mpi4py import MPI
+
+from nbdist.transport.core_share import CoreWatch
 
 __all__ = [
     "poll_without_sleeping",
@@ -64,13 +68,28 @@ _yield = getattr(os, "sched_yield", lambda: time.sleep(0))
 # How long a wait polls before it starts sleeping: SPIN_SECONDS, or for ever where the
 # run's ranks have a core each (poll_without_sleeping).
 _spin_seconds = SPIN_SECONDS
+# --busy-poll auto: whether the rank's core is still its own (None: the choice is fixed).
+_core_watch: CoreWatch | None = None
 
 
-def poll_without_sleeping(enabled: bool) -> None:
+def poll_without_sleeping(enabled: bool, while_core_free: bool = False) -> None:
     """Whether this process's waits poll for their whole length (each poll still yields
-    the core and watches its deadline) instead of sleeping after SPIN_SECONDS."""
-    global _spin_seconds
+    the core and watches its deadline) instead of sleeping after SPIN_SECONDS.
+    `while_core_free` (--busy-poll auto): only while the calling thread (the rank's main
+    thread) does not wait for its core behind other work, by core_share.py's rule,
+    looked at by the waits every core_share.WINDOW seconds."""
+    global _spin_seconds, _core_watch
+    if _core_watch is not None:
+        _core_watch.close()
+    _core_watch = CoreWatch(polling=True) if enabled and while_core_free else None
     _spin_seconds = float("inf") if enabled else SPIN_SECONDS
+
+
+def _follow_core_watch(watch: CoreWatch, now: float) -> float:
+    """The spin time core_share's rule gives from now on (--busy-poll auto)."""
+    global _spin_seconds
+    _spin_seconds = float("inf") if watch.check(now) else SPIN_SECONDS
+    return _spin_seconds
 
 
 class Abandoned(BaseException):
@@ -140,6 +159,8 @@ class _Backoff:
     def __init__(self, timeout: float | None):
         now = time.perf_counter()
         self.started = now
+        if _core_watch is not None and now >= _core_watch.next_look:
+            _follow_core_watch(_core_watch, now)
         self.spin_until = now + _spin_seconds
         self.delay = 0.0
         self.deadline = None if timeout is None else now + timeout
@@ -153,6 +174,8 @@ class _Backoff:
             self.next_watch = now + WATCH_EVERY
             if _watch is not None:
                 _watch()
+            if _core_watch is not None and now >= _core_watch.next_look:
+                self.spin_until = self.started + _follow_core_watch(_core_watch, now)  # a long wait adapts too
             if self.deadline is not None and now > self.deadline:
                 raise WaitTimeout(now - self.started)
         if now < self.spin_until:

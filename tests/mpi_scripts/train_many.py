@@ -39,10 +39,15 @@ def run_all(path: str) -> int:
         worst = max(worst, rc)
         world.Barrier()
         if world.Get_rank() == 0:
-            marker = f"nbdist-test: run {i} rc={rc}"
-            print(marker, flush=True)
-            print(marker, file=sys.stderr, flush=True)
+            say_done(i, rc)
     return worst
+
+
+def say_done(i: int, rc: int) -> None:
+    """Rank 0: run i ended with exit status rc, on both streams (see above)."""
+    marker = f"nbdist-test: run {i} rc={rc}"
+    print(marker, flush=True)
+    print(marker, file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -37,10 +37,20 @@ def tally_message(me: Master, i: int, msg: m.Message) -> None:
     # A sub-master's SAMPLES are its epoch's tally, sent when the epoch ends; what a push
     # merges into the centre comes in MERGED_SAMPLES.
     me.samples_seen += int(msg.header[m.MERGED_SAMPLES if me.clients[i].kind == SUB_MASTER else m.SAMPLES])
-    tally = me.tallies.setdefault(epoch, EpochTally())
-    tally.train.add(BatchStats(msg.header[m.LOSS_SUM], msg.header[m.METRIC_SUM], int(msg.header[m.SAMPLES])))
+    samples = int(msg.header[m.SAMPLES])
+    if epoch < me.next_epoch:
+        # The share of an epoch that ended without this client (it was late, see
+        # Master._late): counted in the epoch open now.
+        tally = me.tallies.setdefault(me.next_epoch, EpochTally())
+        tally.late += samples
+    else:
+        tally = me.tallies.setdefault(epoch, EpochTally())
+    tally.train.add(BatchStats(msg.header[m.LOSS_SUM], msg.header[m.METRIC_SUM], samples))
     if msg.has(m.EPOCH_END):
-        tally.ended.add(i)
+        me.reached[i] = max(me.reached[i], epoch + 1)
+        me.whole_epoch_began[i], me.epoch_began[i] = me.epoch_began[i], time.monotonic()
+        if epoch >= me.next_epoch:
+            tally.ended.add(i)
 
 
 def note_checkpoint_ack(me: Master, i: int, msg: m.Message) -> None:
@@ -110,9 +120,15 @@ def finish_epoch(me: Master, epoch: int, tally: EpochTally, seconds: float, val,
         metrics["workers"] = sum(1 for i in tally.ended if me.clients[i].kind == WORKER)
     # What dropped workers cost the epoch (here or under a sub-master): the samples of a
     # share that its worker took along. The top master's tally counts the whole run's.
-    lost = ctx.data.n_train - tally.train.n
+    # Ended without a late client (Master._late), the samples missing are pending: they
+    # are counted when they come (`samples_late` of a later epoch), or lost with it.
+    if tally.late:
+        metrics["samples_late"] = int(tally.late)
+    if tally.behind:
+        metrics["workers_behind"] = int(tally.behind)
+    lost = ctx.data.n_train - (tally.train.n - tally.late)
     if lost > 0 and not ctx.role.is_sub_master:
-        metrics["samples_lost"] = int(lost)
+        metrics["samples_pending" if tally.behind else "samples_lost"] = int(lost)
     me.history.append(metrics)
     ctx.log.emit("epoch", metrics, step=me.version, epoch=epoch + 1)
     ctx.say(format_epoch(metrics, ctx.options.epochs))
@@ -147,8 +163,13 @@ def commit_ready_checkpoints(me: Master) -> None:
     for label in sorted(me.master_wrote):
         have = me.acks.get(label, set())
         if label == me.snapshot:
-            # A client that finished before it was told has no update left to hold back.
-            have = have | (me.finished - me.snapshot_told)
+            # A worker that finished before it was told has no update left to hold back
+            # (its share is its last one); nor is a snapshot held up by a worker still in an
+            # epoch that ended without it: without its share, a resume starts it from the
+            # centre, as a dropped one. A sub-master holds its workers' updates since its
+            # last push: it always acknowledges its share (hierarchy.py, SubMaster.save_last_epoch).
+            finished_workers = {i for i in me.finished - me.snapshot_told if me.clients[i].kind == WORKER}
+            have = have | finished_workers | (me.behind() - me.snapshot_told)
         if needed <= have:
             me.commit(label)
             me.master_wrote.discard(label)

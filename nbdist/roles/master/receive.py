@@ -194,15 +194,20 @@ def _receive_bodies(me: Master, ready: list[int], streamed: set[int]) -> list[in
 
 
 def _take_body(me: Master) -> m.Body | None:
-    """A free body; when all are lent, one that a reply in flight gives back soon."""
+    """A free body; when all are lent, one that a reply in flight gives back soon. A reply
+    that does not leave within REPLY_WAIT (its client is frozen, or descheduled) has its
+    body written off, and a new one is made: the others are not served at its pace."""
     body = me.pool.take()
     if body is None:
         check_replies(me)
         body = me.pool.take()
     if body is None:
         holders = [i for i, pending in me.replying.items() if pending.body is not None]
-        if holders and reply_left(me, holders[0], REPLY_WAIT):
-            body = me.pool.take()
+        if holders and not reply_left(me, holders[0], REPLY_WAIT) and holders[0] in me.replying:
+            stuck = me.replying[holders[0]]
+            me.pool.write_off(stuck.body)  # the reply in flight keeps the buffer alive
+            stuck.body = None
+        body = me.pool.take()
     return body
 
 

@@ -82,6 +82,8 @@ def run_master(ctx: RankContext) -> RunResult:
     # is the state.
     if me.stopping and not me.error:
         me.save(me.stop_label)
+    elif not me.error and not ctx.options.synchronous:
+        me.save_last_epoch()
     finish_checkpoints(me)
     ctx.checkpoints.discard_incomplete()
     ctx.log.emit("phase", dict(me.phases), step=me.version, epoch=me.next_epoch)
@@ -108,7 +110,8 @@ def _losses(me: Master) -> dict[str, Any]:
             {"rank": me.clients[i].world_rank, "worker": me.clients[i].index, "cause": cause}
             for i, cause in sorted(me.dropped.items())
         ],
-        "samples_lost": int(sum(h.get("samples_lost", 0) for h in me.history)),
+        # Every epoch's samples that never came (a late share counts in a later epoch).
+        "samples_lost": max(0, int(sum(me.ctx.data.n_train - h.get("samples", 0) for h in me.history))),
     }
 
 
@@ -170,6 +173,11 @@ def serve(me: Master) -> float:
         me.channel.post(i)
     me.active = set(range(len(me.clients)))
     me.acked_upto = [me.next_epoch] * len(me.clients)  # a resume starts from a committed epoch
+    me.reached = [me.next_epoch] * len(me.clients)
+    for epoch, tally in me.tallies.items():  # a resume's open epochs: who had ended them
+        for i in tally.ended:
+            me.reached[i] = max(me.reached[i], epoch + 1)
+    me.epoch_began, me.whole_epoch_began = [time.monotonic()] * len(me.clients), [None] * len(me.clients)
     me.tallies.setdefault(me.next_epoch, EpochTally())
     for c in me.clients:
         c.silence.restart()

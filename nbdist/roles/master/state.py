@@ -14,6 +14,7 @@ from nbdist.roles.master.clients import WORKER
 from nbdist.roles.master.epochs import (
     average_state,
     collect_validation,
+    finish_checkpoints,
     finish_epoch,
     open_tallies,
 )
@@ -56,6 +57,9 @@ class Master:
     dropped: dict = field(default_factory=dict)  # client -> why the run went on without it
     finished: set = field(default_factory=set)  # clients that said DONE
     acked_upto: list = field(default_factory=list)  # per client, see m.EPOCHS_ACKED
+    reached: list = field(default_factory=list)  # per client, the epoch it is in (those before it ended)
+    epoch_began: list = field(default_factory=list)  # per client, when it began that epoch (monotonic)
+    whole_epoch_began: list = field(default_factory=list)  # ... and the last epoch it ended (None: none yet)
     reply_headers: list = field(default_factory=list)  # one per client: a reply in flight keeps its own
     replying: dict = field(default_factory=dict)  # client -> _Reply still in flight
     silence_checked: float = 0.0  # when the clients' silence was last looked at
@@ -108,8 +112,43 @@ class Master:
         return finished
 
     def _epoch_complete(self, epoch: int) -> bool:
+        """Every client expected has ended `epoch`; or, asynchronous, those that have not
+        are late (`_late`): the run does not wait for them, their share is counted when it
+        comes (tally_message), and the peer timeout only decides when a silent one is
+        dropped. Sets the tally's `behind`."""
         expected = self.expected_in(epoch)
-        return bool(expected) and expected <= self.tallies[epoch].ended
+        if not expected:
+            return False
+        tally = self.tallies[epoch]
+        behind = expected - tally.ended
+        if not behind:
+            return True
+        if self.ctx.options.synchronous or not all(self._late(i) for i in behind):
+            return False
+        tally.behind = len(behind)
+        return True
+
+    def _late(self, i: int) -> bool:
+        """Whether client i, which has not ended the epoch, is too late to wait for: it sent
+        nothing while another client trained a whole epoch (it is frozen, or was
+        descheduled that long). A client that still sends updates is waited for, however
+        far behind: its share belongs to the epoch, and asynchronous workers of one speed
+        drift apart by several epochs by chance on a busy node (the others never wait)."""
+        gone = set(self.dropped) | self.failed
+        heard = self.clients[i].silence.last
+        return any(
+            began is not None and began > heard
+            for j, began in enumerate(self.whole_epoch_began)
+            if j != i and j not in gone
+        )
+
+    def behind(self) -> set[int]:
+        """The workers still training that have not ended the last epoch that ended."""
+        return {
+            i
+            for i in self.active
+            if self.clients[i].kind == WORKER and i < len(self.reached) and self.reached[i] < self.next_epoch
+        }
 
     def expected_in(self, epoch: int) -> set[int]:
         """The clients whose end of `epoch` the master waits for: the workers that share
@@ -161,6 +200,25 @@ class Master:
             self.snapshot_due = label  # one at a time: taken when this one is complete
             return
         self.snapshot, self.snapshot_told = label, set()
+        self.save(label)
+
+    def save_last_epoch(self) -> None:
+        """At the end of an asynchronous run that trained all its epochs: make its last
+        epoch's checkpoint the run's latest, whatever snapshot was in progress.
+
+        Every worker wrote its share of it at its end and acknowledged it in its DONE; the
+        centre now holds every update. A snapshot in progress may never complete: a
+        worker's message carries one acknowledgement, the newest, so a worker that wrote
+        a snapshot's share and then its last one acknowledges only the last (and without
+        this, the run ended with a checkpoint epochs older than its last)."""
+        if self.next_epoch == 0:
+            return
+        label = m.label_of(self.next_epoch)
+        finish_checkpoints(self)  # what is complete is committed first
+        latest = self.ctx.checkpoints.latest()
+        if self.snapshot == label or (latest is not None and latest.name == label):
+            return
+        self.snapshot, self.snapshot_told, self.snapshot_due = label, set(), ""
         self.save(label)
 
     def save(self, label: str) -> None:
