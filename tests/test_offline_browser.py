@@ -4,7 +4,8 @@ and recorded, and none may be attempted.
 
 - In real JupyterLab, a notebook trains with `%%distnn train` and shows `job.dashboard()`,
   then runs a study and shows `study.dashboard()`: the plots are drawn from what the
-  Jupyter server sends, gain points while the job and the study run, and log no errors.
+  Jupyter server sends, gain points while the job and the study run, a study tab opened
+  under the cell draws every trial, and nothing logs an error.
 - The served dashboard takes everything from its own server.
 - The exported HTML file names nothing outside this machine for the browser to load."""
 
@@ -288,6 +289,14 @@ def test_dashboards_under_notebook_cells_draw_without_the_internet(tmp_path, bro
             180,
             f"the study's plots did not all show its {TRIALS} trials (errors: {offline.errors})",
         )
+        # Another tab, opened under the cell, draws its view of every trial: computed when
+        # opened, on the browser's message, and sent from there.
+        page.locator(".jp-Notebook .jp-Cell").nth(5).get_by_text("Parallel coordinates", exact=True).first.click()
+        _wait(
+            lambda: offline.points("parallel-coordinates") == TRIALS,
+            60,
+            f"the opened tab's parallel coordinates did not show the {TRIALS} trials (errors: {offline.errors})",
+        )
         page.screenshot(path=str(ARTIFACTS / "notebook-offline-study.png"), full_page=True)
         page.evaluate(RUN_CELL, 6)  # the study's end, the cluster stopped (else JupyterLab's shutdown stops it)
         _wait(lambda: page.evaluate(KERNEL_IDLE) == "idle", 240, "the last cell did not end")
@@ -299,7 +308,8 @@ def test_dashboards_under_notebook_cells_draw_without_the_internet(tmp_path, bro
         page.screenshot(path=str(ARTIFACTS / "notebook-offline-failed.png"), full_page=True)
         for index in range(len(cells)):
             print(f"--- cell {index}:\n{page.evaluate(CELL_TEXT, index)}")
-        print("--- points:", {"throughput": offline.points("throughput"), **_study_points(offline)})
+        drawn = {name: offline.points(name) for name in ("throughput", "parallel-coordinates")}
+        print("--- points:", {**drawn, **_study_points(offline)})
         print("--- JupyterLab's log:\n" + "".join(lab.output.lines[-200:]))
         raise
     finally:

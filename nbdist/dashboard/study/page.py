@@ -15,6 +15,11 @@ the two most important parameters), at most every IMPORTANCE_EVERY seconds while
 runs (a forest over a thousand trials takes a moment), and at once when the objective or
 the evaluator is changed. An exported page (`live=False`) holds every tab, all computed,
 and no widgets (nothing would answer them).
+
+The views set their Bokeh models directly (a source's data, a title): each change the page
+makes, on a poll or on the browser's word, ends in `_send()`, which pushes those changes
+to the notebook cells that show the page (panes.push_bokeh_changes; a served session
+sends them by itself).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from typing import Any
 import numpy as np
 import panel as pn
 
-from nbdist.dashboard.panes import LiveMarkdown
+from nbdist.dashboard.panes import LiveMarkdown, push_bokeh_changes
 from nbdist.dashboard.study.curves import CurveFeed, lineage_columns, lineage_members, schedule_lines, schedule_params
 from nbdist.dashboard.study.data import StudyData
 from nbdist.dashboard.study.event_views import CurvesView, LineageView, ParetoView, ScheduleView
@@ -113,7 +118,7 @@ class StudyPage:
         self.objective = pn.widgets.Select(label="objective", options=info.objectives, value=info.objectives[0])
         self.objective.param.watch(lambda e: self.show_objective(info.objectives.index(e.new)), "value")
         self.evaluator = pn.widgets.Select(label="importance by", options=list(EVALUATORS), value=EVALUATORS[0])
-        self.evaluator.param.watch(lambda e: self._refresh_importance(force=True), "value")
+        self.evaluator.param.watch(lambda e: self._send(self._refresh_importance, force=True), "value")
         self.contour_x = pn.widgets.Select(label="x", options=names, value=names[0] if names else None)
         self.contour_y = pn.widgets.Select(label="y", options=names, value=names[1 % len(names)] if names else None)
         for select in (self.contour_x, self.contour_y):
@@ -122,9 +127,14 @@ class StudyPage:
         self.pareto_x = pn.widgets.Select(label="x", options=objectives, value=objectives[0])
         self.pareto_y = pn.widgets.Select(label="y", options=objectives, value=objectives[min(1, len(objectives) - 1)])
         for select in (self.pareto_x, self.pareto_y):
-            select.param.watch(lambda e: self._refresh_pareto(), "value")
+            select.param.watch(lambda e: self._send(self._refresh_pareto), "value")
         self.schedule_param = pn.widgets.Select(label="hyper-parameter", options=[], value=None)
-        self.schedule_param.param.watch(lambda e: self._refresh_lineage(), "value")
+        self.schedule_param.param.watch(lambda e: self._send(self._refresh_lineage), "value")
+
+    def _send(self, change: Any, *args: Any, **kwargs: Any) -> None:
+        """Make `change`, then send what it set on the views' Bokeh models to the notebook."""
+        change(*args, **kwargs)
+        push_bokeh_changes(self.panel)
 
     def _shown(self, widgets: Any) -> Any:
         return widgets if self.live else pn.Spacer(height=0)
@@ -132,7 +142,7 @@ class StudyPage:
     def _contour_picked(self, event: Any) -> None:
         if not self._picking:  # the user's choice, not the importances'
             self._contour_chosen = True
-            self._refresh_contour()
+            self._send(self._refresh_contour)
 
     def _slice_panes(self) -> list[Any]:
         return [pn.pane.Bokeh(self.slices.figures[name]) for name in self.axes if name in self.slices.figures]
@@ -162,14 +172,14 @@ class StudyPage:
             self.header.object = self._header()
         if self.lineage is not None and any(e["kind"] in ("exploit", "params", "value") for e in new):
             self._stale.add("PBT lineage")
-        self._refresh_shown()
+        self._send(self._refresh_shown)
         return finished
 
     def show_objective(self, k: int) -> None:
         """Draw the views of final values for objective k (a multi-objective study's choice)."""
         self.k = k
         self._stale |= set(self._refreshers)
-        self._refresh_shown(force=True)
+        self._send(self._refresh_shown, force=True)
 
     @property
     def _refreshers(self) -> dict[str, Any]:
@@ -207,7 +217,7 @@ class StudyPage:
         # Notes are read again when opened (another page may have saved some), and the
         # table's note column with them.
         self._stale |= {"Notes", "Trials"}
-        self._refresh_shown(force=True)
+        self._send(self._refresh_shown, force=True)
 
     def _refresh_axes(self) -> None:
         grown = param_axes(self.data.info.space, self.data.trials)
