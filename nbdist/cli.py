@@ -175,6 +175,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     board.add_argument("--token", dest="token_on_command_line", default=None, help=argparse.SUPPRESS)
     board.add_argument("--run", default=None, help="the run to show first (default: the newest)")
     board.add_argument(
+        "--study", default=None, help="the study to show (default: the newest); with --export, that study's page alone"
+    )
+    board.add_argument(
         "--allow-websocket-origin",
         action="append",
         default=None,
@@ -466,7 +469,7 @@ def _dashboard(args: argparse.Namespace) -> int:
     args.store = args.store or DEFAULT_STORE
     if args.export:
         existing_store(args.store)
-        path = export_html(args.store, args.export, run=args.run)
+        path = export_html(args.store, args.export, run=args.run, study=args.study)
         print(f"nbdist: dashboard written to {path}")
         return 0
     if args.unix_socket is not None and args.address is not None:
@@ -479,6 +482,7 @@ def _dashboard(args: argparse.Namespace) -> int:
         token=dashboard_token(args.token_file),
         unix_socket=args.unix_socket,
         run=args.run,
+        study=args.study,
         allow_origin=args.allow_websocket_origin,
         create=args.create,
         insecure=args.insecure,

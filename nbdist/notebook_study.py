@@ -4,7 +4,7 @@
                          searcher="bayes", trials=20, groups=2, folds=2, workers=1)
     study.trials          # a DataFrame, growing while it runs
     study.wait(); study.best_params
-    study.dashboard()     # the population as it evolves, live
+    study.dashboard()     # history, importances, learning curves, ..., live
 
 The engines split into their groups' and folds' communicators once (engine.open_study);
 each trial is then a job on its group's engines only (a `Job` with those engines), so
@@ -372,10 +372,13 @@ class Study:
         return self
 
     def dashboard(self, period_ms: int = 1000) -> Any:
-        """The study's live dashboard: its population, trials and best so far.
+        """The study's live dashboard (nbdist.dashboard.study): optimisation history,
+        parallel coordinates, slice, contour, parameter importances, learning curves with
+        pruned and promoted trials marked, the Pareto front of several objectives, a PBT
+        population's lineage and schedules, the trial table with each trial's runs, notes.
 
         Args:
-            period_ms: How often the plots take the new records, in milliseconds.
+            period_ms: How often the page reads the store's new rows, in milliseconds.
 
         Returns:
             A servable Panel layout, live under the cell.
@@ -387,7 +390,7 @@ class Study:
 
         if self.store is None:
             raise ValueError("the study is not recorded in a run store (--store off): it has no dashboard")
-        return dashboard(self.store, study=self.name, period_ms=period_ms).servable()
+        return dashboard(self.store, study=self.name, period_ms=period_ms, runs=False).servable()
 
     def __repr__(self) -> str:
         best = f", best {self.options.objective} {self.best_fom:.4g}" if self.best_fom is not None else ""

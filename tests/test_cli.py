@@ -124,6 +124,23 @@ def test_the_command_line_refuses_a_readable_token_file_before_serving(tmp_path,
     assert "--unix-socket and --address exclude each other" in _error_line(capsys)
 
 
+def test_a_study_or_run_not_in_the_store_is_named_with_the_studies_it_holds(tmp_path, capsys):
+    from nbdist.cli import main
+    from nbdist.store import RunStore
+
+    store = tmp_path / "nbdist.db"
+    with RunStore(store) as opened:
+        opened.create_study(
+            "digits", searcher="random", space="lr=log(1e-3,1)", options={}, objective="val_loss", direction="minimize"
+        )
+    for extra in ([], ["--export", str(tmp_path / "study.html")]):  # served (before it listens) and exported
+        assert main(["dashboard", "--store", str(store), "--study", "digit", "--port", "0", *extra]) == 2
+        assert f"no study 'digit' in the store {store} (its studies: digits)" in _error_line(capsys)
+        assert main(["dashboard", "--store", str(store), "--run", "nope", "--port", "0", *extra]) == 2
+        assert f"no run 'nope' in the store {store}" in _error_line(capsys)
+    assert not (tmp_path / "study.html").exists()
+
+
 def test_the_dashboard_serves_plain_http_beyond_loopback_only_when_told(tmp_path, capsys):
     from nbdist.cli import main
     from nbdist.dashboard.serve import is_loopback

@@ -600,14 +600,16 @@ def test_the_study_view_shows_recorded_trials(tmp_path, browser):
         )
         store.record_trial("digits-evo", 7, params={"lr": 0.01, "hidden": 8, "optimizer": "sgd"}, state="running")
     board = dashboard(store_path, study="digits-evo", live=False)
-    data = board.study.trials.data
+    history = board.study.history
     # Finished trials with a figure of merit, once each; the best so far only improves.
-    assert data["trial"].tolist() == [0, 1, 2, 3, 4, 5]
-    assert data["best"].tolist() == [0.9, 0.7, 0.7, 0.5, 0.5, 0.4]
-    assert data["generation"].tolist() == [0, 0, 0, 1, 1, 1]
+    assert history.points.data["trial"] == [0, 1, 2, 3, 4, 5]
+    assert history.best.data["best"] == [0.9, 0.7, 0.7, 0.5, 0.5, 0.4]
+    assert board.study.population.source.data["generation"] == [0, 0, 0, 1, 1, 1]
     assert board.study.update() == 0  # nothing new: nothing sent again
-    paths, axes = board.study.parallel.data
-    assert axes == ["hidden", "lr", "optimizer", "val_loss"] and len(paths) == 6
+    assert dict(board.study.parallel.figure.xaxis.major_label_overrides) == dict(
+        enumerate(["lr", "hidden", "optimizer", "val_loss"])
+    )
+    assert len(board.study.parallel.source.data["trial"]) == 6
     with RunStore(store_path) as store:
         store.record_trial(
             "digits-evo",
@@ -619,12 +621,12 @@ def test_the_study_view_shows_recorded_trials(tmp_path, browser):
             generation=2,
             ended=99.0,
         )
-    assert board.study.update() == 1 and board.study.trials.data["best"].tolist()[-1] == 0.3
+    assert board.study.update() == 1 and history.best.data["best"][-1] == 0.3
 
     export = export_html(store_path, tmp_path / "study.html", study="digits-evo")
     page = browser.new_page(viewport={"width": 1150, "height": 1200})
     page.goto(export.as_uri())
-    points = _wait(lambda: page.evaluate(COUNT_POINTS, "nbdist-trials"), 60, "the study plots were not drawn")
+    points = _wait(lambda: page.evaluate(COUNT_POINTS, "nbdist-history"), 60, "the study plots were not drawn")
     assert points > 0 and page.evaluate(COUNT_POINTS, "nbdist-population") == 7
     page.screenshot(path=str(ARTIFACTS / "dashboard-study.png"), full_page=True)
     page.close()

@@ -96,12 +96,13 @@ def test_a_studys_page_is_drawn_before_its_first_trial_ends(tmp_path):
         )
         store.record_trial("s", 0, params={"lr": 0.01}, state="running")
     board = dashboard(tmp_path / "nbdist.db", study="s", live=False)
-    page = json.dumps(json_item(board.page.get_root()))  # what a browser receives: no error making it
-    assert "nbdist-parallel-coordinates" in page and "nbdist-population" in page
+    root = board.page.get_root()  # the study's figures are Bokeh models: in one document
+    page = json.dumps(json_item(root))  # what a browser receives: no error making it
+    assert "nbdist-parallel-coordinates" in page and "nbdist-population" in page and "nbdist-history" in page
     with RunStore(tmp_path / "nbdist.db") as store:
         store.record_trial("s", 0, params={"lr": 0.01}, state="complete", fom=0.5, ended=1.0)
     assert board.study.update() == 1
-    paths, axes = board.study.parallel.data
-    assert axes == ["lr", "val_loss"] and len(paths) == 1
-    assert '"lr"' in json.dumps(json_item(board.page.get_root()))  # the axes are named now
+    assert board.study.parallel.source.data["trial"] == [0]
+    assert dict(board.study.parallel.figure.xaxis.major_label_overrides) == {0: "lr", 1: "val_loss"}
+    assert '"lr"' in json.dumps(json_item(root))  # the axes are named now
     board.close()

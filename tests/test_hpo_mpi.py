@@ -193,6 +193,8 @@ def test_a_scheduler_that_cannot_fit_the_study_is_one_clear_error(mpirun, tmp_pa
 
 
 def test_a_multi_objective_optuna_study_reports_its_pareto_front_and_resumes(mpirun, tmp_path):
+    from nbdist.dashboard.study.table import group_ranks
+
     argv = _argv(tmp_path, "--epochs", "2", "--groups", "2", "--objective", "val_acc,params") + [
         "--direction",
         "maximize,minimize",
@@ -208,6 +210,8 @@ def test_a_multi_objective_optuna_study_reports_its_pareto_front_and_resumes(mpi
     with RunStore(tmp_path / "nbdist.db") as store:
         trials = store.trials("mo")
         told = store.study("mo")["searcher_state"]["searcher"]["told"]
+        layout = store.study("mo")["options"]["layout"]
+    assert group_ranks(layout) == {0: [1], 1: [2]}  # the groups' ranks, for the dashboard's trial table
     assert [t.number for t in trials] == list(range(5)) and {t.state for t in trials} == {"complete"}
     assert len(told) == 5  # the Optuna study went on from the store's three
     for t in trials:

@@ -130,6 +130,33 @@ def test_trials_and_studies_round_trip(tmp_path):
         assert store.study("st")["searcher_state"] == {"generation": 1}
 
 
+def test_a_studys_digest_changes_with_its_rows_and_events_are_read_from_a_time(tmp_path):
+    with RunStore(tmp_path / "s.db") as store:
+        store.begin_study("st", searcher="random", space={}, options={}, objective="val_loss", direction="minimize")
+        digests = [store.study_digest("st")]
+        store.record_trial("st", 0, params={"lr": 0.01}, state="paused", fom=0.5, epochs=1)
+        digests.append(store.study_digest("st"))
+        store.record_trial("st", 0, params={"lr": 0.01}, state="pruned", fom=0.5, epochs=1)  # the state alone
+        digests.append(store.study_digest("st"))
+        # The parameters alone (their text's length: PBT, which changes a running trial's
+        # parameters, writes an exploit event with them, which the digest counts too).
+        store.record_trial("st", 0, params={"lr": 0.0125}, state="pruned", fom=0.5, epochs=1)
+        digests.append(store.study_digest("st"))
+        store.record_trial_events("st", [(0, "value", 1, {"value": 0.5})])
+        digests.append(store.study_digest("st"))
+        first = store.trial_events("st")[0]["time"]
+        time.sleep(0.01)
+        store.record_trial_events("st", [(0, "value", 1, {"value": 0.4}), (0, "pruned", 1, {})])  # one written again
+        digests.append(store.study_digest("st"))
+        store.end_study("st", "completed")
+        digests.append(store.study_digest("st"))
+        assert len(set(digests)) == len(digests), digests  # each change shows
+        assert store.study_digest("st") == digests[-1]  # and nothing else does
+        again = store.trial_events("st", after=first)
+        assert [(e["kind"], e["data"]) for e in again] == [("pruned", {}), ("value", {"value": 0.4})]
+        assert store.trial_events("st", after=max(e["time"] for e in again)) == []
+
+
 def _start_batch(tmp_path, *extra: str, n: int = 3) -> subprocess.Popen:
     cmd = mpiexec_command(
         n,

@@ -536,7 +536,7 @@ def _log(tmp_path, name: str) -> str:
 
 def test_two_concurrent_mpiexec_jobs_share_a_study_one_killed(tmp_path, postgres, database):
     from nbdist.dashboard.sources import StoreSource, run_choices
-    from nbdist.dashboard.study_view import StudyPlots
+    from nbdist.dashboard.study import StudyPage
 
     trials = 14
     a = _job(tmp_path, "a", database, "--space", SPACE, "--trials", str(trials), "--study-name", "shared")
@@ -551,7 +551,8 @@ def test_two_concurrent_mpiexec_jobs_share_a_study_one_killed(tmp_path, postgres
             # The second job joins the study that the first one runs.
             b = _job(tmp_path, "b", database, "--resume-study", "shared")
             jobs.append(b)
-            plots = StudyPlots(store, "shared")
+            plots = StudyPage(store, "shared")
+            seen_live += len(plots.data.finished)  # those it showed when opened
             while True:  # both jobs train; then the first is killed in the middle of a trial
                 assert time.monotonic() < deadline + 120, "the two jobs never both trained"
                 assert a.poll() is None, _log(tmp_path, "a")[-3000:]

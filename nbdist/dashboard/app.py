@@ -3,6 +3,7 @@
     dashboard(store="runs/nbdist.db")            # a served app: run picker, compare, studies
     dashboard(job=job)                           # inline in the notebook, the job's run
     dashboard(store=..., run=..., live=False)    # a finished run, e.g. for a static export
+    dashboard(store=..., study=..., runs=False)  # a study's page alone (nbdist.dashboard.study)
 
 A periodic callback polls the source (the store's new rows, or the job's new records)
 a few times a second, turns them into new rows per view (frames.RunFrames) and appends
@@ -23,9 +24,9 @@ from nbdist.dashboard.layout_view import layout_html
 from nbdist.dashboard.panes import LiveMarkdown, NotebookPage
 from nbdist.dashboard.plots import RunPlots, phase_legend, queue_model_staleness
 from nbdist.dashboard.scaling_view import ScalingView
-from nbdist.dashboard.sources import JobSource, RecordSource, RunInfo, StoreSource, run_choices
-from nbdist.dashboard.study_view import StudyPlots
-from nbdist.store import RunStore, StoreError, is_url
+from nbdist.dashboard.sources import JobSource, RecordSource, RunInfo, StoreSource, check_choices, run_choices
+from nbdist.dashboard.study import StudyPage
+from nbdist.store import RunStore, is_url
 
 __all__ = ["Dashboard", "dashboard"]
 
@@ -136,15 +137,17 @@ class Dashboard:
         study: str | None = None,
         live: bool = True,
         period_ms: int = POLL_MS,
+        runs: bool = True,
     ):
         if (store is None) == (job is None):
             raise ValueError("give the dashboard a store or a job")
         self.store_path = store if store is None or is_url(store) else Path(store)
         self.job = job
         self.live = live
+        self.runs = runs  # False: the study's page alone, without a run's
         self.period_ms = period_ms
         self.view: _RunView | ScalingView | None = None
-        self.study: StudyPlots | None = None
+        self.study: StudyPage | None = None
         self.body = pn.Column(sizing_mode="stretch_width")
         self.study_body = pn.Column()
         self.controls = pn.Row()
@@ -164,27 +167,31 @@ class Dashboard:
 
     # -- the store's pickers --------------------------------------------------------------
     def _build_pickers(self, store: RunStore, run: str | None, study: str | None) -> None:
-        choices = run_choices(store)
-        if run is not None and run not in choices.values():
-            raise StoreError(f"no run {run!r} in the store {store.label}")
-        self.run_picker = pn.widgets.Select(
-            label="run", options=choices, value=run or next(iter(choices.values()), None), width=420
-        )
-        self.compare_picker = pn.widgets.Select(
-            label="compare with", options={"(none)": "", **choices}, value="", width=420
-        )
-        self.run_picker.param.watch(lambda e: self.open_run(e.new), "value")
-        self.compare_picker.param.watch(lambda e: self.compare(e.new), "value")
-        widgets: list[Any] = [self.run_picker, self.compare_picker]
+        check_choices(store, run, study)
         studies = {s["id"]: s["id"] for s in store.studies()}
-        if studies:
+        widgets: list[Any] = []
+        if self.runs:
+            choices = run_choices(store)
+            self.run_picker = pn.widgets.Select(
+                label="run", options=choices, value=run or next(iter(choices.values()), None), width=420
+            )
+            self.compare_picker = pn.widgets.Select(
+                label="compare with", options={"(none)": "", **choices}, value="", width=420
+            )
+            self.run_picker.param.watch(lambda e: self.open_run(e.new), "value")
+            self.compare_picker.param.watch(lambda e: self.compare(e.new), "value")
+            widgets += [self.run_picker, self.compare_picker]
+        if studies and (self.runs or study is None):
             self.study_picker = pn.widgets.Select(
                 label="study", options=studies, value=study or next(iter(studies)), width=300
             )
             self.study_picker.param.watch(lambda e: self.open_study(e.new), "value")
             widgets.append(self.study_picker)
-            self.open_study(self.study_picker.value)
+        if studies:
+            self.open_study(study or next(iter(studies)))
         self.controls[:] = widgets
+        if not self.runs:
+            return
         if self.run_picker.value:
             self.open_run(self.run_picker.value)
         else:
@@ -220,13 +227,8 @@ class Dashboard:
             plots.show_compared(epochs)
 
     def open_study(self, study_id: str) -> None:
-        self.study = StudyPlots(self._picked_store()[1], study_id)
-        self.study.update()
-        self.study_body[:] = [
-            pn.pane.Markdown(f"### study {study_id}"),
-            pn.Row(self.study.population, self.study.per_trial),
-            self.study.parallel_plot,
-        ]
+        self.study = StudyPage(self._picked_store()[1], study_id, live=self.live)
+        self.study_body[:] = [self.study.panel]
 
     # -- the live loop ------------------------------------------------------------------
     def _show(self, source: RecordSource, info: RunInfo) -> None:
@@ -245,7 +247,7 @@ class Dashboard:
                 return
             self._show(source, info)
             return
-        if self._store is not None:
+        if self._store is not None and self.runs:
             self._refresh_choices()
         if self.view is not None:
             new = self.view.tick()
@@ -330,10 +332,11 @@ def dashboard(
     study: str | None = None,
     live: bool = True,
     period_ms: int = POLL_MS,
+    runs: bool = True,
 ) -> Dashboard:
     # Panel's notebook output loads Bokeh's and Panel's JavaScript from public CDNs by
     # default: a browser that cannot reach the internet (as on many HPC networks) then
     # draws nothing under the cell. Inline, the kernel sends it all (and a served page
     # takes it from the dashboard server's own static files either way).
     pn.extension(inline=True)
-    return Dashboard(store=store, job=job, run=run, study=study, live=live, period_ms=period_ms)
+    return Dashboard(store=store, job=job, run=run, study=study, live=live, period_ms=period_ms, runs=runs)

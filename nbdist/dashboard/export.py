@@ -13,7 +13,9 @@ __all__ = ["export_html"]
 
 
 def export_html(store: str | Path, path: str | Path, *, run: str | None = None, study: str | None = None) -> Path:
-    """Write the dashboard of `run` (default: the newest) in `store` to `path`."""
+    """Write the dashboard of `run` (default: the newest) in `store` to `path`; with
+    `study` and no `run`, that study's page alone (every view of nbdist.dashboard.study,
+    each tab drawn)."""
     from bokeh.document import Document
     from bokeh.models.ui.ui_element import UIElement
     from bokeh.resources import INLINE
@@ -23,7 +25,7 @@ def export_html(store: str | Path, path: str | Path, *, run: str | None = None, 
 
     from nbdist.dashboard.app import dashboard
 
-    board = dashboard(store, run=run, study=study, live=False)
+    board = dashboard(store, run=run, study=study, live=False, runs=study is None or run is not None)
     board.drain()
     path = Path(path)
     make_dir(path.parent)
@@ -37,7 +39,7 @@ def export_html(store: str | Path, path: str | Path, *, run: str | None = None, 
     # (a page opened offline would lose its styles): the same files, inline.
     for model in root.select({"type": UIElement}):
         patch_inline_stylesheets(model)
-    title = f"nbdist dashboard: {board.view.info.id if board.view else ''}"
+    title = f"nbdist dashboard: {board.view.info.id}" if board.view else f"nbdist study dashboard: {study or ''}"
     save(
         doc,
         str(path),

@@ -1,6 +1,6 @@
 """Panel objects that a live dashboard needs beyond Panel's own: a Markdown pane whose
-updates send its text only, and a page that applies the browser's messages on the
-kernel's main thread."""
+updates send its text only, a page that applies the browser's messages on the kernel's
+main thread, and the push that sends a notebook's Bokeh changes."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import panel as pn
 
-__all__ = ["LiveMarkdown", "NotebookPage"]
+__all__ = ["LiveMarkdown", "NotebookPage", "push_bokeh_changes"]
 
 
 class LiveMarkdown(pn.pane.Markdown):
@@ -60,3 +60,19 @@ class NotebookPage(pn.Column):
                 self._on_error(ref, error)
 
         self._owner[0].call_soon_threadsafe(on_owner_thread)
+
+
+def push_bokeh_changes(viewable: Any) -> None:
+    """Send what was changed on Bokeh models under `viewable` (a source's data, a title)
+    to the notebook cells that show it; served, a no-op (the session sends every change).
+
+    Under a notebook cell Panel holds the document's changes and sends them only when one
+    of its own parameters changes: a view that sets a Bokeh model directly waited for the
+    next such change, and the study page's history stayed at 2 of 6 trials. Inside a
+    browser message (a tab opened, a widget changed) it is worse: the changes held when
+    the message ends are dropped, and the tab opened showed its figures as they were
+    when it was built, empty. A view calls this once its models are changed."""
+    from panel.io.notebook import push_on_root
+
+    for root in list(viewable._models):  # the ids of the roots it is shown under
+        push_on_root(root)

@@ -5,8 +5,8 @@ Why Bokeh directly and not HoloViews Buffers here: a Buffer ends in the same `st
 call, but first re-evaluates its DynamicMap and, in an overlay of one line per rank,
 every layer of it: a noticeable part of a second per send on a busy two-core machine,
 with twenty sends per poll. These plots are polled twice a second while ranks train on
-the same cores, so they skip that machinery. (The study view, updated once per trial,
-uses HoloViews: study_view.py.)
+the same cores, so they skip that machinery, as the study dashboard does
+(nbdist.dashboard.study).
 
 Every figure carries a Bokeh name (`nbdist-<view>`) so that a test, or a user's own
 script, can find it in the page.
@@ -24,7 +24,7 @@ from bokeh.plotting import figure
 
 from nbdist.dashboard.frames import PHASES, Frames
 
-__all__ = ["RunPlots", "PHASE_COLORS", "MAX_RANK_LINES", "phase_legend", "queue_model_staleness"]
+__all__ = ["RunPlots", "named_figure", "PHASE_COLORS", "MAX_RANK_LINES", "phase_legend", "queue_model_staleness"]
 
 PHASE_COLORS = {"compute": "#2ca02c", "communicate": "#1f77b4", "wait": "#d62728"}
 MAX_RANK_LINES = 32  # beyond this a per-rank plot shows the first ranks only (and says so)
@@ -33,7 +33,9 @@ TIMELINE_SECONDS = 60  # the timeline shows the last minute: about 2 intervals x
 WIDTH, HEIGHT = 520, 270
 
 
-def _figure(name: str, title: str, xlabel: str, ylabel: str, **extra: Any) -> Any:
+def named_figure(name: str, title: str, xlabel: str, ylabel: str, **extra: Any) -> Any:
+    """A figure named `nbdist-<name>` (a test or a script finds it in the page by it), with
+    the dashboard's size and tools; `extra` goes to Bokeh's `figure`."""
     fig = figure(
         name=f"nbdist-{name}",
         title=title,
@@ -76,7 +78,7 @@ class _RankLines:
         if len(ranks) > len(shown):
             title += f" (first {len(shown)} of {len(ranks)} ranks)"
         self.x, self.y = x, y
-        self.figure = _figure(name, title, xlabel, ylabel)
+        self.figure = named_figure(name, title, xlabel, ylabel)
         self.sources = {r: ColumnDataSource({c: [] for c in (x, y, *extra)}) for r in shown}
         items = []
         for i, (rank, source) in enumerate(self.sources.items()):
@@ -126,7 +128,7 @@ class RunPlots:
             "throughput", "Throughput per rank", worker_ranks, "t", "samples_per_s", time_label, "samples/s"
         )
         self.total = ColumnDataSource({"t": [], "samples_per_s": []})
-        self.total_figure = _figure("total-throughput", "Throughput, all workers", time_label, "samples/s")
+        self.total_figure = named_figure("total-throughput", "Throughput, all workers", time_label, "samples/s")
         self.total_figure.line("t", "samples_per_s", source=self.total, color="black", line_width=2)
         self.bytes_sent = _RankLines(
             "bytes-sent",
@@ -168,7 +170,7 @@ class RunPlots:
             )
         self.staleness_ranks = [f"rank {r}" for r in worker_ranks[:MAX_RANK_LINES]]
         self.staleness_counts = ColumnDataSource({"staleness": [], **{r: [] for r in self.staleness_ranks}})
-        self.staleness_figure = _figure(
+        self.staleness_figure = named_figure(
             "staleness-distribution", "Staleness distribution (updates per value)", "staleness", "updates"
         )
         if self.staleness_ranks:
@@ -195,7 +197,7 @@ class RunPlots:
         self.accuracy = {x: self._curves(metric, x) for x in ("samples_seen", "t")}
 
         self.timeline = ColumnDataSource({"x0": [], "y0": [], "x1": [], "y1": [], "rank": [], "phase": [], "color": []})
-        self.timeline_figure = _figure(
+        self.timeline_figure = named_figure(
             "timeline",
             "Timeline per rank: compute / communicate / wait",
             time_label,
@@ -215,7 +217,7 @@ class RunPlots:
         self.gan = ColumnDataSource(
             {"t": [], "samples_seen": [], "d_loss": [], "g_loss": [], "d_real": [], "d_fake": []}
         )
-        self.gan_figure = _figure("gan", "GAN: losses, D(x) and D(G(z))", "samples seen", "")
+        self.gan_figure = named_figure("gan", "GAN: losses, D(x) and D(G(z))", "samples seen", "")
         for i, y in enumerate(("d_loss", "g_loss", "d_real", "d_fake")):
             self.gan_figure.line("samples_seen", y, source=self.gan, color=_color(i), legend_label=y)
 
@@ -224,7 +226,7 @@ class RunPlots:
         xlabel = "samples seen" if x == "samples_seen" else "wall time [s]"
         title = "loss" if what == "loss" else _metric_title(what)
         name = f"{'loss' if what == 'loss' else 'accuracy'}-by-{'samples' if x == 'samples_seen' else 'time'}"
-        fig = _figure(name, f"{title.capitalize()} vs {xlabel}", xlabel, title)
+        fig = named_figure(name, f"{title.capitalize()} vs {xlabel}", xlabel, title)
         live_y, val = ("loss", "val_loss") if what == "loss" else ("metric", f"val_{what}")
         fig.line(x, live_y, source=self.train_loss, color="#1f77b4", alpha=0.5, legend_label=f"train {title}")
         fig.line(x, val, source=self.epochs, color="#ff7f0e", line_width=3, legend_label=f"validation {title}")

@@ -15,7 +15,7 @@ import panel as pn
 from bokeh.models import ColumnDataSource
 
 from nbdist.dashboard.panes import LiveMarkdown
-from nbdist.dashboard.plots import _color, _figure
+from nbdist.dashboard.plots import _color, named_figure
 from nbdist.dashboard.sources import RecordSource, RunInfo
 
 __all__ = ["ScalingView", "FAMILIES"]
@@ -32,11 +32,11 @@ class ScalingView:
         self.source, self.info = source, info
         self.reference: float | None = None  # one rank's samples/s: what efficiency divides by
         self.points = 0
-        self.throughput = _figure(
+        self.throughput = named_figure(
             "scaling-throughput", "Samples/s by ranks: measured (markers), predicted (lines)", "ranks", "samples/s",
             x_axis_type="log", y_axis_type="log",
         )  # fmt: skip
-        self.efficiency = _figure(
+        self.efficiency = named_figure(
             "scaling-efficiency", "Efficiency: samples/s over ranks x one rank's", "ranks", "efficiency",
             x_axis_type="log",
         )  # fmt: skip

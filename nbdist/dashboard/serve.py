@@ -67,6 +67,7 @@ def serve(
     token: str | None = None,
     unix_socket: str | Path | None = None,
     run: str | None = None,
+    study: str | None = None,
     allow_origin: list[str] | None = None,
     show: bool = False,
     create: bool = False,
@@ -80,6 +81,7 @@ def serve(
     import panel as pn
 
     from nbdist.dashboard.app import dashboard
+    from nbdist.dashboard.sources import check_choices
     from nbdist.store import RunStore, is_url, store_label
 
     check_port(port)
@@ -92,6 +94,7 @@ def serve(
     # every page; one connection says it.
     with RunStore(store, create=create) as opened:
         empty = not opened.runs()
+        check_choices(opened, run, study)
     token = dashboard_token() if token is None else token
     try:
         if unix_socket is not None:
@@ -104,7 +107,7 @@ def serve(
         )
         # Panel adds what the factory returns to each session's page: return the page, not .servable().
         server = pn.serve(
-            {APP_PATH: lambda: dashboard(store, run=run).start().page},
+            {APP_PATH: lambda: dashboard(store, run=run, study=study).start().page},
             prefix=prefix,
             show=False,
             start=False,

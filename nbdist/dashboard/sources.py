@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from nbdist.store import RunStore, TrialRow
+from nbdist.store import RunStore, StoreError, TrialRow
 
-__all__ = ["RunInfo", "RecordSource", "StoreSource", "JobSource"]
+__all__ = ["RunInfo", "RecordSource", "StoreSource", "JobSource", "run_choices", "check_choices"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +107,18 @@ def run_choices(store: RunStore) -> dict[str, str]:
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(run.started)) if run.started else "?"
         choices[f"{run.id}  ({run.status}, {when})"] = run.id
     return choices
+
+
+def check_choices(store: RunStore, run: str | None = None, study: str | None = None) -> None:
+    """A StoreError naming what the store holds when `run` or `study` is not in it (a
+    served dashboard says so at its start, not on every page it serves)."""
+    if run is not None and run not in store.run_ids():
+        raise StoreError(f"no run {run!r} in the store {store.label}")
+    if study is not None:
+        studies = [s["id"] for s in store.studies()]
+        if study not in studies:
+            known = ", ".join(studies) if studies else "none yet"
+            raise StoreError(f"no study {study!r} in the store {store.label} (its studies: {known})")
 
 
 def trials_frame(trials: list[TrialRow]) -> Any:

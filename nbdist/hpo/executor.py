@@ -73,6 +73,7 @@ class TrialExecutor(ABC):
 
     groups: int
     in_process: bool = False  # no ranks to copy a training state between (PBT)
+    layout: Any = None  # the study's Layout where its groups are MPI ranks: the store keeps it (the dashboard's ranks)
 
     @abstractmethod
     def start(self, group: int, trial: Trial, segment: Segment) -> None:

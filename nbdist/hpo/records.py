@@ -126,7 +126,7 @@ class StudyRecords(SharedStudy):
                 self.name,
                 searcher=self.study.searcher,
                 space=str(self.searcher.space),
-                options={"study": self.study.to_dict(), "train": self.train.to_dict()},
+                options={"study": self.study.to_dict(), "train": self.train.to_dict(), **self._layout()},
                 objective=self.study.objective,
                 direction=self.study.direction or ",".join(self.directions),
                 searcher_state=self._state(),
@@ -137,6 +137,11 @@ class StudyRecords(SharedStudy):
                     f"another --study-name"
                 )
             self.store.join_study(self.name, self.job)
+
+    def _layout(self) -> dict[str, Any]:
+        """The groups' MPI ranks, for the study's dashboard (none for an in-process study)."""
+        layout = self.executor.layout
+        return {} if layout is None else {"layout": layout.to_dict()}
 
     def _resume(self) -> None:
         if self.store is None:

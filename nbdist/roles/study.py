@@ -69,7 +69,7 @@ class MPIGroups(TrialExecutor):
 
     def __init__(self, world: Any, layout: Layout):
         self.channel = CoordinatorChannel(world)
-        self.groups = layout.groups
+        self.layout, self.groups = layout, layout.groups
         self.leaders = [layout.fold_ranks(g, 0)[0] for g in range(layout.groups)]
         self.fold_leaders = [[layout.fold_ranks(g, f)[0] for f in range(layout.folds)] for g in range(layout.groups)]
         self.running: dict[int, tuple[int, Segment]] = {}  # group -> (trial number, segment)

@@ -7,9 +7,8 @@ Readers (the dashboard, `job.history` of a past run) poll it while it is written
 or PostgreSQL's snapshots, let them read without blocking the writer.
 
 A study may be shared by several jobs (coordinators): each joins it as a row of
-`study_jobs` with a heartbeat, and every change to the study's searcher and trials is
-made inside `coordinate(study)`, which holds the study's lock, so that two coordinators
-never hand out the same trial.
+`study_jobs` with a heartbeat; the study tables are nbdist.store.studies, the connection
+and its transactions nbdist.store.connection, the rows handed out nbdist.store.rows.
 
 A run whose writer vanished (the job was killed) stays "running" in the file; the next
 reader that opens the store marks it "killed" (same host: its writer process is gone;
@@ -22,119 +21,33 @@ import json
 import os
 import socket
 import time
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from nbdist.store.dialects import Dialect, StoreError, mask_url, open_dialect
-from nbdist.store.schema import prepare_schema
+from nbdist.store.dialects import StoreError
+from nbdist.store.rows import (
+    RUN_STATES,
+    STALE_SECONDS,
+    TRIAL_STATES,
+    RunRow,
+    TrialRow,
+    from_json,
+    json_text,
+    process_alive,
+    without_passwords,
+)
+from nbdist.store.studies import StudyTables
 
-__all__ = ["RunStore", "RunRow", "TrialRow", "STALE_SECONDS", "RUN_STATES"]
+__all__ = ["RunStore", "RunRow", "TrialRow", "STALE_SECONDS", "RUN_STATES", "TRIAL_STATES"]
 
-STALE_SECONDS = 60.0
-RUN_STATES = ("running", "completed", "stopped", "failed", "killed")
 _RECORD_COLUMNS = ("run", "rank", "seq", "trial", "role", "kind", "step", "epoch", "time")
 
 
-@dataclass(frozen=True, slots=True)
-class RunRow:
-    id: str
-    kind: str
-    status: str
-    reason: str | None
-    run_dir: str | None
-    options: dict[str, Any]
-    layout: dict[str, Any]
-    final: dict[str, Any]
-    study: str | None
-    trial: int | None
-    started: float | None
-    ended: float | None
-    heartbeat: float | None
-
-
-@dataclass(frozen=True, slots=True)
-class TrialRow:
-    study: str
-    number: int
-    params: dict[str, Any]
-    state: str  # running | paused | complete | pruned | stopped | failed
-    fom: float | None
-    fom_std: float | None
-    folds: list[float]
-    generation: int | None
-    group: int | None
-    error: str | None
-    started: float | None
-    ended: float | None
-    owner: str | None = None  # the job (coordinator) that trains or trained it
-    goal_reached: bool = False  # it reached the study's --goal: every job of the study stops
-    epochs: int | None = None  # the epochs it trained (fewer than the study's when stopped early)
-    values: list[float] | None = None  # a multi-objective study's values, one per objective
-
-
-def _json(value: Any) -> str | None:
-    return None if value is None else json.dumps(value, separators=(",", ":"), default=str)
-
-
-def _no_passwords(value: Any) -> Any:
-    """Options as stored: any URL in them (--store postgresql://...) without its password."""
-    if isinstance(value, dict):
-        return {k: _no_passwords(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_no_passwords(v) for v in value]
-    return mask_url(value) if isinstance(value, str) else value
-
-
-def _loads(text: str | None, empty: Any) -> Any:
-    return empty if text is None else json.loads(text)
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, someone else's
-        return True
-    return True
-
-
-class RunStore:
-    """One connection to a store (a file path, sqlite:///PATH or postgresql://...); use
-    one RunStore per thread."""
-
-    def __init__(self, path: str | Path, *, create: bool = True):
-        self._db: Dialect = open_dialect(path, create=create)
-        self.label = self._db.label  # the store as shown in messages (no password)
-        try:
-            prepare_schema(self._db, create=create)
-        except self._db.errors as exc:
-            self._db.close()
-            raise StoreError(f"{self.label} is not an nbdist run store ({exc})") from None
-        except StoreError:
-            self._db.close()
-            raise
-
-    def close(self) -> None:
-        self._db.close()
-
-    def lock_wait(self, seconds: float) -> None:
-        """How long this connection's writes wait for another writer's lock (SQLite)."""
-        self._db.lock_wait(seconds)
-
-    def __enter__(self) -> RunStore:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    @contextmanager
-    def _write(self) -> Iterator[Dialect]:
-        with self._db.transaction():
-            yield self._db
+class RunStore(StudyTables):
+    """One connection to a store (a file path, sqlite:///PATH or postgresql://...): its
+    runs, records and checkpoints here, its studies from StudyTables; use one RunStore
+    per thread."""
 
     # -- runs: written by the run's one writer ----------------------------------------
     def begin_run(
@@ -164,8 +77,8 @@ class RunStore:
                     run_id,
                     kind,
                     None if run_dir is None else str(run_dir),
-                    _json(_no_passwords(options)),
-                    _json(layout),
+                    json_text(without_passwords(options)),
+                    json_text(layout),
                     study,
                     trial,
                     now,
@@ -209,13 +122,13 @@ class RunStore:
             conn.execute(
                 "UPDATE runs SET status = ?, reason = ?, final = COALESCE(?, final), ended = ?, "
                 "heartbeat = ? WHERE id = ?",
-                (status, reason, _json(final), time.time(), time.time(), run_id),
+                (status, reason, json_text(final), time.time(), time.time(), run_id),
             )
 
     def add_records(self, records: Iterable[dict[str, Any]]) -> int:
         """Insert metric records (Record.to_dict() form); ones already stored are skipped.
         Returns how many were new."""
-        rows = [tuple(r.get(c) for c in _RECORD_COLUMNS) + (_json(r["values"]),) for r in records]
+        rows = [tuple(r.get(c) for c in _RECORD_COLUMNS) + (json_text(r["values"]),) for r in records]
         if not rows:
             return 0
         with self._write() as db:
@@ -240,7 +153,7 @@ class RunStore:
         dead = [
             run_id
             for run_id, beat, host, pid in rows
-            if (host == here and pid and not _process_alive(pid)) or (beat or 0) < now - stale_after
+            if (host == here and pid and not process_alive(pid)) or (beat or 0) < now - stale_after
         ]
         if dead:
             with self._write() as conn:
@@ -301,9 +214,9 @@ class RunStore:
             status,
             reason,
             run_dir,
-            _loads(options, {}),
-            _loads(layout, {}),
-            _loads(final, {}),
+            from_json(options, {}),
+            from_json(layout, {}),
+            from_json(final, {}),
             study,
             trial,
             started,
@@ -351,230 +264,3 @@ class RunStore:
     def checkpoints(self, run_id: str) -> list[dict[str, Any]]:
         rows = self._db.execute("SELECT label, path, time FROM checkpoints WHERE run = ? ORDER BY label", (run_id,))
         return [{"label": label, "path": path, "time": when} for label, path, when in rows]
-
-    # -- studies and trials (the coordinators write them; the dashboard reads them) ----
-    def create_study(
-        self,
-        study_id: str,
-        *,
-        searcher: str,
-        space: Any,
-        options: dict[str, Any],
-        objective: str,
-        direction: str,
-        searcher_state: Any = None,
-    ) -> bool:
-        """A new study; False (and nothing written) when the store has one of that name.
-        The searcher's state goes in the same row: a job that joins the study as soon as
-        it appears (--resume-study) finds it complete."""
-        now = time.time()
-        with self._write() as conn:
-            return (
-                conn.execute(
-                    """INSERT INTO studies (id, status, searcher, space, options, objective, direction, started,
-                                        heartbeat, host, pid, searcher_state)
-                   VALUES (?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING""",
-                    (
-                        study_id,
-                        searcher,
-                        _json(space),
-                        _json(_no_passwords(options)),
-                        objective,
-                        direction,
-                        now,
-                        now,
-                        socket.gethostname(),
-                        os.getpid(),
-                        _json(searcher_state),
-                    ),
-                ).rowcount
-                == 1
-            )
-
-    def begin_study(self, study_id: str, **settings: Any) -> None:
-        """A new study, or one of that name running again."""
-        if not self.create_study(study_id, **settings):
-            self.reopen_study(study_id)
-
-    def reopen_study(self, study_id: str) -> None:
-        """A study continued (--resume-study): running again."""
-        with self._write() as conn:
-            conn.execute(
-                "UPDATE studies SET status = 'running', ended = NULL, heartbeat = ?, host = ?, pid = ? WHERE id = ?",
-                (time.time(), socket.gethostname(), os.getpid(), study_id),
-            )
-
-    @contextmanager
-    def coordinate(self, study_id: str) -> Iterator[RunStore]:
-        """A transaction holding the study's lock: what a coordinator reads and writes in it
-        (the searcher's state, trial rows) no other coordinator changes meanwhile."""
-        with self._write() as db:
-            db.lock_study(study_id)
-            yield self
-
-    def save_searcher_state(self, study_id: str, state: Any) -> None:
-        with self._write() as conn:
-            conn.execute(
-                "UPDATE studies SET searcher_state = ?, heartbeat = ? WHERE id = ?",
-                (_json(state), time.time(), study_id),
-            )
-
-    def end_study(self, study_id: str, status: str) -> None:
-        with self._write() as conn:
-            conn.execute("UPDATE studies SET status = ?, ended = ? WHERE id = ?", (status, time.time(), study_id))
-
-    def study(self, study_id: str) -> dict[str, Any]:
-        cursor = self._db.execute("SELECT * FROM studies WHERE id = ?", (study_id,))
-        row = cursor.fetchone()
-        if row is None:
-            raise StoreError(f"no study {study_id!r} in the store {self.label}")
-        study = dict(zip([d[0] for d in cursor.description], row, strict=True))
-        for key in ("space", "options", "searcher_state"):
-            study[key] = _loads(study[key], None)
-        return study
-
-    def studies(self) -> list[dict[str, Any]]:
-        ids = [r[0] for r in self._db.execute("SELECT id FROM studies ORDER BY started DESC")]
-        return [self.study(i) for i in ids]
-
-    # -- the jobs (coordinators) of a study ----------------------------------------------
-    def join_study(self, study_id: str, job: str) -> None:
-        now = time.time()
-        with self._write() as conn:
-            conn.execute(
-                "INSERT INTO study_jobs (study, job, host, pid, started, heartbeat) VALUES (?, ?, ?, ?, ?, ?) "
-                "ON CONFLICT (study, job) DO UPDATE SET heartbeat = excluded.heartbeat, ended = NULL",
-                (study_id, job, socket.gethostname(), os.getpid(), now, now),
-            )
-
-    def study_heartbeat(self, study_id: str, job: str) -> None:
-        with self._write() as conn:
-            conn.execute(
-                "UPDATE study_jobs SET heartbeat = ? WHERE study = ? AND job = ?", (time.time(), study_id, job)
-            )
-
-    def leave_study(self, study_id: str, job: str) -> None:
-        with self._write() as conn:
-            conn.execute("UPDATE study_jobs SET ended = ? WHERE study = ? AND job = ?", (time.time(), study_id, job))
-
-    def live_jobs(self, study_id: str, stale_after: float = STALE_SECONDS) -> set[str]:
-        """The study's jobs that have not ended and whose coordinator is alive (same host:
-        its process is there; any host: its heartbeat is recent)."""
-        here, now = socket.gethostname(), time.time()
-        rows = self._db.execute(
-            "SELECT job, host, pid, heartbeat FROM study_jobs WHERE study = ? AND ended IS NULL", (study_id,)
-        )
-        return {
-            job
-            for job, host, pid, beat in rows
-            if not (host == here and pid and not _process_alive(pid)) and (beat or 0) >= now - stale_after
-        }
-
-    def claim_trial(self, study_id: str, number: int, job: str, previous: str | None) -> bool:
-        """Take over a running trial from `previous` (a job that is gone); False when
-        another job took it first."""
-        with self._write() as conn:
-            return (
-                conn.execute(
-                    "UPDATE trials SET owner = ? WHERE study = ? AND number = ? AND state = 'running' "
-                    "AND COALESCE(owner, '') = ?",
-                    (job, study_id, int(number), previous or ""),
-                ).rowcount
-                == 1
-            )
-
-    def record_trial(
-        self,
-        study_id: str,
-        number: int,
-        *,
-        params: dict[str, Any],
-        state: str,
-        fom: float | None = None,
-        fom_std: float | None = None,
-        folds: list[float] | None = None,
-        generation: int | None = None,
-        group: int | None = None,
-        error: str | None = None,
-        started: float | None = None,
-        ended: float | None = None,
-        owner: str | None = None,
-        goal_reached: bool = False,
-        epochs: int | None = None,
-        values: list[float] | None = None,
-    ) -> None:
-        """Insert a trial or replace what is known of it (a running trial that completed)."""
-        with self._write() as conn:
-            conn.execute(
-                """INSERT INTO trials (study, number, params, state, fom, fom_std, folds, generation, grp,
-                                       error, started, ended, owner, goal_reached, epochs, obj_values)
-                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
-                   ON CONFLICT (study, number) DO UPDATE SET params = excluded.params,
-                       state = excluded.state, fom = excluded.fom, fom_std = excluded.fom_std,
-                       folds = excluded.folds, generation = excluded.generation, grp = excluded.grp,
-                       error = excluded.error, started = COALESCE(trials.started, excluded.started),
-                       ended = excluded.ended, owner = COALESCE(excluded.owner, trials.owner),
-                       goal_reached = excluded.goal_reached,
-                       epochs = COALESCE(excluded.epochs, trials.epochs),
-                       obj_values = COALESCE(excluded.obj_values, trials.obj_values)""",
-                (
-                    study_id,
-                    int(number),
-                    _json(params),
-                    state,
-                    fom,
-                    fom_std,
-                    _json(folds or []),
-                    generation,
-                    group,
-                    error,
-                    started,
-                    ended,
-                    owner,
-                    int(goal_reached),
-                    epochs,
-                    None if values is None else _json(values),
-                ),
-            )
-
-    def trials(self, study_id: str) -> list[TrialRow]:
-        rows = self._db.execute(
-            "SELECT study, number, params, state, fom, fom_std, folds, generation, grp, error, started, ended, owner, "
-            "goal_reached, epochs, obj_values FROM trials WHERE study = ? ORDER BY number",
-            (study_id,),
-        )
-        return [
-            TrialRow(
-                s, n, json.loads(p), st, f, fs, _loads(fo, []), g, gr, e, t0, t1, o, bool(goal), ep, _loads(v, None)
-            )
-            for s, n, p, st, f, fs, fo, g, gr, e, t0, t1, o, goal, ep, v in rows
-        ]
-
-    # -- what happened to each trial on the way (schedulers, PBT) -------------------------
-    def record_trial_events(self, study_id: str, events: Iterable[tuple[int, str, int, dict[str, Any]]]) -> None:
-        """(trial number, kind, epoch, data) rows: an intermediate 'value', 'pruned',
-        'paused', 'promoted', 'exploit' (PBT: the state it took and its new parameters),
-        'params' (the parameters it trains with from that epoch on). One row per (trial,
-        kind, epoch): written again, it is replaced (a resumed study repeats a segment)."""
-        rows = [(study_id, int(n), kind, int(epoch), time.time(), _json(data)) for n, kind, epoch, data in events]
-        if not rows:
-            return
-        with self._write() as conn:
-            conn.executemany(
-                "INSERT INTO trial_events (study, number, kind, epoch, time, data) VALUES (?, ?, ?, ?, ?, ?) "
-                "ON CONFLICT (study, number, kind, epoch) DO UPDATE SET time = excluded.time, data = excluded.data",
-                rows,
-            )
-
-    def trial_events(
-        self, study_id: str, *, number: int | None = None, kind: str | None = None
-    ) -> list[dict[str, Any]]:
-        """The study's trial events (all, or one trial's, or one kind's), by trial, epoch and kind."""
-        sql = "SELECT number, kind, epoch, time, data FROM trial_events WHERE study = ?"
-        args: list[Any] = [study_id]
-        if number is not None:
-            sql, args = sql + " AND number = ?", [*args, int(number)]
-        if kind is not None:
-            sql, args = sql + " AND kind = ?", [*args, kind]
-        rows = self._db.execute(sql + " ORDER BY number, epoch, kind", tuple(args))
-        return [{"number": n, "kind": k, "epoch": e, "time": t, "data": _loads(d, {})} for n, k, e, t, d in rows]

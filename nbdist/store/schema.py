@@ -15,7 +15,7 @@ from nbdist.store.dialects import Dialect, StoreError
 
 __all__ = ["SCHEMA_VERSION", "StoreError", "prepare_schema"]
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 
 # Version 0 -> 1: the first schema. `records` rows are numbered as stored (SQLite's
@@ -133,6 +133,17 @@ _MIGRATIONS: list[list[str]] = [
             time {real},
             data TEXT,
             PRIMARY KEY (study, number, kind, epoch)
+        )""",
+    ],
+    # Version 4 -> 5: notes, written from the study dashboard: one per study (number -1)
+    # and per trial, kept with the study so that every reader of the store sees them.
+    [
+        """CREATE TABLE notes (
+            study TEXT NOT NULL,
+            number INTEGER NOT NULL,
+            text TEXT NOT NULL,
+            time {real},
+            PRIMARY KEY (study, number)
         )""",
     ],
 ]
