@@ -4,6 +4,7 @@ and real batch runs under mpiexec landing in it complete."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
 import sqlite3
@@ -77,6 +78,32 @@ def test_a_file_that_is_not_a_store_is_refused(tmp_path):
         RunStore(path)
     with pytest.raises(StoreError, match="no run store at"):
         RunStore(tmp_path / "missing.db", create=False)
+
+
+def _open_store_when_told(path, go, answers):
+    go.wait(30)
+    try:
+        RunStore(path).close()
+        answers.put("opened")
+    except StoreError as exc:
+        answers.put(str(exc))
+
+
+def test_processes_opening_one_new_store_at_the_same_moment_all_open_it(tmp_path):
+    """Two coordinators of one study start together: switching a new SQLite file to WAL
+    takes its exclusive lock, and SQLite refuses the loser at once rather than waiting."""
+    fork = multiprocessing.get_context("fork")
+    for attempt in range(25):
+        path = str(tmp_path / f"s{attempt}.db")
+        go, answers = fork.Event(), fork.Queue()
+        procs = [fork.Process(target=_open_store_when_told, args=(path, go, answers)) for _ in range(3)]
+        for proc in procs:
+            proc.start()
+        go.set()
+        said = [answers.get(timeout=60) for _ in procs]
+        for proc in procs:
+            proc.join(30)
+        assert said == ["opened"] * 3, f"attempt {attempt}: {said}"
 
 
 def test_runs_whose_writer_vanished_are_marked_killed(tmp_path):

@@ -61,6 +61,7 @@ _FORMS = "a SQLite file path, sqlite:///PATH, or postgresql://USER@HOST:PORT/DAT
 _MIGRATION_LOCK = 0x6E62_6469
 RECONNECT_SECONDS = 60.0  # how long a lost PostgreSQL connection is tried again
 CONNECT_SECONDS = 15  # libpq's connect_timeout, per attempt
+SQLITE_TIMEOUT_SECONDS = 30.0  # how long a SQLite connection waits for another writer's lock
 
 
 class StoreError(UserError):
@@ -199,15 +200,33 @@ class SQLiteDialect(Dialect):
                 # The owner's alone (0600, whatever the umask): SQLite gives its -wal and
                 # -shm files the mode of the database file.
                 os.close(private_fd(self.path, os.O_RDWR | os.O_CREAT))
-            self._conn = sqlite3.connect(str(self.path), timeout=30.0, isolation_level=None, check_same_thread=False)
+            self._conn = sqlite3.connect(
+                str(self.path), timeout=SQLITE_TIMEOUT_SECONDS, isolation_level=None, check_same_thread=False
+            )
         except (OSError, sqlite3.Error) as exc:
             raise StoreError(f"cannot open the run store {self.label}: {exc}") from None
         try:
-            self._conn.execute("PRAGMA journal_mode=WAL")
+            self._wal_mode()
             self._conn.execute("PRAGMA synchronous=NORMAL")
         except sqlite3.DatabaseError as exc:
             self._conn.close()
             raise StoreError(f"{self.label} is not an nbdist run store ({exc})") from None
+
+    def _wal_mode(self) -> None:
+        """Switch to write-ahead logging. The switch takes the file's exclusive lock, and
+        SQLite answers "database is locked" at once, without its busy handler, while
+        another process opens the same new store (or converts it) at that moment: two
+        coordinators of one study started together. So it is retried until the connect
+        timeout, as any other locked write waits that long."""
+        deadline = time.monotonic() + SQLITE_TIMEOUT_SECONDS
+        while True:
+            try:
+                self._conn.execute("PRAGMA journal_mode=WAL")
+                return
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
 
     def execute(self, sql: str, args: Sequence[Any] = ()) -> Any:
         return self._conn.execute(sql, tuple(args))
