@@ -148,7 +148,8 @@ def test_the_study_dashboard_of_a_thousand_trials_served_offline(synthetic, brow
         page.get_by_role("button", name="save the study's note").click()
         with RunStore(store) as opened:
             _wait(lambda: opened.notes(STUDY) == {None: "lr matters most"}, 30, "the note was not saved")
-        assert page.get_by_text("Study: lr matters most").count()
+        # The page shows it once the server's reply to the click reaches the browser.
+        _wait(lambda: page.get_by_text("Study: lr matters most").count(), 30, "the saved note was not shown")
         # The objective changed: the views follow it.
         page.locator("select", has=page.locator("option", has_text="params")).first.select_option("params")
         _open_tab(page, "History")

@@ -24,6 +24,7 @@ from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 from conftest import BatchedRuns
 from safetensors.numpy import load_file
@@ -842,7 +843,13 @@ def test_a_stop_while_the_ranks_start_is_kept_and_checkpointed(tmp_path):
         argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
     try:
-        time.sleep(0.6)  # the launcher is running; its ranks are not yet
+        # The launcher has started prterun (so it catches the signal); its ranks are still
+        # importing. A fixed sleep raced the launcher's own imports on a busy machine.
+        launcher = psutil.Process(proc.pid)
+        deadline = time.monotonic() + 60
+        while not launcher.children() and proc.poll() is None:
+            assert time.monotonic() < deadline, "the launcher started no job within 60 s"
+            time.sleep(0.02)
         proc.send_signal(signal.SIGUSR1)
         output, _ = proc.communicate(timeout=200)
     finally:
