@@ -287,8 +287,14 @@ def test_every_algorithm_learns_digits(batches, n, name):
     assert summary["stop_reason"] == f"completed {EPOCHS} epochs"
     history = summary["history"]
     assert [h["epoch"] for h in history] == list(range(1, EPOCHS + 1))
-    # Every sample of the training set is used once per epoch, over all workers.
-    assert all(h["samples"] == DIGITS_TRAIN for h in history), [h["samples"] for h in history]
+    samples = [h["samples"] for h in history]
+    if name == "allreduce" or "--synchronous" in ACCURACY_RUNS[name]:
+        # Every sample of the training set is used once per epoch, over all workers.
+        assert all(s == DIGITS_TRAIN for s in samples), samples
+    else:
+        # Asynchronous: the master never waits for a late worker, whose share counts in the
+        # epoch it arrives in; every sample is still used once per epoch, over the run.
+        assert sum(samples) == EPOCHS * DIGITS_TRAIN, samples
     final = summary["final"]["val_acc"]
     assert final >= ACCURACY, f"{name} on {n} ranks: val_acc {final:.4f} after {EPOCHS} epochs: {history}"
     # The weights that reach 0.90 are the ones written out.
