@@ -284,8 +284,8 @@ def _note_signal(path: str, name: str) -> None:
     that a rank never reads half a name."""
     tmp = f"{path}.tmp"
     try:
-        with open(tmp, "w", encoding="ascii") as fh:
-            fh.write(name)
+        with open(tmp, "wb") as fh:  # bytes: a text file's codec may import, in a handler
+            fh.write(name.encode("ascii"))
         os.replace(tmp, path)
     except OSError:
         pass  # the ranks then name the SIGUSR1 that reached them

@@ -472,6 +472,32 @@ def test_stop_flag_keeps_the_first_reason():
     assert flag.requested and flag.reason == "stopped by SIGTERM"
 
 
+def test_a_stop_signals_handler_only_flags_and_the_forwarded_name_is_read_later(tmp_path, monkeypatch):
+    """The handler can run in the middle of an import (a rank still starting): one that
+    opened a file there (its codec's import) broke that import with a KeyError."""
+    import builtins
+    import signal
+    from unittest import mock
+
+    from nbdist.train.stopping import FORWARDED_SIGNAL_FILE
+
+    forwarded = tmp_path / "signal"
+    forwarded.write_text("SIGTERM")
+    monkeypatch.setenv(FORWARDED_SIGNAL_FILE, str(forwarded))
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGTERM)}
+    flag = StopFlag()
+    try:
+        flag.install()
+        handler = signal.getsignal(signal.SIGUSR1)
+        with mock.patch.object(builtins, "open", side_effect=AssertionError("the handler opened a file")):
+            handler(signal.SIGUSR1, None)
+            handler(signal.SIGUSR1, None)
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+    assert flag.requested and flag.reason == "stopped by SIGTERM"  # the launcher's, not SIGUSR1
+
+
 def test_training_resumes_exactly_from_a_checkpoint(tmp_path):
     """Weights, Adam state and rule state through safetensors: resuming == not stopping."""
     import copy

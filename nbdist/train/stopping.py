@@ -58,19 +58,31 @@ class StopFlag:
     """Set by SIGUSR1/SIGTERM (what `mpiexec` forwards, and what a notebook's job.stop()
     sends); the training loops read it at step boundaries and stop together."""
 
-    __slots__ = ("requested", "reason")
+    __slots__ = ("requested", "_reason", "_signum")
 
     def __init__(self) -> None:
         self.requested = False
-        self.reason = ""
+        self._reason = ""
+        self._signum = 0
 
     def request(self, reason: str) -> None:
         if not self.requested:
-            self.requested, self.reason = True, reason
+            self.requested, self._reason = True, reason
+
+    @property
+    def reason(self) -> str:
+        if not self._reason and self._signum:
+            self._reason = f"stopped by {signal_name(self._signum)}"
+        return self._reason
 
     def install(self) -> None:
         def handler(signum: int, _frame: object) -> None:
-            self.request(f"stopped by {signal_name(signum)}")
+            # Only flags: the handler can run in the middle of an import (a rank still
+            # starting), and anything that imports here, as opening a text file does
+            # (its codec), breaks that import with a KeyError from importlib. The
+            # signal's name is looked up when the reason is read.
+            if not self.requested:
+                self.requested, self._signum = True, signum
 
         for sig in (signal.SIGUSR1, signal.SIGTERM):
             signal.signal(sig, handler)
