@@ -12,9 +12,9 @@ import numpy as np
 from nbdist.algorithms.base import Update
 from nbdist.errors import TrainingError
 from nbdist.roles.master.clients import WORKER
+from nbdist.roles.master.epochs import tally_of
 from nbdist.roles.master.receive import round_updates
 from nbdist.roles.master.replies import settle_centre
-from nbdist.train.progress import EpochTally
 from nbdist.transport import messages as m
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ def apply_updates(me: Master, updates: list[tuple[int, Update]]) -> list[tuple[i
         for i, u in group:
             client = me.clients[i]
             epoch = int(client.inbox.header[m.EPOCH])
-            me.tallies.setdefault(epoch, EpochTally()).add_staleness(u.staleness)
+            tally_of(me, epoch).add_staleness(u.staleness)
             me.updates.add(client.world_rank, u.staleness, me.version)
             if ctx.options.trace_updates:
                 who = {"worker": client.index} if client.kind == WORKER else {"sub_master": client.index}

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "tally_message",
+    "tally_of",
     "note_checkpoint_ack",
     "open_tallies",
     "restore_tallies",
@@ -32,19 +33,22 @@ __all__ = [
 ]
 
 
+def tally_of(me: Master, epoch: int) -> EpochTally:
+    """Where what a client did in `epoch` is counted: that epoch's tally, or, when the
+    epoch ended without the client (it was late, see Master._late), the epoch open now;
+    a closed epoch's tally is never reported again."""
+    return me.tallies.setdefault(max(epoch, me.next_epoch), EpochTally())
+
+
 def tally_message(me: Master, i: int, msg: m.Message) -> None:
     epoch = int(msg.header[m.EPOCH])
     # A sub-master's SAMPLES are its epoch's tally, sent when the epoch ends; what a push
     # merges into the centre comes in MERGED_SAMPLES.
     me.samples_seen += int(msg.header[m.MERGED_SAMPLES if me.clients[i].kind == SUB_MASTER else m.SAMPLES])
     samples = int(msg.header[m.SAMPLES])
-    if epoch < me.next_epoch:
-        # The share of an epoch that ended without this client (it was late, see
-        # Master._late): counted in the epoch open now.
-        tally = me.tallies.setdefault(me.next_epoch, EpochTally())
+    tally = tally_of(me, epoch)
+    if epoch < me.next_epoch:  # the share of an epoch that ended without this client
         tally.late += samples
-    else:
-        tally = me.tallies.setdefault(epoch, EpochTally())
     tally.train.add(BatchStats(msg.header[m.LOSS_SUM], msg.header[m.METRIC_SUM], samples))
     if msg.has(m.EPOCH_END):
         me.reached[i] = max(me.reached[i], epoch + 1)
