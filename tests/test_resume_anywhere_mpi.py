@@ -74,8 +74,8 @@ class Resized(BatchedRuns):
 
 
 def _parts(output: str, count: int) -> list[str]:
-    """The output cut at the runs' markers: run i's part runs from the first marker of
-    run i - 1 (each is on both streams) to the last of run i."""
+    """One stream cut at the runs' markers: run i's part runs from the marker of run i - 1
+    to the marker of run i."""
     starts = [0] + [output.find(f"nbdist-test: run {i} rc=") for i in range(count - 1)]
     ends = [output.rfind(f"nbdist-test: run {i} rc=") for i in range(count)]
     return [output[a:b] if b >= 0 else output[a:] for a, b in zip(starts, ends, strict=True)]
@@ -90,18 +90,20 @@ def _run_job(runs: list, runs_dir: Path, timeout: float) -> Resized:
             mpiexec_command(JOB_RANKS, [RESIZE_RUNS, str(spec)]),
             cwd=ROOT,
             env=mpi_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
+            capture_output=True,
             text=True,
             timeout=timeout,
         )
     except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"the job of {len(runs)} runs hung for {timeout} s:\n{exc.output}")
+        pytest.fail(f"the job of {len(runs)} runs hung for {timeout} s:\n{exc.stdout}\n{exc.stderr}")
     found = re.findall(r"nbdist-test: run (\d+) rc=(-?\d+)", done.stdout)
     codes: dict = {}
     for i, rc in found:
         codes.setdefault(runs[int(i)][0], []).append(int(rc))
-    job = Resized(done.stdout, done.returncode, runs_dir, {n: max(c) for n, c in codes.items()})
+    job = Resized(done.stdout + done.stderr, done.returncode, runs_dir, {n: max(c) for n, c in codes.items()})
+    # Cut rank 0's stdout alone (the notes and "resumed from" lines are on it): mpiexec
+    # forwards each stream of each rank in order, but not the two streams in step, so a
+    # marker's copy on stderr can come several runs late in a merged stream.
     job.parts = _parts(done.stdout, len(runs))
     job.names = [name for name, _, _ in runs]
     return job
