@@ -13,10 +13,11 @@ from nbdist.errors import OptionsError, UserError
 from nbdist.scaling import Calibration, Machine, PerformanceModel, SetUp, Simulator, Stragglers, network
 from nbdist.scaling.analysis import between_nodes
 from nbdist.scaling.goodput import samples_needed_ratio, staleness_penalty
-from nbdist.scaling.options import ScaleOptions, default_ranks, parse_ranks, parse_setups
+from nbdist.scaling.options import MIN_POINT_SECONDS, ScaleOptions, default_ranks, parse_ranks, parse_setups
 from nbdist.scaling.queueing import mva
 from nbdist.scaling.store import ScaleRecorder, load_calibration
 from nbdist.store import RunStore
+from nbdist.train.loop import REPORT_EVERY
 
 Z, S = 4e-3, 5e-4  # a worker's compute per exchange, the master's service per update
 RULES = ("downpour", "easgd")
@@ -224,6 +225,15 @@ def test_bad_scale_options_are_one_clear_error():
         ScaleOptions(model="m.py", network="infiniband").validate()
     with pytest.raises(OptionsError, match="write rank counts like 1,2,4"):
         parse_ranks("1,two")
+    # A point of 0.5 s left a loaded node's calibration run nothing to measure.
+    with pytest.raises(OptionsError) as short:
+        ScaleOptions(model="m.py", seconds=0.5).validate()
+    assert str(short.value) == (
+        "--seconds 0.5: a measured point needs at least 1.5 s (its ranks record twice a second, and its first "
+        "and last records are left out); give --seconds 1.5 or more"
+    )
+    assert ScaleOptions(model="m.py", quick=True).validate().point_seconds == 1.5
+    assert MIN_POINT_SECONDS >= 3 * REPORT_EVERY  # a first, a last and one record between
     assert parse_ranks("1-3,8") == [1, 2, 3, 8]
     assert default_ranks(3) == [1, 2, 3] and default_ranks(16, quick=True) == [1, 2, 3, 4, 8, 16]
     assert default_ranks(64) == [1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64]

@@ -18,6 +18,10 @@ __all__ = ["ScaleOptions", "DEFAULT_SETUPS", "parse_setups", "parse_ranks", "def
 
 DEFAULT_SETUPS = "allreduce downpour easgd gem adag dynsgd downpour(masters=2) downpour(sync_every=4)"
 SCALINGS = ("weak", "strong")
+# The ranks write a record every 0.5 s (train/loop.py, REPORT_EVERY) and a point's first
+# and last records are left out (measure.py): a shorter point can leave nothing to
+# measure on a loaded node, where its steps run faster than the calibration timed them.
+MIN_POINT_SECONDS = 1.5
 _SETUP_KEYS = ("masters", "sync_every", "synchronous")
 
 
@@ -47,7 +51,9 @@ class ScaleOptions:
     )
     batch_size: int = _opt(32, "samples per batch per worker (weak scaling), and what the calibration times")
     quick: bool = _opt(False, "shorter points, and the rules other than downpour at the largest rank count only")
-    seconds: float | None = _opt(None, "seconds each measured point trains (default 3; 1.5 with --quick)")
+    seconds: float | None = _opt(
+        None, f"seconds each measured point trains (default 3; {MIN_POINT_SECONDS} with --quick, the least)"
+    )
     repeats: int = _opt(1, "runs of each point; the fastest is kept (background load only slows a run)")
     network: str | None = _opt(
         None,
@@ -81,8 +87,12 @@ class ScaleOptions:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise OptionsError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-        if self.seconds is not None and not self.seconds > 0:
-            raise OptionsError(f"--seconds must be above 0, got {self.seconds}")
+        if self.seconds is not None and not self.seconds >= MIN_POINT_SECONDS:
+            raise OptionsError(
+                f"--seconds {self.seconds}: a measured point needs at least {MIN_POINT_SECONDS} s (its ranks "
+                f"record twice a second, and its first and last records are left out); give "
+                f"--seconds {MIN_POINT_SECONDS} or more"
+            )
         if not self.target_epochs > 0:
             raise OptionsError(f"--target-epochs must be above 0, got {self.target_epochs}")
         if self.noise_scale is not None and not self.noise_scale > 0:
@@ -108,7 +118,7 @@ class ScaleOptions:
 
     @property
     def point_seconds(self) -> float:
-        return self.seconds if self.seconds is not None else (1.5 if self.quick else 3.0)
+        return self.seconds if self.seconds is not None else (MIN_POINT_SECONDS if self.quick else 3.0)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
