@@ -8,6 +8,7 @@ import hashlib
 import json
 import math
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -68,6 +69,44 @@ def test_write_commit_latest_read(tmp_path):
         assert meta == {"rank": rank, "epoch": len("epoch-0001")}
     with pytest.raises(CheckpointError, match="no state for rank 2"):
         Checkpoints.read_rank(final, 2)
+
+
+@pytest.mark.parametrize("then", ["committed", "rotated away"])
+def test_a_share_whose_checkpoint_went_on_without_it_is_no_error(tmp_path, monkeypatch, then):
+    """A frozen asynchronous worker wakes up in the middle of writing its share: the master
+    committed the checkpoint without it (and, frozen long enough, later ones removed it)."""
+    module = sys.modules[Checkpoints.__module__]
+
+    ckpt = Checkpoints(tmp_path, keep=1)
+    write_all(ckpt, "epoch-0001", ranks=(0,))
+    real_write_json = module.write_json
+
+    def committed_meanwhile(path, data):
+        if Path(path).name == "rank-00001.json":  # rank 1's share, and not the master's writes
+            monkeypatch.setattr(module, "write_json", real_write_json)
+            ckpt.commit("epoch-0001", {"label": "epoch-0001"})
+            if then == "rotated away":
+                write_all(ckpt, "epoch-0002", ranks=(0,))
+                ckpt.commit("epoch-0002", {"label": "epoch-0002"})
+        real_write_json(path, data)  # its directory is gone: FileNotFoundError
+
+    monkeypatch.setattr(module, "write_json", committed_meanwhile)
+    ckpt.write_rank("epoch-0001", 1, rank_arrays(1), {"rank": 1})
+    assert ckpt.latest().name == ("epoch-0001" if then == "committed" else "epoch-0002")
+    assert Checkpoints.damage(ckpt.latest()) is None
+
+
+def test_a_share_that_cannot_be_written_while_its_checkpoint_is_pending_is_an_error(tmp_path, monkeypatch):
+    module = sys.modules[Checkpoints.__module__]
+
+    ckpt = Checkpoints(tmp_path)
+
+    def missing(path, data):
+        raise FileNotFoundError(2, "No such file or directory", str(path))
+
+    monkeypatch.setattr(module, "write_json", missing)
+    with pytest.raises(FileNotFoundError):
+        ckpt.write_rank("epoch-0001", 0, rank_arrays(0), {"rank": 0})
 
 
 def test_empty_and_scalar_arrays_survive(tmp_path):

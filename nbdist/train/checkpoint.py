@@ -120,10 +120,12 @@ class Checkpoints:
             # Written last, atomically: `ranks_written` counts a rank once its JSON is there.
             write_json(directory / _file(rank, "json"), {**meta, STORAGE: storage})
         except FileNotFoundError:
-            # An asynchronous snapshot commits without a worker that fell an epoch behind
-            # (roles/master/epochs.py): its share, written meanwhile, is not needed. Without
-            # its JSON the files it left are no share (`ranks_written`, the manifest).
-            if not (self.root / label).is_dir():
+            # An asynchronous snapshot commits without a worker that fell an epoch behind or
+            # was dropped (roles/master/epochs.py): its share, written meanwhile, is not
+            # needed. The temporary directory went from under it (committed, or already
+            # rotated away by later checkpoints when the worker was frozen that long).
+            # Without its JSON the files it left are no share (`ranks_written`, the manifest).
+            if directory.is_dir() and not (self.root / label).is_dir():
                 raise
         except OSError as exc:
             if is_disk_full(exc):
