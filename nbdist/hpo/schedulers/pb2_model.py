@@ -20,13 +20,14 @@ gets the hyper-parameters (the published acquisition, GP-UCB on the time-varying
 
     x_t = argmax_{x in bounds}  mu_{t-1}(c, x) + sqrt(beta_t) * sigma_{t-1}(c, x)
 
-where mu and sigma are the GP's posterior mean and standard deviation. Several members
+where mu and sigma are the GP's posterior mean and standard deviation (Ray Tune's code
+adds the variance; this follows the paper). Several members
 replaced at the same meeting are chosen one after the other, sigma conditioned on the
 points already chosen in this batch (their outcome does not change sigma), so that the
 batch spreads out (PB2's parallel selection). beta_t = 0.2 log(0.4 n) as in Ray Tune's
 PB2 (n: the observations), held above `BETA_FLOOR` where it would be negative.
 
-Time is in units of the study's epochs, r min-max scaled over the observations and the
+Time is the fraction of the study's epochs, r min-max scaled over the observations and the
 context, x in [0, 1] (each hyper-parameter's search coordinates: its logarithm for a
 log-uniform prior), y standardised and clipped to +-2, as in Ray Tune.
 
