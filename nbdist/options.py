@@ -601,8 +601,8 @@ class StudyOptions:
         "fifo",
         "how the trials share the groups' epochs: fifo (each trains all its epochs), "
         "median(warmup_trials=3, warmup_epochs=1) (what --prune sets), asha(min_epochs=1, max_epochs=--epochs, "
-        "reduction=3), hyperband(min_epochs=1, max_epochs=--epochs, reduction=3) or pbt(interval=1, "
-        "quantile=0.25, perturb=0.2, resample=0.25)",
+        "reduction=3), hyperband(min_epochs=1, max_epochs=--epochs, reduction=3), pbt(interval=1, "
+        "quantile=0.25, perturb=0.2, resample=0.25) or pb2(interval=1, quantile=0.25)",
     )
     budget_epochs: int | None = _opt(
         None, "the study's budget in training epochs, over all its trials: no trial starts or goes on past it"

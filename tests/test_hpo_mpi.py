@@ -2,7 +2,8 @@
 epoch it judged; ASHA on three groups resumes each promoted trial from its rung's
 checkpoint, so no epoch is trained twice; PBT on four groups of two ranks copies a
 trial's training state from one group to another over MPI, bit for bit, and a PBT study
-killed mid-way resumes; set-ups that cannot work are one clear error."""
+killed mid-way resumes; so does a PB2 study, whose bandit's choices and lineage are
+recorded; set-ups that cannot work are one clear error."""
 
 from __future__ import annotations
 
@@ -124,21 +125,22 @@ def _share(run_dir: Path, label: str, rank: int) -> dict:
     return arrays
 
 
-def test_pbt_copies_states_between_groups_and_resumes_after_a_kill(tmp_path):
+def _killed_at_the_first_exploit_and_resumed(tmp_path, n: int, argv: list[str], study: str) -> None:
+    """Run a population study, SIGKILL it in the middle of its first exploit (nothing is
+    told, nothing is flushed), and resume it to its end."""
+
     def exploiting() -> bool:
         if not (tmp_path / "nbdist.db").exists():
             return False
         with RunStore(tmp_path / "nbdist.db") as store:
             try:
-                return bool(store.trial_events("pbt", kind="exploit"))
+                return bool(store.trial_events(study, kind="exploit"))
             except Exception:  # the study is not in the store yet
                 return False
 
-    # Killed in the middle of the first exploit: nothing is told, nothing is flushed.
-    kill_when(9, _pbt_argv(tmp_path, "--study-name", "pbt"), exploiting, timeout=300, what="no exploit")
-
+    kill_when(n, [*argv, "--study-name", study], exploiting, timeout=300, what="no exploit")
     resumed = subprocess.run(
-        mpiexec_command(9, _pbt_argv(tmp_path, "--resume-study", "pbt")),
+        mpiexec_command(n, [*argv, "--resume-study", study]),
         cwd=ROOT,
         env=mpi_env(),
         capture_output=True,
@@ -146,7 +148,11 @@ def test_pbt_copies_states_between_groups_and_resumes_after_a_kill(tmp_path):
         timeout=400,
     )
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
-    assert "resuming study pbt" in resumed.stdout
+    assert f"resuming study {study}" in resumed.stdout
+
+
+def test_pbt_copies_states_between_groups_and_resumes_after_a_kill(tmp_path):
+    _killed_at_the_first_exploit_and_resumed(tmp_path, 9, _pbt_argv(tmp_path), "pbt")
     with RunStore(tmp_path / "nbdist.db") as store:
         trials = {t.number: t for t in store.trials("pbt")}
         exploits = store.trial_events("pbt", kind="exploit")
@@ -175,6 +181,63 @@ def test_pbt_copies_states_between_groups_and_resumes_after_a_kill(tmp_path):
     assert trials[last["number"]].params == last["data"]["params"]
 
 
+def test_pb2_chooses_by_its_bandit_records_its_lineage_and_resumes_after_a_kill(tmp_path):
+    # The smallest population PB2 serves (two groups of one rank, the worse half replaced),
+    # three epochs: meetings after epochs 1 (nothing observed yet) and 2 (the GP's choice).
+    argv = _argv(
+        tmp_path,
+        "--scheduler",
+        "pb2(interval=1, quantile=0.5)",
+        "--epochs",
+        "3",
+        "--groups",
+        "2",
+        space="lr=log(1e-3,0.3) momentum=real(0.5,0.95)",
+    )
+
+    _killed_at_the_first_exploit_and_resumed(tmp_path, 3, argv, "pb2")
+    from nbdist.dashboard.study.curves import CurveFeed, lineage_columns, lineage_members, schedule_lines
+    from nbdist.dashboard.study.data import StudyData
+
+    with RunStore(tmp_path / "nbdist.db") as store:
+        trials = {t.number: t for t in store.trials("pb2")}
+        exploits = sorted(store.trial_events("pb2", kind="exploit"), key=lambda e: e["epoch"])
+        # Each member's value at a meeting (a run that got there before the kill has no
+        # 'value' event for it from the resumed job: its pause was read from the store).
+        values = {(e["number"], e["epoch"]): e["data"]["value"] for e in store.trial_events("pb2", kind="paused")}
+        schedules = {(e["number"], e["epoch"]): e["data"] for e in store.trial_events("pb2", kind="params")}
+        data = StudyData(store, "pb2")
+        data.poll()
+    assert sorted(trials) == [0, 1] and {(t.state, t.epochs) for t in trials.values()} == {("complete", 3)}
+    # One member replaced at each meeting: the first drawn within the bounds (nothing
+    # observed yet), the second chosen by the GP's upper bound on both members' interval
+    # from epoch 1 to 2, which the resumed study observed from the state saved before the kill.
+    assert [(e["epoch"], e["data"]["acquisition"]) for e in exploits] == [(1, "uniform"), (2, "ucb")]
+    assert exploits[1]["data"]["observations"] == 2
+    for event in exploits:
+        receiver, source, epoch, params = (
+            event["number"],
+            event["data"]["source"],
+            event["epoch"],
+            event["data"]["params"],
+        )
+        met = {n: values[(n, epoch)] for n in trials}
+        assert source == min(met, key=met.get) and receiver == max(met, key=met.get), (event, met)
+        assert 1e-3 <= params["lr"] <= 0.3 and 0.5 <= params["momentum"] <= 0.95, params
+        assert schedules[(receiver, epoch)] == params
+    # The dashboard draws a PB2 study's lineage and schedules as a PBT study's.
+    assert data.info.pbt
+    feed = CurveFeed()
+    feed.add(data.events)
+    members = lineage_members(data.events, data.trials, data.info.pbt)
+    _, edges = lineage_columns(data.events, members, feed.values)
+    assert list(zip(edges["epoch"], edges["source"], edges["receiver"], strict=True)) == [
+        (e["epoch"], e["data"]["source"], e["number"]) for e in exploits
+    ]
+    lines = schedule_lines(data.events, data.trials, members, "lr")
+    assert sorted(lines["trial"]) == [0, 1]
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
@@ -182,6 +245,10 @@ def test_pbt_copies_states_between_groups_and_resumes_after_a_kill(tmp_path):
             ["--scheduler", "pbt", "--groups", "2"],
             "pbt(quantile=0.25) replaces the bottom 25% of a population of one trial per group: it needs at "
             "least 4 groups, this study has 2",
+        ),
+        (
+            ["--scheduler", "pb2(quantile=0.5)", "--groups", "2"],
+            "pb2 changes hyper-parameters while the trials train, and 'hidden' cannot change once a run has started",
         ),
     ],
 )

@@ -8,7 +8,7 @@
 Searchers are looked up by name once, in `SEARCHERS` (bayes, evolution, grid, random, and
 optuna(sampler=tpe|cmaes|gp|nsga2|nsga3|qmc|random), Optuna's samplers);
 schedulers, which decide how long each trial trains, in `SCHEDULERS` (nbdist.hpo.schedulers:
-fifo, median, asha, hyperband, pbt). Nothing here touches MPI or a framework; only `bayes`
+fifo, median, asha, hyperband, pbt, pb2). Nothing here touches MPI or a framework; only `bayes`
 imports scikit-optimize, when used.
 """
 

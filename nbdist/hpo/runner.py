@@ -221,6 +221,8 @@ class StudyRunner(StudyRecords):
             if chosen is None:  # an evolution waiting for its generation, or a grid run out
                 return None
             trial = chosen
+            if work.trial is None:
+                work.params = dict(trial.params)  # what the new trial trains with (PB2 models it)
             self.scheduler.started(trial.number, work)
         group = trial.group if trial.group in free else free[0]
         free.remove(group)
@@ -262,7 +264,12 @@ class StudyRunner(StudyRecords):
                     trial.number,
                     "exploit",
                     work.exchange.epoch,
-                    {"source": source.number, "params": trial.params, "previous": previous},
+                    {
+                        "source": source.number,
+                        "params": trial.params,
+                        "previous": previous,
+                        **self.scheduler.explore_note(work),
+                    },
                 )
             )
             self._events.append((trial.number, "params", work.exchange.epoch, dict(trial.params)))

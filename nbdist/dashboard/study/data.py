@@ -34,7 +34,8 @@ class StudyInfo:
 
     @property
     def pbt(self) -> bool:
-        return self.scheduler.split("(")[0].strip().lower() == "pbt"
+        """A population-based study (pbt, pb2): its lineage and schedules are drawn."""
+        return self.scheduler.split("(")[0].strip().lower() in ("pbt", "pb2")
 
 
 def study_info(store: RunStore, study_id: str) -> StudyInfo:

@@ -1,5 +1,6 @@
 """Schedulers: how a study's trials share its groups' epochs, behind one small interface
-(`Scheduler`), looked up by name once in `SCHEDULERS` (fifo, median, asha, hyperband, pbt).
+(`Scheduler`), looked up by name once in `SCHEDULERS` (fifo, median, asha, hyperband, pbt,
+pb2).
 
     --scheduler "asha(min_epochs=1, reduction=3)"     (the CLI, the %%distnn magic, the API)
 
@@ -22,6 +23,7 @@ from nbdist.hpo.schedulers.base import (
     Work,
 )
 from nbdist.hpo.schedulers.fifo import FIFO, Median
+from nbdist.hpo.schedulers.pb2 import PB2
 from nbdist.hpo.schedulers.pbt import PBT, explore
 
 __all__ = [
@@ -40,6 +42,7 @@ __all__ = [
     "ASHA",
     "Hyperband",
     "PBT",
+    "PB2",
     "rungs",
     "explore",
 ]

@@ -82,8 +82,8 @@ class Exchange:
 @dataclass(slots=True)
 class Work:
     """What a free group does next: resume paused trial `trial` (None: start a new one)
-    until `pause_at` (None: to its last epoch), with new `params` and an `exchange` first
-    (PBT). `tag` is the scheduler's own (a Hyperband bracket)."""
+    until `pause_at` (None: to its last epoch), with an `exchange` first (PBT); `params`:
+    a new trial's parameters, once the searcher has given them. `tag` is the scheduler's own (a Hyperband bracket)."""
 
     trial: int | None
     pause_at: int | None
@@ -139,8 +139,12 @@ class Scheduler(ABC):
         """The parameters a trial trains with after `work.exchange` (PBT's explore step)."""
         return dict(source_params)
 
+    def explore_note(self, work: Work) -> dict[str, Any]:
+        """How `params_for` chose for `work`, recorded with its exploit (PB2's acquisition)."""
+        return {}
+
     def started(self, number: int, work: Work) -> None:  # noqa: B027 - a hook: by default nothing
-        """`work` became trial `number` on a group."""
+        """`work` became trial `number` on a group (a new trial: `work.params` are its parameters)."""
 
     def on_epoch(self, number: int, epoch: int, value: float) -> str:
         """A running trial's objective after `epoch` epochs: '' to go on, else why to stop it."""

@@ -73,12 +73,12 @@ class PBT(Scheduler):
 
     def __init__(self, interval: int = 1, quantile: float = 0.25, perturb: float = 0.2, resample: float = 0.25):
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
-            raise SchedulerError(f"pbt interval must be an integer >= 1 (epochs), got {interval!r}")
+            raise SchedulerError(f"{self.name} interval must be an integer >= 1 (epochs), got {interval!r}")
         for what, value, high in (("quantile", quantile, 0.5), ("perturb", perturb, 1.0), ("resample", resample, 1.0)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= high:
-                raise SchedulerError(f"pbt {what} must be a number in [0, {high}], got {value!r}")
+                raise SchedulerError(f"{self.name} {what} must be a number in [0, {high}], got {value!r}")
         if quantile <= 0:
-            raise SchedulerError(f"pbt quantile must be above 0 (the fraction replaced), got {quantile!r}")
+            raise SchedulerError(f"{self.name} quantile must be above 0 (the fraction replaced), got {quantile!r}")
         self.interval, self.quantile = interval, float(quantile)
         self.perturb, self.resample = float(perturb), float(resample)
         self.members: list[int] = []
@@ -91,27 +91,27 @@ class PBT(Scheduler):
         super().bind(setting)
         if setting.in_process:
             raise SchedulerError(
-                "pbt copies a trial's training state from one group of ranks to another: run the study on "
+                f"{self.name} copies a trial's training state from one group of ranks to another: run the study on "
                 "ranks (python -m nbdist study under mpiexec, or %%distnn study on a cluster)"
             )
         population = setting.groups
         if population < 2 or math.floor(population * self.quantile) < 1:
             need = max(2, math.ceil(1 / self.quantile - 1e-9))
             raise SchedulerError(
-                f"pbt(quantile={self.quantile:g}) replaces the bottom {self.quantile:.0%} of a population of one "
-                f"trial per group: it needs at least {need} groups, this study has {population}; give --groups "
+                f"{self.name}(quantile={self.quantile:g}) replaces the bottom {self.quantile:.0%} of a population of "
+                f"one trial per group: it needs at least {need} groups, this study has {population}; give --groups "
                 f"{need} or a larger quantile (at most 0.5)"
             )
         if self.interval >= setting.epochs:
             raise SchedulerError(
-                f"pbt(interval={self.interval}) with --epochs {setting.epochs} never exploits: give an "
+                f"{self.name}(interval={self.interval}) with --epochs {setting.epochs} never exploits: give an "
                 f"interval below --epochs"
             )
         fixed = [name for name in setting.space if not setting.changeable(name)]
         if fixed:
             raise SchedulerError(
-                f"pbt changes hyper-parameters while the trials train, and {', '.join(map(repr, fixed))} cannot "
-                f"change once a run has started (it shapes the model or the run's set-up); pbt can tune "
+                f"{self.name} changes hyper-parameters while the trials train, and {', '.join(map(repr, fixed))} "
+                f"cannot change once a run has started (it shapes the model or the run's set-up); {self.name} can tune "
                 f"{setting.changeable_help}: take {'them' if len(fixed) > 1 else 'it'} out of --space, or use "
                 f"--scheduler asha"
             )
