@@ -65,14 +65,18 @@ def main() -> None:
     # import_module: the attribute nbdist.train is the function, not the package.
     runner = importlib.import_module("nbdist.roles.runner")
     context = importlib.import_module("nbdist.train.context")
+    try:  # the set-up's checks; an older revision (--against) has them in train/context.py
+        settle = importlib.import_module("nbdist.train.settle")
+    except ModuleNotFoundError:
+        settle = context
     definition = importlib.import_module("nbdist.train.definition")
 
     mark("roles imported, MPI up")
     # Wrapped in the modules that call them, in the order settle() calls them.
     _timed(definition, "load_model_file", "model file run (its imports)")
-    _timed(context, "check_data_size", None, before="data loaded")
-    _timed(context, "convert_for_sync", "model built")
-    _timed(context, "plan_learning_rates", None, before="optimizers checked")
+    _timed(settle, "check_data_size", None, before="data loaded")
+    _timed(settle, "convert_for_sync", "model built")
+    _timed(settle, "plan_learning_rates", None, before="optimizers checked")
     _timed(context, "settle", "settled (probes, checks)")
     _timed(runner, "prepare", "run prepared (run dir, store)")
     _timed(runner, "_train_in_role", "trained")

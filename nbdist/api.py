@@ -167,7 +167,7 @@ def submit(
     cluster.check_alive()
     # Checked here, before any engine is busy, with the rules the ranks apply.
     options.validate()
-    # A resume lays the run out anew on this cluster, as its ranks will (train/context.py).
+    # A resume lays the run out anew on this cluster, as its ranks will (train/settle.py).
     layout = (Layout.fitting if options.resume else Layout.for_world)(
         cluster.n,
         workers=options.workers,

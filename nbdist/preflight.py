@@ -5,7 +5,7 @@ when the script is written, not after the job waited in the queue. A launched co
 checks its input in three places: the command line (cli.py's parser), a study's own
 options and its layout on the ranks (`check_study`, `study_layout`, and the
 unread-parameter check its coordinator makes), and every rank's set-up
-(`nbdist.train.context.settle`: the options, the layout against the rank count, the
+(`nbdist.train.settle.settle`: the options, the layout against the rank count, the
 rules, the model file, its data, the optimisers, the metrics named). This module calls
 those same functions, for the job's rank count, in this process, as the job's rank 0
 would: nothing is checked twice over in two ways.

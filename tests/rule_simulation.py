@@ -125,7 +125,7 @@ class Simulation:
     ):
         self.algorithm, self.k, self.synchronous = algorithm, k, synchronous
         algorithm.bind(k)
-        algorithm.asynchronous = not synchronous  # as the run sets it (train/context.py)
+        algorithm.asynchronous = not synchronous  # as the run sets it (train/settle.py)
         self.master = self._backend(model, tensors)
         self.center = self.master.rule_params
         n = self.master.num_params

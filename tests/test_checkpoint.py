@@ -18,8 +18,8 @@ from safetensors.numpy import load_file, save_file
 from nbdist.algorithms import EASGD, GEM
 from nbdist.options import TrainOptions, parse_target
 from nbdist.train.checkpoint import CheckpointError, Checkpoints, flatten_arrays, unflatten_arrays
-from nbdist.train.context import _find_resume
 from nbdist.train.history import HistoryFile
+from nbdist.train.run_dir import find_resume
 from nbdist.train.state import IDENTICAL_ON_TWINS
 from nbdist.train.stopping import EarlyStopping, StopFlag
 
@@ -302,7 +302,7 @@ def test_resume_names_the_damaged_checkpoint_and_uses_the_previous(tmp_path):
     _three_checkpoints(tmp_path)
     _truncate(tmp_path / "checkpoints" / "epoch-0003" / "rank-00000.safetensors")
     (tmp_path / "checkpoints" / "epoch-0003" / "rank-00001.json").unlink()
-    path, problems = _find_resume(TrainOptions(resume=str(tmp_path)))
+    path, problems = find_resume(TrainOptions(resume=str(tmp_path)))
     assert path == tmp_path / "checkpoints" / "epoch-0002"
     assert problems == [
         f"checkpoint {tmp_path / 'checkpoints' / 'epoch-0003'} is damaged: rank-00000.safetensors "
@@ -316,7 +316,7 @@ def test_no_intact_checkpoint_left_is_one_clear_error(tmp_path):
     for label in ("epoch-0001", "epoch-0002", "epoch-0003"):
         _flip_a_byte(tmp_path / "checkpoints" / label / "rank-00001.safetensors")
     with pytest.raises(CheckpointError) as info:
-        _find_resume(TrainOptions(resume=str(tmp_path)))
+        find_resume(TrainOptions(resume=str(tmp_path)))
     message = str(info.value)
     assert "\n" not in message
     assert message.startswith(f"--resume {tmp_path}: no intact checkpoint is left (checkpoint ")

@@ -15,8 +15,8 @@ from nbdist.gan import GanModel, GaussianMMD, gan_backend, median_distance
 from nbdist.gan.torch_backend import TorchGanBackend
 from nbdist.options import TrainOptions
 from nbdist.specs import parse_spec
-from nbdist.train.context import _check_gan
 from nbdist.train.definition import definition_from_namespace
+from nbdist.train.rules import check_gan
 
 LATENT, FEATURES = 4, 6
 
@@ -201,16 +201,16 @@ def test_a_gan_is_defined_by_generator_discriminator_and_latent_dim():
 )
 def test_options_that_cannot_train_a_gan_are_one_error(changes, message):
     with pytest.raises(OptionsError, match=message):
-        _check_gan(TrainOptions(gan=True, **changes))
+        check_gan(TrainOptions(gan=True, **changes))
 
 
 def test_gan_defaults_are_easgd_with_rmsprop_watching_val_mmd_and_adag_is_allowed():
-    options = _check_gan(TrainOptions(gan=True))
+    options = check_gan(TrainOptions(gan=True))
     assert (options.algorithm, options.worker_optimizer, options.monitor) == ("easgd", "rmsprop(lr=0.001)", "val_mmd")
-    options = _check_gan(
+    options = check_gan(
         TrainOptions(gan=True, algorithm="adag", worker_optimizer="adam(lr=1e-4)", monitor="val_d_fake")
     )
     assert (options.algorithm, options.worker_optimizer, options.monitor) == ("adag", "adam(lr=1e-4)", "val_d_fake")
-    assert _check_gan(TrainOptions()) == TrainOptions()
+    assert check_gan(TrainOptions()) == TrainOptions()
     with pytest.raises(OptionsError, match="--d-steps applies to GANs: add --gan"):
-        _check_gan(TrainOptions(d_steps=2))
+        check_gan(TrainOptions(d_steps=2))

@@ -17,8 +17,8 @@ from nbdist.errors import OptionsError
 from nbdist.layout import Layout
 from nbdist.options import TrainOptions
 from nbdist.specs import SpecError, parse_spec
-from nbdist.train.context import _resolve_rules
 from nbdist.train.lr import WARMUP_START, LrPlan, MasterLr, WorkerLr, lr_metrics, plan_learning_rates, rule_lr
+from nbdist.train.rules import resolve_rules
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def backend():
 def plans(backend, topology="master-worker", algorithm="downpour", workers=2, masters=1, **options):
     """(worker plan, master plan) as set-up makes them for this run."""
     opts = TrainOptions(topology=topology, algorithm=algorithm, workers=workers, masters=masters, **options)
-    rule, _, worker_spec, master_spec = _resolve_rules(opts)
+    rule, _, worker_spec, master_spec = resolve_rules(opts)
     lrs = [backend.check_optimizer(spec) if spec is not None else None for spec in (worker_spec, master_spec)]
     return plan_learning_rates(opts, Layout(workers=workers, masters=masters, topology=topology), rule, backend, *lrs)
 
@@ -160,7 +160,7 @@ def test_a_stale_update_of_a_master_without_momentum_takes_a_smaller_lr(backend)
     assert LrPlan(0.1).update_lr(0, 0.0, 7) == 0.1  # without the correction, staleness changes nothing
     opts = TrainOptions(algorithm="downpour", workers=8, sync_every=2)  # workers with local steps too
     worker, master_plan = plan_learning_rates(
-        opts, Layout(workers=8), _resolve_rules(opts)[0], backend, 0.05, 0.1, master_stale_lr=True
+        opts, Layout(workers=8), resolve_rules(opts)[0], backend, 0.05, 0.1, master_stale_lr=True
     )
     assert master_plan.stale_lr and not worker.stale_lr
 

@@ -15,7 +15,7 @@ from nbdist.backends.torch import TorchFlatOptimizer
 from nbdist.errors import OptionsError
 from nbdist.options import TrainOptions
 from nbdist.specs import SpecError, parse_spec
-from nbdist.train.context import _resolve_rules
+from nbdist.train.rules import resolve_rules
 
 F32 = np.float32
 RNG = np.random.default_rng(5)
@@ -217,8 +217,8 @@ def test_bad_parameters_are_one_clear_error(spec, says):
 
 
 def test_inner_steps_is_the_window_and_a_different_sync_every_is_refused():
-    rule, window, worker, _ = _resolve_rules(TrainOptions(algorithm="diloco(inner_steps=7)"))
+    rule, window, worker, _ = resolve_rules(TrainOptions(algorithm="diloco(inner_steps=7)"))
     assert window == 7 and worker is not None and worker.name == "adamw"
-    assert _resolve_rules(TrainOptions(algorithm="diloco(inner_steps=7)", sync_every=7))[1] == 7
+    assert resolve_rules(TrainOptions(algorithm="diloco(inner_steps=7)", sync_every=7))[1] == 7
     with pytest.raises(OptionsError, match="syncs every 7 batches .* --sync-every says 3"):
-        _resolve_rules(TrainOptions(algorithm="diloco(inner_steps=7)", sync_every=3))
+        resolve_rules(TrainOptions(algorithm="diloco(inner_steps=7)", sync_every=3))

@@ -323,11 +323,11 @@ def test_skip_leaves_flags_out():
 
 def test_downpour_pushing_every_batch_rejects_a_worker_optimizer():
     from nbdist.errors import OptionsError
-    from nbdist.train.context import _resolve_rules
+    from nbdist.train.rules import resolve_rules
 
     with pytest.raises(OptionsError, match="downpour with --sync-every 1 takes no worker optimizer"):
-        _resolve_rules(TrainOptions(algorithm="downpour", worker_optimizer="sgd(lr=1e6)"))
-    algorithm, sync_every, worker, master = _resolve_rules(
+        resolve_rules(TrainOptions(algorithm="downpour", worker_optimizer="sgd(lr=1e6)"))
+    algorithm, sync_every, worker, master = resolve_rules(
         TrainOptions(algorithm="downpour", sync_every=4, worker_optimizer="adam(lr=1e-3)")
     )
     assert sync_every == 4 and worker.name == "adam" and master.name == "sgd"

@@ -344,13 +344,13 @@ def test_an_orphaned_trial_is_claimed_by_one_job_only(database):
 def test_jobs_that_choose_the_same_run_name_at_once_get_different_ones(tmp_path, database):
     """Four leaders with runs directories of their own name runs "r" at the same moment
     in one store: each gets its own name, and the store a row for each."""
-    from nbdist.train.context import _fresh_dir
+    from nbdist.train.run_dir import fresh_dir
 
     start, chosen = threading.Barrier(4), {}
 
     def leader(i):
         start.wait(30)
-        chosen[_fresh_dir(tmp_path / f"job{i}", "r", database).name] = i
+        chosen[fresh_dir(tmp_path / f"job{i}", "r", database).name] = i
 
     threads = [threading.Thread(target=leader, args=(i,)) for i in range(4)]
     for thread in threads:

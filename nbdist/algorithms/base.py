@@ -163,7 +163,7 @@ class Algorithm(Rule, ABC):
     # The workers' optimiser when --worker-optimizer is not given (None: nbdist's default);
     # DiLoCo's workers take AdamW steps, as in the paper.
     default_worker_optimizer: ClassVar[str | None] = None
-    # Set by the run (train/context.py) when the master applies each update as it comes
+    # Set by the run (train/settle.py) when the master applies each update as it comes
     # (no --synchronous): a rule whose asynchronous update is a share of a round (DiLoCo)
     # reads it; master_apply on a synchronous round's updates sees it False.
     asynchronous: bool = False

@@ -59,7 +59,7 @@ class Data(ABC):
     def label_range(self) -> tuple[int, int] | None:
         """The smallest and largest label of the training and validation sets when the
         labels are class indices (integers, one per sample), else None. Set-up checks
-        them against the model's outputs (nbdist.train.context.check_labels)."""
+        them against the model's outputs (nbdist.train.data_checks.check_labels)."""
         return None
 
     def close(self) -> None:  # noqa: B027 - most data hold nothing to release

@@ -151,7 +151,7 @@ def fold_of_run(run_id: str) -> tuple[int, int] | None:
 
 def watched_metrics(options: StudyOptions) -> tuple[tuple[str, str], ...]:
     """The metrics the study reads from its runs, with the options that name them: each
-    run checks during set-up that it reports them (nbdist.train.context)."""
+    run checks during set-up that it reports them (nbdist.train.trial.check_metric_names)."""
     watched = [(f"--objective {options.objective}", name) for name in options.objectives]
     if options.goal:
         watched.append((f"--goal {options.goal!r}", parse_target(options.goal).metric))

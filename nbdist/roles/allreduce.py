@@ -40,7 +40,7 @@ from nbdist.train.progress import EpochTally, RunResult, epoch_metrics, format_e
 from nbdist.train.state import load_rank_state, save_rank_state
 from nbdist.train.validation import SampleMarks
 from nbdist.train.writer import CheckpointWriter
-from nbdist.transport.reducers import make_reducer
+from nbdist.transport.reducers import Reducer, make_reducer
 from nbdist.transport.staging import Staging
 
 __all__ = ["Replica", "run_allreduce"]
@@ -76,201 +76,295 @@ class Replica:
 
 
 def run_allreduce(ctx: RankContext, replica: Replica | None = None) -> RunResult | None:
-    replica = replica or Replica(ctx)
-    comm = ctx.comms.run
-    rank = comm.Get_rank()
-    backend = ctx.backend
-    # The weights and BatchNorm statistics as MPI sees them (zero-copy on the host).
-    params, model_state = Staging(backend.params, backend.copier), Staging(backend.state, backend.copier)
-    if ctx.worker_optimizer is None:
-        raise RuntimeError("the allreduce topology steps with --worker-optimizer, and none was resolved")
-    opt = backend.make_optimizer(ctx.worker_optimizer)
-    collectives = ctx.peers.collectives
-    reducer = make_reducer(
-        ctx.options.allreduce_backend,
-        replica.comm,
-        backend,
-        max(1, int(ctx.options.bucket_mb * 2**20 / 4)),
-        collectives,
-        compression=ctx.compression,
-    )
-    # --sync-batchnorm: the statistics are the whole step's, the same on every rank.
-    shared_statistics = synchronise_batchnorm(ctx, comm)
-    plan = ctx.data.plan(replica.count, ctx.options.batch_size, ctx.options.seed)
-    lr = WorkerLr(ctx.worker_lr, opt, plan.batches_per_epoch)
-    val_indices = split_evenly(np.arange(ctx.data.n_val), replica.count, replica.index)
+    """Train this rank's replica with every other; the run's result on its first rank."""
+    return AllreduceRun(ctx, replica or Replica(ctx)).run()
 
-    history: list[dict] = []
-    start_epoch, start_step = 0, 0
-    samples_seen = 0  # over all ranks, from the start of the run: every rank counts the same
-    if ctx.resume_from is not None:
-        carried = reducer.state_arrays()  # --compression's residuals, PowerSGD's Q
-        extra = load_rank_state(ctx, ctx.resume_from, opt, None, own=carried)
-        reducer.load_state_arrays(carried)
+
+class AllreduceRun:
+    """One rank's allreduce run, along its data flow: set up (optimiser, reducer, data
+    plan), resume or broadcast the weights, then per step a gradient reduced over the
+    replicas and the same optimiser step everywhere, per epoch validation and checkpoints.
+
+    `run_epochs` (train/loop.py) drives `begin_epoch`, `train_step` and `end_epoch`; what
+    they share (the run's position, the epoch's tally, the stop reason) lives here."""
+
+    def __init__(self, ctx: RankContext, replica: Replica):
+        self.ctx, self.replica, self.backend = ctx, replica, ctx.backend
+        self.comm = ctx.comms.run
+        self.rank = self.comm.Get_rank()
+        self.collectives = ctx.peers.collectives
+        # The weights and BatchNorm statistics as MPI sees them (zero-copy on the host).
+        self.params = Staging(self.backend.params, self.backend.copier)
+        self.model_state = Staging(self.backend.state, self.backend.copier)
+        if ctx.worker_optimizer is None:
+            raise RuntimeError("the allreduce topology steps with --worker-optimizer, and none was resolved")
+        self.opt = self.backend.make_optimizer(ctx.worker_optimizer)
+        self.reducer = self._make_reducer()
+        # --sync-batchnorm: the statistics are the whole step's, the same on every rank.
+        self.shared_statistics = synchronise_batchnorm(ctx, self.comm)
+        self.plan = ctx.data.plan(replica.count, ctx.options.batch_size, ctx.options.seed)
+        self.lr = WorkerLr(ctx.worker_lr, self.opt, self.plan.batches_per_epoch)
+        self.val_indices = split_evenly(np.arange(ctx.data.n_val), replica.count, replica.index)
+
+        self.history: list[dict] = []
+        self.start_epoch, self.start_step = 0, 0
+        self.samples_seen = 0  # over all ranks, from the start of the run: every rank counts the same
+        if ctx.resume_from is not None:
+            self._resume(ctx.resume_from)
+        else:
+            self.collectives.bcast(replica.comm, self.params)
+            self.collectives.bcast(replica.comm, self.model_state)
+
+        self.trailer = np.zeros(4, np.float32)  # samples, loss sum, metric sum, stop requests
+        every = ctx.options.validate_every_samples
+        self.marks = SampleMarks(every, self.samples_seen) if every else None
+        self.started = time.time()
+        self.stop_reason = ""
+        self.report = TrainReport(ctx, ("compute", "wait", "update"))
+        self.tally, self.n_batches = EpochTally(), 0
+        self.sizes: np.ndarray = np.empty((0, 0), np.int64)  # the step's shard sizes, per step
+        # After the broadcast: its communicator is a duplicate, and duplicating is collective.
+        self.checkpoints = CheckpointAgreement(ctx, self.comm)
+
+    def _make_reducer(self) -> Reducer:
+        """The bucketed reducer --allreduce-backend names, over the replica's ranks."""
+        options = self.ctx.options
+        return make_reducer(
+            options.allreduce_backend,
+            self.replica.comm,
+            self.backend,
+            max(1, int(options.bucket_mb * 2**20 / 4)),  # float32 elements per bucket
+            self.collectives,
+            compression=self.ctx.compression,
+        )
+
+    def _resume(self, path) -> None:
+        """The weights, optimiser, reducer state and position of the checkpoint at `path`."""
+        ctx = self.ctx
+        carried = self.reducer.state_arrays()  # --compression's residuals, PowerSGD's Q
+        extra = load_rank_state(ctx, path, self.opt, None, own=carried)
+        self.reducer.load_state_arrays(carried)
         # On another layout the shards are new: the checkpoint's epoch again from its start.
-        start_epoch, start_step = int(extra["epoch"]), 0 if ctx.relayout else int(extra["step"])
+        self.start_epoch, self.start_step = int(extra["epoch"]), 0 if ctx.relayout else int(extra["step"])
         ctx.early.load_json(extra.get("early", {}))
-        history = ctx.history_file.resume(extra)
-        samples_seen = int(extra.get("samples_seen", sum(h.get("samples", 0) for h in history)))
-        ctx.say(f"resumed from {ctx.resume_from} at epoch {start_epoch + 1}")
-    else:
-        collectives.bcast(replica.comm, params)
-        collectives.bcast(replica.comm, model_state)
+        self.history = ctx.history_file.resume(extra)
+        self.samples_seen = int(extra.get("samples_seen", sum(h.get("samples", 0) for h in self.history)))
+        ctx.say(f"resumed from {path} at epoch {self.start_epoch + 1}")
 
-    trailer = np.zeros(4, np.float32)
-    every = ctx.options.validate_every_samples
-    marks = SampleMarks(every, samples_seen) if every else None
-    started = time.time()
-    stop_reason = ""
-    report = TrainReport(ctx, ("compute", "wait", "update"))
-    tally, n_batches = EpochTally(), 0
-    sizes: np.ndarray = np.empty((0, 0), np.int64)  # the step's shard sizes, per step (begin_epoch)
+    def run(self) -> RunResult | None:
+        """Every epoch, then the run's record; the result on the run's first rank."""
+        try:
+            epoch = run_epochs(
+                self.start_epoch,
+                self.start_step,
+                self.ctx.options.epochs,
+                self.begin_epoch,
+                self.train_step,
+                self.end_epoch,
+            )
+            self.checkpoints.settle(block=True)
+        except BaseException:
+            self.checkpoints.abandon()
+            raise
+        finally:
+            self.checkpoints.close()
+        return self._finish(epoch)
 
-    # Each rank writes its share on a thread (train/writer.py), from copies: the ranks go on
-    # training. Once its share is on disk a rank starts a barrier for that checkpoint (in
-    # the same order on every rank); when the barrier is done, every rank's is, and rank 0
-    # commits it (on its writer, after its own share). The barriers have a communicator of
-    # their own: each rank starts one between other steps' gradient buckets, and
-    # collectives on one communicator must start in the same order on every rank.
-    writer = CheckpointWriter()
-    checkpoint_comm = comm.Dup()
-    agreeing: list = []  # (label, barrier) of the shares this rank has written, oldest first
+    def begin_epoch(self, epoch: int) -> list[np.ndarray]:
+        """This replica's batches of `epoch`, and every replica's shard sizes per step."""
+        self.tally = EpochTally()
+        batches = self.plan.epoch(epoch, self.replica.index)
+        self.sizes, self.n_batches = self.plan.step_sizes(epoch), len(batches)
+        return batches
 
-    def save(label: str, epoch: int, step: int) -> None:
+    def train_step(self, epoch: int, step: int, indices: np.ndarray, last: bool) -> bool:
+        """One batch, its gradient summed over every rank; True when a rank asked to stop."""
+        report = self.report
+        t0 = time.perf_counter()
+        sent = self.reducer.bytes_sent  # the buckets start during backward
+        stats = self._local_gradient(step, indices)
+        t1 = time.perf_counter()
+        total = self._reduce(stats)
+        report.bytes_sent += self.reducer.bytes_sent - sent
+        t2 = time.perf_counter()
+        self._step_optimiser(total, epoch, step)
+        t3 = time.perf_counter()
+        report.phases["compute"] += t1 - t0
+        report.phases["wait"] += t2 - t1
+        report.phases["update"] += t3 - t2
+        self.tally.train.add(total)
+        self.samples_seen += total.n
+        self._validate_at_mark(epoch, step)
+        report.add(stats)
+        if report.due:
+            report.emit(epoch, step)
+        if self.trailer[3] > 0:
+            self.stop_reason = self.ctx.stop.reason or "stopped: requested on another rank"
+            self._save(f"stopped-{epoch:04d}{step + 1:06d}", epoch, step + 1)
+            return True
+        self.checkpoints.settle(block=False)
+        return False
+
+    def _local_gradient(self, step: int, indices: np.ndarray) -> BatchStats:
+        """This rank's gradient of its shard, scaled by the shard's part of the step's
+        samples so that the reduced sum is the whole batch's mean gradient."""
+        x, y = self.ctx.data.train_batch(indices)
+        share = allreduce_sgd.sample_share(self.sizes[step], self.replica.index)
+        return self.replica.gradients(x, y, scale=share)
+
+    def _reduce(self, stats: BatchStats) -> BatchStats:
+        """Wait for the gradient's last buckets, the trailer with them; the step's global sums."""
+        trailer = self.trailer
+        trailer[:] = (stats.n, stats.loss_sum, stats.metric_sum, float(self.ctx.stop.requested))
+        self.replica.share_sums(trailer)
+        self.reducer.finish(trailer)
+        self.ctx.peers.pace.heard()
+        return BatchStats(float(trailer[1]), float(trailer[2]), int(trailer[0]))
+
+    def _step_optimiser(self, total: BatchStats, epoch: int, step: int) -> None:
+        """The same step on every rank from the same gradient: the replicas stay identical."""
+        check_loss(total, epoch, step)
+        self.lr.before_step(epoch, step)
+        allreduce_sgd.apply(self.opt, self.backend.rule_grads)
+
+    def _validate_at_mark(self, epoch: int, step: int) -> None:
+        """--validate-every-samples: validate when the run's sample count passes a mark."""
+        marks, seen = self.marks, self.samples_seen
+        if marks is None or not marks.due(seen):
+            return
+        # Every rank passes the mark at the same step (the trailer's global count).
+        marks.passed(seen)
+        val = self._validate()
+        if self.ctx.is_leader:
+            self.ctx.log.emit(
+                "val",
+                sample_validation(seen, val, self.backend.metric_name),
+                step=epoch * self.n_batches + step + 1,
+                epoch=epoch,
+            )
+
+    def end_epoch(self, epoch: int) -> bool:
+        """Validate, report, decide; True when early stopping ends the run."""
+        ctx = self.ctx
+        val = None
+        if (epoch + 1) % ctx.options.validate_every == 0 or epoch + 1 == ctx.options.epochs:
+            val = self._validate()
+        tally = self.tally
+        metrics = epoch_metrics(
+            epoch, tally, val, time.time() - tally.started, self.backend.metric_name, self.samples_seen
+        )
+        metrics.update(lr_metrics(ctx.worker_lr, None, epoch))
+        self.history.append(metrics)
+        if ctx.is_leader:
+            # Every rank holds the same global metrics; one record per epoch, like a master's.
+            ctx.log.emit("epoch", metrics, step=(epoch + 1) * self.n_batches, epoch=epoch + 1)
+        ctx.say(format_epoch(metrics, ctx.options.epochs))
+        ctx.watch_loss(metrics)
+        decision = ctx.early.update(metrics)
+        if ctx.checkpoint_due(epoch + 1) or decision.stop:
+            self._save(f"epoch-{epoch + 1:04d}", epoch + 1, 0)
+        if decision.stop:
+            self.stop_reason = decision.reason
+        return decision.stop
+
+    def _validate(self) -> BatchStats:
+        # Without --sync-batchnorm each replica's statistics are its own: averaged first.
+        model_state = None if self.shared_statistics else self.model_state
+        return _validate(self.ctx, self.replica, self.val_indices, model_state)
+
+    def _save(self, label: str, epoch: int, step: int) -> None:
+        """This rank's share of checkpoint `label`, written on the checkpoint thread."""
+        ctx = self.ctx
         save_rank_state(
             ctx,
             label,
-            opt,
+            self.opt,
             None,
             {
                 "epoch": epoch,
                 "step": step,
                 "early": ctx.early.to_json(),
-                "samples_seen": samples_seen,
-                **ctx.history_file.checkpoint(history),
+                "samples_seen": self.samples_seen,
+                **ctx.history_file.checkpoint(self.history),
             },
-            own=reducer.state_arrays(),
-            same_as=replica.twin,
-            writer=writer,
+            own=self.reducer.state_arrays(),
+            same_as=self.replica.twin,
+            writer=self.checkpoints.writer,
         )
 
-    def settle_checkpoints(block: bool) -> None:
+    def _finish(self, epoch: int) -> RunResult | None:
+        """The run's record and, on its first rank, the final weights and result."""
+        ctx, reducer = self.ctx, self.reducer
+        self.report.emit(epoch, 0)
+        reducer.close()
+        reason = self.stop_reason or f"completed {ctx.options.epochs} epochs"
+        faults = {"restarts": ctx.attempt} if ctx.attempt else {}
+        ctx.log.emit(
+            "run",
+            {
+                "status": "stopped" if self.stop_reason else "completed",
+                "reason": reason,
+                "allreduce": reducer.way,
+                **faults,
+            },
+        )
+        ctx.log.close()
+        final = self.replica.final_arrays()
+        if self.rank != 0:
+            return None
+        if final is None:
+            raise RuntimeError("rank 0 of the run gathered no final weights")
+        return write_final(ctx.run_dir, final, self.history, reason, time.time() - self.started, faults)
+
+
+class CheckpointAgreement:
+    """Checkpoints that every rank writes a share of, committed once all shares are on disk.
+
+    Each rank writes its share on a thread (train/writer.py), from copies: the ranks go on
+    training. Once its share is on disk a rank starts a barrier for that checkpoint (in
+    the same order on every rank); when the barrier is done, every rank's is, and rank 0
+    commits it (on its writer, after its own share). The barriers have a communicator of
+    their own: each rank starts one between other steps' gradient buckets, and
+    collectives on one communicator must start in the same order on every rank."""
+
+    def __init__(self, ctx: RankContext, comm):
+        self.ctx = ctx
+        self.rank = comm.Get_rank()
+        self.writer = CheckpointWriter()
+        self.comm = comm.Dup()
+        self.agreeing: list = []  # (label, barrier) of the shares this rank has written, oldest first
+
+    def settle(self, block: bool) -> None:
         """Start the barriers of the shares written since, commit the checkpoints every rank
         has written; `block`: until every checkpoint saved is committed."""
+        collectives, writer = self.ctx.peers.collectives, self.writer
         for label in writer.finish() if block else writer.written():
-            agreeing.append((label, collectives.start_barrier(checkpoint_comm, f"checkpoint {label}")))
-        while agreeing and (block or agreeing[0][1].done()):
-            label, barrier = agreeing.pop(0)
+            self.agreeing.append((label, collectives.start_barrier(self.comm, f"checkpoint {label}")))
+        while self.agreeing and (block or self.agreeing[0][1].done()):
+            label, barrier = self.agreeing.pop(0)
             barrier.wait()
-            if rank == 0:
-                meta = {
-                    "label": label,
-                    "layout": ctx.layout.to_dict(),
-                    "options": ctx.options.to_dict(),
-                    "world_ranks": ctx.world_ranks,
-                    "time": time.time(),
-                }
-                writer.submit(functools.partial(ctx.checkpoints.commit, label, meta))
+            if self.rank == 0:
+                self._commit(label)
         if block:
             writer.finish()
 
-    def begin_epoch(epoch: int) -> list[np.ndarray]:
-        nonlocal tally, sizes, n_batches
-        tally = EpochTally()
-        batches = plan.epoch(epoch, replica.index)
-        sizes, n_batches = plan.step_sizes(epoch), len(batches)
-        return batches
+    def _commit(self, label: str) -> None:
+        ctx = self.ctx
+        meta = {
+            "label": label,
+            "layout": ctx.layout.to_dict(),
+            "options": ctx.options.to_dict(),
+            "world_ranks": ctx.world_ranks,
+            "time": time.time(),
+        }
+        self.writer.submit(functools.partial(ctx.checkpoints.commit, label, meta))
 
-    def train_step(epoch: int, step: int, indices: np.ndarray, last: bool) -> bool:
-        """One batch, its gradient summed over every rank; True when a rank asked to stop."""
-        nonlocal samples_seen, stop_reason
-        t0 = time.perf_counter()
-        sent = reducer.bytes_sent  # the buckets start during backward
-        x, y = ctx.data.train_batch(indices)
-        share = allreduce_sgd.sample_share(sizes[step], replica.index)
-        stats = replica.gradients(x, y, scale=share)
-        t1 = time.perf_counter()
-        trailer[:] = (stats.n, stats.loss_sum, stats.metric_sum, float(ctx.stop.requested))
-        replica.share_sums(trailer)
-        reducer.finish(trailer)
-        report.bytes_sent += reducer.bytes_sent - sent
-        t2 = time.perf_counter()
-        ctx.peers.pace.heard()
-        global_stats = BatchStats(float(trailer[1]), float(trailer[2]), int(trailer[0]))
-        check_loss(global_stats, epoch, step)
-        lr.before_step(epoch, step)
-        allreduce_sgd.apply(opt, backend.rule_grads)
-        t3 = time.perf_counter()
-        report.phases["compute"] += t1 - t0
-        report.phases["wait"] += t2 - t1
-        report.phases["update"] += t3 - t2
-        tally.train.add(global_stats)
-        samples_seen += global_stats.n
-        if marks is not None and marks.due(samples_seen):
-            # Every rank passes the mark at the same step (the trailer's global count).
-            marks.passed(samples_seen)
-            val = _validate(ctx, replica, val_indices, None if shared_statistics else model_state)
-            if ctx.is_leader:
-                ctx.log.emit(
-                    "val",
-                    sample_validation(samples_seen, val, backend.metric_name),
-                    step=epoch * n_batches + step + 1,
-                    epoch=epoch,
-                )
-        report.add(stats)
-        if report.due:
-            report.emit(epoch, step)
-        if trailer[3] > 0:
-            stop_reason = ctx.stop.reason or "stopped: requested on another rank"
-            save(f"stopped-{epoch:04d}{step + 1:06d}", epoch, step + 1)
-            return True
-        settle_checkpoints(block=False)
-        return False
+    def abandon(self) -> None:
+        """The run failed: a restart reads the checkpoints, not while this rank's writer is at one."""
+        self.writer.settle()
 
-    def end_epoch(epoch: int) -> bool:
-        """Validate, report, decide; True when early stopping ends the run."""
-        nonlocal stop_reason
-        val = None
-        if (epoch + 1) % ctx.options.validate_every == 0 or epoch + 1 == ctx.options.epochs:
-            val = _validate(ctx, replica, val_indices, None if shared_statistics else model_state)
-        metrics = epoch_metrics(epoch, tally, val, time.time() - tally.started, backend.metric_name, samples_seen)
-        metrics.update(lr_metrics(ctx.worker_lr, None, epoch))
-        history.append(metrics)
-        if ctx.is_leader:
-            # Every rank holds the same global metrics; one record per epoch, like a master's.
-            ctx.log.emit("epoch", metrics, step=(epoch + 1) * n_batches, epoch=epoch + 1)
-        ctx.say(format_epoch(metrics, ctx.options.epochs))
-        ctx.watch_loss(metrics)
-        decision = ctx.early.update(metrics)
-        if ctx.checkpoint_due(epoch + 1) or decision.stop:
-            save(f"epoch-{epoch + 1:04d}", epoch + 1, 0)
-        if decision.stop:
-            stop_reason = decision.reason
-        return decision.stop
-
-    try:
-        epoch = run_epochs(start_epoch, start_step, ctx.options.epochs, begin_epoch, train_step, end_epoch)
-        settle_checkpoints(block=True)
-    except BaseException:
-        writer.settle()  # a restart reads the checkpoints: not while this rank's writer is at one
-        raise
-    finally:
-        checkpoint_comm.Free()
-    report.emit(epoch, 0)
-    reducer.close()
-    reason = stop_reason or f"completed {ctx.options.epochs} epochs"
-    faults = {"restarts": ctx.attempt} if ctx.attempt else {}
-    ctx.log.emit(
-        "run",
-        {"status": "stopped" if stop_reason else "completed", "reason": reason, "allreduce": reducer.way, **faults},
-    )
-    ctx.log.close()
-    final = replica.final_arrays()
-    if rank != 0:
-        return None
-    if final is None:
-        raise RuntimeError("rank 0 of the run gathered no final weights")
-    return write_final(ctx.run_dir, final, history, reason, time.time() - started, faults)
+    def close(self) -> None:
+        self.comm.Free()
 
 
 def _validate(ctx: RankContext, replica: Replica, indices: np.ndarray, model_state: Staging | None) -> BatchStats:

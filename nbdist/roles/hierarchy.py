@@ -26,7 +26,7 @@ weights), the top master's own step (its rule on its own workers) being one of t
 As every master averages its own workers' updates, that is one master averaging all
 the workers' (GEM, ADAG, DynSGD; Downpour with a plain sgd master, and with momentum
 each master keeps its own velocity). EASGD's steps are summed instead: its elastic force
-is bound to every worker of the run (train/context.py), so each master's step is its
+is bound to every worker of the run (train/settle.py), so each master's step is its
 workers' share of one elastic round, and the sum is exactly one master serving them all.
 
 Message, as a worker's: [header | delta | model state] (the state is the mean of its

@@ -1,20 +1,5 @@
-"""Which rank does what: roles and sub-communicators from (N_G, N_F, N_M, N_W, N_P).
-
-One training run or HPO study occupies
-
-    N_ranks = [1] + N_G x N_F x (N_M + N_M x N_W x N_P)      (master-worker)
-    N_ranks = [1] + N_G x N_F x N_W x N_P                     (allreduce)
-
-ranks: an optional coordinator, then group by group and fold by fold; inside a fold
-master 0, its workers, master 1, its workers, ... (allreduce: the workers), each worker's
-processes contiguous. Keeping every unit contiguous makes the rank ranges in a tree, a
-log line or a `mpiexec --map-by` hint easy to read, and puts the processes of one worker
-next to each other, where a block mapping places them on the same node.
-
-Nothing else in nbdist computes "which rank am I": topologies, the training loop and the
-dashboard all ask a `Layout`. mpi4py is imported only by `Layout.split`, so layouts can be
-built, checked and printed in a notebook kernel that has no MPI.
-"""
+"""Layout: the roles of N_ranks MPI ranks, built from (N_G, N_F, N_M, N_W, N_P), inferred
+from a rank count, and checked with errors that say how to fix them."""
 
 from __future__ import annotations
 
@@ -22,12 +7,14 @@ import numbers
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from nbdist.errors import UserError
+from nbdist.layout.communicators import Communicators, split_communicators
+from nbdist.layout.roles import LayoutError, Role
+from nbdist.layout.tree import draw_tree, layout_nodes, plural
 
 if TYPE_CHECKING:  # pragma: no cover
     from mpi4py import MPI
 
-__all__ = ["Layout", "Role", "LayoutError", "Communicators"]
+__all__ = ["Layout", "TOPOLOGIES"]
 
 TOPOLOGIES = ("master-worker", "allreduce")
 
@@ -42,92 +29,11 @@ _FLAG = {
 }
 
 
-class LayoutError(UserError, ValueError):
-    """A rank layout that cannot be built; the message says why and how to fix it."""
-
-
-@dataclass(frozen=True, slots=True)
-class Role:
-    """What one world rank is in a `Layout`."""
-
-    rank: int
-    kind: str  # "coordinator" | "master" | "worker"
-    group: int | None
-    fold: int | None
-    master: int | None  # a worker's master; None in allreduce and for the coordinator
-    worker: int | None  # under its master (allreduce: within the fold)
-    proc: int | None  # within its worker; 0 is the leader
-
-    @property
-    def run(self) -> tuple[int, int]:
-        """(group, fold) of a rank of a run (the coordinator is in none: LayoutError)."""
-        if self.group is None or self.fold is None:
-            raise LayoutError(f"{self} is in no run")
-        return self.group, self.fold
-
-    @property
-    def master_index(self) -> int:
-        """A master's index, or a worker's master's (LayoutError where there is none)."""
-        return _present(self.master, "master", self)
-
-    @property
-    def worker_index(self) -> int:
-        return _present(self.worker, "worker", self)
-
-    @property
-    def proc_index(self) -> int:
-        """The process within its worker (0: the leader)."""
-        return _present(self.proc, "process of a worker", self)
-
-    @property
-    def is_top_master(self) -> bool:
-        return self.kind == "master" and self.master == 0
-
-    @property
-    def is_sub_master(self) -> bool:
-        return self.kind == "master" and (self.master or 0) > 0
-
-    @property
-    def is_leader(self) -> bool:
-        return self.kind == "worker" and self.proc == 0
-
-    def __str__(self) -> str:
-        if self.kind == "coordinator":
-            return f"rank {self.rank}: coordinator"
-        where = f"group {self.group}, fold {self.fold}"
-        if self.kind == "master":
-            return f"rank {self.rank}: master {self.master} ({where})"
-        boss = "" if self.master is None else f" of master {self.master}"
-        return f"rank {self.rank}: worker {self.worker}{boss}, process {self.proc} ({where})"
-
-
-def _present(index: int | None, what: str, role: Role) -> int:
-    if index is None:
-        raise LayoutError(f"{role} has no {what} index")
-    return index
-
-
-def _plural(count: int | str, word: str) -> str:
-    # `count` may be the symbol "W" in messages about the worker count to choose.
-    if str(count) == "1":
-        return f"1 {word}"
-    return f"{count} {word}es" if word.endswith("s") else f"{count} {word}s"
-
-
 def _count(name: str, value: Any) -> int:
     # bool is an int to Python, but `workers=True` is a bug, not a count.
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise LayoutError(f"{name} must be a whole number >= 1, got {value!r}: set {_FLAG[name]} to 1 or more")
     return int(value)
-
-
-def ranks_text(ranks: list[int]) -> str:
-    """'rank 3', 'ranks 3-5' or 'ranks 1, 4'."""
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    if ranks == list(range(ranks[0], ranks[-1] + 1)):
-        return f"ranks {ranks[0]}-{ranks[-1]}"
-    return "ranks " + ", ".join(map(str, ranks))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -202,7 +108,7 @@ class Layout:
             if probe.topology == "master-worker":
                 knobs.insert(0, "--masters")
             raise LayoutError(
-                f"{_plural(size, 'rank')} cannot be laid out as {probe._formula('W')}: "
+                f"{plural(size, 'rank')} cannot be laid out as {probe._formula('W')}: "
                 f"this layout needs {needs} ranks for W workers {per} "
                 f"({', '.join(map(str, valid))}, ...): run with mpiexec "
                 f"{' or '.join(runs)}, or change {', '.join(knobs)}"
@@ -300,7 +206,7 @@ class Layout:
         if not (0 <= group < self.groups and 0 <= fold < self.folds):
             raise LayoutError(
                 f"there is no group {group}, fold {fold} in a layout of "
-                f"{_plural(self.groups, 'group')} x {_plural(self.folds, 'fold')}"
+                f"{plural(self.groups, 'group')} x {plural(self.folds, 'fold')}"
             )
         start = int(self.coordinator) + (group * self.folds + fold) * self.ranks_per_run
         return list(range(start, start + self.ranks_per_run))
@@ -309,7 +215,7 @@ class Layout:
 
     def _formula(self, workers: str) -> str:
         """The layout as a product, e.g. "2 groups x 1 fold x (1 master + 4 workers)"."""
-        unit = _plural(workers, "worker")
+        unit = plural(workers, "worker")
         if self.procs_per_worker > 1:
             unit += f" of {self.procs_per_worker} processes"
         if self.topology == "allreduce":
@@ -321,12 +227,12 @@ class Layout:
         if self.groups > 1 or self.folds > 1:
             if self.topology == "master-worker" and self.masters == 1:
                 inner = f"({inner})"
-            inner = f"{_plural(self.groups, 'group')} x {_plural(self.folds, 'fold')} x {inner}"
+            inner = f"{plural(self.groups, 'group')} x {plural(self.folds, 'fold')} x {inner}"
         return f"1 coordinator + {inner}" if self.coordinator else inner
 
     def describe(self) -> str:
         """One line, e.g. "11 ranks: 1 coordinator + 2 groups x 1 fold x (1 master + 4 workers)"."""
-        return f"{_plural(self.n_ranks, 'rank')}: {self._formula(str(self.workers))}"
+        return f"{plural(self.n_ranks, 'rank')}: {self._formula(str(self.workers))}"
 
     def to_dict(self) -> dict[str, Any]:
         """The tree as plain JSON-able data: options, then nested nodes.
@@ -335,53 +241,11 @@ class Layout:
         groups, folds, masters and workers carry their `index`, masters `top`, and
         coordinator/master/worker nodes their own `rank` (a worker's: its leader's).
         """
-        nodes: list[dict[str, Any]] = []
-        if self.coordinator:
-            nodes.append({"kind": "coordinator", "rank": 0, "ranks": [0], "children": []})
-
-        def worker_nodes(ranks: list[int]) -> list[dict[str, Any]]:
-            p = self.procs_per_worker
-            return [
-                {
-                    "kind": "worker",
-                    "index": w,
-                    "rank": ranks[w * p],
-                    "ranks": ranks[w * p : (w + 1) * p],
-                    "children": [],
-                }
-                for w in range(len(ranks) // p)
-            ]
-
-        for g in range(self.groups):
-            folds: list[dict[str, Any]] = []
-            for f in range(self.folds):
-                ranks = self.fold_ranks(g, f)
-                if self.topology == "allreduce":
-                    children = worker_nodes(ranks)
-                else:
-                    per_master = len(ranks) // self.masters
-                    children = []
-                    for m in range(self.masters):
-                        own = ranks[m * per_master : (m + 1) * per_master]
-                        children.append(
-                            {
-                                "kind": "master",
-                                "index": m,
-                                "top": m == 0,
-                                "rank": own[0],
-                                "ranks": own,
-                                "children": worker_nodes(own[1:]),
-                            }
-                        )
-                folds.append({"kind": "fold", "index": f, "ranks": ranks, "children": children})
-            nodes.append(
-                {"kind": "group", "index": g, "ranks": [r for fold in folds for r in fold["ranks"]], "children": folds}
-            )
         options = {
             name: getattr(self, name)
             for name in ("topology", "workers", "masters", "procs_per_worker", "groups", "folds", "coordinator")
         }
-        return {"options": options, "n_ranks": self.n_ranks, "describe": self.describe(), "nodes": nodes}
+        return {"options": options, "n_ranks": self.n_ranks, "describe": self.describe(), "nodes": layout_nodes(self)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Layout:
@@ -390,41 +254,7 @@ class Layout:
 
     def tree(self) -> str:
         """A printable tree; group and fold levels of count 1 are folded into one line."""
-        lines = [f"{self.topology} layout, {self.describe()}"]
-
-        def label(node: dict[str, Any]) -> str:
-            kind = node["kind"]
-            if kind == "coordinator":
-                return "coordinator"
-            text = f"{kind} {node['index']}"
-            if kind == "master" and self.masters > 1:
-                text += " [top master]" if node["top"] else " [sub-master]"
-            return text
-
-        def draw(node: dict[str, Any], text: str, prefix: str, branch: str, below: str) -> None:
-            # A master's line shows its own rank; its workers show theirs below it.
-            ranks = [node["rank"]] if node["kind"] == "master" else node["ranks"]
-            lines.append(f"{prefix}{branch}{text}  {ranks_text(ranks)}")
-            kids = node["children"]
-            for i, kid in enumerate(kids):
-                last = i == len(kids) - 1
-                draw(kid, label(kid), prefix + below, "└── " if last else "├── ", "    " if last else "│   ")
-
-        for node in self.to_dict()["nodes"]:
-            if node["kind"] == "coordinator":
-                draw(node, label(node), "", "", "")
-                continue
-            g = node["index"]
-            if self.groups == 1:
-                # One group: its folds are the roots.
-                for fold in node["children"]:
-                    draw(fold, f"fold {fold['index']} (group {g})", "", "", "")
-            elif self.folds == 1:
-                fold = node["children"][0]
-                draw({**node, "children": fold["children"]}, f"group {g} (fold 0)", "", "", "")
-            else:
-                draw(node, f"group {g}", "", "", "")
-        return "\n".join(lines)
+        return draw_tree(self)
 
     def __str__(self) -> str:
         return self.tree()
@@ -438,8 +268,6 @@ class Layout:
         `MPI.UNDEFINED` and get `MPI.COMM_NULL`), so no rank can wait on a split that
         another rank skipped. Splits that no rank of this topology joins are not made.
         """
-        from mpi4py import MPI
-
         if comm.Get_size() != self.n_ranks:
             # Every rank sees the same size, so every rank raises: no hang.
             raise LayoutError(
@@ -447,83 +275,4 @@ class Layout:
                 f"but the communicator has {comm.Get_size()}: run with mpiexec -n {self.n_ranks}, "
                 f"or build the layout with Layout.for_world({comm.Get_size()}, ...)"
             )
-        role = self.role(comm.Get_rank())
-        undefined = MPI.UNDEFINED
-        in_run = role.kind != "coordinator"
-        group, fold = role.run if in_run else (undefined, undefined)
-        run_index = (group * self.folds + fold) if in_run else undefined
-
-        def split(color: int, key: int = 0) -> MPI.Intracomm:
-            # key defaults to 0 so members keep world-rank order (MPI breaks key ties by rank).
-            return comm.Split(color, key)  # type: ignore[return-value]  # mpi4py's stubs: Comm
-
-        comms = Communicators(world=comm, role=role)
-        comms.run = split(run_index)
-        comms.group = split(group)
-        if self.topology == "master-worker":
-            if role.kind == "master":
-                comms.block = split(run_index * self.masters + role.master_index, 0)
-            elif role.is_leader:
-                comms.block = split(run_index * self.masters + role.master_index, role.worker_index + 1)
-            else:
-                comms.block = split(undefined)
-            is_master = role.kind == "master"
-            comms.masters = split(run_index if is_master else undefined, role.master or 0)
-        # A worker's leader rank is unique in the world: a ready-made colour for its processes.
-        leader = role.rank - (role.proc or 0)
-        comms.worker = split(leader if role.kind == "worker" else undefined, role.proc or 0)
-        if self.topology == "allreduce":
-            comms.leaders = split(run_index if role.is_leader else undefined, role.worker or 0)
-            if self.procs_per_worker > 1:
-                is_worker = role.kind == "worker"
-                comms.stage = split(
-                    run_index * self.procs_per_worker + role.proc_index if is_worker else undefined, role.worker or 0
-                )
-        return comms
-
-
-def _null() -> Any:
-    from mpi4py import MPI
-
-    return MPI.COMM_NULL
-
-
-@dataclass(slots=True)
-class Communicators:
-    """The calling rank's communicators; `MPI.COMM_NULL` where it is not a member.
-
-    run      all ranks of this rank's fold (one training run), in world-rank order
-    group    all ranks of this rank's group
-    block    master-worker: master m (rank 0) + the leader of each of its workers (w + 1)
-    masters  master-worker: the masters of the fold, top master = rank 0
-    worker   the processes of this rank's worker, leader = rank 0
-    leaders  allreduce: the leaders of all workers of the fold, worker w = rank w
-    stage    allreduce with several processes per worker: process p of every worker of the
-             fold, worker w = rank w (pipeline replicas reduce stage p's gradient over it)
-    """
-
-    world: Any
-    role: Role
-    run: Any = field(default_factory=_null)
-    group: Any = field(default_factory=_null)
-    block: Any = field(default_factory=_null)
-    masters: Any = field(default_factory=_null)
-    worker: Any = field(default_factory=_null)
-    leaders: Any = field(default_factory=_null)
-    stage: Any = field(default_factory=_null)
-
-    def free(self) -> None:
-        """Free the sub-communicators `split` made (never `world`); safe to call twice."""
-        from mpi4py import MPI
-
-        for name in ("run", "group", "block", "masters", "worker", "leaders", "stage"):
-            comm = getattr(self, name)
-            if comm != MPI.COMM_NULL:
-                comm.Free()
-            setattr(self, name, MPI.COMM_NULL)
-
-    def __enter__(self) -> Communicators:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.free()
+        return split_communicators(self, comm)

@@ -1,45 +1,33 @@
-"""The options of a training run: one typed config behind the CLI, the magics and the API.
-
-Each field carries its flag and help; `add_arguments` builds the argparse parser from
-them, so `python -m nbdist train`, `%%distnn train` and `nbdist.train(...)` take the same
-names with the same meaning. Validation that needs no model happens here, at the edge.
-
-The options that name an extension (--algorithm, --compression, --allreduce-backend,
---searcher) list its registry's entries in their help, made when the parser is built
-(nbdist.registry): a rule registered by the user's code is listed too.
-"""
+"""TrainOptions: the options of a training run, each field with its flag and help, and
+the checks that need no model."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-import math
-import numbers
-import re
-from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from nbdist.algorithms import RULES
 from nbdist.errors import OptionsError
-from nbdist.registry import Registry
-from nbdist.store import check_store, mask_url
+from nbdist.options.fields import _opt, check_types, flag
+from nbdist.options.target import parse_target
+from nbdist.store import check_store
 from nbdist.transport.compression import CODECS, parse_compression
 from nbdist.transport.reducers import REDUCERS
 
 __all__ = [
     "TrainOptions",
-    "StudyOptions",
-    "add_arguments",
-    "add_study_arguments",
-    "options_from_args",
-    "require_model",
-    "saved_run_options",
-    "study_options_from_args",
-    "Target",
-    "parse_target",
+    "TOPOLOGIES",
+    "MOMENTUM_CORRECTIONS",
+    "DEVICES",
+    "LR_SCALINGS",
+    "PRECISIONS",
+    "WORKER_PARALLELS",
+    "PIPELINE_SCHEDULES",
+    "BUSY_POLLS",
+    "DEFAULT_LR_SCALING",
+    "allreduce_backends",
 ]
 
 TOPOLOGIES = ("master-worker", "allreduce")
@@ -60,18 +48,6 @@ PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 # between short sleeps; auto picks by whether the node's ranks fit its cores.
 BUSY_POLLS = ("auto", "on", "off")
 DEFAULT_LR_SCALING = "none"
-
-
-def _opt(default: Any, help: str, **extra: Any) -> Any:
-    """A field with its --help text; `registry` (a Registry, or the kind of one made in a
-    package the options may not import) lists its entries after the text, `listed_default`
-    the entry marked as the default there."""
-    return field(default=default, metadata={"help": help, **extra})
-
-
-def _registry_help(registry: Registry[Any] | str, default: str | None) -> str:
-    entries = Registry.named(registry) if isinstance(registry, str) else registry
-    return entries.help_text(default=default)
 
 
 def allreduce_backends() -> list[str]:
@@ -442,306 +418,3 @@ class TrainOptions:
 
     def replace(self, **changes: Any) -> TrainOptions:
         return dataclasses.replace(self, **changes)
-
-
-def flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def add_arguments(
-    parser: argparse.ArgumentParser,
-    *,
-    skip: tuple[str, ...] = (),
-    config: type | None = None,
-    registries: Mapping[str, Registry[Any]] | None = None,
-) -> None:
-    """Add every field of `config` (TrainOptions by default) to `parser` as --kebab-case flags.
-    `registries`: by kind, those a field names by kind (default: Registry.named(kind))."""
-    for f in fields(config or TrainOptions):
-        if f.name in skip:
-            continue
-        meta = dict(f.metadata)
-        helptext = meta.pop("help")
-        registry, listed_default = meta.pop("registry", None), meta.pop("listed_default", None)
-        if isinstance(registry, str) and registry in (registries or {}):
-            registry = (registries or {})[registry]
-        if registry is not None:
-            # argparse formats help with %: a docstring's % must stay itself.
-            helptext += ": " + _registry_help(registry, listed_default).replace("%", "%%")
-        kind, _ = field_kind(f)
-        if kind is bool:
-            parser.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, default=None, help=helptext)
-            continue
-        if listed_default is None:  # a registry's list marks its default itself
-            helptext += f" (default: {f.default})"
-        parser.add_argument(flag(f.name), type=kind, default=None, help=helptext, **meta)
-
-
-_KINDS = {
-    "int": (int, "a whole number"),
-    "float": (float, "a number"),
-    "str": (str, "a string"),
-    "bool": (bool, "True or False"),
-}
-
-
-def field_kind(f: dataclasses.Field) -> tuple[type, bool]:
-    """An option's value type and whether it may be None, from its annotation ('int | None')."""
-    text = str(f.type)
-    return _KINDS[text.removesuffix(" | None")][0], text.endswith(" | None")
-
-
-def check_types(config: Any) -> None:
-    """Each option of a TrainOptions or StudyOptions holds its kind of value: from Python
-    (nbdist.train(..., epochs="5")) a wrong one would fail deep inside the run."""
-    for f in fields(config):
-        kind, optional = field_kind(f)
-        value = getattr(config, f.name)
-        if value is None and optional:
-            continue
-        if kind is bool:
-            fits = isinstance(value, bool)
-        elif kind is str:
-            fits = isinstance(value, str)
-        else:  # numbers, not flags; numpy's count too
-            fits = (
-                isinstance(value, numbers.Integral if kind is int else numbers.Real)
-                and not isinstance(value, bool)
-                and math.isfinite(value)
-            )
-        if not fits:
-            name = _KINDS[str(f.type).removesuffix(" | None")][1]
-            raise OptionsError(f"{flag(f.name)} must be {name}{' or None' if optional else ''}, got {value!r}")
-
-
-def options_from_args(args: argparse.Namespace, base: TrainOptions | None = None) -> TrainOptions:
-    """Options given on the command line over `base`: by default the saved options of
-    the run named by --resume, else the defaults. A resume fills its own ranks: the
-    saved worker count was the old job's size (train/relayout.py)."""
-    if base is None and getattr(args, "resume", None):
-        base = saved_run_options(args.resume).replace(workers=None)
-    given = {f.name: getattr(args, f.name) for f in fields(TrainOptions) if getattr(args, f.name, None) is not None}
-    return (base or TrainOptions()).replace(**given)
-
-
-def require_model(options: TrainOptions, defines: str = "build_model()") -> TrainOptions:
-    """`options`, or one error when they name no model file (the command line's run needs one)."""
-    model_file(options, defines)
-    return options
-
-
-def model_file(options: TrainOptions, defines: str = "build_model()") -> str:
-    """The model file `options` name, or one error when they name none."""
-    if not options.model:
-        raise OptionsError(f"--model is required: a Python file that defines {defines}")
-    return options.model
-
-
-def saved_run_options(run_dir: str | Path) -> TrainOptions:
-    """The options a run directory was trained with (what --resume continues), or one
-    error saying why `run_dir` is not a run directory."""
-    saved = Path(run_dir) / "options.json"
-    if not saved.parent.is_dir():
-        problem = "no such directory" if not saved.parent.exists() else "a file, not a directory"
-        raise OptionsError(
-            f"--resume {run_dir}: {problem}; give a run directory (the one a run printed as "
-            f"'results in RUNS_DIR/<run>')"
-        )
-    try:
-        options = TrainOptions.from_dict(json.loads(saved.read_text()))
-        # Runs of older versions saved a store URL with its password masked as ***: the
-        # URL without it connects (libpq finds the password in PGPASSWORD or ~/.pgpass).
-        return options.replace(store=options.store and mask_url(options.store, None))
-    except FileNotFoundError:
-        raise OptionsError(f"--resume {run_dir}: not a run directory (no options.json in it)") from None
-    except (OSError, ValueError, TypeError) as exc:
-        raise OptionsError(f"--resume {run_dir}: its options.json cannot be read ({exc})") from None
-
-
-# -- hyper-parameter studies ----------------------------------------------------------
-DIRECTIONS = ("minimize", "maximize")
-
-
-@dataclass
-class StudyOptions:
-    """A study's own options; each trial trains with the TrainOptions given beside them
-    (the parameters named like TrainOptions fields override those per trial)."""
-
-    space: str | None = _opt(
-        None,
-        'the search space, e.g. "lr=log(1e-4,1e-1) hidden=int(16,256) '
-        'optimizer=cat(adam,sgd,rmsprop)"; kinds: real/uniform, log, int, logint, cat',
-    )
-    searcher: str = _opt(
-        "bayes",
-        "how the trials' points are chosen, optionally with parameters, e.g. 'evolution(population=20)'",
-        registry="searcher",  # nbdist.hpo.searcher.SEARCHERS (nbdist.hpo imports the options)
-        listed_default="bayes",
-    )
-    trials: int = _opt(20, "trials in all (the study's budget)")
-    groups: int = _opt(1, "trials trained at once, each on its own group of ranks")
-    folds: int = _opt(1, "K-fold cross-validation: folds per trial, trained in parallel, fom = their mean")
-    objective: str = _opt(
-        "val_loss",
-        "the figure of merit: a metric of the trial's last epoch; several, comma-separated, make a "
-        "multi-objective study (val_acc,params) whose result is a Pareto front: any recorded metric, params "
-        "(the model's parameter count) or a function of the trained model in the model file's `objectives` dict",
-    )
-    direction: str | None = _opt(
-        None,
-        "minimize or maximize the objective (default: maximize accuracies and AUCs, minimize the rest); "
-        "one per objective, comma-separated, in a multi-objective study",
-    )
-    goal: str | None = _opt(None, "stop the study when a trial reaches this, e.g. 'val_acc > 0.98'")
-    prune: bool = _opt(
-        False, "median pruner: stop a trial that is worse than the median of earlier trials at the same epoch"
-    )
-    prune_warmup: int = _opt(3, "trials that must have finished before the pruner stops any")
-    scheduler: str = _opt(
-        "fifo",
-        "how the trials share the groups' epochs: fifo (each trains all its epochs), "
-        "median(warmup_trials=3, warmup_epochs=1) (what --prune sets), asha(min_epochs=1, max_epochs=--epochs, "
-        "reduction=3), hyperband(min_epochs=1, max_epochs=--epochs, reduction=3), pbt(interval=1, "
-        "quantile=0.25, perturb=0.2, resample=0.25) or pb2(interval=1, quantile=0.25)",
-    )
-    budget_epochs: int | None = _opt(
-        None, "the study's budget in training epochs, over all its trials: no trial starts or goes on past it"
-    )
-    budget_time: float | None = _opt(
-        None, "the study's budget in seconds: no trial starts after it, and the running ones stop"
-    )
-    study_name: str | None = _opt(None, "the study's name in the run store (default: time and searcher)")
-    resume_study: str | None = _opt(
-        None, "a study to continue (its name): unfinished trials are trained again, finished ones are kept"
-    )
-
-    def validate(self) -> StudyOptions:
-        check_types(self)
-        if not self.space and not self.resume_study:
-            raise OptionsError('a study needs --space, e.g. --space "lr=log(1e-4,1e-1) hidden=int(16,256)"')
-        for name in ("trials", "groups", "folds"):
-            if int(getattr(self, name)) < 1:
-                raise OptionsError(f"{flag(name)} must be at least 1, got {getattr(self, name)}")
-        if self.prune_warmup < 1:
-            raise OptionsError(f"--prune-warmup must be at least 1, got {self.prune_warmup}")
-        if self.budget_epochs is not None and self.budget_epochs < 1:
-            raise OptionsError(f"--budget-epochs must be at least 1, got {self.budget_epochs}")
-        if self.budget_time is not None and self.budget_time <= 0:
-            raise OptionsError(f"--budget-time must be a number of seconds above 0, got {self.budget_time}")
-        scheduler = self.scheduler.split("(")[0].strip().lower()
-        if self.prune and scheduler not in ("fifo", "median"):
-            raise OptionsError(
-                f"--prune sets the median pruner, and --scheduler {scheduler} stops trials itself: drop --prune"
-            )
-        objectives = self.objectives
-        if len(set(objectives)) != len(objectives) or not all(objectives):
-            raise OptionsError(f"--objective {self.objective!r}: name each objective once, e.g. val_acc,params")
-        if self.direction is not None:
-            given = [d.strip() for d in self.direction.split(",")]
-            wrong = [d for d in given if d not in DIRECTIONS]
-            if wrong:
-                raise OptionsError(f"--direction must be minimize or maximize, got {wrong[0]!r}")
-            if len(given) != len(objectives):
-                example = ",".join(_direction_of(o) for o in objectives)
-                raise OptionsError(
-                    f"--direction {self.direction!r} gives {len(given)} direction{'s' if len(given) > 1 else ''} "
-                    f"for {len(objectives)} objective{'s' if len(objectives) > 1 else ''} "
-                    f"({', '.join(objectives)}): give one per objective, e.g. --direction {example}"
-                )
-        if self.goal is not None:
-            parse_target(self.goal)
-        if self.study_name is not None and "/" in self.study_name:
-            raise OptionsError(
-                f"--study-name {self.study_name!r}: its trials' run directories are named after it; "
-                f"give a name without '/'"
-            )
-        return self
-
-    @property
-    def objectives(self) -> list[str]:
-        """--objective's names (several: a multi-objective study)."""
-        return [name.strip() for name in self.objective.split(",")]
-
-    @property
-    def resolved_directions(self) -> list[str]:
-        """Each objective's direction: as given, or by its name."""
-        if self.direction:
-            return [d.strip() for d in self.direction.split(",")]
-        return [_direction_of(name) for name in self.objectives]
-
-    @property
-    def resolved_direction(self) -> str:
-        return ",".join(self.resolved_directions)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> StudyOptions:
-        unknown = sorted(set(values) - {f.name for f in fields(cls)})
-        if unknown:
-            raise OptionsError(f"unknown study option(s): {', '.join(unknown)}")
-        return cls(**values)
-
-    def replace(self, **changes: Any) -> StudyOptions:
-        return dataclasses.replace(self, **changes)
-
-
-def _direction_of(objective: str) -> str:
-    name = objective.lower()
-    return "maximize" if "acc" in name or name.endswith("auc") else "minimize"
-
-
-# What a study's trials cannot take from the command line: each trial's run has its own
-# directory and name, and a study resumes with --resume-study.
-STUDY_SKIPS = ("resume", "run_name")
-
-
-def add_study_arguments(parser: argparse.ArgumentParser, searchers: Registry[Any] | None = None) -> None:
-    """The study's options, then every training option a trial uses. `searchers`: the
-    registry --searcher lists (nbdist.hpo.SEARCHERS; the options may not import it)."""
-    add_arguments(parser, config=StudyOptions, registries={"searcher": searchers} if searchers else None)
-    add_arguments(parser, skip=STUDY_SKIPS)
-
-
-def study_options_from_args(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The study options and the training options given on the command line (only those
-    given: a resumed study keeps its saved ones for the rest; nbdist.hpo.resolve_options)."""
-    study = {f.name: getattr(args, f.name) for f in fields(StudyOptions) if getattr(args, f.name, None) is not None}
-    train = {
-        f.name: getattr(args, f.name)
-        for f in fields(TrainOptions)
-        if f.name not in STUDY_SKIPS and getattr(args, f.name, None) is not None
-    }
-    return study, train
-
-
-# -- target conditions --------------------------------------------------------------
-_TARGET = re.compile(r"^\s*([A-Za-z_][\w.]*)\s*(>=|<=|>|<)\s*([-+0-9.eE]+)\s*$")
-_COMPARE = {">": float.__gt__, ">=": float.__ge__, "<": float.__lt__, "<=": float.__le__}
-
-
-@dataclass(frozen=True, slots=True)
-class Target:
-    metric: str
-    op: str
-    value: float
-
-    def reached(self, metrics: dict[str, float]) -> bool:
-        if self.metric not in metrics:
-            return False
-        return _COMPARE[self.op](float(metrics[self.metric]), self.value)
-
-    def __str__(self) -> str:
-        return f"{self.metric} {self.op} {self.value:g}"
-
-
-def parse_target(text: str) -> Target:
-    match = _TARGET.match(text)
-    if not match:
-        raise OptionsError(f"cannot read --target {text!r}: write metric, comparison, number, e.g. 'val_acc > 0.97'")
-    try:
-        value = float(match.group(3))
-    except ValueError:
-        raise OptionsError(f"--target {text!r}: {match.group(3)!r} is not a number") from None
-    return Target(match.group(1), match.group(2), value)
