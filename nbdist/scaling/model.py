@@ -23,9 +23,20 @@ masters    master after every W updates and waits for the reply, which stretches
            service; the top master serves its own workers and the sub-masters' pushes (a
            two-class network). Solved together by fixed-point iteration.
 
-More ranks than cores on a node (the points a 2-core machine can measure beyond 2 ranks)
-share the cores (processor sharing); waiting ranks then sleep between polls, which adds
-half a poll sleep to each wait.
+More ranks than cores on a node (the points a 2-core machine can measure beyond 2 ranks,
+or fewer where other processes take some of the cores: `Machine.cores` is what they leave)
+share the cores (processor sharing), every time a core's own CPU time as calibrated:
+- allreduce: the ranks take turns; a rank that is done sleeps between polls where the ranks
+  outnumber the node's cores (the others get its share), and polls, keeping its share,
+  where they do not (other processes share the cores);
+- master/worker: the workers share what the masters' services leave (queueing.py); a
+  master's service holds a core, or all the ranks have where that is less than one;
+- time slices: a rank that becomes runnable waits its turn on a core (`turn_s`, measured
+  with one runnable too many, for each beyond the cores); an update waits so for the master
+  to notice it, and what comes meanwhile is served in the same pass, which lowers the
+  staleness below W - 1; a synchronous step loses `slicing_s` to it;
+- waiting ranks sleep between polls where they outnumber the node's cores, which adds at
+  least half a poll sleep to each wait.
 """
 
 from __future__ import annotations
@@ -80,7 +91,7 @@ class _Exchange:
     service: float
     talk: float  # the worker's own exchange costs (a part of `compute` for the CPU)
     sweep: float  # the master's look at every client's posted receive, once per pass
-    wake: float = 0.0  # a sleeping master's delay to notice an update (a part of `delay`)
+    wake: float = 0.0  # the master's delay to notice an update: asleep, or waiting for its turn on a core
 
 
 class PerformanceModel:
@@ -114,6 +125,14 @@ class PerformanceModel:
         with each one more."""
         return self.cal.round_extra_s * max(0.0, runnable - self.machine.cores)
 
+    def turn_s(self, runnable: float) -> float:
+        """How long a rank that becomes runnable waits for its turn on a core with
+        `runnable` ranks on a node: the measured wait with one runnable too many, for each
+        one beyond the cores (the ranks' share of them, where other processes take some);
+        where the calibration has no such count, what time-slicing costs a step."""
+        per = self.cal.turn_s or self.cal.round_extra_s
+        return per * max(0.0, runnable - self.machine.cores)
+
     def sleeping_wait_s(self) -> float:
         """What a wait costs more when ranks sleep between polls (more ranks than cores):
         measured, a message's way with its receiver sleeping on busy cores, less its way
@@ -146,7 +165,11 @@ class PerformanceModel:
         loop = cal.allreduce_loop_s
         if per_node > cores:  # the ranks take turns on the cores: every step's work stretches
             share = per_node / cores
-            slowest = compute * makespan(cal.spread, per_node, cores) + self.slicing_s(per_node)
+            if machine.sleeps(ranks):  # a rank that is done sleeps: the others get its share
+                slowest = compute * makespan(cal.spread, per_node, cores)
+            else:  # a rank that is done polls (the node has a core per rank): it keeps its share
+                slowest = compute * expected_max(cal.spread, per_node) * share
+            slowest += self.slicing_s(per_node)
             loop *= share
             mean_compute = compute * share
         else:
@@ -205,6 +228,11 @@ class PerformanceModel:
         service = cal.master_fixed_s + cal.apply_s[setup.rule] + receive
         sweep = cal.client_test_s * (workers_per_master + setup.masters - 1)
         wake = self.sleeping_wait_s() if machine.sleeps(ranks) else 0.0
+        # On cores shared with more runnable processes than there are, an update waits for
+        # the master's turn on a core (the time slices of the others): the sharing's
+        # stretch of its service is in the queueing network already, but updates that come
+        # meanwhile are served in the same pass, which is what staleness sees.
+        wake = max(wake, self.turn_s(per_node))
         return _Exchange(compute, delay, service, talk, sweep, wake)
 
     def _network_extra(self) -> float:
@@ -290,7 +318,7 @@ class PerformanceModel:
         # sub-masters' pushes per second); at a sub-master with its workers' and each pull,
         # one per W updates, which the workers answered in the pull's own pass already see.
         top_cycle = w / top_w.x if top_w.x else 0.0
-        top_stale = _staleness(w, top_w, ex, top_s.x * top_cycle)
+        top_stale = _staleness(w, top_w, ex, top_s.x * top_cycle, top_s.x)
         sub_stale = _staleness(w, sub, ex, 1.0 - 1.0 / w)
         staleness = (top_w.x * top_stale + (m - 1) * sub.x * sub_stale) / updates
         extra = {"service_s": sub.s, "response_s": top_w.r}
@@ -386,17 +414,20 @@ def _extra(net: Closed) -> dict[str, float]:
     return {"service_s": net.s, "response_s": net.r}
 
 
-def _waiting(net: Closed, ex: _Exchange, workers: int) -> float:
+def _waiting(net: Closed, ex: _Exchange, workers: int, other_rate: float = 0.0) -> float:
     """Updates an arriving update finds queued behind the one in service, and, where the
-    master sleeps between polls, those that arrive while it wakes (served in the same pass)."""
-    return max(0.0, net.q_seen - net.u) + net.x * ex.wake * (workers - 1) / max(1, workers)
+    master is slow to notice it (asleep, or waiting for its turn on a core), those that
+    arrive meanwhile (served in the same pass): from the other workers, and at `other_rate`
+    per second from other clients (a top master's sub-masters)."""
+    arrivals = net.x * (workers - 1) / max(1, workers) + other_rate
+    return max(0.0, net.q_seen - net.u) + arrivals * ex.wake
 
 
-def _staleness(workers: int, net: Closed, ex: _Exchange, other_versions: float) -> float:
+def _staleness(workers: int, net: Closed, ex: _Exchange, other_versions: float, other_rate: float = 0.0) -> float:
     """Mean versions between a worker's reply and its next update: W - 1 (and whatever else
     moves the master's version meanwhile), less those answered in its own pass: of two
     updates served in one pass, the first one's worker is answered after the second."""
-    paired = 0.5 * min(1.0, _waiting(net, ex, workers)) * (PASS_UPDATES - 1)
+    paired = 0.5 * min(1.0, _waiting(net, ex, workers, other_rate)) * (PASS_UPDATES - 1)
     return max(0.0, workers - 1 + other_versions - paired)
 
 
