@@ -133,12 +133,16 @@ class PerformanceModel:
         per = self.cal.turn_s or self.cal.round_extra_s
         return per * max(0.0, runnable - self.machine.cores)
 
-    def sleeping_wait_s(self) -> float:
+    def sleeping_wait_s(self, others_work: bool = False) -> float:
         """What a wait costs more when ranks sleep between polls (more ranks than cores):
         measured, a message's way with its receiver sleeping on busy cores, less its way
-        with the receiver polling (at least half a poll sleep: the rest of the sleep it is
-        in when its message comes)."""
-        return max(self.cal.poll_sleep_s / 2.0, self.cal.wake_s)
+        with the receiver polling; at least half a poll sleep (the rest of the sleep it is
+        in when its message comes). `others_work`: where other ranks compute while this one
+        waits (master/worker), less the receiver's wait for its turn on a core (`turn_s`):
+        the core does their work meanwhile, which the processor sharing of the cores counts
+        already. In a collective every rank waits at once: nothing fills that wait."""
+        wake = self.cal.wake_s - (self.cal.turn_s if others_work else 0.0)
+        return max(self.cal.poll_sleep_s / 2.0, wake)
 
     # -- allreduce --------------------------------------------------------------------
     def allreduce_s(self, ranks: int, nbytes: int, algorithm: str = "best") -> float:
@@ -223,11 +227,13 @@ class PerformanceModel:
         # way there and back over the network for the workers on other nodes.
         delay = cal.reply_latency_s + off * self._network_extra()
         if machine.sleeps(ranks):
-            delay += 2 * self.sleeping_wait_s()  # the worker's wait for its reply, the master's for the update
+            # the worker's wait for its reply, the master's for the update; a synchronous
+            # round's workers all wait at once, like a collective's ranks
+            delay += 2 * self.sleeping_wait_s(not setup.synchronous)
         receive = (1 - off) * nbytes * cal.p2p_beta_s + off * nbytes * machine.net.beta_s
         service = cal.master_fixed_s + cal.apply_s[setup.rule] + receive
         sweep = cal.client_test_s * (workers_per_master + setup.masters - 1)
-        wake = self.sleeping_wait_s() if machine.sleeps(ranks) else 0.0
+        wake = self.sleeping_wait_s(True) if machine.sleeps(ranks) else 0.0
         # On cores shared with more runnable processes than there are, an update waits for
         # the master's turn on a core (the time slices of the others): the sharing's
         # stretch of its service is in the queueing network already, but updates that come
@@ -289,7 +295,7 @@ class PerformanceModel:
         off = self.machine.nodes_for(ranks) > 1
         push_delay = cal.reply_latency_s + (self._network_extra() if off else 0.0)
         if self.machine.sleeps(ranks):
-            push_delay += 2 * self.sleeping_wait_s()
+            push_delay += 2 * self.sleeping_wait_s(True)
         nbytes = cal.message_bytes
         merge = cal.master_fixed_s + (cal.merge_s or min(cal.apply_s.values()))
         merge += nbytes * (self.machine.net.beta_s if off else cal.p2p_beta_s) + ex.sweep

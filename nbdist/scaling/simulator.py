@@ -238,7 +238,7 @@ class _AsyncRun:
         )
         self.push_delay = cal.reply_latency_s + (model._network_extra() if off else 0.0)
         if machine.sleeps(ranks):
-            self.push_delay += 2 * model.sleeping_wait_s()
+            self.push_delay += 2 * model.sleeping_wait_s(True)
         self.push_cpu = cal.worker_exchange_s.get("downpour", self.talk)
         self.events: list = []
         self.seq = itertools.count()
