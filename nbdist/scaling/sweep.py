@@ -159,6 +159,7 @@ def run_scale(
             cores=cores,
             quick=options.quick,
             run_seconds=options.point_seconds,
+            repeats=options.repeats,
             meter=meter,
             say=tell,
         )
