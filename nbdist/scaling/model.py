@@ -257,7 +257,12 @@ class PerformanceModel:
         net = None
         for _ in range(50):
             service = ex.service + ex.sweep / per_pass
-            if machine.oversubscribed(ranks):
+            if machine.oversubscribed(ranks) and not machine.sleeps(ranks):
+                # Ranks that poll (a core each on the node, other processes taking some)
+                # never leave the cores: each of them, master too, gets an even share.
+                stretch = machine.ranks_per_node(ranks) / machine.cores
+                net = mva(workers, ex.compute * stretch + ex.delay, service * stretch)
+            elif machine.oversubscribed(ranks):
                 net = mva_shared_cores(
                     workers,
                     ex.compute,
@@ -336,9 +341,14 @@ class PerformanceModel:
         cal = self.cal
         w = setup.workers_per_master(ranks) or 1
         ex = self.exchange(setup, batch, w, ranks)
-        if self.machine.oversubscribed(ranks):
-            slowest = ex.compute * makespan(cal.spread, w, self.machine.cores)
-            slowest += self.slicing_s(self.machine.ranks_per_node(ranks))
+        machine = self.machine
+        if machine.oversubscribed(ranks):
+            per_node = machine.ranks_per_node(ranks)
+            if machine.sleeps(ranks):  # as allreduce: a worker that is done sleeps
+                slowest = ex.compute * makespan(cal.spread, w, machine.cores)
+            else:  # or polls, keeping its share (and the master polls too)
+                slowest = ex.compute * expected_max(cal.spread, w) * per_node / machine.cores
+            slowest += self.slicing_s(per_node)
         else:
             slowest = ex.compute * expected_max(cal.spread, w)
         # A round receives every body, then folds them in at once (master_round).

@@ -240,6 +240,18 @@ class _AsyncRun:
         if machine.sleeps(ranks):
             self.push_delay += 2 * model.sleeping_wait_s(True)
         self.push_cpu = cal.worker_exchange_s.get("downpour", self.talk)
+        if shared and not machine.sleeps(ranks):
+            # Ranks that poll never leave the cores: each gets an even share all the time
+            # (as the model has it), so every CPU second stretches alike.
+            stretch = machine.ranks_per_node(ranks) / machine.cores
+            self.compute_work, self.talk, self.push_cpu = (
+                t * stretch for t in (self.compute_work, self.talk, self.push_cpu)
+            )
+            self.pass_fixed, self.per_update, self.merge = (
+                t * stretch for t in (self.pass_fixed, self.per_update, self.merge)
+            )
+            for cpu in self.cpus:
+                cpu.shared = False
         self.events: list = []
         self.seq = itertools.count()
         self.jobs: dict[int, tuple] = {}
