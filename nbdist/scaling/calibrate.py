@@ -139,21 +139,23 @@ BUSY_ROUNDS = 3
 
 def _busy_rounds(comm: Any, backend: Any, data: Any, batch: int, seconds: float, busy: int) -> float:
     """How much slower rank 0's step is while `busy` ranks compute at once than alone (each
-    time with a core of its own, as the probe times steps): the median over BUSY_ROUNDS rounds of alone
-    then together, so that what drifts over the probe (the machine's clock, its neighbours)
-    does not come out as a ratio."""
-    ratios = []
+    time with a core of its own, as the probe times steps), over BUSY_ROUNDS rounds of alone
+    then together: the least of the together times over the least of the alone ones. Other
+    processes' load only slows a step, even its own CPU time (caches, a busy sibling
+    thread), and a burst of it during one together round would otherwise pass for what our
+    own ranks cost each other."""
+    alone: list[float] = []
+    together: list[float] = []
     for _ in range(BUSY_ROUNDS):
-        alone = together = 0.0
         for members in (1, busy):
             idle_barrier(comm, TIMEOUT)
             if comm.Get_rank() < members:
                 median = time_steps(backend, data, batch, seconds / BUSY_ROUNDS, warm=2).median
-                alone, together = (median, together) if members == 1 else (alone, median)
-        if comm.Get_rank() == 0:
-            ratios.append(together / alone)
+                (alone if members == 1 else together).append(median)
     idle_barrier(comm, TIMEOUT)
-    return max(1.0, statistics.median(ratios)) if ratios else 1.0
+    if comm.Get_rank() != 0 or not alone or not together:
+        return 1.0
+    return max(1.0, min(together) / min(alone))
 
 
 def _share(meter: CpuMeter | None, start: float, end: float, ranks: int, cores: int) -> float:
