@@ -10,6 +10,11 @@ from the calibration alone. Per configuration: predicted and measured samples/s 
 staleness, and the errors; then the aim line.
 
 Usage: python bench/scaling_model.py [--quick] [--ranks 4] [--repeats 2] [--model examples/digits_cnn.py]
+       [--setups "easgd gem"] [--runs-dir DIR] [--combine DIR ...]
+
+A sweep too long for one sitting splits by --setups (each part calibrates anew); with
+--runs-dir each part's study stays there, and --combine DIR... prints the aim line over
+the parts' configurations together (no new measurement).
 """
 
 from __future__ import annotations
@@ -48,12 +53,21 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None, help="runs per point, the fastest kept (default 2)")
     parser.add_argument("--model", default=str(ROOT / "examples" / "digits_cnn.py"))
     parser.add_argument("--seconds", type=float, default=2.0, help="seconds each point trains (default 2)")
+    parser.add_argument("--setups", default=None, help="the set-ups to measure (default: the script's list)")
+    parser.add_argument("--runs-dir", default=None, help="keep the study here (default: a temporary directory)")
+    parser.add_argument("--combine", nargs="+", default=None, help="studies kept with --runs-dir: their aim line")
     args = parser.parse_args()
+    if args.combine:
+        checked = [c for directory in args.combine for c in _checked(_records(Path(directory) / "nbdist.db"))]
+        print(f"== combined: {', '.join(args.combine)}")
+        _aim(checked)
+        return
     repeats = args.repeats or (1 if args.quick else 2)
     header("scaling model: predicted (from a 1-2 rank calibration) vs measured")
     print(f"   {time.strftime('%Y-%m-%d %H:%M')}, up to {args.ranks} ranks, {repeats} run(s) per point", flush=True)
     loads = [os.getloadavg()[0]]
-    with tempfile.TemporaryDirectory(prefix="nbdist-scaling-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="nbdist-scaling-") as scratch:
+        tmp = args.runs_dir or scratch
         store = str(Path(tmp) / "nbdist.db")
         command = [
             sys.executable,
@@ -66,7 +80,7 @@ def main() -> None:
             "--model",
             args.model,
             "--setups",
-            QUICK_SETUPS if args.quick else SETUPS,
+            args.setups or (QUICK_SETUPS if args.quick else SETUPS),
             "--repeats",
             str(repeats),
             "--runs-dir",
@@ -88,8 +102,7 @@ def main() -> None:
         if done.returncode != 0:
             print(done.stdout[-3000:], done.stderr[-3000:], sep="\n")
             raise SystemExit(f"the scaling study failed (exit {done.returncode})")
-        with RunStore(store) as opened:
-            found = scale_records(opened, "bench")
+        found = _records(Path(store))
     print(f"   the study took {time.time() - started:.0f} s; load average {loads[0]:.2f} before, {loads[1]:.2f} after")
     calibration = Calibration.from_dict(found["calibration"][-1])
     print(
@@ -98,8 +111,22 @@ def main() -> None:
     )
     print(calibration_text(calibration), *calibration.notes, "", sep="\n")
     comparisons = [Comparison.from_dict(entry) for entry in found["measured"]]
-    checked = [c for c in comparisons if not (c.measured.extra or {}).get("calibration")]
     print(comparison_text(comparisons), "\n", sep="")
+    _aim(_checked(found))
+
+
+def _records(store: Path) -> dict:
+    with RunStore(str(store)) as opened:
+        return scale_records(opened, "bench")
+
+
+def _checked(found: dict) -> list[Comparison]:
+    """The measured configurations but the calibration's own."""
+    comparisons = [Comparison.from_dict(entry) for entry in found["measured"]]
+    return [c for c in comparisons if not (c.measured.extra or {}).get("calibration")]
+
+
+def _aim(checked: list[Comparison]) -> None:
     errors = [abs(c.error) for c in checked]
     stale_errors = [abs(c.staleness_error) for c in checked if c.staleness_error is not None]
     every = errors + stale_errors

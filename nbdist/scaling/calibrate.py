@@ -36,7 +36,7 @@ from nbdist.data.base import Data
 from nbdist.errors import UserError
 from nbdist.options import TrainOptions
 from nbdist.scaling.inputs import Calibration
-from nbdist.scaling.load import CpuMeter
+from nbdist.scaling.load import CpuMeter, thread_turns, window_load
 from nbdist.scaling.points import PointRunner
 from nbdist.scaling.probes import build_backend, busy_cores, checkpoint_seconds, noise_scale, rule_costs, time_steps
 from nbdist.scaling.setups import Point, SetUp
@@ -71,13 +71,15 @@ def calibrate(
     cores: int,
     quick: bool = False,
     run_seconds: float = 3.0,
+    repeats: int = 1,
     meter: CpuMeter | None = None,
     say: Callable[[str], None] = print,
 ) -> tuple[Calibration | None, list[Point]]:
     """Measure the inputs; on rank 0 the Calibration and the two points its real runs
     measured (allreduce on one rank, a master and one worker), (None, []) elsewhere.
     `meter` (rank 0's): what other processes took of the cores meanwhile; each time is
-    brought back to what it is with the cores the ranks need (see `_share`)."""
+    brought back to what it is with the cores the ranks need (see `_share`). The two real
+    runs are made `repeats` times each, the fastest kept."""
     size, rank = comm.Get_size(), comm.Get_rank()
     if size < 2:
         raise UserError("nbdist scale needs at least 2 MPI ranks: it measures messages between two of them")
@@ -97,7 +99,7 @@ def calibrate(
             t0 = time.time()
             found.update(_alone(backend, data, batch, seconds))
             found["alone_share"] = _share(meter, t0, time.time(), 1, cores)
-        found["busy"] = _busy_rounds(comm, backend, data, batch, seconds, busy, cores, meter)
+        found["busy"] = _busy_rounds(comm, backend, data, batch, seconds, busy)
     finally:
         if data is not None:
             data.close()
@@ -107,58 +109,78 @@ def calibrate(
     runner = PointRunner(comm, definition, base, runs_dir, cores, TIMEOUT)
     steps = int(min(5000, max(40, run_seconds / found["step_s"]))) if rank == 0 else 0
     steps = collectives.allgather(comm, steps, "the calibration")[0]
-    alone = runner.run(SetUp("allreduce"), 1, batch, steps, name="calibration-allreduce-1r")
-    pair = runner.run(SetUp("master-worker", "downpour"), 2, batch, steps, name="calibration-downpour-2r")
+    alone = _fastest(runner, SetUp("allreduce"), 1, batch, steps, repeats, "calibration-allreduce-1r")
+    pair = _fastest(runner, SetUp("master-worker", "downpour"), 2, batch, steps, repeats, "calibration-downpour-2r")
     if rank != 0:
         return None, []
     if alone.point is None or pair.point is None:
         raise UserError(f"the calibration runs could not be measured: {alone.error or pair.error}")
     for point in (alone.point, pair.point):
-        point.extra = {**(point.extra or {}), "others": _others(meter, point)}
+        point.extra = {**(point.extra or {}), **window_load(meter, (point.extra or {}).get("window"), point.ranks)}
     calibration = _assemble(found, alone.point, pair.point, busy, model, batch, size, cores, started)
     return calibration, [alone.point, pair.point]
+
+
+def _fastest(runner: PointRunner, setup: SetUp, ranks: int, batch: int, steps: int, repeats: int, name: str) -> Any:
+    """The fastest of `repeats` runs of a calibration point (as the study keeps its points':
+    other processes' load only slows a run), with its own name each."""
+    best = None
+    for i in range(max(1, repeats)):
+        outcome = runner.run(setup, ranks, batch, steps, name=name if i == 0 else f"{name}-{i + 1}")
+        if best is None or best.point is None:
+            best = outcome
+        elif outcome.point is not None and outcome.point.samples_per_s > best.point.samples_per_s:
+            best = outcome
+    return best
 
 
 BUSY_ROUNDS = 3
 
 
-def _busy_rounds(
-    comm: Any, backend: Any, data: Any, batch: int, seconds: float, busy: int, cores: int, meter: CpuMeter | None
-) -> float:
+def _busy_rounds(comm: Any, backend: Any, data: Any, batch: int, seconds: float, busy: int) -> float:
     """How much slower rank 0's step is while `busy` ranks compute at once than alone (each
-    time at a core of its own, see `_share`): the median over BUSY_ROUNDS rounds of alone
-    then together, so that what drifts over the probe (the machine's clock, its neighbours)
-    does not come out as a ratio."""
-    ratios = []
+    time with a core of its own, as the probe times steps), over BUSY_ROUNDS rounds of alone
+    then together: the least of the together times over the least of the alone ones. Other
+    processes' load only slows a step, even its own CPU time (caches, a busy sibling
+    thread), and a burst of it during one together round would otherwise pass for what our
+    own ranks cost each other."""
+    alone: list[float] = []
+    together: list[float] = []
     for _ in range(BUSY_ROUNDS):
-        alone = together = 0.0
         for members in (1, busy):
             idle_barrier(comm, TIMEOUT)
             if comm.Get_rank() < members:
-                t0 = time.time()
                 median = time_steps(backend, data, batch, seconds / BUSY_ROUNDS, warm=2).median
-                share = _share(meter, t0, time.time(), members, cores)
-                alone, together = (median * share, together) if members == 1 else (alone, median * share)
-        if comm.Get_rank() == 0:
-            ratios.append(together / alone)
+                (alone if members == 1 else together).append(median)
     idle_barrier(comm, TIMEOUT)
-    return max(1.0, statistics.median(ratios)) if ratios else 1.0
-
-
-def _others(meter: CpuMeter | None, point: Point) -> float:
-    """The cores other processes kept busy during a point's steady state."""
-    window = (point.extra or {}).get("window")
-    return meter.others(*window) if meter is not None and window else 0.0
+    if comm.Get_rank() != 0 or not alone or not together:
+        return 1.0
+    return max(1.0, min(together) / min(alone))
 
 
 def _share(meter: CpuMeter | None, start: float, end: float, ranks: int, cores: int) -> float:
-    """The share of a core each of `ranks` computing ranks had between `start` and `end`,
-    with other processes using what the meter saw: 1 where they left enough cores. A time
-    measured then, times this, is the time with a core of one's own (processor sharing)."""
+    """The share of a core rank 0 had between `start` and `end` while it computed with
+    `ranks - 1` others: a time it measured then, times this, is the time with a core of
+    its own. The kernel's own count where it keeps one (the time rank 0 ran over the time
+    it was runnable: what the scheduler gave it, however the other processes were
+    grouped); else even sharing of what the other processes left of the cores."""
     if meter is None:
         return 1.0
+    schedule = meter.schedule(start, end, 1)[0]
+    if schedule is not None and schedule[1] is not None:
+        return max(schedule[1], MIN_CORES)
     free = max(cores - meter.others(start, end), MIN_CORES)
     return min(1.0, free / ranks)
+
+
+def _rank_shares(point: Point, cores: int) -> list[float]:
+    """Each rank's share of a core while it was runnable during a calibration run's steady
+    state (load.window_load's "shares"); where unknown, even sharing of what other
+    processes left of the cores."""
+    extra = point.extra or {}
+    even = min(1.0, max(cores - extra.get("others", 0.0), MIN_CORES) / point.ranks)
+    shares = extra.get("shares") or [None] * point.ranks
+    return [max(s, MIN_CORES) if s is not None else even for s in shares]
 
 
 # The most training samples the probe reads into memory (its batches come from there).
@@ -184,15 +206,25 @@ class _Counted(ArrayData):
     n_all: int = 0
 
 
+SLOPE_ROUNDS = 3
+
+
 def _alone(backend: Any, data: Any, batch: int, seconds: float) -> dict[str, Any]:
     """Rank 0 with the node to itself."""
     full = time_steps(backend, data, batch, seconds)
     # The slope from the batch up (strong scaling shares a larger total batch): at a
-    # quarter of the batch the step is mostly its fixed costs.
+    # quarter of the batch the step is mostly its fixed costs. Medians, of rounds of the
+    # two batches one after the other: a few slow steps, or a neighbour's load that comes
+    # and goes over the probe (which slows even a core's own time: caches, a busy sibling
+    # thread), do not tilt the slope.
     big_batch = min(4 * batch, data.n_train)
-    big = time_steps(backend, data, big_batch, seconds) if big_batch > batch else full
-    # Medians: a few steps slowed by something else do not tilt the slope.
-    per_sample = max(0.0, (big.median - full.median) / (big_batch - batch)) if big_batch > batch else 0.0
+    slopes = []
+    if big_batch > batch:
+        for _ in range(SLOPE_ROUNDS):
+            small = time_steps(backend, data, batch, seconds / SLOPE_ROUNDS, warm=2).median
+            big = time_steps(backend, data, big_batch, seconds / SLOPE_ROUNDS, warm=2).median
+            slopes.append((big - small) / (big_batch - batch))
+    per_sample = max(0.0, statistics.median(slopes)) if slopes else 0.0
     step, exchange, apply, rounds, merge = rule_costs(backend, seconds)
     b_simple, noise_range, batches = noise_scale(backend, data, batch, 2 * seconds)
     return {
@@ -237,7 +269,9 @@ def _messages(comm: Any, cores: int, backend: Any, data: Any, batch: int, second
                 found["client_test_s"] = posted_test_seconds(pair, 64, 200)
             found["wake_s"] = _sleeping_wait(pair, rank, cores, max(8, message), one_way[sizes.index(max(8, message))])
             if backend is not None:
-                found["round_extra_s"] = _oversubscribed_step(pair, rank, cores, backend, data, batch, message, seconds)
+                found["round_extra_s"], found["turn_s"] = _oversubscribed_step(
+                    pair, rank, cores, backend, data, batch, message, seconds
+                )
     finally:
         free(pair)
         idle_barrier(comm, TIMEOUT)
@@ -267,8 +301,13 @@ def _between_nodes(comm: Any, hosts: list[str], seconds: float) -> tuple[float, 
         idle_barrier(comm, TIMEOUT)
 
 
-def _at_share(point: Point, share: float) -> Point:
-    """A measured point's times as with a core of its own (`share` of one it had)."""
+def _at_share(point: Point, share: float, master_share: float | None = None) -> Point:
+    """A measured point's times as with a core of its own: its workers' (whose records
+    give the phases) had `share` of one, its master `master_share` (its busy time is its
+    utilisation times the cycle; processor sharing: a busy second is `share` CPU seconds)."""
+    util = point.master_utilisation
+    if util is not None and master_share is not None:
+        util = util * master_share / share  # over the cycle brought back by `share`
     return dataclasses.replace(
         point,
         step_s=point.step_s * share,
@@ -276,14 +315,16 @@ def _at_share(point: Point, share: float) -> Point:
         communicate_s=point.communicate_s * share,
         wait_s=point.wait_s * share,
         samples_per_s=point.samples_per_s / share,
+        master_utilisation=util,
     )
 
 
 def _oversubscribed_step(
     pair: Any, rank: int, cores: int, backend: Any, data: Any, batch: int, message: int, seconds: float
-) -> float:
+) -> tuple[float, float]:
     """What one more runnable process than cores costs a synchronous step beyond sharing
-    the cores evenly: two ranks take allreduce steps (forward, backward, the gradient's
+    the cores evenly, and how long rank 0 waited for a core each time it became runnable
+    meanwhile (`load.thread_turns`): two ranks take allreduce steps (forward, backward, the gradient's
     allreduce) with the cores to themselves, then with cores - 1 spinning processes beside
     them and sleeping between polls; the second's step over the first's times
     (cores + 1) / cores. The cores are time-sliced, not shared evenly: a rank that is last
@@ -298,11 +339,17 @@ def _oversubscribed_step(
     quiet = step_and_reduce_seconds(pair, step, message, quiet_steps, TIMEOUT)
     with busy_cores(cores - 1) if rank == 0 else contextlib.nullcontext():
         poll_without_sleeping(False)
+        before = thread_turns()
         try:
             loaded = step_and_reduce_seconds(pair, step, message, quiet_steps, TIMEOUT)
         finally:
             poll_without_sleeping(2 <= cores)
-    return max(0.0, loaded - quiet * (cores + 1) / cores)
+        after = thread_turns()
+    # The mean wait for a core each time this rank became runnable (woke from a poll's
+    # sleep, or was preempted): what a rank waits for its turn with one runnable too many.
+    turns = after[2] - before[2]
+    turn = (after[1] - before[1]) / turns if turns > 0 else 0.0
+    return max(0.0, loaded - quiet * (cores + 1) / cores), turn
 
 
 def _sleeping_wait(pair: Any, rank: int, cores: int, message: int, quiet: float) -> float:
@@ -338,15 +385,13 @@ def _assemble(
 ) -> Calibration:
     """The inputs, from the parts measured and the two real runs."""
     notes = []
-    # Each time at the share of a core its ranks had, other processes taking the rest.
+    # The probe's compute times are a core's own already (probes._OwnCore); the checkpoint
+    # (disk as well as CPU) is brought back by the share of a core rank 0 had.
     alone_share = found["alone_share"]
-    for key in ("step_s", "per_sample_s", "checkpoint_s"):
-        found[key] *= alone_share
-    for key in ("worker_step", "worker_exchange", "apply", "round"):
-        found[key] = {r: t * alone_share for r, t in found[key].items()}
-    found["merge"] *= alone_share
-    alone = _at_share(alone, min(1.0, max(cores - alone.extra["others"], MIN_CORES)))
-    pair = _at_share(pair, min(1.0, max(cores - pair.extra["others"], MIN_CORES)))
+    found["checkpoint_s"] *= alone_share
+    alone = _at_share(alone, _rank_shares(alone, cores)[0])
+    master_share, worker_share = _rank_shares(pair, cores)
+    pair = _at_share(pair, worker_share, master_share)
     if alone_share < 1.0:
         notes.append(
             f"other processes used the cores meanwhile: times brought back to a core each (share {alone_share:.2f})"
@@ -410,6 +455,7 @@ def _assemble(
         poll_sleep_s=LONGEST_SLEEP,
         wake_s=found["wake_s"],
         round_extra_s=found.get("round_extra_s", 0.0) * alone_share,
+        turn_s=found.get("turn_s", 0.0),
         checkpoint_s=found["checkpoint_s"],
         between_nodes=found.get("between_nodes"),
         noise_scale=found["noise_scale"],

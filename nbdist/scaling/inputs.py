@@ -52,7 +52,9 @@ class Calibration:
     whose receiver sleeps so on cores that other processes keep busy takes `wake_s` more,
     and a synchronous step `round_extra_s` more than even sharing of the cores gives, for
     each runnable process beyond the cores (the cores are time-sliced: the last rank to
-    finish its step may wait for a slice, the others for it).
+    finish its step may wait for a slice, the others for it); `turn_s` is how long a rank
+    waited for a core each time it became runnable then (the kernel's count: its run-queue
+    wait over the times it got a core).
 
     Goodput: `noise_scale` is the simple gradient noise scale B_simple measured on the
     model (None when it could not be measured), between batches of `noise_batches`.
@@ -82,6 +84,7 @@ class Calibration:
     merge_s: float = 0.0  # the top master's merge of a sub-master's push (a flat add)
     round_s: dict[str, float] = field(default_factory=dict)  # a synchronous master's master_round of one update
     round_extra_s: float = 0.0  # a synchronous step with one more runnable than cores, beyond even sharing
+    turn_s: float = 0.0  # a rank's mean wait for a core each time it became runnable, one runnable too many
     wake_s: float = 0.0  # what a message costs more when its receiver sleeps between polls on busy cores
     checkpoint_s: float = 0.0
     # alpha (s) and beta (s/byte) of a message between rank 0's node and another, where the

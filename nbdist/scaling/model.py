@@ -23,9 +23,20 @@ masters    master after every W updates and waits for the reply, which stretches
            service; the top master serves its own workers and the sub-masters' pushes (a
            two-class network). Solved together by fixed-point iteration.
 
-More ranks than cores on a node (the points a 2-core machine can measure beyond 2 ranks)
-share the cores (processor sharing); waiting ranks then sleep between polls, which adds
-half a poll sleep to each wait.
+More ranks than cores on a node (the points a 2-core machine can measure beyond 2 ranks,
+or fewer where other processes take some of the cores: `Machine.cores` is what they leave)
+share the cores (processor sharing), every time a core's own CPU time as calibrated:
+- allreduce: the ranks take turns; a rank that is done sleeps between polls where the ranks
+  outnumber the node's cores (the others get its share), and polls, keeping its share,
+  where they do not (other processes share the cores);
+- master/worker: the workers share what the masters' services leave (queueing.py); a
+  master's service holds a core, or all the ranks have where that is less than one;
+- time slices: a rank that becomes runnable waits its turn on a core (`turn_s`, measured
+  with one runnable too many, for each beyond the cores); an update waits so for the master
+  to notice it, and what comes meanwhile is served in the same pass, which lowers the
+  staleness below W - 1; a synchronous step loses `slicing_s` to it;
+- waiting ranks sleep between polls where they outnumber the node's cores, which adds at
+  least half a poll sleep to each wait.
 """
 
 from __future__ import annotations
@@ -80,7 +91,7 @@ class _Exchange:
     service: float
     talk: float  # the worker's own exchange costs (a part of `compute` for the CPU)
     sweep: float  # the master's look at every client's posted receive, once per pass
-    wake: float = 0.0  # a sleeping master's delay to notice an update (a part of `delay`)
+    wake: float = 0.0  # the master's delay to notice an update: asleep, or waiting for its turn on a core
 
 
 class PerformanceModel:
@@ -114,12 +125,24 @@ class PerformanceModel:
         with each one more."""
         return self.cal.round_extra_s * max(0.0, runnable - self.machine.cores)
 
-    def sleeping_wait_s(self) -> float:
+    def turn_s(self, runnable: float) -> float:
+        """How long a rank that becomes runnable waits for its turn on a core with
+        `runnable` ranks on a node: the measured wait with one runnable too many, for each
+        one beyond the cores (the ranks' share of them, where other processes take some);
+        where the calibration has no such count, what time-slicing costs a step."""
+        per = self.cal.turn_s or self.cal.round_extra_s
+        return per * max(0.0, runnable - self.machine.cores)
+
+    def sleeping_wait_s(self, others_work: bool = False) -> float:
         """What a wait costs more when ranks sleep between polls (more ranks than cores):
         measured, a message's way with its receiver sleeping on busy cores, less its way
-        with the receiver polling (at least half a poll sleep: the rest of the sleep it is
-        in when its message comes)."""
-        return max(self.cal.poll_sleep_s / 2.0, self.cal.wake_s)
+        with the receiver polling; at least half a poll sleep (the rest of the sleep it is
+        in when its message comes). `others_work`: where other ranks compute while this one
+        waits (master/worker), less the receiver's wait for its turn on a core (`turn_s`):
+        the core does their work meanwhile, which the processor sharing of the cores counts
+        already. In a collective every rank waits at once: nothing fills that wait."""
+        wake = self.cal.wake_s - (self.cal.turn_s if others_work else 0.0)
+        return max(self.cal.poll_sleep_s / 2.0, wake)
 
     # -- allreduce --------------------------------------------------------------------
     def allreduce_s(self, ranks: int, nbytes: int, algorithm: str = "best") -> float:
@@ -146,7 +169,11 @@ class PerformanceModel:
         loop = cal.allreduce_loop_s
         if per_node > cores:  # the ranks take turns on the cores: every step's work stretches
             share = per_node / cores
-            slowest = compute * makespan(cal.spread, per_node, cores) + self.slicing_s(per_node)
+            if machine.sleeps(ranks):  # a rank that is done sleeps: the others get its share
+                slowest = compute * makespan(cal.spread, per_node, cores)
+            else:  # a rank that is done polls (the node has a core per rank): it keeps its share
+                slowest = compute * expected_max(cal.spread, per_node) * share
+            slowest += self.slicing_s(per_node)
             loop *= share
             mean_compute = compute * share
         else:
@@ -200,11 +227,18 @@ class PerformanceModel:
         # way there and back over the network for the workers on other nodes.
         delay = cal.reply_latency_s + off * self._network_extra()
         if machine.sleeps(ranks):
-            delay += 2 * self.sleeping_wait_s()  # the worker's wait for its reply, the master's for the update
+            # the worker's wait for its reply, the master's for the update; a synchronous
+            # round's workers all wait at once, like a collective's ranks
+            delay += 2 * self.sleeping_wait_s(not setup.synchronous)
         receive = (1 - off) * nbytes * cal.p2p_beta_s + off * nbytes * machine.net.beta_s
         service = cal.master_fixed_s + cal.apply_s[setup.rule] + receive
         sweep = cal.client_test_s * (workers_per_master + setup.masters - 1)
-        wake = self.sleeping_wait_s() if machine.sleeps(ranks) else 0.0
+        wake = self.sleeping_wait_s(True) if machine.sleeps(ranks) else 0.0
+        # On cores shared with more runnable processes than there are, an update waits for
+        # the master's turn on a core (the time slices of the others): the sharing's
+        # stretch of its service is in the queueing network already, but updates that come
+        # meanwhile are served in the same pass, which is what staleness sees.
+        wake = max(wake, self.turn_s(per_node))
         return _Exchange(compute, delay, service, talk, sweep, wake)
 
     def _network_extra(self) -> float:
@@ -223,7 +257,12 @@ class PerformanceModel:
         net = None
         for _ in range(50):
             service = ex.service + ex.sweep / per_pass
-            if machine.oversubscribed(ranks):
+            if machine.oversubscribed(ranks) and not machine.sleeps(ranks):
+                # Ranks that poll (a core each on the node, other processes taking some)
+                # never leave the cores: each of them, master too, gets an even share.
+                stretch = machine.ranks_per_node(ranks) / machine.cores
+                net = mva(workers, ex.compute * stretch + ex.delay, service * stretch)
+            elif machine.oversubscribed(ranks):
                 net = mva_shared_cores(
                     workers,
                     ex.compute,
@@ -261,7 +300,7 @@ class PerformanceModel:
         off = self.machine.nodes_for(ranks) > 1
         push_delay = cal.reply_latency_s + (self._network_extra() if off else 0.0)
         if self.machine.sleeps(ranks):
-            push_delay += 2 * self.sleeping_wait_s()
+            push_delay += 2 * self.sleeping_wait_s(True)
         nbytes = cal.message_bytes
         merge = cal.master_fixed_s + (cal.merge_s or min(cal.apply_s.values()))
         merge += nbytes * (self.machine.net.beta_s if off else cal.p2p_beta_s) + ex.sweep
@@ -290,7 +329,7 @@ class PerformanceModel:
         # sub-masters' pushes per second); at a sub-master with its workers' and each pull,
         # one per W updates, which the workers answered in the pull's own pass already see.
         top_cycle = w / top_w.x if top_w.x else 0.0
-        top_stale = _staleness(w, top_w, ex, top_s.x * top_cycle)
+        top_stale = _staleness(w, top_w, ex, top_s.x * top_cycle, top_s.x)
         sub_stale = _staleness(w, sub, ex, 1.0 - 1.0 / w)
         staleness = (top_w.x * top_stale + (m - 1) * sub.x * sub_stale) / updates
         extra = {"service_s": sub.s, "response_s": top_w.r}
@@ -302,9 +341,14 @@ class PerformanceModel:
         cal = self.cal
         w = setup.workers_per_master(ranks) or 1
         ex = self.exchange(setup, batch, w, ranks)
-        if self.machine.oversubscribed(ranks):
-            slowest = ex.compute * makespan(cal.spread, w, self.machine.cores)
-            slowest += self.slicing_s(self.machine.ranks_per_node(ranks))
+        machine = self.machine
+        if machine.oversubscribed(ranks):
+            per_node = machine.ranks_per_node(ranks)
+            if machine.sleeps(ranks):  # as allreduce: a worker that is done sleeps
+                slowest = ex.compute * makespan(cal.spread, w, machine.cores)
+            else:  # or polls, keeping its share (and the master polls too)
+                slowest = ex.compute * expected_max(cal.spread, w) * per_node / machine.cores
+            slowest += self.slicing_s(per_node)
         else:
             slowest = ex.compute * expected_max(cal.spread, w)
         # A round receives every body, then folds them in at once (master_round).
@@ -386,17 +430,20 @@ def _extra(net: Closed) -> dict[str, float]:
     return {"service_s": net.s, "response_s": net.r}
 
 
-def _waiting(net: Closed, ex: _Exchange, workers: int) -> float:
+def _waiting(net: Closed, ex: _Exchange, workers: int, other_rate: float = 0.0) -> float:
     """Updates an arriving update finds queued behind the one in service, and, where the
-    master sleeps between polls, those that arrive while it wakes (served in the same pass)."""
-    return max(0.0, net.q_seen - net.u) + net.x * ex.wake * (workers - 1) / max(1, workers)
+    master is slow to notice it (asleep, or waiting for its turn on a core), those that
+    arrive meanwhile (served in the same pass): from the other workers, and at `other_rate`
+    per second from other clients (a top master's sub-masters)."""
+    arrivals = net.x * (workers - 1) / max(1, workers) + other_rate
+    return max(0.0, net.q_seen - net.u) + arrivals * ex.wake
 
 
-def _staleness(workers: int, net: Closed, ex: _Exchange, other_versions: float) -> float:
+def _staleness(workers: int, net: Closed, ex: _Exchange, other_versions: float, other_rate: float = 0.0) -> float:
     """Mean versions between a worker's reply and its next update: W - 1 (and whatever else
     moves the master's version meanwhile), less those answered in its own pass: of two
     updates served in one pass, the first one's worker is answered after the second."""
-    paired = 0.5 * min(1.0, _waiting(net, ex, workers)) * (PASS_UPDATES - 1)
+    paired = 0.5 * min(1.0, _waiting(net, ex, workers, other_rate)) * (PASS_UPDATES - 1)
     return max(0.0, workers - 1 + other_versions - paired)
 
 

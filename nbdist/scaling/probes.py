@@ -80,7 +80,8 @@ def _batches(data: Data, batch: int, rng: np.random.Generator) -> Callable[[], t
 def time_steps(backend: Backend, data: Data, batch: int, seconds: float, *, warm: int = 5, most: int = 400) -> Steps:
     """Forward and backward at `batch` samples, for about `seconds` (at least 8 steps),
     after `warm` steps and a fifth of `seconds` not counted (a rank's first steps allocate,
-    and its core may still be waking up)."""
+    and its core may still be waking up). Each step's time is what it takes with a core of
+    its own (`_OwnCore`): on a shared node the wall clock would count other processes' turns."""
     next_batch = _batches(data, batch, np.random.default_rng(1))
     prepared = [next_batch() for _ in range(8)]
     warming, i = time.perf_counter(), 0
@@ -91,21 +92,36 @@ def time_steps(backend: Backend, data: Data, batch: int, seconds: float, *, warm
     started = time.perf_counter()
     while len(times) < 8 or (time.perf_counter() - started < seconds and len(times) < most):
         x, y = prepared[len(times) % len(prepared)]
-        t0 = time.perf_counter()
+        clock = _OwnCore()
         backend.compute_gradients(x, y)
-        times.append(time.perf_counter() - t0)
+        times.append(clock.seconds())
     mean = statistics.fmean(times)
     spread = np.quantile(np.asarray(times) / mean, np.linspace(0.0, 1.0, SPREAD_POINTS))
     return Steps(mean, [float(q) for q in spread], len(times), statistics.median(times))
 
 
+class _OwnCore:
+    """A stopwatch of the time a piece of work takes with a core of its own, on a node that
+    other processes (or more ranks than cores) share: the process's CPU seconds, where
+    fewer than the wall-clock seconds (the scheduler gave its core to others meanwhile),
+    else the wall-clock seconds (a framework's threads ran in parallel)."""
+
+    __slots__ = ("wall", "cpu")
+
+    def __init__(self) -> None:
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+
+    def seconds(self) -> float:
+        return min(time.perf_counter() - self.wall, time.process_time() - self.cpu)
+
+
 def _seconds_per_call(call: Callable[[], object], seconds: float, most: int = 200) -> float:
     call()  # the first call allocates
-    count, started = 0, time.perf_counter()
+    count, started, clock = 0, time.perf_counter(), _OwnCore()
     while count < 3 or (time.perf_counter() - started < seconds and count < most):
         call()
         count += 1
-    return (time.perf_counter() - started) / count
+    return clock.seconds() / count
 
 
 def rule_costs(

@@ -14,6 +14,8 @@ Shared cores (one node, more ranks than cores) are modelled as processor sharing
 the workers: with j of the W computing, the master has an update to serve unless j = W,
 and its service holds a core (its bursts are short, and Linux runs a process that slept as
 soon as it wakes), so each computing worker gets min(1, (cores - [j < W]) / j) of a core.
+Where other processes leave the ranks less than one core, the master's service holds what
+they leave and takes longer by as much: no CPU second is given twice.
 The workers' compute is then a load-dependent station (exact MVA with marginal
 probabilities).
 """
@@ -80,11 +82,17 @@ def mva_shared_cores(
     messages' way). A master's short service bursts are not shared (Linux runs a process
     that slept as soon as it wakes): while it serves it holds a core, and it has an update
     to serve whenever a worker is not computing. With j of the W workers computing, each
-    gets min(1, (cores - [j < W] - other masters) / (j + other load)) of a core. Reduces to
-    `mva` when every rank has a core of its own."""
+    gets min(1, (cores - [j < W] - other masters) / (j + other load)) of a core; with
+    `cores` below 1, a master holds those and its service takes 1 / cores as long. Reduces
+    to `mva` when every rank has a core of its own."""
     j = np.arange(1, workers + 1, dtype=float)
     master = (j < workers).astype(float)  # the master serves someone unless all compute
-    free = np.maximum(cores - master - other_masters_busy, 1e-3)
+    # The masters hold a core each while they serve, as far as the ranks have cores: with
+    # less than one (other processes take the rest) a service takes longer by as much, and
+    # the workers get what is left; the CPU seconds the masters use are never given twice.
+    held = np.minimum(cores, (master + other_masters_busy) * min(1.0, cores))
+    free = np.maximum(cores - held, 1e-3)
+    service = service / min(1.0, cores)
     per_job = compute / np.minimum(1.0, free / (j + other_load))  # seconds each of j computing takes
     marginal = np.ones(1)  # P(j computing | n - 1 customers), j = 0..n-1
     q = q_prev = x = r_a = r_m = u_seen = 0.0

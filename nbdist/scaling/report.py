@@ -61,6 +61,8 @@ def calibration_text(cal: Calibration) -> str:
         + ", ".join(f"{r} {_us(cal.apply_s[r])}" for r in rules)
         + f"; {_us(cal.client_test_s)} per client per pass; a lone worker's wait beyond the service "
         f"{_us(cal.reply_latency_s)}; a message to a rank sleeping on busy cores {_us(cal.wake_s)} more",
+        f"- one runnable rank more than cores: a step {_us(cal.round_extra_s)} more than even sharing, "
+        f"a wait of {_us(cal.turn_s)} for a core each time a rank becomes runnable",
         f"- checkpoint share {_ms(cal.checkpoint_s)} ms; gradient noise scale B_simple "
         + (
             f"{cal.noise_scale:.0f} (16-84%: {cal.noise_range[0]:.0f}-{cal.noise_range[1]:.0f})"

@@ -64,11 +64,12 @@ class _Cpu:
     runnable jobs than cores, under processor sharing (a virtual clock that advances at
     min(1, free cores / n): every job's remaining work falls at that rate). A master's
     service is not shared (Linux runs a process that slept as soon as it wakes, and a
-    master's bursts are short): while it serves it holds a core (`hold`)."""
+    master's bursts are short): while it serves it holds a core (`hold`), or all the node
+    has where other processes leave less than one."""
 
     def __init__(self, cores: float, shared: bool):
         self.cores, self.shared = cores, shared
-        self.held = 0
+        self.held = 0.0
         self.virtual, self.clock = 0.0, 0.0
         self.jobs: list[tuple[float, int]] = []  # (virtual finish, job id)
         self.token = 0  # bumped whenever the next finish moves
@@ -81,7 +82,7 @@ class _Cpu:
             self.virtual += (now - self.clock) * self._rate()
         self.clock = now
 
-    def hold(self, now: float, cores: int) -> None:
+    def hold(self, now: float, cores: float) -> None:
         self._advance(now)
         self.held += cores
         self.token += 1
@@ -237,8 +238,20 @@ class _AsyncRun:
         )
         self.push_delay = cal.reply_latency_s + (model._network_extra() if off else 0.0)
         if machine.sleeps(ranks):
-            self.push_delay += 2 * model.sleeping_wait_s()
+            self.push_delay += 2 * model.sleeping_wait_s(True)
         self.push_cpu = cal.worker_exchange_s.get("downpour", self.talk)
+        if shared and not machine.sleeps(ranks):
+            # Ranks that poll never leave the cores: each gets an even share all the time
+            # (as the model has it), so every CPU second stretches alike.
+            stretch = machine.ranks_per_node(ranks) / machine.cores
+            self.compute_work, self.talk, self.push_cpu = (
+                t * stretch for t in (self.compute_work, self.talk, self.push_cpu)
+            )
+            self.pass_fixed, self.per_update, self.merge = (
+                t * stretch for t in (self.pass_fixed, self.per_update, self.merge)
+            )
+            for cpu in self.cpus:
+                cpu.shared = False
         self.events: list = []
         self.seq = itertools.count()
         self.jobs: dict[int, tuple] = {}
@@ -321,7 +334,10 @@ class _AsyncRun:
         self._reschedule(node)
 
     def on_computed(self, i: int) -> None:
-        self.at(self.now + self.half_delay - self.ex.wake, "arrive", i // self.w, ("worker", i))
+        # The master notices it `wake` after it is in (asleep, or waiting for its turn on
+        # a core): that part of the way is spent at the master, where what else comes
+        # meanwhile joins the same pass.
+        self.at(self.now + max(0.0, self.half_delay - self.ex.wake), "arrive", i // self.w, ("worker", i))
 
     def on_arrive(self, j: int, client: tuple) -> None:
         """An update is in; an idle master that sleeps between polls notices it `wake` later,
@@ -349,17 +365,20 @@ class _AsyncRun:
         self.hold(master.node, work, ("served", master.index))
 
     def hold(self, node: int, work: float, then: tuple) -> None:
-        """A master's `work`: at full speed on a core it holds meanwhile (see _Cpu)."""
+        """A master's `work`: on a core it holds meanwhile (see _Cpu), at full speed, or
+        where other processes leave the ranks less than a core, at what they leave."""
         cpu = self.cpus[node]
+        held = min(1.0, cpu.cores)
         if cpu.shared:
-            cpu.hold(self.now, 1)
+            cpu.hold(self.now, held)
             self._reschedule(node)
+            work /= held
         self.at(self.now + work, "release", node, then)
 
     def on_release(self, node: int, then: tuple) -> None:
         cpu = self.cpus[node]
         if cpu.shared:
-            cpu.hold(self.now, -1)
+            cpu.hold(self.now, -min(1.0, cpu.cores))
             self._reschedule(node)
         self.at(self.now, *then)
 
@@ -392,7 +411,7 @@ class _AsyncRun:
             self.start_pass(master)
 
     def on_pushed(self, j: int) -> None:
-        self.at(self.now + self.push_delay / 2.0 - self.ex.wake, "arrive", 0, ("sub", j))
+        self.at(self.now + max(0.0, self.push_delay / 2.0 - self.ex.wake), "arrive", 0, ("sub", j))
 
     def on_top_reply(self, j: int) -> None:
         master = self.masters[j]

@@ -30,7 +30,7 @@ from nbdist.options import TrainOptions
 from nbdist.scaling.analysis import Analysis, analyse, between_nodes, machine_of
 from nbdist.scaling.calibrate import calibrate
 from nbdist.scaling.inputs import Calibration
-from nbdist.scaling.load import CpuMeter
+from nbdist.scaling.load import CpuMeter, window_load
 from nbdist.scaling.model import PerformanceModel
 from nbdist.scaling.network import MEASURED, Machine
 from nbdist.scaling.options import ScaleOptions, default_ranks, parse_ranks, parse_setups
@@ -159,6 +159,7 @@ def run_scale(
             cores=cores,
             quick=options.quick,
             run_seconds=options.point_seconds,
+            repeats=options.repeats,
             meter=meter,
             say=tell,
         )
@@ -195,8 +196,7 @@ def run_scale(
                 if outcome.point is not None and (best is None or outcome.point.samples_per_s > best.samples_per_s):
                     best = outcome.point
             if best is not None and calibration is not None:
-                window = (best.extra or {}).get("window")
-                best.extra = {**(best.extra or {}), "others": meter.others(*window) if meter and window else 0.0}
+                best.extra = {**(best.extra or {}), **window_load(meter, (best.extra or {}).get("window"), ranks)}
                 measured.append(best)
                 model = PerformanceModel(
                     calibration, machine_of(best, cores, between_nodes(calibration, options.network))

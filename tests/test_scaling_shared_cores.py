@@ -1,0 +1,170 @@
+"""The performance model on shared cores: more ranks than cores, or cores that other
+processes take part of (a loaded machine), against closed forms; and what the calibration
+measures of the sharing (pure: no MPI)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+from test_scaling_model import DOWNPOUR, S, Z, calibration
+
+from nbdist.scaling import Machine, PerformanceModel, SetUp, Simulator, network
+from nbdist.scaling.calibrate import _at_share, _rank_shares
+from nbdist.scaling.model import PASS_UPDATES, expected_max, makespan
+from nbdist.scaling.queueing import mva_shared_cores
+from nbdist.scaling.setups import Point
+
+
+def on_cores(cores: float, physical: int = 2, **changes: object) -> PerformanceModel:
+    """One node of `physical` cores of which the ranks get `cores` (others take the rest)."""
+    return PerformanceModel(calibration(**changes), Machine(cores, network("ib-hdr"), nodes=1, physical=physical))
+
+
+@pytest.mark.parametrize("cores", [0.3, 0.5, 0.8])
+def test_a_worker_and_its_master_on_less_than_a_core_get_what_is_left(cores):
+    """A worker and its master that sleep between polls, on cores of which other processes
+    leave them `cores` < 1: the worker's compute and the master's service both run on
+    those, one after the other, so an update takes (Z + S) / cores: X = cores / (Z + S), in
+    the queueing network, the model and the simulator. (The master holding a whole core it
+    does not have would give Z / cores + S.)"""
+    closed = mva_shared_cores(1, Z, 0.0, S, cores)
+    assert closed.x == pytest.approx(cores / (Z + S), rel=1e-9)
+    model = on_cores(cores, physical=1, poll_sleep_s=0.0)  # two ranks on one core: they sleep
+    assert model.predict(DOWNPOUR, 2).samples_per_s == pytest.approx(32 * cores / (Z + S), rel=1e-9)
+    simulated = Simulator(model).run(DOWNPOUR, 2, cycles=40)
+    assert simulated.samples_per_s == pytest.approx(32 * cores / (Z + S), rel=1e-6)
+
+
+@pytest.mark.parametrize("cores", [0.5, 1.0, 1.5])
+def test_ranks_that_poll_on_shared_cores_each_get_an_even_share(cores):
+    """A worker and its master on a node of two cores of which other processes leave
+    `cores` < 2: they poll (the node has a core each), so both stay runnable and each gets
+    cores / 2 of a core all the time: an update takes 2 (Z + S) / cores."""
+    model = on_cores(cores)
+    assert model.predict(DOWNPOUR, 2).samples_per_s == pytest.approx(32 * cores / (2 * (Z + S)), rel=1e-9)
+    simulated = Simulator(model).run(DOWNPOUR, 2, cycles=40)
+    assert simulated.samples_per_s == pytest.approx(32 * cores / (2 * (Z + S)), rel=1e-6)
+
+
+@pytest.mark.parametrize("workers", [2, 3, 5])
+def test_workers_on_shared_cores_never_use_more_cpu_than_there_is(workers):
+    """W workers and their master with less than a core between them: every update costs
+    Z + S CPU seconds, so no more than cores / (Z + S) updates a second."""
+    cores = 0.6
+    point = on_cores(cores, physical=1, poll_sleep_s=0.0).predict(DOWNPOUR, workers + 1)
+    # (the queueing network leaves computing workers a thousandth of a core at the least)
+    assert point.samples_per_s / 32 <= cores / (Z + S) * (1 + 2e-3)
+    assert point.samples_per_s / 32 >= 0.9 * cores / (Z + S)  # the master's short waits aside
+
+
+def test_allreduce_ranks_that_poll_keep_their_share_and_ranks_that_sleep_give_it_away():
+    """k ranks sharing c < k cores, deterministic steps of Z alone: where they outnumber
+    the node's cores they sleep once done, and the step is the processor-sharing makespan;
+    where the node has a core each but other processes take some, a rank that is done
+    polls and keeps its share: the step is the slowest's work at c / k of a core."""
+    spread = [0.5, 1.0, 1.5]
+    setup = SetUp("allreduce")
+    # Four ranks on two cores: sleeping waits (the closed form of processor sharing).
+    sleeping = on_cores(2, spread=spread)
+    point = sleeping.predict(setup, 4)
+    assert point.oversubscribed
+    assert point.step_s - point.communicate_s == pytest.approx(Z * makespan(spread, 4, 2), rel=1e-9)
+    # Deterministic: every rank's work is Z, so the four take 4 Z / 2 cores.
+    flat = on_cores(2).predict(setup, 4)
+    assert flat.step_s - flat.communicate_s == pytest.approx(4 * Z / 2, rel=1e-9)
+    # Two ranks on a node of two cores of which others leave 0.5: polling waits.
+    polling = on_cores(0.5, spread=spread)
+    point = polling.predict(setup, 2)
+    assert not point.oversubscribed  # the ranks do not sleep: the node has a core each
+    assert point.step_s - point.communicate_s == pytest.approx(Z * expected_max(spread, 2) * 2 / 0.5, rel=1e-9)
+
+
+def test_the_masters_turn_on_a_core_pairs_updates_and_lowers_staleness():
+    """Where an update waits for the master's turn on a core (ranks beyond the cores), the
+    ones that come meanwhile are served in the same pass: the staleness falls below W - 1,
+    and once the turn is longer than the gap between updates every pass serves
+    PASS_UPDATES of them: W - 1 - (PASS_UPDATES - 1) / 2."""
+    workers = 3
+    none = on_cores(2).predict(DOWNPOUR, workers + 1)
+    short = on_cores(2, turn_s=2e-4).predict(DOWNPOUR, workers + 1)
+    long = on_cores(2, turn_s=1.0).predict(DOWNPOUR, workers + 1)
+    assert long.staleness_mean < short.staleness_mean < none.staleness_mean <= workers - 1
+    assert long.staleness_mean == pytest.approx(workers - 1 - (PASS_UPDATES - 1) / 2, rel=1e-9)
+    # Without a count of turns, what time-slicing costs a step stands in for it.
+    stand_in = on_cores(2, round_extra_s=2e-4).predict(DOWNPOUR, workers + 1)
+    assert stand_in.staleness_mean == pytest.approx(short.staleness_mean, rel=1e-9)
+    assert on_cores(2, turn_s=2e-4).turn_s(workers + 1) == pytest.approx(2e-4 * (workers + 1 - 2))
+
+
+def test_a_top_masters_own_worker_pairs_with_the_sub_masters_pushes():
+    """Two masters of one worker each: the top master's worker sees the sub-master's pushes
+    as versions; a long turn on a core serves a push in the same pass as the update."""
+    setup = SetUp("master-worker", "downpour", masters=2)
+    none = on_cores(2).predict(setup, 4)
+    long = on_cores(2, turn_s=1.0).predict(setup, 4)
+    assert long.staleness_mean < none.staleness_mean
+
+
+def test_calibration_runs_come_back_to_a_core_of_their_own_by_each_ranks_share():
+    """A calibration run measured while the worker had 0.5 of a core and the master 0.25:
+    its times halve, and the master's busy seconds per update are its busy share of the
+    cycle as measured, times 0.25."""
+    point = Point(
+        DOWNPOUR,
+        2,
+        1,
+        32,
+        samples_per_s=1000.0,
+        step_s=0.01,
+        compute_s=0.006,
+        communicate_s=0.003,
+        wait_s=0.001,
+        master_utilisation=0.2,
+        extra={"others": 1.5, "shares": [0.25, 0.5]},
+    )
+    master_share, worker_share = _rank_shares(point, 2)
+    assert (master_share, worker_share) == (0.25, 0.5)
+    own = _at_share(point, worker_share, master_share)
+    assert (own.step_s, own.compute_s, own.samples_per_s) == pytest.approx((0.005, 0.003, 2000.0))
+    assert own.master_utilisation * own.step_s == pytest.approx(0.2 * 0.01 * 0.25)
+    # Without the kernel's counts: even sharing of what the other processes left.
+    point.extra = {"others": 1.5}
+    assert _rank_shares(point, 2) == [0.25, 0.25]
+
+
+def test_the_meter_tells_what_each_process_got_of_a_core():
+    """The meter's schedule of this process: the share of the window it ran, and of the
+    time it was runnable, the share it was on a core (at most 1)."""
+    from nbdist.scaling.load import CpuMeter, thread_turns, window_load
+
+    meter = CpuMeter([os.getpid()])
+    if not meter.available or thread_turns() == (0.0, 0.0, 0):
+        pytest.skip("no /proc schedstat here")
+    started, cpu = time.time(), time.process_time()
+    before = thread_turns()
+    while time.process_time() - cpu < 0.6:
+        sum(range(10_000))
+    after = thread_turns()
+    meter.stop()
+    ran, share = meter.schedule(started, time.time(), 1)[0]
+    assert 0.0 < ran <= 1.0 + 0.05
+    assert share is not None and 0.0 < share <= 1.0
+    assert after[0] - before[0] >= 0.5  # this thread's own seconds on a core
+    assert after[2] > before[2]
+    load = window_load(meter, [started, time.time()], 1)
+    assert load["ran"] == [pytest.approx(ran)] and len(load["shares"]) == 1
+
+
+def test_the_probe_times_a_cores_own_seconds():
+    """A probe's stopwatch counts the work's own CPU seconds: a sleep costs next to none,
+    and busy work no more than its wall-clock time."""
+    from nbdist.scaling.probes import _OwnCore
+
+    clock = _OwnCore()
+    time.sleep(0.2)
+    assert clock.seconds() < 0.1
+    clock, wall = _OwnCore(), time.perf_counter()
+    sum(range(200_000))
+    assert 0.0 < clock.seconds() <= time.perf_counter() - wall
