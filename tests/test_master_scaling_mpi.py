@@ -23,6 +23,14 @@ pytestmark = pytest.mark.mpi
 PER_RANK_PER_SECOND = 4
 # Records that follow the data (one per epoch or validation) or the run's events.
 PACED_BY_DATA = {"epoch", "val", "run", "fault", "restart"}
+# master_scaling.py's MLP (64 -> 35,000 -> 10) in float32, MB: what one more receive
+# buffer per worker costs the master.
+MODEL_MB = (64 * 35_000 + 35_000 + 35_000 * 10 + 10) * 4 / 2**20
+# A buffer per worker would add (WORKERS - 2) models from 2 workers to 16 (it did). With the
+# pool the peak still grows, by an amount that varies from run to run of the same code
+# (the shared-memory pages of 14 more peers; when the bodies arrive): the bound is half
+# what the buffers would add, which they would exceed twice over.
+GROWTH_BOUND_MB = (WORKERS - 2) * MODEL_MB / 2
 
 
 @pytest.fixture(scope="module")
@@ -60,20 +68,20 @@ def test_records_per_second_stay_bounded_with_16_workers_pushing_every_batch(six
 
 
 @pytest.mark.timeout(600)
-def test_master_memory_with_16_workers_is_within_10_percent_of_its_memory_with_2(sixteen_workers):
-    """The same 2.3M-parameter model (9 MB of weights) with 2 and with 16 asynchronous
-    workers: a receive buffer per worker would add 14 x 9 MB to the master's peak (it did:
+def test_master_memory_with_16_workers_grows_by_less_than_half_a_buffer_per_worker(sixteen_workers):
+    """The same 2.6M-parameter model (10 MB of weights) with 2 and with 16 asynchronous
+    workers: a receive buffer per worker would add 14 x 10 MB to the master's peak (it did:
     498 MB and 640 MB before the pool)."""
     _, peaks = sixteen_workers
     two, sixteen = peaks["2"], peaks[str(WORKERS)]
-    assert sixteen <= 1.10 * two, peaks
+    assert sixteen - two <= GROWTH_BOUND_MB, peaks
 
 
 @pytest.mark.timeout(600)
-def test_synchronous_master_memory_with_16_workers_is_within_10_percent_of_its_memory_with_2(sixteen_workers):
+def test_synchronous_master_memory_with_16_workers_grows_by_less_than_half_a_buffer_per_worker(sixteen_workers):
     """The same runs, synchronous: a round's bodies stream through the pool into one
     round buffer instead of being held one per worker until the round is applied (which
-    would add 14 x 9 MB)."""
+    would add 14 x 10 MB)."""
     _, peaks = sixteen_workers
     two, sixteen = peaks["sync 2"], peaks[f"sync {WORKERS}"]
-    assert sixteen <= 1.10 * two, peaks
+    assert sixteen - two <= GROWTH_BOUND_MB, peaks

@@ -8,7 +8,7 @@ Usage: mpiexec -n N python tests/mpi_scripts/master_scaling.py RUNS_DIR
    per-interval record rate).
 2. `w2` and `wN-1`, then `sync-w2` and `sync-wN-1`: the master's peak memory with 2
    workers (on the first 3 ranks, through `nbdist.train(comm=...)`) and with N - 1, on
-   the same 2.3M-parameter MLP for one epoch, pushing every batch, asynchronous then
+   the same 2.6M-parameter MLP for one epoch, pushing every batch, asynchronous then
    synchronous, so that a buffer per worker would show. The master measures its peak
    resident memory per run: the kernel's high-water mark (VmHWM), reset before the run
    (/proc/self/clear_refs).
@@ -32,7 +32,7 @@ from torch import nn  # noqa: E402
 
 import nbdist  # noqa: E402
 
-HIDDEN = 35_000  # 64 * 35000 + 35000 + 35000 * 10 + 10 parameters: 2.3M
+HIDDEN = 35_000  # 64 * 35000 + 35000 + 35000 * 10 + 10 parameters: 2.6M
 
 
 def build_model() -> nn.Module:
