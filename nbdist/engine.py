@@ -149,6 +149,7 @@ def _as_outcome(work: Callable[[Any, Any], Any], live: bool) -> EngineOutcome:
         waiting.abandon()
 
     waiting.forget_abandon()
+    waiting.release_completed()  # what an earlier job left in flight and MPI has finished since
     signal.signal(signal.SIGUSR2, give_up)
     publisher = DataPublisher(LIVE_PREFIX) if live else None
     try:

@@ -27,6 +27,7 @@ from typing import Any
 from mpi4py import MPI
 
 from nbdist.transport.faults import RunAborted, RunFailure
+from nbdist.transport.waiting import keep_pending
 
 __all__ = ["ControlChannel", "RollCall"]
 
@@ -161,6 +162,7 @@ class ControlChannel:
                 request.Cancel()
             except MPI.Exception:
                 pass
+        keep_pending(pending)  # a cancel that did not take: the message still leaves
         self.sends = []
         # The channel is not freed: a message from a rank that gave up may still arrive
         # for it, and Open MPI with fault tolerance on then never completes MPI_Finalize

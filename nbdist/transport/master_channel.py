@@ -16,7 +16,7 @@ import numpy as np
 from mpi4py import MPI
 
 from nbdist.transport import messages as m
-from nbdist.transport.waiting import receive_object, test_all, wait_all, wait_some
+from nbdist.transport.waiting import keep_pending, receive_object, test_all, wait_all, wait_some
 
 __all__ = ["MasterChannel", "Transfer"]
 
@@ -28,6 +28,9 @@ class Transfer:
 
     def __init__(self, requests: list):
         self.requests = requests
+
+    def __del__(self) -> None:
+        keep_pending(getattr(self, "requests", ()))  # dropped in flight: waiting.keep_pending
 
     def done(self) -> bool:
         """Whether all have completed, without waiting; CommFailure if a peer failed."""
@@ -46,6 +49,11 @@ class MasterChannel:
     def __init__(self, links: Sequence[tuple[MPI.Comm, int, np.ndarray]]):
         self.links = list(links)
         self.headers = [MPI.REQUEST_NULL] * len(self.links)  # the posted header receives
+
+    def __del__(self) -> None:
+        # A run that ended with header receives posted: a client's late message must not
+        # land in freed memory (waiting.keep_pending).
+        keep_pending(getattr(self, "headers", ()))
 
     def post(self, i: int) -> None:
         """Post client i's receive for the header of its next message."""

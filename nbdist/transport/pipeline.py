@@ -26,6 +26,7 @@ from mpi4py import MPI
 
 from nbdist.transport.collectives import Collectives
 from nbdist.transport.compression import Block
+from nbdist.transport.waiting import keep_pending
 
 __all__ = ["StageLinks", "StageParts"]
 
@@ -44,6 +45,9 @@ class StageLinks:
         self._pending: list[tuple[Any, np.ndarray]] = []  # a send and the memory it reads
         self._sent_shapes: set[int] = set()
         self._shapes: dict[int, tuple[int, ...]] = {}  # rows -> the activation's shape from the previous stage
+
+    def __del__(self) -> None:
+        keep_pending(request for request, _ in getattr(self, "_pending", ()))  # waiting.keep_pending
 
     # -- forward --------------------------------------------------------------------
     def send_activation(self, activation: np.ndarray, rows: int) -> None:

@@ -142,9 +142,10 @@ class MpiReducer(Reducer):
 
         from nbdist.transport.reduction import compressed_reduction
         from nbdist.transport.staging import Staging
-        from nbdist.transport.waiting import wait_all
+        from nbdist.transport.waiting import keep_pending, wait_all
 
         self._mpi = MPI
+        self._keep_pending = keep_pending
         self.comm = comm
         # The codecs are numpy: a compressed gradient goes through host memory even where
         # MPI could read the device (cuda_aware=False: pinned host copies).
@@ -158,6 +159,12 @@ class MpiReducer(Reducer):
             else compressed_reduction(comm, compression, backend.num_params, self.buckets, backend.param_blocks())
         )
         self.plain_bytes = 0
+
+    def __del__(self) -> None:
+        # A run that ended in the middle of a step: the buckets' reductions may still
+        # complete into the staging buffers (waiting.keep_pending).
+        if hasattr(self, "requests"):
+            self._keep_pending(self.requests)
 
     @property
     def bytes_sent(self) -> int:

@@ -23,7 +23,7 @@ import numpy as np
 from mpi4py import MPI
 
 from nbdist.transport.faults import failed_ranks
-from nbdist.transport.waiting import receive_object, wait, wait_all
+from nbdist.transport.waiting import keep_pending, receive_object, wait, wait_all
 
 __all__ = [
     "CoordinatorChannel",
@@ -64,6 +64,9 @@ class CoordinatorChannel:
         self.world = world
         self.sends: list = []
         self.status = MPI.Status()
+
+    def __del__(self) -> None:
+        keep_pending(getattr(self, "sends", ()))  # dropped in flight: waiting.keep_pending
 
     def send(self, message: Any, dest: int, tag: int) -> None:
         self.sends = [r for r in self.sends if not r.Test()]
@@ -111,6 +114,9 @@ class GroupChannel:
     def __init__(self, world: Any):
         self.world = world
         self.sends: list = []
+
+    def __del__(self) -> None:
+        keep_pending(getattr(self, "sends", ()))  # dropped in flight: waiting.keep_pending
 
     def receive(self, tag: int, timeout: float) -> Any:
         """The coordinator's next message with `tag` (WaitTimeout, CommFailure)."""

@@ -26,13 +26,20 @@ large message is a rendezvous, so the peer's blocking `Send` (and every round of
 `Iallreduce`) waits until this rank polls again. Sleeps that grew to milliseconds cost the
 master/worker exchange milliseconds per update, so they stop growing at LONGEST_SLEEP;
 polling at that pace costs a small part of a core while a rank waits long.
+
+A wait that gives up (a deadline, a failure, a give-up) leaves its requests pending, and so
+does a channel dropped with a receive posted: MPI may still complete them, writing into
+the receive's buffer. The buffer belongs to the Request (mpi4py keeps it there), so the
+requests go to `keep_pending` and stay alive until they complete: otherwise a late reply
+from a master that had not yet heard of a failure lands in memory the next job of the same
+engine has reused, and that engine dies of it.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from mpi4py import MPI
 
@@ -54,6 +61,8 @@ __all__ = [
     "abandon",
     "forget_abandon",
     "watch_with",
+    "keep_pending",
+    "release_completed",
     "FOREVER",
 ]
 
@@ -134,6 +143,35 @@ def forget_abandon() -> None:
     _abandoned = False
 
 
+# Requests left pending by a wait that gave up or an owner that went away (module doc).
+_kept: list[MPI.Request] = []
+# Past this many, keeping one more first lets go of those that completed meanwhile (a long
+# run that drops requests in flight must not hold their buffers to its end).
+KEPT_BEFORE_RELEASE = 64
+
+
+def keep_pending(requests: Iterable[MPI.Request]) -> None:
+    """Keep these requests (and so their buffers) alive until they complete; null and
+    completed ones are let go by `release_completed`."""
+    _kept.extend(r for r in requests if r != MPI.REQUEST_NULL)
+    if len(_kept) > KEPT_BEFORE_RELEASE:
+        release_completed()
+
+
+def release_completed() -> int:
+    """Let go of the kept requests that have completed (or failed) since; how many are
+    still pending. A job calls it at its start, for what the one before left."""
+    still: list[MPI.Request] = []
+    for request in _kept:
+        try:
+            if not request.Test():
+                still.append(request)
+        except MPI.Exception:
+            pass  # completed with an error: MPI is done with its buffer
+    _kept[:] = still
+    return len(still)
+
+
 class watch_with:
     """`with watch_with(check):` every wait inside also calls `check()` now and then
     (it raises to end the wait: another rank's failure, say). Restores the previous
@@ -190,19 +228,23 @@ def wait(request: MPI.Request, *, timeout: float | None = FOREVER) -> None:
 
 
 def wait_all(requests: Sequence[MPI.Request], *, timeout: float | None = FOREVER) -> None:
-    backoff = _Backoff(timeout)
-    while True:
-        if test_all(requests):
-            return
-        try:
-            backoff.pause()
-        except WaitTimeout:
-            # A process that was suspended (SIGSTOP) finds its deadline long passed when
-            # it wakes up, while what it waited for may have arrived meanwhile: look once
-            # more before giving up.
+    try:
+        backoff = _Backoff(timeout)
+        while True:
             if test_all(requests):
                 return
-            raise
+            try:
+                backoff.pause()
+            except WaitTimeout:
+                # A process that was suspended (SIGSTOP) finds its deadline long passed when
+                # it wakes up, while what it waited for may have arrived meanwhile: look once
+                # more before giving up.
+                if test_all(requests):
+                    return
+                raise
+    except BaseException:
+        keep_pending(requests)
+        raise
 
 
 def test_all(requests: Sequence[MPI.Request]) -> bool:
@@ -257,7 +299,11 @@ def wait_some(
             return done, failed
         if deadline is not None and time.perf_counter() > deadline:
             return [], []
-        backoff.pause()
+        try:
+            backoff.pause()
+        except BaseException:  # given up: Abandoned, or the run's watch raised
+            keep_pending(requests)
+            raise
 
 
 def wait_until(request: MPI.Request, timeout: float) -> bool:

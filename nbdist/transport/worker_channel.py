@@ -18,7 +18,7 @@ import numpy as np
 from nbdist.transport import messages as m
 from nbdist.transport.deadlines import Silence
 from nbdist.transport.faults import RankLost, RankSilent
-from nbdist.transport.waiting import CommFailure, WaitTimeout, wait_all
+from nbdist.transport.waiting import CommFailure, WaitTimeout, keep_pending, wait_all
 
 __all__ = ["WorkerChannel"]
 
@@ -57,6 +57,11 @@ class WorkerChannel:
         self.silence = silence
         self.master, self.master_rank, self.describe, self.listener = master, master_rank, describe, listener
         self.replies: list = []
+
+    def __del__(self) -> None:
+        # A run that ended between posting the reply's receives and the reply: the
+        # master's late reply must not land in freed memory (waiting.keep_pending).
+        keep_pending(getattr(self, "replies", ()))
 
     def expect_reply(self) -> None:
         """Post the reply's receives (before sending, so the reply never waits for them)."""
