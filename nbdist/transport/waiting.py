@@ -152,10 +152,16 @@ KEPT_BEFORE_RELEASE = 64
 
 def keep_pending(requests: Iterable[MPI.Request]) -> None:
     """Keep these requests (and so their buffers) alive until they complete; null and
-    completed ones are let go by `release_completed`."""
-    _kept.extend(r for r in requests if r != MPI.REQUEST_NULL)
-    if len(_kept) > KEPT_BEFORE_RELEASE:
-        release_completed()
+    completed ones are let go by `release_completed`. Owners call it from `__del__`, so
+    it never raises: at interpreter exit MPI may be finalized and this module torn down."""
+    try:
+        if MPI.Is_finalized():
+            return  # nothing will write into them any more
+        _kept.extend(r for r in requests if r != MPI.REQUEST_NULL)
+        if len(_kept) > KEPT_BEFORE_RELEASE:
+            release_completed()
+    except Exception:
+        pass
 
 
 def release_completed() -> int:
