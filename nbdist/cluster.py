@@ -44,7 +44,7 @@ from nbdist.launch import ULFM_ARGS, MPIExecNotFound, allocation_mpi_args, find_
 from nbdist.liveness import DeadEngine, Liveness, process_gone
 from nbdist.transport.interfaces import interface_address
 
-__all__ = ["Cluster", "ClusterError", "DeadEngine", "EngineInfo", "current_cluster", "HEAL_HINT"]
+__all__ = ["Cluster", "ClusterError", "DeadEngine", "EngineInfo", "current_cluster", "running_cluster", "HEAL_HINT"]
 
 ENGINE_KINDS = ("mpi", "slurm")
 LOOPBACK = "127.0.0.1"
@@ -89,13 +89,35 @@ def _launcher_exited(engine_set: Any) -> bool:
         return True
 
 
+def running_cluster() -> Cluster | None:
+    """The cluster started or attached last in this process, if it is still running.
+
+    Returns:
+        That cluster, or None when none was started or it was stopped since.
+
+    Example:
+        What `%distnn cluster status` prints::
+
+            from nbdist.cluster import running_cluster
+
+            cluster = running_cluster()
+            print(cluster.status() if cluster is not None else "nbdist cluster: not running")
+    """
+    return _current if _current is not None and _current.running else None
+
+
 def current_cluster() -> Cluster:
-    """The cluster started last in this process (what the magics use)."""
-    if _current is None or not _current.running:
+    """The cluster started last in this process (what the magics use).
+
+    Raises:
+        ClusterError: No cluster is running; the message says how to start one.
+    """
+    running = running_cluster()
+    if running is None:
         raise ClusterError(
             "no cluster is running: start one with  %distnn cluster start -n 4  (or nbdist.Cluster(n=4).start())"
         )
-    return _current
+    return running
 
 
 class Cluster:
