@@ -407,7 +407,7 @@ def test_cluster_start_errors_name_the_cause(tmp_path):
 
 def test_attach_to_a_running_cluster(cluster, tmp_path):
     from nbdist import cluster as clusters
-    from nbdist.cluster import cluster as cluster_module
+    from nbdist.cluster.current import make_current
 
     # Engines started elsewhere (here: the module's cluster) are used, not owned.
     attached = clusters.Cluster.attach(cluster_id=cluster.id)
@@ -420,7 +420,7 @@ def test_attach_to_a_running_cluster(cluster, tmp_path):
         assert job.status == "completed"
     finally:
         attached.stop()
-        cluster_module._current = cluster
+        make_current(cluster)  # stopping the attached one left none in use
     assert cluster.running and len(cluster.client.ids) == 4  # disconnecting left the engines up
     with pytest.raises(clusters.ClusterError, match="no running cluster with id 'nosuch'"):
         clusters.Cluster.attach(cluster_id="nosuch")
