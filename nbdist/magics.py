@@ -170,7 +170,7 @@ class DistnnMagics(Magics):
 
         if args.action is None:
             raise UsageError("%distnn cluster start | attach | stop | status")
-        running = clusters._current if clusters._current is not None and clusters._current.running else None
+        running = clusters.running_cluster()
         if args.action == "start":
             if args.slurm:
                 args.engines = "slurm"

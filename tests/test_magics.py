@@ -407,6 +407,7 @@ def test_cluster_start_errors_name_the_cause(tmp_path):
 
 def test_attach_to_a_running_cluster(cluster, tmp_path):
     from nbdist import cluster as clusters
+    from nbdist.cluster.current import make_current
 
     # Engines started elsewhere (here: the module's cluster) are used, not owned.
     attached = clusters.Cluster.attach(cluster_id=cluster.id)
@@ -419,7 +420,7 @@ def test_attach_to_a_running_cluster(cluster, tmp_path):
         assert job.status == "completed"
     finally:
         attached.stop()
-        clusters._current = cluster
+        make_current(cluster)  # stopping the attached one left none in use
     assert cluster.running and len(cluster.client.ids) == 4  # disconnecting left the engines up
     with pytest.raises(clusters.ClusterError, match="no running cluster with id 'nosuch'"):
         clusters.Cluster.attach(cluster_id="nosuch")
@@ -443,7 +444,8 @@ def test_the_controller_listens_on_loopback_only(cluster):
 
 
 def test_the_controller_listens_where_the_user_says():
-    from nbdist.cluster import Cluster, ClusterError, interface_address
+    from nbdist.cluster import Cluster, ClusterError
+    from nbdist.transport.interfaces import interface_address
 
     assert interface_address("lo") == "127.0.0.1"
     assert Cluster(n=2, interface="lo").ip == "127.0.0.1" and Cluster(n=2, ip="10.1.2.3").ip == "10.1.2.3"

@@ -554,10 +554,11 @@ def test_notebook_engines_on_the_other_node_reach_the_controller_encrypted_and_t
 KERNEL = """
 import time
 import nbdist
+from nbdist.cluster.launchers import controller_processes
 cluster = nbdist.Cluster(n=2, engines="slurm", time="10").start()
 print("JOB", *[s.job_id for s in cluster._ipp.engines.values()], flush=True)
 print("PIDS", *[i.pid for i in cluster.info], flush=True)
-print("CONTROLLER", *[p.pid for p in cluster._controller_processes()], flush=True)
+print("CONTROLLER", *[p.pid for p in controller_processes(cluster._ipp)], flush=True)
 time.sleep(600)
 """
 
