@@ -88,6 +88,7 @@ def test_role_loops_leave_mpi_to_the_transport():
 # which draws a study) import scaling/: nothing below it does.
 SCALING_PURE = (
     "analysis",
+    "assemble",
     "goodput",
     "inputs",
     "load",
