@@ -87,6 +87,7 @@ def test_role_loops_leave_mpi_to_the_transport():
 # probe and the sweep use transport/ and roles/. Only the ways in (and the dashboard,
 # which draws a study) import scaling/: nothing below it does.
 SCALING_PURE = (
+    "allreduce_model",
     "analysis",
     "assemble",
     "goodput",
