@@ -94,7 +94,7 @@ from nbdist.transport import messages as m
 from nbdist.transport.deadlines import Silence
 from nbdist.transport.worker_channel import WorkerChannel
 
-__all__ = ["run_sub_master", "sub_master_clients"]
+__all__ = ["SubMaster", "run_sub_master", "sub_master_clients"]
 
 
 def sub_master_clients(ctx: RankContext) -> list[Client]:

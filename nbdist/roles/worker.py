@@ -46,7 +46,7 @@ from nbdist.transport.reduction import compressed_reduction
 from nbdist.transport.staging import Staging
 from nbdist.transport.worker_channel import WorkerChannel
 
-__all__ = ["run_worker"]
+__all__ = ["Worker", "run_worker"]
 
 
 class _Leave(Exception):
