@@ -127,9 +127,9 @@ class Simulation:
         algorithm.bind(k)
         algorithm.asynchronous = not synchronous  # as the run sets it (train/settle.py)
         self.master = self._backend(model, tensors)
-        self.center = self.master.rule_params
+        self.centre = self.master.rule_params
         n = self.master.num_params
-        self.master_state = algorithm.new_master_state(n, like=self.center)
+        self.master_state = algorithm.new_master_state(n, like=self.centre)
         self.master_opt = (
             self.master.make_optimizer(parse_spec(master_opt))
             if master_opt and algorithm.uses_master_optimizer
@@ -146,7 +146,7 @@ class Simulation:
         self.samples = [0] * k
         self.stalenesses: list[int] = []
         for w, state in zip(self.workers, self.worker_states, strict=True):
-            w.rule_params[...] = self.center  # the Bcast of the initial weights
+            w.rule_params[...] = self.centre  # the Bcast of the initial weights
             algorithm.worker_start(state, w.rule_params)
 
     @staticmethod
@@ -171,7 +171,7 @@ class Simulation:
                     message = Staging.of_host(np.empty(w.num_params, F32), w.rule_params, w.copier)
                     algo.worker_message(self.worker_states[i], w.rule_params, message.device)
                     # What the master's receive buffer holds, as its rule sees it.
-                    out = Staging.of_host(message.to_host().copy(), self.center).device
+                    out = Staging.of_host(message.to_host().copy(), self.centre).device
                     pending.append((i, out, self.samples[i]))
                     self.samples[i] = 0
             if not pending:
@@ -184,7 +184,7 @@ class Simulation:
             for group in groups:
                 # Staleness as the master sees it: its version now - the one the worker used.
                 updates = [Update(out, self.version - self.worker_versions[i], samples) for i, out, samples in group]
-                replies = algo.master_apply(self.master_state, self.center, updates, self.master_opt)
+                replies = algo.master_apply(self.master_state, self.centre, updates, self.master_opt)
                 self.version += 1
                 assert len(replies) == len(group)
                 for (i, _, _), update, reply in zip(group, updates, replies, strict=True):
@@ -208,11 +208,11 @@ STALE = 3
 
 def master_round(algo, payloads, samples, staleness, opt_spec=None):
     """(centre after master_apply from C0, replies); staleness is each update's."""
-    center = C0.astype(F32)
-    opt = TorchFlatOptimizer(torch.optim.SGD, parse_spec(opt_spec), center) if opt_spec else None
+    centre = C0.astype(F32)
+    opt = TorchFlatOptimizer(torch.optim.SGD, parse_spec(opt_spec), centre) if opt_spec else None
     updates = [Update(np.array(p, F32), s, n) for p, s, n in zip(payloads, staleness, samples, strict=True)]
-    replies = algo.master_apply(algo.new_master_state(C0.size), center, updates, opt)
-    return center, [np.array(r, copy=True) for r in replies]
+    replies = algo.master_apply(algo.new_master_state(C0.size), centre, updates, opt)
+    return centre, [np.array(r, copy=True) for r in replies]
 
 
 def sample_mean(vectors, samples):

@@ -62,9 +62,9 @@ def test_downpour_synchronous_two_workers_is_big_batch_training():
         (np.concatenate([x1, x2]), np.concatenate([y1, y2])) for (x1, y1), (x2, y2) in zip(b1, b2, strict=True)
     ]
     expected = reference_run(model, opt, concatenated)
-    assert_close(sim.center, expected)
+    assert_close(sim.centre, expected)
     for w in sim.workers:
-        np.testing.assert_array_equal(w.params, sim.center)
+        np.testing.assert_array_equal(w.params, sim.centre)
 
     # The batch sizes differ by one, so an unweighted mean would be measurably different.
     plain = copy.deepcopy(model)
@@ -114,10 +114,10 @@ def test_easgd_zero_force_means_independent_workers(synchronous):
     sim = Simulation(
         EASGD(elastic_force=0.0, elastic_momentum=0.5), model, 2, worker_opt=opt, sync_every=2, synchronous=synchronous
     )
-    start = sim.center.copy()
+    start = sim.centre.copy()
     sim.run(data)
     assert sim.version > 4  # they did talk to the master
-    np.testing.assert_array_equal(sim.center, start)
+    np.testing.assert_array_equal(sim.centre, start)
     for i, w in enumerate(sim.workers):
         assert_close(w.params, reference_run(model, opt, data[i]))
 
@@ -125,7 +125,7 @@ def test_easgd_zero_force_means_independent_workers(synchronous):
 def easgd_two_rounds(algo: EASGD):
     """A synchronous round with two workers, then one asynchronous update from worker 0.
     Returns (replies, worker weights, centres, velocities) after each round."""
-    center = np.array([0.0, 1.0, -2.0, 4.0], F32)
+    centre = np.array([0.0, 1.0, -2.0, 4.0], F32)
     xs = [np.array([1.0, 3.0, -2.0, 0.0], F32), np.array([-1.0, 1.0, 2.0, 4.5], F32)]
     state = algo.new_master_state(4)
     worker_states = [algo.new_worker_state(4, 1) for _ in xs]
@@ -139,11 +139,11 @@ def easgd_two_rounds(algo: EASGD):
             algo.worker_message(worker_states[i], xs[i], out)
             np.testing.assert_array_equal(out, xs[i])
             updates.append(Update(out, 0, 10))
-        replies = algo.master_apply(state, center, updates, None)
+        replies = algo.master_apply(state, centre, updates, None)
         replies = [r.copy() for r in replies]
         for i, r in zip(round_workers, replies, strict=True):
             algo.worker_reply(worker_states[i], xs[i], r)
-        record.append((replies, [x.copy() for x in xs], center.copy(), state.velocity.copy()))
+        record.append((replies, [x.copy() for x in xs], centre.copy(), state.velocity.copy()))
     return record
 
 
@@ -338,14 +338,14 @@ def test_adag_worker_sends_the_displacement_normalised_by_the_window():
 def test_adag_asynchronous_simulation_adds_every_update_undiscounted():
     model = make_model()
     sim = Simulation(ADAG(), model, 2, worker_opt="sgd(lr=0.1)", sync_every=2)
-    before = sim.center.copy()
+    before = sim.centre.copy()
     data = [make_batches(2, 5, seed=20 + i) for i in range(2)]
     sim.run(data)
     # Each worker did two plain SGD steps from `before`; worker 1 was served second
     # (staleness 1), and ADAG adds its update all the same.
     moved = [(reference_run(model, "sgd(lr=0.1)", data[i]) - before) / 2 for i in range(2)]
     assert sim.stalenesses == [0, 1]
-    assert_close(sim.center, before + moved[0] + moved[1], rtol=1e-5, atol=1e-7)
+    assert_close(sim.centre, before + moved[0] + moved[1], rtol=1e-5, atol=1e-7)
 
 
 # ----------------------------------------------------------------------------- the rules as published
@@ -354,14 +354,14 @@ def test_adag_and_dynsgd_as_published(rule):
     # Hermans' ADAG (dist-keras ADAGParameterServer): centre += update, stale or not.
     # DynSGD (Jiang et al. 2017; dist-keras DynSGDParameterServer): centre += update / (staleness + 1).
     discount = 1.0 / (STALE + 1) if rule is DynSGD else 1.0
-    center, replies = master_round(rule(), PAYLOADS[:1], SAMPLES[:1], [STALE])
-    assert_close(center, C0 + discount * PAYLOADS[0])
-    np.testing.assert_array_equal(replies[0], center)
+    centre, replies = master_round(rule(), PAYLOADS[:1], SAMPLES[:1], [STALE])
+    assert_close(centre, C0 + discount * PAYLOADS[0])
+    np.testing.assert_array_equal(replies[0], centre)
     # A synchronous round (never stale): the sample-weighted mean, not the sum.
-    center, replies = master_round(rule(), PAYLOADS, SAMPLES, [0, 0, 0])
-    assert_close(center, C0 + sample_mean(PAYLOADS, SAMPLES))
+    centre, replies = master_round(rule(), PAYLOADS, SAMPLES, [0, 0, 0])
+    assert_close(centre, C0 + sample_mean(PAYLOADS, SAMPLES))
     for reply in replies:
-        np.testing.assert_array_equal(reply, center)
+        np.testing.assert_array_equal(reply, centre)
 
 
 def test_adag_with_the_staleness_discount_is_dynsgd():
@@ -369,9 +369,9 @@ def test_adag_with_the_staleness_discount_is_dynsgd():
     centre += update / (staleness + 1), as DynSGD's master does."""
     adag = ADAG()
     adag.discount_stale = True
-    center, _ = master_round(adag, PAYLOADS[:1], SAMPLES[:1], [STALE])
-    assert_close(center, C0 + PAYLOADS[0] / (STALE + 1))
-    assert_close(center, master_round(DynSGD(), PAYLOADS[:1], SAMPLES[:1], [STALE])[0], rtol=0, atol=0)
+    centre, _ = master_round(adag, PAYLOADS[:1], SAMPLES[:1], [STALE])
+    assert_close(centre, C0 + PAYLOADS[0] / (STALE + 1))
+    assert_close(centre, master_round(DynSGD(), PAYLOADS[:1], SAMPLES[:1], [STALE])[0], rtol=0, atol=0)
     assert not ADAG().discount_stale and DynSGD().discount_stale
 
 
@@ -385,10 +385,10 @@ def test_downpour_as_published():
     # Dean et al.: the master's optimiser steps on the pushed gradient (here sgd, lr 0.1):
     # centre -= lr * g. Synchronous: one step on the sample-weighted mean gradient.
     lr = 0.1
-    center, _ = master_round(Downpour(), PAYLOADS[:1], SAMPLES[:1], [STALE], f"sgd(lr={lr})")
-    assert_close(center, C0 - lr * PAYLOADS[0])
-    center, replies = master_round(Downpour(), PAYLOADS, SAMPLES, [0, 0, 0], f"sgd(lr={lr})")
-    assert_close(center, C0 - lr * sample_mean(PAYLOADS, SAMPLES))
+    centre, _ = master_round(Downpour(), PAYLOADS[:1], SAMPLES[:1], [STALE], f"sgd(lr={lr})")
+    assert_close(centre, C0 - lr * PAYLOADS[0])
+    centre, replies = master_round(Downpour(), PAYLOADS, SAMPLES, [0, 0, 0], f"sgd(lr={lr})")
+    assert_close(centre, C0 - lr * sample_mean(PAYLOADS, SAMPLES))
 
 
 def test_easgd_as_published():
@@ -399,14 +399,14 @@ def test_easgd_as_published():
     algo = EASGD()
     algo.bind(3)
     alpha = 0.9 / 3
-    center, replies = master_round(algo, weights[:1], SAMPLES[:1], [STALE])
+    centre, replies = master_round(algo, weights[:1], SAMPLES[:1], [STALE])
     assert_close(replies[0], alpha * (weights[0] - C0))
-    assert_close(center, C0 + alpha * (weights[0] - C0))
+    assert_close(centre, C0 + alpha * (weights[0] - C0))
     algo = EASGD()
     algo.bind(3)
-    center, replies = master_round(algo, weights, SAMPLES, [0, 0, 0])
-    assert_close(center, C0 + sum(alpha * (x - C0) for x in weights))
-    assert_close(center, C0 + 0.9 * (np.mean(weights, axis=0) - C0))
+    centre, replies = master_round(algo, weights, SAMPLES, [0, 0, 0])
+    assert_close(centre, C0 + sum(alpha * (x - C0) for x in weights))
+    assert_close(centre, C0 + 0.9 * (np.mean(weights, axis=0) - C0))
     for reply, x in zip(replies, weights, strict=True):
         assert_close(reply, alpha * (x - C0))
 
@@ -438,12 +438,12 @@ def test_gem_as_published():
     # The rescaling is at work: pi is neither constant nor only at its bounds.
     assert len({round(float(p), 6) for p in np.concatenate(pis)}) > 3
     assert ((np.concatenate(pis) > 0) & (np.concatenate(pis) < pi_max)).any()
-    center, _ = master_round(algo, sent[:1], SAMPLES[:1], [STALE])
-    assert_close(center, C0 + expected[0], rtol=1e-5, atol=1e-6)
-    center, replies = master_round(algo, sent, SAMPLES, [0, 0, 0])
-    assert_close(center, C0 + sample_mean(expected, SAMPLES), rtol=1e-5, atol=1e-6)
+    centre, _ = master_round(algo, sent[:1], SAMPLES[:1], [STALE])
+    assert_close(centre, C0 + expected[0], rtol=1e-5, atol=1e-6)
+    centre, replies = master_round(algo, sent, SAMPLES, [0, 0, 0])
+    assert_close(centre, C0 + sample_mean(expected, SAMPLES), rtol=1e-5, atol=1e-6)
     for reply in replies:
-        np.testing.assert_array_equal(reply, center)
+        np.testing.assert_array_equal(reply, centre)
 
 
 def test_gem_with_the_staleness_discount_adds_each_update_over_one_plus_its_staleness():
@@ -451,11 +451,11 @@ def test_gem_with_the_staleness_discount_adds_each_update_over_one_plus_its_stal
     (train/asynchrony.py): centre += update / (staleness + 1), one update after another."""
     gem = GEM()
     gem.discount_stale = True
-    center, replies = master_round(gem, PAYLOADS[:1], SAMPLES[:1], [STALE])
-    assert_close(center, C0 + PAYLOADS[0] / (STALE + 1))
-    np.testing.assert_array_equal(replies[0], center)
-    center, _ = master_round(gem, PAYLOADS[:1], SAMPLES[:1], [0])  # a fresh one, whole
-    assert_close(center, C0 + PAYLOADS[0])
+    centre, replies = master_round(gem, PAYLOADS[:1], SAMPLES[:1], [STALE])
+    assert_close(centre, C0 + PAYLOADS[0] / (STALE + 1))
+    np.testing.assert_array_equal(replies[0], centre)
+    centre, _ = master_round(gem, PAYLOADS[:1], SAMPLES[:1], [0])  # a fresh one, whole
+    assert_close(centre, C0 + PAYLOADS[0])
     assert not GEM().discount_stale
 
 

@@ -87,7 +87,9 @@ def test_role_loops_leave_mpi_to_the_transport():
 # probe and the sweep use transport/ and roles/. Only the ways in (and the dashboard,
 # which draws a study) import scaling/: nothing below it does.
 SCALING_PURE = (
+    "allreduce_model",
     "analysis",
+    "assemble",
     "goodput",
     "inputs",
     "load",
@@ -135,3 +137,23 @@ def test_the_result_files_the_code_points_at_exist():
     results = PACKAGE.parent / "bench" / "results"
     missing = sorted(f"{path}: {name}" for path, name in named if not (results / name).is_file())
     assert not missing, "pointers to result files that do not exist: " + "; ".join(missing)
+
+
+def test_role_modules_export_their_public_classes():
+    """A public class a role module defines (a loop other modules extend or drive, such as
+    allreduce.py's AllreduceRun) is in that module's `__all__`, which the API reference
+    and `import *` read."""
+    missing = []
+    for path in sorted((PACKAGE / "roles").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        exported = next(
+            (
+                set(ast.literal_eval(node.value))
+                for node in tree.body
+                if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets)
+            ),
+            set(),
+        )
+        classes = {node.name for node in tree.body if isinstance(node, ast.ClassDef) and not node.name.startswith("_")}
+        missing += [f"{path.relative_to(PACKAGE)}: {name}" for name in sorted(classes - exported)]
+    assert not missing, "public classes missing from __all__: " + "; ".join(missing)

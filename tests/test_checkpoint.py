@@ -126,20 +126,28 @@ def test_empty_and_scalar_arrays_survive(tmp_path):
     assert restored.sync_every == 4 and restored.count == 0
 
 
-def test_rule_state_through_a_checkpoint(tmp_path):
+@pytest.mark.parametrize("saved_as", ["previous_centre", "previous_center"], ids=["now", "before-the-rename"])
+def test_rule_state_through_a_checkpoint(tmp_path, saved_as):
+    """GEM's worker state through a checkpoint. Its `previous_centre` was saved as
+    `previous_center` before the project took one spelling: a checkpoint written then
+    restores it too (a state that skipped it would resume GEM's correction from zeros,
+    silently)."""
     gem = GEM()
     state = gem.new_worker_state(6, 2)
     rng = np.random.default_rng(0)
     state.velocity[:] = rng.normal(size=6)
-    state.previous_center[:] = rng.normal(size=6)
+    state.previous_centre[:] = rng.normal(size=6)
     state.count, state.pulls = 1, 7
+    arrays = state.to_arrays()
+    arrays[saved_as] = arrays.pop("previous_centre")
     ckpt = Checkpoints(tmp_path)
-    ckpt.write_rank("x", 3, {"rule": state.to_arrays()}, {})
+    ckpt.write_rank("x", 3, {"rule": arrays}, {})
     back, _ = Checkpoints.read_rank(ckpt.commit("x", {}), 3)
+    assert saved_as in back["rule"]
     restored = gem.new_worker_state(6, 2)
     restored.load_arrays(back["rule"])
     np.testing.assert_array_equal(restored.velocity, state.velocity)
-    np.testing.assert_array_equal(restored.previous_center, state.previous_center)
+    np.testing.assert_array_equal(restored.previous_centre, state.previous_centre)
     assert (restored.count, restored.pulls, restored.sync_every) == (1, 7, 2)
 
 

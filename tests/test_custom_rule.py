@@ -58,7 +58,18 @@ class ToySGD(Algorithm):
     def worker_reply(self, state, params, reply) -> None:
         params[...] = reply
 
-    def master_apply(self, state, center, updates, opt):
+    def master_apply(self, state, centre, updates, opt):
+        centre -= self.lr * weighted_mean(updates)
+        return [centre] * len(updates)
+
+
+class OldSpellingToySGD(ToySGD):
+    """The toy as a rule written before the project took one spelling names the centre:
+    nbdist passes it positionally, so the parameter's name is the rule's own business."""
+
+    name = "toy_sgd_old_spelling"
+
+    def master_apply(self, state, center, updates, opt):  # the old spelling, on purpose
         center -= self.lr * weighted_mean(updates)
         return [center] * len(updates)
 
@@ -107,11 +118,12 @@ def test_the_toy_rule_is_collected_and_passes_every_contract_test(pytester):
 
             sys.path[:0] = [{str(TESTS)!r}, {str(TESTS.parent)!r}]
 
-            from test_custom_rule import ToySGD
+            from test_custom_rule import OldSpellingToySGD, ToySGD
 
             from nbdist.algorithms import RULES
 
             RULES.register(ToySGD)
+            RULES.register(OldSpellingToySGD)
 
             from test_rule_contracts import *  # noqa: F403  (the contract tests, the toy among their rules)
             """
@@ -131,4 +143,20 @@ def test_the_toy_rule_is_collected_and_passes_every_contract_test(pytester):
         "test_rule_state_round_trips",
     }, run.outlines
     assert all(line.split()[1] == "PASSED" for line in toy_tests), run.outlines
+    assert any("toy_sgd_old_spelling" in line for line in toy_tests), run.outlines
     run.assert_outcomes(passed=len(toy_tests))
+
+
+def test_nbdist_passes_the_centre_to_a_rule_positionally():
+    """A rule's master side may name its centre parameter as it likes (`center`, as rules
+    written before the rename do): no call in nbdist passes it by keyword."""
+    import ast
+
+    package = TESTS.parent / "nbdist"
+    by_keyword = [
+        f"{path.relative_to(package)}:{node.lineno}"
+        for path in package.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call) and any(k.arg in ("centre", "center") for k in node.keywords)
+    ]
+    assert not by_keyword, by_keyword

@@ -69,8 +69,8 @@ def test_every_rule_on_the_device_gives_the_numpy_result(name, synchronous):
         runs.append(sim)
     host, device = runs
     assert all(w.rule_params.device.type == DEVICE for w in device.workers)
-    assert np.abs(host.center - flat(model)).max() > 1e-3  # it trained
-    assert_close(to_numpy(device.center), host.center, rtol=0, atol=1e-6)
+    assert np.abs(host.centre - flat(model)).max() > 1e-3  # it trained
+    assert_close(to_numpy(device.centre), host.centre, rtol=0, atol=1e-6)
     for on_device, on_host in zip(device.workers, host.workers, strict=True):
         assert_close(to_numpy(on_device.rule_params), on_host.params, rtol=0, atol=1e-6)
     assert device.stalenesses == host.stalenesses

@@ -363,7 +363,7 @@ def test_a_synchronous_round_under_a_sub_master_equals_one_master(spec):
     from nbdist.specs import parse_spec
 
     rng = np.random.default_rng(0)
-    center = rng.standard_normal(50).astype(np.float32)
+    initial = rng.standard_normal(50).astype(np.float32)  # the centre both masters start from
     payloads = [rng.standard_normal(50).astype(np.float32) for _ in range(4)]
 
     def master(start):
@@ -382,10 +382,10 @@ def test_a_synchronous_round_under_a_sub_master_equals_one_master(spec):
         algorithm.master_apply(state, centre, [Update(payloads[w].copy(), 0, 32) for w in workers], opt)
         return algorithm, centre
 
-    _, flat = apply(center, [0, 1, 2, 3])
-    top_rule, top = apply(center, [0, 1])
-    _, sub = apply(center, [2, 3])
-    merged = center.copy()
-    top_rule.merge_master_steps(merged, [Update(top - center, 0, 2), Update(sub - center, 0, 2)])
-    assert np.abs(flat - center).max() > 0.05
+    _, flat = apply(initial, [0, 1, 2, 3])
+    top_rule, top = apply(initial, [0, 1])
+    _, sub = apply(initial, [2, 3])
+    merged = initial.copy()
+    top_rule.merge_master_steps(merged, [Update(top - initial, 0, 2), Update(sub - initial, 0, 2)])
+    assert np.abs(flat - initial).max() > 0.05
     np.testing.assert_allclose(merged, flat, rtol=1e-5, atol=1e-6)

@@ -32,8 +32,8 @@ def grad(x):
 class Worker:
     """One worker's weights, rule state and real inner optimiser (plain SGD)."""
 
-    def __init__(self, rule, center, sync_every):
-        self.params = np.array(center, F32)
+    def __init__(self, rule, centre, sync_every):
+        self.params = np.array(centre, F32)
         self.opt = TorchFlatOptimizer(torch.optim.SGD, parse_spec(f"sgd(lr={INNER_LR})"), self.params)
         self.state = rule.new_worker_state(self.params.size, sync_every)
         rule.worker_start(self.state, self.params)
@@ -67,37 +67,37 @@ def test_a_synchronous_diloco_round_is_outer_nesterov_on_the_mean_pseudo_gradien
     H, lr, mu, samples = 3, 0.7, 0.9, [5, 7, 12]
     rule = make_algorithm(parse_spec(f"diloco(inner_steps={H}, outer_lr={lr}, outer_momentum={mu})"))
     rule.bind(3)
-    center = THETA0.astype(F32)
+    centre = THETA0.astype(F32)
     state = rule.new_master_state(6)
     theta, m = THETA0.copy(), np.zeros(6)
-    workers = [Worker(rule, center, H) for _ in range(3)]
+    workers = [Worker(rule, centre, H) for _ in range(3)]
     for w, shift in zip(workers, (0.0, 0.3, -0.2), strict=True):  # different data, different windows
         w.params += F32(shift)
-        w.state.pulled[...] = center
+        w.state.pulled[...] = centre
     offsets = [0.0, 0.3, -0.2]
     for _ in range(2):
         sent = [w.window(H) for w in workers]
-        replies = rule.master_apply(state, center, [Update(s, 0, n) for s, n in zip(sent, samples, strict=True)], None)
+        replies = rule.master_apply(state, centre, [Update(s, 0, n) for s, n in zip(sent, samples, strict=True)], None)
         for w, r in zip(workers, replies, strict=True):
             rule.worker_reply(w.state, w.params, r.copy())
         deltas = [theta - inner_sgd(theta + off, H) for off in offsets]
         mean = sum(n * d for n, d in zip(samples, deltas, strict=True)) / sum(samples)
         theta, m = nesterov(theta, m, mean, lr, mu)
         offsets = [0.0, 0.0, 0.0]
-    np.testing.assert_allclose(center, theta, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(centre, theta, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(state.momentum, m, rtol=1e-5, atol=1e-5)
     for w in workers:
-        np.testing.assert_array_equal(w.params, center)
+        np.testing.assert_array_equal(w.params, centre)
 
 
 def test_diloco_with_one_inner_step_outer_lr_1_and_no_momentum_is_model_averaging():
     rule = DiLoCo(inner_steps=1, outer_lr=1.0, outer_momentum=0.0)
     rule.bind(3)
-    center = THETA0.astype(F32)
-    weights = [center + RNG.normal(size=6).astype(F32) for _ in range(3)]
-    updates = [Update(center - w, 0, n) for w, n in zip(weights, [2, 3, 5], strict=True)]
-    rule.master_apply(rule.new_master_state(6), center, updates, None)
-    np.testing.assert_allclose(center, (2 * weights[0] + 3 * weights[1] + 5 * weights[2]) / 10, rtol=1e-6, atol=1e-6)
+    centre = THETA0.astype(F32)
+    weights = [centre + RNG.normal(size=6).astype(F32) for _ in range(3)]
+    updates = [Update(centre - w, 0, n) for w, n in zip(weights, [2, 3, 5], strict=True)]
+    rule.master_apply(rule.new_master_state(6), centre, updates, None)
+    np.testing.assert_allclose(centre, (2 * weights[0] + 3 * weights[1] + 5 * weights[2]) / 10, rtol=1e-6, atol=1e-6)
 
 
 def test_asynchronous_diloco_applies_each_delta_as_its_share_of_a_round():
@@ -108,13 +108,13 @@ def test_asynchronous_diloco_applies_each_delta_as_its_share_of_a_round():
         rule = DiLoCo(inner_steps=2, outer_lr=lr, outer_momentum=mu)
         rule.bind(workers)
         rule.asynchronous = True
-        center, state = THETA0.astype(F32), rule.new_master_state(6)
+        centre, state = THETA0.astype(F32), rule.new_master_state(6)
         theta, m = THETA0.copy(), np.zeros(6)
-        w = Worker(rule, center, 2)
+        w = Worker(rule, centre, 2)
         for _ in range(3):
-            rule.worker_reply(w.state, w.params, rule.master_apply(state, center, [Update(w.window(2), 0, 8)], None)[0])
+            rule.worker_reply(w.state, w.params, rule.master_apply(state, centre, [Update(w.window(2), 0, 8)], None)[0])
             theta, m = nesterov(theta, m, (theta - inner_sgd(theta, 2)) / workers, lr, mu)
-        np.testing.assert_allclose(center, theta, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(centre, theta, rtol=1e-5, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- asynchronous local SGD
@@ -137,11 +137,11 @@ def test_async_local_sgd_is_delayed_nesterov():
     rule.bind(5)
     rule.asynchronous = True
     arrivals = [RNG.normal(size=6) for _ in range(7)]
-    center, state = THETA0.astype(F32), rule.new_master_state(6)
+    centre, state = THETA0.astype(F32), rule.new_master_state(6)
     for g in arrivals:
-        rule.master_apply(state, center, [Update(g.astype(F32), 2, 8)], None)
+        rule.master_apply(state, centre, [Update(g.astype(F32), 2, 8)], None)
     theta, m, buffered = delayed_nesterov(THETA0, arrivals, lr, mu, n)
-    np.testing.assert_allclose(center, theta, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(centre, theta, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(state.momentum, m, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(state.buffered, buffered, rtol=1e-5, atol=1e-5)
     assert state.arrivals == 7
@@ -151,19 +151,19 @@ def test_n_fresh_arrivals_of_async_local_sgd_are_one_diloco_round():
     """The momentum activates every N = workers arrivals; N arrivals without staleness
     move the centre as one synchronous DiLoCo round on their mean does."""
     deltas = [RNG.normal(size=6).astype(F32) for _ in range(4)]
-    centers = []
+    centres = []
     for rule in (AsyncLocalSGD(outer_lr=0.7, outer_momentum=0.9), DiLoCo(outer_lr=0.7, outer_momentum=0.9)):
         rule.bind(4)
-        center, state = THETA0.astype(F32), rule.new_master_state(6)
+        centre, state = THETA0.astype(F32), rule.new_master_state(6)
         for _ in range(2):
             if isinstance(rule, AsyncLocalSGD):
                 rule.asynchronous = True
                 for d in deltas:
-                    rule.master_apply(state, center, [Update(d.copy(), 0, 8)], None)
+                    rule.master_apply(state, centre, [Update(d.copy(), 0, 8)], None)
             else:
-                rule.master_apply(state, center, [Update(d.copy(), 0, 8) for d in deltas], None)
-        centers.append(center)
-    np.testing.assert_allclose(centers[0], centers[1], rtol=1e-5, atol=1e-6)
+                rule.master_apply(state, centre, [Update(d.copy(), 0, 8) for d in deltas], None)
+        centres.append(centre)
+    np.testing.assert_allclose(centres[0], centres[1], rtol=1e-5, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------- EAMSGD
@@ -175,7 +175,7 @@ def test_eamsgd_is_zhang_et_al_algorithm_2():
     rule.bind(2)
     rule.asynchronous = True
     alpha = force
-    center, state = THETA0.astype(F32), rule.new_master_state(6)
+    centre, state = THETA0.astype(F32), rule.new_master_state(6)
     start = [THETA0 + 0.1, THETA0 - 0.2]
     params = [s.astype(F32) for s in start]
     states = [rule.new_worker_state(6, tau) for _ in range(2)]
@@ -192,10 +192,10 @@ def test_eamsgd_is_zhang_et_al_algorithm_2():
             if t % tau == 0 and t > 0:
                 out = np.empty(6, F32)
                 rule.worker_message(states[i], params[i], out)
-                reply = rule.master_apply(state, center, [Update(out, 0, 8)], None)[0]
+                reply = rule.master_apply(state, centre, [Update(out, 0, 8)], None)[0]
                 rule.worker_reply(states[i], params[i], reply.copy())
             rule.worker_step(states[i], params[i], grad(params[i]).astype(F32), None)
-    np.testing.assert_allclose(center, c, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(centre, c, rtol=1e-5, atol=1e-5)
     for i in range(2):
         np.testing.assert_allclose(params[i] - delta * states[i].velocity, x[i], rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(states[i].velocity, v[i], rtol=1e-5, atol=1e-5)

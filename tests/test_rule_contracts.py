@@ -57,12 +57,12 @@ def test_one_worker_is_plain_training(rule, opt, synchronous):
     model = make_model()
     batches = make_batches(12, 7, seed=1)
     sim = Simulation(build(rule), model, 1, worker_opt=opt, master_opt=opt, sync_every=1, synchronous=synchronous)
-    start = sim.center.copy()
+    start = sim.centre.copy()
     sim.run([batches])
     expected = reference_run(model, opt, batches)
     assert not np.allclose(start, expected, rtol=1e-3)  # it did train
-    assert_close(sim.center, expected)
-    np.testing.assert_array_equal(sim.workers[0].params, sim.center)
+    assert_close(sim.centre, expected)
+    np.testing.assert_array_equal(sim.workers[0].params, sim.centre)
     assert sim.stalenesses == [0] * 12
 
 
@@ -76,8 +76,8 @@ def test_a_synchronous_round_of_equal_updates_moves_the_centre_as_one(rule):
         algo.bind(count)
         payload = (C0 + PAYLOADS[0]) if rule.message_is_weights else PAYLOADS[0]
         spec = "sgd(lr=0.1)" if rule.uses_master_optimizer else None
-        center, _ = master_round(algo, [payload] * count, [8] * count, [0] * count, spec)
-        return center - C0
+        centre, _ = master_round(algo, [payload] * count, [8] * count, [0] * count, spec)
+        return centre - C0
 
     assert np.abs(move(1)).max() > 1e-4  # it moved
     assert_close(move(4), move(1), rtol=1e-5, atol=1e-6)
@@ -96,10 +96,10 @@ def test_a_streamed_synchronous_round_gives_master_apply_bit_for_bit(rule, tenso
     for streamed in (False, True):
         algo = build(rule)
         algo.bind(3)
-        center = rng.normal(size=64).astype(F32) if not results else results[0][2].copy()
-        start = center.copy()
-        state = algo.new_master_state(center.size)
-        opt = TorchFlatOptimizer(torch.optim.SGD, parse_spec("sgd(lr=0.1, momentum=0.9)"), center)
+        centre = rng.normal(size=64).astype(F32) if not results else results[0][2].copy()
+        start = centre.copy()
+        state = algo.new_master_state(centre.size)
+        opt = TorchFlatOptimizer(torch.optim.SGD, parse_spec("sgd(lr=0.1, momentum=0.9)"), centre)
         inputs = np.random.default_rng(7)
         workers = [(start + inputs.normal(size=64).astype(F32)) for _ in range(3)]
         params = [torch.from_numpy(x) if tensors else x for x in workers]  # views: the same weights
@@ -118,18 +118,18 @@ def test_a_streamed_synchronous_round_gives_master_apply_bit_for_bit(rule, tenso
                         yield Update(buffer, 0, n)
                         buffer[...] = np.nan  # the pool's next body
 
-                reply = algo.master_round(state, center, draw(sent, samples), samples, opt, np.empty(64, F32))
+                reply = algo.master_round(state, centre, draw(sent, samples), samples, opt, np.empty(64, F32))
                 for p, ws in zip(params[: len(samples)], worker_states[: len(samples)], strict=True):
                     algo.worker_round_reply(ws, p, torch.from_numpy(reply.copy()) if tensors else reply.copy())
             else:
                 round_ = [Update(p.copy(), 0, n) for p, n in zip(sent, samples, strict=True)]
-                replies = algo.master_apply(state, center, round_, opt)
+                replies = algo.master_apply(state, centre, round_, opt)
                 for p, ws, r in zip(params[: len(samples)], worker_states[: len(samples)], replies, strict=True):
                     algo.worker_reply(ws, p, torch.from_numpy(r.copy()) if tensors else r.copy())
-        results.append((center, [to_numpy(v) for v in state.to_arrays().values()], start, workers))
-    (center, velocity, _, workers), (center2, velocity2, _, workers2) = results
-    np.testing.assert_array_equal(center2, center)
-    assert np.abs(center - results[0][2]).max() > 1e-3  # it moved
+        results.append((centre, [to_numpy(v) for v in state.to_arrays().values()], start, workers))
+    (centre, velocity, _, workers), (centre2, velocity2, _, workers2) = results
+    np.testing.assert_array_equal(centre2, centre)
+    assert np.abs(centre - results[0][2]).max() > 1e-3  # it moved
     for a, b in zip(velocity, velocity2, strict=True):
         np.testing.assert_array_equal(b, a)
     for a, b in zip(workers, workers2, strict=True):
@@ -153,10 +153,10 @@ def test_torch_tensors_through_staging_give_the_numpy_result(rule, synchronous):
         sim.run(batches)
         runs.append(sim)
     host, device = runs
-    assert isinstance(host.center, np.ndarray) and isinstance(device.center, torch.Tensor)
+    assert isinstance(host.centre, np.ndarray) and isinstance(device.centre, torch.Tensor)
     assert all(isinstance(w.rule_params, torch.Tensor) for w in device.workers)
-    assert np.abs(host.center - flat(model)).max() > 1e-3  # it trained
-    assert_close(to_numpy(device.center), host.center, rtol=0, atol=1e-6)
+    assert np.abs(host.centre - flat(model)).max() > 1e-3  # it trained
+    assert_close(to_numpy(device.centre), host.centre, rtol=0, atol=1e-6)
     for on_device, on_host in zip(device.workers, host.workers, strict=True):
         assert_close(to_numpy(on_device.rule_params), on_host.params, rtol=0, atol=1e-6)
     assert device.stalenesses == host.stalenesses

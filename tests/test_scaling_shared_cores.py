@@ -11,7 +11,7 @@ import pytest
 from test_scaling_model import DOWNPOUR, S, Z, calibration
 
 from nbdist.scaling import Machine, PerformanceModel, SetUp, Simulator, network
-from nbdist.scaling.calibrate import _at_share, _rank_shares
+from nbdist.scaling.assemble import at_share, rank_shares
 from nbdist.scaling.model import PASS_UPDATES, expected_max, makespan
 from nbdist.scaling.queueing import mva_shared_cores
 from nbdist.scaling.setups import Point
@@ -124,14 +124,14 @@ def test_calibration_runs_come_back_to_a_core_of_their_own_by_each_ranks_share()
         master_utilisation=0.2,
         extra={"others": 1.5, "shares": [0.25, 0.5]},
     )
-    master_share, worker_share = _rank_shares(point, 2)
+    master_share, worker_share = rank_shares(point, 2)
     assert (master_share, worker_share) == (0.25, 0.5)
-    own = _at_share(point, worker_share, master_share)
+    own = at_share(point, worker_share, master_share)
     assert (own.step_s, own.compute_s, own.samples_per_s) == pytest.approx((0.005, 0.003, 2000.0))
     assert own.master_utilisation * own.step_s == pytest.approx(0.2 * 0.01 * 0.25)
     # Without the kernel's counts: even sharing of what the other processes left.
     point.extra = {"others": 1.5}
-    assert _rank_shares(point, 2) == [0.25, 0.25]
+    assert rank_shares(point, 2) == [0.25, 0.25]
 
 
 def test_the_meter_tells_what_each_process_got_of_a_core():

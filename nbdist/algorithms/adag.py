@@ -78,5 +78,5 @@ class ADAG(Algorithm):
         params[...] = reply
         state.pulled[...] = reply
 
-    def master_apply(self, state, center, updates: Sequence[Update], opt: FlatOptimizer | None):
-        return self.add_updates(center, updates)
+    def master_apply(self, state, centre, updates: Sequence[Update], opt: FlatOptimizer | None):
+        return self.add_updates(centre, updates)

@@ -86,20 +86,20 @@ class AsyncLocalSGD(LocalWindows):
     def new_master_state(self, n: int, like: Array | None = None) -> DelayedNesterov:
         return DelayedNesterov(zeros_like_buffer(n, like), zeros_like_buffer(n, like), 0)
 
-    def master_apply(self, state, center, updates: Sequence[Update], opt: FlatOptimizer | None):
+    def master_apply(self, state, centre, updates: Sequence[Update], opt: FlatOptimizer | None):
         if not self.asynchronous:
             # A synchronous round: N fresh arrivals at once, i.e. one Nesterov step on their mean.
-            outer_sgd_step(state.momentum, center, weighted_mean(updates), self.outer_lr, self.mu, True)
-            return [center] * len(updates)
+            outer_sgd_step(state.momentum, centre, weighted_mean(updates), self.outer_lr, self.mu, True)
+            return [centre] * len(updates)
         for u in updates:  # one, asynchronous
-            self._arrive(state, center, u.payload)
-        return [center] * len(updates)
+            self._arrive(state, centre, u.payload)
+        return [centre] * len(updates)
 
-    def _arrive(self, state: DelayedNesterov, center: Array, g: Array) -> None:
+    def _arrive(self, state: DelayedNesterov, centre: Array, g: Array) -> None:
         n = self.every
         state.buffered += g
         g *= f32(float(self.outer_lr) / n)
-        center -= g
+        centre -= g
         state.arrivals += 1
         if state.arrivals % n == 0:
             state.buffered *= f32(1.0 / n)
@@ -107,5 +107,5 @@ class AsyncLocalSGD(LocalWindows):
             state.momentum += state.buffered
             state.buffered[...] = state.momentum
             state.buffered *= f32(float(self.outer_lr) * float(self.mu))
-            center -= state.buffered
+            centre -= state.buffered
             state.buffered[...] = 0.0

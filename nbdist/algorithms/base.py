@@ -59,19 +59,27 @@ MOMENTUM = ValueRange(0.0, 1.0, high_open=True)
 
 
 class RuleState:
-    """Base for the slotted per-rank state of a rule; arrays and scalars checkpoint as-is."""
+    """Base for the slotted per-rank state of a rule; arrays and scalars checkpoint as-is,
+    each under its field's name."""
 
     __slots__ = ()
+
+    def saved_before_as(self) -> dict[str, str]:
+        """Renamed fields' names in the checkpoints written before the rename, {field: old
+        name}: read where a field's own name is missing, so that those still resume. (A
+        method, not a class variable: that would be one of the dataclass's fields.)"""
+        return {}
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         return {f.name: to_numpy(getattr(self, f.name)) for f in fields(self)}  # type: ignore[arg-type]
 
     def load_arrays(self, arrays: dict[str, np.ndarray]) -> None:
         for f in fields(self):  # type: ignore[arg-type]
-            if f.name not in arrays:
+            name = f.name if f.name in arrays else self.saved_before_as().get(f.name, f.name)
+            if name not in arrays:
                 continue
             current = getattr(self, f.name)
-            value = arrays[f.name]
+            value = arrays[name]
             if is_array(current):
                 copy_into(current, value)
             else:
@@ -214,17 +222,17 @@ class Algorithm(Rule, ABC):
     def master_apply(
         self,
         state: RuleState,
-        center: Array,
+        centre: Array,
         updates: Sequence[Update],
         opt: FlatOptimizer | None,
     ) -> list[Array]:
-        """Fold `updates` into `center` (one update when asynchronous, one per worker
+        """Fold `updates` into `centre` (one update when asynchronous, one per worker
         when synchronous) and return, per update, the array to send back."""
 
     def master_round(
         self,
         state: RuleState,
-        center: Array,
+        centre: Array,
         updates: Iterable[Update],
         samples: Sequence[int],
         opt: FlatOptimizer | None,
@@ -233,36 +241,36 @@ class Algorithm(Rule, ABC):
         """A synchronous round whose updates are drawn one at a time: each payload is valid
         (and may be overwritten) only until the next is drawn, so the master holds one at a
         time whatever its number of workers. `samples` are the updates' counts, in order,
-        known before any payload; `out` is a buffer of len(center) floats, the rule's own
+        known before any payload; `out` is a buffer of len(centre) floats, the rule's own
         for the round. Moves the centre as `master_apply` on the whole round would, bit
         for bit, and returns the one array replied to every worker of the round (which
         `worker_round_reply` applies). By default: weighted_mean folded into `out`, then
         master_apply on that one update."""
         mean = accumulate_mean(out, (u.payload for u in updates), mean_factors(samples))
-        return self.master_apply(state, center, [Update(mean, 0, int(sum(samples)))], opt)[0]
+        return self.master_apply(state, centre, [Update(mean, 0, int(sum(samples)))], opt)[0]
 
-    def add_updates(self, center: Array, updates: Sequence[Update]) -> list[Array]:
+    def add_updates(self, centre: Array, updates: Sequence[Update]) -> list[Array]:
         """master_apply for a rule whose master adds the updates as they are (ADAG, GEM):
-        their sample-weighted mean into `center`, each first scaled by 1 / (1 + staleness)
+        their sample-weighted mean into `centre`, each first scaled by 1 / (1 + staleness)
         when `discount_stale` is set; the centre is every reply."""
         if self.discount_stale:
             for u in updates:
                 discount(u)
-        center += weighted_mean(updates)
-        return [center] * len(updates)
+        centre += weighted_mean(updates)
+        return [centre] * len(updates)
 
     def worker_round_reply(self, state: RuleState, params: Array, reply: Array) -> None:
         """Apply the reply of a synchronous round (`master_round`'s) to the local weights."""
         self.worker_reply(state, params, reply)
 
-    def merge_master_steps(self, center: Array, steps: Sequence[Update]) -> None:
+    def merge_master_steps(self, centre: Array, steps: Sequence[Update]) -> None:
         """The top master's rule for the masters' steps (roles/hierarchy.py): each
         payload is one master's displacement of the centre, its rule applied to its own
         workers' updates, and `samples` weighs it (the workers behind it). Asynchronous,
         one step comes at a time and is added as it is (the sub-master already applied
         the rule); a synchronous round's steps all start from the same centre, and their
         weighted mean is the step of one master averaging every worker's update."""
-        center += weighted_mean(steps)
+        centre += weighted_mean(steps)
 
 
 @dataclass(slots=True)

@@ -143,22 +143,22 @@ class DiLoCo(LocalWindows):
     def new_master_state(self, n: int, like: Array | None = None) -> OuterMomentum:
         return OuterMomentum(zeros_like_buffer(n, like))
 
-    def master_apply(self, state, center, updates: Sequence[Update], opt: FlatOptimizer | None):
+    def master_apply(self, state, centre, updates: Sequence[Update], opt: FlatOptimizer | None):
         if self.asynchronous:
             # One worker's delta as it arrives: its share of a round.
             delta = updates[0].payload
             delta *= f32(1.0 / self.workers)
         else:
             delta = weighted_mean(updates)
-        self.outer_step(state, center, delta)
-        return [center] * len(updates)
+        self.outer_step(state, centre, delta)
+        return [centre] * len(updates)
 
-    def outer_step(self, state: OuterMomentum, center: Array, delta: Array) -> None:
-        outer_sgd_step(state.momentum, center, delta, self.outer_lr, self.mu, self.nesterov)
+    def outer_step(self, state: OuterMomentum, centre: Array, delta: Array) -> None:
+        outer_sgd_step(state.momentum, centre, delta, self.outer_lr, self.mu, self.nesterov)
 
 
-def outer_sgd_step(m: Array, center: Array, delta: Array, lr: float, mu: float, nesterov: bool) -> None:
-    """torch.optim.SGD(lr, momentum=mu, nesterov) on `center` with the gradient `delta`,
+def outer_sgd_step(m: Array, centre: Array, delta: Array, lr: float, mu: float, nesterov: bool) -> None:
+    """torch.optim.SGD(lr, momentum=mu, nesterov) on `centre` with the gradient `delta`,
     the momentum buffer `m` (delta is overwritten: it becomes the step)."""
     m *= float(mu)
     m += delta
@@ -167,4 +167,4 @@ def outer_sgd_step(m: Array, center: Array, delta: Array, lr: float, mu: float, 
     else:
         delta[...] = m
     delta *= float(lr)
-    center -= delta
+    centre -= delta

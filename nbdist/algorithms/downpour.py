@@ -54,9 +54,9 @@ class Downpour(Algorithm):
     def worker_reply(self, state, params, reply) -> None:
         params[...] = reply
 
-    def master_apply(self, state, center, updates: Sequence[Update], opt: FlatOptimizer | None):
+    def master_apply(self, state, centre, updates: Sequence[Update], opt: FlatOptimizer | None):
         if opt is None:
             raise ValueError("downpour's master steps with its optimizer, and it was given none")
         # Synchronous: one step on the sample-weighted mean, i.e. the big-batch gradient.
         opt.step(weighted_mean(updates))
-        return [center] * len(updates)
+        return [centre] * len(updates)

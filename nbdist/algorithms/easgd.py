@@ -117,18 +117,18 @@ class EASGD(Algorithm):
     def new_master_state(self, n: int, like: Array | None = None) -> EASGDMaster:
         return EASGDMaster(zeros_like_buffer(n, like))
 
-    def master_apply(self, state, center, updates: Sequence[Update], opt: FlatOptimizer | None):
+    def master_apply(self, state, centre, updates: Sequence[Update], opt: FlatOptimizer | None):
         # Every diff is taken against the same centre before the centre moves, so a
         # synchronous round is Zhang's synchronous EASGD.
-        self._elastic_round(state, center, updates)
+        self._elastic_round(state, centre, updates)
         return [u.payload for u in updates]
 
-    def master_round(self, state, center, updates: Iterable[Update], samples, opt, out):
-        out[...] = center  # the reply: each worker's diff follows from it and its own x_i
-        self._elastic_round(state, center, updates)
+    def master_round(self, state, centre, updates: Iterable[Update], samples, opt, out):
+        out[...] = centre  # the reply: each worker's diff follows from it and its own x_i
+        self._elastic_round(state, centre, updates)
         return out
 
-    def _elastic_round(self, state: EASGDMaster, center: Array, updates: Iterable[Update]) -> None:
+    def _elastic_round(self, state: EASGDMaster, centre: Array, updates: Iterable[Update]) -> None:
         """The velocity decays, each update's payload becomes its diff alpha * (x_i - c)
         against the centre before the round and is added to the velocity in order (one
         payload at a time: master_round streams them), then the centre moves by it."""
@@ -137,10 +137,10 @@ class EASGD(Algorithm):
         else:
             state.velocity[...] = 0.0
         for u in updates:
-            u.payload -= center
+            u.payload -= centre
             u.payload *= float(self.alpha)
             state.velocity += u.payload
-        center += state.velocity
+        centre += state.velocity
 
     def worker_round_reply(self, state, params, reply) -> None:
         # `reply` is the centre c before the round; the master's diff is alpha * (x - c).
@@ -150,8 +150,8 @@ class EASGD(Algorithm):
         reply *= -float(self.alpha)
         params -= reply
 
-    def merge_master_steps(self, center, steps: Sequence[Update]) -> None:
+    def merge_master_steps(self, centre, steps: Sequence[Update]) -> None:
         # alpha is bound to every worker of the run (bind), so each master's step is its
         # workers' share of the elastic round: the round is their sum, not their mean.
         for step in steps:
-            center += step.payload
+            centre += step.payload

@@ -50,12 +50,15 @@ RANGES = {"lr": ABOVE_ZERO, "momentum": MOMENTUM, "kappa": ABOVE_ZERO, "epsilon"
 @dataclass(slots=True)
 class GEMWorker(RuleState):
     velocity: Array  # v, the proxy's momentum
-    previous_center: Array  # centre at the pull before the last one
+    previous_centre: Array  # centre at the pull before the last one
     accumulated: Array
     scratch: Array
     count: int
     sync_every: int
     pulls: int
+
+    def saved_before_as(self) -> dict[str, str]:
+        return {"previous_centre": "previous_center"}  # before the project took one spelling
 
 
 @RULES.register
@@ -116,7 +119,7 @@ class GEM(Algorithm):
         # |c|: how far the centre moved between this worker's last two pulls.
         if state.pulls >= 2:
             out[...] = params
-            out -= state.previous_center
+            out -= state.previous_centre
             out[...] = xp.abs(out)
         else:
             out[...] = 0.0
@@ -138,9 +141,9 @@ class GEM(Algorithm):
         state.count = 0
 
     def worker_reply(self, state, params, reply) -> None:
-        state.previous_center[...] = params
+        state.previous_centre[...] = params
         state.pulls += 1
         params[...] = reply
 
-    def master_apply(self, state, center, updates: Sequence[Update], opt: FlatOptimizer | None):
-        return self.add_updates(center, updates)
+    def master_apply(self, state, centre, updates: Sequence[Update], opt: FlatOptimizer | None):
+        return self.add_updates(centre, updates)

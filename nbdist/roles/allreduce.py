@@ -43,7 +43,7 @@ from nbdist.train.writer import CheckpointWriter
 from nbdist.transport.reducers import Reducer, make_reducer
 from nbdist.transport.staging import Staging
 
-__all__ = ["Replica", "run_allreduce"]
+__all__ = ["AllreduceRun", "CheckpointAgreement", "Replica", "run_allreduce"]
 
 
 class Replica:

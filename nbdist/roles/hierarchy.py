@@ -94,7 +94,7 @@ from nbdist.transport import messages as m
 from nbdist.transport.deadlines import Silence
 from nbdist.transport.worker_channel import WorkerChannel
 
-__all__ = ["run_sub_master", "sub_master_clients"]
+__all__ = ["SubMaster", "run_sub_master", "sub_master_clients"]
 
 
 def sub_master_clients(ctx: RankContext) -> list[Client]:
@@ -224,7 +224,7 @@ class SubMaster(Master):
         out = self.out
         train = tally.train if tally is not None else BatchStats()
         self._fill_header(kind, flags | (m.STOP_REQUEST if self.stop_wanted else 0), epoch, train)
-        np.subtract(self.center, self.pulled, out=out.payload)
+        np.subtract(self.centre, self.pulled, out=out.payload)
         average_state(self)
         out.state[:] = self.ctx.backend.state
         self.uplink.expect_reply()
@@ -245,7 +245,7 @@ class SubMaster(Master):
             self.save(self.snapshot)
             return m.SNAPSHOT
         settle_centre(self)  # its workers' replies read the centre
-        self.center[:] = self.incoming
+        self.centre[:] = self.incoming
         self.pulled[:] = self.incoming
         self.pulled_version = int(self.top_reply[m.VERSION])
         # The centre changed under the workers: what they computed before is one version staler.
@@ -281,7 +281,7 @@ def run_sub_master(ctx: RankContext) -> None:
     )
     me = SubMaster(ctx, top_reply=m.new_header(layout.workers))
     open_master(me, worker_clients(ctx))
-    n, s = me.center.size, ctx.backend.state.size
+    n, s = me.centre.size, ctx.backend.state.size
     me.pulled, me.incoming, me.out = np.empty(n, np.float32), np.empty(n, np.float32), m.Message(n, s)
     me.uplink = WorkerChannel(
         ctx.comms.masters,
@@ -297,7 +297,7 @@ def run_sub_master(ctx: RankContext) -> None:
         _resume(me)
     else:
         share_initial_weights(ctx)
-        me.pulled[:] = me.center
+        me.pulled[:] = me.centre
     serve_and_settle(me)
 
     # Every worker has said DONE (or failed); as at the top master, the stop checkpoint
@@ -326,10 +326,10 @@ def _resume(me: SubMaster) -> None:
     top = Checkpoints.read_scalars(path, centre_share(ctx.old_layout, 0)) if ctx.relayout else {}
     if ctx.resume_rank is None:
         arrays, _ = Checkpoints.read_rank(path, centre_share(ctx.old_layout, 0))
-        copy_into(me.center, arrays["model"]["params"])
+        copy_into(me.centre, arrays["model"]["params"])
         if "state" in arrays["model"]:
             copy_into(ctx.backend.state, arrays["model"]["state"])
-        me.pulled[:] = me.center
+        me.pulled[:] = me.centre
         me.version = me.pulled_version = int(top["version"])
         me.lr.load_json(top.get("lr", {}))
     else:

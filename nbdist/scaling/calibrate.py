@@ -15,12 +15,13 @@ Collective over the job's ranks (at least two), in well under a minute:
 4. two short real runs through nbdist's own loops (points.py): allreduce on one rank, and
    a master with one worker (Downpour) on two: what the loops cost beyond the parts above
    (the data, the records, the master's loop per update, the messages' way).
+
+What it finds is made into the model's inputs, a `Calibration`, by assemble.py (no MPI).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import socket
 import statistics
 import time
@@ -35,6 +36,7 @@ from nbdist.data.arrays import ArrayData
 from nbdist.data.base import Data
 from nbdist.errors import UserError
 from nbdist.options import TrainOptions
+from nbdist.scaling.assemble import assemble, core_share, fit_line
 from nbdist.scaling.inputs import Calibration
 from nbdist.scaling.load import CpuMeter, thread_turns, window_load
 from nbdist.scaling.points import PointRunner
@@ -57,7 +59,6 @@ __all__ = ["calibrate", "MESSAGE_SIZES"]
 
 MESSAGE_SIZES = (8, 4096, 65536, 1 << 20)  # bytes, and the model's message
 TIMEOUT = 600.0
-MIN_CORES = 0.2  # the least of the cores a measurement is taken to have had
 
 
 def calibrate(
@@ -78,8 +79,8 @@ def calibrate(
     """Measure the inputs; on rank 0 the Calibration and the two points its real runs
     measured (allreduce on one rank, a master and one worker), (None, []) elsewhere.
     `meter` (rank 0's): what other processes took of the cores meanwhile; each time is
-    brought back to what it is with the cores the ranks need (see `_share`). The two real
-    runs are made `repeats` times each, the fastest kept."""
+    brought back to what it is with the cores the ranks need (see assemble.py's
+    `core_share`). The two real runs are made `repeats` times each, the fastest kept."""
     size, rank = comm.Get_size(), comm.Get_rank()
     if size < 2:
         raise UserError("nbdist scale needs at least 2 MPI ranks: it measures messages between two of them")
@@ -98,7 +99,7 @@ def calibrate(
             say(f"nbdist: calibrating on {size} ranks ({cores} cores): the model's step alone")
             t0 = time.time()
             found.update(_alone(backend, data, batch, seconds))
-            found["alone_share"] = _share(meter, t0, time.time(), 1, cores)
+            found["alone_share"] = core_share(meter, t0, time.time(), 1, cores)
         found["busy"] = _busy_rounds(comm, backend, data, batch, seconds, busy)
     finally:
         if data is not None:
@@ -117,7 +118,9 @@ def calibrate(
         raise UserError(f"the calibration runs could not be measured: {alone.error or pair.error}")
     for point in (alone.point, pair.point):
         point.extra = {**(point.extra or {}), **window_load(meter, (point.extra or {}).get("window"), point.ranks)}
-    calibration = _assemble(found, alone.point, pair.point, busy, model, batch, size, cores, started)
+    calibration = assemble(
+        found, alone.point, pair.point, busy, model, batch, size, cores, started, poll_sleep_s=LONGEST_SLEEP
+    )
     return calibration, [alone.point, pair.point]
 
 
@@ -156,31 +159,6 @@ def _busy_rounds(comm: Any, backend: Any, data: Any, batch: int, seconds: float,
     if comm.Get_rank() != 0 or not alone or not together:
         return 1.0
     return max(1.0, min(together) / min(alone))
-
-
-def _share(meter: CpuMeter | None, start: float, end: float, ranks: int, cores: int) -> float:
-    """The share of a core rank 0 had between `start` and `end` while it computed with
-    `ranks - 1` others: a time it measured then, times this, is the time with a core of
-    its own. The kernel's own count where it keeps one (the time rank 0 ran over the time
-    it was runnable: what the scheduler gave it, however the other processes were
-    grouped); else even sharing of what the other processes left of the cores."""
-    if meter is None:
-        return 1.0
-    schedule = meter.schedule(start, end, 1)[0]
-    if schedule is not None and schedule[1] is not None:
-        return max(schedule[1], MIN_CORES)
-    free = max(cores - meter.others(start, end), MIN_CORES)
-    return min(1.0, free / ranks)
-
-
-def _rank_shares(point: Point, cores: int) -> list[float]:
-    """Each rank's share of a core while it was runnable during a calibration run's steady
-    state (load.window_load's "shares"); where unknown, even sharing of what other
-    processes left of the cores."""
-    extra = point.extra or {}
-    even = min(1.0, max(cores - extra.get("others", 0.0), MIN_CORES) / point.ranks)
-    shares = extra.get("shares") or [None] * point.ranks
-    return [max(s, MIN_CORES) if s is not None else even for s in shares]
 
 
 # The most training samples the probe reads into memory (its batches come from there).
@@ -263,8 +241,8 @@ def _messages(comm: Any, cores: int, backend: Any, data: Any, batch: int, second
             repeats = [max(5, min(200, int(seconds * 2e8 / max(s, 1e4) / 4))) for s in sizes]
             one_way = [ping_pong(pair, 1 - rank, s, r, TIMEOUT) for s, r in zip(sizes, repeats, strict=True)]
             reduce = [allreduce_seconds(pair, s, r, TIMEOUT) for s, r in zip(sizes, repeats, strict=True)]
-            found["p2p"] = _fit(sizes, one_way)
-            found["allreduce"] = _fit(sizes, reduce)
+            found["p2p"] = fit_line(sizes, one_way)
+            found["allreduce"] = fit_line(sizes, reduce)
             if rank == 0:
                 found["client_test_s"] = posted_test_seconds(pair, 64, 200)
             found["wake_s"] = _sleeping_wait(pair, rank, cores, max(8, message), one_way[sizes.index(max(8, message))])
@@ -293,30 +271,12 @@ def _between_nodes(comm: Any, hosts: list[str], seconds: float) -> tuple[float, 
             sizes = sorted({*MESSAGE_SIZES, 1 << 22})
             repeats = [max(5, min(100, int(seconds * 1e8 / max(s, 1e4) / 4))) for s in sizes]
             one_way = [ping_pong(pair, 1 - pair.Get_rank(), s, r, TIMEOUT) for s, r in zip(sizes, repeats, strict=True)]
-            fitted = _fit(sizes, one_way)
+            fitted = fit_line(sizes, one_way)
             return fitted if rank == 0 else None
         return None
     finally:
         free(pair)
         idle_barrier(comm, TIMEOUT)
-
-
-def _at_share(point: Point, share: float, master_share: float | None = None) -> Point:
-    """A measured point's times as with a core of its own: its workers' (whose records
-    give the phases) had `share` of one, its master `master_share` (its busy time is its
-    utilisation times the cycle; processor sharing: a busy second is `share` CPU seconds)."""
-    util = point.master_utilisation
-    if util is not None and master_share is not None:
-        util = util * master_share / share  # over the cycle brought back by `share`
-    return dataclasses.replace(
-        point,
-        step_s=point.step_s * share,
-        compute_s=point.compute_s * share,
-        communicate_s=point.communicate_s * share,
-        wait_s=point.wait_s * share,
-        samples_per_s=point.samples_per_s / share,
-        master_utilisation=util,
-    )
 
 
 def _oversubscribed_step(
@@ -364,107 +324,3 @@ def _sleeping_wait(pair: Any, rank: int, cores: int, message: int, quiet: float)
         finally:
             poll_without_sleeping(2 <= cores)
     return max(0.0, loaded - quiet)
-
-
-def _fit(sizes: list[int], seconds: list[float]) -> tuple[float, float]:
-    """alpha, beta of seconds = alpha + bytes x beta (least squares; both kept positive)."""
-    slope, intercept = np.polyfit(np.asarray(sizes, float), np.asarray(seconds, float), 1)
-    return max(float(intercept), min(seconds) * 0.5, 1e-7), max(float(slope), 1e-13)
-
-
-def _assemble(
-    found: dict[str, Any],
-    alone: Any,
-    pair: Any,
-    busy_ranks: int,
-    model: str,
-    batch: int,
-    size: int,
-    cores: int,
-    started: float,
-) -> Calibration:
-    """The inputs, from the parts measured and the two real runs."""
-    notes = []
-    # The probe's compute times are a core's own already (probes._OwnCore); the checkpoint
-    # (disk as well as CPU) is brought back by the share of a core rank 0 had.
-    alone_share = found["alone_share"]
-    found["checkpoint_s"] *= alone_share
-    alone = _at_share(alone, _rank_shares(alone, cores)[0])
-    master_share, worker_share = _rank_shares(pair, cores)
-    pair = _at_share(pair, worker_share, master_share)
-    if alone_share < 1.0:
-        notes.append(
-            f"other processes used the cores meanwhile: times brought back to a core each (share {alone_share:.2f})"
-        )
-    busy = found["busy"]
-    if 1 < busy_ranks < cores:
-        busy = 1.0 + (busy - 1.0) * (cores - 1) / (busy_ranks - 1)
-        notes.append(f"busy factor extrapolated from {busy_ranks} ranks computing to {cores} cores")
-    p2p_alpha, p2p_beta = found["p2p"]
-    ar_alpha, ar_beta = found["allreduce"]
-    params, state = found["params"], found["state"]
-    message = 4 * (params + state)
-    # A lone allreduce rank's step beyond forward and backward: data, optimiser, records.
-    allreduce_loop = max(0.0, alone.step_s - found["step_s"])
-    # The master with one worker: busy (not waiting) per update, which the model rebuilds
-    # as its loop + the rule's apply + the receive + one client looked at.
-    cycle = pair.step_s
-    busy_per_update = (pair.master_utilisation or 0.0) * cycle
-    apply = found["apply"]
-    receive = message * p2p_beta
-    master_fixed = max(0.0, busy_per_update - apply["downpour"])
-    service = master_fixed + apply["downpour"] + receive + found["client_test_s"]
-    # The worker waits for the master's service and the messages' way there and back.
-    reply_latency = max(2 * p2p_alpha, pair.wait_s - service)
-    # The rest of the worker's cycle beyond its compute (the model's step and the rule's
-    # worker_step) and its waiting: the rule's exchange work, its send, the data and the
-    # records (measured with Downpour; the other rules differ by what their exchange work
-    # costs more or less).
-    talk = max(0.0, cycle - pair.wait_s - pair.compute_s)
-    exchange = {
-        r: max(0.0, talk + s - found["worker_exchange"]["downpour"]) for r, s in found["worker_exchange"].items()
-    }
-    # And within its compute phase, beyond the model's step (one worker computes alone; the
-    # master's polling does not slow it) and the rule's worker_step: the lr, the loss check,
-    # the tallies, once per batch.
-    per_batch = max(0.0, pair.compute_s - found["step_s"] - found["worker_step"]["downpour"])
-    worker_step = {r: s + per_batch for r, s in found["worker_step"].items()}
-    return Calibration(
-        model=model,
-        params=params,
-        state=state,
-        batch_size=batch,
-        cores=cores,
-        step_s=found["step_s"],
-        per_sample_s=found["per_sample_s"],
-        busy_factor=busy,
-        spread=found["spread"],
-        allreduce_loop_s=allreduce_loop,
-        worker_step_s=worker_step,
-        worker_exchange_s=exchange,
-        p2p_alpha_s=p2p_alpha,
-        p2p_beta_s=p2p_beta,
-        allreduce_alpha_s=ar_alpha,
-        allreduce_beta_s=ar_beta,
-        apply_s=apply,
-        round_s=found["round"],
-        merge_s=found["merge"],
-        master_fixed_s=master_fixed,
-        client_test_s=found["client_test_s"],
-        reply_latency_s=reply_latency,
-        poll_sleep_s=LONGEST_SLEEP,
-        wake_s=found["wake_s"],
-        round_extra_s=found.get("round_extra_s", 0.0) * alone_share,
-        turn_s=found.get("turn_s", 0.0),
-        checkpoint_s=found["checkpoint_s"],
-        between_nodes=found.get("between_nodes"),
-        noise_scale=found["noise_scale"],
-        noise_range=found["noise_range"],
-        noise_batches=tuple(found["noise_batches"]),
-        train_samples=found["train_samples"],
-        ranks=size,
-        host=socket.gethostname(),
-        when=started,
-        seconds=time.time() - started,
-        notes=notes,
-    )

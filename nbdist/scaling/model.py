@@ -37,13 +37,16 @@ share the cores (processor sharing), every time a core's own CPU time as calibra
   staleness below W - 1; a synchronous step loses `slicing_s` to it;
 - waiting ranks sleep between polls where they outnumber the node's cores, which adds at
   least half a poll sleep to each wait.
+
+The allreduce topology's step, and the slowest of several ranks' steps, are
+allreduce_model.py's; the rest is here.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
+from nbdist.scaling.allreduce_model import BACKWARD_SHARE, allreduce_point, allreduce_seconds, expected_max, makespan
 from nbdist.scaling.inputs import Calibration
 from nbdist.scaling.network import Machine
 from nbdist.scaling.queueing import Closed, mva, mva_shared_cores, saturation_workers, two_class_mva
@@ -51,34 +54,8 @@ from nbdist.scaling.setups import Point, SetUp
 
 __all__ = ["PerformanceModel", "BACKWARD_SHARE", "DEFAULT_BUCKET_BYTES", "expected_max", "makespan"]
 
-# The share of a step's compute that is the backward pass (about twice the forward's
-# work): what gradient buckets can overlap.
-BACKWARD_SHARE = 2.0 / 3.0
 DEFAULT_BUCKET_BYTES = 2 * 2**20  # --bucket-mb's default
 PASS_UPDATES = 2  # the most ready updates one pass of an asynchronous master serves (ASYNC_BODIES)
-
-
-def expected_max(spread: list[float], count: int) -> float:
-    """E[max] of `count` draws from the empirical distribution `spread` (sorted values)."""
-    n = len(spread)
-    total = 0.0
-    for i, value in enumerate(spread, start=1):
-        total += value * ((i / n) ** count - ((i - 1) / n) ** count)
-    return total
-
-
-def makespan(spread: list[float], count: int, cores: float) -> float:
-    """When the last of `count` jobs ends, their works the expected order statistics of
-    `spread`, sharing `cores` equally (processor sharing); the largest when each has a core."""
-    n = len(spread)
-    works = [spread[min(n - 1, int((i + 0.5) / count * n))] for i in range(count)]
-    works.sort()
-    done, previous = 0.0, 0.0
-    for i, work in enumerate(works):
-        running = count - i
-        done += (work - previous) * max(running, cores) / cores
-        previous = work
-    return done
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,60 +123,9 @@ class PerformanceModel:
 
     # -- allreduce --------------------------------------------------------------------
     def allreduce_s(self, ranks: int, nbytes: int, algorithm: str = "best") -> float:
-        """An allreduce of `nbytes` over `ranks` ranks, in buckets; "ring", "tree" or the faster."""
-        if ranks <= 1:
-            return 0.0
-        if algorithm == "best":
-            return min(self.allreduce_s(ranks, nbytes, "ring"), self.allreduce_s(ranks, nbytes, "tree"))
-        cal, machine = self.cal, self.machine
-        buckets = max(1, math.ceil(nbytes / self.bucket_bytes))
-        per_node = min(machine.ranks_per_node(ranks), ranks)
-        nodes = machine.nodes_for(ranks)
-        alpha = cal.allreduce_alpha_s
-        if machine.sleeps(ranks):
-            alpha += self.sleeping_wait_s()  # a round waits for a peer that sleeps between polls
-        within = _collective(algorithm, per_node, nbytes, buckets, alpha, cal.allreduce_beta_s)
-        between = _collective(algorithm, nodes, nbytes, buckets, machine.net.latency_s, machine.net.beta_s)
-        return within + between
-
-    def _allreduce(self, setup: SetUp, ranks: int, batch: int) -> Point:
-        cal, machine = self.cal, self.machine
-        per_node, cores = machine.ranks_per_node(ranks), machine.cores
-        compute = self.compute_s(batch, min(per_node, machine.own_cores))
-        loop = cal.allreduce_loop_s
-        if per_node > cores:  # the ranks take turns on the cores: every step's work stretches
-            share = per_node / cores
-            if machine.sleeps(ranks):  # a rank that is done sleeps: the others get its share
-                slowest = compute * makespan(cal.spread, per_node, cores)
-            else:  # a rank that is done polls (the node has a core per rank): it keeps its share
-                slowest = compute * expected_max(cal.spread, per_node) * share
-            slowest += self.slicing_s(per_node)
-            loop *= share
-            mean_compute = compute * share
-        else:
-            slowest = compute * expected_max(cal.spread, ranks)
-            mean_compute = compute
-        nbytes = 4 * cal.params
-        reduce = self.allreduce_s(ranks, nbytes)
-        buckets = max(1, math.ceil(nbytes / self.bucket_bytes))
-        hidden = self.overlap * BACKWARD_SHARE * mean_compute * (buckets - 1) / buckets
-        exposed = max(reduce / buckets, reduce - hidden) if ranks > 1 else 0.0
-        step = slowest + loop + exposed
-        return Point(
-            setup,
-            ranks,
-            ranks,
-            batch,
-            samples_per_s=ranks * batch / step,
-            step_s=step,
-            compute_s=mean_compute + loop,
-            communicate_s=exposed,
-            wait_s=slowest - mean_compute,
-            staleness_mean=0.0,
-            staleness_p99=0.0,
-            cores=machine.cores_for(ranks),
-            oversubscribed=machine.sleeps(ranks),
-        )
+        """An allreduce of `nbytes` over `ranks` ranks, in buckets; "ring", "tree" or the
+        faster (allreduce_model.py)."""
+        return allreduce_seconds(self, ranks, nbytes, algorithm)
 
     # -- master/worker ----------------------------------------------------------------
     def message_s(self, bytes_: int, off_node: bool) -> float:
@@ -399,7 +325,10 @@ class PerformanceModel:
         batch = batch or self.cal.batch_size
         if setup.workers(ranks) is None:
             raise ValueError(f"{setup.label} cannot be laid out on {ranks} ranks")
-        point = self._allreduce(setup, ranks, batch) if setup.allreduce else self._master_worker(setup, ranks, batch)
+        if setup.allreduce:
+            point = allreduce_point(self, setup, ranks, batch)
+        else:
+            point = self._master_worker(setup, ranks, batch)
         point.scaling = scaling
         return point
 
@@ -445,14 +374,3 @@ def _staleness(workers: int, net: Closed, ex: _Exchange, other_versions: float, 
     updates served in one pass, the first one's worker is answered after the second."""
     paired = 0.5 * min(1.0, _waiting(net, ex, workers, other_rate)) * (PASS_UPDATES - 1)
     return max(0.0, workers - 1 + other_versions - paired)
-
-
-def _collective(algorithm: str, ranks: int, nbytes: int, buckets: int, alpha: float, beta: float) -> float:
-    """One allreduce over `ranks` peers with per-message `alpha` and per-byte `beta`, sent as
-    `buckets` reductions (each pays the latency terms; the bytes add up)."""
-    if ranks <= 1:
-        return 0.0
-    if algorithm == "ring":
-        return buckets * 2 * (ranks - 1) * alpha + 2 * (ranks - 1) / ranks * nbytes * beta
-    rounds = math.ceil(math.log2(ranks))
-    return buckets * rounds * alpha + rounds * nbytes * beta

@@ -139,9 +139,9 @@ def rule_costs(
     step, exchange, apply, rounds = {}, {}, {}, {}
     for name in rules:
         step[name], exchange[name], apply[name], rounds[name] = _one_rule(backend, name, params, per)
-    center, delta = params.copy(), np.full(n, 1e-6, np.float32)
+    centre, delta = params.copy(), np.full(n, 1e-6, np.float32)
     merge_rule = make_algorithm(Spec("downpour"))
-    merge = _seconds_per_call(lambda: merge_rule.merge_master_steps(center, [Update(delta, 0, 1, 0)]), per)
+    merge = _seconds_per_call(lambda: merge_rule.merge_master_steps(centre, [Update(delta, 0, 1, 0)]), per)
     return step, exchange, apply, rounds, merge
 
 
@@ -162,16 +162,16 @@ def _one_rule(backend: Backend, name: str, params: np.ndarray, per: float) -> tu
         rule.worker_reply(state, params, reply)
 
     exchange = _seconds_per_call(one_exchange, per)
-    center = params.copy()
+    centre = params.copy()
     master_state = rule.new_master_state(n)
-    master_opt = _optimizer(backend, DEFAULT_MASTER_OPTIMIZER, center) if rule.uses_master_optimizer else None
+    master_opt = _optimizer(backend, DEFAULT_MASTER_OPTIMIZER, centre) if rule.uses_master_optimizer else None
     payload = np.full(n, 1e-6, np.float32)
     apply = _seconds_per_call(
-        lambda: rule.master_apply(master_state, center, [Update(payload, 0, 32, 0)], master_opt), per
+        lambda: rule.master_apply(master_state, centre, [Update(payload, 0, 32, 0)], master_opt), per
     )
     out = np.empty(n, np.float32)
     rounds = _seconds_per_call(
-        lambda: rule.master_round(master_state, center, iter([Update(payload, 0, 32, 0)]), [32], master_opt, out), per
+        lambda: rule.master_round(master_state, centre, iter([Update(payload, 0, 32, 0)]), [32], master_opt, out), per
     )
     return step, exchange, apply, rounds
 

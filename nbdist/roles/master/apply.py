@@ -38,14 +38,14 @@ def apply_updates(me: Master, updates: list[tuple[int, Update]]) -> list[tuple[i
             u.staleness = me.version - u.version
         from_workers = [(i, u) for i, u in group if me.clients[i].merge is None]
         from_masters = [(i, u) for i, u in group if me.clients[i].merge is not None]
-        start = me.center.copy() if from_workers and from_masters else None
+        start = me.centre.copy() if from_workers and from_masters else None
         waited = me.phases["wait"]  # a synchronous round receives its bodies as it goes
         if from_workers:
             me.lr.before_update(sum(u.samples for _, u in from_workers), max(u.staleness for _, u in from_workers))
             replies += _apply_rule(me, from_workers)
         if from_masters:
             _merge_masters(me, start, len(from_workers), from_masters)
-            replies += [(i, me.center) for i, _ in from_masters]
+            replies += [(i, me.centre) for i, _ in from_masters]
         me.version += 1
         me.phases["update"] += time.perf_counter() - t0 - (me.phases["wait"] - waited)
         for i, u in group:
@@ -75,11 +75,11 @@ def _apply_rule(me: Master, updates: list[tuple[int, Update]]) -> list[tuple[int
     master_round with the bodies streamed in; (client, array to reply) pairs."""
     ctx = me.ctx
     if not ctx.options.synchronous:
-        payloads = ctx.rule.master_apply(me.rule_state, me.center, [u for _, u in updates], me.opt)
+        payloads = ctx.rule.master_apply(me.rule_state, me.centre, [u for _, u in updates], me.opt)
         return [(i, payload) for (i, _), payload in zip(updates, payloads, strict=True)]
     stream = round_updates(me, updates)
     payload = ctx.rule.master_round(
-        me.rule_state, me.center, stream, [u.samples for _, u in updates], me.opt, me.round_buffer
+        me.rule_state, me.centre, stream, [u.samples for _, u in updates], me.opt, me.round_buffer
     )
     if next(stream, None) is not None:
         raise TrainingError(f"internal: {ctx.rule.name}'s master_round left updates of the round undrawn")
@@ -92,6 +92,6 @@ def _merge_masters(me: Master, start: np.ndarray | None, own_workers: int, pushe
     too: that step is merged with the pushes as one master's among the others."""
     steps = [Update(u.payload, u.staleness, me.clients[i].weight, u.version) for i, u in pushes]
     if start is not None:
-        steps.insert(0, Update(me.center - start, 0, own_workers))
-        me.center[:] = start
-    me.clients[pushes[0][0]].merge(me.center, steps)
+        steps.insert(0, Update(me.centre - start, 0, own_workers))
+        me.centre[:] = start
+    me.clients[pushes[0][0]].merge(me.centre, steps)

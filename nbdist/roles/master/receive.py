@@ -84,7 +84,7 @@ def read_messages(me: Master, ready: list[int]) -> list[tuple[int, Update]]:
         if i in me.dropped:
             # Woke up after the run went on without it: it must leave.
             if kind not in (m.DONE, m.ERROR, m.LOST) and _body_in(me, i):
-                reply(me, i, m.DROPPED, me.center, repost=False)
+                reply(me, i, m.DROPPED, me.centre, repost=False)
             continue
         note_checkpoint_ack(me, i, msg)
         if kind == m.DONE:
@@ -105,13 +105,13 @@ def read_messages(me: Master, ready: list[int]) -> list[tuple[int, Update]]:
             # The update is dropped (and not counted): the client checkpoints the
             # state it had before it and leaves.
             if _body_in(me, i):
-                reply(me, i, m.STOP, me.center)
+                reply(me, i, m.STOP, me.centre)
             continue
         if me.snapshot and i not in me.snapshot_told:
             # Not applied: the client saves the state it had before it, then sends it again.
             if _body_in(me, i):
                 me.snapshot_told.add(i)
-                reply(me, i, m.SNAPSHOT, me.center, label=me.snapshot)
+                reply(me, i, m.SNAPSHOT, me.centre, label=me.snapshot)
             continue
         tally_message(me, i, msg)
         # Staleness is set when the update is applied (apply_updates), not now: the
@@ -264,6 +264,6 @@ def _client_failed(me: Master, i: int, text: str) -> None:
     if client.kind == SUB_MASTER:
         # It still has workers to stop: it passes this STOP on to them, then says DONE,
         # so no rank is still writing into the run directory when the top master leaves.
-        reply(me, i, m.STOP, me.center)
+        reply(me, i, m.STOP, me.centre)
     else:
         _retire(me, i)

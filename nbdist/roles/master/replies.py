@@ -70,7 +70,7 @@ def reply(me: Master, i: int, kind: float, payload: np.ndarray, *, label: str = 
 def _reads_centre(me: Master, payload: np.ndarray) -> bool:
     """Whether a reply reads what the next round or update overwrites: the centre, or the
     round buffer (EASGD's synchronous reply, the centre before the round)."""
-    return np.may_share_memory(payload, me.center) or (
+    return np.may_share_memory(payload, me.centre) or (
         me.round_buffer is not None and np.may_share_memory(payload, me.round_buffer)
     )
 

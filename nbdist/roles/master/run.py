@@ -126,8 +126,8 @@ def _remove_dropped(me: Master) -> None:
 def open_master(me: Master, clients: list[Client]) -> None:
     """What every master holds besides its clients: the centre, its rule and optimiser."""
     ctx = me.ctx
-    me.center = ctx.backend.params
-    me.rule_state = ctx.rule.new_master_state(me.center.size)
+    me.centre = ctx.backend.params
+    me.rule_state = ctx.rule.new_master_state(me.centre.size)
     me.opt = ctx.backend.make_optimizer(ctx.master_optimizer) if ctx.master_optimizer else None
     me.lr = master_lr_for(ctx, me.opt)
     me.validator = BackgroundValidator(ctx.make_replica, *ctx.data.val_arrays())
@@ -137,9 +137,9 @@ def open_master(me: Master, clients: list[Client]) -> None:
     # A synchronous round streams its workers' bodies; it holds its sub-masters' pushes.
     held = sum(1 for c in clients if c.kind != WORKER) if ctx.options.synchronous else 0
     wire = max((c.codec.wire_size for c in clients if c.codec is not None), default=0)
-    me.pool = BodyPool(me.center.size, ctx.backend.state.size, ASYNC_BODIES + held, wire)
+    me.pool = BodyPool(me.centre.size, ctx.backend.state.size, ASYNC_BODIES + held, wire)
     if ctx.options.synchronous:
-        me.round_buffer = np.empty_like(me.center)
+        me.round_buffer = np.empty_like(me.centre)
     workers = sum(1 for c in clients if c.kind == WORKER)
     me.members = EpochMembers(workers)
     me.reply_headers = [m.new_header(workers) for _ in clients]

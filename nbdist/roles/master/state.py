@@ -42,7 +42,7 @@ class Master:
     # Set by open_master (master/run.py) before the master serves: the backend's flat
     # parameters, one posted header receive per client, the bodies' buffers, each
     # client's latest model state, the epochs' members, the background validation.
-    center: np.ndarray = field(init=False, repr=False)
+    centre: np.ndarray = field(init=False, repr=False)
     channel: MasterChannel = field(init=False, repr=False)
     pool: BodyPool = field(init=False, repr=False)
     states: np.ndarray = field(init=False, repr=False)
