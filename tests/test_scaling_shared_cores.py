@@ -4,8 +4,9 @@ measures of the sharing (pure: no MPI)."""
 
 from __future__ import annotations
 
-import os
-import time
+import json
+import subprocess
+import sys
 
 import pytest
 from test_scaling_model import DOWNPOUR, S, Z, calibration
@@ -134,37 +135,66 @@ def test_calibration_runs_come_back_to_a_core_of_their_own_by_each_ranks_share()
     assert rank_shares(point, 2) == [0.25, 0.25]
 
 
-def test_the_meter_tells_what_each_process_got_of_a_core():
-    """The meter's schedule of this process: the share of the window it ran, and of the
-    time it was runnable, the share it was on a core (at most 1)."""
-    from nbdist.scaling.load import CpuMeter, thread_turns, window_load
+# The probes measure this process's CPU seconds: in the suite's own process other tests'
+# threads may still run and count, so these checks run in a fresh interpreter.
+def _in_a_fresh_python(code: str) -> dict:
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
-    meter = CpuMeter([os.getpid()])
-    if not meter.available or thread_turns() == (0.0, 0.0, 0):
+
+METER_CHECK = """
+import json, os, time
+from nbdist.scaling.load import CpuMeter, thread_turns, window_load
+
+meter = CpuMeter([os.getpid()])
+if not meter.available or thread_turns() == (0.0, 0.0, 0):
+    print(json.dumps({"skip": True}))
+    raise SystemExit
+started, cpu = time.time(), time.process_time()
+before = thread_turns()
+while time.process_time() - cpu < 0.6:
+    sum(range(10_000))
+after = thread_turns()
+meter.stop()
+ran, share = meter.schedule(started, time.time(), 1)[0]
+load = window_load(meter, [started, time.time()], 1)
+print(json.dumps({"ran": ran, "share": share, "before": before, "after": after, "load": load}))
+"""
+
+
+def test_the_meter_tells_what_each_process_got_of_a_core():
+    """The meter's schedule of a process: the share of the window it ran, and of the
+    time it was runnable, the share it was on a core (at most 1)."""
+    got = _in_a_fresh_python(METER_CHECK)
+    if got.get("skip"):
         pytest.skip("no /proc schedstat here")
-    started, cpu = time.time(), time.process_time()
-    before = thread_turns()
-    while time.process_time() - cpu < 0.6:
-        sum(range(10_000))
-    after = thread_turns()
-    meter.stop()
-    ran, share = meter.schedule(started, time.time(), 1)[0]
+    ran, share, before, after = got["ran"], got["share"], got["before"], got["after"]
     assert 0.0 < ran <= 1.0 + 0.05
     assert share is not None and 0.0 < share <= 1.0
-    assert after[0] - before[0] >= 0.5  # this thread's own seconds on a core
+    assert after[0] - before[0] >= 0.5  # the thread's own seconds on a core
     assert after[2] > before[2]
-    load = window_load(meter, [started, time.time()], 1)
-    assert load["ran"] == [pytest.approx(ran)] and len(load["shares"]) == 1
+    assert got["load"]["ran"] == [pytest.approx(ran)] and len(got["load"]["shares"]) == 1
 
 
 def test_the_probe_times_a_cores_own_seconds():
     """A probe's stopwatch counts the work's own CPU seconds: a sleep costs next to none,
-    and busy work no more than its wall-clock time."""
-    from nbdist.scaling.probes import _OwnCore
-
-    clock = _OwnCore()
-    time.sleep(0.2)
-    assert clock.seconds() < 0.1
-    clock, wall = _OwnCore(), time.perf_counter()
-    sum(range(200_000))
-    assert 0.0 < clock.seconds() <= time.perf_counter() - wall
+    and busy work no more than its wall-clock time. In a fresh interpreter: the suite's
+    process may have other tests' threads running, whose CPU seconds are the process's too."""
+    check = (
+        "import time\n"
+        "from nbdist.scaling.probes import _OwnCore\n"
+        "clock = _OwnCore()\n"
+        "time.sleep(0.2)\n"
+        "asleep = clock.seconds()\n"
+        "wall = time.perf_counter()\n"  # before the clock starts, read after it stops
+        "clock = _OwnCore()\n"
+        "sum(range(200_000))\n"
+        "busy = clock.seconds()\n"
+        "import json\n"
+        "print(json.dumps({'asleep': asleep, 'busy': busy, 'wall': time.perf_counter() - wall}))\n"
+    )
+    got = _in_a_fresh_python(check)
+    asleep, busy, wall = got["asleep"], got["busy"], got["wall"]
+    assert asleep < 0.1
+    assert 0.0 < busy <= wall
