@@ -298,7 +298,10 @@ def test_keras_and_gan_runs_resume_exactly(job, name):
 def test_early_stopping(job, name):
     summary = job.summary(name)
     assert "early stopping" in summary["stop_reason"], summary["stop_reason"]
-    assert summary["epochs_run"] == 2, summary["history"]
+    # Allreduce decides at the epoch's end. The GAN's master/worker run is asynchronous: its
+    # workers go on while the master validates (val_mmd), so on a loaded machine they may
+    # finish the next epoch before the stop reaches them (seen once in 7 full runs).
+    assert summary["epochs_run"] in ((2,) if name.startswith("keras") else (2, 3)), summary["history"]
     # The decision is checkpointed: at the epoch's end (allreduce), or as the stop the
     # master then asks of its workers (master-worker).
     latest = json.loads((job.run(name) / "checkpoints" / "LATEST.json").read_text())["label"]
