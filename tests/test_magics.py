@@ -42,6 +42,20 @@ def cluster(shell):
     return shell.run_line_magic("distnn", "cluster start -n 4")
 
 
+@pytest.fixture(autouse=True)
+def _each_test_leaves_the_cluster_whole(request):
+    """A test that leaves dead engines behind fails (at its teardown) and the cluster is
+    healed, so the module's later tests still test what they say, not that one death."""
+    yield
+    if "cluster" not in request.fixturenames:
+        return
+    cluster = request.getfixturevalue("cluster")
+    if cluster.running and cluster.broken():
+        dead = "; ".join(str(d) for d in cluster.dead_engines()) or "its controller exited"
+        cluster.heal()
+        pytest.fail(f"the test left the cluster with dead engines ({dead}); healed for the next test")
+
+
 def _opts(tmp_path, extra: str = "") -> str:
     return f"--quiet --runs-dir {tmp_path} {extra}"
 
