@@ -6,12 +6,16 @@ workers' sgd as its master optimiser); a run stopped after 2 epochs and resumed 
 run of the job, reading the checkpoint from disk) ends where the straight run did, its
 outer momentum included; the pseudo-gradients go through --compression fp16. And
 --warm-start-epochs: synchronous first, then asynchronous, resumed on either side of the
-switch; a warm start as long as the run is one clear error."""
+switch; a warm start as long as the run is one clear error. And async_local_sgd's dynamic
+local steps (DyLU) with one worker made slower: its windows are shorter, the run still
+learns, a resume goes on from the measured speeds; with --synchronous it is one clear
+error."""
 
 from __future__ import annotations
 
 import json
 import re
+import statistics
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +32,8 @@ TRAIN_MANY = str(ROOT / "tests" / "mpi_scripts" / "train_many.py")
 MLP = str(ROOT / "examples" / "digits_mlp.py")
 EPOCHS = 8
 ACCURACY = 0.85
+H = 8
+BATCH = 32
 
 LEARNS = {
     "diloco-sync": ["--algorithm", "diloco(inner_steps=8)", "--synchronous"],
@@ -47,6 +53,9 @@ AVERAGING = {
 }
 RESUMED = ["--algorithm", "diloco(inner_steps=8)", "--synchronous"]
 WARM = ["--model", MLP, "--algorithm", "downpour", "--warm-start-epochs"]
+# Worker 1 (world rank 2) sleeps six times as long per batch as worker 0.
+ONE_SLOW = str(ROOT / "tests" / "models" / "digits_mlp_one_slow_worker.py")
+DYLU = ["--model", ONE_SLOW, "--algorithm", f"async_local_sgd(inner_steps={H}, dynamic_steps=True)"]
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +69,8 @@ def job(tmp_path_factory):
     # Its target holds after epoch 1, inside the warm phase: the run ends there.
     runs["warm-early"] = [*WARM, "3", "--epochs", "4", "--target", "val_acc > 0.0"]
     runs["warm-too-long"] = [*WARM, "4", "--epochs", "4"]
+    runs["dylu"] = [*DYLU, "--epochs", str(EPOCHS), "--trace-updates", "--keep-checkpoints", "6"]
+    runs["dylu-synchronous"] = [*DYLU, "--epochs", "2", "--synchronous"]
     names = list(runs)
     argvs = [[*runs[n], "--runs-dir", str(runs_dir), "--run-name", n, "--quiet"] for n in names]
     resumes = {
@@ -67,6 +78,8 @@ def job(tmp_path_factory):
         "warm-resumed": ["--resume", str(runs_dir / "warm"), "--epochs", "5"],  # after the switch
         # Before the switch (epoch 1 of 3 synchronous ones), with a target that never holds.
         "warm-early-resumed": ["--resume", str(runs_dir / "warm-early"), "--target", "val_acc > 2.0"],
+        # Four epochs more: the fast worker still trains when the slow one's first update comes.
+        "dylu-resumed": ["--resume", str(runs_dir / "dylu"), "--epochs", str(EPOCHS + 4)],
     }
     names += list(resumes)
     argvs += [[*argv, "--no-quiet"] for argv in resumes.values()]
@@ -166,4 +179,57 @@ def test_a_warm_start_resumes_on_either_side_of_the_switch(job):
 def test_a_warm_start_as_long_as_the_run_is_one_clear_error(job):
     assert job.codes["warm-too-long"] != 0
     assert "--warm-start-epochs 4 is not shorter than the run (--epochs 4)" in job.output
+    assert "Traceback" not in job.output
+
+
+# ----------------------------------------------------------------------------- dynamic local steps
+def traced_updates(run: Path) -> list[dict]:
+    """The master's 'update' records (--trace-updates): worker, samples, the window named."""
+    lines = (run / "metrics" / "rank-00000.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines if line.strip()]
+    return [{**r["values"], "epoch": r["epoch"]} for r in records if r["kind"] == "update"]
+
+
+@pytest.mark.timeout(600)
+def test_dynamic_steps_give_a_slow_worker_shorter_windows_and_the_run_learns(job):
+    run = job.run("dylu")
+    history = job.summary("dylu")["history"]  # (resumed for more epochs later in the job)
+    assert [h["epoch"] for h in history][:EPOCHS] == list(range(1, EPOCHS + 1))
+    assert history[EPOCHS - 1]["val_acc"] >= ACCURACY, history
+    ups = [u for u in traced_updates(run) if u["epoch"] < EPOCHS]
+    # While both workers train: after worker 0's last update the slow one trains alone,
+    # and is then the fastest, with windows of H again.
+    both = ups[: max(k for k, u in enumerate(ups) if u["worker"] == 0)]
+    fast, slow = ([u for u in both if u["worker"] == w] for w in (0, 1))
+    named_fast, named_slow = [u["window"] for u in fast], [u["window"] for u in slow]
+    assert statistics.median(named_fast) == H, named_fast
+    assert statistics.median(named_slow) <= H // 2, named_slow
+    # The windows it trained are what it was told: after the first (not yet timed), at
+    # most the window named (an epoch's end cuts one short).
+    for told, trained in zip(slow, slow[1:], strict=False):
+        assert trained["samples"] <= told["window"] * BATCH, (told, trained)
+    assert statistics.median(u["samples"] for u in slow) < statistics.median(u["samples"] for u in fast)
+    # It therefore sent more often per sample: more updates in fewer samples.
+    assert len(slow) > len(fast) * sum(u["samples"] for u in slow) / sum(u["samples"] for u in fast)
+    # The speeds are in the master's share of the last checkpoint, the slow one's lower.
+    speeds = Checkpoints.read_scalars(Checkpoints(run).root / f"epoch-{EPOCHS:04d}", 0)["speeds"]
+    assert 0 < speeds[1] < speeds[0], speeds
+
+
+@pytest.mark.timeout(600)
+def test_a_resumed_dylu_run_names_windows_from_the_speeds_it_saved(job):
+    job.run("dylu-resumed")
+    assert re.search(rf"resumed from \S*/dylu/checkpoints/epoch-{EPOCHS:04d} at epoch {EPOCHS + 1}\b", job.output)
+    assert [h["epoch"] for h in job.summary("dylu")["history"]] == list(range(1, EPOCHS + 5))
+    after = [u for u in traced_updates(job.runs_dir / "dylu") if u["epoch"] >= EPOCHS]
+    # Its first window after the resume is not timed: the window named then comes from
+    # the checkpointed speeds (a fresh start names H until it has timed one).
+    first_slow = next(u for u in after if u["worker"] == 1)
+    assert first_slow["window"] < H, after[:6]
+
+
+def test_dynamic_steps_in_a_synchronous_run_is_one_clear_error(job):
+    assert job.codes["dylu-synchronous"] != 0
+    assert "async_local_sgd(dynamic_steps=True) sets each worker's window by its speed" in job.output
+    assert "drop --synchronous" in job.output
     assert "Traceback" not in job.output

@@ -22,15 +22,36 @@ So N arrivals with no staleness move the centre exactly as one DiLoCo round of N
 workers with outer Nesterov momentum does (theta <- theta - outer_lr * (mean g + mu * m));
 a synchronous round (--synchronous) is that round. (The paper writes the step between
 activations with a factor c; 1 / N is the choice that keeps the equivalence above, and
-the one this rule makes.) The paper's second part, dynamic local steps by worker speed
-(DyLU), is not implemented: every worker takes inner_steps.
+the one this rule makes.)
+
+The paper's second part, Dynamic Local Updates (DyLU), is `dynamic_steps=True`: each
+worker's number of local steps is scaled by its speed relative to the fastest worker,
+
+    H_i = max(1, floor(H * v_i / v_max))
+
+so that workers of different speeds send their pseudo-gradients about equally often
+(a worker half as fast takes H / 2 steps per window). The speeds are measured, never
+assumed: a worker's master times each of its windows, from the reply that began it to
+the arrival of the update that ended it (its local steps plus one message each way),
+and v_i is that update's samples over that time; v_max is the fastest among the workers
+still training under that master (a dropped or finished worker no longer counts). The
+master names H_i in the reply's header (messages.WINDOW), and the worker's next window
+has that length (roles/master/windows.py). A worker's first window, not yet timed, is
+H; so is any window named before the worker's speed is known. A window still ends at
+every epoch's end, whatever its length. DyLU needs an asynchronous master (a
+synchronous round waits for every worker whatever their windows): with --synchronous it
+is refused; under --warm-start-epochs it acts from the switch to asynchronous on.
 
 m, Delta and the arrival count t are the master's rule state: checkpointed, and resumed
-exactly.
+exactly. With dynamic_steps, the window lengths depend on measured times, which a
+resume cannot re-derive: they are checkpointed instead, each worker's current window in
+its share (its rule state's sync_every) and the speeds in its master's share, and a
+resumed run starts from them (and times the windows anew).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -61,8 +82,10 @@ class AsyncLocalSGD(LocalWindows):
         "outer_lr": "the outer learning rate on the pseudo-gradients",
         "outer_momentum": "the outer Nesterov momentum, in [0, 1)",
         "activation": "N, arrivals between momentum updates (None: the number of workers)",
+        "dynamic_steps": "DyLU: each worker's window scaled by its measured speed over the fastest's "
+        "(asynchronous runs only)",
     }
-    example_parameters = {"outer_lr": 0.7, "outer_momentum": 0.9, "activation": 2}
+    example_parameters = {"outer_lr": 0.7, "outer_momentum": 0.9, "activation": 2, "dynamic_steps": True}
 
     def __init__(
         self,
@@ -70,13 +93,26 @@ class AsyncLocalSGD(LocalWindows):
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         activation: int | None = None,
+        dynamic_steps: bool = False,
     ):
         ABOVE_ZERO.check(self.name, "outer_lr", outer_lr)
         MOMENTUM.check(self.name, "outer_momentum", outer_momentum)
         if activation is not None:
             check_inner_steps(self.name, activation, "activation")
-        super().__init__(inner_steps, outer_lr=outer_lr, outer_momentum=outer_momentum, activation=activation)
+        if not isinstance(dynamic_steps, bool):
+            raise ValueError(f"{self.name}: dynamic_steps must be True or False, got {dynamic_steps!r}")
+        super().__init__(
+            inner_steps,
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
+            activation=activation,
+            dynamic_steps=dynamic_steps,
+        )
         self.outer_lr, self.mu = np.float32(outer_lr), np.float32(outer_momentum)
+        self.adapts_windows = dynamic_steps
+
+    def next_window(self, window: int, speed: float, fastest: float) -> int:
+        return dynamic_local_steps(window, speed, fastest) if self.adapts_windows else window
 
     @property
     def every(self) -> int:
@@ -109,3 +145,13 @@ class AsyncLocalSGD(LocalWindows):
             state.buffered *= f32(float(self.outer_lr) * float(self.mu))
             centre -= state.buffered
             state.buffered[...] = 0.0
+
+
+def dynamic_local_steps(window: int, speed: float, fastest: float) -> int:
+    """DyLU's local steps (Liu et al. 2024): H_i = max(1, floor(H * v_i / v_max)), for a
+    worker at `speed` when the fastest is at `fastest`; H itself while either is unknown
+    (not positive). Never more than H: a worker measured faster than the fastest known
+    (it is the fastest) takes H."""
+    if speed <= 0 or fastest <= 0:
+        return window
+    return max(1, min(window, math.floor(window * (speed / fastest))))

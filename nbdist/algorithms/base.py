@@ -171,6 +171,10 @@ class Algorithm(Rule, ABC):
     # The workers' optimiser when --worker-optimizer is not given (None: nbdist's default);
     # DiLoCo's workers take AdamW steps, as in the paper.
     default_worker_optimizer: ClassVar[str | None] = None
+    # The master names each worker's next window in its reply, from the worker's measured
+    # speed (dynamic local steps, async_local_sgd(dynamic_steps=True)): `next_window` on
+    # the master, `worker_window` on the worker. Asynchronous runs only (train/rules.py).
+    adapts_windows: bool = False
     # Set by the run (train/settle.py) when the master applies each update as it comes
     # (no --synchronous): a rule whose asynchronous update is a share of a round (DiLoCo)
     # reads it; master_apply on a synchronous round's updates sees it False.
@@ -191,6 +195,13 @@ class Algorithm(Rule, ABC):
     def bind(self, workers: int) -> None:
         """Called once, before any update, with the number of workers whose updates reach
         the centre (every master's, with sub-masters). By default a rule ignores it."""
+
+    def next_window(self, window: int, speed: float, fastest: float) -> int:
+        """The next window (local steps) of a worker whose last window ran at `speed`,
+        when the fastest worker still training ran at `fastest` (both samples per
+        second, measured by its master), for a rule that `adapts_windows`; `window` is
+        the run's (inner_steps or --sync-every). By default every worker keeps `window`."""
+        return window
 
     # -- worker side ------------------------------------------------------------------
     @abstractmethod
@@ -213,6 +224,10 @@ class Algorithm(Rule, ABC):
     @abstractmethod
     def worker_reply(self, state: RuleState, params: Array, reply: Array) -> None:
         """Apply the master's reply to the local weights."""
+
+    def worker_window(self, state: RuleState, steps: int) -> None:
+        """The master's reply named this worker's next window: `steps` local steps (a
+        rule that `adapts_windows` is told after every reply of an asynchronous run)."""
 
     # -- master side ------------------------------------------------------------------
     def new_master_state(self, n: int, like: Array | None = None) -> RuleState:

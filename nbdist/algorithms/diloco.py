@@ -111,6 +111,9 @@ class LocalWindows(Algorithm):
         params[...] = reply
         state.pulled[...] = reply
 
+    def worker_window(self, state, steps: int) -> None:
+        state.sync_every = int(steps)  # from the next step: worker_message reset the count
+
 
 @RULES.register
 class DiLoCo(LocalWindows):

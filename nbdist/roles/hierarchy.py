@@ -204,6 +204,7 @@ class SubMaster(Master):
             "unpushed_samples": self.samples_seen - self.samples_pushed,
             "members": self.members.to_json(),
             "lr": self.lr.to_json(),
+            **self.speeds_to_save(),
             **open_tallies(self, label),
         }
         save_rank_state(self.ctx, label, self.opt, self.rule_state, extra, {"pulled": self.pulled}, writer=self.writer)
@@ -340,6 +341,7 @@ def _resume(me: SubMaster) -> None:
         me.samples_seen = int(extra.get("unpushed_samples", 0))  # in the delta the checkpoint holds
         if not ctx.relayout:
             restore_tallies(me, extra)
+            me.load_speeds(extra)
     if ctx.relayout:
         me.next_epoch = int(top["next_epoch"])
     me.epochs_acked = me.next_epoch  # the checkpoint resumed from was committed

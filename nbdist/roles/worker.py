@@ -280,6 +280,8 @@ class Worker(WorkerCheckpoints):
         # A synchronous master replies its round's one array (Algorithm.master_round).
         apply = ctx.rule.worker_round_reply if ctx.options.synchronous else ctx.rule.worker_reply
         apply(self.rule_state, self.rule_params, self.reply.device)
+        if self.reply_header[m.WINDOW] > 0:  # dynamic local steps: the master names the next window
+            ctx.rule.worker_window(self.rule_state, int(self.reply_header[m.WINDOW]))
         self.version = int(self.reply_header[m.VERSION])
         if flags & m.EPOCH_END:
             self.members = m.members_in(self.reply_header)

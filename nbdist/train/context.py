@@ -173,7 +173,7 @@ def prepare(
     peers = Peers(comm, options.peer_timeout)
     device = DeviceRequest(options.device, local_rank(comm))  # collective: before any rank can fail
     try:
-        settled = settle(options, definition, comm.Get_size(), comm.Get_rank(), device, trial, restart_of)
+        settled = settle(options, definition, comm.Get_size(), comm.Get_rank(), device, trial, restart_of, run=written)
         options = settled.options
         if record and comm.Get_rank() == 0:  # its SQLite file's directory exists, not on NFS from several hosts
             place_store(options.store, options.runs_dir, several_hosts=launch_spans_hosts())

@@ -17,6 +17,7 @@ __all__ = [
     "DEFAULT_GAN_ALGORITHM",
     "DEFAULT_GAN_WORKER_OPTIMIZER",
     "check_gan",
+    "check_windows",
     "resolve_rules",
     "resolve_compression",
 ]
@@ -131,6 +132,18 @@ def resolve_rules(options: TrainOptions) -> tuple[Algorithm | None, int, Spec | 
             )
         worker = None
     return algorithm, sync_every, worker, master
+
+
+def check_windows(algorithm: Algorithm | None, run: TrainOptions) -> None:
+    """A rule that sets each worker's window by its speed (async_local_sgd's dynamic_steps)
+    needs an asynchronous master. `run`: the whole run's options (under
+    --warm-start-epochs, not its synchronous first phase's: the windows adapt after it)."""
+    if algorithm is not None and algorithm.adapts_windows and run.synchronous:
+        raise OptionsError(
+            f"{algorithm.name}(dynamic_steps=True) sets each worker's window by its speed as its updates "
+            f"arrive at an asynchronous master, and a --synchronous round waits for every worker anyway; "
+            f"drop --synchronous (--warm-start-epochs E gives a synchronous start), or set dynamic_steps=False"
+        )
 
 
 def resolve_compression(options: TrainOptions, algorithm: Algorithm | None) -> Spec | None:

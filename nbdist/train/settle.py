@@ -31,7 +31,7 @@ from nbdist.train.lr import LrPlan, combined_workers, plan_learning_rates
 from nbdist.train.measures import MODEL_MEASURES
 from nbdist.train.progress import reported_metrics
 from nbdist.train.relayout import check_resumable
-from nbdist.train.rules import check_gan, resolve_compression, resolve_rules
+from nbdist.train.rules import check_gan, check_windows, resolve_compression, resolve_rules
 from nbdist.train.run_dir import check_run_dir_writable, find_resume
 from nbdist.train.trial import TrialTag, check_metric_names
 from nbdist.transport.reducers import choose as choose_reducer
@@ -77,13 +77,16 @@ def settle(
     restart_of: Path | None = None,
     *,
     here: bool = True,
+    run: TrainOptions | None = None,
 ) -> Settled:
     """Every check of a run's set-up as rank `rank` of `ranks` makes it: the options, the
     layout, the rules, the model and its data, the optimisers, the metrics named; one
     UserError for the first mistake. No MPI: prepare() runs it on every rank, and
     `python -m nbdist slurm-script` runs it for rank 0 before the job waits in a queue
     (`here=False`: away from the nodes that train, so the model is built on this CPU and
-    what depends on those nodes, their GPUs and the runs directory, is left to them)."""
+    what depends on those nodes, their GPUs and the runs directory, is left to them).
+    `run`: the whole run's options where `options` are a phase's (a warm start's first,
+    synchronous one)."""
     options = options.validate()
     # A run laid out anew (a resume, a restart on the ranks left) takes the masters that
     # fit its ranks; a fresh one gets exactly what it asked for, or an error.
@@ -104,6 +107,7 @@ def settle(
     configure_frameworks(options.threads, options.seed)
     options = check_gan(options)
     algorithm, sync_every, worker_opt, master_opt = resolve_rules(options)
+    check_windows(algorithm, run or options)
     compression = resolve_compression(options, algorithm)
     notices, stale_lr = [], False
     if algorithm is not None:

@@ -12,9 +12,11 @@ the body is then [model state | wire], and the master decodes the wire into the 
 slot of its receive buffer before the rule sees it; replies stay float32. A sub-master
 speaks the same format to the top master (roles/hierarchy.py).
 
-A reply header carries, after the 10 slots, one slot per worker of the master: 1.0 for the
-workers that share the data of epoch `reply[EPOCH]` (the epoch after the one the worker's
-message ended; roles/membership.py), 0.0 for those dropped.
+A reply header carries, after the 10 slots, WINDOW: the worker's next window in local
+steps, where its master sets each worker's window by its speed (dynamic local steps,
+roles/master/windows.py; 0: the worker keeps its window). Then one slot per worker of
+the master: 1.0 for the workers that share the data of epoch `reply[EPOCH]` (the epoch
+after the one the worker's message ended; roles/membership.py), 0.0 for those dropped.
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ HEADER_FLOATS = 20  # 10 float64 slots
 # acks can complete several at once; 0 = none). MERGED_SAMPLES: the training samples of
 # the updates a sub-master's push merges (its SAMPLES are its epoch's, at the epoch's end).
 KIND, VERSION, EPOCH, SAMPLES, LOSS_SUM, METRIC_SUM, FLAGS, CHECKPOINT, EPOCHS_ACKED, MERGED_SAMPLES = range(10)
+
+# reply header slots after those 10: the next window, then the membership (new_header).
+WINDOW = HEADER_FLOATS // 2
+MEMBERS = WINDOW + 1
 
 # worker -> master kinds. LOST: the worker cannot go on (one of its processes died) but
 # the run can, without it (asynchronous rules).
@@ -103,10 +109,10 @@ class Body:
 
 
 def new_header(workers: int = 0) -> np.ndarray:
-    """A header; a reply header has one more slot per worker (their membership)."""
-    return np.zeros(HEADER_FLOATS // 2 + workers, dtype=np.float64)
+    """A reply header: the 10 slots, WINDOW and one slot per worker (their membership)."""
+    return np.zeros(MEMBERS + workers, dtype=np.float64)
 
 
 def members_in(reply: np.ndarray) -> tuple[int, ...]:
     """The workers a reply header names as sharing the data of epoch reply[EPOCH]."""
-    return tuple(int(w) for w in np.flatnonzero(reply[HEADER_FLOATS // 2 :]))
+    return tuple(int(w) for w in np.flatnonzero(reply[MEMBERS:]))

@@ -53,6 +53,7 @@ def apply_updates(me: Master, updates: list[tuple[int, Update]]) -> list[tuple[i
             epoch = int(client.inbox.header[m.EPOCH])
             tally_of(me, epoch).add_staleness(u.staleness)
             me.updates.add(client.world_rank, u.staleness, me.version)
+            window = _next_window(me, i, u) if me.windows is not None and client.kind == WORKER else None
             if ctx.options.trace_updates:
                 who = {"worker": client.index} if client.kind == WORKER else {"sub_master": client.index}
                 ctx.log.emit(
@@ -62,12 +63,23 @@ def apply_updates(me: Master, updates: list[tuple[int, Update]]) -> list[tuple[i
                         "source_rank": client.world_rank,
                         "staleness": u.staleness,
                         "version": me.version,
+                        "samples": u.samples,
+                        **({"window": window} if window is not None else {}),
                         "traced": True,
                     },
                     step=me.version,
                     epoch=epoch,
                 )
     return replies
+
+
+def _next_window(me: Master, i: int, u: Update) -> int:
+    """Dynamic local steps: time worker i's window that this update ended, and name its
+    next one (its reply carries it: replies.reply)."""
+    windows = me.windows
+    assert windows is not None
+    windows.arrived(i, u.samples, me.clients[i].silence.last)
+    return windows.name(i, (j for j in me.active if me.clients[j].kind == WORKER))
 
 
 def _apply_rule(me: Master, updates: list[tuple[int, Update]]) -> list[tuple[int, np.ndarray]]:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from nbdist.roles.master.clients import WORKER
 from nbdist.transport import messages as m
 from nbdist.transport.master_channel import Transfer
 from nbdist.transport.waiting import CommFailure, WaitTimeout
@@ -51,10 +52,15 @@ def reply(me: Master, i: int, kind: float, payload: np.ndarray, *, label: str = 
     header[m.CHECKPOINT] = m.label_code(label or me.stop_label) if kind in (m.STOP, m.SNAPSHOT) else m.NO_CHECKPOINT
     epoch = int(client.inbox.header[m.EPOCH]) + (1 if client.inbox.has(m.EPOCH_END) else 0)
     header[m.EPOCH] = epoch
-    header[m.HEADER_FLOATS // 2 :] = 0.0
+    header[m.WINDOW :] = 0.0
+    if me.windows is not None and client.kind == WORKER:
+        # Dynamic local steps: a CONTINUE begins the worker's next window, of the length
+        # named when its update was applied (master/windows.py); other replies time none.
+        header[m.WINDOW] = me.windows.named[i] if kind == m.CONTINUE else 0.0
+        me.windows.begin(i, time.monotonic(), timed=kind == m.CONTINUE)
     if me.members.workers:
         for w in me.members.of(epoch, me.live_workers()):
-            header[m.HEADER_FLOATS // 2 + w] = 1.0
+            header[m.MEMBERS + w] = 1.0
     body, client.body = client.body, None
     held = body if body is not None and np.may_share_memory(payload, body.buffer) else None
     if body is not None and held is None:

@@ -22,6 +22,7 @@ from nbdist.roles.master.epochs import (
 from nbdist.roles.master.receive import read_messages, wait_for_clients
 from nbdist.roles.master.replies import reply
 from nbdist.roles.master.state import Master
+from nbdist.roles.master.windows import WorkerWindows
 from nbdist.roles.membership import EpochMembers
 from nbdist.train.context import RankContext
 from nbdist.train.loop import REPORT_EVERY
@@ -62,6 +63,7 @@ def run_master(ctx: RankContext) -> RunResult:
         me.samples_seen = int(extra.get("samples_seen", sum(h.get("samples", 0) for h in me.history)))
         if not ctx.relayout:  # on other ranks, every worker starts the epoch again
             restore_tallies(me, extra)
+            me.load_speeds(extra)
         ctx.say(f"resumed from {ctx.resume_from} at epoch {me.next_epoch + 1}, version {me.version}")
     else:
         share_initial_weights(ctx)
@@ -143,6 +145,8 @@ def open_master(me: Master, clients: list[Client]) -> None:
     workers = sum(1 for c in clients if c.kind == WORKER)
     me.members = EpochMembers(workers)
     me.reply_headers = [m.new_header(workers) for _ in clients]
+    if ctx.rule.adapts_windows and not ctx.options.synchronous:
+        me.windows = WorkerWindows(ctx.rule, ctx.sync_every, len(clients))
 
 
 def share_initial_weights(ctx: RankContext) -> None:

@@ -18,6 +18,7 @@ from nbdist.roles.master.epochs import (
     finish_epoch,
     open_tallies,
 )
+from nbdist.roles.master.windows import WorkerWindows
 from nbdist.roles.membership import EpochMembers
 from nbdist.train.context import RankContext
 from nbdist.train.progress import EpochTally
@@ -84,6 +85,7 @@ class Master:
     sampled: SampledValidation | None = None  # --validate-every-samples, at the top (or only) master
     phases: dict = field(default_factory=lambda: {"wait": 0.0, "update": 0.0, "reply": 0.0, "validate": 0.0})
     updates: UpdateSummary = field(default_factory=UpdateSummary)  # since the last 'updates' record
+    windows: WorkerWindows | None = None  # each worker's window by its speed (dynamic local steps)
 
     # -- decisions a sub-master takes differently ---------------------------------------
     def begin_stop(self, reason: str) -> None:
@@ -236,10 +238,20 @@ class Master:
             "samples_seen": self.samples_seen,
             "members": self.members.to_json(),
             "lr": self.lr.to_json(),
+            **self.speeds_to_save(),
             **open_tallies(self, label),
         }
         self.unwritten.append((label, rank_state_arrays(self.ctx, self.opt, self.rule_state), now))
         self.flush_saves()
+
+    def speeds_to_save(self) -> dict[str, Any]:
+        """Dynamic local steps: the workers' measured speeds, for this rank's checkpoint share."""
+        return {"speeds": self.windows.to_json()} if self.windows is not None else {}
+
+    def load_speeds(self, extra: dict[str, Any]) -> None:
+        """The speeds a checkpoint share holds (master/windows.py), on the same layout."""
+        if self.windows is not None:
+            self.windows.load_json(extra.get("speeds"))
 
     def flush_saves(self) -> None:
         """Hand the shares taken by `save` to the writer once no validation is running."""
