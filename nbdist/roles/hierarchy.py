@@ -173,7 +173,7 @@ class SubMaster(Master):
             self.tallies[epoch] = tally
             self.next_epoch = min(self.next_epoch, epoch)
 
-    def end_epoch(self, epoch: int, tally: EpochTally, seconds: float) -> None:
+    def end_epoch(self, epoch: int, tally: EpochTally, seconds: float, validated_later: bool = False) -> None:
         if epoch >= self.next_epoch:  # reopened: the top master never took it
             return
         # Its tally went up with the push; validating and reporting are the top master's.

@@ -16,6 +16,7 @@ __all__ = [
     "EarlyStopping",
     "TrialStopping",
     "StopDecision",
+    "VALIDATED_WITH",
     "catch_stop_signals_early",
     "stop_caught_early",
     "PAUSED_AT",
@@ -23,6 +24,11 @@ __all__ = [
     "FORWARDED_SIGNAL_FILE",
     "signal_name",
 ]
+
+# In an epoch's record: the later epoch whose validation its val_* values are, the two
+# having ended on one centre (an asynchronous master's, roles/master/state.py end_epochs).
+# Patience counts that validation once, with the later epoch.
+VALIDATED_WITH = "validated_with_epoch"
 
 # A run paused by its study says so in its stop reason (the study resumes it later).
 PAUSED_AT = "paused at epoch"
@@ -127,7 +133,7 @@ class EarlyStopping:
     def update(self, metrics: dict[str, float]) -> StopDecision:
         if self.target is not None and self.target.reached(metrics):
             return StopDecision(True, f"target {self.target} reached")
-        if self.patience is None or self.monitor not in metrics:
+        if self.patience is None or self.monitor not in metrics or VALIDATED_WITH in metrics:
             return StopDecision(False)
         value = metrics[self.monitor]
         improved = value > self.best + self.min_delta if self.maximize else value < self.best - self.min_delta

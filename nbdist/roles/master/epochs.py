@@ -13,6 +13,7 @@ from nbdist.errors import TrainingError
 from nbdist.roles.master.clients import SUB_MASTER, WORKER
 from nbdist.train.lr import lr_metrics
 from nbdist.train.progress import EpochTally, epoch_metrics, format_epoch
+from nbdist.train.stopping import VALIDATED_WITH
 from nbdist.transport import messages as m
 
 if TYPE_CHECKING:
@@ -93,9 +94,12 @@ def collect_validation(me: Master, block: bool) -> None:
     if block:
         me.phases["validate"] += time.perf_counter() - t0
     if done is not None:
-        (epoch, tally, seconds, seen), val = done
-        finish_epoch(me, epoch, tally, seconds, val, seen)
-        me.flush_saves()  # the shares that waited for this epoch's place in the history
+        (group, seen), val = done
+        validated = group[-1][0]  # the epochs that ended with it share its validation (Master.end_epochs)
+        for epoch, tally, seconds, due in group:
+            with_epoch = validated if epoch != validated else None
+            finish_epoch(me, epoch, tally, seconds, val if due else None, seen, validated_with=with_epoch)
+        me.flush_saves()  # the shares that waited for these epochs' place in the history
 
 
 def validate_by_samples(me: Master) -> None:
@@ -110,8 +114,12 @@ def validate_by_samples(me: Master) -> None:
         sampled.start(me.ctx.backend.params, me.ctx.backend.state, me.samples_seen, me.version, me.next_epoch)
 
 
-def finish_epoch(me: Master, epoch: int, tally: EpochTally, seconds: float, val, seen: int) -> None:
-    """`seen`: the samples in the centre that was validated (at the epoch's end if it was not)."""
+def finish_epoch(
+    me: Master, epoch: int, tally: EpochTally, seconds: float, val, seen: int, validated_with: int | None = None
+) -> None:
+    """`seen`: the samples in the centre that was validated (at the epoch's end if it was not).
+    `validated_with`: the later epoch that ended on the same centre, whose record holds
+    (and whose decisions count) the one validation `val` of them both."""
     ctx = me.ctx
     try:
         metrics = epoch_metrics(epoch, tally, val, seconds, ctx.backend.metric_name, seen)
@@ -133,6 +141,8 @@ def finish_epoch(me: Master, epoch: int, tally: EpochTally, seconds: float, val,
     lost = ctx.data.n_train - (tally.train.n - tally.late)
     if lost > 0 and not ctx.role.is_sub_master:
         metrics["samples_pending" if tally.behind else "samples_lost"] = int(lost)
+    if validated_with is not None and val is not None:
+        metrics[VALIDATED_WITH] = validated_with + 1
     me.history.append(metrics)
     ctx.log.emit("epoch", metrics, step=me.version, epoch=epoch + 1)
     ctx.say(format_epoch(metrics, ctx.options.epochs))

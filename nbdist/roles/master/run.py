@@ -35,7 +35,15 @@ from nbdist.transport.faults import kill_frozen
 from nbdist.transport.master_channel import MasterChannel
 from nbdist.transport.pool import BodyPool
 
-__all__ = ["ASYNC_BODIES", "run_master", "open_master", "share_initial_weights", "serve", "serve_and_settle"]
+__all__ = [
+    "ASYNC_BODIES",
+    "run_master",
+    "open_master",
+    "share_initial_weights",
+    "open_epochs",
+    "serve",
+    "serve_and_settle",
+]
 
 
 # Bodies an asynchronous master receives into, whatever its number of clients: two lets
@@ -169,12 +177,9 @@ def serve_and_settle(me: Master) -> float:
         raise
 
 
-def serve(me: Master) -> float:
-    """Serve the clients until every one has said DONE (or failed, or was dropped);
-    returns the start time."""
-    ctx = me.ctx
-    for i in range(len(me.clients)):
-        me.channel.post(i)
+def open_epochs(me: Master) -> None:
+    """Where the clients stand as serving begins: all training, in the master's next epoch
+    (a resume's open epochs say who had ended them), heard from now."""
     me.active = set(range(len(me.clients)))
     me.acked_upto = [me.next_epoch] * len(me.clients)  # a resume starts from a committed epoch
     me.reached = [me.next_epoch] * len(me.clients)
@@ -185,6 +190,15 @@ def serve(me: Master) -> float:
     me.tallies.setdefault(me.next_epoch, EpochTally())
     for c in me.clients:
         c.silence.restart()
+
+
+def serve(me: Master) -> float:
+    """Serve the clients until every one has said DONE (or failed, or was dropped);
+    returns the start time."""
+    ctx = me.ctx
+    for i in range(len(me.clients)):
+        me.channel.post(i)
+    open_epochs(me)
     started = me.epoch_clock = time.time()  # after the initial broadcast: all ranks are ready
     last_report = time.monotonic()
     while me.active:
@@ -197,8 +211,7 @@ def serve(me: Master) -> float:
         me.before_replies(len(updates), finished)
         for i, payload in replies:
             reply(me, i, m.CONTINUE, payload)
-        for epoch, tally, seconds in finished:
-            me.end_epoch(epoch, tally, seconds)
+        me.end_epochs(finished)
         collect_validation(me, block=False)
         validate_by_samples(me)
         if time.monotonic() - last_report >= REPORT_EVERY:

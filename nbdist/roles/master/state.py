@@ -78,6 +78,9 @@ class Master:
     master_wrote: set = field(default_factory=set)  # labels whose share this rank has written (fsynced)
     writer: CheckpointWriter = field(default_factory=CheckpointWriter)  # its shares and commits, off the loop
     unwritten: list = field(default_factory=list)  # (label, arrays, scalars) taken, awaiting a validation
+    # Epochs closed in this loop turn before the one whose validation they share (end_epochs):
+    # (epoch, tally, seconds, due), recorded when that validation is in.
+    sharing: list = field(default_factory=list)
     failed: set = field(default_factory=set)
     epoch_clock: float = field(default_factory=time.time)  # when the previous epoch ended
     # Training samples in the centre: those of every update applied, over all clients.
@@ -169,11 +172,37 @@ class Master:
         """Between applying a round's updates and answering them (a sub-master talks to
         the top master here, so that its workers get the merged centre)."""
 
-    def end_epoch(self, epoch: int, tally: EpochTally, seconds: float) -> None:
-        """Every client has ended `epoch`: validate, report, decide, checkpoint."""
+    def validation_due(self, epoch: int) -> bool:
+        """Whether `epoch`'s end is validated (--validate-every, and the last epoch)."""
+        options = self.ctx.options
+        return (epoch + 1) % options.validate_every == 0 or epoch + 1 == options.epochs
+
+    def end_epochs(self, finished: list[tuple[int, EpochTally, float]]) -> None:
+        """The epochs that ended in this loop turn (pop_finished_epochs), in order.
+
+        Asynchronous, several can end in one turn: an epoch that waits for a worker ends
+        when that worker turns out late (`_late`), which may be only once another worker
+        has ended the next epoch too. They all end on one centre, which one validation
+        measures: it is recorded in each of their records (the earlier ones say so in
+        `validated_with_epoch`), and early stopping's patience counts it once. Validated
+        once per epoch instead, the same weights gave the same value twice, and patience
+        counted a validation without a single update between as one that did not improve."""
+        due = [epoch for epoch, _, _ in finished if self.validation_due(epoch)]
+        last = due[-1] if due and not self.ctx.options.synchronous else -1
+        for epoch, tally, seconds in finished:
+            self.end_epoch(epoch, tally, seconds, validated_later=epoch < last)
+
+    def end_epoch(self, epoch: int, tally: EpochTally, seconds: float, validated_later: bool = False) -> None:
+        """Every client has ended `epoch`: validate, report, decide, checkpoint.
+        `validated_later`: a later epoch that ended in the same turn is validated, and
+        this one's record waits for that validation (end_epochs)."""
         ctx = self.ctx
         label = m.label_of(epoch + 1) if ctx.checkpoint_due(epoch + 1) else None
-        if not ((epoch + 1) % ctx.options.validate_every == 0 or epoch + 1 == ctx.options.epochs):
+        due = self.validation_due(epoch)
+        if validated_later:
+            collect_validation(self, block=True)  # the epochs enter the history in order
+            self.sharing.append((epoch, tally, seconds, due))
+        elif not due:
             collect_validation(self, block=True)  # the epochs enter the history in order
             finish_epoch(self, epoch, tally, seconds, None, self.samples_seen)
         elif ctx.options.synchronous:
@@ -187,7 +216,8 @@ class Master:
         else:
             collect_validation(self, block=True)  # one at a time, in epoch order
             average_state(self)
-            self.validator.start(ctx.backend.params, ctx.backend.state, (epoch, tally, seconds, self.samples_seen))
+            group, self.sharing = [*self.sharing, (epoch, tally, seconds, True)], []
+            self.validator.start(ctx.backend.params, ctx.backend.state, (group, self.samples_seen))
         if label:
             if ctx.options.synchronous:
                 self.save(label)
@@ -254,8 +284,9 @@ class Master:
             self.windows.load_json(extra.get("speeds"))
 
     def flush_saves(self) -> None:
-        """Hand the shares taken by `save` to the writer once no validation is running."""
-        if self.validator.busy:
+        """Hand the shares taken by `save` to the writer once no validation is running
+        (nor an epoch waits for one: end_epochs)."""
+        if self.validator.busy or self.sharing:
             return
         ctx = self.ctx
         for label, arrays, now in self.unwritten:
