@@ -36,7 +36,15 @@ from nbdist.train.batchnorm import synchronise_batchnorm
 from nbdist.train.context import RankContext
 from nbdist.train.loop import TrainReport, check_loss, run_epochs
 from nbdist.train.lr import WorkerLr, lr_metrics
-from nbdist.train.progress import EpochTally, RunResult, epoch_metrics, format_epoch, sample_validation, write_final
+from nbdist.train.progress import (
+    EpochTally,
+    RunResult,
+    epoch_metrics,
+    format_epoch,
+    sample_validation,
+    validation_due,
+    write_final,
+)
 from nbdist.train.state import load_rank_state, save_rank_state
 from nbdist.train.validation import SampleMarks
 from nbdist.train.writer import CheckpointWriter
@@ -247,7 +255,7 @@ class AllreduceRun:
         """Validate, report, decide; True when early stopping ends the run."""
         ctx = self.ctx
         val = None
-        if (epoch + 1) % ctx.options.validate_every == 0 or epoch + 1 == ctx.options.epochs:
+        if validation_due(ctx.options, epoch):
             val = self._validate()
         tally = self.tally
         metrics = epoch_metrics(

@@ -6,7 +6,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from safetensors.numpy import save
 
@@ -14,9 +14,13 @@ from nbdist.backends.base import BatchStats
 from nbdist.durable import make_dir, replace_file, write_json
 from nbdist.errors import TrainingError
 
+if TYPE_CHECKING:
+    from nbdist.options import TrainOptions
+
 __all__ = [
     "EpochTally",
     "epoch_metrics",
+    "validation_due",
     "validation_values",
     "sample_validation",
     "reported_metrics",
@@ -73,6 +77,12 @@ class EpochTally:
             int(staleness_max),
             late=int(late[0]) if late else 0,  # checkpoints written before `late` lack it
         )
+
+
+def validation_due(options: TrainOptions, epoch: int) -> bool:
+    """Whether the end of `epoch` (counted from 0) is validated: every --validate-every
+    epochs, and the last epoch."""
+    return (epoch + 1) % options.validate_every == 0 or epoch + 1 == options.epochs
 
 
 def epoch_metrics(

@@ -21,7 +21,7 @@ from nbdist.roles.master.epochs import (
 from nbdist.roles.master.windows import WorkerWindows
 from nbdist.roles.membership import EpochMembers
 from nbdist.train.context import RankContext
-from nbdist.train.progress import EpochTally
+from nbdist.train.progress import EpochTally, validation_due
 from nbdist.train.state import rank_state_arrays, write_rank_state
 from nbdist.train.validation import BackgroundValidator, SampledValidation
 from nbdist.train.writer import CheckpointWriter
@@ -172,11 +172,6 @@ class Master:
         """Between applying a round's updates and answering them (a sub-master talks to
         the top master here, so that its workers get the merged centre)."""
 
-    def validation_due(self, epoch: int) -> bool:
-        """Whether `epoch`'s end is validated (--validate-every, and the last epoch)."""
-        options = self.ctx.options
-        return (epoch + 1) % options.validate_every == 0 or epoch + 1 == options.epochs
-
     def end_epochs(self, finished: list[tuple[int, EpochTally, float]]) -> None:
         """The epochs that ended in this loop turn (pop_finished_epochs), in order.
 
@@ -187,7 +182,7 @@ class Master:
         `validated_with_epoch`), and early stopping's patience counts it once. Validated
         once per epoch instead, the same weights gave the same value twice, and patience
         counted a validation without a single update between as one that did not improve."""
-        due = [epoch for epoch, _, _ in finished if self.validation_due(epoch)]
+        due = [epoch for epoch, _, _ in finished if validation_due(self.ctx.options, epoch)]
         last = due[-1] if due and not self.ctx.options.synchronous else -1
         for epoch, tally, seconds in finished:
             self.end_epoch(epoch, tally, seconds, validated_later=epoch < last)
@@ -198,7 +193,7 @@ class Master:
         this one's record waits for that validation (end_epochs)."""
         ctx = self.ctx
         label = m.label_of(epoch + 1) if ctx.checkpoint_due(epoch + 1) else None
-        due = self.validation_due(epoch)
+        due = validation_due(self.ctx.options, epoch)
         if validated_later:
             collect_validation(self, block=True)  # the epochs enter the history in order
             self.sharing.append((epoch, tally, seconds, due))
