@@ -23,6 +23,7 @@ import pytest
 from conftest import BatchedRuns, run_mpi
 from safetensors.numpy import load_file
 
+from nbdist.metrics.log import read_log
 from nbdist.train.checkpoint import Checkpoints
 
 pytestmark = pytest.mark.mpi
@@ -185,9 +186,7 @@ def test_a_warm_start_as_long_as_the_run_is_one_clear_error(job):
 # ----------------------------------------------------------------------------- dynamic local steps
 def traced_updates(run: Path) -> list[dict]:
     """The master's 'update' records (--trace-updates): worker, samples, the window named."""
-    lines = (run / "metrics" / "rank-00000.jsonl").read_text().splitlines()
-    records = [json.loads(line) for line in lines if line.strip()]
-    return [{**r["values"], "epoch": r["epoch"]} for r in records if r["kind"] == "update"]
+    return [{**r["values"], "epoch": r["epoch"]} for r in read_log(run, "update") if r["rank"] == 0]
 
 
 @pytest.mark.timeout(600)
