@@ -8,7 +8,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from nbdist.backends import DeviceRequest
@@ -16,16 +15,14 @@ from nbdist.metrics.log import RunLog
 from nbdist.options import TrainOptions
 from nbdist.roles.master.clients import WORKER, Client
 from nbdist.roles.master.epochs import collect_validation, tally_message
-from nbdist.roles.master.run import open_epochs
+from nbdist.roles.master.run import open_epochs, open_master
 from nbdist.roles.master.state import Master
-from nbdist.roles.membership import EpochMembers
 from nbdist.train.checkpoint import Checkpoints
 from nbdist.train.context import RankContext
 from nbdist.train.definition import load_model_file
 from nbdist.train.history import HistoryFile
 from nbdist.train.settle import settle
 from nbdist.train.stopping import VALIDATED_WITH, EarlyStopping, StopFlag
-from nbdist.train.validation import BackgroundValidator
 from nbdist.transport import messages as m
 
 GAN = str(Path(__file__).resolve().parent.parent / "examples" / "digits_gan.py")
@@ -74,11 +71,7 @@ def _master(tmp_path: Path, validate_every: int = 1) -> Master:
         master_lr=got.master_lr,
     )
     me = Master(ctx)
-    me.centre = ctx.backend.params
-    me.validator = BackgroundValidator(ctx.make_replica, *ctx.data.val_arrays())
-    me.clients = [Client(None, w + 1, WORKER, w + 1) for w in range(WORKERS)]
-    me.states = np.zeros((WORKERS, ctx.backend.state.size), np.float32)
-    me.members = EpochMembers(WORKERS)
+    open_master(me, [Client(None, w + 1, WORKER, w + 1) for w in range(WORKERS)])  # posts nothing
     open_epochs(me)
     return me
 
