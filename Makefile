@@ -29,11 +29,12 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m nbdist.demo
 
-# The README's and CI's test command: lint and types, the docs site, every test. The fast
-# tests run on every core (pytest-xdist): each is one process's work. The others run one at
-# a time: each starts MPI jobs, engines or servers that already use every core, and several
-# at once would slow each other past their deadlines.
-test: lint docs bytecode
+# The README's and CI's test command: lint and types beside the docs site (one core each),
+# then every test. The fast tests run on every core (pytest-xdist): each is one process's
+# work. The others run one at a time: each starts MPI jobs, engines or servers that already
+# use every core, and several at once would slow each other past their deadlines.
+test: bytecode
+	$(MAKE) --no-print-directory -j2 --output-sync=target lint docs
 	$(BIN)/python -m pytest -q -n auto -m "$(FAST)"
 	$(BIN)/python -m pytest -q -m "not ($(FAST))"
 
