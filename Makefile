@@ -13,7 +13,7 @@ FAST   := not mpi and not slurm and not postgres and not browser and not slow
 # autodoc cannot link, which the API reference does not aim for.
 SPHINX := $(BIN)/sphinx-build -W --keep-going -q -b html
 
-.PHONY: demo test check lint docs lab install clean bench device-wheels
+.PHONY: demo test check lint docs lab install clean bench device-wheels bytecode
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,12 +29,22 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m nbdist.demo
 
-# The README's and CI's test command: lint and types, the docs site, every test.
-test: lint docs
-	$(BIN)/python -m pytest -q
+# The README's and CI's test command: lint and types beside the docs site (one core each),
+# then every test. The fast tests run on every core (pytest-xdist): each is one process's
+# work. The others run one at a time: each starts MPI jobs, engines or servers that already
+# use every core, and several at once would slow each other past their deadlines.
+test: bytecode
+	$(MAKE) --no-print-directory -j2 --output-sync=target lint docs
+	$(BIN)/python -m pytest -q -n auto -m "$(FAST)"
+	$(BIN)/python -m pytest -q -m "not ($(FAST))"
 
-check: lint
-	$(BIN)/python -m pytest -q -m "$(FAST)"
+check: lint bytecode
+	$(BIN)/python -m pytest -q -n auto -m "$(FAST)"
+
+# Every rank, engine and CLI call imports nbdist afresh: compiled once here, not in each of
+# them (PYTHONDONTWRITEBYTECODE, set on some machines, keeps Python from caching it itself).
+bytecode: $(STAMP)
+	$(BIN)/python -m compileall -q nbdist
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
