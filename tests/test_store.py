@@ -184,7 +184,9 @@ def test_a_studys_digest_changes_with_its_rows_and_events_are_read_from_a_time(t
         assert store.trial_events("st", after=max(e["time"] for e in again)) == []
 
 
-def _start_batch(tmp_path, *extra: str, n: int = 3) -> subprocess.Popen:
+def _start_batch(tmp_path, *extra: str, n: int = 2) -> subprocess.Popen:
+    """`mpiexec -n n python -m nbdist train` on the digits MLP (two ranks: a master and a
+    worker, or two allreduce workers, are enough for records of several ranks)."""
     cmd = mpiexec_command(
         n,
         ["-m", "nbdist", "train", "--model", "examples/digits_mlp.py", "--runs-dir", str(tmp_path), "--quiet", *extra],
@@ -226,14 +228,14 @@ def test_a_batch_run_lands_complete_in_the_store(tmp_path):
     # Every record of every rank, each once.
     assert sorted(rows) == sorted(logged)
     assert len(set((r[1], r[2]) for r in rows)) == len(rows)
-    assert {r[1] for r in rows} == {0, 1, 2}
+    assert {r[1] for r in rows} == {0, 1}
     assert Counter(r[3] for r in rows)["epoch"] == 3
     with RunStore(tmp_path / "nbdist.db") as store:
         run = store.run(run_dir.name)
         assert run.status == "completed" and run.reason == "completed 3 epochs"
         summary = json.loads((run_dir / "summary.json").read_text())
         assert run.final == summary["final"]
-        assert run.layout["options"]["workers"] == 2 and run.options["epochs"] == 3
+        assert run.layout["options"]["workers"] == 1 and run.options["epochs"] == 3
         assert [c["label"] for c in store.checkpoints(run.id)] == ["epoch-0001", "epoch-0002", "epoch-0003"]
 
     # Resumed for two more epochs: the same run, running again, its records still each once.
@@ -289,7 +291,7 @@ def test_the_recorder_of_a_batch_run_outlives_a_locked_store_and_records_its_end
     with open(output, "w") as out:
         job = subprocess.Popen(
             mpiexec_command(
-                3,
+                2,
                 ["-m", "nbdist", "train", "--model", "examples/digits_mlp.py", "--epochs", "30"]
                 + ["--runs-dir", str(runs), "--run-name", "locked", "--quiet"],
             ),

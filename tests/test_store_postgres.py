@@ -538,7 +538,9 @@ def test_two_concurrent_mpiexec_jobs_share_a_study_one_killed(tmp_path, postgres
     from nbdist.dashboard.sources import StoreSource, run_choices
     from nbdist.dashboard.study import StudyPage
 
-    trials = 14
+    # Enough trials for job a to start a few after job b's first one ended, each a chance
+    # to be caught a moment after its start; b trains whatever is left after the kill alone.
+    trials = 10
     a = _job(tmp_path, "a", database, "--space", SPACE, "--trials", str(trials), "--study-name", "shared")
     jobs = [a]
     seen_live = 0  # trials the dashboard's study view picked up while the jobs ran
