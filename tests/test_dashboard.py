@@ -46,9 +46,11 @@ COUNT_POINTS = """(name) => {
 
 
 class Server:
-    """A `python -m nbdist ...` server process and the URL it printed."""
+    """A `python -m nbdist ...` server process and the URL it printed. With wait=False the
+    process starts and `started()` waits for its URL later: two servers start side by side
+    (each spends seconds importing before it listens)."""
 
-    def __init__(self, argv: list[str], timeout: float = 120, env: dict | None = None):
+    def __init__(self, argv: list[str], timeout: float = 120, env: dict | None = None, wait: bool = True):
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "nbdist", *argv],
             cwd=ROOT,
@@ -59,11 +61,16 @@ class Server:
             env={**os.environ, **(env or {})},
         )
         self.lines = OutputLines(self.proc)
+        if wait:
+            self.started(timeout)
+
+    def started(self, timeout: float = 120) -> Server:
         match = self.lines.wait_for(r"nbdist: dashboard of .* at (http\S+)", timeout)
         if match is None:
             self.stop()
             pytest.fail(f"the server printed no URL within {timeout} s:\n{self.lines.text}")
         self.url = match.group(1)
+        return self
 
     @property
     def output(self) -> str:
@@ -98,9 +105,11 @@ def _header(page) -> str:
 
 def test_live_dashboard_of_a_training_run_in_chromium(tmp_path, browser):
     store = tmp_path / "nbdist.db"
+    # One master and one worker: every live plot (staleness included) has a rank to draw,
+    # and a third rank would only compete with the browser and the server for the CPU.
     train = subprocess.Popen(
         mpiexec_command(
-            3,
+            2,
             [
                 "-m",
                 "nbdist",
@@ -145,7 +154,7 @@ def test_live_dashboard_of_a_training_run_in_chromium(tmp_path, browser):
             )
         run_id = next(p.name for p in tmp_path.iterdir() if p.is_dir())
         header = _header(page)
-        assert run_id in header and "running" in header and "1 master + 2 workers" in header
+        assert run_id in header and "running" in header and "1 master + 1 worker" in header
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "dashboard-live.png"), full_page=True)
 
@@ -161,16 +170,12 @@ def test_live_dashboard_of_a_training_run_in_chromium(tmp_path, browser):
         if server is not None:
             server.stop()
 
-    # The same run, exported as one HTML file, opens offline with its plots drawn.
+    # The same run, exported as one HTML file by the command line (in this process: the
+    # command's own process is tested in test_run_privacy_mpi), opens offline with its plots drawn.
+    from nbdist.cli import main
+
     export = tmp_path / "dashboard.html"
-    done = subprocess.run(
-        [sys.executable, "-m", "nbdist", "dashboard", "--store", str(store), "--export", str(export)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert main(["dashboard", "--store", str(store), "--export", str(export)]) == 0
     page = browser.new_page(viewport={"width": 1150, "height": 2000})
     page.route("**/*", lambda route: route.abort() if not route.request.url.startswith("file:") else route.continue_())
     page.goto(export.as_uri())
@@ -265,11 +270,35 @@ def _first_bokeh_message(url: str, headers: dict, session: str) -> str | None:
 
 def test_the_dashboard_needs_its_token_on_localhost_too(tmp_path):
     RunStore(tmp_path / "nbdist.db").close()
-    server = Server(
+    # Two servers, started side by side and looked at one after the other: on loopback with
+    # the token from the environment; on a public interface (plain HTTP: only with
+    # --insecure, and said) with the token from a file only its owner reads.
+    token_file = tmp_path / "token"
+    token_file.write_text("from-the-file\n")
+    token_file.chmod(0o600)
+    loopback = Server(
         ["dashboard", "--store", str(tmp_path / "nbdist.db"), "--port", "0"],
         env={"NBDIST_DASHBOARD_TOKEN": "from-the-environment"},
+        wait=False,
+    )
+    public = Server(
+        [
+            "dashboard",
+            "--store",
+            str(tmp_path / "nbdist.db"),
+            "--address",
+            "0.0.0.0",
+            "--insecure",
+            "--port",
+            "0",
+            "--token-file",
+            str(token_file),
+        ],
+        env={"NBDIST_DASHBOARD_TOKEN": "from-the-environment"},
+        wait=False,
     )
     try:
+        server = loopback.started()
         assert "(no runs yet)" in server.output and "Launching server" not in server.output
         assert server.url.startswith("http://127.0.0.1:") and server.url.endswith("/nbdist?token=from-the-environment")
         bare, port = server.url.split("?")[0], urllib.parse.urlsplit(server.url).port
@@ -298,30 +327,9 @@ def test_the_dashboard_needs_its_token_on_localhost_too(tmp_path):
             )
             == 403
         )
-    finally:
-        server.stop()
+        loopback.stop()
 
-    # A public interface (plain HTTP: only with --insecure, and said), the token from a file
-    # only its owner reads.
-    token_file = tmp_path / "token"
-    token_file.write_text("from-the-file\n")
-    token_file.chmod(0o600)
-    server = Server(
-        [
-            "dashboard",
-            "--store",
-            str(tmp_path / "nbdist.db"),
-            "--address",
-            "0.0.0.0",
-            "--insecure",
-            "--port",
-            "0",
-            "--token-file",
-            str(token_file),
-        ],
-        env={"NBDIST_DASHBOARD_TOKEN": "from-the-environment"},
-    )
-    try:
+        server = public.started()
         assert server.url.endswith("/nbdist?token=from-the-file")
         assert "nbdist: warning: serving on 0.0.0.0 over plain HTTP (--insecure)" in server.output
         local = re.sub(r"//[^:/]+:", "//127.0.0.1:", server.url)
@@ -329,7 +337,8 @@ def test_the_dashboard_needs_its_token_on_localhost_too(tmp_path):
         assert _get(local.split("?")[0])[0] == 403
         assert _get(local.split("?")[0] + "?token=from-the-environment")[0] == 403
     finally:
-        server.stop()
+        loopback.stop()
+        public.stop()
 
 
 class PanelServe:
@@ -363,9 +372,12 @@ class PanelServe:
         )
         self.lines = OutputLines(self.proc)
         self.url = f"http://127.0.0.1:{port}/nbdist_dashboard"
+
+    def started(self) -> PanelServe:
         if self.lines.wait_for(r"Bokeh app running at", 120) is None:
             self.stop()
             pytest.fail(f"panel serve did not start within 120 s:\n{self.lines.text}")
+        return self
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -391,9 +403,31 @@ def _store_with_a_named_run(path: Path, run_id: str) -> Path:
     return path
 
 
-def test_panel_serve_with_the_token_auth_module_wants_the_token(tmp_path, browser):
-    store = _store_with_a_named_run(tmp_path / "nbdist.db", "run-of-the-owner")
-    server = PanelServe(store, auth_module=True, env={})  # a random token, printed by the auth module
+@pytest.fixture(scope="module")
+def panel_serves(tmp_path_factory):
+    """Both `panel serve` set-ups, each with its own store holding one run, started side by
+    side (each spends seconds importing before it listens): with the token auth module (a
+    random token, printed by the module), and without it, the token in the environment."""
+    directory = tmp_path_factory.mktemp("panel-serve")
+    servers = {
+        "auth module": PanelServe(
+            _store_with_a_named_run(directory / "auth-module.db", "run-of-the-owner"), auth_module=True, env={}
+        ),
+        "environment": PanelServe(
+            _store_with_a_named_run(directory / "environment.db", "run-of-the-owner"),
+            auth_module=False,
+            env={"NBDIST_DASHBOARD_TOKEN": "t0ken"},
+        ),
+    }
+    try:
+        yield {name: server.started() for name, server in servers.items()}
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
+def test_panel_serve_with_the_token_auth_module_wants_the_token(panel_serves, browser):
+    server = panel_serves["auth module"]
     page = browser.new_page()
     try:
         token = re.search(r"nbdist: the dashboard's token \(add \?token=\.\.\. to the URL\): (\S+)", server.lines.text)
@@ -406,12 +440,10 @@ def test_panel_serve_with_the_token_auth_module_wants_the_token(tmp_path, browse
         _wait(lambda: page.evaluate(PAGE_HOLDS, "run-of-the-owner"), 60, "the page never showed the run")
     finally:
         page.close()
-        server.stop()
 
 
-def test_panel_serve_without_the_auth_module_shows_no_run_without_the_token(tmp_path, browser):
-    store = _store_with_a_named_run(tmp_path / "nbdist.db", "run-of-the-owner")
-    server = PanelServe(store, auth_module=False, env={"NBDIST_DASHBOARD_TOKEN": "t0ken"})
+def test_panel_serve_without_the_auth_module_shows_no_run_without_the_token(panel_serves, browser):
+    server = panel_serves["environment"]
     page = browser.new_page()
     try:
         page.goto(server.url)
@@ -425,7 +457,6 @@ def test_panel_serve_without_the_auth_module_shows_no_run_without_the_token(tmp_
         _wait(lambda: page.evaluate(PAGE_HOLDS, "run-of-the-owner"), 60, "the page never showed the run")
     finally:
         page.close()
-        server.stop()
 
 
 def test_a_served_session_needs_the_token_the_server_knows():
