@@ -6,6 +6,9 @@ checkpoint that a resume continues from.
 Failures are injected from outside, as a user or the batch system would: SIGKILL, SIGSTOP
 and SIGTERM to the processes of the job, found by their MPI rank in their environment.
 Every wait has a deadline; a run that hangs fails its test through it.
+
+An allreduce run (MPI's own reductions) restarting on its survivors is tested with its
+resume on the original size, in tests/test_resume_anywhere_mpi.py: one run for both.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -40,7 +44,8 @@ class Launched:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "nbdist", "launch", "-n", str(ranks), "train", *args],
             cwd=ROOT,
-            env=mpi_env(),
+            # A rank that dies of a crash (SIGSEGV, SIGABRT) says where, on its stderr.
+            env={**mpi_env(), "PYTHONFAULTHANDLER": "1"},
             stdout=self.log,
             stderr=subprocess.STDOUT,
         )
@@ -65,6 +70,10 @@ class Launched:
         except psutil.Error:
             return []
 
+    def watch_ranks(self, ranks: int) -> RankWatch:
+        """From now until the job ends: when each of its `ranks` processes went, and how."""
+        return RankWatch({rank: self.rank(rank) for rank in range(ranks)}, self.proc)
+
     def wait_for(self, condition, what: str, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
         while not condition():
@@ -82,6 +91,76 @@ class Launched:
             pytest.fail(f"the job hung for {timeout} s:\n{self.output}")
         finally:
             self.log.close()
+
+
+class RankWatch:
+    """Looks at a job's rank processes every few milliseconds, from a thread, until the
+    job ends: when each one went and, when it was seen as a zombie before mpiexec reaped
+    it, its exit status; for the report of a test that lost more ranks than it killed."""
+
+    def __init__(self, processes: dict[int, psutil.Process], job: subprocess.Popen):
+        self.pids = {rank: process.pid for rank, process in processes.items()}
+        self.started = time.monotonic()
+        self.marks: dict[int, str] = {}
+        self.went: dict[int, str] = {}
+        self._job = job
+        self._thread = threading.Thread(target=self._watch, name="rank-watch", daemon=True)
+        self._thread.start()
+
+    def mark(self, rank: int, what: str) -> None:
+        """What the test did to `rank` (said in the report)."""
+        self.marks[rank] = f"{what} at {time.monotonic() - self.started:.2f} s"
+
+    def _watch(self) -> None:
+        while True:
+            ended = self._job.poll() is not None
+            for rank, pid in self.pids.items():
+                if rank not in self.went:
+                    fate = _fate(pid)
+                    if fate is not None:
+                        self.went[rank] = f"{fate} at {time.monotonic() - self.started:.2f} s"
+            if ended or len(self.went) == len(self.pids):
+                return
+            time.sleep(0.01)
+
+    def report(self, output: str, run_dir: Path) -> str:
+        """Every rank's fate, the output's lines about ranks and failures, and what the
+        run log and failure.json say of them."""
+        self._thread.join(timeout=5)
+        lines = ["the ranks (times from the start of the watch):"]
+        for rank, pid in self.pids.items():
+            fate = self.went.get(rank, "alive when the job ended")
+            did = f"; {self.marks[rank]}" if rank in self.marks else ""
+            lines.append(f"  rank {rank} pid {pid}: {fate}{did}")
+        lines.append("the output's lines about ranks and failures:")
+        telling = re.compile(r"rank \d|died|did not|frozen|killed|dropped|lost|error|restart|Traceback|signal")
+        lines += [f"  {line}" for line in output.splitlines() if telling.search(line)]
+        lines.append("the run log's run, fault and restart records (rank in the attempt's communicator):")
+        for record in read_log(run_dir):
+            if record["kind"] in ("run", "fault", "restart"):
+                lines.append(f"  rank {record['rank']} {record['role']} {record['kind']}: {record['values']}")
+        failure = run_dir / "failure.json"
+        lines.append(f"failure.json: {failure.read_text() if failure.exists() else 'none'}")
+        return "\n".join(lines)
+
+
+def _fate(pid: int) -> str | None:
+    """None while process `pid` runs; else how it ended, as far as /proc still tells: its
+    exit status while it is a zombie (field 52 of its stat), nothing once it is reaped."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            fields = fh.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return "gone (reaped before its exit status was seen)"
+    if fields[0] not in (b"Z", b"X"):
+        return None
+    status = int(fields[49]) if len(fields) > 49 else -1
+    if status < 0:
+        return "exited (status unknown)"
+    if status & 0x7F:
+        number = status & 0x7F
+        return f"killed by {signal.Signals(number).name if number in signal.valid_signals() else number}"
+    return f"exited with status {status >> 8}"
 
 
 def _epochs_logged(run_dir: Path) -> int:
@@ -203,48 +282,6 @@ def test_a_frozen_asynchronous_worker_holds_up_no_epoch_and_a_sigterm_is_named(t
     assert [d["rank"] for d in summary["dropped"]] == [3], summary["dropped"]
     assert summary["samples_lost"] == sum(1437 - h["samples"] for h in summary["history"]) > 0
     assert not job.processes(), "a process of the job was left behind"
-
-
-@pytest.mark.timeout(400)
-def test_an_allreduce_rank_killed_with_max_restarts_restarts_on_the_survivors(tmp_path):
-    run = tmp_path / "run"
-    job = Launched(
-        tmp_path,
-        4,
-        "--model",
-        MLP,
-        "--topology",
-        "allreduce",
-        "--epochs",
-        "30",
-        "--batch-size",
-        "8",
-        "--max-restarts",
-        "1",
-        "--peer-timeout",
-        "5",
-        "--runs-dir",
-        str(tmp_path),
-        "--run-name",
-        "run",
-        "--quiet",
-    )
-    job.wait_for(lambda: _epochs_logged(run) >= 3, "third epoch")
-    job.rank(2).kill()
-    assert job.finish() == 0, job.output
-    out = job.output
-    assert "rank 2 (worker 2, host" in out and "restarting on the 3 ranks left (restart 1 of 1)" in out, out
-    assert "Traceback" not in out and "NBC_Progress" not in out, out
-    restarts = [r["values"] for r in read_log(run, "restart") if r["rank"] == 0]
-    assert len(restarts) == 1 and restarts[0]["ranks"] == 3, restarts
-    resumed_from = int(restarts[0]["checkpoint"].split("-")[1])
-    assert resumed_from >= 2
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["stop_reason"] == "completed 30 epochs" and summary["restarts"] == 1
-    # One run, its history whole: the epochs after the checkpoint were trained again.
-    assert [h["epoch"] for h in summary["history"]] == list(range(1, 31))
-    assert summary["final"]["val_acc"] > 0.9
-    assert not job.processes()
 
 
 @pytest.mark.timeout(400)
