@@ -6,6 +6,9 @@ checkpoint that a resume continues from.
 Failures are injected from outside, as a user or the batch system would: SIGKILL, SIGSTOP
 and SIGTERM to the processes of the job, found by their MPI rank in their environment.
 Every wait has a deadline; a run that hangs fails its test through it.
+
+An allreduce run (MPI's own reductions) restarting on its survivors is tested with its
+resume on the original size, in tests/test_resume_anywhere_mpi.py: one run for both.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -40,7 +44,8 @@ class Launched:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "nbdist", "launch", "-n", str(ranks), "train", *args],
             cwd=ROOT,
-            env=mpi_env(),
+            # A rank that dies of a crash (SIGSEGV, SIGABRT) says where, on its stderr.
+            env={**mpi_env(), "PYTHONFAULTHANDLER": "1"},
             stdout=self.log,
             stderr=subprocess.STDOUT,
         )
@@ -65,6 +70,10 @@ class Launched:
         except psutil.Error:
             return []
 
+    def watch_ranks(self, ranks: int) -> RankWatch:
+        """From now until the job ends: when each of its `ranks` processes went, and how."""
+        return RankWatch({rank: self.rank(rank) for rank in range(ranks)}, self.proc)
+
     def wait_for(self, condition, what: str, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
         while not condition():
@@ -82,6 +91,76 @@ class Launched:
             pytest.fail(f"the job hung for {timeout} s:\n{self.output}")
         finally:
             self.log.close()
+
+
+class RankWatch:
+    """Looks at a job's rank processes every few milliseconds, from a thread, until the
+    job ends: when each one went and, when it was seen as a zombie before mpiexec reaped
+    it, its exit status; for the report of a test that lost more ranks than it killed."""
+
+    def __init__(self, processes: dict[int, psutil.Process], job: subprocess.Popen):
+        self.pids = {rank: process.pid for rank, process in processes.items()}
+        self.started = time.monotonic()
+        self.marks: dict[int, str] = {}
+        self.went: dict[int, str] = {}
+        self._job = job
+        self._thread = threading.Thread(target=self._watch, name="rank-watch", daemon=True)
+        self._thread.start()
+
+    def mark(self, rank: int, what: str) -> None:
+        """What the test did to `rank` (said in the report)."""
+        self.marks[rank] = f"{what} at {time.monotonic() - self.started:.2f} s"
+
+    def _watch(self) -> None:
+        while True:
+            ended = self._job.poll() is not None
+            for rank, pid in self.pids.items():
+                if rank not in self.went:
+                    fate = _fate(pid)
+                    if fate is not None:
+                        self.went[rank] = f"{fate} at {time.monotonic() - self.started:.2f} s"
+            if ended or len(self.went) == len(self.pids):
+                return
+            time.sleep(0.01)
+
+    def report(self, output: str, run_dir: Path) -> str:
+        """Every rank's fate, the output's lines about ranks and failures, and what the
+        run log and failure.json say of them."""
+        self._thread.join(timeout=5)
+        lines = ["the ranks (times from the start of the watch):"]
+        for rank, pid in self.pids.items():
+            fate = self.went.get(rank, "alive when the job ended")
+            did = f"; {self.marks[rank]}" if rank in self.marks else ""
+            lines.append(f"  rank {rank} pid {pid}: {fate}{did}")
+        lines.append("the output's lines about ranks and failures:")
+        telling = re.compile(r"rank \d|died|did not|frozen|killed|dropped|lost|error|restart|Traceback|signal")
+        lines += [f"  {line}" for line in output.splitlines() if telling.search(line)]
+        lines.append("the run log's run, fault and restart records (rank in the attempt's communicator):")
+        for record in read_log(run_dir):
+            if record["kind"] in ("run", "fault", "restart"):
+                lines.append(f"  rank {record['rank']} {record['role']} {record['kind']}: {record['values']}")
+        failure = run_dir / "failure.json"
+        lines.append(f"failure.json: {failure.read_text() if failure.exists() else 'none'}")
+        return "\n".join(lines)
+
+
+def _fate(pid: int) -> str | None:
+    """None while process `pid` runs; else how it ended, as far as /proc still tells: its
+    exit status while it is a zombie (field 52 of its stat), nothing once it is reaped."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            fields = fh.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return "gone (reaped before its exit status was seen)"
+    if fields[0] not in (b"Z", b"X"):
+        return None
+    status = int(fields[49]) if len(fields) > 49 else -1
+    if status < 0:
+        return "exited (status unknown)"
+    if status & 0x7F:
+        number = status & 0x7F
+        return f"killed by {signal.Signals(number).name if number in signal.valid_signals() else number}"
+    return f"exited with status {status >> 8}"
 
 
 def _epochs_logged(run_dir: Path) -> int:
@@ -104,10 +183,11 @@ def _asynchronous_job(tmp_path: Path, ranks: int, epochs: int, peer_timeout: int
 
 @pytest.mark.timeout(400)
 def test_a_dead_and_a_frozen_asynchronous_worker_are_dropped_and_the_run_completes(tmp_path):
-    """A 2 s peer timeout drops both within a few epochs of the fifth: `epochs` leaves the
-    run many more after the drops (a loaded box slows the epochs, not the timeout)."""
+    """A 2 s peer timeout drops both within a few dozen epochs of the fifth (by the 29th
+    to the 46th here, the faster the epochs the later): `epochs` leaves the run many more
+    after the drops (a loaded box slows the epochs, not the timeout)."""
     run = tmp_path / "run"
-    epochs = 100
+    epochs = 80
     job = _asynchronous_job(tmp_path, 5, epochs, 2)
     job.wait_for(lambda: _epochs_logged(run) >= 5, "fifth epoch")
     dead, frozen = job.rank(2), job.rank(3)
@@ -141,7 +221,7 @@ def test_a_dead_and_a_frozen_asynchronous_worker_are_dropped_and_the_run_complet
 
 @pytest.mark.timeout(400)
 def test_a_frozen_asynchronous_worker_holds_up_no_epoch_and_a_sigterm_is_named(tmp_path):
-    """kill -STOP of one of three workers, with a 10 s peer timeout: the run goes on
+    """kill -STOP of one of three workers, with a 5 s peer timeout: the run goes on
     ending epochs, validating and checkpointing while it is frozen (its share of those
     epochs is pending), it is dropped with one line at the timeout, and SIGTERM to the
     launcher (which passes it on as SIGUSR1) is named in the run's summary.
@@ -152,7 +232,7 @@ def test_a_frozen_asynchronous_worker_holds_up_no_epoch_and_a_sigterm_is_named(t
     frozen). Found by its share in the snapshot's directory, polled with no sleep: a
     window missed is the next snapshot's, five epochs later."""
     run = tmp_path / "run"
-    job = _asynchronous_job(tmp_path, 4, 100000, 10, "--checkpoint-every", "5", "--keep-checkpoints", "100000")
+    job = _asynchronous_job(tmp_path, 4, 100000, 5, "--checkpoint-every", "5", "--keep-checkpoints", "100000")
     job.wait_for(lambda: _epochs_logged(run) >= 3, "third epoch")
     frozen = job.rank(3)
     deadline = time.monotonic() + 120
@@ -170,7 +250,7 @@ def test_a_frozen_asynchronous_worker_holds_up_no_epoch_and_a_sigterm_is_named(t
     out = job.output
     # Silent for the peer timeout: it sent nothing, or did not take its last reply.
     dropped = (
-        r"rank 3 \(worker 2, host [^)]*\) (sent nothing|did not take its reply) for 10 s .*; the run goes on with 2"
+        r"rank 3 \(worker 2, host [^)]*\) (sent nothing|did not take its reply) for 5 s .*; the run goes on with 2"
     )
     assert len(re.findall(dropped, out)) == 1, out
     assert "Traceback" not in out, out
@@ -205,48 +285,6 @@ def test_a_frozen_asynchronous_worker_holds_up_no_epoch_and_a_sigterm_is_named(t
 
 
 @pytest.mark.timeout(400)
-def test_an_allreduce_rank_killed_with_max_restarts_restarts_on_the_survivors(tmp_path):
-    run = tmp_path / "run"
-    job = Launched(
-        tmp_path,
-        4,
-        "--model",
-        MLP,
-        "--topology",
-        "allreduce",
-        "--epochs",
-        "30",
-        "--batch-size",
-        "8",
-        "--max-restarts",
-        "1",
-        "--peer-timeout",
-        "5",
-        "--runs-dir",
-        str(tmp_path),
-        "--run-name",
-        "run",
-        "--quiet",
-    )
-    job.wait_for(lambda: _epochs_logged(run) >= 3, "third epoch")
-    job.rank(2).kill()
-    assert job.finish() == 0, job.output
-    out = job.output
-    assert "rank 2 (worker 2, host" in out and "restarting on the 3 ranks left (restart 1 of 1)" in out, out
-    assert "Traceback" not in out and "NBC_Progress" not in out, out
-    restarts = [r["values"] for r in read_log(run, "restart") if r["rank"] == 0]
-    assert len(restarts) == 1 and restarts[0]["ranks"] == 3, restarts
-    resumed_from = int(restarts[0]["checkpoint"].split("-")[1])
-    assert resumed_from >= 2
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["stop_reason"] == "completed 30 epochs" and summary["restarts"] == 1
-    # One run, its history whole: the epochs after the checkpoint were trained again.
-    assert [h["epoch"] for h in summary["history"]] == list(range(1, 31))
-    assert summary["final"]["val_acc"] > 0.9
-    assert not job.processes()
-
-
-@pytest.mark.timeout(400)
 def test_a_rank_killed_in_an_allreduce_on_a_gloo_group_is_named_and_the_survivors_restart(tmp_path):
     """The same on a torch.distributed group (--allreduce-backend gloo): the group's work
     fails when the peer's sockets close, MPI names the dead rank, and the survivors go on
@@ -262,7 +300,7 @@ def test_a_rank_killed_in_an_allreduce_on_a_gloo_group_is_named_and_the_survivor
         "--allreduce-backend",
         "gloo",
         "--epochs",
-        "10",
+        "6",
         "--batch-size",
         "8",
         "--max-restarts",
@@ -282,8 +320,8 @@ def test_a_rank_killed_in_an_allreduce_on_a_gloo_group_is_named_and_the_survivor
     assert "rank 1 (worker 1, host" in out and "restarting on the 2 ranks left (restart 1 of 1)" in out, out
     assert "Traceback" not in out, out
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["stop_reason"] == "completed 10 epochs" and summary["restarts"] == 1
-    assert [h["epoch"] for h in summary["history"]] == list(range(1, 11))
+    assert summary["stop_reason"] == "completed 6 epochs" and summary["restarts"] == 1
+    assert [h["epoch"] for h in summary["history"]] == list(range(1, 7))
     # The 2 survivors ended the run, each having reduced on gloo.
     assert [r["values"]["allreduce"] for r in read_log(run, "run")] == ["gloo", "gloo"]
     assert not job.processes()
@@ -301,6 +339,8 @@ def test_sigterm_stops_a_10m_parameter_run_with_a_final_checkpoint_that_resumes(
         "easgd",
         "--epochs",
         "100",
+        "--batch-size",
+        "128",
         "--runs-dir",
         str(tmp_path),
         "--run-name",

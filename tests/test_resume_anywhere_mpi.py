@@ -15,8 +15,8 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 import textwrap
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -194,9 +194,10 @@ def test_the_sub_master_of_a_resume_on_more_ranks_serves_its_workers(resized):
 
 # ------------------------------------------------ asynchronous runs end at their last epoch
 @pytest.fixture(scope="module")
-def last_epochs(resized, tmp_path_factory):
+def last_epochs(resized, restarted, tmp_path_factory):
     """REPEATS asynchronous EASGD runs on 5 ranks and REPEATS --masters 2 runs on 6, each
-    resumed for one more epoch; and the resumes of the runs whose checkpoints the tests spoil."""
+    resumed for one more epoch; the resumes of the runs whose checkpoints the tests spoil;
+    and those of the runs restarted on fewer ranks, on their original sizes."""
     runs_dir = tmp_path_factory.mktemp("last-epochs")
     runs = []
     for kind, ranks, argv in (
@@ -216,6 +217,10 @@ def last_epochs(resized, tmp_path_factory):
     runs.append(("spoilt", 6, ["--resume", str(spoilt), "--epochs", "3", "--no-quiet"]))
     runs.append(("spoilt-all", 6, ["--resume", str(spoilt_all), "--epochs", "3"]))
     runs.append(("wider", 6, ["--resume", str(spoilt), "--model", str(wider), "--epochs", "4"]))
+    for name, (ranks, _, _, epochs) in RESTARTS.items():
+        if isinstance(restarted[name], Restarted):  # else its test fails with what went wrong
+            resume = ["--resume", str(restarted[name].run), "--epochs", str(epochs), "--no-quiet"]
+            runs.append((f"restart-{name}", ranks, resume))
     job = _run_job(runs, runs_dir, timeout=600)
     job.spoilt = spoilt  # a run directory of the first job
     return job
@@ -278,19 +283,48 @@ def test_a_resume_whose_weights_do_not_fit_the_model_says_why_in_one_line(last_e
 
 
 # ------------------------------------------------------------ restarts on fewer ranks
-def _resume(run: Path, ranks: int, epochs: int) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "nbdist", "launch", "-n", str(ranks), "train"]
-        + ["--resume", str(run), "--epochs", str(epochs), "--no-quiet"],
-        cwd=ROOT,
-        env=mpi_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+# name -> (ranks, the rank killed, the run's argv, the epochs of its resume on `ranks`).
+# Each loses its rank for real, in a `launch` job of its own; their resumes on their
+# original sizes go through the last_epochs job (one start of 6 ranks, not one per resume).
+RESTARTS = {
+    "sub-master": (
+        6,
+        3,
+        ["--model", MLP, "--masters", "2", "--algorithm", "gem", "--epochs", "12", "--batch-size", "16"],
+        15,
+    ),
+    "allreduce": (4, 2, ["--model", MLP, "--topology", "allreduce", "--epochs", "10", "--batch-size", "8"], 13),
+    "pipeline-replicas": (
+        4,
+        3,
+        ["--model", PIPELINE, *PIPE, "--topology", "allreduce", "--epochs", "6", "--batch-size", "16"],
+        8,
+    ),
+}
 
 
-def _restarted(tmp_path: Path, ranks: int, kill: int, *args: str) -> tuple[Path, Launched]:
+@dataclass
+class Restarted:
+    """A run whose rank was killed: where it is, its job, and what its summary said once
+    the restart completed it (its resume later rewrites summary.json)."""
+
+    run: Path
+    job: Launched
+    returncode: int
+    summary: dict
+    ranks: str  # every rank's fate, the lines and records about them (RankWatch.report)
+
+    def output(self, left: int) -> str:
+        """The job's output, once it is known to have completed with one restart on `left`
+        of the ranks; else the failure says what became of every rank."""
+        out = self.job.output
+        said = re.findall(r"restarting on (?:\d+ of )?the (\d+) ranks left", out)
+        assert self.returncode == 0 and said == [str(left)], f"status {self.returncode}\n{out}\n{self.ranks}"
+        assert "Traceback" not in out and "cannot be laid out" not in out, out
+        return out
+
+
+def _restarted(tmp_path: Path, ranks: int, kill: int, *args: str) -> Restarted:
     """A `launch -n ranks` run with --max-restarts 1 whose rank `kill` is killed once it has
     logged 3 epochs and committed a checkpoint; the run must then complete."""
     run = tmp_path / "run"
@@ -301,10 +335,41 @@ def _restarted(tmp_path: Path, ranks: int, kill: int, *args: str) -> tuple[Path,
         *("--max-restarts", "1", "--peer-timeout", "5", "--runs-dir", str(tmp_path), "--run-name", "run"),
     )
     job.wait_for(lambda: _epochs_logged(run) >= 3 and (run / "checkpoints" / "LATEST.json").exists(), "a checkpoint")
+    watch = job.watch_ranks(ranks)
     job.rank(kill).kill()
-    assert job.finish() == 0, job.output
-    assert "Traceback" not in job.output and "cannot be laid out" not in job.output, job.output
-    return run, job
+    watch.mark(kill, "killed with SIGKILL by the test")
+    returncode = job.finish()
+    summary = run / "summary.json"
+    return Restarted(
+        run, job, returncode, json.loads(summary.read_text()) if summary.exists() else {}, watch.report(job.output, run)
+    )
+
+
+@pytest.fixture(scope="module")
+def restarted(tmp_path_factory) -> dict[str, Restarted | BaseException]:
+    """Each restart of RESTARTS, or what went wrong with it: raised by its own test, not
+    by the last_epochs tests that share the job of the resumes."""
+    done: dict[str, Restarted | BaseException] = {}
+    for name, (ranks, kill, argv, _) in RESTARTS.items():
+        try:
+            done[name] = _restarted(tmp_path_factory.mktemp(name), ranks, kill, *argv)
+        except (AssertionError, pytest.fail.Exception) as exc:
+            done[name] = exc
+    return done
+
+
+def _restart(restarted: dict, name: str) -> Restarted:
+    done = restarted[name]
+    if isinstance(done, BaseException):
+        raise done
+    return done
+
+
+def _resumed(last_epochs: Resized, name: str) -> str:
+    """What the resume of restart `name` on its original size printed (rank 0's stdout)."""
+    label = f"restart-{name}"
+    last_epochs.run(label)  # it ended well
+    return last_epochs.parts[last_epochs.names.index(label)]
 
 
 def _restart_layouts(run: Path) -> list[str]:
@@ -321,60 +386,63 @@ def _epochs_went_on(run: Path, epochs: int, resumed_at: int) -> list[dict]:
 
 
 @pytest.mark.timeout(600)
-def test_a_sub_masters_death_restarts_on_a_layout_that_fits_then_resumes_on_six(tmp_path):
-    run, job = _restarted(
-        tmp_path, 6, 3, "--model", MLP, "--masters", "2", "--algorithm", "gem", "--epochs", "12", "--batch-size", "16"
-    )
-    out = job.output
+def test_a_sub_masters_death_restarts_on_a_layout_that_fits_then_resumes_on_six(restarted, last_epochs):
+    done = _restart(restarted, "sub-master")
+    run, out = done.run, done.output(5)
     assert "rank 3 (" in out and "restarting on the 5 ranks left (restart 1 of 1)" in out, out
     assert "nbdist: note: restarting from a checkpoint of 6 ranks (2 masters x (1 + 2 workers)) on 5 ranks " in out
     assert _restart_layouts(run) == ["5 ranks: 1 master + 4 workers"]
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["stop_reason"] == "completed 12 epochs" and summary["restarts"] == 1
+    assert done.summary["stop_reason"] == "completed 12 epochs" and done.summary["restarts"] == 1
 
-    again = _resume(run, 6, 15)  # the job resubmitted at its original size
-    assert again.returncode == 0, again.stdout + again.stderr
+    again = _resumed(last_epochs, "sub-master")  # the job resubmitted at its original size
     assert (
         "nbdist: note: resuming a checkpoint of 5 ranks (1 master + 4 workers) on 6 ranks "
-        "(2 masters x (1 + 2 workers)): sub-master 1 starts from the top master's centre" in again.stdout
-    ), again.stdout
-    assert f"resumed from {run}/checkpoints/epoch-0012 at epoch 13," in again.stdout, again.stdout
+        "(2 masters x (1 + 2 workers)): sub-master 1 starts from the top master's centre" in again
+    ), again
+    assert f"resumed from {run}/checkpoints/epoch-0012 at epoch 13," in again, again
     assert _epochs_went_on(run, 15, 13)[-1]["val_acc"] > 0.9
-    assert not job.processes()
+    assert not done.job.processes()
 
 
 @pytest.mark.timeout(600)
-def test_an_allreduce_run_restarted_on_fewer_ranks_resumes_on_its_original_size(tmp_path):
-    run, job = _restarted(
-        tmp_path, 4, 2, "--model", MLP, "--topology", "allreduce", "--epochs", "10", "--batch-size", "8"
-    )
-    assert "restarting on the 3 ranks left (restart 1 of 1)" in job.output, job.output
+def test_an_allreduce_rank_killed_restarts_on_the_survivors_then_resumes_on_its_original_size(restarted, last_epochs):
+    """Was also test_faults_mpi's test of the same 4-rank kill (30 epochs, no resume): its
+    assertions are here."""
+    done = _restart(restarted, "allreduce")
+    run, out = done.run, done.output(3)
+    assert "rank 2 (worker 2, host" in out and "restarting on the 3 ranks left (restart 1 of 1)" in out, out
+    assert "NBC_Progress" not in out, out
     assert _restart_layouts(run) == ["3 ranks: 3 workers"]
-    again = _resume(run, 4, 13)
-    assert again.returncode == 0, again.stdout + again.stderr
+    restarts = [r["values"] for r in read_log(run, "restart") if r["rank"] == 0]
+    assert len(restarts) == 1 and restarts[0]["ranks"] == 3, restarts
+    assert int(restarts[0]["checkpoint"].split("-")[1]) >= 2, restarts
+    summary = done.summary
+    assert summary["stop_reason"] == "completed 10 epochs" and summary["restarts"] == 1
+    # One run, its history whole: the epochs after the checkpoint were trained again.
+    assert [h["epoch"] for h in summary["history"]] == list(range(1, 11))
+    assert summary["final"]["val_acc"] > 0.9
+    assert not done.job.processes()
+
+    again = _resumed(last_epochs, "allreduce")
     assert "resuming a checkpoint of 3 ranks (3 workers) on 4 ranks (4 workers): rank 3 starts from replica 0's" in (
-        again.stdout
-    ), again.stdout
+        again
+    ), again
     assert _epochs_went_on(run, 13, 11)[-1]["val_acc"] > 0.9
-    assert not job.processes()
 
 
 @pytest.mark.timeout(600)
-def test_pipeline_replicas_restart_on_the_ranks_whole_replicas_fit_then_resume_on_four(tmp_path):
+def test_pipeline_replicas_restart_on_the_ranks_whole_replicas_fit_then_resume_on_four(restarted, last_epochs):
     """2 replicas x 2 stages lose a stage: the 3 ranks left hold one whole replica, which
     goes on (the third rank leaves the job); the run then resumes on 4 ranks."""
-    run, job = _restarted(
-        tmp_path, 4, 3, "--model", PIPELINE, *PIPE, "--topology", "allreduce", "--epochs", "6", "--batch-size", "16"
-    )
-    out = job.output
+    done = _restart(restarted, "pipeline-replicas")
+    run, out = done.run, done.output(3)
     assert "restarting on 2 of the 3 ranks left (restart 1 of 1); with 2 processes per worker the layout fits" in out
     assert "on 2 ranks (1 worker of 2 processes): every worker starts epoch " in out, out
     assert _restart_layouts(run) == ["2 ranks: 1 worker of 2 processes"]
-    assert json.loads((run / "summary.json").read_text())["stop_reason"] == "completed 6 epochs"
-    again = _resume(run, 4, 8)
-    assert again.returncode == 0, again.stdout + again.stderr
+    assert done.summary["stop_reason"] == "completed 6 epochs"
+    again = _resumed(last_epochs, "pipeline-replicas")
     assert "resuming a checkpoint of 2 ranks (1 worker of 2 processes) on 4 ranks (2 workers of 2 processes): " in (
-        again.stdout
+        again
     )
     _epochs_went_on(run, 8, 7)
-    assert not job.processes()
+    assert not done.job.processes()
