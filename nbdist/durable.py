@@ -128,11 +128,18 @@ def make_private(path: Path | str) -> None:
 
 def write_bytes(path: Path, data: bytes) -> dict[str, Any]:
     """Write and fsync `data` into a private file (the caller fsyncs the directory);
-    returns its size and digest."""
-    with open_private(path, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
+    returns its size and digest. An error names the file, as open()'s do."""
+    try:
+        with open_private(path, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+    except OSError as exc:
+        if exc.filename is not None:
+            raise
+        # write(), flush(), fsync() and close() name no file: a full disk would be told
+        # as the current directory's (train/diskspace.py) instead of this file's.
+        raise OSError(exc.errno, exc.strerror, str(path)) from exc
     return {"bytes": len(data), DIGEST: hashlib.new(DIGEST, data).hexdigest()}
 
 

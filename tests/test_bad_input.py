@@ -10,7 +10,8 @@ batch script sees it). The others, which all fail the same way, run one after th
 in ONE job through `nbdist.cli.main` (tests/mpi_scripts/train_many.py), and each test
 reads its own run's part of the output and its exit status: starting Python, torch and
 MPI costs seconds per rank, a failing run costs nothing. Cases that need sub-masters
-(--masters 2) share a second job of four ranks.
+(--masters 2) share a second job of four ranks. Commands that fail before any rank would
+start call nbdist.cli.main in the test's own process.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from batched_runs import run_many
+from conftest import Completed
 
 pytestmark = pytest.mark.mpi
 
@@ -70,9 +73,9 @@ def model_file(tmp_path: Path, name: str, source: str) -> str:
 
 # ------------------------------------------------------------------ own-job cases
 def test_wrong_rank_count_says_how_many_are_needed(mpirun, tmp_path):
-    done = train(mpirun, 4, tmp_path, "--workers", "5")
+    done = train(mpirun, 2, tmp_path, "--workers", "5")
     line = assert_one_clear_error(done, "needs 6 ranks")
-    assert "4 were started" in line and "mpiexec -n 6" in line
+    assert "2 were started" in line and "mpiexec -n 6" in line
 
 
 NAN_AFTER_A_FEW_STEPS = """
@@ -94,7 +97,7 @@ NAN_AFTER_A_FEW_STEPS = """
 """
 
 
-@pytest.mark.parametrize("topology, n", [("master-worker", 3), ("allreduce", 2)])
+@pytest.mark.parametrize("topology, n", [("master-worker", 2), ("allreduce", 2)])
 def test_nan_loss_from_the_model_file(mpirun, tmp_path, topology, n):
     path = model_file(tmp_path, "nan_loss.py", NAN_AFTER_A_FEW_STEPS)
     done = train(mpirun, n, tmp_path, "--topology", topology, model=path)
@@ -369,33 +372,8 @@ PIPELINE_CASES = {
 }
 
 
-class Part:
-    """One run's share of a batched job's output."""
-
-    def __init__(self, returncode: int, stdout: str, stderr: str):
-        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
-
-    @property
-    def output(self) -> str:
-        return self.stdout + self.stderr
-
-
-def _cut(text: str, count: int) -> tuple[list[str], list[int]]:
-    """Split a stream at the `nbdist-test: run I rc=RC` markers."""
-    parts, codes = [], []
-    for i in range(count):
-        marker = re.search(rf"^nbdist-test: run {i} rc=(-?\d+)$", text, re.MULTILINE)
-        assert marker, f"no end marker for run {i}:\n{text}"
-        parts.append(text[: marker.start()])
-        codes.append(int(marker.group(1)))
-        text = text[marker.end() :]
-    return parts, codes
-
-
-def _run_batch(tmp: Path, cases: dict, ranks: int) -> dict[str, Part]:
+def _run_batch(tmp: Path, cases: dict, ranks: int) -> dict[str, Completed]:
     """Every run of `cases`, in order, in one `mpiexec -n ranks` job."""
-    from conftest import run_mpi
-
     names = list(cases)
     argvs = []
     for name in names:
@@ -405,22 +383,19 @@ def _run_batch(tmp: Path, cases: dict, ranks: int) -> dict[str, Part]:
         if "--runs-dir" not in argv:
             argv += ["--runs-dir", str(tmp / "runs")]
         argvs.append([*argv, "--epochs", "3", "--quiet"])
-    spec = tmp / f"runs-{ranks}.json"
-    spec.write_text(json.dumps(argvs))
-    done = run_mpi(ranks, [str(ROOT / "tests" / "mpi_scripts" / "train_many.py"), str(spec)], timeout=240)
-    assert "Traceback" not in done.output, done.output
-    outs, codes = _cut(done.stdout, len(names))
-    errs, codes_err = _cut(done.stderr, len(names))
-    assert codes == codes_err
-    return {name: Part(codes[i], outs[i], errs[i]) for i, name in enumerate(names)}
+    parts = run_many(ranks, argvs, tmp / f"runs-{ranks}.json")
+    return dict(zip(names, parts, strict=True))
 
 
 @pytest.fixture(scope="module")
 def batch_dir(tmp_path_factory):
+    """The model files of every batched case (CASES and issue 25's below)."""
     tmp = tmp_path_factory.mktemp("bad")
-    for name, source in MODEL_FILES.items():
+    for name, source in {**MODEL_FILES, **I25_MODELS}.items():
         model_file(tmp, name, source)
     (tmp / "a_file").write_text("not a directory")
+    os.mkfifo(tmp / "fifo.py")  # nothing ever writes to it: reading it would block for good
+    (tmp / "a_dir.py").mkdir()
     return tmp
 
 
@@ -430,7 +405,14 @@ TRAINED = {"torn": (["--algorithm", "easgd", "--run-name", "torn"], [])}
 
 @pytest.fixture(scope="module")
 def batched(batch_dir):
-    return _run_batch(batch_dir, {**CASES, **TRAINED}, 2)
+    """Every case of 2 ranks, issue 25's too, in one job: its runs in a run directory (and
+    store) of their own, {tmp}/runs25, so that {tmp}/runs holds only CASES' study."""
+    i25 = {
+        name: (argv if "--runs-dir" in argv else [*argv, "--runs-dir", "{tmp}/runs25"], needles)
+        for name, (argv, needles) in {**I25_ERRORS, **I25_WARNINGS, **STORE_CASES}.items()
+    }
+    assert not set(i25) & set(CASES) and not set(i25) & set(TRAINED)
+    return _run_batch(batch_dir, {**CASES, **TRAINED, **i25}, 2)
 
 
 @pytest.fixture(scope="module")
@@ -608,8 +590,9 @@ def test_a_full_disk_is_one_line_naming_the_directory_the_sizes_and_the_checkpoi
 # Set-up errors on every rank (labels beyond the model's outputs, an lr of 0, a negative
 # --max-restarts, a model path that is not a file), a study parameter nothing reads, and
 # the two warnings of a run that trains on (a batch larger than the data, a loss that
-# grows by orders of magnitude): one job of 2 ranks. The checks made before any rank
-# starts (launch, dashboard, slurm-script) run in one process, without mpiexec.
+# grows by orders of magnitude): in the job of 2 ranks that runs CASES too (`batched`).
+# The checks made before any rank starts (launch, dashboard, slurm-script) run in the
+# test's own process, through nbdist.cli.main, without mpiexec.
 I25_MODELS = {
     "five_outputs.py": """
         from torch import nn
@@ -698,20 +681,13 @@ STORE_CASES = {
 
 
 @pytest.fixture(scope="module")
-def i25_dir(tmp_path_factory):
-    import os
-
-    tmp = tmp_path_factory.mktemp("bad25")
-    for name, source in I25_MODELS.items():
-        model_file(tmp, name, source)
-    os.mkfifo(tmp / "fifo.py")  # nothing ever writes to it: reading it would block for good
-    (tmp / "a_dir.py").mkdir()
-    return tmp
+def i25_dir(batch_dir):
+    return batch_dir  # I25_MODELS, the FIFO and the directory are written there
 
 
 @pytest.fixture(scope="module")
-def i25_batched(i25_dir):
-    return _run_batch(i25_dir, {**I25_ERRORS, **I25_WARNINGS, **STORE_CASES}, 2)
+def i25_batched(batched):
+    return batched  # the job of 2 ranks runs these cases too
 
 
 @pytest.mark.timeout(400)
@@ -794,21 +770,33 @@ I25_COMMANDS = {
 }
 
 
+def _in_this_process(argv: list[str]) -> Completed:
+    """`python -m nbdist ARGV` through its entry point (nbdist.cli.main), called in this
+    process from the repository (a fresh Python would spend seconds on importing torch for
+    the model checks): its exit status and what it printed."""
+    import contextlib
+    import io
+
+    from nbdist.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    saved_cwd = os.getcwd()
+    try:
+        os.chdir(ROOT)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(argv)
+    finally:
+        os.chdir(saved_cwd)
+    return Completed(code, out.getvalue(), err.getvalue())
+
+
 @pytest.fixture(scope="module")
 def i25_commands(tmp_path_factory):
-    """Every command of I25_COMMANDS, then a slurm-script that is fine, in one process."""
-    from conftest import run_python
-
+    """Every command of I25_COMMANDS, then a slurm-script that is fine, in this process."""
     tmp = tmp_path_factory.mktemp("bad25cmd")
     argvs = [[a.replace("{tmp}", str(tmp)) for a in argv] for argv, _ in I25_COMMANDS.values()]
     argvs.append(["slurm-script", "-n", "3", "--write", str(tmp / "job.sh"), "--", "train", "--model", MLP])
-    spec = tmp / "commands.json"
-    spec.write_text(json.dumps(argvs))
-    done = run_python([str(ROOT / "tests" / "mpi_scripts" / "train_many.py"), str(spec)], timeout=300)
-    assert "Traceback" not in done.output, done.output
-    outs, codes = _cut(done.stdout, len(argvs))
-    errs, _ = _cut(done.stderr, len(argvs))
-    return tmp, [Part(codes[i], outs[i], errs[i]) for i in range(len(argvs))]
+    return tmp, [_in_this_process(argv) for argv in argvs]
 
 
 @pytest.mark.timeout(400)

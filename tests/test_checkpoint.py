@@ -672,3 +672,25 @@ def test_queued_writes_that_never_finish_end_the_wait_with_one_error(tmp_path):
     finally:
         hung.set()
     assert writer.finish(timeout=60) == ["epoch-0001"]
+
+
+def test_a_commit_on_a_full_disk_names_the_checkpoint_directory_not_the_current_one(tmp_path, monkeypatch):
+    """A write that finds the disk full raises from write() or fsync(), with no file name:
+    the DiskFull must still say where. /dev/full answers every write with ENOSPC; the
+    commit's meta.json goes there through a link."""
+    from nbdist.errors import DiskFull
+    from nbdist.train.writer import CheckpointWriter
+
+    cps, writer = Checkpoints(tmp_path / "run"), CheckpointWriter()
+    cps.write_rank("epoch-0003", 0, {"model": {"params": np.arange(4, dtype=np.float32)}}, {"rank": 0})
+    staged = next((tmp_path / "run" / "checkpoints").glob(".tmp-epoch-0003"))
+    os.symlink("/dev/full", staged / "meta.json.tmp")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    writer.submit(lambda: cps.commit("epoch-0003", {"label": "epoch-0003"}))
+    with pytest.raises(DiskFull) as raised:
+        writer.finish(timeout=60)
+    message = str(raised.value)
+    assert message.startswith(f"no space left on the device of {staged} (committing a checkpoint: "), message
+    assert str(elsewhere) not in message

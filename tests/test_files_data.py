@@ -228,13 +228,15 @@ def test_file_options_are_checked_together():
     TrainOptions(train="a.h5", val="b.h5", data_keys="x,y", cache_dir="/tmp/x").validate()
 
 
-def test_a_missing_file_on_the_command_line_is_one_line(files, pyrun, tmp_path):
+def test_a_missing_file_on_the_command_line_is_one_line(files, tmp_path, capsys):
+    """The command line's own entry point (nbdist.cli.main, what `python -m nbdist` runs),
+    called here: the check is made before any rank would start."""
+    from nbdist.cli import main
+
     model = tmp_path / "model.py"
     model.write_text("from torch import nn\nmodel = nn.Sequential(nn.Flatten(), nn.Linear(6, 2))\n")
-    done = pyrun(
+    code = main(
         [
-            "-m",
-            "nbdist",
             "train",
             "--model",
             str(model),
@@ -246,11 +248,12 @@ def test_a_missing_file_on_the_command_line_is_one_line(files, pyrun, tmp_path):
             files["val"],
             "--runs-dir",
             str(tmp_path / "runs"),
-        ],
-        timeout=120,
+        ]
     )
-    assert done.returncode == 2, done.output
-    assert done.stderr.strip() == "nbdist: error: --train: file 'missing.h5' not found"
+    out, err = capsys.readouterr()
+    assert code == 2, out + err
+    assert err.strip() == "nbdist: error: --train: file 'missing.h5' not found"
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
 
 
 def test_a_file_that_cannot_be_read_while_training_stops_the_run(files, mpirun, tmp_path):

@@ -52,10 +52,10 @@ def test_generation_is_deterministic_for_a_seed(jet_sample, tmp_path):
     # Remake one file in this process: identical to the one an MPI rank made.
     copy = tmp_path / "again"
     shutil.copytree(jet_sample.directory, copy)
-    (copy / "train_003.h5").unlink()
+    (copy / "val_001.h5").unlink()  # a validation file: 200 events, the smallest
     again = jet_images(copy, **JET_SAMPLE, progress=False)
     assert (again.made, again.reused) == (1, 7)
-    remade, original = datasets(copy / "train_003.h5"), datasets(jet_sample.directory / "train_003.h5")
+    remade, original = datasets(copy / "val_001.h5"), datasets(jet_sample.directory / "val_001.h5")
     assert remade.keys() == original.keys()
     for name in original:
         np.testing.assert_array_equal(remade[name], original[name], err_msg=name)
@@ -95,7 +95,7 @@ def test_w_jets_carry_the_w_mass_and_two_prongs(tmp_path):
 
 
 def test_a_cnn_trained_on_the_files_separates_top_from_qcd(jet_sample, mpirun, tmp_path):
-    """The user's command line: three ranks of allreduce, reading the HDF5 files through
+    """The user's command line: two ranks of allreduce, reading the HDF5 files through
     a node-local cache; then the ROC AUC of the final weights on the held-out jets."""
     import runpy
 
@@ -105,7 +105,7 @@ def test_a_cnn_trained_on_the_files_separates_top_from_qcd(jet_sample, mpirun, t
 
     cache = tmp_path / "node-cache"
     done = mpirun(
-        3,
+        2,
         [
             "-m",
             "nbdist",

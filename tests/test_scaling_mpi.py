@@ -1,5 +1,6 @@
-"""`nbdist scale` on real MPI ranks: a short sweep end to end, bad input as one error line,
-and the simulator replaying a real run's recorded updates."""
+"""`nbdist scale` on real MPI ranks: a short sweep end to end, bad input as one error line
+(the bad command lines one after the other in one job, tests/batched_runs.py), and the
+simulator replaying a real run's recorded updates."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import statistics
 from collections import defaultdict
 
 import pytest
+from batched_runs import run_many
 
 from nbdist.metrics import read_log
 from nbdist.scaling import Calibration, Machine, PerformanceModel, Point, SetUp, Simulator, network
@@ -56,16 +58,31 @@ def test_a_short_sweep_measures_predicts_and_stores_every_point(pyrun, tmp_path)
     assert (tmp_path / "study" / "report.md").read_text().startswith("## Calibration")
 
 
-@pytest.mark.parametrize(
-    "given, said",
-    [
-        (["--model", MODEL, "--ranks", "1,2,4"], "--ranks 1,2,4: 4 is more than the 2 MPI ranks of this job"),
-        (["--model", "no/such/model.py"], "model file 'no/such/model.py' not found"),
-        (["--model", MODEL, "--setups", "allreduce downpuor"], "unknown set-up 'downpuor' (did you mean 'downpour'?)"),
-    ],
-)
-def test_bad_input_is_one_clear_error_line(pyrun, tmp_path, given, said):
-    done = pyrun(["-m", "nbdist", "launch", "-n", "2", "scale", *given, "--runs-dir", str(tmp_path)], timeout=120)
+BAD_INPUT = {
+    "ranks-beyond-the-job": (
+        ["--model", MODEL, "--ranks", "1,2,4"],
+        "--ranks 1,2,4: 4 is more than the 2 MPI ranks of this job",
+    ),
+    "model-missing": (["--model", "no/such/model.py"], "model file 'no/such/model.py' not found"),
+    "setup-typo": (
+        ["--model", MODEL, "--setups", "allreduce downpuor"],
+        "unknown set-up 'downpuor' (did you mean 'downpour'?)",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def bad_input_runs(tmp_path_factory):
+    """Every `scale` of BAD_INPUT, one after the other, in ONE job of 2 ranks: each ends on
+    every rank before the first message, so the job goes on to the next."""
+    tmp = tmp_path_factory.mktemp("scale-bad")
+    argvs = [["scale", *given, "--runs-dir", str(tmp)] for given, _ in BAD_INPUT.values()]
+    return dict(zip(BAD_INPUT, run_many(2, argvs, tmp / "runs.json", timeout=120), strict=True))
+
+
+@pytest.mark.parametrize("name", list(BAD_INPUT))
+def test_bad_input_is_one_clear_error_line(bad_input_runs, name):
+    done, said = bad_input_runs[name], BAD_INPUT[name][1]
     assert done.returncode == 2, done.output[-3000:]
     errors = [line for line in done.stderr.splitlines() if line.startswith("nbdist: error:")]
     assert len(errors) == 1 and said in errors[0], done.stderr

@@ -1,7 +1,11 @@
 """torch.optim without torch._dynamo until something compiles (nbdist/backends/torch_dynamo.py).
 
-Each check runs in a fresh Python process: whether torch._dynamo is imported is a fact of
-the whole process, and pytest's own process may have imported it already.
+The checks run in ONE fresh Python process, one stage after the other: whether
+torch._dynamo is imported is a fact of the whole process, and pytest's own process may have
+imported it already. The stages follow the life of a process: a plain run (dynamo never
+imported), then a compiled step (it imports dynamo), then the deferral asked for again
+(skipped). Each stage prints one JSON line; each test reads its own (a process costs
+seconds of importing torch and dynamo, the checks themselves almost nothing).
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 import torch
 from conftest import ROOT, run_python
 
@@ -32,11 +37,12 @@ for name, cls in torch_optimizers().items():
     for step in range(4):
         opt.step(np.cos(params * (step + 1)).astype(np.float32))
     weights[name] = params.tolist()
-print(json.dumps({"status": status, "dynamo": "torch._dynamo" in sys.modules, "weights": weights}))
+print("PLAIN", json.dumps({"status": status, "dynamo": "torch._dynamo" in sys.modules, "weights": weights}))
 """
 
-# A training step compiled by torch.compile, which calls the optimiser's wrapped methods
-# inside the compiled region; dynamo's own disabled functions must be back in place.
+# Then a training step compiled by torch.compile (the plain run's deferral still in place),
+# which calls the optimiser's wrapped methods inside the compiled region; dynamo's own
+# disabled functions must be back in place.
 COMPILED_RUN = """
 import json, sys
 import torch
@@ -64,7 +70,7 @@ for _ in range(40):
 from torch._dynamo.utils import counters
 from torch.optim import Optimizer
 cache = getattr(Optimizer.zero_grad.__wrapped__, "__dynamo_disable", None)
-print(json.dumps({
+print("COMPILED", json.dumps({
     "deferred_before": deferred_before,
     "deferred_after": len(deferred_functions()),
     "graphs": sum(counters["stats"].values()),
@@ -74,15 +80,41 @@ print(json.dumps({
 """
 
 
-def _last_json(output: str) -> dict:
-    return json.loads(output.strip().splitlines()[-1])
+# torch._dynamo is imported now (by the compiled step): asking for the deferral again does
+# nothing. Some wrapped functions' caches are still empty (those the step never called), so
+# a deferral that did not check for dynamo would fill them, and this stage would see it.
+SKIPPED_RUN = """
+import json
+from torch.optim import Optimizer
+from nbdist.backends.torch_dynamo import defer_dynamo_import, deferred_functions
+empty = [name for name, value in vars(Optimizer).items()
+         if callable(getattr(value, "__wrapped__", None))
+         and getattr(value.__wrapped__, "__dynamo_disable", None) is None]
+defer_dynamo_import()
+print("SKIPPED", json.dumps({"empty_caches": empty, "deferred": len(deferred_functions())}))
+"""
 
 
-def test_a_plain_run_never_imports_dynamo_and_steps_as_torch_optim_does(tmp_path):
-    done = run_python(["-c", PLAIN_RUN, str(tmp_path)], cwd=ROOT, timeout=180)
+def _stage(done, name: str) -> dict:
+    """The JSON line the stage `name` printed (it fails the test when there is none)."""
+    lines = [line for line in done.stdout.splitlines() if line.startswith(name + " ")]
+    assert len(lines) == 1, done.output[-3000:]
+    return json.loads(lines[0].removeprefix(name + " "))
+
+
+@pytest.fixture(scope="module")
+def stages(tmp_path_factory):
+    """The three stages, in one fresh process; it must end well."""
+    done = run_python(
+        ["-c", PLAIN_RUN + COMPILED_RUN + SKIPPED_RUN, str(tmp_path_factory.mktemp("plain"))], cwd=ROOT, timeout=240
+    )
     assert done.returncode == 0, done.output[-3000:]
-    got = _last_json(done.stdout)
-    assert got["status"] == 0, done.output[-3000:]
+    return done
+
+
+def test_a_plain_run_never_imports_dynamo_and_steps_as_torch_optim_does(stages):
+    got = _stage(stages, "PLAIN")
+    assert got["status"] == 0, stages.output[-3000:]
     assert got["dynamo"] is False, "a run that compiles nothing imported torch._dynamo"
     # The same steps through torch.optim's own step() (which imports dynamo: this
     # process may have it already), bit for bit.
@@ -104,10 +136,8 @@ def test_a_plain_run_never_imports_dynamo_and_steps_as_torch_optim_does(tmp_path
         assert np.array_equal(params.numpy(), np.asarray(weights, np.float32)), name
 
 
-def test_a_compiled_step_still_trains_with_dynamo_disabled_methods(tmp_path):
-    done = run_python(["-c", COMPILED_RUN], cwd=ROOT, timeout=180)
-    assert done.returncode == 0, done.output[-3000:]
-    got = _last_json(done.stdout)
+def test_a_compiled_step_still_trains_with_dynamo_disabled_methods(stages):
+    got = _stage(stages, "COMPILED")
     assert got["deferred_before"] >= 4, "nothing was deferred: the check below would prove nothing"
     assert got["deferred_after"] == 0, "importing torch._dynamo left plain functions in dynamo's caches"
     assert got["zero_grad_disabled"], "zero_grad is not disabled for dynamo once dynamo is imported"
@@ -115,13 +145,7 @@ def test_a_compiled_step_still_trains_with_dynamo_disabled_methods(tmp_path):
     assert got["last"] < 0.5 * got["first"], got
 
 
-def test_the_deferral_is_skipped_once_dynamo_is_imported():
-    code = (
-        "import sys, torch._dynamo\n"
-        "from nbdist.backends.torch_dynamo import defer_dynamo_import, deferred_functions\n"
-        "defer_dynamo_import()\n"
-        "print(len(deferred_functions()))\n"
-    )
-    done = run_python(["-c", code], cwd=ROOT, timeout=120)
-    assert done.returncode == 0, done.output[-3000:]
-    assert done.stdout.strip().splitlines()[-1] == "0"
+def test_the_deferral_is_skipped_once_dynamo_is_imported(stages):
+    got = _stage(stages, "SKIPPED")
+    assert got["empty_caches"], "every cache was filled: the check below would prove nothing"
+    assert got["deferred"] == 0
