@@ -21,12 +21,13 @@
 
 The single-process references are plain torch in this process; the model, data, seed
 and batches come from tests/mpi_scripts/equivalence_common.py, which the MPI scripts use.
+Every MPI part runs in ONE 5-rank job (tests/mpi_scripts/equivalence_job.py): starting
+Python and torch on each rank costs more than all of their training.
 """
 
 from __future__ import annotations
 
 import json
-import socket
 import sys
 from pathlib import Path
 
@@ -67,17 +68,16 @@ def moved(a: dict, b: dict) -> float:
 
 
 @pytest.fixture(scope="module")
-def allreduce_weights(tmp_path_factory):
-    """Directory with <ranks>-<layout>.safetensors for 4 and 2 ranks (one 4-rank job; the
-    2-rank runs use pairs of its ranks)."""
-    from conftest import run_mpi
+def allreduce_weights(job):
+    """Directory with <ranks>-<layout>.safetensors for 4 and 2 ranks (the job's first 4
+    ranks; the 2-rank runs use pairs of them), syncbn-*.safetensors, ddp.safetensors and
+    the job's stdout.txt."""
+    return job[0]
 
-    directory = tmp_path_factory.mktemp("allreduce")
-    done = run_mpi(4, [str(SCRIPTS / "allreduce_equivalence.py"), str(directory), str(STEPS)], timeout=180)
-    assert done.returncode == 0, done.output
-    assert done.stdout.count("OK ") == 8, done.output
-    (directory / "stdout.txt").write_text(done.stdout)
-    return directory
+
+@pytest.fixture(scope="module")
+def api_runs(job):
+    return job[1]
 
 
 @pytest.mark.timeout(420)
@@ -139,18 +139,12 @@ def _assert_relatively_close(got: dict, expected: dict, tol: float = TOL) -> Non
         assert diff.max() <= tol, f"{name}: max relative difference {diff.max():.3g} > {tol:g}"
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.timeout(420)
-def test_allreduce_matches_pytorch_ddp_on_gloo(allreduce_weights, pyrun, tmp_path):
-    ddp_file = tmp_path / "ddp.safetensors"
-    done = pyrun([str(SCRIPTS / "ddp_reference.py"), str(ddp_file), str(STEPS), str(_free_port())], timeout=180)
-    assert done.returncode == 0, done.output
-    ddp = load_file(str(ddp_file))
+def test_allreduce_matches_pytorch_ddp_on_gloo(allreduce_weights):
+    """PyTorch's DDP on a gloo group of 2 processes (ranks 0 and 1 of the allreduce job,
+    after its own phases: ddp_reference.py) against nbdist's 2-rank allreduce."""
+    assert "OK ddp" in (allreduce_weights / "stdout.txt").read_text()
+    ddp = load_file(str(allreduce_weights / "ddp.safetensors"))
     ours = load_file(str(allreduce_weights / "2-equal.safetensors"))
     assert moved(ddp, state_dict_arrays(common.initial_model())) > 0.1
     assert_weights_close(ours, ddp)
@@ -200,12 +194,15 @@ DEVICE_RESUMED = ("downpour-async", "allreduce-bn", "procs2-bn")
 
 
 @pytest.fixture(scope="module")
-def api_runs(tmp_path_factory):
-    """One `mpiexec -n 5` job: the Downpour runs on 2 of the ranks (one master, one
-    worker, through nbdist.train(comm=...)), the EASGD runs on 3 (two workers), the
-    synchronous rounds on all 5 (four workers)."""
+def job(tmp_path_factory):
+    """One `mpiexec -n 5` job (equivalence_job.py): allreduce_equivalence.py on its first
+    4 ranks, then the nbdist.train runs (api_train.py): the Downpour runs on 2 of the
+    ranks (one master, one worker, through nbdist.train(comm=...)), the EASGD runs on 3
+    (two workers), the synchronous rounds on all 5 (four workers). (the allreduce
+    directory, the runs' directory)"""
     from conftest import run_mpi
 
+    directory = tmp_path_factory.mktemp("allreduce")
     runs_dir = tmp_path_factory.mktemp("api")
     base = dict(
         topology="master-worker",
@@ -268,10 +265,13 @@ def api_runs(tmp_path_factory):
     runs += halves + [dict(run, epochs=API_EPOCHS, resume=str(runs_dir / run["run_name"])) for run in halves]
     spec = runs_dir / "runs.json"
     spec.write_text(json.dumps(runs))
-    done = run_mpi(1 + ROUND_WORKERS, [str(SCRIPTS / "api_train.py"), str(spec)], timeout=300)
+    argv = [str(SCRIPTS / "equivalence_job.py"), str(directory), str(STEPS), str(spec)]
+    done = run_mpi(1 + ROUND_WORKERS, argv, timeout=420)
     assert done.returncode == 0, done.output
-    assert done.stdout.count("OK ") == len(runs), done.output
-    return runs_dir
+    # 3 layouts on 4 and on 2 ranks, syncbn, fp16-overflow, ddp; then one per run.
+    assert done.stdout.count("OK ") == 9 + len(runs), done.output
+    (directory / "stdout.txt").write_text(done.stdout)
+    return directory, runs_dir
 
 
 def sgd_weights(*, workers: int = 1, n_train: int | None = None, momentum: float = 0.0) -> dict[str, np.ndarray]:

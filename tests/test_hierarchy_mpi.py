@@ -12,21 +12,17 @@ SIGUSR1 to `mpiexec` once it has logged an epoch, and its resume.
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import subprocess
 import textwrap
-import time
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import BatchedRuns
+from mpi_stops import run_and_stop
 from safetensors.numpy import load_file
 
-from nbdist.launch import mpi_env, mpiexec_command
 from nbdist.metrics import read_log
 
 pytestmark = pytest.mark.mpi
@@ -82,44 +78,6 @@ NAN_ON_RANK_4 = """
 """
 
 
-def _epoch_logged(run_dir: Path) -> bool:
-    path = run_dir / "metrics" / "rank-00000.jsonl"
-    return path.exists() and '"kind":"epoch"' in path.read_text(errors="replace")
-
-
-def _run_job(argvs: list[list[str]], runs_dir: Path, stop_run: Path, timeout: float) -> tuple[str, int]:
-    """Run the batch; SIGUSR1 to mpiexec once `stop_run` logged an epoch."""
-    spec = runs_dir / "runs.json"
-    spec.write_text(json.dumps(argvs))
-    output = runs_dir / "output.txt"
-    with open(output, "w") as log:
-        proc = subprocess.Popen(
-            mpiexec_command(RANKS, [HIERARCHY_RUNS, str(spec)]),
-            cwd=ROOT,
-            env=mpi_env(),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            deadline = time.monotonic() + timeout
-            while not _epoch_logged(stop_run) and proc.poll() is None:
-                if time.monotonic() > deadline:
-                    pytest.fail(f"no epoch of the run to stop within {timeout} s:\n{output.read_text()}")
-                time.sleep(0.2)
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGUSR1)  # mpiexec forwards SIGUSR1 to every rank
-            try:
-                returncode = proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"still running 90 s after SIGUSR1:\n{output.read_text()}")
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=30)
-    return output.read_text(), returncode
-
-
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     runs_dir = tmp_path_factory.mktemp("hierarchy")
@@ -156,9 +114,12 @@ def job(tmp_path_factory):
     argvs = [
         [*runs[name], "--masters", "2", "--runs-dir", str(runs_dir), "--run-name", name, "--quiet"] for name in names
     ]
-    output, returncode = _run_job(argvs, runs_dir, runs_dir / "stop", timeout=500)
-    found = re.findall(r"nbdist-test: run (\d+) rc=(-?\d+)", output)
-    return BatchedRuns(output, returncode, runs_dir, {names[int(i)]: int(rc) for i, rc in found})
+    spec = runs_dir / "runs.json"
+    spec.write_text(json.dumps(argvs))
+    # SIGUSR1 to mpiexec once the run `stop` logged an epoch.
+    done = run_and_stop(RANKS, [HIERARCHY_RUNS, str(spec)], [runs_dir / "stop"], runs_dir, timeout=500)
+    found = re.findall(r"nbdist-test: run (\d+) rc=(-?\d+)", done.stdout)
+    return BatchedRuns(done.output, done.returncode, runs_dir, {names[int(i)]: int(rc) for i, rc in found})
 
 
 def _updates(run: Path, rank: int) -> list[dict]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,9 +28,9 @@ import numpy as np
 import psutil
 import pytest
 from conftest import BatchedRuns
+from mpi_stops import run_and_stop
 from safetensors.numpy import load_file
 
-from nbdist.launch import mpi_env, mpiexec_command
 from nbdist.metrics import read_log
 from nbdist.specs import parse_spec
 from nbdist.train.checkpoint import Checkpoints
@@ -175,6 +176,25 @@ EXTRA_RUNS = {
         ],
     },
 }
+SLOW_VALIDATION = str(ROOT / "tests" / "models" / "digits_mlp_slow_validation.py")
+# test_an_asynchronous_master_serves_its_workers_while_it_validates_a_checkpointed_epoch
+EXTRA_RUNS[3]["slow-validation"] = [
+    "--model",
+    SLOW_VALIDATION,
+    "--epochs",
+    "3",
+    "--batch-size",
+    "16",
+    "--trace-updates",
+]
+# Long runs that the -n 3 job trains last, each stopped by SIGUSR1 to `mpiexec` once it
+# has logged an epoch (test_sigusr1_stops_every_rank_and_checkpoints); the master/worker
+# one is resumed by the `resumed` job.
+STOP_EPOCHS = 200
+STOP_RUNS = {
+    f"stop-{topology}": ["--model", MLP, "--topology", topology, "--epochs", str(STOP_EPOCHS)]
+    for topology in ("master-worker", "allreduce")
+}
 # --compression: each codec on the allreduce and on workers' messages to a master (test_compression_*).
 COMPRESSED_RUNS = {
     3: {
@@ -193,8 +213,11 @@ for _n, _runs in COMPRESSED_RUNS.items():
     EXTRA_RUNS[_n].update({name: ["--model", MLP, "--epochs", str(EPOCHS), *argv] for name, argv in _runs.items()})
 
 
-def _run_batch(n: int, runs: dict[str, list[str]], runs_dir: Path, timeout: float, quiet: bool = True):
-    """Run `runs` (name -> argv after `train`) in one `mpiexec -n n` job."""
+def _run_batch(
+    n: int, runs: dict[str, list[str]], runs_dir: Path, timeout: float, quiet: bool = True, stops: tuple = ()
+):
+    """Run `runs` (name -> argv after `train`) in one `mpiexec -n n` job; the runs named in
+    `stops` (in the job's order) are each sent SIGUSR1 once they have logged an epoch."""
     from conftest import run_mpi
 
     names = list(runs)
@@ -205,7 +228,10 @@ def _run_batch(n: int, runs: dict[str, list[str]], runs_dir: Path, timeout: floa
     spec = runs_dir / f"runs-{n}.json"
     runs_dir.mkdir(parents=True, exist_ok=True)
     spec.write_text(json.dumps(argvs))
-    done = run_mpi(n, [TRAIN_MANY, str(spec)], timeout=timeout)
+    if stops:
+        done = run_and_stop(n, [TRAIN_MANY, str(spec)], [runs_dir / name for name in stops], runs_dir, timeout)
+    else:
+        done = run_mpi(n, [TRAIN_MANY, str(spec)], timeout=timeout)
     codes = {names[int(i)]: int(rc) for i, rc in re.findall(r"nbdist-test: run (\d+) rc=(-?\d+)", done.stdout)}
     return done, codes
 
@@ -216,6 +242,15 @@ class Batch(BatchedRuns):
     def __init__(self, done, codes, runs_dir: Path):
         super().__init__(done.output, done.returncode, runs_dir, codes)
         self.done = done
+
+    def output_of(self, name: str) -> str:
+        """What the job printed (stdout, then stderr) during run `name` (train_many.py marks
+        each run's end on both streams)."""
+        i = list(self.codes).index(name)
+        return "".join(
+            re.split(r"^nbdist-test: run \d+ rc=-?\d+\n", text, flags=re.M)[i]
+            for text in (self.done.stdout, self.done.stderr)
+        )
 
 
 RESUME_CONFIGS = {
@@ -267,13 +302,20 @@ ALLREDUCE_TWINS = {3: {1: 0, 2: 0}, 4: {1: 0, 2: 0, 3: 0}}
 
 @pytest.fixture(scope="module")
 def batches(tmp_path_factory):
-    """{3: Batch, 5: Batch}: every accuracy run under -n 3 and -n 5, plus the extras."""
+    """{3: Batch, 5: Batch}: every accuracy run under -n 3 and -n 5, plus the extras (the
+    -n 3 job's stop runs stopped by signal, each copied as it was then to `stopped/`)."""
     out = {}
     for n in (3, 5):
         runs_dir = tmp_path_factory.mktemp(f"n{n}")
         runs = {name: ["--model", MLP, "--epochs", str(EPOCHS), *argv] for name, argv in ACCURACY_RUNS.items()}
         runs.update(EXTRA_RUNS[n])
-        out[n] = Batch(*_run_batch(n, runs, runs_dir, timeout=400), runs_dir)
+        if n == RESUME_RANKS:
+            runs.update(STOP_RUNS)
+        stops = tuple(name for name in runs if name in STOP_RUNS)
+        out[n] = Batch(*_run_batch(n, runs, runs_dir, timeout=400, stops=stops), runs_dir)
+        for name in stops:  # before the `resumed` job continues one in its directory
+            if out[n].codes.get(name) == 0:
+                shutil.copytree(runs_dir / name, runs_dir / "stopped" / name, symlinks=True)
     return out
 
 
@@ -617,12 +659,21 @@ def test_early_stopping_with_a_tiny_learning_rate(batches):
 @pytest.fixture(scope="module")
 def resumed(batches):
     """Run A: 4 epochs at once; run B: 2 epochs (both in the -n 3 job), then B resumed to
-    4 epochs in a new job, i.e. by other processes than the ones that checkpointed it."""
+    4 epochs in a new job, i.e. by other processes than the ones that checkpointed it
+    (and the -n 3 job's stopped master/worker run, for one more epoch)."""
     first = batches[RESUME_RANKS]
     second = {f"{name}-B": ["--resume", str(first.runs_dir / f"{name}-B"), "--epochs", "4"] for name in RESUME_CONFIGS}
     truncated = first.run("allreduce-C") / TRUNCATED
     truncated.write_bytes(truncated.read_bytes()[:100])
     second["allreduce-C"] = ["--resume", str(first.runs_dir / "allreduce-C"), "--epochs", "4"]
+    # The master/worker run that the -n 3 job stopped by signal, for one more epoch.
+    stopped = json.loads((first.runs_dir / "stopped" / "stop-master-worker" / "summary.json").read_text())
+    second["stop-master-worker"] = [
+        "--resume",
+        str(first.runs_dir / "stop-master-worker"),
+        "--epochs",
+        str(stopped["epochs_run"] + 1),
+    ]
     # --runs-dir/--run-name are ignored by a resume (it continues in its own directory).
     done, codes = _run_batch(RESUME_RANKS, second, first.runs_dir / "unused", timeout=300, quiet=False)
     return first, Batch(done, codes, first.runs_dir)
@@ -773,47 +824,15 @@ def test_checkpoint_every_epoch(resumed, name):
 
 
 # -------------------------------------------------------------------- graceful stop
-def _epoch_records_exist(run_dir: Path) -> bool:
-    metrics = run_dir / "metrics"
-    if not metrics.exists():
-        return False
-    return any('"kind":"epoch"' in p.read_text(errors="replace") for p in metrics.glob("rank-*.jsonl"))
-
-
-SLOW_VALIDATION = str(ROOT / "tests" / "models" / "digits_mlp_slow_validation.py")
-
-
-@pytest.mark.timeout(300)
-def test_an_asynchronous_master_serves_its_workers_while_it_validates_a_checkpointed_epoch(tmp_path):
+@pytest.mark.timeout(900)
+def test_an_asynchronous_master_serves_its_workers_while_it_validates_a_checkpointed_epoch(batches):
     """Each epoch is validated in the background and checkpointed (the default): the
     master used to wait for that validation before writing its share of the snapshot,
     and every worker waited with it. The model's validation sleeps 0.5 s (its training
     steps 0.02 s, so epochs outlast validations): updates must go on being applied in the
-    0.4 s before each of the first two epochs' validations ended (the epoch record)."""
-    argv = [
-        sys.executable,
-        "-m",
-        "nbdist",
-        "launch",
-        "-n",
-        "3",
-        "train",
-        "--model",
-        SLOW_VALIDATION,
-        "--epochs",
-        "3",
-        "--batch-size",
-        "16",
-        "--trace-updates",
-        "--runs-dir",
-        str(tmp_path),
-        "--run-name",
-        "run",
-        "--quiet",
-    ]
-    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    run = tmp_path / "run"
+    0.4 s before each of the first two epochs' validations ended (the epoch record).
+    (A run of the -n 3 job: 1 master, 2 workers.)"""
+    run = batches[3].run("slow-validation")
     applied = [r["time"] for r in read_log(run, "update")]
     validated = sorted(r["time"] for r in read_log(run, "epoch"))
     assert len(validated) == 3 and applied
@@ -869,58 +888,22 @@ def test_a_stop_while_the_ranks_start_is_kept_and_checkpointed(tmp_path):
     assert latest.startswith("stopped-"), latest
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("topology", ["master-worker", "allreduce"])
-def test_sigusr1_stops_every_rank_and_checkpoints(tmp_path, topology, mpirun):
-    ranks = 4
-    run_dir = tmp_path / "run"
-    argv = [
-        "-m",
-        "nbdist",
-        "train",
-        "--model",
-        MLP,
-        "--topology",
-        topology,
-        "--epochs",
-        "200",
-        "--runs-dir",
-        str(tmp_path),
-        "--run-name",
-        "run",
-        "--quiet",
-    ]
-    log = open(tmp_path / "output.txt", "w+")
-    proc = subprocess.Popen(
-        mpiexec_command(ranks, argv),
-        cwd=ROOT,
-        env=mpi_env(),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        deadline = time.monotonic() + 150
-        while not _epoch_records_exist(run_dir):
-            assert proc.poll() is None, f"the run ended before it was stopped:\n{(tmp_path / 'output.txt').read_text()}"
-            assert time.monotonic() < deadline, "no epoch record within 150 s"
-            time.sleep(0.2)
-        proc.send_signal(signal.SIGUSR1)  # mpiexec forwards SIGUSR1 to every rank
-        try:
-            returncode = proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"{topology}: still running 60 s after SIGUSR1:\n{(tmp_path / 'output.txt').read_text()}")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-        log.close()
-    output = (tmp_path / "output.txt").read_text()
-    assert returncode == 0, output
+def test_sigusr1_stops_every_rank_and_checkpoints(resumed, topology):
+    """A run of the -n 3 job, stopped by SIGUSR1 to `mpiexec` once it logged an epoch (as
+    it was then: the copy in `stopped/`); the master/worker one resumed by the next job."""
+    first, second = resumed
+    name = f"stop-{topology}"
+    ranks = RESUME_RANKS
+    first.run(name)  # exit status 0 on rank 0...
+    assert first.returncode == 0, first.output[-6000:]  # ...and on every rank (the job's worst)
+    run_dir = first.runs_dir / "stopped" / name
+    output = first.output_of(name)
     assert "Traceback" not in output, output
     summary = json.loads((run_dir / "summary.json").read_text())
     assert "stopped" in summary["stop_reason"], summary["stop_reason"]
-    assert 1 <= summary["epochs_run"] < 200
+    assert 1 <= summary["epochs_run"] < STOP_EPOCHS
     root = run_dir / "checkpoints"
     latest = json.loads((root / "LATEST.json").read_text())["label"]
     assert latest.startswith("stopped-"), latest
@@ -936,23 +919,21 @@ def test_sigusr1_stops_every_rank_and_checkpoints(tmp_path, topology, mpirun):
     if topology == "allreduce":
         return  # (its stop checkpoint is a synchronous cut; test_resume covers its resume)
     # The stop checkpoint holds everything needed to go on, including the tallies of the
-    # epochs the workers were in: resume it for one more epoch.
+    # epochs the workers were in: the `resumed` job resumed it for one more epoch.
     epochs = summary["epochs_run"] + 1
-    done = mpirun(
-        ranks, ["-m", "nbdist", "train", "--resume", str(run_dir), "--epochs", str(epochs), "--no-quiet"], timeout=150
-    )
-    assert done.returncode == 0, done.output
-    assert f"resumed from {root / latest} at epoch" in done.stdout, done.output
-    resumed = json.loads((run_dir / "summary.json").read_text())
+    second.run(name)  # exit status 0
+    root = first.runs_dir / name / "checkpoints"
+    assert f"resumed from {root / latest} at epoch" in second.done.stdout, second.done.output
+    resumed_summary = json.loads((first.runs_dir / name / "summary.json").read_text())
     context = (
         f"stopped run: {summary['stop_reason']}, epochs {[h['epoch'] for h in summary['history']]}\n"
-        f"resumed run: {resumed['stop_reason']}, epochs {[h['epoch'] for h in resumed['history']]}\n"
-        f"{done.output}"
+        f"resumed run: {resumed_summary['stop_reason']}, epochs {[h['epoch'] for h in resumed_summary['history']]}\n"
+        f"{second.output_of(name)}"
     )
-    assert resumed["stop_reason"] == f"completed {epochs} epochs", context
-    assert [h["epoch"] for h in resumed["history"]] == list(range(1, epochs + 1)), context
+    assert resumed_summary["stop_reason"] == f"completed {epochs} epochs", context
+    assert [h["epoch"] for h in resumed_summary["history"]] == list(range(1, epochs + 1)), context
     # The history before the stop is kept as it was...
-    assert [h["val_loss"] for h in resumed["history"][:-1]] == [h["val_loss"] for h in summary["history"]]
+    assert [h["val_loss"] for h in resumed_summary["history"][:-1]] == [h["val_loss"] for h in summary["history"]]
     # ...and training went on from the stopped weights, not from scratch (a fresh start
     # would have the first epoch's training loss again, about 2.2).
-    assert resumed["history"][-1]["train_loss"] < summary["history"][0]["train_loss"] - 0.2, context
+    assert resumed_summary["history"][-1]["train_loss"] < summary["history"][0]["train_loss"] - 0.2, context

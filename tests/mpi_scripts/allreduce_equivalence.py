@@ -17,11 +17,14 @@ size. Layout `device` is `equal` with the backend placed by --device cpu: the ru
 the MpiReducer's staging then work on torch tensors, as on a GPU.
 On 4 ranks the job then runs synchronised BatchNorm layers (--sync-batchnorm) over
 COMM_WORLD and writes OUT_DIR/syncbn-<layer>.safetensors (see sync_batchnorm).
-Prints `OK <ranks>-<layout>` (and `OK syncbn`); any failure aborts the job so that no rank hangs.
+Last, ranks 0 and 1 train PyTorch's DistributedDataParallel on gloo on the `equal` layout
+(ddp_reference.py) and rank 0 writes OUT_DIR/ddp.safetensors.
+Prints `OK <ranks>-<layout>` (and `OK syncbn`, `OK ddp`); any failure aborts the job so that no rank hangs.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -31,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import equivalence_common as common
 import numpy as np
 import torch
+from ddp_reference import ddp_reference
 from mpi4py import MPI
 from rank_main import run_or_abort
 from safetensors.numpy import save_file
@@ -38,6 +42,7 @@ from torch import nn
 
 from nbdist.backends import DeviceRequest
 from nbdist.backends.torch import TorchBackend
+from nbdist.transport.probe import idle_barrier
 from nbdist.transport.staging import Staging
 
 
@@ -131,9 +136,13 @@ def sync_batchnorm(comm: MPI.Intracomm, out_dir: Path) -> None:
 
 
 def main() -> None:
-    out_dir, steps = Path(sys.argv[1]), int(sys.argv[2])
     torch.set_num_threads(1)
-    world = MPI.COMM_WORLD
+    run(MPI.COMM_WORLD, Path(sys.argv[1]), int(sys.argv[2]))
+
+
+def run(world: MPI.Intracomm, out_dir: Path, steps: int) -> None:
+    """Every phase above over the ranks of `world` (COMM_WORLD, or the first 4 ranks of
+    equivalence_job.py's job)."""
     sizes = [world.Get_size()] + ([2] if world.Get_size() > 2 else [])
     for ranks in sizes:
         comm = world if ranks == world.Get_size() else world.Split(world.Get_rank() // ranks, world.Get_rank())
@@ -151,7 +160,24 @@ def main() -> None:
     result = fp16_overflow_on_one_rank(world, steps)
     if world.Get_rank() == 0:
         print(f"OK fp16-overflow {result}", flush=True)
+    # PyTorch's DDP on ranks 0 and 1 (the reference of test_allreduce_matches_pytorch_ddp_on_gloo).
+    pair = world.Split(0 if world.Get_rank() < 2 else MPI.UNDEFINED, world.Get_rank())
+    if pair != MPI.COMM_NULL:
+        ddp_reference(pair, str(out_dir / "ddp.safetensors"), steps)
+        pair.Free()
+    idle_barrier(world, 120)  # the other ranks sleep meanwhile, leaving the cores to the two
+
+
+def finish() -> None:
+    """Leave without the interpreter's teardown once MPI is finalised: gloo's threads
+    sometimes end in std::terminate ("terminate called without an active exception")
+    while C++ statics are destroyed, after the work was done and saved (1 run in many)."""
+    MPI.Finalize()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
     run_or_abort(main)
+    finish()

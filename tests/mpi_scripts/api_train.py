@@ -32,8 +32,11 @@ import nbdist
 
 
 def main() -> None:
-    world = MPI.COMM_WORLD
-    runs = json.loads(Path(sys.argv[1]).read_text())
+    run(MPI.COMM_WORLD, json.loads(Path(sys.argv[1]).read_text()))
+
+
+def run(world: MPI.Intracomm, runs: list[dict]) -> None:
+    """Train `runs` (keyword dicts, see above) one after the other on the ranks of `world`."""
     for options in runs:
         ranks = options.pop("ranks", world.Get_size())
         n_train = options.pop("n_train", 96)

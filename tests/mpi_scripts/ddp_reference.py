@@ -1,35 +1,41 @@
 """PyTorch DistributedDataParallel on gloo, 2 processes, on the equivalence data.
 
-Usage: python tests/mpi_scripts/ddp_reference.py OUT_FILE STEPS PORT
-
-The same model, seed, optimiser and global batches as allreduce_equivalence.py's `equal`
+Called by allreduce_equivalence.py on ranks 0 and 1 of its job (`pair`, their MPI
+communicator), so that the reference costs no processes of its own: the two ranks make a
+gloo process group of their own (torch.distributed's default group, on a TCPStore that
+rank 0 opens on 127.0.0.1, its port sent over MPI) and train PyTorch's own DDP on it. The
+same model, seed, optimiser and global batches as allreduce_equivalence.py's `equal`
 layout (DDP averages gradients, so every rank gets the same number of samples). Rank 0
-saves the model's state_dict to OUT_FILE (safetensors) and prints `OK ddp`. The parent
-only spawns the two ranks (torch is imported in them, not here: it costs seconds).
+saves the model's state_dict to OUT_FILE (safetensors) and prints `OK ddp`.
 """
 
 from __future__ import annotations
 
-import multiprocessing
-import os
-import sys
-from pathlib import Path
+import datetime
+
+import equivalence_common as common
+import numpy as np
 
 WORLD = 2
+TIMEOUT = datetime.timedelta(seconds=60)
 
 
-def worker(rank: int, out_file: str, steps: int, port: int) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import equivalence_common as common
+def ddp_reference(pair, out_file: str, steps: int) -> None:
     import torch
     import torch.distributed as dist
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    rank = pair.Get_rank()
+    assert pair.Get_size() == WORLD, pair.Get_size()
+    port = np.zeros(1, np.int64)
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
+        port[0] = store.port
+    pair.Bcast(port, root=0)
+    if rank != 0:
+        store = dist.TCPStore("127.0.0.1", int(port[0]), is_master=False, timeout=TIMEOUT)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=TIMEOUT)
     try:
         x, y = common.make_arrays()
         model = common.initial_model()
@@ -48,32 +54,3 @@ def worker(rank: int, out_file: str, steps: int, port: int) -> None:
             print("OK ddp", flush=True)
     finally:
         dist.destroy_process_group()
-
-
-def finished_worker(rank: int, out_file: str, steps: int, port: int) -> None:
-    """`worker`, then leave without the interpreter's teardown: gloo's threads sometimes
-    end in std::terminate ("terminate called without an active exception") while C++
-    statics are destroyed, after the work was done and saved (1 run in many)."""
-    worker(rank, out_file, steps, port)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def main() -> int:
-    out, steps, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=finished_worker, args=(rank, out, steps, port)) for rank in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    failed = [p.exitcode for p in procs if p.exitcode != 0]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -4,8 +4,9 @@ of its N ranks) for five runs.
 Usage: mpiexec -n N python tests/mpi_scripts/master_scaling.py RUNS_DIR
 
 1. `records`: N - 1 asynchronous Downpour workers pushing every batch of 8 of the small
-   digits MLP for 30 epochs (the master applies updates far faster than any
-   per-interval record rate).
+   digits MLP for 10 epochs (the master applies updates far faster than any
+   per-interval record rate; the rates of records and of updates are those of a
+   longer run: they hardly change with its length).
 2. `w2` and `wN-1`, then `sync-w2` and `sync-wN-1`: the master's peak memory with 2
    workers (on the first 3 ranks, through `nbdist.train(comm=...)`) and with N - 1, on
    the same 2.6M-parameter MLP for one epoch, pushing every batch, asynchronous then
@@ -50,7 +51,7 @@ def main() -> None:
     world = MPI.COMM_WORLD
     nbdist.train(
         str(ROOT / "examples" / "digits_mlp.py"),
-        epochs=30,
+        epochs=10,
         batch_size=8,
         runs_dir=sys.argv[1],
         run_name="records",
