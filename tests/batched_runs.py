@@ -11,11 +11,12 @@ from pathlib import Path
 
 from conftest import ROOT, Completed, run_mpi
 
-__all__ = ["run_many"]
+__all__ = ["cut_at_markers", "run_many"]
 
 
-def _cut(text: str, count: int) -> tuple[list[str], list[int]]:
-    """Split a stream at the `nbdist-test: run I rc=RC` markers."""
+def cut_at_markers(text: str, count: int) -> tuple[list[str], list[int]]:
+    """Split a stream of train_many.py's job at its `nbdist-test: run I rc=RC` markers:
+    what each of the first `count` runs printed on it, and their exit statuses."""
     parts, codes = [], []
     for i in range(count):
         marker = re.search(rf"^nbdist-test: run {i} rc=(-?\d+)$", text, re.MULTILINE)
@@ -32,7 +33,7 @@ def run_many(ranks: int, argvs: list[list[str]], spec: Path, *, timeout: float =
     spec.write_text(json.dumps(argvs))
     done = run_mpi(ranks, [str(ROOT / "tests" / "mpi_scripts" / "train_many.py"), str(spec)], timeout=timeout)
     assert "Traceback" not in done.output, done.output
-    outs, codes = _cut(done.stdout, len(argvs))
-    errs, codes_err = _cut(done.stderr, len(argvs))
+    outs, codes = cut_at_markers(done.stdout, len(argvs))
+    errs, codes_err = cut_at_markers(done.stderr, len(argvs))
     assert codes == codes_err
     return [Completed(codes[i], outs[i], errs[i]) for i in range(len(argvs))]

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from batched_runs import cut_at_markers
 from conftest import BatchedRuns
 from safetensors.numpy import load_file
 
@@ -125,17 +126,7 @@ class Job(BatchedRuns):
         codes = dict(zip(names, _codes(done.stdout, len(names)), strict=False))
         super().__init__(done.output, done.returncode, out / "runs", codes)
         self.out, self.stdout = out, done.stdout
-        self.stderr = dict(zip(names, _cut(done.stderr, len(names)), strict=True))
-
-
-def _cut(text: str, count: int) -> list[str]:
-    parts = []
-    for i in range(count):
-        marker = re.search(rf"^nbdist-test: run {i} rc=(-?\d+)$", text, re.MULTILINE)
-        assert marker, f"no end marker for run {i}:\n{text[-4000:]}"
-        parts.append(text[: marker.start()])
-        text = text[marker.end() :]
-    return parts
+        self.stderr = dict(zip(names, cut_at_markers(done.stderr, len(names))[0], strict=True))
 
 
 def _codes(text: str, count: int) -> list[int]:

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
+from batched_runs import cut_at_markers
 from conftest import BatchedRuns
 from mpi_stops import run_and_stop
 from safetensors.numpy import load_file
@@ -247,10 +248,7 @@ class Batch(BatchedRuns):
         """What the job printed (stdout, then stderr) during run `name` (train_many.py marks
         each run's end on both streams)."""
         i = list(self.codes).index(name)
-        return "".join(
-            re.split(r"^nbdist-test: run \d+ rc=-?\d+\n", text, flags=re.M)[i]
-            for text in (self.done.stdout, self.done.stderr)
-        )
+        return "".join(cut_at_markers(text, i + 1)[0][i] for text in (self.done.stdout, self.done.stderr))
 
 
 RESUME_CONFIGS = {
