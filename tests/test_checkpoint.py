@@ -676,8 +676,9 @@ def test_queued_writes_that_never_finish_end_the_wait_with_one_error(tmp_path):
 
 def test_a_commit_on_a_full_disk_names_the_checkpoint_directory_not_the_current_one(tmp_path, monkeypatch):
     """A write that finds the disk full raises from write() or fsync(), with no file name:
-    the DiskFull must still say where. /dev/full answers every write with ENOSPC; the
-    commit's meta.json goes there through a link."""
+    the DiskFull must still say where: the checkpoints' directory, not the current one.
+    /dev/full answers every write with ENOSPC; the commit's meta.json goes there through a
+    link."""
     from nbdist.errors import DiskFull
     from nbdist.train.writer import CheckpointWriter
 
@@ -692,5 +693,20 @@ def test_a_commit_on_a_full_disk_names_the_checkpoint_directory_not_the_current_
     with pytest.raises(DiskFull) as raised:
         writer.finish(timeout=60)
     message = str(raised.value)
-    assert message.startswith(f"no space left on the device of {staged} (committing a checkpoint: "), message
+    # As a share's full disk is told (the end-to-end test in tests/test_bad_input.py reads it).
+    assert message.startswith(f"no space left on the device of {staged.parent} for checkpoint epoch-0003 ("), message
     assert str(elsewhere) not in message
+
+
+def test_a_durable_write_that_finds_the_disk_full_names_its_file(tmp_path):
+    """write() and fsync() raise ENOSPC with no file name; nbdist.durable adds it, so that
+    any write's DiskFull (train/diskspace.disk_full) says where, not the current directory."""
+    import errno
+
+    from nbdist.durable import write_bytes
+
+    path = tmp_path / "meta.json.tmp"
+    os.symlink("/dev/full", path)
+    with pytest.raises(OSError) as raised:
+        write_bytes(path, b"{}")
+    assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(path)

@@ -139,19 +139,26 @@ class Checkpoints:
     def commit(self, label: str, meta: dict[str, Any]) -> Path:
         """Make `.tmp-<label>` the checkpoint `<label>`; every rank must have written."""
         tmp, final = self._tmp(label), self.root / label
-        meta = {**meta, "sequence": self._next_sequence(), "files": self._manifest(tmp)}
-        write_json(tmp / META, meta)
-        if final.exists():  # re-committing a label: move the old one aside, never delete first
-            old = self.root / f".old-{label}"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            os.replace(tmp, final)
-            fsync_dir(self.root)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-            fsync_dir(self.root)
-        write_json(self.root / LATEST, {"label": label})
+        files = self._manifest(tmp)
+        try:
+            write_json(tmp / META, {**meta, "sequence": self._next_sequence(), "files": files})
+            if final.exists():  # re-committing a label: move the old one aside, never delete first
+                old = self.root / f".old-{label}"
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(final, old)
+                os.replace(tmp, final)
+                fsync_dir(self.root)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, final)
+                fsync_dir(self.root)
+            write_json(self.root / LATEST, {"label": label})
+        except OSError as exc:
+            # The commit's small files meet a full disk as a share's big ones do: told the
+            # same way, naming the checkpoints' directory and the checkpoint's size.
+            if is_disk_full(exc):
+                raise checkpoint_disk_full(exc, tmp, label, sum(int(f["bytes"]) for f in files.values())) from None
+            raise
         self._prune(label)
         return final
 
