@@ -222,7 +222,7 @@ def report(units: dict[Key, dict], rules: list[str], proto: dict, *, intro: str,
             if len(at) == len(rules) and len({tuple(s) for s in at.values()}) == 1:
                 parts.append(f"- {workers} worker(s): seeds {_ranges(next(iter(at.values())))} of every rule")
             else:
-                parts += [f"- {workers} worker(s): {rule} seeds {_ranges(seeds)}" for rule, seeds in at.items()]
+                parts += [f"- {workers} worker(s): {rule} seeds {_ranges(at[rule])}" for rule in rules if rule in at]
         parts += ["", f"To continue (runs the next missing unit each time): `{continue_with}`"]
     else:
         parts += ["None: every unit of the study is recorded."]
