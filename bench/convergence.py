@@ -37,176 +37,41 @@ Usage: python bench/convergence.py [--quick] [--seeds 10] [--algorithms gem,adag
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _convergence_units as units
 from _common import ROOT, header, table
-
-from nbdist.metrics import read_log, samples_to_reach, staleness_entries, validation_curve
+from _convergence_report import report
+from _convergence_units import Run, jet_sample, staleness_stats, train
 
 JET_MODEL = str(ROOT / "examples" / "jet_cnn.py")
 DIGITS_MODEL = str(ROOT / "examples" / "digits_cnn.py")
 DIGITS_MLP = str(ROOT / "examples" / "digits_mlp.py")
-JETS = {"signal": "top", "events": 6000, "files": 6}
 ALGORITHMS = ["downpour", "easgd", "gem", "adag", "allreduce"]
 # Issue 29's rules; a name here may stand for a rule with options (VARIANTS).
 NEW_ALGORITHMS = ["diloco", "diloco-sync", "async_local_sgd", "eamsgd"]
 ALGORITHMS += NEW_ALGORITHMS
-VARIANTS = {"diloco-sync": ["--algorithm", "diloco", "--synchronous"]}
-OTHER_ALGORITHMS = ["dynsgd"]  # not in the issue's table; --algorithms dynsgd runs it
-COLLAPSED_AT = 0.51  # validation accuracy of a constant answer on balanced classes is 0.5
-LEARNED_AT = 0.6  # a curve above this has learned something it can lose
+OTHER_ALGORITHMS = ["dynsgd", "downpour-warm"]  # the study's (--unit/--next) besides; --algorithms runs them
 REACH = 0.98  # of the 1-worker best
 GAP_AIM, SAMPLES_AIM = 1.0, 1.5
-RUN_DEADLINE = 900.0
-
-
-@dataclass
-class Run:
-    algorithm: str
-    workers: int
-    seed: int
-    # (cumulative training samples, validation accuracy), in the order validated
-    curve: list[tuple[int, float]] = field(default_factory=list)
-    # cumulative training samples -> validation loss: a dip to chance with a loss near
-    # ln 2 is an undecided model, one with a loss far above it a diverged one
-    losses: dict[int, float] = field(default_factory=dict)
-    error: str = ""
-    # staleness -> updates the master applied with it (asynchronous rules)
-    staleness: Counter = field(default_factory=Counter)
-    # what the workers handed to MPI, and the training samples behind it ('train' records)
-    bytes_sent: int = 0
-    trained: int = 0
-
-    @property
-    def bytes_per_sample(self) -> float:
-        return self.bytes_sent / self.trained if self.trained else float("nan")
-
-    @property
-    def best(self) -> float:
-        return max((acc for _, acc in self.curve), default=float("nan"))
-
-    @property
-    def samples(self) -> int:
-        return self.curve[-1][0] if self.curve else 0
-
-    @property
-    def collapsed(self) -> bool:
-        if self.error:
-            return True
-        learned = False
-        for _, acc in self.curve:
-            if learned and acc <= COLLAPSED_AT:
-                return True
-            learned = learned or acc >= LEARNED_AT
-        return False
-
-    def samples_to(self, accuracy: float) -> int | None:
-        return samples_to_reach(self.curve, accuracy)
-
-
-def jet_sample(cache: Path) -> tuple[str, str]:
-    """The training and validation file globs, generated on first use."""
-    out = cache / f"jets-{JETS['signal']}-{JETS['events']}-{JETS['files']}"
-    if not (out / "done").exists():
-        print(f"   generating the jet sample in {out} (once; a few minutes)", flush=True)
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "nbdist",
-                "datasets",
-                "jet-images",
-                "--out",
-                str(out),
-                "--signal",
-                JETS["signal"],
-                "--events",
-                str(JETS["events"]),
-                "--files",
-                str(JETS["files"]),
-                "--overwrite",
-            ],
-            check=True,
-            stdout=subprocess.DEVNULL,
-        )
-        (out / "done").write_text("ok\n")
-    return str(out / "train_*.h5"), str(out / "val_*.h5")
-
-
-def train(algorithm: str, workers: int, seed: int, extra: list[str], runs_dir: Path) -> Run:
-    """One run through nbdist's launcher; its validation curve from its metric log."""
-    run = Run(algorithm, workers, seed)
-    name = f"{algorithm}-{workers}w-s{seed}-{len(list(runs_dir.iterdir()))}"
-    if algorithm == "allreduce":
-        ranks, rule = workers, ["--topology", "allreduce"]
-    elif algorithm in VARIANTS:
-        ranks, rule = workers + 1, VARIANTS[algorithm]
-    else:
-        ranks, rule = workers + 1, ["--algorithm", algorithm]
-    argv = [
-        sys.executable,
-        "-m",
-        "nbdist",
-        "launch",
-        "-n",
-        str(ranks),
-        "train",
-        *rule,
-        "--seed",
-        str(seed),
-        "--runs-dir",
-        str(runs_dir),
-        "--run-name",
-        name,
-        "--quiet",
-        "--checkpoint-every",
-        "0",
-        *extra,
-    ]
-    try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=RUN_DEADLINE)
-    except subprocess.TimeoutExpired:
-        run.error = f"no end within {RUN_DEADLINE:.0f} s"
-        return run
-    if done.returncode != 0:
-        lines = [ln for ln in done.stderr.splitlines() if "error" in ln.lower()] or done.stderr.splitlines()[-1:]
-        run.error = lines[0] if lines else f"exit {done.returncode}"
-    if (runs_dir / name / "metrics").is_dir():
-        run.curve = validation_curve(runs_dir / name, "val_acc")
-        run.losses = dict(validation_curve(runs_dir / name, "val_loss"))
-        for record in read_log(runs_dir / name, "updates"):
-            for _, staleness, updates in staleness_entries(record):
-                run.staleness[staleness] += updates
-        for record in read_log(runs_dir / name, "train"):
-            run.bytes_sent += int(record["values"].get("bytes_sent", 0))
-            run.trained += int(record["values"].get("samples", 0))
-    return run
 
 
 def staleness_text(counts: Counter) -> str:
     """The staleness of a run's updates in a few numbers: mean, the share at 0, the 99th
     percentile and the maximum."""
-    total = sum(counts.values())
-    if not total:
+    st = staleness_stats(counts)
+    if not st:
         return ""
-    mean = sum(s * n for s, n in counts.items()) / total
-    seen, p99 = 0, 0
-    for s in sorted(counts):
-        seen += counts[s]
-        if seen >= 0.99 * total:
-            p99 = s
-            break
-    return f"; staleness mean {mean:.2f}, {counts[0] / total:.0%} at 0, p99 {p99}, max {max(counts)}"
+    return f"; staleness mean {st['mean']:.2f}, {st['at_zero']:.0%} at 0, p99 {st['p99']}, max {st['max']}"
 
 
 def say(run: Run, seconds: float) -> None:
@@ -224,22 +89,21 @@ def say(run: Run, seconds: float) -> None:
 
 
 # ----------------------------------------------------------------------------- jets
-def jets(args: argparse.Namespace, runs_dir: Path) -> bool:
+def train_options(args: argparse.Namespace) -> list[str]:
+    """The train options every run of the table takes (the jet sample made on first use)."""
     if args.table_data == "digits":
         data = ["--model", DIGITS_MLP]
     else:
         train_glob, val_glob = jet_sample(Path(args.cache).expanduser())
         data = ["--model", JET_MODEL, "--train", train_glob, "--val", val_glob]
-    extra = [
-        *data,
-        "--epochs",
-        str(args.epochs),
-        "--batch-size",
-        "32",
-        *args.extra,
-    ]
+    extra = [*data, "--epochs", str(args.epochs), "--batch-size", "32", *args.extra]
     if args.validate_every_samples:
         extra += ["--validate-every-samples", str(args.validate_every_samples)]
+    return extra
+
+
+def jets(args: argparse.Namespace, runs_dir: Path) -> bool:
+    extra = train_options(args)
     seeds = range(args.seeds)
     rows, met = [], True
     for algorithm in args.algorithms:
@@ -301,7 +165,94 @@ def summarise(algorithm: str, single: list[Run], many: list[Run]) -> tuple[list,
     return [algorithm, best1, best_n, round(gap, 1), ratio_text, collapsed_n, collapsed_1, per_sample], ok
 
 
-# ----------------------------------------------------------------------------- digits
+# ----------------------------------------------------------------------------- the study, unit by unit
+DATA = ROOT / "bench" / "results" / "convergence-units.jsonl"
+CONTINUE = (
+    "while PYTHONPATH=. python bench/convergence.py --next; do :; done; "
+    "PYTHONPATH=. python bench/convergence.py --report"
+)
+
+
+def study(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """--unit, --next or --report: one unit of issue 29's study run and recorded, or the
+    tables of those recorded (_convergence_units.py, _convergence_report.py)."""
+    label = "digits_mlp" if args.table_data == "digits" else units.jet_label()
+    proto = units.protocol(label, args.epochs, 32, args.validate_every_samples, args.extra)
+    path = Path(args.data)
+    done = units.recorded(units.read(path), proto)
+    if args.report:
+        out = Path(
+            args.report_out or ROOT / "bench" / "results" / f"{time.strftime('%Y-%m-%d', time.gmtime())}-convergence.md"
+        )
+        text = report(done, units.STUDY_RULES, proto, intro=study_intro(proto, path), continue_with=CONTINUE)
+        out.write_text(text, encoding="utf-8")
+        print(f"wrote {out} from {len(done)} recorded unit(s)")
+        return 0
+    if args.unit:
+        key = parse_unit(args.unit, parser)
+        if units.is_done(done.get(key), args.retry_timeouts):
+            print(f"{key[0]} at {key[1]} worker(s), seed {key[2]}: recorded already in {path}")
+            return 0
+    else:
+        next_key = units.next_unit(done, units.STUDY_RULES, retry_timeouts=args.retry_timeouts)
+        if next_key is None:
+            print(f"every unit of the study is recorded in {path}")
+            return NOTHING_LEFT
+        key = next_key
+    extra = train_options(args)
+    load0, t0 = os.getloadavg()[0], time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="nbdist-convergence-") as tmp:
+        run = train(*key, extra, Path(tmp))
+    wall = time.perf_counter() - t0
+    units.append(path, units.to_record(run, proto, wall=wall, load=(load0, os.getloadavg()[0]), root=ROOT))
+    say(run, wall)
+    return 0
+
+
+NOTHING_LEFT = 3  # --next's exit status when every unit is recorded: a loop stops on it
+
+
+def parse_unit(text: str, parser: argparse.ArgumentParser) -> units.Key:
+    parts = text.split(",")
+    rules = ", ".join(units.STUDY_RULES)
+    if (
+        len(parts) != 3
+        or parts[0] not in units.STUDY_RULES
+        or not all(p.isdigit() for p in parts[1:])
+        or parts[1] == "0"
+    ):
+        parser.error(f"--unit takes RULE,WORKERS,SEED (workers 1 or more), got {text!r}; rules: {rules}")
+    return parts[0], int(parts[1]), int(parts[2])
+
+
+def study_intro(proto: dict, path: Path) -> str:
+    every = proto["validate_every_samples"]
+    extra = f", extra options {' '.join(proto['extra'])}" if proto["extra"] else ""
+    return f"""# bench/convergence.py: issue 29's study, every rule at 1, 8 and 16 workers (accumulating)
+
+Written by `PYTHONPATH=. python bench/convergence.py --report` from the units recorded in
+`{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}` (one JSON line per (rule, workers, seed)).
+
+Protocol: data `{proto["data"]}` (for the jets: the Pythia 8 top-vs-QCD images of the
+2026-11-26 tables, 4,800 training and 1,200 validation jets, `examples/jet_cnn.py`), each
+rule with today's defaults, batch {proto["batch"]} per worker, {proto["epochs"]} epochs, validated every
+{every} samples{extra}. `downpour-warm` is Downpour with
+`--warm-start-epochs 2`, `diloco-sync` DiLoCo with `--synchronous`. Samples count over all
+workers. A collapse: a validation at <= 0.51 after one at >= 0.6, or a run that ended with an
+error; a run cut by its {units.RUN_DEADLINE:.0f} s deadline (the machine's load, not the rule) is left
+out and listed as missing. "Samples to 98% of allreduce's 1-w best": the mean samples to
+reach 98% of allreduce's mean 1-worker best, over allreduce's at the same workers (a run
+that never reaches it counts with all its samples: ">="). H: the rule's default window,
+capped by the batches a worker has in an epoch (a window ends with its epoch).
+
+How the units ran: one at a time by `bench/convergence.py --next` (each run's ranks on the
+2 cores). Where the scheduling below says SCHED_IDLE, nice 19, the units ran as background
+work at idle priority BESIDE other work on the shared machine: the workers of an
+asynchronous rule then also take turns with other processes, so their updates' staleness
+(and with it Downpour's dips) depends on that load, not on the rule alone; synchronous
+rules and allreduce wait for every worker, and only their wall time depends on it."""
+
+
 def digits(args: argparse.Namespace, runs_dir: Path) -> None:
     momentum = ["--master-optimizer", "sgd(lr=0.05, momentum=0.9)"]
     setups = {
@@ -367,6 +318,15 @@ def main() -> None:
         help="the data of the 1-vs-many table: the jet images, or the digits (digits_mlp.py, a small run)",
     )
     parser.add_argument("--extra", default="", help="more train options for every run, e.g. '--lr-scaling sqrt'")
+    unit = parser.add_argument_group("issue 29's study, one unit at a time, accumulating across sessions")
+    unit.add_argument("--unit", metavar="RULE,WORKERS,SEED", help="run and record this unit (skipped if recorded)")
+    unit.add_argument(
+        "--next", action="store_true", help=f"run and record the next missing unit (exit {NOTHING_LEFT}: none)"
+    )
+    unit.add_argument("--report", action="store_true", help="write the study's tables from the recorded units")
+    unit.add_argument("--data", default=str(DATA), help="the units' JSON lines file")
+    unit.add_argument("--report-out", help="the report's path (default bench/results/<today>-convergence.md)")
+    unit.add_argument("--retry-timeouts", action="store_true", help="run units cut by their deadline again")
     args = parser.parse_args()
     args.seeds = args.seeds or (3 if args.quick else 10)
     args.digits_seeds = args.digits_seeds or (1 if args.quick else 3)
@@ -377,6 +337,8 @@ def main() -> None:
         parser.error(
             f"unknown algorithm(s) {', '.join(unknown)}; choose from {', '.join(ALGORITHMS + OTHER_ALGORITHMS)}"
         )
+    if args.unit or args.next or args.report:
+        raise SystemExit(study(args, parser))
     header("convergence: 1 worker against many, samples to accuracy, collapses")
     print(f"   {time.strftime('%Y-%m-%d')}", flush=True)
     with tempfile.TemporaryDirectory(prefix="nbdist-convergence-") as tmp:
