@@ -211,6 +211,8 @@ def render_report(
         "",
         about,
         "",
+        how_they_ran(mine),
+        "",
         f"Trials of at most {trial_epochs} epochs, a budget of {budget} training epochs per (task, method, seed); "
         "epochs to target are the training epochs the method had consumed, over all its trials, when one first "
         "reached the target validation accuracy; a seed that never reached it counts as twice the budget in the "
@@ -235,3 +237,30 @@ def render_report(
     else:
         out += ["## Still missing: none", ""]
     return "\n".join(out)
+
+
+def how_they_ran(records: list[dict]) -> str:
+    """Priorities, loads and what a unit cost, from the records themselves."""
+    if not records:
+        return "No unit has run yet."
+    priorities: dict[str, int] = {}
+    for r in records:
+        priorities[r.get("priority", "?")] = priorities.get(r.get("priority", "?"), 0) + 1
+    loads = [v for r in records for v in (r.get("load_before", [None])[0], r.get("load_after", [None])[0]) if v]
+    costs = []
+    for task in TASK_ORDER:
+        cpu = [r["cpu_s"] for r in records if r["task"] == task and "cpu_s" in r]
+        wall = [r["wall_s"] for r in records if r["task"] == task and "wall_s" in r]
+        if cpu:
+            costs.append(
+                f"{task}: median {statistics.median(cpu):.0f} s of CPU (range {min(cpu):.0f}-{max(cpu):.0f}), "
+                f"{statistics.median(wall):.0f} s of wall time"
+            )
+    return (
+        "How they ran: "
+        + ", ".join(f"{n} at priority {p}" for p, n in priorities.items())
+        + (f"; 1-minute load average {min(loads):.2f} to {max(loads):.2f} around them" if loads else "")
+        + ". A unit cost "
+        + "; ".join(costs)
+        + " (one core: torch runs single-threaded)."
+    )

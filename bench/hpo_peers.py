@@ -254,7 +254,7 @@ def commit() -> str:
 
 def run_unit(unit: runs.Unit, budget: int, trial_epochs: int, cache: Path) -> dict:
     """Train one (task, method, seed) and describe what happened."""
-    load_before = list(os.getloadavg())
+    load_before, made_by = list(os.getloadavg()), commit()
     started, cpu_started = time.perf_counter(), time.process_time()
     task = Task(unit.task, trial_epochs, cache)
     METHODS[unit.method](task, unit.seed, budget)
@@ -281,7 +281,7 @@ def run_unit(unit: runs.Unit, budget: int, trial_epochs: int, cache: Path) -> di
         "load_before": [round(v, 2) for v in load_before],
         "load_after": [round(v, 2) for v in os.getloadavg()],
         "priority": how_scheduled(),
-        "commit": commit(),
+        "commit": made_by,
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M"),
     }
 
@@ -315,10 +315,10 @@ def report(args: argparse.Namespace) -> str:
 
     about = (
         f"Machine: {os.cpu_count()} cores, {platform.machine()}, Python {platform.python_version()}, torch "
-        f"{torch.__version__}, optuna {optuna.__version__}. Units ran one at a time as background jobs at idle "
-        "priority (`/work/wt/bin/bg-run`, no CPU lock; the table of units gives each one's load average "
-        "before and after): they record accuracies and epochs, not times, so other jobs on the box slow "
-        f"them but do not change their results. Records: `{shown(args.runs)}`. "
+        f"{torch.__version__}, optuna {optuna.__version__}. Units run one at a time, in the background "
+        "(`/work/wt/bin/bg-run`: idle priority, no CPU lock, paused while anyone asks for quiet): they record "
+        "accuracies and epochs, not times, so other jobs on the box slow them but do not change their results. "
+        f"Records: `{shown(args.runs)}`. "
         "Continue with `python bench/hpo_peers.py --next` (one missing unit a call), then `--report`."
     )
     return runs.render_report(

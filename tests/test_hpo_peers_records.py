@@ -103,6 +103,8 @@ def test_the_report_aggregates_seeds_and_states_the_aim():
     assert "## digits, target 0.9 (the aim's target)" in text and "## digits, target 0.95 (a stricter target)" in text
     assert "| nbdist-asha-tpe | 0,1 | 2/2 | 20 | 20.0 | 0.9450 |" in text
     assert "| digits | random | 0 | 2026-11-28 03:30 | abc1234 | 200 | 180 | 1.50/2.50 | idle, nice 19 |" in text
+    assert "How they ran: 5 at priority idle, nice 19; 1-minute load average 1.50 to 2.50 around them" in text
+    assert "A unit cost digits: median 180 s of CPU (range 180-180), 200 s of wall time" in text
     assert "## Still missing: 65 units" in text
     assert "- digits nbdist-asha-tpe: seeds 2, 3, 4" in text
     assert "- jets nbdist-bayes: seeds 0, 1, 2, 3, 4" in text
