@@ -3,7 +3,8 @@
 Collective over the job's ranks (at least two), in well under a minute:
 
 1. rank 0 alone (the others sleep in a barrier): the model's forward and backward at the
-   batch size and at four times it, through nbdist's backend (probes.py); each update
+   batch size and at four times it (each rank's allocator settled first, as a run's is:
+   probes.settle_allocator), through nbdist's backend (probes.py); each update
    rule's worker and master work on flat buffers of the model's size; a checkpoint share;
    the gradient noise scale at the model's initial weights;
 2. as many ranks as the node has cores (or ranks), computing at once: how much slower a
@@ -40,7 +41,15 @@ from nbdist.scaling.assemble import assemble, core_share, fit_line
 from nbdist.scaling.inputs import Calibration
 from nbdist.scaling.load import CpuMeter, thread_turns, window_load
 from nbdist.scaling.points import PointRunner
-from nbdist.scaling.probes import build_backend, busy_cores, checkpoint_seconds, noise_scale, rule_costs, time_steps
+from nbdist.scaling.probes import (
+    build_backend,
+    busy_cores,
+    checkpoint_seconds,
+    noise_scale,
+    rule_costs,
+    settle_allocator,
+    time_steps,
+)
 from nbdist.scaling.setups import Point, SetUp
 from nbdist.train.definition import ModelDefinition
 from nbdist.transport.collectives import Collectives
@@ -89,9 +98,15 @@ def calibrate(
     busy = min(size, cores)
     collectives = Collectives(lambda: TIMEOUT)
     # Ranks 0 and 1 time messages and steps together (with the same sizes and counts), and
-    # as many as the node has cores compute at once: those hold the model.
-    data = _in_memory(definition.make_data()) if rank < max(2, busy) else None
-    backend = build_backend(definition, data, base.threads, base.seed) if data is not None else None
+    # as many as the node has cores compute at once; every rank settles its allocator as a
+    # run's rank has (probes.settle_allocator): the points run on them all afterwards.
+    loaded = _in_memory(definition.make_data())
+    backend: Any = build_backend(definition, loaded, base.threads, base.seed)
+    settle_allocator(backend, loaded, batch)
+    data: Data | None = loaded
+    if rank >= max(2, busy):
+        loaded.close()
+        data, backend = None, None
     found: dict[str, Any] = {}
     try:
         idle_barrier(comm, TIMEOUT)
