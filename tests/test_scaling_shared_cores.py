@@ -12,7 +12,7 @@ import pytest
 from test_scaling_model import DOWNPOUR, S, Z, calibration
 
 from nbdist.scaling import Machine, PerformanceModel, SetUp, Simulator, network
-from nbdist.scaling.assemble import at_share, rank_shares
+from nbdist.scaling.assemble import _run_step, at_share, rank_shares
 from nbdist.scaling.model import PASS_UPDATES, expected_max, makespan
 from nbdist.scaling.queueing import mva_shared_cores
 from nbdist.scaling.setups import Point
@@ -133,6 +133,61 @@ def test_calibration_runs_come_back_to_a_core_of_their_own_by_each_ranks_share()
     # Without the kernel's counts: even sharing of what the other processes left.
     point.extra = {"others": 1.5}
     assert rank_shares(point, 2) == [0.25, 0.25]
+
+
+def test_time_slicing_costs_a_synchronous_step_once_whatever_the_ranks_beyond_the_cores():
+    """A synchronous step on time-sliced cores waits for its last rank's last slice: what
+    the probe measured with one runnable beyond the cores, once a step, with one or two
+    beyond (a fraction of it where other processes leave a fraction of a core less)."""
+    extra = 1e-3
+    model = on_cores(2, round_extra_s=extra)
+    assert [model.slicing_s(r) for r in (2, 2.5, 3, 4)] == pytest.approx([0.0, extra / 2, extra, extra])
+    setup = SetUp("allreduce")
+    for ranks in (3, 4):
+        plain = on_cores(2).predict(setup, ranks)
+        assert model.predict(setup, ranks).step_s == pytest.approx(plain.step_s + extra, rel=1e-9)
+
+
+def test_a_synchronous_masters_round_is_time_sliced_only_by_the_ranks_that_compute():
+    """A synchronous master on 3 ranks of 2 cores sleeps while its 2 workers compute: they
+    have a core each and lose nothing to time slices; with 3 workers (4 ranks) they do."""
+    setup = SetUp("master-worker", "downpour", synchronous=True)
+    model, plain = on_cores(2, round_extra_s=1e-3), on_cores(2)
+    assert model.round_runnable(setup, 3) == 2
+    assert model.predict(setup, 3).step_s == pytest.approx(plain.predict(setup, 3).step_s, rel=1e-9)
+    assert model.predict(setup, 4).step_s > plain.predict(setup, 4).step_s
+    assert model.round_runnable(SetUp("allreduce"), 3) == 3
+
+
+def _run(setup: SetUp, ranks: int, batch: int, compute: float) -> Point:
+    return Point(
+        setup,
+        ranks,
+        1,
+        batch,
+        samples_per_s=batch / compute,
+        step_s=compute,
+        compute_s=compute,
+        communicate_s=0.0,
+        wait_s=0.0,
+        extra={"shares": [1.0] * ranks},
+    )
+
+
+def test_the_calibrations_step_and_its_growth_come_from_the_real_runs():
+    """The step is the lone allreduce rank's compute phase or the lone worker's less its
+    worker_step, whichever is less; its growth per sample is the lone rank's at four times
+    the batch over that at the batch; the probe's growth only where that run is missing."""
+    found = {"worker_step": {"downpour": 1e-4}, "per_sample_s": 5e-5, "step_s": 6e-3}
+    alone = _run(SetUp("allreduce"), 1, 32, 4.0e-3)
+    big = _run(SetUp("allreduce"), 1, 128, 13.6e-3)
+    pair = _run(DOWNPOUR, 2, 32, 4.5e-3)
+    notes: list[str] = []
+    step, per_sample = _run_step(found, alone, pair, big, 2, notes)
+    assert (step, per_sample) == pytest.approx((4.0e-3, 1e-4))
+    quick_worker = _run(DOWNPOUR, 2, 32, 3.6e-3)
+    assert _run_step(found, alone, quick_worker, None, 2, notes) == pytest.approx((3.5e-3, 5e-5))
+    assert "the probe's 6 ms" in notes[0]
 
 
 # The probes measure this process's CPU seconds: in the suite's own process other tests'

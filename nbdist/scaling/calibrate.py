@@ -13,9 +13,10 @@ Collective over the job's ranks (at least two), in well under a minute:
    several sizes through the transport (transport/probe.py), the master's look at a
    client's posted receive, and a message's way when the ranks sleep between polls on
    cores kept busy (what more ranks than cores cost a wait);
-4. two short real runs through nbdist's own loops (points.py): allreduce on one rank, and
-   a master with one worker (Downpour) on two: what the loops cost beyond the parts above
-   (the data, the records, the master's loop per update, the messages' way).
+4. three short real runs through nbdist's own loops (points.py): allreduce on one rank at
+   the batch and at four times it, and a master with one worker (Downpour) on two: a step
+   as a run takes it and its growth with the batch, and what the loops cost beyond the
+   parts above (the data, the records, the master's loop per update, the messages' way).
 
 What it finds is made into the model's inputs, a `Calibration`, by assemble.py (no MPI).
 """
@@ -126,25 +127,52 @@ def calibrate(
     steps = int(min(5000, max(40, run_seconds / found["step_s"]))) if rank == 0 else 0
     steps = collectives.allgather(comm, steps, "the calibration")[0]
     alone = _fastest(runner, SetUp("allreduce"), 1, batch, steps, repeats, "calibration-allreduce-1r")
+    # The step's growth with the batch as a run's step grows: one rank at the strong
+    # scaling's total batch of 4 ranks (the probe's own slope stands in where it fails).
+    big_batch = min(4 * batch, found.get("train_samples", 4 * batch)) if rank == 0 else 0
+    big_batch = collectives.allgather(comm, big_batch, "the calibration")[0]
+    big = _fastest(
+        runner, SetUp("allreduce"), 1, big_batch, max(40, steps // 4), repeats, "calibration-allreduce-1r-big", "strong"
+    )
     pair = _fastest(runner, SetUp("master-worker", "downpour"), 2, batch, steps, repeats, "calibration-downpour-2r")
     if rank != 0:
         return None, []
     if alone.point is None or pair.point is None:
         raise UserError(f"the calibration runs could not be measured: {alone.error or pair.error}")
-    for point in (alone.point, pair.point):
+    points = [p for p in (alone.point, big.point, pair.point) if p is not None]
+    for point in points:
         point.extra = {**(point.extra or {}), **window_load(meter, (point.extra or {}).get("window"), point.ranks)}
     calibration = assemble(
-        found, alone.point, pair.point, busy, model, batch, size, cores, started, poll_sleep_s=LONGEST_SLEEP
+        found,
+        alone.point,
+        pair.point,
+        busy,
+        model,
+        batch,
+        size,
+        cores,
+        started,
+        poll_sleep_s=LONGEST_SLEEP,
+        big=big.point if big_batch > batch else None,
     )
-    return calibration, [alone.point, pair.point]
+    return calibration, points
 
 
-def _fastest(runner: PointRunner, setup: SetUp, ranks: int, batch: int, steps: int, repeats: int, name: str) -> Any:
+def _fastest(
+    runner: PointRunner,
+    setup: SetUp,
+    ranks: int,
+    batch: int,
+    steps: int,
+    repeats: int,
+    name: str,
+    scaling: str = "weak",
+) -> Any:
     """The fastest of `repeats` runs of a calibration point (as the study keeps its points':
     other processes' load only slows a run), with its own name each."""
     best = None
     for i in range(max(1, repeats)):
-        outcome = runner.run(setup, ranks, batch, steps, name=name if i == 0 else f"{name}-{i + 1}")
+        outcome = runner.run(setup, ranks, batch, steps, scaling, name=name if i == 0 else f"{name}-{i + 1}")
         if best is None or best.point is None:
             best = outcome
         elif outcome.point is not None and outcome.point.samples_per_s > best.point.samples_per_s:
