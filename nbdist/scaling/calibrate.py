@@ -132,7 +132,7 @@ def calibrate(
     big_batch = min(4 * batch, found.get("train_samples", 4 * batch)) if rank == 0 else 0
     big_batch = collectives.allgather(comm, big_batch, "the calibration")[0]
     big = _fastest(
-        runner, SetUp("allreduce"), 1, big_batch, max(40, steps // 4), repeats, "calibration-allreduce-1r-big", "strong"
+        runner, SetUp("allreduce"), 1, big_batch, max(40, steps // 3), repeats, "calibration-allreduce-1r-big", "strong"
     )
     pair = _fastest(runner, SetUp("master-worker", "downpour"), 2, batch, steps, repeats, "calibration-downpour-2r")
     if rank != 0:
