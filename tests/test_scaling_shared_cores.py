@@ -12,7 +12,7 @@ import pytest
 from test_scaling_model import DOWNPOUR, S, Z, calibration
 
 from nbdist.scaling import Machine, PerformanceModel, SetUp, Simulator, network
-from nbdist.scaling.assemble import _run_step, at_share, rank_shares
+from nbdist.scaling.assemble import _growth, at_share, rank_shares
 from nbdist.scaling.model import PASS_UPDATES, expected_max, makespan
 from nbdist.scaling.queueing import mva_shared_cores
 from nbdist.scaling.setups import Point
@@ -174,20 +174,16 @@ def _run(setup: SetUp, ranks: int, batch: int, compute: float) -> Point:
     )
 
 
-def test_the_calibrations_step_and_its_growth_come_from_the_real_runs():
-    """The step is the lone allreduce rank's compute phase or the lone worker's less its
-    worker_step, whichever is less; its growth per sample is the lone rank's at four times
-    the batch over that at the batch; the probe's growth only where that run is missing."""
-    found = {"worker_step": {"downpour": 1e-4}, "per_sample_s": 5e-5, "step_s": 6e-3}
+def test_the_calibrations_growth_with_the_batch_comes_from_the_real_runs():
+    """A step's growth per sample is the lone allreduce rank's at four times the batch over
+    that at the batch; the probe's only where that run is missing or shows no growth."""
+    found = {"per_sample_s": 5e-5}
     alone = _run(SetUp("allreduce"), 1, 32, 4.0e-3)
-    big = _run(SetUp("allreduce"), 1, 128, 13.6e-3)
-    pair = _run(DOWNPOUR, 2, 32, 4.5e-3)
     notes: list[str] = []
-    step, per_sample = _run_step(found, alone, pair, big, 2, notes)
-    assert (step, per_sample) == pytest.approx((4.0e-3, 1e-4))
-    quick_worker = _run(DOWNPOUR, 2, 32, 3.6e-3)
-    assert _run_step(found, alone, quick_worker, None, 2, notes) == pytest.approx((3.5e-3, 5e-5))
-    assert "the probe's 6 ms" in notes[0]
+    assert _growth(found, alone, _run(SetUp("allreduce"), 1, 128, 13.6e-3), 2, notes) == pytest.approx(1e-4)
+    assert "100 us per sample (the probe's 50 us)" in notes[0]
+    assert _growth(found, alone, None, 2, notes) == 5e-5
+    assert _growth(found, alone, _run(SetUp("allreduce"), 1, 128, 3.9e-3), 2, notes) == 5e-5
 
 
 # The probes measure this process's CPU seconds: in the suite's own process other tests'

@@ -100,7 +100,7 @@ def assemble(
     alone = at_share(alone, rank_shares(alone, cores)[0])
     master_share, worker_share = rank_shares(pair, cores)
     pair = at_share(pair, worker_share, master_share)
-    step, per_sample = _run_step(found, alone, pair, big, cores, notes)
+    step, per_sample = found["step_s"], _growth(found, alone, big, cores, notes)
     if alone_share < 1.0:
         notes.append(
             f"other processes used the cores meanwhile: times brought back to a core each (share {alone_share:.2f})"
@@ -179,29 +179,21 @@ def assemble(
     )
 
 
-def _run_step(
-    found: dict[str, Any], alone: Point, pair: Point, big: Point | None, cores: int, notes: list[str]
-) -> tuple[float, float]:
-    """A step's forward and backward at the batch as the real runs took it, and its growth
-    per sample. The probe's steps are a second and a half of one process; the runs are
-    longer, the fastest of their repeats, and take their steps as every point does: where
-    the probe's step came out slower than a run's (a moment of other load, a process not
-    yet in a run's steady state), every prediction would be too slow. The step is the
-    lone allreduce rank's compute phase or the lone worker's (less its worker_step),
-    whichever is less (the worker reads its batch outside that phase, the allreduce rank
-    inside it: the rest is in each loop's own costs). Its growth with the batch is the lone
-    allreduce rank's at four times the batch over that at the batch; the probe's where
-    that run is missing or shows none."""
-    worker = pair.compute_s - found["worker_step"]["downpour"]
-    step = min(alone.compute_s, worker) if worker > 0 else alone.compute_s
+def _growth(found: dict[str, Any], alone: Point, big: Point | None, cores: int, notes: list[str]) -> float:
+    """A step's growth per sample of the batch, as the real runs took it: the lone
+    allreduce rank's compute phase at four times the batch over that at the batch (each
+    brought back to a core of its own); the probe's where that run is missing or shows
+    none. The probe's own growth is the difference of two medians of half a second each,
+    divided by three batches: small noise in either is a large error in it, and the
+    strong scaling's points (one worker at four times the batch) inherit it whole."""
     per_sample = found["per_sample_s"]
     if big is not None and big.batch > alone.batch:
         big = at_share(big, rank_shares(big, cores)[0])
         slope = (big.compute_s - alone.compute_s) / (big.batch - alone.batch)
         if slope > 0:
             per_sample = slope
-    notes.append(
-        f"a step as the runs took it: {step * 1e3:.3g} ms, {per_sample * 1e6:.3g} us per sample (the probe's "
-        f"{found['step_s'] * 1e3:.3g} ms, {found['per_sample_s'] * 1e6:.3g} us per sample)"
-    )
-    return step, per_sample
+            notes.append(
+                f"the step's growth with the batch as the runs took it: {slope * 1e6:.3g} us per sample "
+                f"(the probe's {found['per_sample_s'] * 1e6:.3g} us)"
+            )
+    return per_sample
