@@ -70,7 +70,7 @@ def build_backend(definition: ModelDefinition, data: Data, threads: int, seed: i
 
 
 SETTLE_BATCHES = 8  # the batch of the steps that settle the allocator, in batches
-SETTLE_STEPS = 3
+SETTLE_STEPS = 5
 
 
 def settle_allocator(backend: Backend, data: Data, batch: int) -> None:
