@@ -60,6 +60,7 @@ def main() -> None:
     if args.combine:
         checked = [c for directory in args.combine for c in _checked(_records(Path(directory) / "nbdist.db"))]
         print(f"== combined: {', '.join(args.combine)}")
+        print(_breakdown(checked), "\n", sep="")
         _aim(checked)
         return
     repeats = args.repeats or (1 if args.quick else 2)
@@ -112,6 +113,7 @@ def main() -> None:
     print(calibration_text(calibration), *calibration.notes, "", sep="\n")
     comparisons = [Comparison.from_dict(entry) for entry in found["measured"]]
     print(comparison_text(comparisons), "\n", sep="")
+    print(_breakdown(comparisons), "\n", sep="")
     _aim(_checked(found))
 
 
@@ -124,6 +126,28 @@ def _checked(found: dict) -> list[Comparison]:
     """The measured configurations but the calibration's own."""
     comparisons = [Comparison.from_dict(entry) for entry in found["measured"]]
     return [c for c in comparisons if not (c.measured.extra or {}).get("calibration")]
+
+
+def _breakdown(comparisons: list[Comparison]) -> str:
+    """Where each configuration's time goes, predicted beside measured: a worker's step (or
+    exchange cycle) split into compute, communicate and wait, in ms; the other processes'
+    cores and each rank's share of a core while runnable during the measurement."""
+    rows = [
+        "| set-up | scaling | ranks | batch | samples/s error | step ms pred. | meas. | compute pred. | meas. "
+        "| communicate pred. | meas. | wait pred. | meas. | others' cores | ranks' shares |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for c in comparisons:
+        m, p, extra = c.measured, c.predicted, c.measured.extra or {}
+        shares = ", ".join("-" if v is None else f"{v:.2f}" for v in extra.get("shares") or [])
+        label = m.setup.label + (" (calibration)" if extra.get("calibration") else "")
+        times = (p.step_s, m.step_s, p.compute_s, m.compute_s, p.communicate_s, m.communicate_s, p.wait_s, m.wait_s)
+        rows.append(
+            f"| {label} | {m.scaling} | {m.ranks} | {m.batch} | {c.error:+.0%} | "
+            + " | ".join(f"{1e3 * t:.2f}" for t in times)
+            + f" | {extra.get('others', 0.0):.2f} | {shares} |"
+        )
+    return "\n".join(rows)
 
 
 def _aim(checked: list[Comparison]) -> None:

@@ -12,7 +12,7 @@ import pytest
 from test_scaling_model import DOWNPOUR, S, Z, calibration
 
 from nbdist.scaling import Machine, PerformanceModel, SetUp, Simulator, network
-from nbdist.scaling.assemble import at_share, rank_shares
+from nbdist.scaling.assemble import _growth, at_share, rank_shares
 from nbdist.scaling.model import PASS_UPDATES, expected_max, makespan
 from nbdist.scaling.queueing import mva_shared_cores
 from nbdist.scaling.setups import Point
@@ -135,6 +135,57 @@ def test_calibration_runs_come_back_to_a_core_of_their_own_by_each_ranks_share()
     assert rank_shares(point, 2) == [0.25, 0.25]
 
 
+def test_time_slicing_costs_a_synchronous_step_once_whatever_the_ranks_beyond_the_cores():
+    """A synchronous step on time-sliced cores waits for its last rank's last slice: what
+    the probe measured with one runnable beyond the cores, once a step, with one or two
+    beyond (a fraction of it where other processes leave a fraction of a core less)."""
+    extra = 1e-3
+    model = on_cores(2, round_extra_s=extra)
+    assert [model.slicing_s(r) for r in (2, 2.5, 3, 4)] == pytest.approx([0.0, extra / 2, extra, extra])
+    setup = SetUp("allreduce")
+    for ranks in (3, 4):
+        plain = on_cores(2).predict(setup, ranks)
+        assert model.predict(setup, ranks).step_s == pytest.approx(plain.step_s + extra, rel=1e-9)
+
+
+def test_a_synchronous_masters_round_is_time_sliced_only_by_the_ranks_that_compute():
+    """A synchronous master on 3 ranks of 2 cores sleeps while its 2 workers compute: they
+    have a core each and lose nothing to time slices; with 3 workers (4 ranks) they do."""
+    setup = SetUp("master-worker", "downpour", synchronous=True)
+    model, plain = on_cores(2, round_extra_s=1e-3), on_cores(2)
+    assert model.round_runnable(setup, 3) == 2
+    assert model.predict(setup, 3).step_s == pytest.approx(plain.predict(setup, 3).step_s, rel=1e-9)
+    assert model.predict(setup, 4).step_s > plain.predict(setup, 4).step_s
+    assert model.round_runnable(SetUp("allreduce"), 3) == 3
+
+
+def _run(setup: SetUp, ranks: int, batch: int, compute: float) -> Point:
+    return Point(
+        setup,
+        ranks,
+        1,
+        batch,
+        samples_per_s=batch / compute,
+        step_s=compute,
+        compute_s=compute,
+        communicate_s=0.0,
+        wait_s=0.0,
+        extra={"shares": [1.0] * ranks},
+    )
+
+
+def test_the_calibrations_growth_with_the_batch_comes_from_the_real_runs():
+    """A step's growth per sample is the lone allreduce rank's at four times the batch over
+    that at the batch; the probe's only where that run is missing or shows no growth."""
+    found = {"per_sample_s": 5e-5}
+    alone = _run(SetUp("allreduce"), 1, 32, 4.0e-3)
+    notes: list[str] = []
+    assert _growth(found, alone, _run(SetUp("allreduce"), 1, 128, 13.6e-3), 2, notes) == pytest.approx(1e-4)
+    assert "100 us per sample (the probe's 50 us)" in notes[0]
+    assert _growth(found, alone, None, 2, notes) == 5e-5
+    assert _growth(found, alone, _run(SetUp("allreduce"), 1, 128, 3.9e-3), 2, notes) == 5e-5
+
+
 # The probes measure this process's CPU seconds: in the suite's own process other tests'
 # threads may still run and count, so these checks run in a fresh interpreter.
 def _in_a_fresh_python(code: str) -> dict:
@@ -198,3 +249,45 @@ def test_the_probe_times_a_cores_own_seconds():
     asleep, busy, wall = got["asleep"], got["busy"], got["wall"]
     assert asleep < 0.1
     assert 0.0 < busy <= wall
+
+
+SETTLE_CHECK = """
+import json, resource
+import numpy as np
+from nbdist.scaling.calibrate import _in_memory
+from nbdist.scaling.probes import build_backend, settle_allocator
+from nbdist.train.definition import load_model_file
+
+definition = load_model_file("examples/digits_cnn.py")
+data = _in_memory(definition.make_data())
+backend = build_backend(definition, data, 1, 0)
+x, y = data.train_batch(np.arange(128))
+
+def faults_per_step():
+    backend.compute_gradients(x, y)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(10):
+        backend.compute_gradients(x, y)
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 10
+
+weights = np.array(backend.rule_params, copy=True)
+fresh = faults_per_step()
+settle_allocator(backend, data, 32)
+settled = faults_per_step()
+print(json.dumps({"fresh": fresh, "settled": settled,
+                  "same_weights": bool(np.array_equal(weights, np.asarray(backend.rule_params)))}))
+"""
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or __import__("platform").libc_ver()[0] != "glibc",
+    reason="the allocator's thresholds are glibc's",
+)
+def test_the_probe_settles_the_allocator_before_it_times_steps():
+    """In a fresh process, steps at four times the batch page-fault their activations in
+    anew (glibc gives the blocks back to the kernel); after settle_allocator they reuse
+    the heap, as a run's ranks do by their steady state. The weights stay as they were (the
+    noise scale is measured at the initial weights)."""
+    got = _in_a_fresh_python(SETTLE_CHECK)
+    assert got["same_weights"]
+    assert got["settled"] < got["fresh"] / 2, got

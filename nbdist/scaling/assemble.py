@@ -87,10 +87,12 @@ def assemble(
     started: float,
     *,
     poll_sleep_s: float,
+    big: Any = None,
 ) -> Calibration:
-    """The inputs, from the parts measured (`found`, calibrate.py's) and the two real
-    runs; `poll_sleep_s`: the longest sleep of a rank that sleeps between polls."""
-    notes = []
+    """The inputs, from the parts measured (`found`, calibrate.py's) and the real runs
+    (`big`: the lone allreduce rank at a larger batch, where there is one);
+    `poll_sleep_s`: the longest sleep of a rank that sleeps between polls."""
+    notes: list[str] = []
     # The probe's compute times are a core's own already (probes._OwnCore); the checkpoint
     # (disk as well as CPU) is brought back by the share of a core rank 0 had.
     alone_share = found["alone_share"]
@@ -98,6 +100,7 @@ def assemble(
     alone = at_share(alone, rank_shares(alone, cores)[0])
     master_share, worker_share = rank_shares(pair, cores)
     pair = at_share(pair, worker_share, master_share)
+    step, per_sample = found["step_s"], _growth(found, alone, big, cores, notes)
     if alone_share < 1.0:
         notes.append(
             f"other processes used the cores meanwhile: times brought back to a core each (share {alone_share:.2f})"
@@ -111,7 +114,7 @@ def assemble(
     params, state = found["params"], found["state"]
     message = 4 * (params + state)
     # A lone allreduce rank's step beyond forward and backward: data, optimiser, records.
-    allreduce_loop = max(0.0, alone.step_s - found["step_s"])
+    allreduce_loop = max(0.0, alone.step_s - step)
     # The master with one worker: busy (not waiting) per update, which the model rebuilds
     # as its loop + the rule's apply + the receive + one client looked at.
     cycle = pair.step_s
@@ -133,7 +136,7 @@ def assemble(
     # And within its compute phase, beyond the model's step (one worker computes alone; the
     # master's polling does not slow it) and the rule's worker_step: the lr, the loss check,
     # the tallies, once per batch.
-    per_batch = max(0.0, pair.compute_s - found["step_s"] - found["worker_step"]["downpour"])
+    per_batch = max(0.0, pair.compute_s - step - found["worker_step"]["downpour"])
     worker_step = {r: s + per_batch for r, s in found["worker_step"].items()}
     return Calibration(
         model=model,
@@ -141,8 +144,8 @@ def assemble(
         state=state,
         batch_size=batch,
         cores=cores,
-        step_s=found["step_s"],
-        per_sample_s=found["per_sample_s"],
+        step_s=step,
+        per_sample_s=per_sample,
         busy_factor=busy,
         spread=found["spread"],
         allreduce_loop_s=allreduce_loop,
@@ -174,3 +177,23 @@ def assemble(
         seconds=time.time() - started,
         notes=notes,
     )
+
+
+def _growth(found: dict[str, Any], alone: Point, big: Point | None, cores: int, notes: list[str]) -> float:
+    """A step's growth per sample of the batch, as the real runs took it: the lone
+    allreduce rank's compute phase at four times the batch over that at the batch (each
+    brought back to a core of its own); the probe's where that run is missing or shows
+    none. The probe's own growth is the difference of two medians of half a second each,
+    divided by three batches: small noise in either is a large error in it, and the
+    strong scaling's points (one worker at four times the batch) inherit it whole."""
+    per_sample = found["per_sample_s"]
+    if big is not None and big.batch > alone.batch:
+        big = at_share(big, rank_shares(big, cores)[0])
+        slope = (big.compute_s - alone.compute_s) / (big.batch - alone.batch)
+        if slope > 0:
+            per_sample = slope
+            notes.append(
+                f"the step's growth with the batch as the runs took it: {slope * 1e6:.3g} us per sample "
+                f"(the probe's {found['per_sample_s'] * 1e6:.3g} us)"
+            )
+    return per_sample

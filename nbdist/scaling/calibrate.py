@@ -3,7 +3,8 @@
 Collective over the job's ranks (at least two), in well under a minute:
 
 1. rank 0 alone (the others sleep in a barrier): the model's forward and backward at the
-   batch size and at four times it, through nbdist's backend (probes.py); each update
+   batch size and at four times it (each rank's allocator settled first, as a run's is:
+   probes.settle_allocator), through nbdist's backend (probes.py); each update
    rule's worker and master work on flat buffers of the model's size; a checkpoint share;
    the gradient noise scale at the model's initial weights;
 2. as many ranks as the node has cores (or ranks), computing at once: how much slower a
@@ -12,9 +13,10 @@ Collective over the job's ranks (at least two), in well under a minute:
    several sizes through the transport (transport/probe.py), the master's look at a
    client's posted receive, and a message's way when the ranks sleep between polls on
    cores kept busy (what more ranks than cores cost a wait);
-4. two short real runs through nbdist's own loops (points.py): allreduce on one rank, and
-   a master with one worker (Downpour) on two: what the loops cost beyond the parts above
-   (the data, the records, the master's loop per update, the messages' way).
+4. three short real runs through nbdist's own loops (points.py): allreduce on one rank at
+   the batch and at four times it, and a master with one worker (Downpour) on two: a step
+   as a run takes it and its growth with the batch, and what the loops cost beyond the
+   parts above (the data, the records, the master's loop per update, the messages' way).
 
 What it finds is made into the model's inputs, a `Calibration`, by assemble.py (no MPI).
 """
@@ -40,7 +42,15 @@ from nbdist.scaling.assemble import assemble, core_share, fit_line
 from nbdist.scaling.inputs import Calibration
 from nbdist.scaling.load import CpuMeter, thread_turns, window_load
 from nbdist.scaling.points import PointRunner
-from nbdist.scaling.probes import build_backend, busy_cores, checkpoint_seconds, noise_scale, rule_costs, time_steps
+from nbdist.scaling.probes import (
+    build_backend,
+    busy_cores,
+    checkpoint_seconds,
+    noise_scale,
+    rule_costs,
+    settle_allocator,
+    time_steps,
+)
 from nbdist.scaling.setups import Point, SetUp
 from nbdist.train.definition import ModelDefinition
 from nbdist.transport.collectives import Collectives
@@ -89,9 +99,15 @@ def calibrate(
     busy = min(size, cores)
     collectives = Collectives(lambda: TIMEOUT)
     # Ranks 0 and 1 time messages and steps together (with the same sizes and counts), and
-    # as many as the node has cores compute at once: those hold the model.
-    data = _in_memory(definition.make_data()) if rank < max(2, busy) else None
-    backend = build_backend(definition, data, base.threads, base.seed) if data is not None else None
+    # as many as the node has cores compute at once; every rank settles its allocator as a
+    # run's rank has (probes.settle_allocator): the points run on them all afterwards.
+    loaded = _in_memory(definition.make_data())
+    backend: Any = build_backend(definition, loaded, base.threads, base.seed)
+    settle_allocator(backend, loaded, batch)
+    data: Data | None = loaded
+    if rank >= max(2, busy):
+        loaded.close()
+        data, backend = None, None
     found: dict[str, Any] = {}
     try:
         idle_barrier(comm, TIMEOUT)
@@ -111,25 +127,52 @@ def calibrate(
     steps = int(min(5000, max(40, run_seconds / found["step_s"]))) if rank == 0 else 0
     steps = collectives.allgather(comm, steps, "the calibration")[0]
     alone = _fastest(runner, SetUp("allreduce"), 1, batch, steps, repeats, "calibration-allreduce-1r")
+    # The step's growth with the batch as a run's step grows: one rank at the strong
+    # scaling's total batch of 4 ranks (the probe's own slope stands in where it fails).
+    big_batch = min(4 * batch, found.get("train_samples", 4 * batch)) if rank == 0 else 0
+    big_batch = collectives.allgather(comm, big_batch, "the calibration")[0]
+    big = _fastest(
+        runner, SetUp("allreduce"), 1, big_batch, max(40, steps // 3), repeats, "calibration-allreduce-1r-big", "strong"
+    )
     pair = _fastest(runner, SetUp("master-worker", "downpour"), 2, batch, steps, repeats, "calibration-downpour-2r")
     if rank != 0:
         return None, []
     if alone.point is None or pair.point is None:
         raise UserError(f"the calibration runs could not be measured: {alone.error or pair.error}")
-    for point in (alone.point, pair.point):
+    points = [p for p in (alone.point, big.point, pair.point) if p is not None]
+    for point in points:
         point.extra = {**(point.extra or {}), **window_load(meter, (point.extra or {}).get("window"), point.ranks)}
     calibration = assemble(
-        found, alone.point, pair.point, busy, model, batch, size, cores, started, poll_sleep_s=LONGEST_SLEEP
+        found,
+        alone.point,
+        pair.point,
+        busy,
+        model,
+        batch,
+        size,
+        cores,
+        started,
+        poll_sleep_s=LONGEST_SLEEP,
+        big=big.point if big_batch > batch else None,
     )
-    return calibration, [alone.point, pair.point]
+    return calibration, points
 
 
-def _fastest(runner: PointRunner, setup: SetUp, ranks: int, batch: int, steps: int, repeats: int, name: str) -> Any:
+def _fastest(
+    runner: PointRunner,
+    setup: SetUp,
+    ranks: int,
+    batch: int,
+    steps: int,
+    repeats: int,
+    name: str,
+    scaling: str = "weak",
+) -> Any:
     """The fastest of `repeats` runs of a calibration point (as the study keeps its points':
     other processes' load only slows a run), with its own name each."""
     best = None
     for i in range(max(1, repeats)):
-        outcome = runner.run(setup, ranks, batch, steps, name=name if i == 0 else f"{name}-{i + 1}")
+        outcome = runner.run(setup, ranks, batch, steps, scaling, name=name if i == 0 else f"{name}-{i + 1}")
         if best is None or best.point is None:
             best = outcome
         elif outcome.point is not None and outcome.point.samples_per_s > best.point.samples_per_s:

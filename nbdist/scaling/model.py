@@ -34,7 +34,7 @@ share the cores (processor sharing), every time a core's own CPU time as calibra
 - time slices: a rank that becomes runnable waits its turn on a core (`turn_s`, measured
   with one runnable too many, for each beyond the cores); an update waits so for the master
   to notice it, and what comes meanwhile is served in the same pass, which lowers the
-  staleness below W - 1; a synchronous step loses `slicing_s` to it;
+  staleness below W - 1; a synchronous step loses `slicing_s` to it, once a step;
 - waiting ranks sleep between polls where they outnumber the node's cores, which adds at
   least half a poll sleep to each wait.
 
@@ -98,9 +98,20 @@ class PerformanceModel:
 
     def slicing_s(self, runnable: float) -> float:
         """What a synchronous step loses to the cores being time-sliced, not shared evenly,
-        with `runnable` ranks on a node: measured for one beyond the cores, taken to grow
-        with each one more."""
-        return self.cal.round_extra_s * max(0.0, runnable - self.machine.cores)
+        with `runnable` ranks on a node: measured with one beyond the cores, and once a
+        step however many more (the step waits for its last rank's last slice; the others'
+        slices run meanwhile on the other cores, and the even sharing counts them)."""
+        return self.cal.round_extra_s * min(1.0, max(0.0, runnable - self.machine.cores))
+
+    def round_runnable(self, setup: SetUp, ranks: int) -> float:
+        """The ranks of a node that take turns on its cores in a synchronous round: all of
+        an allreduce's; a synchronous master's workers, and its master where it polls (where
+        ranks outnumber the cores it sleeps in its wait for the bodies, as its workers do)."""
+        per_node = self.machine.ranks_per_node(ranks)
+        if setup.allreduce or not self.machine.sleeps(ranks):
+            return per_node
+        masters_here = setup.masters if self.machine.nodes_for(ranks) == 1 else 0
+        return max(1.0, per_node - masters_here)
 
     def turn_s(self, runnable: float) -> float:
         """How long a rank that becomes runnable waits for its turn on a core with
@@ -274,7 +285,7 @@ class PerformanceModel:
                 slowest = ex.compute * makespan(cal.spread, w, machine.cores)
             else:  # or polls, keeping its share (and the master polls too)
                 slowest = ex.compute * expected_max(cal.spread, w) * per_node / machine.cores
-            slowest += self.slicing_s(per_node)
+            slowest += self.slicing_s(self.round_runnable(setup, ranks))
         else:
             slowest = ex.compute * expected_max(cal.spread, w)
         # A round receives every body, then folds them in at once (master_round).

@@ -41,7 +41,9 @@ __all__ = [
     "noise_scale",
     "checkpoint_seconds",
     "busy_cores",
+    "settle_allocator",
     "SPREAD_POINTS",
+    "SETTLE_BATCHES",
 ]
 
 SPREAD_POINTS = 21  # quantiles of the measured step times the simulator draws from
@@ -65,6 +67,25 @@ def build_backend(definition: ModelDefinition, data: Data, threads: int, seed: i
         model = definition.make_model()
     sample, _ = data.train_batch(np.arange(min(256, data.n_train)))
     return backend_for(model, definition.loss, definition.metric, sample=sample)
+
+
+SETTLE_BATCHES = 8  # the batch of the steps that settle the allocator, in batches
+SETTLE_STEPS = 5
+
+
+def settle_allocator(backend: Backend, data: Data, batch: int) -> None:
+    """A few forward and backward passes at SETTLE_BATCHES times the batch, before any step
+    is timed. A fresh process's malloc (glibc's) hands blocks above its mmap threshold
+    (128 KiB at first) back to the kernel when they are freed and trims the heap's free top
+    beyond twice that threshold; it raises both only once it frees a larger block. Until
+    then every step whose activations pass them gets its memory from the kernel anew, page
+    by page (page faults, zeroed pages), and is slower for it, the more so the larger the
+    batch: the step's growth with the batch came out too steep. A run's ranks are past that
+    by their steady state (a larger batch has been through them: the noise scale's, a
+    validation's), so every rank of the probe settles first, and times its steps past it."""
+    x, y = data.train_batch(np.arange(min(SETTLE_BATCHES * batch, data.n_train)))
+    for _ in range(SETTLE_STEPS):
+        backend.compute_gradients(x, y)
 
 
 def _batches(data: Data, batch: int, rng: np.random.Generator) -> Callable[[], tuple[Any, Any]]:
