@@ -25,6 +25,7 @@ Collectives and reductions:
                      BatchNorm)
     torch_group      a torch.distributed process group made from an MPI communicator
     staging          a flat array on a device, seen by MPI as a host buffer
+    heap             freed memory kept for the next step (glibc's malloc thresholds)
 
 Waiting and failures:
     waiting          polled waits on MPI requests, never forever

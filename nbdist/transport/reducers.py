@@ -126,7 +126,7 @@ class MpiReducer(Reducer):
     passes its polled collectives' wait, with the run's deadline and failure naming).
 
     With a `compression` (--compression), the buckets go through its codec instead
-    (reduction.py)."""
+    (reduction.py). Making one sets the process's malloc to keep freed memory (heap.py)."""
 
     name = "mpi"
 
@@ -140,6 +140,7 @@ class MpiReducer(Reducer):
     ):
         from mpi4py import MPI
 
+        from nbdist.transport.heap import keep_freed_memory
         from nbdist.transport.reduction import compressed_reduction
         from nbdist.transport.staging import Staging
         from nbdist.transport.waiting import keep_pending, wait_all
@@ -159,6 +160,9 @@ class MpiReducer(Reducer):
             else compressed_reduction(comm, compression, backend.num_params, self.buckets, backend.param_blocks())
         )
         self.plain_bytes = 0
+        # Open MPI allocates and frees a temporary per bucket's Iallreduce every step: the
+        # heap keeps those pages rather than the kernel zero-filling new ones (heap.py).
+        keep_freed_memory(4 * backend.num_params)
 
     def __del__(self) -> None:
         # A run that ended in the middle of a step: the buckets' reductions may still
