@@ -29,13 +29,13 @@ GAN = str(Path(__file__).resolve().parent.parent / "examples" / "digits_gan.py")
 WORKERS = 3
 
 
-def _master(tmp_path: Path, validate_every: int = 1) -> Master:
+def _master(tmp_path: Path, validate_every: int = 1, epochs: int = 30) -> Master:
     """The top master of a fresh run, its clients' headers posted (serve's start)."""
     options = TrainOptions(
         model=GAN,
         gan=True,
         algorithm="easgd",
-        epochs=30,
+        epochs=epochs,
         early_stopping=1,
         monitor="val_mmd",
         validate_every=validate_every,
@@ -137,6 +137,34 @@ def test_epochs_that_end_together_keep_their_order_and_validate_every(tmp_path):
         assert ["val_mmd" in h for h in me.history] == [False, True, False]
         assert not any(VALIDATED_WITH in h for h in me.history)
         assert not me.validator.busy and not me.sharing
+    finally:
+        me.ctx.log.close()
+        me.ctx.data.close()
+
+
+def test_the_last_epoch_waits_for_late_workers_and_counts_every_sample(tmp_path):
+    """Workers 1 and 2 are late while worker 0 trains both epochs of a 2-epoch run: the
+    first epoch ends without them, as any asynchronous epoch may; the last one waits for
+    their shares (no later epoch would count them, and the master applies them anyway),
+    so the run's records count every sample once per epoch (before, the last record went
+    out without them, `samples_pending`, and no record ever counted them)."""
+    me = _master(tmp_path, epochs=2)
+    try:
+        _ends_epoch(me, 0, 0)
+        _ends_epoch(me, 0, 1)
+        finished = me.pop_finished_epochs()
+        assert [(epoch, tally.behind) for epoch, tally, _ in finished] == [(0, 2)]
+        for i in (1, 2):
+            _ends_epoch(me, i, 0)  # late: counted in the last epoch
+        assert me.pop_finished_epochs() == []  # the last epoch still waits for them
+        for i in (1, 2):
+            _ends_epoch(me, i, 1)
+        last = me.pop_finished_epochs()
+        assert [(epoch, tally.behind) for epoch, tally, _ in last] == [(1, 0)]
+        share = me.ctx.data.n_train // WORKERS
+        # An epoch's record counts its tally's samples (epoch_metrics): 1 share, then 5.
+        assert [tally.train.n for _, tally, _ in finished + last] == [share, 5 * share]
+        assert last[0][1].late == 2 * share
     finally:
         me.ctx.log.close()
         me.ctx.data.close()

@@ -120,7 +120,9 @@ class Master:
         """Every client expected has ended `epoch`; or, asynchronous, those that have not
         are late (`_late`): the run does not wait for them, their share is counted when it
         comes (tally_message), and the peer timeout only decides when a silent one is
-        dropped. Sets the tally's `behind`."""
+        dropped. Sets the tally's `behind`. The run's last epoch waits for every client
+        still in the run (the peer timeout drops a silent one): no later epoch would count
+        a late share, which the master still applies before its clients are done."""
         expected = self.expected_in(epoch)
         if not expected:
             return False
@@ -128,7 +130,8 @@ class Master:
         behind = expected - tally.ended
         if not behind:
             return True
-        if self.ctx.options.synchronous or not all(self._late(i) for i in behind):
+        last = epoch >= self.ctx.options.epochs - 1
+        if self.ctx.options.synchronous or last or not all(self._late(i) for i in behind):
             return False
         tally.behind = len(behind)
         return True
