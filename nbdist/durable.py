@@ -22,10 +22,12 @@ against 0.77 GB/s for BLAKE2b, and `sha256sum` lets a person check a file by han
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -37,6 +39,7 @@ __all__ = [
     "fsync_dir",
     "make_dir",
     "make_private",
+    "naming",
     "open_private",
     "private_fd",
     "replace_file",
@@ -126,20 +129,26 @@ def make_private(path: Path | str) -> None:
     os.chmod(path, PRIVATE_DIR if Path(path).is_dir() else PRIVATE_FILE)
 
 
-def write_bytes(path: Path, data: bytes) -> dict[str, Any]:
-    """Write and fsync `data` into a private file (the caller fsyncs the directory);
-    returns its size and digest. An error names the file, as open()'s do."""
+@contextlib.contextmanager
+def naming(path: Path | str) -> Iterator[None]:
+    """An OSError inside names `path` when it names no file: write(), flush(), fsync() and
+    close() name none, and a full disk would be told as the current directory's
+    (train/diskspace.py) instead of this file's."""
     try:
-        with open_private(path, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
+        yield
     except OSError as exc:
         if exc.filename is not None:
             raise
-        # write(), flush(), fsync() and close() name no file: a full disk would be told
-        # as the current directory's (train/diskspace.py) instead of this file's.
         raise OSError(exc.errno, exc.strerror, str(path)) from exc
+
+
+def write_bytes(path: Path, data: bytes) -> dict[str, Any]:
+    """Write and fsync `data` into a private file (the caller fsyncs the directory);
+    returns its size and digest. An error names the file, as open()'s do."""
+    with naming(path), open_private(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
     return {"bytes": len(data), DIGEST: hashlib.new(DIGEST, data).hexdigest()}
 
 

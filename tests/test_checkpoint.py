@@ -710,3 +710,33 @@ def test_a_durable_write_that_finds_the_disk_full_names_its_file(tmp_path):
     with pytest.raises(OSError) as raised:
         write_bytes(path, b"{}")
     assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(path)
+
+
+def test_the_metric_log_and_the_history_that_find_the_disk_full_name_their_files(tmp_path):
+    """The run's other writes go through an open file, whose write() and flush() name no
+    file either: their ENOSPC names the log (or the history), so that the DiskFull of a run
+    whose checkpoint filled the disk, and whose log then found it full, says where."""
+    import errno
+
+    from nbdist.metrics.log import RunLog, metrics_dir
+    from nbdist.train.diskspace import disk_full
+    from nbdist.train.history import HistoryFile
+
+    log = RunLog(tmp_path, "full", 0, "worker")
+    log_path = metrics_dir(tmp_path) / "rank-00000.jsonl"
+    # The disk fills up after the log was opened (it reads its file first, which
+    # /dev/full would answer with zeros for ever): its file now writes into /dev/full.
+    log._file.close()
+    log._file = open("/dev/full", "a")  # noqa: SIM115 - the log closes it
+    log.emit("train", {"loss": 1.0})
+    with pytest.raises(OSError) as raised:
+        log.flush()
+    assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(log_path)
+    assert f"no space left on the device of {metrics_dir(tmp_path)} (writing rank-00000.jsonl" in str(
+        disk_full(raised.value)
+    )
+
+    os.symlink("/dev/full", tmp_path / "history.jsonl")
+    with pytest.raises(OSError) as raised:
+        HistoryFile(tmp_path, writer=True).checkpoint([{"epoch": 1}])
+    assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(tmp_path / "history.jsonl")

@@ -103,10 +103,27 @@ def test_the_master_times_windows_from_its_reply_to_the_next_arrival():
     # Once the fastest no longer trains (dropped, or done), the others are measured
     # against the fastest left.
     assert windows.name(1, [1, 2]) == H and windows.name(2, [1, 2]) == 4
-    # A reply that is no CONTINUE (a SNAPSHOT: the update comes again) begins no timed window.
+    # A reply that is no CONTINUE (a STOP) begins no timed window.
     windows.begin(2, 20.0, timed=False)
     windows.arrived(2, 32, at=20.5)
     assert windows.speeds[2] == 64.0
+
+
+def test_an_update_sent_back_by_a_snapshot_is_timed_to_its_first_arrival():
+    """A checkpoint's SNAPSHOT answers an update without applying it; the worker saves its
+    share and sends the update again. Its window ended when it first arrived: a slow worker
+    whose every window meets a faster worker's checkpoint is timed all the same."""
+    windows = WorkerWindows(AsyncLocalSGD(dynamic_steps=True), H, 2)
+    windows.begin(0, 0.0, timed=True)
+    windows.arrived(0, 256, at=1.0)  # 256 samples/s
+    windows.begin(1, 0.0, timed=True)
+    windows.sent_back(1, arrived=4.0)  # a quarter as fast; the share's save takes 3 s more
+    windows.arrived(1, 256, at=7.0)
+    assert windows.speeds[1] == 64.0 and windows.name(1, [0, 1]) == 2
+    # The next window is timed from its own CONTINUE, to its own arrival.
+    windows.begin(1, 8.0, timed=True)
+    windows.arrived(1, 64, at=9.0)
+    assert windows.speeds[1] == 64.0
 
 
 def test_the_speeds_checkpoint_and_resume():

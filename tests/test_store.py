@@ -292,7 +292,8 @@ def test_the_recorder_of_a_batch_run_outlives_a_locked_store_and_records_its_end
         job = subprocess.Popen(
             mpiexec_command(
                 2,
-                ["-m", "nbdist", "train", "--model", "examples/digits_mlp.py", "--epochs", "30"]
+                # Paced: it still trains when the lock is taken, however fast the machine.
+                ["-m", "nbdist", "train", "--model", "tests/models/digits_mlp_paced.py", "--epochs", "12"]
                 + ["--runs-dir", str(runs), "--run-name", "locked", "--quiet"],
             ),
             cwd=ROOT,
@@ -311,8 +312,8 @@ def test_the_recorder_of_a_batch_run_outlives_a_locked_store_and_records_its_end
         blocker.execute("BEGIN EXCLUSIVE")
         try:
             while "cannot take this run's records now" not in output.read_text():
-                assert time.monotonic() < deadline, "the recorder said nothing of the locked store:\n" + (
-                    output.read_text()
+                assert job.poll() is None and time.monotonic() < deadline, (
+                    "the recorder said nothing of the locked store:\n" + output.read_text()
                 )
                 time.sleep(0.1)
             time.sleep(1.0)  # locked a while longer: it keeps trying, and says nothing more
@@ -329,6 +330,6 @@ def test_the_recorder_of_a_batch_run_outlives_a_locked_store_and_records_its_end
     run_dir = runs / "locked"
     with RunStore(runs / "nbdist.db") as store:
         run = store.run("locked")
-        assert run.status == "completed" and run.reason == "completed 30 epochs", run
+        assert run.status == "completed" and run.reason == "completed 12 epochs", run
     rows = _store_rows(runs)
     assert sorted(rows) == sorted((r["run"], r["rank"], r["seq"], r["kind"], r["time"]) for r in read_log(run_dir))

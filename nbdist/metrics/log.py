@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from nbdist.durable import make_dir, open_private
+from nbdist.durable import make_dir, naming, open_private
 from nbdist.metrics.record import Record
 from nbdist.metrics.resources import ResourceSampler
 
@@ -197,8 +197,9 @@ class RunLog:
         if self._pending:
             batch, self._pending = self._pending, []
             try:
-                self._file.write("\n".join(json.dumps(r, separators=(",", ":")) for r in batch) + "\n")
-                self._file.flush()
+                with naming(self.path):
+                    self._file.write("\n".join(json.dumps(r, separators=(",", ":")) for r in batch) + "\n")
+                    self._file.flush()
             except OSError:
                 if self._failed:
                     return

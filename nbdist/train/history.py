@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from nbdist.durable import fsync_dir, open_private, replace_file
+from nbdist.durable import fsync_dir, naming, open_private, replace_file
 
 __all__ = ["HistoryFile"]
 
@@ -34,7 +34,7 @@ class HistoryFile:
     def checkpoint(self, history: list[dict[str, Any]]) -> dict[str, int]:
         """Make `history` durable; returns what a checkpoint stores in its place."""
         if self.writer and len(history) > self.written:
-            with open_private(self.path, "a") as fh:
+            with naming(self.path), open_private(self.path, "a") as fh:
                 fh.writelines(json.dumps(entry) + "\n" for entry in history[self.written :])
                 fh.flush()
                 os.fsync(fh.fileno())

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import save
 
-from nbdist.durable import DIGEST, open_private, write_bytes
+from nbdist.durable import DIGEST, naming, open_private, write_bytes
 
 __all__ = ["write_safetensors"]
 
@@ -69,7 +69,7 @@ def write_safetensors(path: Path, flat: dict[str, np.ndarray]) -> dict[str, Any]
     text += b" " * (-len(text) % HEADER_ALIGN)
     head = len(text).to_bytes(8, "little") + text
     digest = hashlib.new(DIGEST, head)
-    with open_private(path, "wb") as fh:
+    with naming(path), open_private(path, "wb") as fh:
         fh.write(head)
         for array in flat.values():
             if array.nbytes:

@@ -57,7 +57,10 @@ def reply(me: Master, i: int, kind: float, payload: np.ndarray, *, label: str = 
         # Dynamic local steps: a CONTINUE begins the worker's next window, of the length
         # named when its update was applied (master/windows.py); other replies time none.
         header[m.WINDOW] = me.windows.named[i] if kind == m.CONTINUE else 0.0
-        me.windows.begin(i, time.monotonic(), timed=kind == m.CONTINUE)
+        if kind == m.SNAPSHOT:
+            me.windows.sent_back(i, client.silence.last)
+        else:
+            me.windows.begin(i, time.monotonic(), timed=kind == m.CONTINUE)
     if me.members.workers:
         for w in me.members.of(epoch, me.live_workers()):
             header[m.MEMBERS + w] = 1.0

@@ -6,7 +6,10 @@ window to the arrival of the header of the update that ended it (Silence.last, s
 the header is seen): the worker's local steps plus one message each way, which is what
 decides how often it sends. Its speed is that update's samples over that time. A window
 that no CONTINUE began is not timed: a worker's first (after the initial weights, or
-after a resume), and an update sent again after a SNAPSHOT. The next window is the rule's
+after a resume). An update that a SNAPSHOT sent back (a checkpoint was being taken) ended
+its window when it first arrived: the window is timed to then, however long the share's
+save took, so that a slow worker whose every window meets a faster one's checkpoint is
+timed all the same. The next window is the rule's
 (Algorithm.next_window), from the worker's speed and the fastest among the workers that
 still train under this master; until a worker is timed it keeps the run's window.
 
@@ -39,15 +42,20 @@ class WorkerWindows:
     speeds: list[float] = field(init=False)
     began: list[float | None] = field(init=False)
     named: list[int] = field(init=False)
+    # When the update now sent again after a SNAPSHOT first arrived (None: none was).
+    ended: list[float | None] = field(init=False)
 
     def __post_init__(self) -> None:
         self.speeds = [0.0] * self.clients
         self.began = [None] * self.clients
         self.named = [self.window] * self.clients
+        self.ended = [None] * self.clients
 
     def arrived(self, i: int, samples: int, at: float) -> None:
         """Worker i's update, whose header arrived at `at`, ended its window."""
         began, self.began[i] = self.began[i], None
+        ended, self.ended[i] = self.ended[i], None
+        at = ended if ended is not None else at
         if began is not None and at > began and samples > 0:
             self.speeds[i] = samples / (at - began)
 
@@ -60,6 +68,12 @@ class WorkerWindows:
     def begin(self, i: int, at: float, timed: bool) -> None:
         """A reply to worker i left at `at`: it begins a timed window when it is a CONTINUE."""
         self.began[i] = at if timed else None
+
+    def sent_back(self, i: int, arrived: float) -> None:
+        """Worker i's update, which arrived at `arrived`, was answered with a SNAPSHOT: it
+        comes again, and its window ended at `arrived`."""
+        if self.ended[i] is None:
+            self.ended[i] = arrived
 
     def to_json(self) -> list[float]:
         return list(self.speeds)
