@@ -39,17 +39,21 @@ def wait_for_clients(me: Master) -> list[int]:
     synchronous = me.ctx.options.synchronous
     while me.active:
         check_replies(me)
-        if time.monotonic() - me.silence_checked >= SILENCE_CHECK_EVERY:
-            # Also while the others keep the master busy: a frozen client sends nothing.
-            me.silence_checked = time.monotonic()
-            _check_silence(me)
+        # Also while the others keep the master busy: a frozen client sends nothing.
+        silence_due = time.monotonic() - me.silence_checked >= SILENCE_CHECK_EVERY
         # Dropped clients keep their receive posted: one that wakes up is told DROPPED.
-        done, failed = me.channel.wait_headers(timeout=0 if ready else SILENCE_CHECK_EVERY)
+        done, failed = me.channel.wait_headers(timeout=0 if ready or silence_due else SILENCE_CHECK_EVERY)
         for i in failed:
             if i in me.active:
                 me.lose(i, "died", gone=True)
         for i in done:
             me.clients[i].silence.heard()
+        if silence_due:
+            # Only once the headers that came are taken in: a master held up elsewhere
+            # (for a peer timeout, by a body that did not come) would otherwise find a
+            # client whose header waited unread as silent as a frozen one.
+            me.silence_checked = time.monotonic()
+            _check_silence(me)
         ready.update(done)
         if ready and (not synchronous or me.active <= ready):
             break
