@@ -35,7 +35,7 @@ from nbdist.transport.faults import RunFailure, ulfm_enabled
 
 __all__ = ["main", "run", "build_parser"]
 
-# How long a rank leaving without MPI_Finalize gives mpiexec to forward its last output.
+# How long a rank leaving without MPI_Finalize with a failure status waits first (run()).
 LAST_WORDS_SECONDS = 0.5
 
 # Each command and the function that runs it (the functions live in commands.py and launching.py).
@@ -90,16 +90,21 @@ def run() -> None:
     or was removed, finalizing can wait forever for it (1 job in 6 did, here), and it
     must be all ranks or none (a rank that finalizes waits for one that did not). There
     is nothing left to finalize for: the run's files are written and closed, and its last
-    messages were received (the run leader waits for every rank's end)."""
+    messages were received (the run leader waits for every rank's end).
+
+    A rank that leaves so with a failure status ends the whole job: mpiexec takes the
+    other ranks down, with the error line the reporting rank has yet to write or mpiexec
+    yet to forward. Such a rank waits LAST_WORDS_SECONDS first. A rank that leaves with
+    status 0 ends nothing, and mpiexec reads its output to the end: it leaves at once
+    (bench/results/2026-11-28-test-suite.md, "A rank's last words")."""
     import os
 
     status = main()
     if ulfm_enabled():
         sys.stdout.flush()
         sys.stderr.flush()
-        # mpiexec forwards what a rank wrote as it reads it; a rank that leaves at once can
-        # take its last line (the error it reports) with it.
-        time.sleep(LAST_WORDS_SECONDS)
+        if status != 0:
+            time.sleep(LAST_WORDS_SECONDS)
         os._exit(status)
     sys.exit(status)
 
