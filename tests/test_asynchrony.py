@@ -178,3 +178,57 @@ def test_gem_updates_get_the_staleness_discount_from_8_workers_and_a_warning_as_
     assert "drop --momentum-correction off" in warning.text and "--synchronous" in warning.text
     assert published_gem_warning(gem, 16, True, "off") == ""
     assert published_gem_warning(make_algorithm(parse_spec("easgd")), 16, False, "off") == ""
+
+
+def bound(text: str, workers: int):
+    rule = make_algorithm(parse_spec(text))
+    rule.bind(workers)  # as the run does, before the correction (train/settle.py)
+    return rule
+
+
+@pytest.mark.parametrize(
+    ("text", "workers", "lowered"),
+    [
+        ("diloco", 8, 0.9 - 0.875),  # updated every arrival: 1 - 1/8
+        ("diloco", 2, 0.9 - 0.5),
+        ("diloco", 16, 0.0),  # 0.9375 exceeds it
+        ("async_local_sgd", 8, 0.9 - (7 / 8) ** 8),  # updated once every 8 arrivals
+        ("async_local_sgd", 16, 0.9 - (15 / 16) ** 16),
+        ("async_local_sgd(activation=2)", 8, 0.9 - (7 / 8) ** 2),
+    ],
+)
+def test_an_asynchronous_outer_momentum_is_lowered_by_the_implicit_one_over_its_own_steps(text, workers, lowered):
+    rule = bound(text, workers)
+    fixed = optimisers_for_asynchrony(rule, None, None, workers, False, "auto")
+    assert fixed.optimizer is None and not fixed.stale_lr and not fixed.stale_updates
+    [note] = fixed.notices
+    assert rule.outer_momentum()[0] == pytest.approx(lowered, abs=1e-6)
+    assert float(rule.mu) == pytest.approx(lowered, abs=1e-6)  # what the outer step multiplies by
+    assert f"outer momentum 0.9 is lowered to {round(lowered, 6):g}" in note.text and not note.warning
+    assert f"{rule.name}(" in repr(rule) and f"outer_momentum={round(lowered, 6)!r}" in repr(rule)
+    assert "--momentum-correction off keeps it as given" in note.text
+
+
+@pytest.mark.parametrize(("workers", "synchronous"), [(8, True), (1, False)])
+def test_a_synchronous_or_single_worker_outer_momentum_is_kept(workers, synchronous):
+    for text in ("diloco", "async_local_sgd"):
+        rule = bound(text, workers)
+        assert optimisers_for_asynchrony(rule, None, None, workers, synchronous, "auto").notices == []
+        assert rule.outer_momentum()[0] == pytest.approx(0.9)
+
+
+def test_rules_without_an_outer_momentum_have_none_to_lower():
+    assert bound("easgd", 8).outer_momentum() is None and bound("eamsgd", 8).outer_momentum() is None
+    with pytest.raises(TypeError, match="easgd keeps no outer momentum"):
+        bound("easgd", 8).set_outer_momentum(0.5)
+
+
+def test_off_keeps_the_outer_momentum_and_warns_when_the_total_reaches_one():
+    rule = bound("diloco", 8)
+    [warning] = optimisers_for_asynchrony(rule, None, None, 8, False, "off").notices
+    assert rule.outer_momentum()[0] == pytest.approx(0.9)
+    assert warning.warning and "diloco's outer momentum 0.9 the total 1.77 is 1 or more" in warning.text
+    assert "fell back to chance on jet images at 8 and 16 workers" in warning.text
+    assert "outer_momentum below 0.12" in warning.text and "--synchronous" in warning.text
+    small = bound("diloco(outer_momentum=0.1)", 8)  # 0.1 + 0.875 < 1
+    assert optimisers_for_asynchrony(small, None, None, 8, False, "off").notices == []

@@ -102,14 +102,10 @@ def test_each_new_rule_learns_digits(job, name):
     assert summary["stop_reason"] == f"completed {EPOCHS} epochs"
     history = summary["history"]
     accuracies = [round(h["val_acc"], 3) for h in history]
-    if name == "diloco-async":
-        # Outer Nesterov momentum on every stale delta: Liu et al. (2024) found it slows
-        # asynchronous local SGD, and here its accuracy swings from epoch to epoch (the
-        # bench/results/2026-11-27-convergence-new-rules.md runs); async_local_sgd is the fix.
-        # It learns, but is held to less.
-        assert max(accuracies) >= 0.7, accuracies
-    else:
-        assert history[-1]["val_acc"] >= ACCURACY, f"{name}: {accuracies}"
+    # Asynchronous DiLoCo too: its outer momentum lowered for the asynchrony's (0.4 at 2
+    # workers, train/asynchrony.py); with the published 0.9 its accuracy swung from epoch
+    # to epoch here (bench/results/2026-11-27-convergence-new-rules.md).
+    assert history[-1]["val_acc"] >= ACCURACY, f"{name}: {accuracies}"
     assert history[-1]["val_loss"] < history[0]["val_loss"]
 
 

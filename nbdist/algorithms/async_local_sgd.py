@@ -24,6 +24,12 @@ a synchronous round (--synchronous) is that round. (The paper writes the step be
 activations with a factor c; 1 / N is the choice that keeps the equivalence above, and
 the one this rule makes.)
 
+Asynchrony still adds a momentum of its own (Mitliagkas et al. 2016), about (1 - 1/W)^N
+over the N arrivals between two momentum updates: with the paper's 0.9 on top, the
+centre fell back to chance on jet images at 8 and 16 workers, so under
+--momentum-correction auto (the default) the run lowers mu by it (train/asynchrony.py:
+0.556 at 8 workers).
+
 The paper's second part, Dynamic Local Updates (DyLU), is `dynamic_steps=True`: each
 worker's number of local steps is scaled by its speed relative to the fastest worker,
 
@@ -118,6 +124,10 @@ class AsyncLocalSGD(LocalWindows):
     def every(self) -> int:
         """N: arrivals between momentum updates."""
         return int(self.params["activation"] or self.workers)
+
+    @property
+    def momentum_every(self) -> int:
+        return self.every
 
     def new_master_state(self, n: int, like: Array | None = None) -> DelayedNesterov:
         return DelayedNesterov(zeros_like_buffer(n, like), zeros_like_buffer(n, like), 0)

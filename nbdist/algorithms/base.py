@@ -203,6 +203,18 @@ class Algorithm(Rule, ABC):
         the run's (inner_steps or --sync-every). By default every worker keeps `window`."""
         return window
 
+    def outer_momentum(self) -> tuple[float, int] | None:
+        """The momentum of the master's own outer step (DiLoCo's) and the asynchronous
+        arrivals between two of its updates; None (the default): the rule's master keeps
+        no momentum. Asynchrony adds a momentum of its own, by which the run lowers this
+        one (train/asynchrony.py, through set_outer_momentum)."""
+        return None
+
+    def set_outer_momentum(self, momentum: float) -> None:
+        """Step with `momentum` as the outer momentum (a rule whose outer_momentum() is
+        not None)."""
+        raise TypeError(f"{self.name} keeps no outer momentum")
+
     # -- worker side ------------------------------------------------------------------
     @abstractmethod
     def new_worker_state(self, n: int, sync_every: int, like: Array | None = None) -> RuleState:

@@ -27,7 +27,11 @@ with the same outer step, the delta weighted by the worker's share of a round (1
 workers): W arrivals then move the centre as far as one round of W would, and one
 worker is exactly H inner steps followed by the outer step. That is the "naive"
 asynchronous DiLoCo of Liu et al. 2024 (their outer momentum sees stale deltas);
-`async_local_sgd` is their fix.
+`async_local_sgd` is their fix. Asynchrony adds a momentum of its own, about 1 - 1/W a
+step (Mitliagkas et al. 2016): with the paper's 0.9 on top, the centre fell back to
+chance on jet images at 8 and 16 workers, so under --momentum-correction auto (the
+default) the run lowers the outer momentum by it (train/asynchrony.py: 0.025 at 8
+workers, 0 from 10).
 
 The outer momentum m is the master's rule state: it is checkpointed with the centre and
 a resume continues it exactly. The deltas are what --compression encodes (fp16 is safe
@@ -87,6 +91,21 @@ class LocalWindows(Algorithm):
 
     def sync_window(self) -> int | None:
         return self.inner_steps
+
+    # The outer optimiser's momentum (each rule's own parameter) and the arrivals between
+    # two of its updates: every arrival, unless a rule waits for more (async_local_sgd).
+    mu = np.float32(0.0)
+
+    @property
+    def momentum_every(self) -> int:
+        return 1
+
+    def outer_momentum(self) -> tuple[float, int] | None:
+        return float(self.mu), self.momentum_every
+
+    def set_outer_momentum(self, momentum: float) -> None:
+        self.mu = np.float32(momentum)
+        self.params["outer_momentum"] = momentum  # what the run's first line shows
 
     def bind(self, workers: int) -> None:
         self.workers = max(int(workers), 1)

@@ -99,6 +99,7 @@ class TrainOptions:
         "auto: an asynchronous master's momentum is lowered by the 1 - 1/workers that asynchrony adds "
         "(Mitliagkas et al. 2016); where there is no momentum to lower, each update's lr (downpour's default "
         "master) or each update (adag, gem) is divided by 1 + its staleness from 8 workers (Jiang et al. 2017); "
+        "diloco's and async_local_sgd's outer momentum is lowered the same way; "
         "off: kept as given (a total of 1 or more gets a warning)",
         choices=MOMENTUM_CORRECTIONS,
     )

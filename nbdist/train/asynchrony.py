@@ -40,6 +40,18 @@ nbdist.algorithms.gem). The workers' own momentum is left as it is: correcting i
 stopped ADAG's collapses but slowed it on digits with few workers
 (bench/results/2026-11-24-convergence.md).
 
+A rule whose master steps with an outer momentum of its own (DiLoCo's outer Nesterov,
+async_local_sgd's delayed one) gets the same lowering, counted in the momentum's own
+steps: updated once every P arrivals (P = 1 for DiLoCo, N for async_local_sgd's delayed
+Nesterov), the implicit momentum decays over those P arrivals to (1 - 1/W)^P, and
+
+    outer momentum <- max(0, outer momentum - (1 - 1/W)^P)
+
+(at 8 workers, DiLoCo's 0.9 becomes 0.025 and async_local_sgd's 0.556). DiLoCo's
+asynchronous step already takes 1/W of each delta, the mean staleness's share, so no lr
+is discounted on top. As published (0.9), both fell back to chance on the jet images at
+8 and 16 workers (bench/results/2026-11-28-convergence.md).
+
 With `--momentum-correction off` the momentum and lr stay as given, and a set-up whose
 total reaches 1 gets a warning that says why and what to use instead. Synchronous rounds
 add no momentum (every update is computed from the current centre), and neither does
@@ -60,6 +72,7 @@ __all__ = [
     "corrected_momentum",
     "worker_momentum_warning",
     "stale_updates_note",
+    "corrected_outer_momentum",
     "published_gem_warning",
     "Notice",
     "MasterForAsynchrony",
@@ -226,6 +239,39 @@ class Notice:
     warning: bool  # stderr, even with --quiet; else a note on stdout
 
 
+def corrected_outer_momentum(algorithm: Algorithm, workers: int, synchronous: bool, correction: str) -> Notice | None:
+    """Lower the outer momentum of a rule whose master keeps one (DiLoCo, async_local_sgd)
+    by the momentum `workers` asynchronous workers add, in the outer momentum's own steps
+    (the module's docstring); or, with --momentum-correction off, warn where the total
+    reaches 1. None: nothing changed and nothing to say."""
+    held = algorithm.outer_momentum()
+    if held is None or synchronous or workers < 2:
+        return None
+    explicit, every = held
+    implicit = implicit_momentum(workers) ** every
+    over = f"; over the {every} arrivals between two updates of the outer momentum, {implicit:.2f}" if every > 1 else ""
+    source = f"{_implicit_source(workers)}{over} (Mitliagkas et al. 2016)"
+    if correction == "off":
+        if explicit + implicit < 1.0:
+            return None
+        return Notice(
+            f"{source}; with {algorithm.name}'s outer momentum {explicit:g} the total {explicit + implicit:.2f} "
+            f"is 1 or more: asynchronous {algorithm.name} with the published 0.9 fell back to chance on jet images "
+            f"at 8 and 16 workers (bench/results/2026-11-28-convergence.md); drop --momentum-correction off, "
+            f"give outer_momentum below {max(0.0, 1.0 - implicit):.2g}, or use --synchronous",
+            warning=True,
+        )
+    corrected = round(max(0.0, explicit - implicit), 6)
+    if corrected == explicit:
+        return None
+    algorithm.set_outer_momentum(corrected)
+    return Notice(
+        f"{source}: {algorithm.name}'s outer momentum {explicit:g} is lowered to {corrected:g}; "
+        f"--momentum-correction off keeps it as given",
+        warning=False,
+    )
+
+
 def stale_updates_note(algorithm: str, workers: int) -> str:
     """What a run of a rule whose centre adds the workers' updates as they are (ADAG, GEM)
     is told when its updates get the staleness discount."""
@@ -263,9 +309,12 @@ def optimisers_for_asynchrony(
 ) -> MasterForAsynchrony:
     """The master optimiser to build (its momentum, or its lr per update, corrected),
     whether a rule that adds the workers' steps as they are discounts stale ones, and what
-    the run leader tells the user about either."""
+    the run leader tells the user about either; a rule's outer momentum is lowered on
+    `algorithm` itself (corrected_outer_momentum)."""
     fixed = corrected_momentum(master, workers, synchronous, correction)
     notices = [Notice(fixed.note, fixed.warning)] if fixed is not None and fixed.note else []
+    outer = corrected_outer_momentum(algorithm, workers, synchronous, correction)
+    notices += [outer] if outer is not None else []
     stale_updates = (
         algorithm.auto_stale_discount and correction == "auto" and not synchronous and workers >= COLLAPSE_SEEN_FROM
     )
