@@ -74,6 +74,9 @@ LIBPQ_PREFIX = "PG"
 SESSION_DIR_PREFIX = "ompi."
 LAUNCHER_NAMES = ("prterun", "mpiexec", "mpirun", "prte")
 
+# The MCA variable of Open MPI's nonblocking allreduce algorithm (mpi_env sets it).
+LIBNBC_IALLREDUCE = "OMPI_MCA_coll_libnbc_iallreduce_algorithm"
+
 
 def remove_stale_session_dirs(tmp: str | None = None) -> list[Path]:
     """Remove the session directories that mpiexecs killed with SIGKILL left behind (this
@@ -122,6 +125,13 @@ def mpi_env(base: dict[str, str] | None = None, *, local: bool = True, interface
     # Each rank is one process of a data-parallel job: one intra-op thread per rank
     # avoids N_ranks x N_cores threads fighting over the cores.
     env.setdefault("OMP_NUM_THREADS", "1")
+    # The allreduce topology's buckets are in-place Iallreduces, and for any in-place one
+    # (or fewer than 4 ranks) Open MPI's libnbc picks a binomial tree: the whole bucket
+    # goes up to rank 0 and back down, one rank reducing while the others wait.
+    # Rabenseifner's reduce-scatter and allgather (a ring where a bucket has fewer elements
+    # than ranks) has every rank reduce its share. 31.5 MB on 2 ranks: 4.4-4.7 ms
+    # against 14.5-18.3 (bench/results/2026-11-28-allreduce_vs_ddp-libnbc.md).
+    env.setdefault(LIBNBC_IALLREDUCE, "rabenseifner")
     for key, value in ULFM_ENV.items():
         env.setdefault(key, value)
     if local:
