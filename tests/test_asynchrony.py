@@ -204,7 +204,7 @@ def test_an_asynchronous_outer_momentum_is_lowered_by_the_implicit_one_over_its_
     [note] = fixed.notices
     assert rule.outer_momentum()[0] == pytest.approx(lowered, abs=1e-6)
     assert float(rule.mu) == pytest.approx(lowered, abs=1e-6)  # what the outer step multiplies by
-    assert f"outer momentum 0.9 is lowered to {round(lowered, 6):g}" in note.text and not note.warning
+    assert f"outer momentum 0.9 is lowered to {lowered:.3g};" in note.text and not note.warning
     assert f"{rule.name}(" in repr(rule) and f"outer_momentum={round(lowered, 6)!r}" in repr(rule)
     assert "--momentum-correction off keeps it as given" in note.text
 

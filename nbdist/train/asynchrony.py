@@ -266,7 +266,7 @@ def corrected_outer_momentum(algorithm: Algorithm, workers: int, synchronous: bo
         return None
     algorithm.set_outer_momentum(corrected)
     return Notice(
-        f"{source}: {algorithm.name}'s outer momentum {explicit:g} is lowered to {corrected:g}; "
+        f"{source}: {algorithm.name}'s outer momentum {explicit:g} is lowered to {corrected:.3g}; "
         f"--momentum-correction off keeps it as given",
         warning=False,
     )
