@@ -39,6 +39,7 @@ from typing import Any
 from nbdist.errors import UserError
 from nbdist.train.stopping import FORWARDED_SIGNAL_FILE, stop_caught_early
 from nbdist.transport.faults import ULFM_ARGS, ULFM_ENV
+from nbdist.transport.reducers import LIBNBC_ALGORITHM, LIBNBC_IALLREDUCE
 
 __all__ = [
     "mpi_env",
@@ -73,9 +74,6 @@ LIBPQ_PREFIX = "PG"
 # Open MPI 5's mpiexec (prterun) keeps its PMIx rendezvous files in TMPDIR/ompi.<its PID>.
 SESSION_DIR_PREFIX = "ompi."
 LAUNCHER_NAMES = ("prterun", "mpiexec", "mpirun", "prte")
-
-# The MCA variable of Open MPI's nonblocking allreduce algorithm (mpi_env sets it).
-LIBNBC_IALLREDUCE = "OMPI_MCA_coll_libnbc_iallreduce_algorithm"
 
 
 def remove_stale_session_dirs(tmp: str | None = None) -> list[Path]:
@@ -131,7 +129,7 @@ def mpi_env(base: dict[str, str] | None = None, *, local: bool = True, interface
     # Rabenseifner's reduce-scatter and allgather (a ring where a bucket has fewer elements
     # than ranks) has every rank reduce its share. 31.5 MB on 2 ranks: 4.4-4.7 ms
     # against 14.5-18.3 (bench/results/2026-11-28-allreduce_vs_ddp-libnbc.md).
-    env.setdefault(LIBNBC_IALLREDUCE, "rabenseifner")
+    env.setdefault(LIBNBC_IALLREDUCE, LIBNBC_ALGORITHM)
     for key, value in ULFM_ENV.items():
         env.setdefault(key, value)
     if local:

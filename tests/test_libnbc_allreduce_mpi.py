@@ -16,9 +16,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_mpi
+from conftest import ROOT, run_mpi
 
-from nbdist.launch import LIBNBC_IALLREDUCE, mpi_env
+from nbdist.launch import mpi_env, mpiexec_command
+from nbdist.transport.reducers import LIBNBC_IALLREDUCE, libnbc_note
 
 pytestmark = pytest.mark.mpi
 
@@ -74,3 +75,39 @@ def test_in_place_iallreduce_gives_every_rank_the_same_sum(tmp_path):
     for count, result in report["counts"].items():
         assert result["same_bits"], count
         assert result["error"] < 1e-4, (count, result)
+
+
+def test_a_job_started_without_nbdists_environment_is_told_how_to_get_it():
+    by_open_mpi = {"OMPI_COMM_WORLD_SIZE": "2"}  # what Open MPI's mpiexec gives its ranks
+    note = libnbc_note("mpi", 2, environ=by_open_mpi)
+    assert "OMPI_MCA_coll_libnbc_iallreduce_algorithm is not set" in note
+    assert "python -m nbdist launch" in note and "=rabenseifner" in note
+    # Launched by nbdist, another MPI's launcher, one rank, or not MPI's reducer: nothing to say.
+    assert libnbc_note("mpi", 2, environ=mpi_env(by_open_mpi)) == ""
+    assert libnbc_note("mpi", 2, environ={}) == ""
+    assert libnbc_note("mpi", 1, environ=by_open_mpi) == ""
+    assert libnbc_note("gloo", 2, environ=by_open_mpi) == ""
+
+
+def test_the_note_reaches_a_run_started_by_a_plain_mpiexec(tmp_path):
+    env = {k: v for k, v in mpi_env().items() if k != LIBNBC_IALLREDUCE}
+    cmd = mpiexec_command(
+        2,
+        [
+            "-m",
+            "nbdist",
+            "train",
+            "--model",
+            str(ROOT / "examples" / "digits_mlp.py"),
+            "--topology",
+            "allreduce",
+            "--epochs",
+            "1",
+            "--runs-dir",
+            str(tmp_path),
+        ],
+    )
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout + done.stderr
+    assert out.count("Open MPI picks its own algorithm for the allreduce buckets") == 1, out

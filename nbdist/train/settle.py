@@ -35,6 +35,7 @@ from nbdist.train.rules import check_gan, check_windows, resolve_compression, re
 from nbdist.train.run_dir import check_run_dir_writable, find_resume
 from nbdist.train.trial import TrialTag, check_metric_names
 from nbdist.transport.reducers import choose as choose_reducer
+from nbdist.transport.reducers import libnbc_note
 
 __all__ = ["Settled", "settle", "SAMPLE_ROWS"]
 
@@ -154,7 +155,9 @@ def settle(
         elif not stage_process:
             _probe(backend, *data.train_batch(np.arange(min(2, data.n_train))), definition.source)
         if here and options.topology == "allreduce":  # e.g. nccl for a model on the CPU: one error, here
-            choose_reducer(options.allreduce_backend, backend.rule_grads, compressed=compression is not None)
+            reducer = choose_reducer(options.allreduce_backend, backend.rule_grads, compressed=compression is not None)
+            note = libnbc_note(reducer, ranks)
+            notices += [Notice(note, warning=False)] if note else []
         reported = reported_metrics(backend.metric_name, staleness=algorithm is not None)
         check_metric_names(options, trial, [*reported, *MODEL_MEASURES, *definition.objectives])
         if here and rank == 0:  # the run leader, who writes the run directory (last: it may create --runs-dir)

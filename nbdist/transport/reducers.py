@@ -25,8 +25,9 @@ nccl or gloo named with a compression is one error.
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import array_api_compat
@@ -35,15 +36,35 @@ import numpy as np
 from nbdist.errors import OptionsError
 from nbdist.registry import Registry
 from nbdist.specs import Spec
+from nbdist.transport.interfaces import WORLD_SIZE_VARIABLE
 
 if TYPE_CHECKING:
     from mpi4py import MPI
 
     from nbdist.transport.torch_group import TorchGroup
 
-__all__ = ["Reducer", "MpiReducer", "TorchReducer", "NcclReducer", "GlooReducer", "REDUCERS", "choose", "make_reducer"]
+__all__ = [
+    "Reducer",
+    "MpiReducer",
+    "TorchReducer",
+    "NcclReducer",
+    "GlooReducer",
+    "REDUCERS",
+    "choose",
+    "make_reducer",
+    "LIBNBC_IALLREDUCE",
+    "LIBNBC_ALGORITHM",
+    "libnbc_note",
+]
 
 WHAT = "the gradient allreduce"
+
+# Open MPI's setting of its nonblocking allreduce's algorithm, and what nbdist's MPI
+# environment sets it to (launch.mpi_env). Left to its own choice, Open MPI's libnbc
+# reduces every in-place allreduce (the buckets) by a binomial tree: the whole bucket
+# through one rank while the others wait (bench/results/2026-11-28-allreduce_vs_ddp-libnbc.md).
+LIBNBC_IALLREDUCE = "OMPI_MCA_coll_libnbc_iallreduce_algorithm"
+LIBNBC_ALGORITHM = "rabenseifner"
 
 
 class Reducer(ABC):
@@ -345,3 +366,20 @@ def make_reducer(
     device = array_api_compat.device(backend.rule_grads)
     group = TorchGroup(comm, kind.name, collectives, device=device if kind.name == "nccl" else None)
     return kind(group, backend, bucket_floats, lambda done: collectives.wait_for(comm, done, what))
+
+
+def libnbc_note(reducer: str, ranks: int, environ: Mapping[str, str] = os.environ) -> str:
+    """What a run that reduces its buckets over Open MPI is told when Open MPI's algorithm
+    for them was left to its own choice (the job was not started through launch.mpi_env:
+    a hand-written mpiexec, another launcher); empty when there is nothing to say. Open
+    MPI's mpiexec is known by the variables it gives its ranks (no MPI call: the set-up's
+    checks make none)."""
+    started_by_open_mpi = WORLD_SIZE_VARIABLE in environ
+    if reducer != MpiReducer.name or ranks < 2 or not started_by_open_mpi or LIBNBC_IALLREDUCE in environ:
+        return ""
+    return (
+        f"Open MPI picks its own algorithm for the allreduce buckets ({LIBNBC_IALLREDUCE} is not set: "
+        f"the job was not started by `python -m nbdist launch`), a binomial tree that sends each whole "
+        f"bucket through one rank, 3-4x slower for large models; start it with `python -m nbdist launch`, "
+        f"or export {LIBNBC_IALLREDUCE}={LIBNBC_ALGORITHM}"
+    )
