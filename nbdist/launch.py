@@ -127,8 +127,7 @@ def mpi_env(base: dict[str, str] | None = None, *, local: bool = True, interface
     # (or fewer than 4 ranks) Open MPI's libnbc picks a binomial tree: the whole bucket
     # goes up to rank 0 and back down, one rank reducing while the others wait.
     # Rabenseifner's reduce-scatter and allgather (a ring where a bucket has fewer elements
-    # than ranks) has every rank reduce its share. 31.5 MB on 2 ranks: 4.4-4.7 ms
-    # against 14.5-18.3 (bench/results/2026-11-28-allreduce_vs_ddp-libnbc.md).
+    # than ranks) has every rank reduce its share (bench/results/2026-11-28-allreduce_vs_ddp-libnbc.md).
     env.setdefault(LIBNBC_IALLREDUCE, LIBNBC_ALGORITHM)
     for key, value in ULFM_ENV.items():
         env.setdefault(key, value)

@@ -380,6 +380,6 @@ def libnbc_note(reducer: str, ranks: int, environ: Mapping[str, str] = os.enviro
     return (
         f"Open MPI picks its own algorithm for the allreduce buckets ({LIBNBC_IALLREDUCE} is not set: "
         f"the job was not started by `python -m nbdist launch`), a binomial tree that sends each whole "
-        f"bucket through one rank, 3-4x slower for large models; start it with `python -m nbdist launch`, "
+        f"bucket through one rank, slow for large gradients; start it with `python -m nbdist launch`, "
         f"or export {LIBNBC_IALLREDUCE}={LIBNBC_ALGORITHM}"
     )
