@@ -84,11 +84,16 @@ def listening(processes) -> set[tuple[str, int]]:
     return found
 
 
-def run_mpi(n: int, argv: list[str], *, timeout: float = 120, cwd: Path | None = None) -> Completed:
-    """Run `mpiexec -n n python <argv>`; a run that outlives `timeout` fails the test."""
+def run_mpi(
+    n: int, argv: list[str], *, timeout: float = 120, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> Completed:
+    """Run `mpiexec -n n python <argv>` (in `env`, by default nbdist's MPI environment); a
+    run that outlives `timeout` fails the test."""
     cmd = mpiexec_command(n, argv)
     try:
-        proc = subprocess.run(cmd, cwd=cwd or ROOT, env=mpi_env(), capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(
+            cmd, cwd=cwd or ROOT, env=mpi_env() if env is None else env, capture_output=True, text=True, timeout=timeout
+        )
     except subprocess.TimeoutExpired as exc:
         out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
         err = (exc.stderr or b"").decode() if isinstance(exc.stderr, bytes) else (exc.stderr or "")

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, run_mpi
 
-from nbdist.launch import mpi_env, mpiexec_command
+from nbdist.launch import mpi_env
 from nbdist.transport.reducers import LIBNBC_IALLREDUCE, libnbc_note
 
 pytestmark = pytest.mark.mpi
@@ -91,23 +91,7 @@ def test_a_job_started_without_nbdists_environment_is_told_how_to_get_it():
 
 def test_the_note_reaches_a_run_started_by_a_plain_mpiexec(tmp_path):
     env = {k: v for k, v in mpi_env().items() if k != LIBNBC_IALLREDUCE}
-    cmd = mpiexec_command(
-        2,
-        [
-            "-m",
-            "nbdist",
-            "train",
-            "--model",
-            str(ROOT / "examples" / "digits_mlp.py"),
-            "--topology",
-            "allreduce",
-            "--epochs",
-            "1",
-            "--runs-dir",
-            str(tmp_path),
-        ],
-    )
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stdout + done.stderr
-    out = done.stdout + done.stderr
-    assert out.count("Open MPI picks its own algorithm for the allreduce buckets") == 1, out
+    argv = ["-m", "nbdist", "train", "--model", str(ROOT / "examples" / "digits_mlp.py"), "--topology", "allreduce"]
+    done = run_mpi(2, [*argv, "--epochs", "1", "--runs-dir", str(tmp_path)], env=env)
+    assert done.returncode == 0, done.output
+    assert done.output.count("Open MPI picks its own algorithm for the allreduce buckets") == 1, done.output
