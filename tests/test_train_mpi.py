@@ -415,7 +415,11 @@ def test_pipeline_workers_learn_digits(batches, n, name):
     run = batches[n].run(name)
     summary = batches[n].summary(name)
     assert summary["final"]["val_acc"] >= ACCURACY, summary["history"]
-    assert all(h["samples"] == DIGITS_TRAIN for h in summary["history"]), summary["history"]
+    samples = [h["samples"] for h in summary["history"]]
+    if n == 3:  # one worker: each epoch is the training set
+        assert all(s == DIGITS_TRAIN for s in samples), summary["history"]
+    else:  # two asynchronous workers: a late share counts in the epoch it arrives in
+        assert sum(samples) == EPOCHS * DIGITS_TRAIN, summary["history"]
     # The master's model is the two stages in a row.
     weights = load_file(str(run / "final" / "model.safetensors"))
     assert set(weights) == {"0.0.weight", "0.0.bias", "1.0.weight", "1.0.bias", "1.2.weight", "1.2.bias"}

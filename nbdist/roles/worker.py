@@ -107,6 +107,7 @@ class Worker(WorkerCheckpoints):
         self.sync = BatchStats()  # since the last message: its header's sums
         self.report = TrainReport(ctx, ("compute", "send", "wait"))
         self.pending_ack = m.NO_CHECKPOINT
+        self.epochs_acked = 0
         # A worker of one process writes its checkpoint shares on a thread (train/writer.py)
         # and acknowledges each in the first message after it is on disk; the processes of a
         # bigger worker write at once, since the leader acknowledges for all of them.
@@ -134,6 +135,7 @@ class Worker(WorkerCheckpoints):
     def run(self) -> None:
         ctx = self.ctx
         start_epoch, start_step = self._start()
+        self.epochs_acked = start_epoch  # the checkpoints before it are not this worker's to write
         try:
             run_epochs(start_epoch, start_step, ctx.options.epochs, self._batches, self._train_step, self._end_epoch)
             self._report(ctx.options.epochs, 0)
@@ -325,6 +327,7 @@ class Worker(WorkerCheckpoints):
         out.header[m.METRIC_SUM] = sync.metric_sum
         out.header[m.FLAGS] = flags
         out.header[m.CHECKPOINT] = self.pending_ack
+        out.header[m.EPOCHS_ACKED] = self.epochs_acked
         self._message_state()
         t0 = time.perf_counter()
         self.channel.send(out)  # DONE, ERROR and LOST carry only the header

@@ -54,6 +54,7 @@ class WorkerCheckpoints:
     writer: CheckpointWriter | None
     writing: dict[str, float]
     pending_ack: float
+    epochs_acked: int  # synchronous: every due epoch checkpoint up to it written (m.EPOCHS_ACKED)
     compressor: Compressor | None
     reduction: CompressedReduction | None
     carried_before: dict[str, np.ndarray]
@@ -164,16 +165,25 @@ class WorkerCheckpoints:
         """Say in a message to the master that this worker's share of `label` is written:
         the next one, or with the writer, the first after it is on disk."""
         if self.writer is None:
-            self.pending_ack = code
+            self._acknowledged(code)
         else:
             self.writing[label] = code
             self._written(self.writer.written())
 
     def _written(self, labels: list[str]) -> None:
-        # A message carries one acknowledgement: of shares written together, the latest
-        # (its checkpoint supersedes the earlier one, which then never becomes the latest).
         for label in labels:
-            self.pending_ack = self.writing.pop(label, self.pending_ack)
+            if label in self.writing:
+                self._acknowledged(self.writing.pop(label))
+
+    def _acknowledged(self, code: float) -> None:
+        # A message carries one acknowledgement: of shares written together, the latest.
+        # An asynchronous run's earlier one is superseded (its snapshot never becomes the
+        # latest). A synchronous worker writes every due epoch's share, in order, and each
+        # is a checkpoint the run keeps: it says "every epoch up to here" as well (a slow
+        # disk can finish two between its messages, and the earlier was never committed).
+        self.pending_ack = code
+        if self.ctx.options.synchronous and code >= 1:
+            self.epochs_acked = max(self.epochs_acked, int(code))
 
     def _carried(self, before_message: bool = False) -> dict[str, np.ndarray]:
         """What the codecs carry from step to step, for this rank's share of a checkpoint."""

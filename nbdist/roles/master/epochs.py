@@ -62,7 +62,7 @@ def note_checkpoint_ack(me: Master, i: int, msg: m.Message) -> None:
     code = msg.header[m.CHECKPOINT]
     if code != m.NO_CHECKPOINT:
         me.acks.setdefault(m.label_of(code), set()).add(i)
-    # Cumulative acks (synchronous sub-masters): every due epoch checkpoint up to `upto`.
+    # Cumulative acks (synchronous workers and sub-masters): every due epoch checkpoint up to `upto`.
     upto = int(msg.header[m.EPOCHS_ACKED])
     for epoch in range(me.acked_upto[i] + 1, upto + 1):
         if me.ctx.checkpoint_due(epoch):
