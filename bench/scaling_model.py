@@ -10,11 +10,13 @@ from the calibration alone. Per configuration: predicted and measured samples/s 
 staleness, and the errors; then the aim line.
 
 Usage: python bench/scaling_model.py [--quick] [--ranks 4] [--repeats 2] [--model examples/digits_cnn.py]
-       [--setups "easgd gem"] [--runs-dir DIR] [--combine DIR ...]
+       [--setups "easgd gem"] [--runs-dir DIR] [--combine DIR ... [--repredict]]
 
 A sweep too long for one sitting splits by --setups (each part calibrates anew); with
 --runs-dir each part's study stays there, and --combine DIR... prints the aim line over
-the parts' configurations together (no new measurement).
+the parts' configurations together (no new measurement); --repredict predicts each of them
+anew, from its part's calibration, with the model as it is now (to try a change of the
+model against measurements already made).
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import ROOT, header  # noqa: E402
 
-from nbdist.scaling.analysis import Comparison  # noqa: E402
+from nbdist.scaling.analysis import Comparison, between_nodes, machine_of, predicted_point  # noqa: E402
 from nbdist.scaling.inputs import Calibration  # noqa: E402
+from nbdist.scaling.model import PerformanceModel  # noqa: E402
 from nbdist.scaling.report import calibration_text, comparison_text  # noqa: E402
 from nbdist.scaling.store import scale_records  # noqa: E402
 from nbdist.store import RunStore  # noqa: E402
@@ -56,10 +59,12 @@ def main() -> None:
     parser.add_argument("--setups", default=None, help="the set-ups to measure (default: the script's list)")
     parser.add_argument("--runs-dir", default=None, help="keep the study here (default: a temporary directory)")
     parser.add_argument("--combine", nargs="+", default=None, help="studies kept with --runs-dir: their aim line")
+    parser.add_argument("--repredict", action="store_true", help="with --combine: predict anew, by the model as it is")
     args = parser.parse_args()
     if args.combine:
-        checked = [c for directory in args.combine for c in _checked(_records(Path(directory) / "nbdist.db"))]
-        print(f"== combined: {', '.join(args.combine)}")
+        checking = _repredicted if args.repredict else _checked
+        checked = [c for directory in args.combine for c in checking(_records(Path(directory) / "nbdist.db"))]
+        print(f"== combined: {', '.join(args.combine)}" + (", predicted anew" if args.repredict else ""))
         print(_breakdown(checked), "\n", sep="")
         _aim(checked)
         return
@@ -126,6 +131,19 @@ def _checked(found: dict) -> list[Comparison]:
     """The measured configurations but the calibration's own."""
     comparisons = [Comparison.from_dict(entry) for entry in found["measured"]]
     return [c for c in comparisons if not (c.measured.extra or {}).get("calibration")]
+
+
+def _repredicted(found: dict) -> list[Comparison]:
+    """`_checked`'s configurations, each predicted anew from the study's calibration, on the
+    node it ran on (less what other processes took of its cores), as the study did."""
+    calibration = Calibration.from_dict(found["calibration"][-1])
+    network = between_nodes(calibration, None)
+    again = []
+    for c in _checked(found):
+        m = c.measured
+        model = PerformanceModel(calibration, machine_of(m, calibration.cores, network))
+        again.append(Comparison(m, predicted_point(model, m)))
+    return again
 
 
 def _breakdown(comparisons: list[Comparison]) -> str:

@@ -17,7 +17,16 @@ from nbdist.scaling.network import DEFAULT_NETWORK, MEASURED, NETWORKS, Machine,
 from nbdist.scaling.setups import Point, SetUp
 from nbdist.scaling.simulator import Simulator
 
-__all__ = ["Comparison", "Analysis", "analyse", "curve_ranks", "machine_of", "between_nodes", "WITHIN_BEST"]
+__all__ = [
+    "Comparison",
+    "Analysis",
+    "analyse",
+    "predicted_point",
+    "curve_ranks",
+    "machine_of",
+    "between_nodes",
+    "WITHIN_BEST",
+]
 
 # The recommendation: the fewest ranks whose time to target is within this share of the
 # fastest predicted (beyond it, more ranks buy little).
@@ -78,6 +87,10 @@ class Analysis:
         return max(errors) if errors else None
 
 
+# The simulator's cycles for a measured point's predicted staleness: enough that its mean
+# does not move with the draws (40, the curves', leaves it a tenth either way).
+STALENESS_CYCLES = 2000
+
 # The least of the node's cores a point is taken to have had, however busy the others kept it.
 MIN_CORES = 0.2
 
@@ -87,6 +100,18 @@ def machine_of(point: Point, cores: int, network_name: str | Network) -> Machine
     of them meanwhile (`extra["others"]`, load.py)."""
     others = (point.extra or {}).get("others", 0.0)
     return Machine(max(cores - others, MIN_CORES), network(network_name), nodes=1, physical=cores)
+
+
+def predicted_point(model: PerformanceModel, point: Point) -> Point:
+    """The model's prediction for a measured point. An asynchronous set-up's staleness, its
+    mean and 99th percentile, is the simulator's: how many updates meet at the master in
+    one pass (and so how stale each is) depends on the spread of the workers' step times,
+    which the mean-value model does not see."""
+    predicted = model.predict(point.setup, point.ranks, point.batch, point.scaling)
+    if point.setup.asynchronous:
+        played = Simulator(model).run(point.setup, point.ranks, point.batch, cycles=STALENESS_CYCLES)
+        predicted.staleness_mean, predicted.staleness_p99 = played.staleness_mean, played.staleness_p99
+    return predicted
 
 
 def between_nodes(calibration: Calibration, name: str | None) -> Network:
@@ -141,9 +166,10 @@ def analyse(
     comparisons = []
     for point in measured:
         here = PerformanceModel(calibration, machine_of(point, cores, network_name))
-        predicted = here.predict(point.setup, point.ranks, point.batch, point.scaling)
-        if simulate and point.setup.asynchronous:
-            predicted.staleness_p99 = Simulator(here).run(point.setup, point.ranks, point.batch).staleness_p99
+        if simulate:
+            predicted = predicted_point(here, point)
+        else:
+            predicted = here.predict(point.setup, point.ranks, point.batch, point.scaling)
         comparisons.append(Comparison(point, predicted))
     notes = []
     rule = next(

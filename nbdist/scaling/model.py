@@ -33,8 +33,9 @@ share the cores (processor sharing), every time a core's own CPU time as calibra
   master's service holds a core, or all the ranks have where that is less than one;
 - time slices: a rank that becomes runnable waits its turn on a core (`turn_s`, measured
   with one runnable too many, for each beyond the cores); an update waits so for the master
-  to notice it, and what comes meanwhile is served in the same pass, which lowers the
-  staleness below W - 1; a synchronous step loses `slicing_s` to it, once a step;
+  to notice it, which an asynchronous worker's cycle loses, and what comes meanwhile is
+  served in the same pass, which lowers the staleness below W - 1; a synchronous step
+  loses `slicing_s` to it, once a step;
 - waiting ranks sleep between polls where they outnumber the node's cores, which adds at
   least half a poll sleep to each wait.
 
@@ -167,6 +168,11 @@ class PerformanceModel:
             # the worker's wait for its reply, the master's for the update; a synchronous
             # round's workers all wait at once, like a collective's ranks
             delay += 2 * self.sleeping_wait_s(not setup.synchronous)
+            if not setup.synchronous:
+                # And the master's wait for its turn on a core, once an exchange: the
+                # processor sharing gives the other ranks' work that time, but this worker,
+                # blocked on its reply, loses it (bench/results/2026-11-28-scaling_model-turns.md).
+                delay += self.turn_s(per_node)
         receive = (1 - off) * nbytes * cal.p2p_beta_s + off * nbytes * machine.net.beta_s
         service = cal.master_fixed_s + cal.apply_s[setup.rule] + receive
         sweep = cal.client_test_s * (workers_per_master + setup.masters - 1)

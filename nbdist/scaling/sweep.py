@@ -27,7 +27,7 @@ from typing import Any
 from nbdist.durable import make_dir, write_json, write_text
 from nbdist.errors import OptionsError, UserError
 from nbdist.options import TrainOptions
-from nbdist.scaling.analysis import Analysis, analyse, between_nodes, machine_of
+from nbdist.scaling.analysis import Analysis, analyse, between_nodes, machine_of, predicted_point
 from nbdist.scaling.calibrate import calibrate
 from nbdist.scaling.inputs import Calibration
 from nbdist.scaling.load import CpuMeter, window_load
@@ -179,7 +179,7 @@ def run_scale(
                     model = PerformanceModel(
                         calibration, machine_of(point, cores, between_nodes(calibration, options.network))
                     )
-                    predicted = model.predict(point.setup, point.ranks, point.batch, point.scaling)
+                    predicted = predicted_point(model, point)
                     recorder.add("measured", {"measured": point.to_dict(), "predicted": predicted.to_dict()})
             measured += calibration_points
         runner = PointRunner(comm, definition, base, directory / "points", cores, TIMEOUT, options.keep_runs)
@@ -201,7 +201,7 @@ def run_scale(
                 model = PerformanceModel(
                     calibration, machine_of(best, cores, between_nodes(calibration, options.network))
                 )
-                predicted = model.predict(setup, ranks, batch, scaling)
+                predicted = predicted_point(model, best)
                 tell(
                     f"nbdist: {setup.label} on {ranks} ranks ({scaling}, batch {batch}): "
                     f"{best.samples_per_s:,.0f} samples/s (predicted {predicted.samples_per_s:,.0f}, "
