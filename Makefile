@@ -31,15 +31,12 @@ demo: $(STAMP)
 
 # The README's and CI's test command: lint and types beside the docs site (one core each),
 # then every test. The fast tests run on every core (pytest-xdist): each is one process's
-# work. The others start MPI jobs, engines or servers and spend much of their time waiting
-# for them to start and stop: two files at a time (a file's module fixtures start once).
-# The `solo` ones run alone afterwards: they compare rates, or drive a browser against
-# deadlines, that a second file's jobs would throw off.
+# work. The others run one at a time: each starts MPI jobs, engines or servers that already
+# use every core, and several at once would slow each other past their deadlines.
 test: bytecode
 	$(MAKE) --no-print-directory -j2 --output-sync=target lint docs
 	$(BIN)/python -m pytest -q -n auto -m "$(FAST)"
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not ($(FAST)) and not solo"
-	$(BIN)/python -m pytest -q -m "not ($(FAST)) and solo"
+	$(BIN)/python -m pytest -q -m "not ($(FAST))"
 
 check: lint bytecode
 	$(BIN)/python -m pytest -q -n auto -m "$(FAST)"

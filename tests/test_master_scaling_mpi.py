@@ -16,7 +16,7 @@ from nbdist.metrics import read_log
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = str(ROOT / "tests" / "mpi_scripts" / "master_scaling.py")
 WORKERS = 16
-pytestmark = [pytest.mark.mpi, pytest.mark.solo]
+pytestmark = pytest.mark.mpi
 
 # Records that come per interval, per rank (throughput, resources, a master's phases and
 # update summaries): at most a few a second each, however fast the master updates.

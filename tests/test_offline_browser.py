@@ -33,7 +33,7 @@ from nbdist.launch import mpi_env
 from nbdist.layout import Layout
 from nbdist.store import RunStore
 
-pytestmark = [pytest.mark.mpi, pytest.mark.solo, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(300)]
 
 ARTIFACTS = ROOT / "test-artifacts"
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "[::1]", "::1"}

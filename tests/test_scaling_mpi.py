@@ -89,7 +89,6 @@ def test_bad_input_is_one_clear_error_line(bad_input_runs, name):
     assert "Traceback" not in done.output
 
 
-@pytest.mark.solo
 def test_the_simulator_replays_a_real_runs_recorded_updates(pyrun, tmp_path):
     """Each worker's time away from the master (its compute and its messages) and the
     master's service, as a real 2-worker run recorded them, played through the simulator's
