@@ -34,8 +34,10 @@ share the cores (processor sharing), every time a core's own CPU time as calibra
 - time slices: a rank that becomes runnable waits its turn on a core (`turn_s`, measured
   with one runnable too many, for each beyond the cores); an update waits so for the master
   to notice it, which an asynchronous worker's cycle loses, and what comes meanwhile is
-  served in the same pass, which lowers the staleness below W - 1; a synchronous step
-  loses `slicing_s` to it, once a step;
+  served in the same pass, which lowers the staleness below W - 1; an allreduce step, or
+  a synchronous round whose ranks poll, loses `slicing_s` to it, once a step; a
+  synchronous master's round whose ranks sleep, two turns (the master's for the last
+  body, the last worker's for its reply);
 - waiting ranks sleep between polls where they outnumber the node's cores, which adds at
   least half a poll sleep to each wait.
 
@@ -113,6 +115,17 @@ class PerformanceModel:
             return per_node
         masters_here = setup.masters if self.machine.nodes_for(ranks) == 1 else 0
         return max(1.0, per_node - masters_here)
+
+    def round_slicing_s(self, setup: SetUp, ranks: int) -> float:
+        """What a synchronous step or round loses to the node's cores being time-sliced: an
+        allreduce's, or a round whose ranks poll, `slicing_s`; a synchronous master's round
+        whose ranks sleep, two waits for a turn on a core, the master's when the last body
+        comes and the last worker's when the replies go out (no rounds of messages that
+        each wait for both ends' slices, as an allreduce's have)."""
+        runnable = self.round_runnable(setup, ranks)
+        if setup.allreduce or not self.machine.sleeps(ranks):
+            return self.slicing_s(runnable)
+        return 2.0 * self.turn_s(runnable)
 
     def turn_s(self, runnable: float) -> float:
         """How long a rank that becomes runnable waits for its turn on a core with
@@ -291,7 +304,7 @@ class PerformanceModel:
                 slowest = ex.compute * makespan(cal.spread, w, machine.cores)
             else:  # or polls, keeping its share (and the master polls too)
                 slowest = ex.compute * expected_max(cal.spread, w) * per_node / machine.cores
-            slowest += self.slicing_s(self.round_runnable(setup, ranks))
+            slowest += self.round_slicing_s(setup, ranks)
         else:
             slowest = ex.compute * expected_max(cal.spread, w)
         # A round receives every body, then folds them in at once (master_round).

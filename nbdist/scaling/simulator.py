@@ -173,7 +173,7 @@ class Simulator:
         draws = self.rng.choice(self.spread, size=(steps, workers)) * base * self._slowdowns(workers)
         if shared:
             slowest = np.array([_shared_makespan(row, machine.cores, per_node) for row in draws])
-            slowest = slowest + model.slicing_s(model.round_runnable(setup, ranks))  # time-sliced, not evenly
+            slowest = slowest + model.round_slicing_s(setup, ranks)  # time-sliced, not evenly
             mean_compute = draws.mean() * per_node / machine.cores
         else:
             slowest = draws.max(axis=1)
