@@ -88,7 +88,7 @@ class Analysis:
 
 
 # The simulator's cycles for a measured point's predicted staleness: enough that its mean
-# does not move with the draws (40, the curves', leaves it a tenth either way).
+# does not move with the draws, as it does over the few cycles a curve's point plays.
 STALENESS_CYCLES = 2000
 
 # The least of the node's cores a point is taken to have had, however busy the others kept it.
