@@ -12,6 +12,7 @@ import pytest
 from test_scaling_model import DOWNPOUR, S, Z, calibration
 
 from nbdist.scaling import Machine, PerformanceModel, SetUp, Simulator, network
+from nbdist.scaling.analysis import STALENESS_CYCLES, predicted_point
 from nbdist.scaling.assemble import _growth, at_share, rank_shares
 from nbdist.scaling.model import PASS_UPDATES, expected_max, makespan
 from nbdist.scaling.queueing import mva_shared_cores
@@ -157,6 +158,53 @@ def test_a_synchronous_masters_round_is_time_sliced_only_by_the_ranks_that_compu
     assert model.predict(setup, 3).step_s == pytest.approx(plain.predict(setup, 3).step_s, rel=1e-9)
     assert model.predict(setup, 4).step_s > plain.predict(setup, 4).step_s
     assert model.round_runnable(SetUp("allreduce"), 3) == 3
+
+
+def test_a_sleeping_synchronous_masters_round_waits_two_turns_not_an_allreduces_slicing():
+    """3 workers and their sleeping master on 2 cores: the round waits for the master's turn
+    when the last body comes and the last worker's when the replies go out, in the model
+    and in the simulator; an allreduce's step keeps the measured slicing, which also
+    stands in where the calibration counted no turns."""
+    setup = SetUp("master-worker", "downpour", synchronous=True)
+    turn, extra = 2e-4, 1e-3
+    model, plain = on_cores(2, turn_s=turn, round_extra_s=extra), on_cores(2)
+    assert model.round_slicing_s(setup, 4) == pytest.approx(2 * turn)
+    assert model.predict(setup, 4).step_s == pytest.approx(plain.predict(setup, 4).step_s + 2 * turn, rel=1e-9)
+    simulated = Simulator(model).run(setup, 4, cycles=40).step_s - Simulator(plain).run(setup, 4, cycles=40).step_s
+    assert simulated == pytest.approx(2 * turn, rel=1e-6)
+    assert model.round_slicing_s(SetUp("allreduce"), 3) == pytest.approx(extra)
+    assert on_cores(2, round_extra_s=extra).round_slicing_s(setup, 4) == pytest.approx(extra)
+
+
+def test_an_asynchronous_workers_cycle_waits_once_for_the_masters_turn():
+    """On 4 ranks of 2 cores an asynchronous worker, blocked on its reply, loses the
+    master's wait for a core (two runnable beyond the cores: two turns' worth) once an
+    exchange; a synchronous one does not (its round is charged), nor one with a core."""
+    turn = 2e-4
+    plain, turns = on_cores(2), on_cores(2, turn_s=turn)
+    assert turns.exchange(DOWNPOUR, 32, 3, 4).delay - plain.exchange(DOWNPOUR, 32, 3, 4).delay == pytest.approx(
+        2 * turn
+    )
+    synchronous = SetUp("master-worker", "downpour", synchronous=True)
+    assert turns.exchange(synchronous, 32, 3, 4).delay == pytest.approx(plain.exchange(synchronous, 32, 3, 4).delay)
+    own = on_cores(4, physical=4, turn_s=turn).exchange(DOWNPOUR, 32, 3, 4)
+    assert own.delay == pytest.approx(on_cores(4, physical=4).exchange(DOWNPOUR, 32, 3, 4).delay)
+
+
+def test_a_measured_asynchronous_points_staleness_is_the_simulators():
+    """The prediction beside a measured point: the model's rate, and for an asynchronous
+    set-up the simulator's staleness over STALENESS_CYCLES (the model's pairs fewer)."""
+    model = on_cores(2, turn_s=2e-4, spread=[0.5, 1.0, 1.5])
+    measured = Point(DOWNPOUR, 4, 3, 32, samples_per_s=1.0, step_s=0.01, compute_s=0.0, communicate_s=0.0, wait_s=0.0)
+    predicted = predicted_point(model, measured)
+    played = Simulator(model).run(DOWNPOUR, 4, 32, cycles=STALENESS_CYCLES)
+    assert predicted.samples_per_s == pytest.approx(model.predict(DOWNPOUR, 4).samples_per_s)
+    assert (predicted.staleness_mean, predicted.staleness_p99) == (played.staleness_mean, played.staleness_p99)
+    assert predicted.staleness_mean != model.predict(DOWNPOUR, 4).staleness_mean
+    allreduce = Point(
+        SetUp("allreduce"), 4, 4, 32, samples_per_s=1.0, step_s=0.01, compute_s=0.0, communicate_s=0.0, wait_s=0.0
+    )
+    assert predicted_point(model, allreduce).staleness_mean == 0.0
 
 
 def _run(setup: SetUp, ranks: int, batch: int, compute: float) -> Point:

@@ -22,6 +22,7 @@ __all__ = [
     "Analysis",
     "analyse",
     "predicted_point",
+    "STALENESS_CYCLES",
     "curve_ranks",
     "machine_of",
     "between_nodes",

@@ -121,9 +121,10 @@ class PerformanceModel:
         allreduce's, or a round whose ranks poll, `slicing_s`; a synchronous master's round
         whose ranks sleep, two waits for a turn on a core, the master's when the last body
         comes and the last worker's when the replies go out (no rounds of messages that
-        each wait for both ends' slices, as an allreduce's have)."""
+        each wait for both ends' slices, as an allreduce's have). Where the calibration has
+        no count of turns, `slicing_s` stands in."""
         runnable = self.round_runnable(setup, ranks)
-        if setup.allreduce or not self.machine.sleeps(ranks):
+        if setup.allreduce or not self.machine.sleeps(ranks) or not self.cal.turn_s:
             return self.slicing_s(runnable)
         return 2.0 * self.turn_s(runnable)
 
