@@ -335,13 +335,9 @@ def test_the_probe_settles_the_allocator_before_it_times_steps():
     """In a fresh process, steps at four times the batch page-fault their activations in
     anew (glibc gives the blocks back to the kernel); after settle_allocator they reuse
     the heap, as a run's ranks do by their steady state. The weights stay as they were (the
-    noise scale is measured at the initial weights). Whether glibc trims the heap's top
-    after a step depends on where the step's blocks happened to land, so now and then a
-    process settles into a trim every step: the settle must work in most fresh processes,
-    two of at most three."""
-    settled, unsettled = [], []
-    while len(settled) < 2 and len(unsettled) < 2:
-        got = _in_a_fresh_python(SETTLE_CHECK)
-        assert got["same_weights"]
-        (settled if got["settled"] < got["fresh"] / 2 else unsettled).append(got)
-    assert len(settled) == 2, unsettled
+    noise scale is measured at the initial weights). Settling alone left it to where the
+    blocks landed (now and then a process trimmed every step all the same); with glibc's
+    thresholds fixed first, as the MPI reducer's ranks fix them, it does not."""
+    got = _in_a_fresh_python(SETTLE_CHECK)
+    assert got["same_weights"]
+    assert got["settled"] < got["fresh"] / 10, got

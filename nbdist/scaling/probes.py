@@ -32,6 +32,7 @@ from nbdist.scaling.setups import master_worker_rules
 from nbdist.specs import Spec, parse_spec
 from nbdist.train.context import DEFAULT_MASTER_OPTIMIZER, DEFAULT_WORKER_OPTIMIZER
 from nbdist.train.definition import ModelDefinition
+from nbdist.transport.heap import keep_freed_memory
 
 __all__ = [
     "Steps",
@@ -82,7 +83,13 @@ def settle_allocator(backend: Backend, data: Data, batch: int) -> None:
     by page (page faults, zeroed pages), and is slower for it, the more so the larger the
     batch: the step's growth with the batch came out too steep. A run's ranks are past that
     by their steady state (a larger batch has been through them: the noise scale's, a
-    validation's), so every rank of the probe settles first, and times its steps past it."""
+    validation's), so every rank of the probe settles first, and times its steps past it.
+
+    Settling alone leaves it to where a step's blocks land: now and then glibc trims the
+    heap's top after every step all the same (a fresh process in a few, more on a loaded
+    machine). So the thresholds are fixed first, as the MPI reducer's ranks fix them
+    (transport/heap.py): what a step frees stays for the next."""
+    keep_freed_memory(4 * backend.num_params)
     x, y = data.train_batch(np.arange(min(SETTLE_BATCHES * batch, data.n_train)))
     for _ in range(SETTLE_STEPS):
         backend.compute_gradients(x, y)
