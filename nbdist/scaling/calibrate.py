@@ -322,6 +322,9 @@ def _between_nodes(comm: Any, hosts: list[str], seconds: float) -> tuple[float, 
         idle_barrier(comm, TIMEOUT)
 
 
+SLICING_PROBES = 3  # the (quiet, loaded) pairs of _oversubscribed_step, the median kept
+
+
 def _oversubscribed_step(
     pair: Any, rank: int, cores: int, backend: Any, data: Any, batch: int, message: int, seconds: float
 ) -> tuple[float, float]:
@@ -331,28 +334,32 @@ def _oversubscribed_step(
     allreduce) with the cores to themselves, then with cores - 1 spinning processes beside
     them and sleeping between polls; the second's step over the first's times
     (cores + 1) / cores. The cores are time-sliced, not shared evenly: a rank that is last
-    to finish its step may wait for a slice, and the others for it."""
+    to finish its step may wait for a slice, and the others for it. SLICING_PROBES pairs of
+    (quiet, loaded), the median kept: one pair now and then comes out far off, and every
+    allreduce step on shared cores is charged what it says."""
     x, y = data.train_batch(np.arange(min(batch, data.n_train)))
 
     def step() -> None:
         backend.compute_gradients(x, y)
 
-    # The same count on both ranks (each step is a collective): from the options, not a timing.
+    # The same counts on both ranks (each step is a collective): from the options, not a timing.
     quiet_steps = max(10, int(seconds * 20))
-    quiet = step_and_reduce_seconds(pair, step, message, quiet_steps, TIMEOUT)
-    with busy_cores(cores - 1) if rank == 0 else contextlib.nullcontext():
-        poll_without_sleeping(False)
-        before = thread_turns()
-        try:
-            loaded = step_and_reduce_seconds(pair, step, message, quiet_steps, TIMEOUT)
-        finally:
-            poll_without_sleeping(2 <= cores)
-        after = thread_turns()
+    extras, waited, turns = [], 0.0, 0
+    for _ in range(SLICING_PROBES):
+        quiet = step_and_reduce_seconds(pair, step, message, quiet_steps, TIMEOUT)
+        with busy_cores(cores - 1) if rank == 0 else contextlib.nullcontext():
+            poll_without_sleeping(False)
+            before = thread_turns()
+            try:
+                loaded = step_and_reduce_seconds(pair, step, message, quiet_steps, TIMEOUT)
+            finally:
+                poll_without_sleeping(2 <= cores)
+            after = thread_turns()
+        extras.append(max(0.0, loaded - quiet * (cores + 1) / cores))
+        waited, turns = waited + after[1] - before[1], turns + after[2] - before[2]
     # The mean wait for a core each time this rank became runnable (woke from a poll's
     # sleep, or was preempted): what a rank waits for its turn with one runnable too many.
-    turns = after[2] - before[2]
-    turn = (after[1] - before[1]) / turns if turns > 0 else 0.0
-    return max(0.0, loaded - quiet * (cores + 1) / cores), turn
+    return statistics.median(extras), waited / turns if turns > 0 else 0.0
 
 
 def _sleeping_wait(pair: Any, rank: int, cores: int, message: int, quiet: float) -> float:
