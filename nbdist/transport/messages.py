@@ -27,8 +27,9 @@ HEADER_FLOATS = 20  # 10 float64 slots
 
 # slots. CHECKPOINT: one label acknowledged (or, in a STOP reply, the stop label).
 # EPOCHS_ACKED: every epoch checkpoint up to this epoch acknowledged (synchronous workers
-# and sub-masters, whose acks can complete several at once; 0 = none). MERGED_SAMPLES: the training samples of
-# the updates a sub-master's push merges (its SAMPLES are its epoch's, at the epoch's end).
+# and sub-masters, whose acks can complete several at once; 0 = none). MERGED_SAMPLES: the
+# training samples of the updates a sub-master's push merges (its SAMPLES are its epoch's,
+# at the epoch's end).
 KIND, VERSION, EPOCH, SAMPLES, LOSS_SUM, METRIC_SUM, FLAGS, CHECKPOINT, EPOCHS_ACKED, MERGED_SAMPLES = range(10)
 
 # reply header slots after those 10: the next window, then the membership (new_header).
