@@ -60,7 +60,8 @@ ALGORITHMS = ["downpour", "easgd", "gem", "adag", "allreduce"]
 # Issue 29's rules; a name here may stand for a rule with options (VARIANTS).
 NEW_ALGORITHMS = ["diloco", "diloco-sync", "async_local_sgd", "eamsgd"]
 ALGORITHMS += NEW_ALGORITHMS
-OTHER_ALGORITHMS = ["dynsgd", "downpour-warm"]  # the study's (--unit/--next) besides; --algorithms runs them
+# The study's (--unit/--next) besides; --algorithms runs them.
+OTHER_ALGORITHMS = ["dynsgd", "downpour-warm", "diloco-avg"]
 REACH = 0.98  # of the 1-worker best
 GAP_AIM, SAMPLES_AIM = 1.0, 1.5
 
@@ -237,13 +238,17 @@ Protocol: data `{proto["data"]}` (for the jets: the Pythia 8 top-vs-QCD images o
 2026-11-26 tables, 4,800 training and 1,200 validation jets, `examples/jet_cnn.py`), each
 rule with today's defaults, batch {proto["batch"]} per worker, {proto["epochs"]} epochs, validated every
 {every} samples{extra}. `downpour-warm` is Downpour with
-`--warm-start-epochs 2`, `diloco-sync` DiLoCo with `--synchronous`. Samples count over all
+`--warm-start-epochs 2`, `diloco-sync` DiLoCo with `--synchronous`, `diloco-avg` DiLoCo with
+`--synchronous`, windows of 4 steps, plain averaging (outer lr 1, no outer momentum) and
+`--lr-scaling sqrt`. Samples count over all
 workers. A collapse: a validation at <= 0.51 after one at >= 0.6, or a run that ended with an
 error; a run cut by its {units.RUN_DEADLINE:.0f} s deadline (the machine's load, not the rule) is left
 out and listed as missing. "Samples to 98% of allreduce's 1-w best": the mean samples to
 reach 98% of allreduce's mean 1-worker best, over allreduce's at the same workers (a run
-that never reaches it counts with all its samples: ">="). H: the rule's default window,
-capped by the batches a worker has in an epoch (a window ends with its epoch).
+that never reaches it counts with all its samples: ">="). H: a worker's mean local steps
+between two exchanges, its window (the rule's default, or the variant's) cut where an epoch
+ends (a window ends with its epoch); the aim's "at most 1/H of Downpour's bytes" allows 1%
+for the messages' headers.
 
 How the units ran: one at a time by `bench/convergence.py --next` (each run's ranks on the
 2 cores). Where the scheduling below says SCHED_IDLE, nice 19, the units ran as background

@@ -111,6 +111,11 @@ def test_the_report_aggregates_the_units_and_decides_the_aim_on_all_seeds():
     assert figures["diloco"]["saving"] == pytest.approx(20.0)
     # 9,600 samples over 12 epochs, 8 workers at batch 32: a window of at most 4 batches
     assert figures["diloco"]["h"] == 4 and figures["downpour"]["h"] == 1
+    # A variant's own window, cut where an epoch ends: 16 workers of 300 samples an epoch
+    # take 10 batches, in windows of 4, 4 and 2.
+    avg = [run("diloco-avg", 16, 0, [0.9], bytes_sent=0, trained=57600)]
+    assert rep.window("diloco-avg", avg, 12, 32) == pytest.approx(10 / 3)
+    assert rep.window("diloco-sync", avg, 12, 32) == 10.0
     assert "| diloco | 10/10 | 0.950 | 0.945 | 0.5 |" in text
     assert rep.aim_line(figures, 8) == "aim at 8 workers: met by diloco"
     assert "10 of 10 runs without a warm start, 0 of 0 with" in rep.dips_line(rep.group(study(10, dip=True)), 8)

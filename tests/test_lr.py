@@ -110,6 +110,11 @@ def test_only_steps_on_the_combined_gradient_are_scaled(backend):
     gem_async = plans(backend, algorithm="gem(lr=0.05)", lr_scaling="sqrt")[0]
     assert (gem_async.base, gem_async.scale) == (pytest.approx(0.05), 1.0)
     assert plans(backend, algorithm="easgd", synchronous=True, lr_scaling="linear")[0].scale == 1.0
+    # DiLoCo's synchronous round averages the workers' windows; asynchronous, each window
+    # arrives alone.
+    assert plans(backend, algorithm="diloco", workers=4, synchronous=True, lr_scaling="sqrt")[0].scale == 2.0
+    assert plans(backend, algorithm="diloco", workers=4, lr_scaling="sqrt")[0].scale == 1.0
+    assert plans(backend, algorithm="async_local_sgd", workers=4, lr_scaling="sqrt")[0].scale == 1.0
 
 
 def test_gem_takes_its_lr_from_the_plan():

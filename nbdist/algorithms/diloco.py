@@ -141,6 +141,7 @@ class DiLoCo(LocalWindows):
     (Douillard et al. 2023)."""
 
     name = "diloco"
+    round_averages_windows = True
     parameter_help = {
         "inner_steps": "H, the worker's local steps between syncs (None: --sync-every, default 50)",
         "outer_lr": "the outer SGD's learning rate on the mean pseudo-gradient",

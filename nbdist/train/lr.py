@@ -141,8 +141,10 @@ def plan_learning_rates(
         worker_lr = own.learning_rate
     synchronous = options.topology == "allreduce" or options.synchronous
     scale = SCALES[options.lr_scaling](combined_workers(layout, options.worker_parallel))
-    # Only what steps on the combined gradient of the W workers is scaled (see above).
-    worker_scale = scale if options.topology == "allreduce" or (own is not None and synchronous) else 1.0
+    # Only what steps on the combined gradient of the W workers is scaled (see above), and
+    # the local steps of a synchronous round that averages them (DiLoCo's).
+    averaged = synchronous and algorithm is not None and algorithm.round_averages_windows
+    worker_scale = scale if options.topology == "allreduce" or (own is not None and synchronous) or averaged else 1.0
     master_scale = scale if synchronous else 1.0
     plans: list[LrPlan | None] = []
     for name, base, plan_scale, text in (
