@@ -9,20 +9,13 @@ import json
 from nbdist.cli.parser import DEFAULT_RUNS_DIR, DEFAULT_STORE
 from nbdist.errors import UserError
 from nbdist.options import options_from_args, require_model, study_options_from_args
+from nbdist.transport.start import start_mpi, world_rank
 
 __all__ = ["world_rank"]
 
 
-def world_rank() -> int:
-    try:
-        from mpi4py import MPI
-
-        return MPI.COMM_WORLD.Get_rank()
-    except Exception:  # no MPI: a single process is rank 0
-        return 0
-
-
 def _train(args: argparse.Namespace) -> int:
+    start_mpi()  # before the modules below import mpi4py: a process on its own starts at once
     from nbdist.roles.runner import run_rank
     from nbdist.train.definition import definition_of
 
@@ -48,6 +41,7 @@ def _scale(args: argparse.Namespace) -> int:
     # the points it measures must not move to a GPU (--device auto would, and every rank
     # would share it). Hidden in this process only, before anything asks torch for one.
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    start_mpi()
     from nbdist.scaling.options import ScaleOptions
     from nbdist.scaling.sweep import run_scale
 
@@ -57,6 +51,7 @@ def _scale(args: argparse.Namespace) -> int:
 
 
 def _study(args: argparse.Namespace) -> int:
+    start_mpi()
     from nbdist.hpo.runner import resolve_options
     from nbdist.roles.batch_study import run_study
     from nbdist.store import store_label
@@ -151,6 +146,7 @@ def _store(args: argparse.Namespace) -> int:
 
 
 def _datasets(args: argparse.Namespace) -> int:
+    start_mpi()
     from mpi4py import MPI
 
     from nbdist.datasets import jet_images

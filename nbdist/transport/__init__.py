@@ -35,6 +35,7 @@ Waiting and failures:
     agreement        set-up errors agreed on by every rank
     faults           rank failures: what a survivor raises and how it names the rank
     node             where a process is: the world communicator, its node and local rank
+    start            how a process starts MPI: a launched rank, or a singleton at once
 
 Importing this package imports no module of it, and so no MPI: the options read the
 registries of `compression` and `reducers`, which import MPI and torch only when a
