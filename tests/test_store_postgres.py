@@ -5,6 +5,7 @@ jobs (one of them killed mid-way) that the dashboard's sources follow."""
 
 from __future__ import annotations
 
+import os
 import signal
 import sqlite3
 import subprocess
@@ -120,6 +121,20 @@ def _terminate_others(database: str) -> int:
                 "current_database() AND pid <> pg_backend_pid()"
             ).fetchall()
         )
+
+
+def test_a_connection_whose_socket_went_under_it_is_made_again(postgres, database):
+    """The socket gone while psycopg still counts the connection open: what a session the
+    server ends as a statement goes out can leave (psycopg: "connection socket closed", no
+    SQLSTATE). A read and a write each find it and go on, on a new connection."""
+    with RunStore(database) as store:
+        store.begin_run("r", run_dir=None, options={}, layout={})
+        for step, seqs in enumerate(((0, 1), (2, 3))):
+            os.close(store._db._conn.fileno())
+            assert not store._db._conn.closed  # psycopg has not noticed
+            assert store.add_records([_record("r", 0, i) for i in seqs]) == 2, step
+        os.close(store._db._conn.fileno())
+        assert [r["seq"] for r in store.records("r")[0]] == [0, 1, 2, 3]
 
 
 def test_a_lost_connection_is_made_again_and_a_cut_write_is_reported(postgres, database, monkeypatch):

@@ -29,7 +29,7 @@ import sqlite3
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -292,7 +292,7 @@ class PostgresDialect(Dialect):
         try:
             return statement()
         except (self._psycopg.OperationalError, self._psycopg.InterfaceError) as exc:
-            if not self._conn.closed:
+            if not self._lost(exc):
                 raise  # an error of the statement, on a connection that is still there
             lost = _first_line(exc, self._url)
         self._reconnect(lost)
@@ -303,7 +303,17 @@ class PostgresDialect(Dialect):
             )
         return statement()
 
+    def _lost(self, exc: Exception) -> bool:
+        """Whether `exc` says the connection is gone, not that the statement failed:
+        psycopg closed it, or the error has no SQLSTATE, the server's code for its own
+        errors. A connection's socket found closed while psycopg waited on it (the server
+        ended the session as a statement went out) is such an error, on a connection that
+        psycopg still counts as open."""
+        return self._conn.closed or getattr(exc, "sqlstate", None) is None
+
     def _reconnect(self, lost: str) -> None:
+        with suppress(self._psycopg.Error, OSError):
+            self._conn.close()  # what is left of it: its socket, if still open
         deadline, pause = time.monotonic() + RECONNECT_SECONDS, 0.2
         while True:
             try:
@@ -326,8 +336,13 @@ class PostgresDialect(Dialect):
         self._run(lambda: self._conn.execute("COMMIT"), again=False)
 
     def _rollback(self) -> None:
-        if not self._conn.closed:  # a lost connection's transaction is gone with it
+        if self._conn.closed:  # a lost connection's transaction is gone with it
+            return
+        try:
             self._conn.execute("ROLLBACK")
+        except (self._psycopg.OperationalError, self._psycopg.InterfaceError) as exc:
+            if not self._lost(exc):
+                raise
 
     def _translate(self, sql: str) -> str:
         # Our own constant SQL only: `?` becomes psycopg's %s (and a literal % is doubled).
