@@ -35,8 +35,8 @@ RUN_DEADLINE = 900.0
 
 # The study's rules, in the order units run. "downpour-warm" is Downpour after a
 # synchronous first phase (--warm-start-epochs 2, Dean et al.'s warm start), and
-# "diloco-sync" DiLoCo's synchronous rounds, "diloco-avg" those of plain averaging;
-# VARIANTS says how each is launched.
+# "diloco-sync" DiLoCo's synchronous rounds, "diloco-avg" and "diloco-avg-linear" those
+# of plain averaging; VARIANTS says how each is launched.
 STUDY_RULES = [
     "downpour",
     "downpour-warm",
@@ -50,6 +50,7 @@ STUDY_RULES = [
     "eamsgd",
     "allreduce",
     "diloco-avg",
+    "diloco-avg-linear",
 ]
 VARIANTS = {
     "diloco-sync": ["--algorithm", "diloco", "--synchronous"],
@@ -64,9 +65,22 @@ VARIANTS = {
         "--lr-scaling",
         "sqrt",
     ],
+    # The same with the workers' lr scaled by W (2026-11-28-convergence-diloco-probes.md).
+    "diloco-avg-linear": [
+        "--algorithm",
+        "diloco(inner_steps=4, outer_lr=1.0, outer_momentum=0.0)",
+        "--synchronous",
+        "--lr-scaling",
+        "linear",
+    ],
 }
 # The registered rule and its nominal window (H) of each variant; None: the rule's default.
-VARIANT_RULES = {"diloco-sync": ("diloco", None), "downpour-warm": ("downpour", None), "diloco-avg": ("diloco", 4)}
+VARIANT_RULES = {
+    "diloco-sync": ("diloco", None),
+    "downpour-warm": ("downpour", None),
+    "diloco-avg": ("diloco", 4),
+    "diloco-avg-linear": ("diloco", 4),
+}
 # The order the units run in: the 1-worker references of every rule for 3 seeds, then
 # half of the seeds at 8 and at 16 workers (every rule gets a first look), then the rest.
 # (Run beside other work at idle priority, a 1-worker unit can take minutes: all ten

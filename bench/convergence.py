@@ -61,7 +61,7 @@ ALGORITHMS = ["downpour", "easgd", "gem", "adag", "allreduce"]
 NEW_ALGORITHMS = ["diloco", "diloco-sync", "async_local_sgd", "eamsgd"]
 ALGORITHMS += NEW_ALGORITHMS
 # The study's (--unit/--next) besides; --algorithms runs them.
-OTHER_ALGORITHMS = ["dynsgd", "downpour-warm", "diloco-avg"]
+OTHER_ALGORITHMS = ["dynsgd", "downpour-warm", "diloco-avg", "diloco-avg-linear"]
 REACH = 0.98  # of the 1-worker best
 GAP_AIM, SAMPLES_AIM = 1.0, 1.5
 
@@ -240,7 +240,7 @@ rule with today's defaults, batch {proto["batch"]} per worker, {proto["epochs"]}
 {every} samples{extra}. `downpour-warm` is Downpour with
 `--warm-start-epochs 2`, `diloco-sync` DiLoCo with `--synchronous`, `diloco-avg` DiLoCo with
 `--synchronous`, windows of 4 steps, plain averaging (outer lr 1, no outer momentum) and
-`--lr-scaling sqrt`. Samples count over all
+`--lr-scaling sqrt`, `diloco-avg-linear` the same with `--lr-scaling linear`. Samples count over all
 workers. A collapse: a validation at <= 0.51 after one at >= 0.6, or a run that ended with an
 error; a run cut by its {units.RUN_DEADLINE:.0f} s deadline (the machine's load, not the rule) is left
 out and listed as missing. "Samples to 98% of allreduce's 1-w best": the mean samples to
