@@ -34,8 +34,9 @@ demo: $(STAMP)
 # servers, and several at once would slow each other past their deadlines; yet much of
 # their time a core is idle, waiting on those. Lint, types and the docs site, which have
 # no deadlines, run beside them at idle priority (SCHED_IDLE: only on a core nothing else
-# wants), and print when both are done; the command fails if either failed.
-IDLE := $(shell command -v chrt >/dev/null 2>&1 && echo "chrt --idle 0" || echo "nice -n 19")
+# wants; nice 19 where that is refused), and print when both are done; the command fails
+# if either failed.
+IDLE := $(shell chrt --idle 0 true >/dev/null 2>&1 && echo "chrt --idle 0" || echo "nice -n 19")
 test: bytecode
 	$(BIN)/python -m pytest -q -n auto -m "$(FAST)"
 	@checks=$$(mktemp); \
