@@ -14,6 +14,8 @@
   ranks (--allreduce-backend gloo, the code NCCL runs on GPUs) == the MPI path to 1e-6;
 - the same weights as PyTorch DistributedDataParallel on gloo;
 - Downpour with one worker and sync_every=1 == plain SGD on the same batch order;
+- asynchronous DiLoCo with one worker == windows of H SGD steps, each followed by the
+  outer Nesterov step on its pseudo-gradient;
 - EASGD with elastic_force=0 leaves the centre where it started;
 - a synchronous round of GEM, ADAG or DynSGD over 4 workers is one step on the
   sample-weighted mean of their updates: with updates -lr * g_i (GEM with pi = 1, ADAG's
@@ -171,6 +173,18 @@ ROUND_RUNS = {
 }
 
 
+# Asynchronous DiLoCo with one worker (1 master + 1 worker): windows of H plain SGD steps,
+# each followed by the outer Nesterov step on its pseudo-gradient (6 batches an epoch: a
+# window of 4, then one of 2 cut by the epoch's end).
+DILOCO_H, DILOCO_OUTER_LR, DILOCO_MU = 4, 0.7, 0.9
+DILOCO_RUNS = {
+    "diloco-async-one-worker": dict(
+        algorithm=f"diloco(inner_steps={DILOCO_H}, outer_lr={DILOCO_OUTER_LR}, outer_momentum={DILOCO_MU})",
+        worker_optimizer=f"sgd(lr={common.LR})",
+    )
+}
+
+
 # Runs trained again with --device cpu (the rules and staging on torch tensors), each
 # compared with its numpy run; EASGD with its elastic force, so that the centre moves.
 # The BatchNorm runs carry a model state: broadcast at the start, sent to a master,
@@ -227,6 +241,7 @@ def job(tmp_path_factory):
         )
         for name, extra in EASGD_RUNS.items()
     ]
+    runs += [dict(base, run_name=name, ranks=2, **extra) for name, extra in DILOCO_RUNS.items()]
     runs += [
         dict(base, run_name=name, ranks=1 + ROUND_WORKERS, n_train=ROUND_TRAIN, synchronous=True, sync_every=1, **extra)
         for name, extra in ROUND_RUNS.items()
@@ -306,6 +321,49 @@ def test_downpour_one_worker_is_plain_sgd(api_runs, name):
     assert summary["epochs_run"] == API_EPOCHS
     # One worker: the master always answers before the next gradient, no staleness.
     assert all(h["staleness_max"] == 0 for h in summary["history"])
+
+
+def diloco_weights(h: int, outer_lr: float, mu: float) -> dict[str, np.ndarray]:
+    """Single-process torch, one worker: from the centre, h SGD steps on its batches (a
+    window ends with its epoch), then the outer step on the pseudo-gradient
+    delta = centre - weights, torch.optim.SGD(nesterov=True)'s: m <- mu m + delta,
+    centre <- centre - outer_lr (delta + mu m); the next window starts from the centre."""
+    data = common.make_data()
+    x, y = torch.from_numpy(data.x_train), torch.from_numpy(data.y_train)
+    model = common.initial_model(API_SEED)
+    params = list(model.parameters())
+    centre = [p.detach().clone() for p in params]
+    momentum = [torch.zeros_like(p) for p in params]
+    opt = torch.optim.SGD(params, lr=common.LR)
+    loss_fn = nn.CrossEntropyLoss()
+    plan = ShardPlan(data.n_train, 1, API_BATCH, API_SEED)
+    for epoch in range(API_EPOCHS):
+        batches = plan.epoch(epoch, 0)
+        for start in range(0, len(batches), h):
+            for batch in batches[start : start + h]:
+                opt.zero_grad()
+                loss_fn(model(x[batch]), y[batch]).backward()
+                opt.step()
+            with torch.no_grad():
+                for p, c, m in zip(params, centre, momentum, strict=True):
+                    delta = c - p
+                    m.mul_(mu).add_(delta)
+                    c.sub_(outer_lr * (delta + mu * m))
+                    p.copy_(c)
+    return state_dict_arrays(model)
+
+
+@pytest.mark.timeout(400)
+def test_asynchronous_diloco_with_one_worker_is_h_local_steps_then_the_outer_step(api_runs):
+    (name,) = DILOCO_RUNS
+    expected = diloco_weights(DILOCO_H, DILOCO_OUTER_LR, DILOCO_MU)
+    assert moved(expected, state_dict_arrays(common.initial_model(API_SEED))) > 0.1
+    # Plain SGD on the same batches ends elsewhere: the outer step is what is compared.
+    assert moved(expected, sgd_weights()) > 0.01
+    got = load_file(str(api_runs / name / "final" / "model.safetensors"))
+    assert_weights_close(got, expected)
+    summary = json.loads((api_runs / name / "summary.json").read_text())
+    assert summary["epochs_run"] == API_EPOCHS
 
 
 @pytest.mark.timeout(400)
