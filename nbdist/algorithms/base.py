@@ -168,8 +168,8 @@ class Algorithm(Rule, ABC):
     # A worker's message is its weights themselves (EASGD), not a step: a codec that sends
     # a part and keeps the rest for later (--compression topk, powersgd) does not fit.
     message_is_weights: ClassVar[bool] = False
-    # A synchronous round averages the workers' windows (DiLoCo): with H = 1, SGD and an
-    # outer lr of 1 that is allreduce's step on the W workers' combined batch, so
+    # A synchronous round averages the workers' windows (DiLoCo): with H = 1, SGD, an outer
+    # lr of 1 and no outer momentum that is allreduce's step on the W workers' batch, so
     # --lr-scaling scales the workers' optimiser as it scales allreduce's.
     round_averages_windows: ClassVar[bool] = False
     # The workers' optimiser when --worker-optimizer is not given (None: nbdist's default);

@@ -109,9 +109,9 @@ class TrainOptions:
         "step takes the combined gradient of all W (an effective batch W times --batch-size; Goyal et al. 2017): "
         "the allreduce workers' optimizer, the master optimizer of --synchronous downpour, gem's lr with "
         "--synchronous, and the workers' optimizer of --synchronous diloco, whose round averages the W "
-        "workers' local steps (with --sync-every 1, sgd and outer_lr=1: allreduce's step). Asynchronous "
-        "updates and other rules' local steps are not scaled: each comes from one worker's batch, and the "
-        "centre already receives W times as many of them",
+        "workers' local steps (with --sync-every 1, sgd, outer_lr=1 and no outer momentum: allreduce's "
+        "step). Asynchronous updates and other rules' local steps are not scaled: each comes from one "
+        "worker's batch, and the centre already receives W times as many of them",
     )
     warmup_epochs: float = _opt(
         0.0,
