@@ -216,6 +216,14 @@ def test_bad_parameters_are_one_clear_error(spec, says):
         make_algorithm(parse_spec(spec))
 
 
+@pytest.mark.parametrize("rule", ["diloco", "async_local_sgd", "eamsgd"])
+def test_an_outer_optimiser_the_rule_cannot_take_is_one_clear_error(rule):
+    """Their outer steps are the rules' own (an outer SGD with the rule's lr and momentum,
+    or EAMSGD's elastic pull): a master optimiser is refused, saying what to do."""
+    with pytest.raises(OptionsError, match=f"^{rule} takes no master optimizer: .* drop --master-optimizer$"):
+        resolve_rules(TrainOptions(algorithm=rule, master_optimizer="sgd(lr=0.7, momentum=0.9, nesterov=True)"))
+
+
 def test_inner_steps_is_the_window_and_a_different_sync_every_is_refused():
     rule, window, worker, _ = resolve_rules(TrainOptions(algorithm="diloco(inner_steps=7)"))
     assert window == 7 and worker is not None and worker.name == "adamw"
