@@ -15,7 +15,7 @@ import statistics
 from collections import Counter
 from collections.abc import Sequence
 
-from _convergence_units import SEEDS, VARIANT_RULES, Key, Run, from_record, missing, staleness_stats
+from _convergence_units import SEEDS, Key, Run, from_record, missing, nominal_window, staleness_stats
 
 REACH = 0.98  # of the 1-worker best
 GAP_AIM = 1.0  # points
@@ -61,12 +61,9 @@ def window(rule: str, runs: list[Run], epochs: int, batch: int) -> float:
     nominal window (the variant's, else the rule's default), cut where an epoch ends (a
     window ends with its epoch): 10 batches an epoch in windows of 4 are windows of 4, 4
     and 2, a mean of 3.33."""
-    from nbdist.algorithms.base import RULES
-
     if rule == "allreduce":
         return 1.0
-    name, nominal = VARIANT_RULES.get(rule, (rule, None))
-    nominal = nominal or RULES.get(name).default_sync_every
+    nominal = nominal_window(rule)
     per_epoch = [r.trained / epochs / r.workers / batch for r in runs if r.trained]
     if not per_epoch:
         return float(nominal)

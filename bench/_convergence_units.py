@@ -52,35 +52,34 @@ STUDY_RULES = [
     "diloco-avg",
     "diloco-avg-linear",
 ]
+# Synchronous rounds of 4 local steps, plain averaging (outer lr 1, no momentum), the
+# workers' AdamW lr scaled by sqrt(W) or W: averaging W windows shrinks the step of their
+# uncorrelated parts (2026-11-28-convergence-diloco-probes.md).
+AVERAGING = ["--algorithm", "diloco(inner_steps=4, outer_lr=1.0, outer_momentum=0.0)", "--synchronous"]
 VARIANTS = {
     "diloco-sync": ["--algorithm", "diloco", "--synchronous"],
     "downpour-warm": ["--algorithm", "downpour", "--warm-start-epochs", "2"],
-    # Synchronous rounds of 4 local steps, plain averaging (outer lr 1, no momentum), the
-    # workers' AdamW lr scaled by sqrt(W): averaging W windows shrinks the step of their
-    # uncorrelated parts (2026-11-28-convergence-diloco-probes.md).
-    "diloco-avg": [
-        "--algorithm",
-        "diloco(inner_steps=4, outer_lr=1.0, outer_momentum=0.0)",
-        "--synchronous",
-        "--lr-scaling",
-        "sqrt",
-    ],
-    # The same with the workers' lr scaled by W (2026-11-28-convergence-diloco-probes.md).
-    "diloco-avg-linear": [
-        "--algorithm",
-        "diloco(inner_steps=4, outer_lr=1.0, outer_momentum=0.0)",
-        "--synchronous",
-        "--lr-scaling",
-        "linear",
-    ],
+    "diloco-avg": [*AVERAGING, "--lr-scaling", "sqrt"],
+    "diloco-avg-linear": [*AVERAGING, "--lr-scaling", "linear"],
 }
-# The registered rule and its nominal window (H) of each variant; None: the rule's default.
-VARIANT_RULES = {
-    "diloco-sync": ("diloco", None),
-    "downpour-warm": ("downpour", None),
-    "diloco-avg": ("diloco", 4),
-    "diloco-avg-linear": ("diloco", 4),
-}
+
+
+def rule_options(rule: str) -> list[str]:
+    """The train options that launch a master/worker rule of the study, a variant's included."""
+    return VARIANTS.get(rule, ["--algorithm", rule])
+
+
+def nominal_window(rule: str) -> int:
+    """A master/worker rule's local steps between exchanges, as its options set them: its
+    own (DiLoCo's inner_steps), else its default."""
+    from nbdist.algorithms import make_algorithm
+    from nbdist.specs import parse_spec
+
+    options = rule_options(rule)
+    algorithm = make_algorithm(parse_spec(options[options.index("--algorithm") + 1]))
+    return algorithm.sync_window() or algorithm.default_sync_every
+
+
 # The order the units run in: the 1-worker references of every rule for 3 seeds, then
 # half of the seeds at 8 and at 16 workers (every rule gets a first look), then the rest.
 # (Run beside other work at idle priority, a 1-worker unit can take minutes: all ten
@@ -205,10 +204,8 @@ def train(algorithm: str, workers: int, seed: int, extra: list[str], runs_dir: P
     name = f"{algorithm}-{workers}w-s{seed}-{len(list(runs_dir.iterdir()))}"
     if algorithm == "allreduce":
         ranks, rule = workers, ["--topology", "allreduce"]
-    elif algorithm in VARIANTS:
-        ranks, rule = workers + 1, VARIANTS[algorithm]
     else:
-        ranks, rule = workers + 1, ["--algorithm", algorithm]
+        ranks, rule = workers + 1, rule_options(algorithm)
     argv = [
         sys.executable,
         "-m",

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from _common import ROOT, header, table
-from _convergence_units import VARIANTS, jet_sample
+from _convergence_units import jet_sample, rule_options
 from slurm_cluster import SlurmCluster, slurm_missing
 
 from nbdist.metrics import read_log
@@ -69,9 +69,9 @@ def job(slurm: SlurmCluster, rule: str, rate: str, args: argparse.Namespace, wor
     name = f"{rule}-{rate}"
     script, output = work / f"{name}.sh", work / f"{name}.out"
     if rule == "allreduce":
-        ranks, rule_options = 2, ["--topology", "allreduce"]
+        ranks, options = 2, ["--topology", "allreduce"]
     else:
-        ranks, rule_options = 3, VARIANTS.get(rule, ["--algorithm", rule])
+        ranks, options = 3, rule_options(rule)
     train_glob, val_glob = jet_sample(Path(args.cache).expanduser())
     written = subprocess.run(
         [sys.executable, "-m", "nbdist", "slurm-script", "-n", str(ranks), "--nodes", "2"]
@@ -79,7 +79,7 @@ def job(slurm: SlurmCluster, rule: str, rate: str, args: argparse.Namespace, wor
         + ["--job-name", name, "--output", str(output), "--write", str(script), "--"]
         + ["train", "--model", str(ROOT / "examples" / "jet_cnn.py"), "--train", train_glob, "--val", val_glob]
         + ["--epochs", str(args.epochs), "--batch-size", "32", "--seed", "0", "--checkpoint-every", "0"]
-        + ["--runs-dir", str(work), "--run-name", name, *rule_options],
+        + ["--runs-dir", str(work), "--run-name", name, *options],
         cwd=ROOT,
         env=slurm.env,
         capture_output=True,
