@@ -171,7 +171,9 @@ class Simulation:
                     message = Staging.of_host(np.empty(w.num_params, F32), w.rule_params, w.copier)
                     algo.worker_message(self.worker_states[i], w.rule_params, message.device)
                     # What the master's receive buffer holds, as its rule sees it.
-                    out = Staging.of_host(message.to_host().copy(), self.centre).device
+                    received = Staging.of_host(message.to_host().copy(), self.centre, self.master.copier)
+                    received.to_device()
+                    out = received.device
                     pending.append((i, out, self.samples[i]))
                     self.samples[i] = 0
             if not pending:

@@ -73,6 +73,16 @@ def test_local_rank_from_the_launcher_or_from_mpi(monkeypatch):
     assert local_rank(MPI.COMM_SELF) == 0  # MPI's shared-memory split: alone on its node
 
 
+def test_a_device_array_without_a_copier_is_refused_with_one_message():
+    """Off the host, staging copies through a pinned buffer, which only the backend's
+    copier makes: without one, one ValueError (the GPU check first met an AttributeError)."""
+    on_a_device = torch.zeros(4, device="meta")  # not host memory, as a GPU's is not
+    with pytest.raises(ValueError, match="without a copier"):
+        Staging(on_a_device, cuda_aware=False)
+    with pytest.raises(ValueError, match="without a copier"):
+        Staging.of_host(np.zeros(4, np.float32), like=on_a_device)
+
+
 def test_staging_on_the_host_is_zero_copy_both_ways():
     tensor = torch.arange(6, dtype=torch.float32)
     staging = Staging(tensor)

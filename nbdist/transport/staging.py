@@ -78,6 +78,8 @@ class Staging:
         if _on_host(like):
             staging.way, staging.device, staging._host_tensor = VIEW, xp.asarray(host), None
         else:
+            if copier is None:
+                raise ValueError("a device array without a copier cannot be staged through the host")
             staging.way = PINNED
             staging.device = xp.zeros(host.shape[0], dtype=xp.float32, device=array_api_compat.device(like))
             staging._host_tensor = copier.host_tensor(host)
