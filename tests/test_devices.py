@@ -92,3 +92,13 @@ def test_staging_on_the_host_is_zero_copy_both_ways():
     outbound.device[...] = tensor  # what a rule writes lands in the message buffer
     assert isinstance(outbound.device, torch.Tensor) and np.array_equal(outbound.to_host(), tensor.numpy())
     assert Staging.of_host(message, like=message).device is not None
+
+
+def test_ranks_sharing_a_gpu_are_found_by_the_gpus_identity():
+    """NCCL refuses two ranks on one GPU: the ranks that share one, grouped by GPU (an
+    identity is host and UUID, so two ranks that each call their own GPU cuda:0 differ)."""
+    from nbdist.transport.torch_group import ranks_sharing_gpus
+
+    assert ranks_sharing_gpus(["a:GPU-1", "a:GPU-2", "b:GPU-1"]) == []
+    assert ranks_sharing_gpus(["a:GPU-1", "a:GPU-1", "a:GPU-2", "a:GPU-2", "b:GPU-3"]) == [[0, 1], [2, 3]]
+    assert ranks_sharing_gpus(["a:GPU-1"]) == []

@@ -214,8 +214,8 @@ class TrainOptions:
     )
     allreduce_backend: str = _opt(
         "auto",
-        "what reduces the allreduce topology's gradient buckets: auto (nccl where the model is on a GPU and "
-        "torch has NCCL, else mpi) or one of the reducers",
+        "what reduces the allreduce topology's gradient buckets: auto (nccl where the model is on a GPU, "
+        "torch has NCCL and each rank has a GPU of its own, else mpi) or one of the reducers",
         registry=REDUCERS,
     )
     quiet: bool = _opt(False, "print only the final summary")

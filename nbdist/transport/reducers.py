@@ -354,7 +354,10 @@ def make_reducer(
     """Collective over `comm`: the reducer `--allreduce-backend name` means for this
     backend's gradient (through `compression`'s codec, if any), its waits polled by the
     run's `collectives`."""
-    kind = REDUCERS.get(choose(name, backend.rule_grads, compressed=compression is not None))
+    chosen = choose(name, backend.rule_grads, compressed=compression is not None)
+    if chosen == "nccl" and comm.Get_size() > 1:
+        chosen = _one_gpu_per_rank(name, comm, backend.rule_grads, collectives)
+    kind = REDUCERS.get(chosen)
     if issubclass(kind, MpiReducer):
         return kind(
             comm, backend, bucket_floats, lambda requests: collectives.wait_all(comm, requests, what), compression
@@ -366,6 +369,30 @@ def make_reducer(
     device = array_api_compat.device(backend.rule_grads)
     group = TorchGroup(comm, kind.name, collectives, device=device if kind.name == "nccl" else None)
     return kind(group, backend, bucket_floats, lambda done: collectives.wait_for(comm, done, what))
+
+
+def _one_gpu_per_rank(name: str, comm: Any, grads: Any, collectives: Any) -> str:
+    """nccl where each rank of `comm` has a GPU of its own; NCCL refuses two ranks on one
+    GPU ("invalid usage"), so where some share one (more ranks on a node than it has GPUs)
+    auto takes mpi, and nccl named is one OptionsError naming them. Collective over comm."""
+    from mpi4py import MPI
+
+    from nbdist.transport.torch_group import gpu_identity, ranks_sharing_gpus
+
+    where = array_api_compat.device(grads)
+    rows = collectives.allgather(comm, [MPI.COMM_WORLD.Get_rank(), gpu_identity(where)], "the GPUs' identities")
+    shared = ranks_sharing_gpus([identity for _, identity in rows])
+    if not shared:
+        return "nccl"
+    if name == "auto":
+        return "mpi"
+    ranks = ", ".join(str(rows[i][0]) for i in shared[0])
+    host = rows[shared[0][0]][1].split(":")[0]
+    raise OptionsError(
+        f"--allreduce-backend nccl takes one GPU per rank (NCCL refuses two ranks on one GPU), and ranks "
+        f"{ranks} share one GPU on {host}: use --allreduce-backend mpi (auto picks it where ranks share "
+        f"GPUs), or start as many ranks per node as it has GPUs"
+    )
 
 
 def libnbc_note(reducer: str, ranks: int, environ: Mapping[str, str] = os.environ) -> str:

@@ -46,7 +46,15 @@ from nbdist.errors import TrainingError, UserError
 from nbdist.transport.interfaces import interface_address, job_interface
 from nbdist.transport.waiting import CommFailure
 
-__all__ = ["TorchGroup", "WorkFailed", "all_completed", "keep_until_done", "LOOPBACK"]
+__all__ = [
+    "TorchGroup",
+    "WorkFailed",
+    "all_completed",
+    "gpu_identity",
+    "keep_until_done",
+    "ranks_sharing_gpus",
+    "LOOPBACK",
+]
 
 LOOPBACK = "127.0.0.1"
 RENDEZVOUS = "the torch.distributed rendezvous"
@@ -59,6 +67,24 @@ WORK_DEADLINE_FACTOR, WORK_DEADLINE_SLACK = 2.0, 30.0
 # group waits for its works, which would stall the run that goes on, so they are kept
 # here until those works ended (they fail at their own deadline, or when the peer exits).
 _left_behind: list[tuple[TorchGroup, list]] = []
+
+
+def gpu_identity(device: Any) -> str:
+    """What tells one GPU from another across processes: its UUID (a rank that sees only
+    its own GPU, as under SLURM's --gpus-per-task, calls it cuda:0 as its neighbour does)."""
+    import torch
+
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    return f"{socket.gethostname()}:{uuid if uuid is not None else device}"
+
+
+def ranks_sharing_gpus(identities: Sequence[str]) -> list[list[int]]:
+    """The ranks (indices into `identities`, one GPU identity per rank) that share a GPU
+    with another rank, grouped by GPU; empty when every rank has one of its own."""
+    by_gpu: dict[str, list[int]] = {}
+    for rank, identity in enumerate(identities):
+        by_gpu.setdefault(identity, []).append(rank)
+    return [ranks for ranks in by_gpu.values() if len(ranks) > 1]
 
 
 class WorkFailed(CommFailure):
