@@ -58,6 +58,7 @@ def allreduce(comm, sizes, args, request: DeviceRequest, precision: str) -> dict
         backend,
         max(1, int(args.bucket_mb * 2**20 / 4)),
         Collectives(lambda: WAIT_SECONDS),
+        alone_reduces_nothing=False,  # on one GPU, the reducers themselves against DDP's
     )
     x_np, y_np = synthetic(DATA_SAMPLES, sizes[0], sizes[-1], seed=1 + rank)
     x_all, y_all = torch.from_numpy(x_np).to(backend.device), torch.from_numpy(y_np).to(backend.device)

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Reducer",
+    "AloneReducer",
     "MpiReducer",
     "TorchReducer",
     "NcclReducer",
@@ -127,6 +128,33 @@ class Reducer(ABC):
 
     def load_state_arrays(self, arrays: dict[str, np.ndarray]) -> None:  # noqa: B027
         """Take back what state_arrays gave (a resume); by default there is nothing."""
+
+
+class AloneReducer(Reducer):
+    """The reducer of a communicator of one rank: the sum over one rank is its own
+    gradient, so nothing is started or waited for (no bucket hooks, no group, no copies
+    through host memory) and a 1-rank run steps as a plain training loop does. Not a
+    choice of --allreduce-backend: make_reducer's for any of them on one rank."""
+
+    name = "alone"
+
+    def __init__(self, chosen: str, num_params: int):
+        self.chosen = chosen
+        self.buckets = [(0, num_params)]
+
+    @property
+    def way(self) -> str:
+        return f"{self.chosen} (one rank: nothing to reduce)"
+
+    @property
+    def bytes_sent(self) -> int:
+        return 0
+
+    def start(self, index: int) -> None:
+        """Never called: no bucket hooks are installed."""
+
+    def finish(self, trailer: np.ndarray) -> None:
+        """The gradient and the trailer are already the sums over this one rank."""
 
 
 REDUCERS: Registry[Reducer] = Registry(
@@ -350,11 +378,17 @@ def make_reducer(
     collectives: Any,
     what: str = WHAT,
     compression: Spec | None = None,
+    *,
+    alone_reduces_nothing: bool = True,
 ) -> Reducer:
     """Collective over `comm`: the reducer `--allreduce-backend name` means for this
     backend's gradient (through `compression`'s codec, if any), its waits polled by the
-    run's `collectives`."""
+    run's `collectives`. On a communicator of one rank without compression, the sum is the
+    gradient itself: `AloneReducer` (a benchmark of the reducers themselves passes
+    alone_reduces_nothing=False)."""
     chosen = choose(name, backend.rule_grads, compressed=compression is not None)
+    if alone_reduces_nothing and comm.Get_size() == 1 and compression is None:
+        return AloneReducer(chosen, backend.num_params)
     if chosen == "nccl" and comm.Get_size() > 1:
         chosen = _one_gpu_per_rank(name, comm, backend.rule_grads, collectives)
     kind = REDUCERS.get(chosen)
