@@ -61,7 +61,9 @@ fi
 venv=$(mktemp -d "${TMPDIR:-/tmp}/nbdist-device-check.XXXXXX")
 trap 'rm -rf "$venv"' EXIT
 say "a fresh virtual environment in $venv, beside $base_python's packages"
-"$base_python" -m venv "$venv" >>"$log" 2>&1 || { say "cannot make a virtual environment with $base_python"; exit 2; }
+# --without-pip: a distribution's Python may lack ensurepip (Debian and Ubuntu split it
+# off); pip itself comes from the node's packages through the .pth line below.
+"$base_python" -m venv --without-pip "$venv" >>"$log" 2>&1 || { say "cannot make a virtual environment with $base_python"; exit 2; }
 "$base_python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"]); print(sysconfig.get_paths()["platlib"])' \
     | sort -u > "$venv/node-packages.txt"
 site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
