@@ -55,14 +55,23 @@ class Launched:
         return self.log_path.read_text(errors="replace")
 
     def rank(self, rank: int) -> psutil.Process:
-        """The process of MPI rank `rank` (its environment says which it is)."""
-        for child in psutil.Process(self.proc.pid).children(recursive=True):
-            try:
-                if child.environ().get("OMPI_COMM_WORLD_RANK") == str(rank) and "nbdist" in " ".join(child.cmdline()):
-                    return child
-            except psutil.Error:
-                continue
-        raise AssertionError(f"no process of rank {rank}:\n{self.output}")
+        """The process of MPI rank `rank` (its environment says which it is). Looked for
+        again for a few seconds: on a loaded machine one pass over the process tree once
+        missed a rank that was training (a process whose environment could not be read
+        at that moment is passed over)."""
+        deadline = time.monotonic() + 10
+        while True:
+            for child in psutil.Process(self.proc.pid).children(recursive=True):
+                try:
+                    if child.environ().get("OMPI_COMM_WORLD_RANK") == str(rank) and "nbdist" in " ".join(
+                        child.cmdline()
+                    ):
+                        return child
+                except psutil.Error:
+                    continue
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise AssertionError(f"no process of rank {rank}:\n{self.output}")
+            time.sleep(0.2)
 
     def processes(self) -> list[psutil.Process]:
         try:
