@@ -74,7 +74,8 @@ class Reducer(ABC):
 
     What `--allreduce-backend` chooses (`make_reducer`): `MpiReducer` (MPI's
     `Iallreduce`, with `--compression` through a codec) or `TorchReducer` (a
-    torch.distributed NCCL or gloo group made from the MPI ranks). The backend calls
+    torch.distributed NCCL or gloo group made from the MPI ranks); on one rank without
+    compression, `AloneReducer`, which has nothing to reduce. The backend calls
     `start(index)` as each bucket becomes final during backward; the role calls
     `finish(trailer)` once per step. Every rank ends the step with the same sums, so the
     replicas stay bit-identical.
