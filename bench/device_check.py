@@ -17,9 +17,11 @@ over three seeds).
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import platform
+import pstats
 import shutil
 import subprocess
 import sys
@@ -63,17 +65,18 @@ class Check:
         env.update(extra)
         return env
 
-    def command(self, argv: list[str], timeout: float, *, cwd: Path | None = None, **env: str) -> str:
-        """Run argv; its output goes to this step's log and is returned. A non-zero exit
-        is a failure naming the command."""
-        print(f"$ {' '.join(argv)}", flush=True)
+    def command(self, argv: list[str], timeout: float, *, cwd: Path | None = None, status: int = 0, **env: str) -> str:
+        """Run argv; its output goes to this step's log and is returned. An exit status
+        other than `status` is a failure naming the command."""
+        print(f"$ {' '.join(argv)}" + ("" if status == 0 else f"   (must exit with status {status})"), flush=True)
         proc = subprocess.run(
             argv, cwd=cwd or self.scratch, env=self.env(**env), capture_output=True, text=True, timeout=timeout
         )
         output = proc.stdout + proc.stderr
         print(output[-6000:], flush=True)
-        if proc.returncode != 0:
-            raise StepFailed(f"exit status {proc.returncode}: {' '.join(argv[:6])} ...")
+        if proc.returncode != status:
+            expected = "" if status == 0 else f", not {status}"
+            raise StepFailed(f"exit status {proc.returncode}{expected}: {' '.join(argv[:6])} ...")
         return output
 
     def step(self, name: str, timeout: float, body: Callable[[float], dict | None]) -> None:
@@ -127,14 +130,13 @@ class Check:
         return dict(self.trained[key])
 
     def refused(self, argv: list[str], timeout: float, expected: str) -> str:
-        """Run argv, which must exit with status 2 and print `expected` (a clear refusal)."""
-        print(f"$ {' '.join(argv)}   (must be refused)", flush=True)
-        proc = subprocess.run(argv, cwd=self.scratch, env=self.env(), capture_output=True, text=True, timeout=timeout)
-        output = proc.stdout + proc.stderr
-        print(output[-3000:], flush=True)
-        if proc.returncode != 2 or expected not in output:
-            raise StepFailed(f"exit status {proc.returncode}, not 2 with {expected!r}: {' '.join(argv[:6])} ...")
-        return next(line for line in output.splitlines() if expected in line)
+        """Run argv, which must exit with status 2 (a user error) and print `expected`;
+        the line that says it."""
+        output = self.command(argv, timeout, status=2)
+        said = [line for line in output.splitlines() if expected in line]
+        if not said:
+            raise StepFailed(f"no line says {expected!r}: {' '.join(argv[:6])} ...")
+        return said[0]
 
     def learned(self, name: str, ranks: int, timeout: float, *options: str, **kw: str) -> dict:
         figures = self.train(name, ranks, timeout, *options, **kw)
@@ -322,9 +324,6 @@ def profile_one_rank(check: Check, timeout: float) -> str:
     argv += ["--model", "mlp" if check.dry_run else "cnn", "--topology", "allreduce", "--epochs", epochs]
     argv += ["--optimizer", "sgd(lr=0.05, momentum=0.9)", "--batch-size", "128", "--runs-dir", str(runs)]
     check.command([*argv, "--device", check.device], timeout)
-    import io
-    import pstats
-
     text = io.StringIO()
     pstats.Stats(str(stats), stream=text).sort_stats("tottime").print_stats(40)
     target = check.out / "overhead-profile.txt"
