@@ -57,8 +57,8 @@ class Launched:
     def rank(self, rank: int) -> psutil.Process:
         """The process of MPI rank `rank` (its environment says which it is). Looked for
         again for a few seconds: on a loaded machine one pass over the process tree once
-        missed a rank that was training (a process whose environment could not be read
-        at that moment is passed over)."""
+        missed a rank of a job that was training, cause not established (a pass skips any
+        process it cannot read at that moment)."""
         deadline = time.monotonic() + 10
         while True:
             for child in psutil.Process(self.proc.pid).children(recursive=True):
