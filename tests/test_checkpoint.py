@@ -9,6 +9,7 @@ import json
 import math
 import os
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -459,6 +460,32 @@ def test_history_is_stored_once_and_a_resume_reads_the_checkpoints_share(tmp_pat
 
 
 # ----------------------------------------------------------------------------- stopping
+
+
+def test_history_given_the_checkpoint_writer_is_on_disk_before_its_next_job(tmp_path):
+    """The training loop hands the append and its fsync to the checkpoint's writer thread;
+    the share and the commit it submits after it find the records on disk."""
+    from nbdist.train.writer import CheckpointWriter
+
+    records = [{"epoch": i, "val_loss": 1.0 / i} for i in range(1, 4)]
+    history, writer = HistoryFile(tmp_path, writer=True), CheckpointWriter()
+    seen: list[list[dict]] = []
+
+    def read_then() -> None:  # what a commit submitted next would find
+        seen.append([json.loads(line) for line in (tmp_path / "history.jsonl").read_text().splitlines()])
+
+    caller = threading.get_ident()
+    appended_on: list[int] = []
+    original = history._append
+    history._append = lambda *args, **kwargs: (appended_on.append(threading.get_ident()), original(*args, **kwargs))
+    for upto in (1, 3):
+        assert history.checkpoint(records[:upto], writer) == {"history_entries": upto}
+        writer.submit(read_then, name=f"epoch-{upto}")
+    assert writer.finish() == ["epoch-1", "epoch-3"]
+    assert seen == [records[:1], records]
+    assert len(appended_on) == 2 and caller not in appended_on  # never on the training loop's thread
+
+
 def test_patience_on_a_loss():
     early = EarlyStopping("val_loss", patience=2, min_delta=0.0, target=None)
     assert not early.maximize

@@ -293,7 +293,7 @@ class AllreduceRun:
                 "step": step,
                 "early": ctx.early.to_json(),
                 "samples_seen": self.samples_seen,
-                **ctx.history_file.checkpoint(self.history),
+                **ctx.history_file.checkpoint(self.history, self.checkpoints.writer),
             },
             own=self.reducer.state_arrays(),
             same_as=self.replica.twin,

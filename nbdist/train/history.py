@@ -10,6 +10,7 @@ are trained, and recorded, again.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from nbdist.durable import fsync_dir, naming, open_private, replace_file
+from nbdist.train.writer import CheckpointWriter
 
 __all__ = ["HistoryFile"]
 
@@ -31,17 +33,28 @@ class HistoryFile:
         self.writer = writer
         self.written = 0  # records already in the file
 
-    def checkpoint(self, history: list[dict[str, Any]]) -> dict[str, int]:
-        """Make `history` durable; returns what a checkpoint stores in its place."""
+    def checkpoint(self, history: list[dict[str, Any]], writer: CheckpointWriter | None = None) -> dict[str, int]:
+        """Make `history` durable before the checkpoint that refers to it is committed;
+        returns what a checkpoint stores in its place. With the checkpoint's `writer`, the
+        append and its fsync are that thread's next job (its jobs run in order: before the
+        share and the commit submitted after it), off the training loop; else at once."""
         if self.writer and len(history) > self.written:
-            with naming(self.path), open_private(self.path, "a") as fh:
-                fh.writelines(json.dumps(entry) + "\n" for entry in history[self.written :])
-                fh.flush()
-                os.fsync(fh.fileno())
-            if self.written == 0:
-                fsync_dir(self.path.parent)  # the file's name, when it was just created
+            lines = "".join(json.dumps(entry) + "\n" for entry in history[self.written :])
+            append = functools.partial(self._append, lines, created=self.written == 0)
+            if writer is None:
+                append()
+            else:
+                writer.submit(append)
             self.written = len(history)
         return {ENTRIES: len(history)}
+
+    def _append(self, lines: str, created: bool) -> None:
+        with naming(self.path), open_private(self.path, "a") as fh:
+            fh.write(lines)
+            fh.flush()
+            os.fsync(fh.fileno())
+        if created:
+            fsync_dir(self.path.parent)  # the file's name, when it was just created
 
     def resume(self, saved: dict[str, Any]) -> list[dict[str, Any]]:
         """The history of the checkpoint whose scalars are `saved`; the writer rewrites the

@@ -288,7 +288,7 @@ class Master:
             return
         ctx = self.ctx
         for label, arrays, now in self.unwritten:
-            extra = {**now, "early": ctx.early.to_json(), **ctx.history_file.checkpoint(self.history)}
+            extra = {**now, "early": ctx.early.to_json(), **ctx.history_file.checkpoint(self.history, self.writer)}
             write_rank_state(ctx, label, arrays, extra, writer=self.writer)
         self.unwritten.clear()
 
