@@ -27,6 +27,7 @@ def main() -> None:
     p.add_argument("--runs-dir", required=True)
     p.add_argument("--busy-poll", default="auto")
     p.add_argument("--device", default="auto")
+    p.add_argument("--checkpoint-every", type=int, default=0)
     args = p.parse_args()
 
     from overhead import MODELS, load_data, plain_loop
@@ -46,6 +47,7 @@ def main() -> None:
         seed=0,
         busy_poll=args.busy_poll,
         device=args.device,
+        checkpoint_every=args.checkpoint_every,
     )
     if args.topology == "master-worker":
         options.update(

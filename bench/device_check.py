@@ -17,11 +17,9 @@ over three seeds).
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import platform
-import pstats
 import shutil
 import subprocess
 import sys
@@ -310,25 +308,19 @@ def overhead(check: Check, timeout: float) -> dict:
     result["aim_one_rank_at_least_0.95x"] = one_rank >= 0.95
     print(f"   1 rank --device {check.device} against plain PyTorch: {one_rank:.2f}x (aim >= 0.95x)")
     if one_rank < 0.95 or check.dry_run:  # what the next session needs to act on a miss
-        result["profile"] = profile_one_rank(check, timeout / 3)
+        result["step_costs"] = step_costs(check, timeout / 3)
     return result
 
 
-def profile_one_rank(check: Check, timeout: float) -> str:
-    """The 1-rank allreduce run of bench/overhead.py once more, as one process under
-    cProfile: its functions by their own time, into OUT/overhead-profile.txt (a device's
-    waits show as time in the call that waits, such as Tensor.item)."""
-    stats, runs = check.scratch / "one-rank.prof", check.scratch / "profiled-runs"
-    argv = [sys.executable, "-m", "cProfile", "-o", str(stats), str(check.root / "bench" / "_overhead_worker.py")]
-    epochs = "4" if check.dry_run else "15"  # on a GPU, enough steps to outweigh the imports
-    argv += ["--model", "mlp" if check.dry_run else "cnn", "--topology", "allreduce", "--epochs", epochs]
-    argv += ["--optimizer", "sgd(lr=0.05, momentum=0.9)", "--batch-size", "128", "--runs-dir", str(runs)]
-    check.command([*argv, "--device", check.device], timeout)
-    text = io.StringIO()
-    pstats.Stats(str(stats), stream=text).sort_stats("tottime").print_stats(40)
-    target = check.out / "overhead-profile.txt"
-    target.write_text(text.getvalue())
-    return str(target)
+def step_costs(check: Check, timeout: float) -> dict:
+    """bench/step_costs.py: the 1-rank step taken apart in one process (the backend's step
+    alone, the role, an epoch's checkpoint), its table into OUT/step-costs.txt."""
+    figures = check.scratch / "step-costs.json"
+    argv = [sys.executable, str(check.root / "bench" / "step_costs.py"), "--device", check.device]
+    argv += ["--epochs", "3", "--rounds", "1"] if check.dry_run else []
+    output = check.command([*argv, "--json", str(figures)], timeout)
+    (check.out / "step-costs.txt").write_text(output)
+    return json.loads(figures.read_text())
 
 
 def gpu_bench(check: Check, timeout: float) -> dict:

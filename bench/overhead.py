@@ -21,7 +21,11 @@ master-worker, allreduce, ..., plain. The aim is on the median of the nbdist run
 over the median of the plain runs'; each round's own ratio (against the mean of the plain
 runs just before and after it) is shown too, so that the spread can be seen. Runs are long
 (30 epochs, about 3 s of steady state each) so that a run's rate is not one hiccup.
-`--busy-poll off` as a fourth run of each round shows
+The plain loop saves nothing, so the nbdist runs the aims are on write their checkpoint
+at the end only (`--checkpoint-every 0`); a third run, allreduce with the default
+checkpoint every epoch, shows what that costs, printed as milliseconds an epoch (a fixed
+cost per checkpoint: large against this benchmark's epochs of a few hundred steps at most,
+small against real ones). `--busy-poll off` as a fourth run of each round shows
 what the rank's waits cost when they sleep (the default, auto, polls without sleeping
 where the ranks fit the cores). Aim: master-worker >= 0.95x plain.
 Usage: python bench/overhead.py [--quick] [--rounds N]
@@ -115,7 +119,14 @@ def middle_rate(history: list[dict]) -> float:
 
 
 def launched_run(
-    n: int, topology: str, model: str, epochs: int, batch_size: int, busy_poll: str = "auto", device: str = "auto"
+    n: int,
+    topology: str,
+    model: str,
+    epochs: int,
+    batch_size: int,
+    busy_poll: str = "auto",
+    device: str = "auto",
+    checkpoint_every: int = 0,
 ) -> list[dict]:
     """One run (`topology` plain, master-worker or allreduce) as a fresh `mpiexec -n n`
     process; its per-epoch history."""
@@ -140,19 +151,32 @@ def launched_run(
             busy_poll,
             "--device",
             device,
+            "--checkpoint-every",
+            str(checkpoint_every),
         ]
         return run_mpi(n, argv)[0]["history"]
+
+
+def checkpoint_cost_ms(samples_per_epoch: int, at_end: list[list[dict]], every_epoch: list[list[dict]]) -> float:
+    """What an epoch's checkpoint adds to an epoch of the loop: the difference of the
+    median epoch times of the runs that checkpoint every epoch and at the end only."""
+    seconds = [samples_per_epoch / statistics.median(middle_rate(h) for h in runs) for runs in (every_epoch, at_end)]
+    return (seconds[0] - seconds[1]) * 1e3
 
 
 def param_count(model: str) -> int:
     return sum(p.numel() for p in MODELS[model]().parameters())
 
 
-# The nbdist runs of a round: (label, ranks, topology, --busy-poll).
+# The nbdist runs of a round: (label, ranks, topology, --busy-poll, --checkpoint-every).
+# The plain loop saves nothing, so the runs the aims are on write their one checkpoint at
+# the end (in the last epoch, which the rates leave out); the default's checkpoint every
+# epoch has a row of its own, and its cost per checkpoint is printed.
 RUNS = [
-    ("nbdist master-worker (1 master + 1 worker, downpour)", 2, "master-worker", "auto"),
-    ("nbdist allreduce (1 rank)", 1, "allreduce", "auto"),
-    ("nbdist master-worker, --busy-poll off (waits sleep)", 2, "master-worker", "off"),
+    ("nbdist master-worker (1 master + 1 worker, downpour)", 2, "master-worker", "auto", 0),
+    ("nbdist allreduce (1 rank)", 1, "allreduce", "auto", 0),
+    ("nbdist allreduce (1 rank), a checkpoint every epoch (default)", 1, "allreduce", "auto", 1),
+    ("nbdist master-worker, --busy-poll off (waits sleep)", 2, "master-worker", "off", 0),
 ]
 
 
@@ -188,8 +212,10 @@ def main() -> None:
     plain = [launched_run(1, "plain", args.model, epochs, args.batch_size, device=args.device)]
     nbdist: dict[str, list[list[dict]]] = {label: [] for label, *_ in RUNS}
     for _ in range(rounds):
-        for label, n, topology, busy_poll in RUNS:
-            nbdist[label].append(launched_run(n, topology, args.model, epochs, args.batch_size, busy_poll, args.device))
+        for label, n, topology, busy_poll, checkpoint_every in RUNS:
+            nbdist[label].append(
+                launched_run(n, topology, args.model, epochs, args.batch_size, busy_poll, args.device, checkpoint_every)
+            )
         plain.append(launched_run(1, "plain", args.model, epochs, args.batch_size, device=args.device))
     plain_rates = [middle_rate(h) for h in plain]
     plain_median = statistics.median(plain_rates)
@@ -214,11 +240,19 @@ def main() -> None:
         )
     table(rows, ["run", "samples/s (median)", "vs plain (medians)", "each round", f"train loss, epoch {epochs}"])
     print(f"   plain loop runs: {', '.join(f'{r:,.0f}' for r in plain_rates)} samples/s")
+    checkpoint_ms = checkpoint_cost_ms(data.n_train, nbdist[RUNS[1][0]], nbdist[RUNS[2][0]])
+    print(f"   a checkpoint every epoch costs the 1-rank loop {checkpoint_ms:+.2f} ms an epoch (medians)")
     print()
     aim("master-worker, 1 worker vs plain loop (medians)", AIM, ratios[RUNS[0][0]])
     aim("allreduce, 1 rank vs plain loop (medians)", AIM, ratios[RUNS[1][0]])
     if args.json:
-        figures = {"device": args.device, "model": args.model, "plain_samples_per_s": plain_rates, "ratios": ratios}
+        figures = {
+            "device": args.device,
+            "model": args.model,
+            "plain_samples_per_s": plain_rates,
+            "ratios": ratios,
+            "checkpoint_ms_per_epoch": checkpoint_ms,
+        }
         Path(args.json).write_text(json.dumps(figures, indent=1))
 
 
