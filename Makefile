@@ -32,18 +32,23 @@ demo: $(STAMP)
 # The README's and CI's test command. The fast tests run on every core (pytest-xdist): each
 # is one process's work. The others run one at a time: each starts MPI jobs, engines or
 # servers, and several at once would slow each other past their deadlines; yet much of
-# their time a core is idle, waiting on those. Lint, types and the docs site, which have
-# no deadlines, run beside them at idle priority (SCHED_IDLE: only on a core nothing else
-# wants; nice 19 where that is refused), and print when both are done; the command fails
-# if either failed.
+# their time a core is idle, waiting on those. Three things that have no tight deadlines
+# run beside them and print when all are done; the command fails if any failed: lint,
+# types and the docs site at idle priority (SCHED_IDLE: only on a core nothing else wants;
+# nice 19 where that is refused), and the GPU check's CPU dry run (BESIDE_TESTS: its own
+# virtual environment and runs, each step with a deadline many times its length) at nice 10,
+# which leaves it a share of a busy machine rather than none.
 IDLE := $(shell chrt --idle 0 true >/dev/null 2>&1 && echo "chrt --idle 0" || echo "nice -n 19")
+BESIDE_TESTS := tests/test_device_check.py
 test: bytecode
 	$(BIN)/python -m pytest -q -n auto -m "$(FAST)"
-	@checks=$$(mktemp); \
-	$(IDLE) $(MAKE) --no-print-directory -j2 --output-sync=target lint docs >$$checks 2>&1 & pid=$$!; \
-	$(BIN)/python -m pytest -q -m "not ($(FAST))"; tests=$$?; \
-	wait $$pid; lint=$$?; echo "== lint, types and docs (beside the tests):"; cat $$checks; rm -f $$checks; \
-	[ $$tests -eq 0 ] && [ $$lint -eq 0 ]
+	@checks=$$(mktemp); beside=$$(mktemp); \
+	$(IDLE) $(MAKE) --no-print-directory -j2 --output-sync=target lint docs >$$checks 2>&1 & lint_pid=$$!; \
+	nice -n 10 $(BIN)/python -m pytest -q -p no:cacheprovider $(BESIDE_TESTS) >$$beside 2>&1 & beside_pid=$$!; \
+	$(BIN)/python -m pytest -q -m "not ($(FAST))" $(addprefix --ignore=,$(BESIDE_TESTS)); tests=$$?; \
+	wait $$beside_pid; beside_tests=$$?; echo "== $(BESIDE_TESTS) (beside the tests):"; cat $$beside; \
+	wait $$lint_pid; lint=$$?; echo "== lint, types and docs (beside the tests):"; cat $$checks; \
+	rm -f $$checks $$beside; [ $$tests -eq 0 ] && [ $$beside_tests -eq 0 ] && [ $$lint -eq 0 ]
 
 check: lint bytecode
 	$(BIN)/python -m pytest -q -n auto -m "$(FAST)"
