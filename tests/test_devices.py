@@ -102,3 +102,33 @@ def test_ranks_sharing_a_gpu_are_found_by_the_gpus_identity():
     assert ranks_sharing_gpus(["a:GPU-1", "a:GPU-2", "b:GPU-1"]) == []
     assert ranks_sharing_gpus(["a:GPU-1", "a:GPU-1", "a:GPU-2", "a:GPU-2", "b:GPU-3"]) == [[0, 1], [2, 3]]
     assert ranks_sharing_gpus(["a:GPU-1"]) == []
+
+
+def test_auto_takes_mpi_and_says_why_where_ranks_share_a_gpu_and_nccl_named_is_refused(monkeypatch):
+    """What every rank of the reduction gathered (world rank, GPU identity) decides: each its
+    own GPU, nccl; two on one GPU, auto takes mpi with a note naming them, nccl is refused."""
+    import nbdist.transport.torch_group as torch_group
+    from nbdist.errors import OptionsError
+    from nbdist.transport.reducers import _one_gpu_per_rank
+
+    monkeypatch.setattr(torch_group, "gpu_identity", lambda device: "this rank's GPU")
+
+    class Gathered:
+        def __init__(self, rows):
+            self.rows = rows
+
+        def allgather(self, comm, value, what):
+            assert value == [MPI.COMM_WORLD.Get_rank(), "this rank's GPU"]
+            return self.rows
+
+    own = Gathered([[0, "node1:GPU-a"], [1, "node1:GPU-b"], [2, "node2:GPU-a"]])
+    assert _one_gpu_per_rank("auto", None, torch.zeros(1), own) == ("nccl", "")
+    assert _one_gpu_per_rank("nccl", None, torch.zeros(1), own) == ("nccl", "")
+    shared = Gathered([[4, "node1:GPU-a"], [5, "node1:GPU-a"], [6, "node1:GPU-b"]])
+    chosen, note = _one_gpu_per_rank("auto", None, torch.zeros(1), shared)
+    assert chosen == "mpi"
+    assert note.startswith("ranks 4, 5 share one GPU on node1: the allreduce goes through MPI")
+    with pytest.raises(
+        OptionsError, match="--allreduce-backend nccl takes one GPU per rank .* ranks 4, 5 share one GPU on node1"
+    ):
+        _one_gpu_per_rank("nccl", None, torch.zeros(1), shared)

@@ -108,6 +108,8 @@ class AllreduceRun:
             raise RuntimeError("the allreduce topology steps with --worker-optimizer, and none was resolved")
         self.opt = self.backend.make_optimizer(ctx.worker_optimizer)
         self.reducer = self._make_reducer()
+        if self.reducer.note:
+            ctx.say(f"nbdist: note: {self.reducer.note}")
         # --sync-batchnorm: the statistics are the whole step's, the same on every rank.
         self.shared_statistics = synchronise_batchnorm(ctx, self.comm)
         self.plan = ctx.data.plan(replica.count, ctx.options.batch_size, ctx.options.seed)
@@ -313,6 +315,7 @@ class AllreduceRun:
                 "status": "stopped" if self.stop_reason else "completed",
                 "reason": reason,
                 "allreduce": reducer.way,
+                **({"allreduce_note": reducer.note} if reducer.note else {}),
                 **faults,
             },
         )

@@ -100,6 +100,9 @@ class Reducer(ABC):
 
     name: ClassVar[str]  # what --allreduce-backend calls it
     buckets: list[tuple[int, int]]  # [start, stop) of each bucket of the flat gradient
+    # Why `auto` took this reducer where the user might expect another, for the run's
+    # leader to say (make_reducer sets it); empty: nothing to say.
+    note: str = ""
 
     @property
     @abstractmethod
@@ -390,13 +393,16 @@ def make_reducer(
     chosen = choose(name, backend.rule_grads, compressed=compression is not None)
     if alone_reduces_nothing and comm.Get_size() == 1 and compression is None:
         return AloneReducer(chosen, backend.num_params)
+    note = ""
     if chosen == "nccl" and comm.Get_size() > 1:
-        chosen = _one_gpu_per_rank(name, comm, backend.rule_grads, collectives)
+        chosen, note = _one_gpu_per_rank(name, comm, backend.rule_grads, collectives)
     kind = REDUCERS.get(chosen)
     if issubclass(kind, MpiReducer):
-        return kind(
+        reducer = kind(
             comm, backend, bucket_floats, lambda requests: collectives.wait_all(comm, requests, what), compression
         )
+        reducer.note = note
+        return reducer
     if not issubclass(kind, TorchReducer):
         raise TypeError(f"{kind!r}: make_reducer knows MPI and torch.distributed reducers")
     from nbdist.transport.torch_group import TorchGroup
@@ -406,10 +412,11 @@ def make_reducer(
     return kind(group, backend, bucket_floats, lambda done: collectives.wait_for(comm, done, what))
 
 
-def _one_gpu_per_rank(name: str, comm: Any, grads: Any, collectives: Any) -> str:
+def _one_gpu_per_rank(name: str, comm: Any, grads: Any, collectives: Any) -> tuple[str, str]:
     """nccl where each rank of `comm` has a GPU of its own; NCCL refuses two ranks on one
     GPU ("invalid usage"), so where some share one (more ranks on a node than it has GPUs)
-    auto takes mpi, and nccl named is one OptionsError naming them. Collective over comm."""
+    auto takes mpi, with a note saying why, and nccl named is one OptionsError naming
+    them. Returns (the reducer's name, the note). Collective over comm."""
     from mpi4py import MPI
 
     from nbdist.transport.torch_group import gpu_identity, ranks_sharing_gpus
@@ -418,15 +425,19 @@ def _one_gpu_per_rank(name: str, comm: Any, grads: Any, collectives: Any) -> str
     rows = collectives.allgather(comm, [MPI.COMM_WORLD.Get_rank(), gpu_identity(where)], "the GPUs' identities")
     shared = ranks_sharing_gpus([identity for _, identity in rows])
     if not shared:
-        return "nccl"
-    if name == "auto":
-        return "mpi"
+        return "nccl", ""
     ranks = ", ".join(str(rows[i][0]) for i in shared[0])
     host = rows[shared[0][0]][1].split(":")[0]
+    sharing = f"ranks {ranks} share one GPU on {host}"
+    if name == "auto":
+        return "mpi", (
+            f"{sharing}: the allreduce goes through MPI (NCCL takes one GPU per rank); for NCCL, start as many "
+            f"ranks per node as it has GPUs"
+        )
     raise OptionsError(
-        f"--allreduce-backend nccl takes one GPU per rank (NCCL refuses two ranks on one GPU), and ranks "
-        f"{ranks} share one GPU on {host}: use --allreduce-backend mpi (auto picks it where ranks share "
-        f"GPUs), or start as many ranks per node as it has GPUs"
+        f"--allreduce-backend nccl takes one GPU per rank (NCCL refuses two ranks on one GPU), and {sharing}: "
+        f"use --allreduce-backend mpi (auto picks it where ranks share GPUs), or start as many ranks per node "
+        f"as it has GPUs"
     )
 
 
