@@ -157,3 +157,16 @@ def test_role_modules_export_their_public_classes():
         classes = {node.name for node in tree.body if isinstance(node, ast.ClassDef) and not node.name.startswith("_")}
         missing += [f"{path.relative_to(PACKAGE)}: {name}" for name in sorted(classes - exported)]
     assert not missing, "public classes missing from __all__: " + "; ".join(missing)
+
+
+# A module longer than this is doing more than one thing (issue 26: small modules).
+MODULE_LINES_AT_MOST = 450
+
+
+def test_no_module_is_longer_than_the_limit():
+    long = {
+        str(path.relative_to(PACKAGE)): lines
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if (lines := len(path.read_text().splitlines())) > MODULE_LINES_AT_MOST
+    }
+    assert not long, f"modules over {MODULE_LINES_AT_MOST} lines (split them along what they do): {long}"

@@ -109,7 +109,7 @@ def test_auto_takes_mpi_and_says_why_where_ranks_share_a_gpu_and_nccl_named_is_r
     own GPU, nccl; two on one GPU, auto takes mpi with a note naming them, nccl is refused."""
     import nbdist.transport.torch_group as torch_group
     from nbdist.errors import OptionsError
-    from nbdist.transport.reducers import _one_gpu_per_rank
+    from nbdist.transport.torch_group import nccl_unless_sharing
 
     monkeypatch.setattr(torch_group, "gpu_identity", lambda device: "this rank's GPU")
 
@@ -122,13 +122,13 @@ def test_auto_takes_mpi_and_says_why_where_ranks_share_a_gpu_and_nccl_named_is_r
             return self.rows
 
     own = Gathered([[0, "node1:GPU-a"], [1, "node1:GPU-b"], [2, "node2:GPU-a"]])
-    assert _one_gpu_per_rank("auto", None, torch.zeros(1), own) == ("nccl", "")
-    assert _one_gpu_per_rank("nccl", None, torch.zeros(1), own) == ("nccl", "")
+    assert nccl_unless_sharing("auto", None, torch.zeros(1), own) == ("nccl", "")
+    assert nccl_unless_sharing("nccl", None, torch.zeros(1), own) == ("nccl", "")
     shared = Gathered([[4, "node1:GPU-a"], [5, "node1:GPU-a"], [6, "node1:GPU-b"]])
-    chosen, note = _one_gpu_per_rank("auto", None, torch.zeros(1), shared)
+    chosen, note = nccl_unless_sharing("auto", None, torch.zeros(1), shared)
     assert chosen == "mpi"
     assert note.startswith("ranks 4, 5 share one GPU on node1: the allreduce goes through MPI")
     with pytest.raises(
         OptionsError, match="--allreduce-backend nccl takes one GPU per rank .* ranks 4, 5 share one GPU on node1"
     ):
-        _one_gpu_per_rank("nccl", None, torch.zeros(1), shared)
+        nccl_unless_sharing("nccl", None, torch.zeros(1), shared)

@@ -395,7 +395,9 @@ def make_reducer(
         return AloneReducer(chosen, backend.num_params)
     note = ""
     if chosen == "nccl" and comm.Get_size() > 1:
-        chosen, note = _one_gpu_per_rank(name, comm, backend.rule_grads, collectives)
+        from nbdist.transport.torch_group import nccl_unless_sharing
+
+        chosen, note = nccl_unless_sharing(name, comm, backend.rule_grads, collectives)
     kind = REDUCERS.get(chosen)
     if issubclass(kind, MpiReducer):
         reducer = kind(
@@ -410,35 +412,6 @@ def make_reducer(
     device = array_api_compat.device(backend.rule_grads)
     group = TorchGroup(comm, kind.name, collectives, device=device if kind.name == "nccl" else None)
     return kind(group, backend, bucket_floats, lambda done: collectives.wait_for(comm, done, what))
-
-
-def _one_gpu_per_rank(name: str, comm: Any, grads: Any, collectives: Any) -> tuple[str, str]:
-    """nccl where each rank of `comm` has a GPU of its own; NCCL refuses two ranks on one
-    GPU ("invalid usage"), so where some share one (more ranks on a node than it has GPUs)
-    auto takes mpi, with a note saying why, and nccl named is one OptionsError naming
-    them. Returns (the reducer's name, the note). Collective over comm."""
-    from mpi4py import MPI
-
-    from nbdist.transport.torch_group import gpu_identity, ranks_sharing_gpus
-
-    where = array_api_compat.device(grads)
-    rows = collectives.allgather(comm, [MPI.COMM_WORLD.Get_rank(), gpu_identity(where)], "the GPUs' identities")
-    shared = ranks_sharing_gpus([identity for _, identity in rows])
-    if not shared:
-        return "nccl", ""
-    ranks = ", ".join(str(rows[i][0]) for i in shared[0])
-    host = rows[shared[0][0]][1].split(":")[0]
-    sharing = f"ranks {ranks} share one GPU on {host}"
-    if name == "auto":
-        return "mpi", (
-            f"{sharing}: the allreduce goes through MPI (NCCL takes one GPU per rank); for NCCL, start as many "
-            f"ranks per node as it has GPUs"
-        )
-    raise OptionsError(
-        f"--allreduce-backend nccl takes one GPU per rank (NCCL refuses two ranks on one GPU), and {sharing}: "
-        f"use --allreduce-backend mpi (auto picks it where ranks share GPUs), or start as many ranks per node "
-        f"as it has GPUs"
-    )
 
 
 def libnbc_note(reducer: str, ranks: int, environ: Mapping[str, str] = os.environ) -> str:

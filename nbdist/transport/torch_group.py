@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from nbdist.errors import TrainingError, UserError
+from nbdist.errors import OptionsError, TrainingError, UserError
 from nbdist.transport.interfaces import interface_address, job_interface
 from nbdist.transport.waiting import CommFailure
 
@@ -52,6 +52,7 @@ __all__ = [
     "all_completed",
     "gpu_identity",
     "keep_until_done",
+    "nccl_unless_sharing",
     "ranks_sharing_gpus",
     "LOOPBACK",
 ]
@@ -85,6 +86,34 @@ def ranks_sharing_gpus(identities: Sequence[str]) -> list[list[int]]:
     for rank, identity in enumerate(identities):
         by_gpu.setdefault(identity, []).append(rank)
     return [ranks for ranks in by_gpu.values() if len(ranks) > 1]
+
+
+def nccl_unless_sharing(name: str, comm: Any, grads: Any, collectives: Any) -> tuple[str, str]:
+    """nccl where each rank of `comm` has a GPU of its own; NCCL refuses two ranks on one
+    GPU ("invalid usage"), so where some share one (more ranks on a node than it has GPUs)
+    auto takes mpi, with a note saying why, and nccl named is one OptionsError naming
+    them. Returns (the reducer's name, the note). Collective over comm."""
+    import array_api_compat
+    from mpi4py import MPI
+
+    where = array_api_compat.device(grads)
+    rows = collectives.allgather(comm, [MPI.COMM_WORLD.Get_rank(), gpu_identity(where)], "the GPUs' identities")
+    shared = ranks_sharing_gpus([identity for _, identity in rows])
+    if not shared:
+        return "nccl", ""
+    ranks = ", ".join(str(rows[i][0]) for i in shared[0])
+    host = rows[shared[0][0]][1].split(":")[0]
+    sharing = f"ranks {ranks} share one GPU on {host}"
+    if name == "auto":
+        return "mpi", (
+            f"{sharing}: the allreduce goes through MPI (NCCL takes one GPU per rank); for NCCL, start as many "
+            f"ranks per node as it has GPUs"
+        )
+    raise OptionsError(
+        f"--allreduce-backend nccl takes one GPU per rank (NCCL refuses two ranks on one GPU), and {sharing}: "
+        f"use --allreduce-backend mpi (auto picks it where ranks share GPUs), or start as many ranks per node "
+        f"as it has GPUs"
+    )
 
 
 class WorkFailed(CommFailure):
