@@ -123,6 +123,40 @@ def test_asha_resumes_a_promoted_trial_where_it_paused(tmp_path):
     assert result.best_fom == min(r["fom"] for r in complete)
 
 
+def test_a_study_whose_trials_were_all_cut_short_names_the_one_taken_furthest():
+    """Too few trials for ASHA to promote any to its last rung: no trial completes, so no
+    best; the result names the trial trained the most epochs, the best of those."""
+
+    def objective(p):
+        for epoch in range(1, 10):
+            yield _curve(p, epoch)
+
+    result = optimize(
+        objective,
+        space="x=real(0,1)",
+        searcher="random",
+        scheduler="asha(min_epochs=1, reduction=3)",
+        epochs=9,
+        trials=5,
+        seed=3,
+        **QUIET,
+    )
+    assert result.best_fom is None and result.best_params is None
+    assert all(r["state"] == "stopped" for r in result.trials)
+    deepest = max(r["epochs"] for r in result.trials)
+    assert deepest == 3  # promoted once, never to the last rung
+    furthest = result.furthest
+    assert furthest["epochs"] == deepest
+    assert furthest["fom"] == min(r["fom"] for r in result.trials if r["epochs"] == deepest)
+    assert f"none complete, furthest trial {furthest['number']}" in repr(result)
+    # What the command line prints in place of a best.
+    from nbdist.cli.commands import furthest_line
+
+    said = furthest_line(furthest, "val_loss", 9)
+    assert said.startswith("nbdist: no trial trained all 9 epochs (the scheduler cut each short); the furthest: ")
+    assert f"trial {furthest['number']}, val_loss {furthest['fom']:.4f} after 3 epochs with {{'x': " in said
+
+
 def test_a_budget_of_epochs_ends_the_study():
     computed = []
 

@@ -70,10 +70,21 @@ def _study(args: argparse.Namespace) -> int:
                 print(f"nbdist:   trial {row['number']:>3}  {values}  {row['params']}", flush=True)
         elif result.best_params is not None:
             print(f"nbdist: best {study.objective} {result.best_fom:.4f} with {result.best_params}", flush=True)
+        elif result.furthest is not None:
+            print(furthest_line(result.furthest, study.objective, train.epochs), flush=True)
         if result.store:
             store = store_label(result.store)
             print(f"nbdist: trials in {store}: python -m nbdist dashboard --store {store}", flush=True)
     return 0
+
+
+def furthest_line(far: dict, objective: str, epochs: int) -> str:
+    """What a study whose scheduler cut every trial short says in place of its best."""
+    return (
+        f"nbdist: no trial trained all {epochs} epochs (the scheduler cut each short); the furthest: "
+        f"trial {far['number']}, {objective} {far['fom']:.4f} after {far['epochs']} epochs with "
+        f"{far['params']} (more --trials let the scheduler take trials further)"
+    )
 
 
 def _layout(args: argparse.Namespace) -> int:

@@ -68,12 +68,19 @@ class StudyResult:
     reason: str
     seconds: float
     pareto: list[dict[str, Any]] = field(default_factory=list)  # a multi-objective study's front
+    # With no trial complete, the one a scheduler took furthest (StudyRunner.furthest).
+    furthest: dict[str, Any] | None = None
 
     def __repr__(self) -> str:
         if self.pareto:
             best = f"a Pareto front of {len(self.pareto)}"
+        elif self.best_params is not None:
+            best = f"best {self.best_fom:.4g} with {self.best_params}"
+        elif self.furthest is not None:
+            far = self.furthest
+            best = f"none complete, furthest trial {far['number']}: {far['fom']:.4g} after {far['epochs']} epochs"
         else:
-            best = f"best {self.best_fom:.4g} with {self.best_params}" if self.best_params is not None else "no result"
+            best = "no result"
         return f"<StudyResult {self.study}: {len(self.trials)} trials, {best}; {self.reason}>"
 
 
@@ -372,6 +379,19 @@ class StudyRunner(StudyRecords):
         best = (max if self.maximize else min)(done, key=lambda r: r["fom"])
         return best["number"], best["fom"], best["params"]
 
+    def furthest(self) -> dict[str, Any] | None:
+        """Where no trial completed (its scheduler stopped or pruned every one): the trial
+        that trained the most epochs, the best of those, as successive halving ranks them
+        (a value after more epochs is not comparable with one after fewer); else None."""
+        if self.best() is not None:
+            return None
+        cut = [r for r in self.results if r["state"] in ("stopped", "pruned") and r["fom"] is not None]
+        if not cut:
+            return None
+        deepest = max(r["epochs"] for r in cut)
+        at_depth = [r for r in cut if r["epochs"] == deepest]
+        return (max if self.maximize else min)(at_depth, key=lambda r: r["fom"])
+
     def pareto(self) -> list[dict[str, Any]]:
         """A multi-objective study's Pareto front (empty for one objective)."""
         if len(self.objectives) < 2:
@@ -392,6 +412,7 @@ class StudyRunner(StudyRecords):
             reason or "interrupted",
             seconds,
             pareto=[{k: v for k, v in r.items() if k != "goal_reached"} for r in self.pareto()],
+            furthest=self.furthest(),
         )
 
 
