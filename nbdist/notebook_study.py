@@ -329,6 +329,11 @@ class Study:
         best = self.runner.best()
         return best[1] if best else None
 
+    @property
+    def furthest(self) -> dict[str, Any] | None:
+        """With no trial complete, the one the scheduler took furthest (`StudyResult.furthest`)."""
+        return self.runner.furthest()
+
     # -- control -------------------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> Study:
         """Block until the study ends; an interrupt stops it instead (`--resume-study`
@@ -393,7 +398,10 @@ class Study:
         return dashboard(self.store, study=self.name, period_ms=period_ms, runs=False).servable()
 
     def __repr__(self) -> str:
+        far = self.furthest
         best = f", best {self.options.objective} {self.best_fom:.4g}" if self.best_fom is not None else ""
+        if not best and far is not None:
+            best = f", none complete (furthest trial {far['number']}: {far['fom']:.4g} after {far['epochs']} epochs)"
         return (
             f"<nbdist.Study {self.name} {self.status}: {len(self.runner.results)}/{self.options.trials} trials{best}>"
         )
