@@ -340,6 +340,29 @@ def test_flat_optimizer_matches_per_parameter_optimizer():
         assert g_lo <= p.grad.data_ptr() < g_hi
 
 
+@pytest.mark.parametrize("device", ["host path", "cpu"])
+def test_optimizer_state_arrays_are_copies_that_the_next_step_leaves_alone(device):
+    """A checkpoint keeps the optimiser state it took while training goes on (it copies the
+    model's buffers, not these: FlatOptimizer.state_arrays returns arrays of their own)."""
+    from nbdist.backends.base import DeviceRequest
+
+    backend = TorchBackend(mlp())
+    if device == "cpu":
+        backend.place(DeviceRequest("cpu"))  # the device path's tensors, on the CPU
+    opt = backend.make_optimizer(parse_spec("adam(lr=0.01)"))
+    x, y = data(6, 0)
+    backend.compute_gradients(x, y)
+    opt.step(backend.grads)
+    taken = opt.state_arrays()
+    before = {k: v.copy() for k, v in taken.items()}
+    backend.compute_gradients(x, y)
+    opt.step(backend.grads)
+    after = opt.state_arrays()
+    for key, value in taken.items():
+        np.testing.assert_array_equal(value, before[key])
+    assert any(not np.array_equal(after[k], before[k]) for k in before)  # the state did move on
+
+
 @pytest.mark.parametrize("spec", ["adam(lr=0.01)", "sgd(lr=0.05, momentum=0.9)"])
 def test_optimizer_state_round_trip_resumes_exactly(spec):
     model = mlp()

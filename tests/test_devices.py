@@ -132,3 +132,18 @@ def test_auto_takes_mpi_and_says_why_where_ranks_share_a_gpu_and_nccl_named_is_r
         OptionsError, match="--allreduce-backend nccl takes one GPU per rank .* ranks 4, 5 share one GPU on node1"
     ):
         nccl_unless_sharing("nccl", None, torch.zeros(1), shared)
+
+
+def test_a_checkpoints_host_copy_is_its_own_whatever_the_array():
+    """host_copy: numpy arrays and CPU tensors (the --device cpu path) are copied, so the
+    checkpoint keeps its values while training goes on; the copy equals the buffer."""
+    from nbdist.algorithms.arrays import host_copy
+
+    live_numpy = np.arange(6, dtype=np.float32)
+    live_tensor = torch.arange(6, dtype=torch.float32)
+    for live in (live_numpy, live_tensor):
+        copied = host_copy(live)
+        assert isinstance(copied, np.ndarray) and copied.dtype == np.float32
+        np.testing.assert_array_equal(copied, np.arange(6, dtype=np.float32))
+        live += 1  # the next update
+        np.testing.assert_array_equal(copied, np.arange(6, dtype=np.float32))

@@ -15,7 +15,7 @@ from typing import Any
 import array_api_compat
 import numpy as np
 
-__all__ = ["Array", "f32", "zeros_like_buffer", "to_numpy", "copy_into", "namespace", "is_array"]
+__all__ = ["Array", "f32", "zeros_like_buffer", "to_numpy", "host_copy", "copy_into", "namespace", "is_array"]
 
 Array = Any  # a numpy array or a torch tensor: anything array_api_compat knows
 namespace = array_api_compat.array_namespace
@@ -40,6 +40,17 @@ def to_numpy(array: Array) -> np.ndarray:
     if isinstance(array, np.ndarray) or not is_array(array):
         return np.asarray(array)
     return np.asarray(array_api_compat.to_device(array, "cpu"))
+
+
+def host_copy(array: Array) -> np.ndarray:
+    """A host numpy array of its own holding `array`'s values, made with one copy: a
+    device's transfer to the host is that copy already; an array in host memory is copied."""
+    if isinstance(array, np.ndarray) or not is_array(array):
+        return np.array(array, copy=True)
+    host = array_api_compat.to_device(array, "cpu")
+    if host is not array:  # moved off a device: a fresh array nothing else holds
+        return np.asarray(host)
+    return np.asarray(host).copy()
 
 
 def copy_into(target: Array, value: Any) -> None:

@@ -84,7 +84,8 @@ class FlatOptimizer(ABC):
 
     @abstractmethod
     def state_arrays(self) -> dict[str, np.ndarray]:
-        """Optimiser state as named arrays (for checkpoints)."""
+        """Optimiser state as named arrays of their own (copies: a checkpoint keeps them
+        while training goes on)."""
 
     @abstractmethod
     def load_state_arrays(self, arrays: dict[str, np.ndarray]) -> None: ...

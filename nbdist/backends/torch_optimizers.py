@@ -110,6 +110,14 @@ def _is_plain_sgd(opt: torch.optim.Optimizer) -> bool:
     return group["momentum"] == 0 and group["weight_decay"] == 0 and not group["maximize"]
 
 
+def _host_copy(tensor: torch.Tensor) -> np.ndarray:
+    """`tensor`'s values in a host array of their own, with one copy (a transfer off a
+    device is one already)."""
+    detached = tensor.detach()
+    host = detached.cpu()
+    return host.numpy() if host is not detached else host.numpy().copy()
+
+
 class TorchFlatOptimizer(FlatOptimizer):
     """torch.optim over one flat tensor (or the tensor of a numpy array's memory).
 
@@ -164,9 +172,7 @@ class TorchFlatOptimizer(FlatOptimizer):
 
     def state_arrays(self) -> dict[str, np.ndarray]:
         state = self._opt.state.get(self._param, {})
-        return {
-            key: value.detach().cpu().numpy().copy() for key, value in state.items() if isinstance(value, torch.Tensor)
-        }
+        return {key: _host_copy(value) for key, value in state.items() if isinstance(value, torch.Tensor)}
 
     def load_state_arrays(self, arrays: dict[str, np.ndarray]) -> None:
         if not arrays:

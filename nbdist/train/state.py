@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from nbdist.algorithms.arrays import copy_into, to_numpy
+from nbdist.algorithms.arrays import copy_into, host_copy, to_numpy
 from nbdist.algorithms.base import RuleState
 from nbdist.backends.base import FlatOptimizer
 from nbdist.train.checkpoint import CheckpointError
@@ -50,20 +50,24 @@ def rank_state_arrays(
     copy: bool = True,
 ) -> dict[str, dict[str, np.ndarray]]:
     """What this rank's share of a checkpoint holds, as it is now: with `copy`, arrays of
-    their own (the weights and optimiser state move on with the next update)."""
+    their own (the weights and optimiser state move on with the next update), each made
+    with one copy: a large model's checkpoint costs the training loop that much."""
     backend = ctx.backend
+    model = {"params": backend.params, "state": backend.state}
+    # Host views where the buffers are host memory, and device buffers' transfers.
     arrays = {
-        # Host copies of buffers on a device (zero-copy views on the host path).
-        "model": {"params": to_numpy(backend.params), "state": to_numpy(backend.state)},
-        "opt": opt.state_arrays() if opt is not None else {},
+        "model": {name: host_copy(value) if copy else to_numpy(value) for name, value in model.items()},
+        "opt": opt.state_arrays() if opt is not None else {},  # copies already (FlatOptimizer)
         "rule": rule_state.to_arrays() if rule_state is not None else {},
         "rng": backend.rng_state(),
         "own": own or {},
     }
     if not copy:
         return arrays
+    kept = ("model", "opt")
     return {
-        group: {name: np.array(value, copy=True) for name, value in named.items()} for group, named in arrays.items()
+        group: named if group in kept else {name: np.array(value, copy=True) for name, value in named.items()}
+        for group, named in arrays.items()
     }
 
 
