@@ -54,7 +54,7 @@ def rank_state_arrays(
     with one copy: a large model's checkpoint costs the training loop that much."""
     backend = ctx.backend
     model = {"params": backend.params, "state": backend.state}
-    # Host views where the buffers are host memory, and device buffers' transfers.
+    # With copy, one copy of each buffer; without, views of host memory (a device's buffers come over).
     arrays = {
         "model": {name: host_copy(value) if copy else to_numpy(value) for name, value in model.items()},
         "opt": opt.state_arrays() if opt is not None else {},  # copies already (FlatOptimizer)
