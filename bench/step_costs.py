@@ -103,8 +103,10 @@ def measure(device: str, epochs: int, rounds: int) -> dict:
         "nbdist_end": lambda: nbdist_run(device, epochs, 0),
         "nbdist_every": lambda: nbdist_run(device, epochs, 1),
     }
-    for run in runs.values():  # warm-up: imports, the device's context, its kernels
-        run() if run is not runs["plain"] else plain_loop(MODEL, 3, BATCH, device)
+    # Warm-up, 3 epochs each: the imports, the device's context, its kernels.
+    plain_loop(MODEL, 3, BATCH, device)
+    backend_alone(device, 3)
+    nbdist_run(device, 3, 1)
     rates: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(rounds):
         for name, run in runs.items():
