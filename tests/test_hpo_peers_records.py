@@ -111,6 +111,21 @@ def test_the_report_aggregates_seeds_and_states_the_aim():
     assert "jets, target" not in text  # no jet unit recorded yet
 
 
+def test_the_best_set_up_is_chosen_among_those_with_every_seed():
+    """A set-up with fewer seeds does not win 'best' by a median over fewer seeds: where a
+    side has set-ups with every seed of the plan, its best is one of those."""
+    records = [record(method="nbdist-asha-tpe", seed=s, curve=((30, 0.96),)) for s in range(3)]
+    records += [record(method="optuna-tpe-hyperband", seed=s, curve=((40, 0.96),)) for s in range(3)]
+    records += [record(method="nbdist-asha-random", seed=0, curve=((5, 0.96),))]  # one lucky seed
+    rows = runs.rows_for(records, "digits", 0.9, 400, 27)
+    aim = runs.aim_text(rows, 400, 3)
+    assert "nbdist's best set-up nbdist-asha-tpe against Optuna's best optuna-tpe-hyperband" in aim
+    assert "provisional" not in aim and "0.75x (aim <= 0.8x: met)" in aim  # 30 / 40
+    # With no set-up complete, every one competes, and the line says it is provisional.
+    partial = runs.aim_text(runs.rows_for(records[:2] + records[3:5] + records[6:], "digits", 0.9, 400, 27), 400, 3)
+    assert "nbdist-asha-random against" in partial and "provisional: 1 of 3 seeds" in partial
+
+
 def test_a_broken_line_is_named_with_its_file_and_number(tmp_path):
     path = tmp_path / "runs.jsonl"
     path.write_text(json.dumps(record()) + "\n" + '{"task": "digits", "meth\n')
