@@ -24,7 +24,7 @@ runs just before and after it) is shown too, so that the spread can be seen. Run
 The plain loop saves nothing, so the nbdist runs the aims are on write their checkpoint
 at the end only (`--checkpoint-every 0`); a third run, allreduce with the default
 checkpoint every epoch, shows what that costs, printed as milliseconds an epoch (a fixed
-cost per checkpoint: large against this benchmark's epochs of a few hundred steps at most,
+cost per checkpoint: large against this benchmark's epochs of a dozen steps (batch 128),
 small against real ones). `--busy-poll off` as a fourth run of each round shows
 what the rank's waits cost when they sleep (the default, auto, polls without sleeping
 where the ranks fit the cores). Aim: master-worker >= 0.95x plain.
