@@ -30,7 +30,7 @@ def main() -> None:
     p.add_argument("--checkpoint-every", type=int, default=0)
     args = p.parse_args()
 
-    from overhead import MODELS, load_data, plain_loop
+    from overhead import MODELS, load_data, nbdist_options, plain_loop
 
     import nbdist
 
@@ -38,23 +38,16 @@ def main() -> None:
         emit({"history": plain_loop(args.model, args.epochs, args.batch_size, args.device)})
         return
 
-    options = dict(
-        epochs=args.epochs,
-        batch_size=args.batch_size,
-        runs_dir=args.runs_dir,
-        quiet=True,
-        validate_every=10**6,
-        seed=0,
-        busy_poll=args.busy_poll,
-        device=args.device,
-        checkpoint_every=args.checkpoint_every,
+    options = nbdist_options(
+        args.topology,
+        args.optimizer,
+        args.epochs,
+        args.batch_size,
+        args.runs_dir,
+        args.device,
+        args.busy_poll,
+        args.checkpoint_every,
     )
-    if args.topology == "master-worker":
-        options.update(
-            topology="master-worker", algorithm="downpour", workers=1, sync_every=1, master_optimizer=args.optimizer
-        )
-    else:
-        options.update(topology="allreduce", worker_optimizer=args.optimizer)
     result = nbdist.train(MODELS[args.model], data=load_data(args.model), **options)
     if result is not None:
         emit({"history": result.history})

@@ -157,11 +157,41 @@ def launched_run(
         return run_mpi(n, argv)[0]["history"]
 
 
-def checkpoint_cost_ms(samples_per_epoch: int, at_end: list[list[dict]], every_epoch: list[list[dict]]) -> float:
-    """What an epoch's checkpoint adds to an epoch of the loop: the difference of the
-    median epoch times of the runs that checkpoint every epoch and at the end only."""
-    seconds = [samples_per_epoch / statistics.median(middle_rate(h) for h in runs) for runs in (every_epoch, at_end)]
-    return (seconds[0] - seconds[1]) * 1e3
+def nbdist_options(
+    topology: str,
+    optimizer: str,
+    epochs: int,
+    batch_size: int,
+    runs_dir: str,
+    device: str = "auto",
+    busy_poll: str = "auto",
+    checkpoint_every: int = 0,
+) -> dict:
+    """nbdist.train's options for a run of this benchmark (and step_costs.py's): quiet, no
+    validation until the end, seed 0; master-worker is one Downpour worker with
+    sync_every=1 (plain SGD), the optimiser on the master; allreduce steps it on the rank."""
+    options = dict(
+        epochs=epochs,
+        batch_size=batch_size,
+        runs_dir=runs_dir,
+        quiet=True,
+        validate_every=10**6,
+        seed=0,
+        busy_poll=busy_poll,
+        device=device,
+        checkpoint_every=checkpoint_every,
+    )
+    if topology == "master-worker":
+        options.update(topology=topology, algorithm="downpour", workers=1, sync_every=1, master_optimizer=optimizer)
+    else:
+        options.update(topology=topology, worker_optimizer=optimizer)
+    return options
+
+
+def checkpoint_cost_ms(samples_per_epoch: int, rate_at_end: float, rate_every_epoch: float) -> float:
+    """What an epoch's checkpoint adds to an epoch of the loop: the difference of the epoch
+    times at the samples/s of the runs that checkpoint every epoch and at the end only."""
+    return (samples_per_epoch / rate_every_epoch - samples_per_epoch / rate_at_end) * 1e3
 
 
 def param_count(model: str) -> int:
@@ -240,7 +270,8 @@ def main() -> None:
         )
     table(rows, ["run", "samples/s (median)", "vs plain (medians)", "each round", f"train loss, epoch {epochs}"])
     print(f"   plain loop runs: {', '.join(f'{r:,.0f}' for r in plain_rates)} samples/s")
-    checkpoint_ms = checkpoint_cost_ms(data.n_train, nbdist[RUNS[1][0]], nbdist[RUNS[2][0]])
+    at_end, every_epoch = (statistics.median(middle_rate(h) for h in nbdist[RUNS[i][0]]) for i in (1, 2))
+    checkpoint_ms = checkpoint_cost_ms(data.n_train, at_end, every_epoch)
     print(f"   a checkpoint every epoch costs the 1-rank loop {checkpoint_ms:+.2f} ms an epoch (medians)")
     print()
     aim("master-worker, 1 worker vs plain loop (medians)", AIM, ratios[RUNS[0][0]])

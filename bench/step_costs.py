@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from overhead import MODELS, OPTIMIZER, load_data, middle_rate, plain_loop
+from overhead import MODELS, OPTIMIZER, checkpoint_cost_ms, load_data, middle_rate, nbdist_options, plain_loop
 
 MODEL, BATCH = "cnn", 128
 ROWS = {
@@ -75,20 +75,8 @@ def nbdist_run(device: str, epochs: int, checkpoint_every: int) -> float:
     import nbdist
 
     with tempfile.TemporaryDirectory(prefix="nbdist-bench-") as runs:
-        result = nbdist.train(
-            MODELS[MODEL],
-            data=load_data(MODEL),
-            epochs=epochs,
-            batch_size=BATCH,
-            runs_dir=runs,
-            quiet=True,
-            validate_every=10**6,
-            seed=0,
-            topology="allreduce",
-            worker_optimizer=OPTIMIZER,
-            device=device,
-            checkpoint_every=checkpoint_every,
-        )
+        options = nbdist_options("allreduce", OPTIMIZER, epochs, BATCH, runs, device, checkpoint_every=checkpoint_every)
+        result = nbdist.train(MODELS[MODEL], data=load_data(MODEL), **options)
     return middle_rate(result.history)
 
 
@@ -145,7 +133,7 @@ def main() -> None:
     per_epoch = result["samples_per_epoch"]
     steps_per_epoch = -(-per_epoch // BATCH)
     role_ms = (per_epoch / median["nbdist_end"] - per_epoch / median["backend"]) / steps_per_epoch * 1e3
-    checkpoint_ms = (per_epoch / median["nbdist_every"] - per_epoch / median["nbdist_end"]) * 1e3
+    checkpoint_ms = checkpoint_cost_ms(per_epoch, median["nbdist_end"], median["nbdist_every"])
     epoch_ms = per_epoch / median["nbdist_end"] * 1e3
     print(f"   an epoch: {per_epoch:,} samples, {steps_per_epoch} steps, {epoch_ms:.1f} ms (nbdist, at the end)")
     print(f"   the role's bookkeeping: {role_ms:+.3f} ms a step (nbdist at the end against the backend alone)")

@@ -16,6 +16,8 @@ from nbdist.hpo.space_input import parse_space
 from nbdist.store import RunStore
 
 QUIET = {"say": lambda _line: None}
+# ASHA over rungs 1, 3 and 9 epochs on _curve's one parameter, random proposals.
+ASHA_1_3_9 = {"space": "x=real(0,1)", "searcher": "random", "scheduler": "asha(min_epochs=1, reduction=3)", "epochs": 9}
 
 
 def _curve(p, epoch):
@@ -94,17 +96,7 @@ def test_asha_resumes_a_promoted_trial_where_it_paused(tmp_path):
             yield _curve(p, epoch)
 
     store = str(tmp_path / "s.db")
-    result = optimize(
-        objective,
-        space="x=real(0,1)",
-        searcher="random",
-        scheduler="asha(min_epochs=1, reduction=3)",
-        epochs=9,
-        trials=18,
-        store=store,
-        study_name="asha",
-        **QUIET,
-    )
+    result = optimize(objective, **ASHA_1_3_9, trials=18, store=store, study_name="asha", **QUIET)
     # No trial was started twice, and no epoch of any trial computed twice.
     assert set(opened.values()) == {1} and set(computed.values()) == {1}
     by_state = Counter(r["state"] for r in result.trials)
@@ -131,16 +123,7 @@ def test_a_study_whose_trials_were_all_cut_short_names_the_one_taken_furthest():
         for epoch in range(1, 10):
             yield _curve(p, epoch)
 
-    result = optimize(
-        objective,
-        space="x=real(0,1)",
-        searcher="random",
-        scheduler="asha(min_epochs=1, reduction=3)",
-        epochs=9,
-        trials=5,
-        seed=3,
-        **QUIET,
-    )
+    result = optimize(objective, **ASHA_1_3_9, trials=5, seed=3, **QUIET)
     assert result.best_fom is None and result.best_params is None
     assert all(r["state"] == "stopped" for r in result.trials)
     deepest = max(r["epochs"] for r in result.trials)
