@@ -140,6 +140,44 @@ def test_a_study_whose_trials_were_all_cut_short_names_the_one_taken_furthest():
     assert f"trial {furthest['number']}, val_loss {furthest['fom']:.4f} after 3 epochs with {{'x': " in said
 
 
+def test_asha_with_too_few_trials_for_its_last_rung_says_so_before_it_runs():
+    """Of n trials, n // 3^k reach rung k: rungs 1, 3, 9 need 9 trials for one to train
+    all 9 epochs. With 5, the study says so and how to fix it, and indeed none completes."""
+    lines: list[str] = []
+    result = optimize(lambda p: (_curve(p, e) for e in range(1, 10)), **ASHA_1_3_9, trials=5, say=lines.append)
+    note = lines[0]  # before any trial trains
+    assert note.startswith("nbdist: note: asha(min_epochs=1, reduction=3) over rungs 1, 3, 9 with 5 trials: none can ")
+    assert "the last needs 9 trials); give --trials 9, or fewer rungs: asha(min_epochs=3)" in note
+    assert not any(r["state"] == "complete" for r in result.trials)
+    # The remedies it names: 9 trials, or rungs 3 and 9 (3 trials enough), each completes a trial.
+    for changes in ({"trials": 9}, {"trials": 5, "scheduler": "asha(min_epochs=3, reduction=3)"}):
+        lines.clear()
+        study = {**ASHA_1_3_9, **changes}
+        result = optimize(lambda p: (_curve(p, e) for e in range(1, 10)), **study, say=lines.append)
+        assert not any("note:" in line for line in lines), changes
+        assert any(r["state"] == "complete" and r["epochs"] == 9 for r in result.trials), changes
+
+
+def test_hyperband_with_too_few_trials_for_any_bracket_says_how_many_it_needs():
+    """Over 27 epochs Hyperband's brackets start at 1, 3, 9 and 27 epochs; its plan sends the
+    first trials to the cheap brackets, so 6 trials are the fewest that complete one."""
+
+    def run(trials):
+        lines: list[str] = []
+        study = {**ASHA_1_3_9, "scheduler": "hyperband(min_epochs=1, reduction=3)", "epochs": 27}
+        result = optimize(lambda p: (_curve(p, e) for e in range(1, 28)), **study, trials=trials, say=lines.append)
+        return [line for line in lines if "note:" in line], [r for r in result.trials if r["state"] == "complete"]
+
+    notes, complete = run(5)
+    assert notes == [
+        "nbdist: note: hyperband(min_epochs=1, reduction=3) with 5 trials: no bracket gets enough of them for one "
+        "to reach its last rung, so no trial will train all 27 epochs; give --trials 6"
+    ]
+    assert complete == []
+    notes, complete = run(6)
+    assert notes == [] and [r["epochs"] for r in complete] == [27]
+
+
 def test_a_budget_of_epochs_ends_the_study():
     computed = []
 

@@ -18,6 +18,7 @@ cheapest rung, a few trained long from the start). Whatever searcher proposes th
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -125,6 +126,23 @@ class ASHA(Scheduler):
     def describe(self, number: int, epochs: int) -> str:
         return f"rung {self.ladder.index(epochs)} (epoch {epochs})" if epochs in self.ladder else f"epoch {epochs}"
 
+    def notes(self) -> list[str]:
+        # A rung passes on floor(reached / reduction) trials, so of n trials n // reduction^k
+        # reach rung k: the last rung needs reduction^(rungs - 1) trials for one to get there.
+        trials, needed = self.setting.trials, self.reduction ** (len(self.ladder) - 1)
+        if trials >= needed:
+            return []
+        ladder = ", ".join(map(str, self.ladder))
+        fewer = [
+            m for m in self.ladder[1:-1] if self.reduction ** (len(rungs(m, self.epochs, self.reduction)) - 1) <= trials
+        ]
+        instead = f", or fewer rungs: asha(min_epochs={fewer[0]})" if fewer else ""
+        return [
+            f"asha(min_epochs={self.min_epochs}, reduction={self.reduction}) over rungs {ladder} with {trials} "
+            f"trials: none can reach the last rung, so no trial will train all {self.epochs} epochs (a rung "
+            f"passes on its best 1/{self.reduction}: the last needs {needed} trials); give --trials {needed}{instead}"
+        ]
+
     def state(self) -> dict[str, Any]:
         return {
             "values": [{str(n): v for n, v in rung.items()} for rung in self.values],
@@ -182,15 +200,35 @@ class Hyperband(Scheduler):
                 return work
         if not new_allowed:
             return None
-        # The bracket furthest behind its share of Hyperband's plan.
-        total = sum(self.weights)
-        started = sum(self.counts) + 1
-        lag = [w / total * started - c for w, c in zip(self.weights, self.counts, strict=True)]
         fitting = [b for b in range(len(self.brackets)) if self.brackets[b].ladder[0] <= epochs_left]
         if not fitting:
             return None
-        chosen = max(fitting, key=lambda b: (lag[b], -b))
+        chosen = self._behind(self.counts, fitting)
         return Work(None, self.brackets[chosen]._pause_after(0), tag=chosen)
+
+    def _behind(self, counts: list[int], fitting: list[int]) -> int:
+        """The bracket furthest behind its share of Hyperband's plan, given the trials started in each."""
+        total, started = sum(self.weights), sum(counts) + 1
+        lag = [w / total * started - c for w, c in zip(self.weights, counts, strict=True)]
+        return max(fitting, key=lambda b: (lag[b], -b))
+
+    def _completes(self, trials: int) -> bool:
+        """Whether `trials` new trials, shared out as `next` does, bring one to the last rung."""
+        counts = [0] * len(self.brackets)
+        for _ in range(trials):
+            counts[self._behind(counts, list(range(len(self.brackets))))] += 1
+        return any(c >= self.reduction ** (len(b.ladder) - 1) for c, b in zip(counts, self.brackets, strict=True))
+
+    def notes(self) -> list[str]:
+        trials = self.setting.trials
+        if self._completes(trials):
+            return []
+        needed = next(n for n in itertools.count(trials + 1) if self._completes(n))
+        return [
+            f"hyperband(min_epochs={self.min_epochs}, reduction={self.reduction}) with {trials} trials: no bracket "
+            f"gets enough of them for one to reach its last rung, so no trial will train all {self.epochs} epochs; "
+            f"give --trials {needed}"
+        ]
 
     def started(self, number: int, work: Work) -> None:
         if work.trial is None and work.tag is not None:
