@@ -88,13 +88,16 @@ bench: $(STAMP)
 
 # What bench/device_check.sh installs on a GPU node that has no network (requirements/device.txt).
 DEVICE_WHEELS := .device-wheels
+# setuptools builds the wheel through ./build and keeps what it copied there: a module
+# deleted since the last wheel would ride along in the next, so build/ goes before and after.
 device-wheels: $(STAMP)
-	rm -rf $(DEVICE_WHEELS) && mkdir -p $(DEVICE_WHEELS)
+	rm -rf $(DEVICE_WHEELS) build && mkdir -p $(DEVICE_WHEELS)
 	$(BIN)/python -m pip wheel --quiet --no-deps --no-build-isolation -w $(DEVICE_WHEELS) .
+	rm -rf build
 	$(BIN)/python -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 		-d $(DEVICE_WHEELS) -r requirements/device.txt
 	@ls $(DEVICE_WHEELS)
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache docs/_build $(DEVICE_WHEELS)
+	rm -rf $(VENV) runs .pytest_cache docs/_build $(DEVICE_WHEELS) build

