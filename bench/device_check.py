@@ -300,8 +300,10 @@ def overhead(check: Check, timeout: float) -> dict:
     if check.dry_run:  # the script's check, not a figure: the MLP, briefly
         argv += ["--model", "mlp", "--rounds", "1", "--epochs", "2"]
     else:
-        # Plain-loop runs on a GPU node spread by 10-20% from run to run: four rounds.
-        argv += ["--rounds", "1", "--epochs", "4"] if check.quick else ["--rounds", "4"]
+        # Plain-loop runs on a GPU node spread by 10-20% from run to run: four rounds. A
+        # digits epoch there is a dozen steps of a few milliseconds, so --quick's 15 epochs
+        # time a quarter of a second a run, where one hiccup shows: 60 epochs, about 1 s.
+        argv += ["--rounds", "1", "--epochs", "4"] if check.quick else ["--rounds", "4", "--epochs", "60"]
     check.command([*argv, "--json", str(figures)], timeout)
     result = json.loads(figures.read_text())
     one_rank = result["ratios"]["nbdist allreduce (1 rank)"]
