@@ -178,6 +178,37 @@ def test_hyperband_with_too_few_trials_for_any_bracket_says_how_many_it_needs():
     assert notes == [] and [r["epochs"] for r in complete] == [27]
 
 
+def test_a_median_pruner_that_cannot_save_an_epoch_says_why():
+    """It waits for 3 finished trials: a study of 3 trains each to the end, and says so."""
+
+    def run(trials, **changes):
+        lines: list[str] = []
+        result = optimize(
+            lambda p: (_curve(p, e) for e in range(1, 6)),
+            space="x=real(0,1)",
+            searcher="random",
+            epochs=5,
+            trials=trials,
+            say=lines.append,
+            **changes,
+        )
+        return [line for line in lines if "note:" in line], {r["state"] for r in result.trials}
+
+    notes, states = run(3, prune=True)
+    assert notes == [
+        "nbdist: note: median(warmup_trials=3, warmup_epochs=1) will save no epoch: it stops none before 3 trials "
+        "have finished and the study has 3: give --trials 4 or more, or a lower warmup_trials (--prune-warmup)"
+    ]
+    assert states == {"complete"}
+    notes, _ = run(12, scheduler="median(warmup_epochs=5)")
+    assert notes == [
+        "nbdist: note: median(warmup_trials=3, warmup_epochs=5) will save no epoch: it judges a trial after its "
+        "epoch 5 and trials train 5: give warmup_epochs below 5"
+    ]
+    notes, states = run(12, prune=True)
+    assert notes == [] and "pruned" in states
+
+
 def test_a_budget_of_epochs_ends_the_study():
     computed = []
 

@@ -49,6 +49,20 @@ class Median(FIFO):
         super().bind(setting)
         self.maximize = setting.maximize
 
+    def notes(self) -> list[str]:
+        trials, epochs = self.setting.trials, self.setting.epochs
+        why = []
+        if trials <= self.warmup_trials:
+            why.append(
+                f"it stops none before {self.warmup_trials} trials have finished and the study has {trials}: "
+                f"give --trials {self.warmup_trials + 1} or more, or a lower warmup_trials (--prune-warmup)"
+            )
+        if self.warmup_epochs >= epochs:
+            fix = f"give warmup_epochs below {epochs}" if epochs > 1 else "a trial of 1 epoch has none to save"
+            why.append(f"it judges a trial after its epoch {self.warmup_epochs} and trials train {epochs}: {fix}")
+        median = f"median(warmup_trials={self.warmup_trials}, warmup_epochs={self.warmup_epochs})"
+        return [f"{median} will save no epoch: {reason}" for reason in why]
+
     def on_epoch(self, number: int, epoch: int, value: float) -> str:
         self.curves.setdefault(number, {})[epoch] = value
         if epoch < self.warmup_epochs:
