@@ -13,10 +13,12 @@ import contextlib
 import os
 import sys
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from types import ModuleType
 from typing import Any, ClassVar
 
 from nbdist.backends.base import Backend, ModelError
+from nbdist.backends.import_hooks import on_first_import
 from nbdist.specs import SpecError, unknown_name
 
 __all__ = [
@@ -199,13 +201,20 @@ def framework_of(model: Any) -> Framework:
     raise ModelError(f"the model is a {kind}; nbdist trains torch.nn.Module and keras.Model models")
 
 
+def _configure_on_import(framework: Framework, threads: int, seed: int) -> Callable[[ModuleType], None]:
+    return lambda _module: framework.configure(threads, seed)
+
+
 def configure_frameworks(threads: int, seed: int) -> None:
-    """Threads and seed for every framework the user's code has imported so far, and the
-    environment of those it imports later. Called before and after the user's code runs."""
+    """Threads and seed for every framework the user's code has imported so far; for those
+    it imports later, their environment now and threads and seed the moment it imports them
+    (backends/import_hooks.py). Called before and after the user's code runs."""
     for framework in FRAMEWORKS:
         framework.prepare_environment(threads)
         if framework.imported():
             framework.configure(threads, seed)
+        else:  # a model built right after the user's code imports it is drawn then
+            on_first_import(framework.module, _configure_on_import(framework, threads, seed))
 
 
 @contextlib.contextmanager
