@@ -41,16 +41,22 @@ MODEL_FILES = {
 }
 
 
-def _set_up_weights(model_file, seed: int) -> np.ndarray:
-    done = subprocess.run(
-        [sys.executable, "-c", SET_UP, str(model_file), str(seed)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return np.array(json.loads(done.stdout.strip().splitlines()[-1]), dtype=np.float32)
+def _set_up_weights(model_file, *seeds: int) -> list[np.ndarray]:
+    """Rank 0's initial weights from SET_UP in one fresh interpreter per seed, all at once."""
+    argv = [[sys.executable, "-c", SET_UP, str(model_file), str(seed)] for seed in seeds]
+    running = [subprocess.Popen(a, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for a in argv]
+    weights = []
+    try:
+        for process in running:
+            out, err = process.communicate(timeout=180)
+            assert process.returncode == 0, err[-3000:]
+            weights.append(np.array(json.loads(out.strip().splitlines()[-1]), dtype=np.float32))
+    finally:
+        for process in running:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    return weights
 
 
 def _seeded_weights(seed: int) -> np.ndarray:
@@ -62,7 +68,7 @@ def _seeded_weights(seed: int) -> np.ndarray:
 def test_a_seed_gives_the_initial_weights_torch_draws_from_it(form, tmp_path):
     model_file = tmp_path / "model.py"
     model_file.write_text(MODEL_FILES[form])
-    weights = _set_up_weights(model_file, 3)
+    (weights,) = _set_up_weights(model_file, 3)
     np.testing.assert_array_equal(weights, _seeded_weights(3))
     assert not np.array_equal(weights, _seeded_weights(4))
 
@@ -78,4 +84,5 @@ def test_a_seed_gives_the_same_initial_weights_to_a_keras_model_built_at_the_top
         "                          keras.layers.Dense(10, activation='softmax')])\n"
         "model.compile(loss='sparse_categorical_crossentropy', metrics=['accuracy'])\n"
     )
-    np.testing.assert_array_equal(_set_up_weights(model_file, 3), _set_up_weights(model_file, 3))
+    first, second = _set_up_weights(model_file, 3, 3)
+    np.testing.assert_array_equal(first, second)
