@@ -221,6 +221,7 @@ def test_for_world_infers_workers(size, options, workers):
     [
         (5, {"masters": 2}, "2 + 2 x W", "(4, 6, 8, ...)", "-n 4 (W = 1) or -n 6 (W = 2)"),
         (1, {}, "1 + W", "(2, 3, 4, ...)", "-n 2 (W = 1)"),
+        (1, {"coordinator": True}, "2 + W", "(3, 4, 5, ...)", "-n 3 (W = 1)"),  # a study on 1 process
         (
             3,
             {"masters": 2, "procs_per_worker": 2, "coordinator": True},

@@ -101,9 +101,10 @@ class Layout:
             scaled = "W" if step == 1 else f"{step} x W"
             needs = f"{fixed} + {scaled}" if fixed else scaled
             per = "per master" if probe.topology == "master-worker" else "per fold"
-            # The valid sizes either side of the one asked for, as ready-to-type fixes.
+            # The valid sizes either side of the one asked for, as ready-to-type fixes (the
+            # smallest when the one asked for is below it).
             below = (size - fixed) // step
-            runs = [f"-n {fixed + step * w} (W = {w})" for w in (below, below + 1) if w >= 1]
+            runs = [f"-n {fixed + step * w} (W = {w})" for w in [w for w in (below, below + 1) if w >= 1] or [1]]
             knobs = ["--procs-per-worker", "--groups", "--folds"]
             if probe.topology == "master-worker":
                 knobs.insert(0, "--masters")
