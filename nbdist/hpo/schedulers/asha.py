@@ -18,7 +18,6 @@ cheapest rung, a few trained long from the start). Whatever searcher proposes th
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -212,18 +211,20 @@ class Hyperband(Scheduler):
         lag = [w / total * started - c for w, c in zip(self.weights, counts, strict=True)]
         return max(fitting, key=lambda b: (lag[b], -b))
 
-    def _completes(self, trials: int) -> bool:
-        """Whether `trials` new trials, shared out as `next` does, bring one to the last rung."""
+    def _fewest_trials_completing(self) -> int:
+        """The fewest new trials that, shared out as `next` does, bring one to a bracket's
+        last rung: trials are added one at a time until a bracket has reduction^(rungs - 1)."""
         counts = [0] * len(self.brackets)
-        for _ in range(trials):
-            counts[self._behind(counts, list(range(len(self.brackets))))] += 1
-        return any(c >= self.reduction ** (len(b.ladder) - 1) for c, b in zip(counts, self.brackets, strict=True))
+        needed = [self.reduction ** (len(bracket.ladder) - 1) for bracket in self.brackets]
+        every = list(range(len(self.brackets)))
+        while not any(c >= n for c, n in zip(counts, needed, strict=True)):
+            counts[self._behind(counts, every)] += 1
+        return sum(counts)
 
     def notes(self) -> list[str]:
-        trials = self.setting.trials
-        if self._completes(trials):
+        trials, needed = self.setting.trials, self._fewest_trials_completing()
+        if trials >= needed:
             return []
-        needed = next(n for n in itertools.count(trials + 1) if self._completes(n))
         return [
             f"hyperband(min_epochs={self.min_epochs}, reduction={self.reduction}) with {trials} trials: no bracket "
             f"gets enough of them for one to reach its last rung, so no trial will train all {self.epochs} epochs; "
