@@ -27,12 +27,8 @@ _PENDING: dict[str, Callable[[ModuleType], None]] = {}
 
 
 def on_first_import(name: str, call: Callable[[ModuleType], None]) -> None:
-    """`call(module)` right after the top-level module `name` is first imported, in place
-    of a call registered for it before; nothing when it is imported already (the caller
-    configures it itself)."""
-    if name in sys.modules:
-        _PENDING.pop(name, None)
-        return
+    """`call(module)` right after the top-level module `name`, not imported yet, is
+    imported, in place of a call registered for it before."""
     _PENDING[name] = call
     if not any(isinstance(finder, _CallAfterImport) for finder in sys.meta_path):
         sys.meta_path.insert(0, _CallAfterImport())
