@@ -26,6 +26,7 @@ from nbdist.hpo.runner import (
     StudyRunner,
     TrialExecutor,
     TrialFinished,
+    furthest_words,
     new_study_name,
 )
 from nbdist.hpo.trial import Segment, Trial, fold_of_run, trial_options
@@ -398,10 +399,9 @@ class Study:
         return dashboard(self.store, study=self.name, period_ms=period_ms, runs=False).servable()
 
     def __repr__(self) -> str:
-        far = self.furthest
         best = f", best {self.options.objective} {self.best_fom:.4g}" if self.best_fom is not None else ""
-        if not best and far is not None:
-            best = f", none complete (furthest trial {far['number']}: {far['fom']:.4g} after {far['epochs']} epochs)"
+        if not best and (far := self.furthest) is not None:  # looked for only where no best
+            best = f", none complete ({furthest_words(far)})"
         return (
             f"<nbdist.Study {self.name} {self.status}: {len(self.runner.results)}/{self.options.trials} trials{best}>"
         )

@@ -47,6 +47,7 @@ __all__ = [
     "StudyRunner",
     "StudyResult",
     "StudyError",
+    "furthest_words",
     "new_study_name",
     "saved_options",
     "resolve_options",
@@ -77,11 +78,15 @@ class StudyResult:
         elif self.best_params is not None:
             best = f"best {self.best_fom:.4g} with {self.best_params}"
         elif self.furthest is not None:
-            far = self.furthest
-            best = f"none complete, furthest trial {far['number']}: {far['fom']:.4g} after {far['epochs']} epochs"
+            best = f"none complete, {furthest_words(self.furthest)}"
         else:
             best = "no result"
         return f"<StudyResult {self.study}: {len(self.trials)} trials, {best}; {self.reason}>"
+
+
+def furthest_words(far: dict[str, Any]) -> str:
+    """How a study's repr names the trial taken furthest (StudyRunner.furthest)."""
+    return f"furthest trial {far['number']}: {far['fom']:.4g} after {far['epochs']} epochs"
 
 
 # ----------------------------------------------------------------------------- runner
