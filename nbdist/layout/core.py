@@ -104,7 +104,8 @@ class Layout:
             # The valid sizes either side of the one asked for, as ready-to-type fixes (the
             # smallest when the one asked for is below it).
             below = (size - fixed) // step
-            runs = [f"-n {fixed + step * w} (W = {w})" for w in [w for w in (below, below + 1) if w >= 1] or [1]]
+            workers = [w for w in (below, below + 1) if w >= 1] or [1]
+            runs = [f"-n {fixed + step * w} (W = {w})" for w in workers]
             knobs = ["--procs-per-worker", "--groups", "--folds"]
             if probe.topology == "master-worker":
                 knobs.insert(0, "--masters")
