@@ -270,6 +270,7 @@ class AllreduceRun:
             ctx.log.emit("epoch", metrics, step=(epoch + 1) * self.n_batches, epoch=epoch + 1)
         ctx.say(format_epoch(metrics, ctx.options.epochs))
         ctx.watch_loss(metrics)
+        ctx.watch_checkpoints(metrics, self.checkpoints.writer)
         decision = ctx.early.update(metrics)
         if ctx.checkpoint_due(epoch + 1) or decision.stop:
             self._save(f"epoch-{epoch + 1:04d}", epoch + 1, 0)

@@ -26,6 +26,7 @@ from nbdist.options import TrainOptions, parse_target
 from nbdist.specs import Spec
 from nbdist.store import RunRecorder, place_store, store_path
 from nbdist.train.checkpoint import Checkpoints
+from nbdist.train.checkpoint_cost import CheckpointCost
 from nbdist.train.data_checks import check_data_size
 from nbdist.train.definition import ModelDefinition
 from nbdist.train.history import HistoryFile
@@ -37,6 +38,7 @@ from nbdist.train.run_dir import fresh_dir, run_name, write_run_files
 from nbdist.train.settle import Settled, settle
 from nbdist.train.stopping import EarlyStopping, StopFlag, TrialStopping
 from nbdist.train.trial import MetricNameError, TrialTag, check_metric_names
+from nbdist.train.writer import CheckpointWriter
 from nbdist.transport.agreement import agree
 from nbdist.transport.interfaces import launch_spans_hosts
 from nbdist.transport.node import local_rank, polling_suits_node
@@ -94,6 +96,7 @@ class RankContext:
     master_lr: LrPlan | None = None  # the lr of the master optimiser's steps
     compression: Spec | None = None  # --compression (None: none; transport/compression.py)
     loss_growth: LossGrowth | None = None  # the leader's watch on the training loss (None: a GAN's, not watched)
+    checkpoint_cost: CheckpointCost | None = None  # the leader's watch on what its checkpoints cost the epochs
     keep_state: Callable[[str, dict, dict], None] | None = None  # a study's trial keeps its checkpoint shares
     measures: dict[str, Callable[[Any], float]] = field(default_factory=dict)  # the model file's `objectives`
 
@@ -141,6 +144,14 @@ class RankContext:
             warning = self.loss_growth.check(int(metrics["epoch"]), float(metrics["train_loss"]))
             if warning is not None:
                 self.warn(f"nbdist: warning: {warning}")
+
+    def watch_checkpoints(self, metrics: dict[str, Any], writer: CheckpointWriter) -> None:
+        """After each epoch, on the run leader, before its checkpoint: one note when its
+        `writer`'s CPU time per checkpoint is a large share of the epochs (train/checkpoint_cost.py)."""
+        if self.is_leader and self.checkpoint_cost is not None:
+            note = self.checkpoint_cost.check(int(metrics["epoch"]), float(metrics["seconds"]), *writer.work_done())
+            if note is not None:
+                self.say(f"nbdist: note: {note}")
 
     def checkpoint_due(self, epochs_done: int) -> bool:
         every = self.options.checkpoint_every
@@ -285,6 +296,7 @@ def prepare(
         master_lr=master_lr,
         compression=compression,
         loss_growth=None if options.gan else LossGrowth(got.initial_loss),
+        checkpoint_cost=CheckpointCost(options.checkpoint_every, options.epochs) if is_leader else None,
         keep_state=trial.keep if trial else None,
         measures=got.measures,
     )

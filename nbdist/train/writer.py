@@ -50,6 +50,15 @@ class CheckpointWriter:
         self._error: BaseException | None = None
         self._failed_job = ""
         self._thread: threading.Thread | None = None
+        self._cpu_seconds = 0.0
+        self._named_done = 0
+
+    def work_done(self) -> tuple[float, int]:
+        """The CPU time the jobs done so far took on the writer's thread (their fsyncs'
+        waits are not CPU), what checkpoints could take from training, and how many of
+        those jobs had a name (a rank's share of a checkpoint): train/checkpoint_cost.py."""
+        with self._lock:
+            return self._cpu_seconds, self._named_done
 
     def submit(self, job: Callable[[], object], name: str | None = None) -> None:
         """Run `job()` after the jobs before it; `name` (a label), if given, is what
@@ -96,6 +105,7 @@ class CheckpointWriter:
     def _work(self) -> None:
         while True:
             job, name = self._jobs.get()
+            started = time.thread_time()
             if self._error is None:
                 try:
                     job()
@@ -107,6 +117,8 @@ class CheckpointWriter:
                     self._error, self._failed_job = exc, name or "commit"
             with self._lock:
                 self._pending -= 1
+                self._cpu_seconds += time.thread_time() - started
+                self._named_done += name is not None
                 if self._error is None and name is not None:
                     self._done.append(name)
 

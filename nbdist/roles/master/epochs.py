@@ -147,6 +147,7 @@ def finish_epoch(
     ctx.log.emit("epoch", metrics, step=me.version, epoch=epoch + 1)
     ctx.say(format_epoch(metrics, ctx.options.epochs))
     ctx.watch_loss(metrics)
+    ctx.watch_checkpoints(metrics, me.writer)
     if not me.stopping:
         decision = ctx.early.update(metrics)
         if decision.stop:

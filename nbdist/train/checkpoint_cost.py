@@ -1,0 +1,86 @@
+"""One note when checkpoints take a large share of short epochs.
+
+Checkpoints are written on a thread beside training (train/writer.py), but that thread
+still takes CPU time, and the interpreter for parts of it, from the training loop. Against
+epochs of seconds that is nothing; against epochs of tens of milliseconds (a small model on
+a GPU) a checkpoint every epoch, the default, slows the loop by a large part (a quarter of
+the digits CNN's epochs on an H200: bench/results/2026-11-28-step-costs.md). Nothing else
+tells the user, so the run's leader compares the CPU time its writer spent per checkpoint
+with the epochs between two checkpoints and says so, once, with the --checkpoint-every
+that would make the share small. The writer's CPU time is what it could take from the
+loop at most: where cores are free, the loop loses less.
+"""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["CheckpointCost", "NOTE_SHARE", "AIM_SHARE"]
+
+# How many checkpoints, written after the first epoch, are measured before the share is judged.
+CHECKPOINTS_MEASURED = 3
+# The share of the epochs between two checkpoints at which the note is given.
+NOTE_SHARE = 0.20
+# The share the --checkpoint-every it offers brings the writer's CPU time to, at most.
+AIM_SHARE = 0.05
+
+
+class CheckpointCost:
+    """`every`: --checkpoint-every (0: only at the end: nothing to note); `epochs`: the run's."""
+
+    __slots__ = ("every", "epochs", "first", "at_first", "seconds", "done")
+
+    def __init__(self, every: int, epochs: int):
+        self.every, self.epochs = every, epochs
+        self.first = 0  # the first epoch this run trained (a resumed run's is not 1)
+        self.at_first = (0.0, 0)  # the writer's CPU seconds and shares written then
+        self.seconds = 0.0  # of the epochs measured, those after the first
+        self.done = every == 0
+
+    def check(self, epoch: int, seconds: float, writer_cpu: float, shares_written: int) -> str | None:
+        """After epoch `epoch` (1-based) of `seconds`: the note, once. `writer_cpu`: the CPU
+        seconds the writer's jobs have taken so far; `shares_written`: the checkpoint shares
+        it has written so far. The run's first epoch (the warm-up) is left out.
+
+        The share is the writer's CPU time over the epochs' time since: a writer that lags
+        behind has spent less of it, and a master whose snapshots wait for one another
+        (asynchronous runs) writes fewer checkpoints than epochs, so it is never more than
+        what the checkpoints really cost."""
+        if self.done:
+            return None
+        if not self.first:
+            self.first, self.at_first = epoch, (writer_cpu, shares_written)
+            return None
+        self.seconds += seconds
+        written = shares_written - self.at_first[1]
+        if written < CHECKPOINTS_MEASURED:
+            return None
+        self.done = True
+        cpu = writer_cpu - self.at_first[0]
+        share = cpu / self.seconds if self.seconds > 0 else math.inf
+        if share < NOTE_SHARE:
+            return None
+        return self._words(cpu / written, self.seconds / (epoch - self.first), share)
+
+    def _words(self, per_checkpoint: float, per_epoch: float, share: float) -> str:
+        every = self._every_to_aim(per_checkpoint, per_epoch, share)
+        if every is not None and every < self.epochs:
+            remedy = f"--checkpoint-every {every} brings that to {AIM_SHARE:.0%} or less (0: only at the end)"
+        else:
+            remedy = "--checkpoint-every 0 writes one at the end only"
+        return (
+            f"writing a checkpoint takes {per_checkpoint * 1e3:.1f} ms of CPU beside the training, {share:.0%} of "
+            f"its time (epochs of {per_epoch * 1e3:.1f} ms): with epochs this short, checkpoints slow the training; "
+            f"{remedy}"
+        )
+
+    def _every_to_aim(self, per_checkpoint: float, per_epoch: float, share: float) -> int | None:
+        """The fewest epochs between checkpoints that bring their cost to AIM_SHARE of the
+        epochs', if the loop loses the writer's whole CPU time: the epochs measured then
+        took that share longer than epochs without checkpoints. None: the writer's time is
+        more than the epochs', so how long an epoch without checkpoints takes is unknown."""
+        if share >= 1:
+            return None
+        bare_epoch = per_epoch * (1 - share)
+        # (less a rounding error: 12.000000001 epochs is 12)
+        return max(self.every + 1, math.ceil(per_checkpoint / (AIM_SHARE * bare_epoch) - 1e-9))
