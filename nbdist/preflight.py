@@ -53,6 +53,8 @@ def check_launched(args: argparse.Namespace, ranks: int, workdir: Path) -> list[
                 return _check_train(args, ranks)
             if args.command == "study":
                 return _check_study(args, ranks)
+            if args.command == "scale":
+                return _check_scale(args, ranks)
             return []  # datasets: its options are all the parser's
     except UserError as exc:
         raise UserError(
@@ -66,6 +68,28 @@ def _check_train(args: argparse.Namespace, ranks: int) -> list[str]:
     settled = settle(options, lambda: load_model_file(model), ranks, 0, HERE, here=False)
     settled.data.close()
     return [n.text for n in settled.notices if n.warning]
+
+
+def _check_scale(args: argparse.Namespace, ranks: int) -> list[str]:
+    """What `scale` checks before it calibrates: its options and rank counts, the model
+    file and its data, and the model built once as its ranks build it."""
+    from nbdist.scaling.options import ScaleOptions
+    from nbdist.scaling.probes import build_backend
+    from nbdist.scaling.sweep import check_rank_counts, scaled_definition
+
+    options = ScaleOptions.from_args(args).validate()
+    check_rank_counts(options, ranks)
+    definition = scaled_definition(options)
+    data = definition.make_data()
+    try:
+        build_backend(definition, data, options.threads, options.seed)
+    except UserError:
+        raise
+    except Exception as exc:  # the user's model code: named, as a run's set-up names it
+        raise UserError(f"building the model failed: {type(exc).__name__}: {exc}") from None
+    finally:
+        data.close()
+    return []
 
 
 def _check_study(args: argparse.Namespace, ranks: int) -> list[str]:

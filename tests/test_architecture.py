@@ -103,7 +103,8 @@ SCALING_PURE = (
     "simulator",
     "store",
 )
-ABOVE_SCALING = {"cli", "api", "magics", "engine", "dashboard", "__init__", "scaling"}
+# preflight: the checks slurm-script runs before it writes a job script (cli's alone).
+ABOVE_SCALING = {"cli", "api", "magics", "engine", "dashboard", "__init__", "scaling", "preflight"}
 
 
 def test_the_performance_model_and_simulator_are_pure():

@@ -768,6 +768,19 @@ I25_COMMANDS = {
         ["slurm-script", "-n", "3", "--", "study", "--model", MLP, "--space", "lr=log(1e-3,0.3) momentom=real(0,1)"],
         ["the job would fail before training", "the parameter 'momentom' is read by no part of the run"],
     ),
+    # A scaling study's job checks what `launch ... scale` checks before it calibrates.
+    "slurm-script-scale-model-missing": (
+        ["slurm-script", "-n", "4", "--", "scale", "--model", "{tmp}/no_such_model.py", "--quick"],
+        ["the job would fail before training", "model file '{tmp}/no_such_model.py' not found"],
+    ),
+    "slurm-script-scale-unknown-setup": (
+        ["slurm-script", "-n", "4", "--", "scale", "--model", MLP, "--setups", "allreduce foo"],
+        ["the job would fail before training", "unknown set-up 'foo'; choose one of: adag, allreduce"],
+    ),
+    "slurm-script-scale-more-ranks-than-the-job": (
+        ["slurm-script", "-n", "4", "--", "scale", "--model", MLP, "--ranks", "1-8"],
+        ["the job would fail before training", "--ranks 1-8: 5, 6, 7, 8 are more than the 4 MPI ranks of this job"],
+    ),
     "slurm-script-write-into-a-missing-directory": (
         ["slurm-script", "-n", "3", "--write", "{tmp}/no_such_dir/job.sh", "--", "train", "--model", MLP],
         ["--write {tmp}/no_such_dir/job.sh: the directory {tmp}/no_such_dir does not exist"],
@@ -801,6 +814,9 @@ def i25_commands(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bad25cmd")
     argvs = [[a.replace("{tmp}", str(tmp)) for a in argv] for argv, _ in I25_COMMANDS.values()]
     argvs.append(["slurm-script", "-n", "3", "--write", str(tmp / "job.sh"), "--", "train", "--model", MLP])
+    argvs.append(
+        ["slurm-script", "-n", "4", "--write", str(tmp / "scale.sh"), "--", "scale", "--model", MLP, "--quick"]
+    )
     return tmp, [_in_this_process(argv) for argv in argvs]
 
 
@@ -816,5 +832,6 @@ def test_bad_input_before_any_rank_starts(i25_commands, name):
 
 def test_slurm_script_writes_a_script_that_passes_the_checks(i25_commands):
     tmp, parts = i25_commands
-    assert parts[-1].returncode == 0 and "nbdist: error" not in parts[-1].output, parts[-1].output
-    assert (tmp / "job.sh").read_text().startswith("#!/bin/bash\n")
+    for part, script in zip(parts[-2:], ["job.sh", "scale.sh"], strict=True):
+        assert part.returncode == 0 and "nbdist: error" not in part.output, part.output
+        assert (tmp / script).read_text().startswith("#!/bin/bash\n")

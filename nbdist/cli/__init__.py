@@ -24,10 +24,10 @@ import time
 import traceback
 
 from nbdist.cli.commands import _dashboard, _datasets, _layout, _scale, _store, _study, _train, world_rank
-from nbdist.cli.launching import LAUNCHABLE as LAUNCHABLE
 from nbdist.cli.launching import _launch, _slurm_script
 from nbdist.cli.parser import DEFAULT_RUNS_DIR as DEFAULT_RUNS_DIR
 from nbdist.cli.parser import DEFAULT_STORE as DEFAULT_STORE
+from nbdist.cli.parser import LAUNCHABLE as LAUNCHABLE
 from nbdist.cli.parser import build_parser
 from nbdist.errors import DiskFull, UserError
 from nbdist.train.diskspace import disk_full, is_disk_full

@@ -35,7 +35,6 @@ def _train(args: argparse.Namespace) -> int:
 
 def _scale(args: argparse.Namespace) -> int:
     import os
-    from dataclasses import fields
 
     # The study is of the node's CPU cores: its calibration times the model on the host, so
     # the points it measures must not move to a GPU (--device auto would, and every rank
@@ -45,8 +44,7 @@ def _scale(args: argparse.Namespace) -> int:
     from nbdist.scaling.options import ScaleOptions
     from nbdist.scaling.sweep import run_scale
 
-    given = {f.name: getattr(args, f.name) for f in fields(ScaleOptions) if getattr(args, f.name, None) is not None}
-    run_scale(ScaleOptions(**given), say=lambda text: print(text, flush=True))
+    run_scale(ScaleOptions.from_args(args), say=lambda text: print(text, flush=True))
     return 0
 
 

@@ -7,13 +7,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from nbdist.cli.parser import build_parser
+from nbdist.cli.parser import LAUNCHABLE, build_parser
 from nbdist.errors import UserError
 
-__all__ = ["LAUNCHABLE"]
-
-
-LAUNCHABLE = ("train", "study", "scale", "datasets")
+__all__ = ["LAUNCHABLE"]  # (defined with the parser, whose help names them)
 
 
 def _launch(args: argparse.Namespace) -> int:

@@ -6,13 +6,16 @@ import argparse
 
 from nbdist.options import add_arguments, add_study_arguments
 
-__all__ = ["build_parser", "DESCRIPTION", "DEFAULT_RUNS_DIR", "DEFAULT_STORE"]
+__all__ = ["build_parser", "DESCRIPTION", "DEFAULT_RUNS_DIR", "DEFAULT_STORE", "LAUNCHABLE"]
 
 # The first line of `python -m nbdist --help`: the first paragraph of nbdist.cli's docstring.
 DESCRIPTION = "`python -m nbdist ...`: the batch command line, with the same options as the magics."
 # The store of runs trained with the default --runs-dir (runs) and no --store.
 DEFAULT_RUNS_DIR = "runs"
 DEFAULT_STORE = f"{DEFAULT_RUNS_DIR}/nbdist.db"
+# The commands launch and slurm-script run.
+LAUNCHABLE = ("train", "study", "scale", "datasets")
+LAUNCHABLE_WORDS = f"{', '.join(LAUNCHABLE[:-1])} or {LAUNCHABLE[-1]}"
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -45,7 +48,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     launch = sub.add_parser(
         "launch",
-        help="run train, study, scale or datasets on N MPI ranks of this environment's mpiexec, surviving "
+        help=f"run {LAUNCHABLE_WORDS} on N MPI ranks of this environment's mpiexec, surviving "
         "dead ranks (MPI fault tolerance) and stopping gracefully on SIGTERM/SIGUSR1/Ctrl-C",
         description="Like `mpiexec -n N python -m nbdist COMMAND ...`, with Open MPI's settings for fault "
         "tolerance and, on one node, shared memory only; SIGTERM, SIGUSR1 (SLURM's --signal) and Ctrl-C "
@@ -64,13 +67,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         help="seconds a stopping run may take for its final checkpoint before it is killed (default: 600)",
     )
     launch.add_argument(
-        "launched", nargs=argparse.REMAINDER, metavar="COMMAND ...", help="train, study or datasets and its options"
+        "launched", nargs=argparse.REMAINDER, metavar="COMMAND ...", help=f"{LAUNCHABLE_WORDS} and its options"
     )
 
     slurm = sub.add_parser(
         "slurm-script",
-        help="write (or submit) an sbatch script that runs train, study or datasets on a SLURM "
-        "allocation through launch",
+        help=f"write (or submit) an sbatch script that runs {LAUNCHABLE_WORDS} on a SLURM allocation through launch",
         description="An sbatch script running `python -m nbdist launch -n $SLURM_NTASKS COMMAND ...` with this "
         "Python, mpiexec --bind-to none inside the allocation, and SIGUSR1 before the time limit "
         "(--signal=B:USR1@S) for a final checkpoint; printed, or written with --write.",
@@ -104,14 +106,15 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "--no-setup-check",
         action="store_true",
         help="only parse the nbdist command; by default its set-up is checked here as a launch checks it before "
-        "training (the options, the layout on -n ranks, the model file, its data, a study's space), with the "
+        "training (the options, the layout on -n ranks, the model file, its data, a study's space, a scaling "
+        "study's set-ups and rank counts), with the "
         "model built on this CPU: for a model that builds only on the compute nodes",
     )
     slurm.add_argument(
         "launched",
         nargs=argparse.REMAINDER,
         metavar="-- COMMAND ...",
-        help="train, study or datasets and its options, after --",
+        help=f"{LAUNCHABLE_WORDS} and its options, after --",
     )
 
     board = sub.add_parser("dashboard", help="serve the live dashboard of a run store (or export one run)")

@@ -40,9 +40,9 @@ class ScaleOptions:
     )
     setups: str = _opt(
         DEFAULT_SETUPS,
-        "set-ups to measure and predict, separated by spaces: allreduce, a rule (downpour, easgd, gem, adag, "
-        "dynsgd), a rule with masters=M (sub-masters), sync_every=K or synchronous=True, e.g. "
-        "'allreduce gem downpour(masters=2)'",
+        "set-ups to measure and predict, separated by spaces: allreduce, a master/worker rule (downpour, easgd, "
+        "gem, adag, dynsgd, eamsgd, diloco, async_local_sgd, or a registered one), a rule with masters=M "
+        "(sub-masters), sync_every=K or synchronous=True, e.g. 'allreduce gem downpour(masters=2)'",
     )
     scaling: str = _opt(
         "weak,strong",
@@ -122,6 +122,11 @@ class ScaleOptions:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_args(cls, args: Any) -> ScaleOptions:
+        """The options of `scale`'s parsed command line (argparse), its defaults where not given."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if getattr(args, f.name, None) is not None})
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> ScaleOptions:

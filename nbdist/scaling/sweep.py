@@ -84,8 +84,10 @@ def plan_points(
     return points
 
 
-def _with_files(options: ScaleOptions, definition: ModelDefinition) -> ModelDefinition:
-    """The model with --train/--val's HDF5 files as its data, read where each rank runs."""
+def scaled_definition(options: ScaleOptions, definition: ModelDefinition | None = None) -> ModelDefinition:
+    """The model the study times (`definition`, or --model's file), with --train/--val's
+    HDF5 files as its data, read where each rank runs."""
+    definition = definition or load_model_file(str(options.model))
     if not options.train:
         return definition
     from nbdist.data.files import HDF5Data
@@ -99,7 +101,8 @@ def _cores(options: ScaleOptions) -> int:
     return options.cores or len(os.sched_getaffinity(0))
 
 
-def _check(options: ScaleOptions, size: int) -> list[int]:
+def check_rank_counts(options: ScaleOptions, size: int) -> list[int]:
+    """The rank counts the study measures on a job of `size` ranks, or one error."""
     counts = parse_ranks(options.ranks) if options.ranks else default_ranks(size, options.quick)
     if size < 2:
         raise UserError(
@@ -126,9 +129,9 @@ def run_scale(
     comm = world() if comm is None else comm
     options = options.validate()
     size, rank = comm.Get_size(), comm.Get_rank()
-    counts = _check(options, size)
+    counts = check_rank_counts(options, size)
     setups = parse_setups(options.setups)
-    definition = _with_files(options, definition or load_model_file(str(options.model)))
+    definition = scaled_definition(options, definition)
     cores = _cores(options)
     collectives = Collectives(lambda: TIMEOUT)
 
