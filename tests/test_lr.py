@@ -13,6 +13,7 @@ from torch import nn
 
 from nbdist.algorithms import make_algorithm
 from nbdist.backends import backend_for
+from nbdist.backends.torch_optimizers import torch_lr_schedules
 from nbdist.errors import OptionsError
 from nbdist.layout import Layout
 from nbdist.options import TrainOptions
@@ -177,6 +178,22 @@ def test_an_unknown_schedule_lists_the_known_ones(backend):
     text = str(err.value)
     assert text.startswith("--master-lr-schedule: unknown torch learning-rate schedule")
     assert "(did you mean 'steplr'?); choose one of: constantlr, cosineannealinglr," in text
+
+
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("LambdaLR", "'lambdalr' takes a function, which an option string cannot give"),
+        ("SequentialLR(milestones=[2])", "'sequentiallr' combines other schedulers"),
+        ("ReduceLROnPlateau", "'reducelronplateau' steps on a validation metric, not once per epoch"),
+    ],
+)
+def test_a_schedule_an_option_cannot_build_says_why_not_that_it_is_unknown(backend, name, why):
+    with pytest.raises(SpecError) as err:
+        plans(backend, algorithm="easgd", worker_lr_schedule=name)
+    text = str(err.value)
+    assert text.startswith(f"--worker-lr-schedule: torch learning-rate schedule {why}"), text
+    assert "unknown" not in text and text.endswith("; choose one of: " + ", ".join(sorted(torch_lr_schedules())))
 
 
 def test_a_schedule_argument_it_does_not_take(backend):

@@ -38,8 +38,9 @@ from nbdist.backends.torch_optimizers import (
     optimizer_class,
     torch_lr_schedules,
     torch_optimizers,
+    unnameable_schedule,
 )
-from nbdist.specs import Spec, check_kwargs, check_value_kinds, unknown_name
+from nbdist.specs import Spec, SpecError, check_kwargs, check_value_kinds, unknown_name
 
 __all__ = ["TorchBackend", "TorchFlatOptimizer", "TorchLrSchedule", "torch_optimizers", "torch_lr_schedules"]
 
@@ -280,6 +281,11 @@ class TorchBackend(Backend):
 
     def make_lr_schedule(self, spec: Spec, base_lr: float) -> TorchLrSchedule:
         known = torch_lr_schedules()
+        why = unnameable_schedule(spec.name)
+        if why is not None:
+            raise SpecError(
+                f"torch learning-rate schedule {spec.name!r} {why}; choose one of: {', '.join(sorted(known))}"
+            )
         if spec.name not in known:
             raise unknown_name("torch learning-rate schedule (torch.optim.lr_scheduler)", spec.name, list(known))
         init = known[spec.name]  # its signature: (optimizer, ...)

@@ -46,18 +46,21 @@ def optimizer_class(spec: Spec) -> type[torch.optim.Optimizer]:
     return known[spec.name]
 
 
-# Schedulers an option string cannot build: they take functions (LambdaLR,
-# MultiplicativeLR) or other schedulers (SequentialLR, ChainedScheduler), or step on a
-# validation metric rather than by epoch (ReduceLROnPlateau).
+# Schedulers an option string cannot build, and why (the error says so rather than "unknown").
 _UNNAMEABLE_SCHEDULES = {
-    "lrscheduler",
-    "_lrscheduler",
-    "lambdalr",
-    "multiplicativelr",
-    "sequentiallr",
-    "chainedscheduler",
-    "reducelronplateau",
+    "lrscheduler": "is the base class of the schedules",
+    "_lrscheduler": "is the base class of the schedules",
+    "lambdalr": "takes a function, which an option string cannot give",
+    "multiplicativelr": "takes a function, which an option string cannot give",
+    "sequentiallr": "combines other schedulers, which an option string cannot give",
+    "chainedscheduler": "combines other schedulers, which an option string cannot give",
+    "reducelronplateau": "steps on a validation metric, not once per epoch (use --early-stopping to stop on one)",
 }
+
+
+def unnameable_schedule(name: str) -> str | None:
+    """Why the torch scheduler `name` (lower case) cannot be an option's, or None."""
+    return _UNNAMEABLE_SCHEDULES.get(name)
 
 
 def torch_lr_schedules() -> dict[str, type]:
