@@ -108,6 +108,9 @@ def test_two_epochs_that_end_together_share_one_validation(master):
     finished = me.pop_finished_epochs()
     assert [epoch for epoch, _, _ in finished] == [0, 1]
     assert [tally.behind for _, tally, _ in finished] == [2, 2]
+    # The time since the run's start, shared: the second epoch's own is microseconds.
+    (_, _, one), (_, _, other) = finished
+    assert one == other and one >= 0.01
 
     me.end_epochs(finished)
     collect_validation(me, block=True)
