@@ -278,3 +278,24 @@ def test_the_cpu_meter_tells_the_studys_own_cpu_from_other_processes():
     # The busy time of the whole node holds this process's own.
     assert meter.busy[-1] - meter.busy[0] >= ours - 0.05
     assert meter.others(started, time.time()) >= 0.0
+
+
+def test_the_rule_probes_time_every_rule_without_numpys_warnings():
+    """The calibration times each rule on synthetic buffers, hundreds of calls on the same
+    values: DiLoCo's overflowed and ADAG's exchange divided 0 by 0, and numpy's warnings
+    about values nothing reads came out of `nbdist scale` as if the model were at fault."""
+    import warnings
+
+    from torch import nn
+
+    from nbdist.backends import backend_for
+    from nbdist.scaling.probes import rule_costs
+    from nbdist.scaling.setups import master_worker_rules
+
+    backend = backend_for(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step, exchange, apply, rounds, merge = rule_costs(backend, 0.5)
+    for costs in (step, exchange, apply, rounds):
+        assert set(costs) == set(master_worker_rules()) and all(c > 0 for c in costs.values())
+    assert merge > 0

@@ -165,8 +165,13 @@ def rule_costs(
     rules = master_worker_rules()
     per = seconds / (4 * len(rules))
     step, exchange, apply, rounds = {}, {}, {}, {}
-    for name in rules:
-        step[name], exchange[name], apply[name], rounds[name] = _one_rule(backend, name, params, per)
+    # Each call repeats on the same synthetic buffers hundreds of times, whose values then
+    # leave float32's range (DiLoCo's outer momentum) or meet 0/0 (ADAG's exchange without
+    # a step between): only the time is kept, and numpy's warnings about values nothing
+    # reads would look like a fault of the user's model.
+    with np.errstate(all="ignore"):
+        for name in rules:
+            step[name], exchange[name], apply[name], rounds[name] = _one_rule(backend, name, params, per)
     centre, delta = params.copy(), np.full(n, 1e-6, np.float32)
     merge_rule = make_algorithm(Spec("downpour"))
     merge = _seconds_per_call(lambda: merge_rule.merge_master_steps(centre, [Update(delta, 0, 1, 0)]), per)
