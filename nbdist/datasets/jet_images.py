@@ -140,10 +140,14 @@ class JetSample:
         if self.reused:
             how += (", " if how else "") + f"reused {self.reused} already made with these settings"
         return (
-            f"{n_train} training jets in {len(self.train_files)} files and {n_val} validation jets in "
-            f"{len(self.val_files)} files ({self.settings['signal']} vs qcd, {how}): "
+            f"{n_train} training jets in {_files(len(self.train_files))} and {n_val} validation jets in "
+            f"{_files(len(self.val_files))} ({self.settings['signal']} vs qcd, {how}): "
             f"--train '{self.train}' --val '{self.val}'"
         )
+
+
+def _files(count: int) -> str:
+    return f"{count} file" if count == 1 else f"{count} files"
 
 
 def jet_images(
