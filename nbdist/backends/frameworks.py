@@ -144,7 +144,9 @@ class KerasFramework(Framework):
         # a model built at the top of a cell starts it before configure() could run.
         os.environ["TF_NUM_INTRAOP_THREADS"] = str(threads)
         os.environ["TF_NUM_INTEROP_THREADS"] = "1"
-        # One start-up banner per rank says nothing; TF_CPP_MIN_LOG_LEVEL=0 brings it back.
+        # TensorFlow's info and warning lines, one set per rank, say nothing; =0 brings them
+        # back. (2.21 still writes two lines per rank before its logging starts, absl's
+        # "before absl::InitializeLog()" and oneDNN's note, which no variable silences.)
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
     def configure(self, threads: int, seed: int) -> None:
