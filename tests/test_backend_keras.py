@@ -176,7 +176,8 @@ def test_keras_optimizer_values_are_checked_as_torch_checks_them():
     backend = backend_for(mlp(), sample=x)
     before = backend.params.copy()
     for spec, message in [
-        ("sgd(lr=-1.0)", "optimizer sgd(lr=-1.0): lr must be >= 0, got -1.0"),
+        ("sgd(lr=-1.0)", "optimizer sgd(lr=-1.0): a learning rate below 0 climbs the loss instead of descending it"),
+        ("adam(learning_rate=-0.5)", "optimizer adam(learning_rate=-0.5): a learning rate below 0 climbs the loss"),
         ("sgd(lr='fast')", "optimizer sgd(lr='fast'): lr must be a number >= 0, got 'fast'"),
         ("adam(beta_1=1.5)", "optimizer adam(beta_1=1.5): beta_1 must be in [0, 1), got 1.5"),
         ("rmsprop(rho=2)", "optimizer rmsprop(rho=2): rho must be in [0, 1], got 2"),

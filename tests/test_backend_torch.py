@@ -302,7 +302,10 @@ def test_optimizer_bad_kwarg_and_bad_value_are_clear():
 @pytest.mark.parametrize(
     "spec, message",
     [
-        ("sgd(lr=-1.0)", "optimizer sgd(lr=-1.0): Invalid learning rate: -1.0"),
+        (
+            "sgd(lr=-1.0)",
+            "optimizer sgd(lr=-1.0): a learning rate below 0 climbs the loss instead of descending it",
+        ),
         ("sgd(lr='fast')", "optimizer sgd(lr='fast'): lr must be a number, got 'fast'"),
         ("adam(betas=(1.5, 0.9))", "optimizer adam(betas=(1.5, 0.9)): Invalid beta parameter at index 0: 1.5"),
         ("adam(amsgrad='yes')", "optimizer adam(amsgrad='yes'): amsgrad must be True or False, got 'yes'"),

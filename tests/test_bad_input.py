@@ -214,12 +214,12 @@ CASES = {
     # (a worker, the master) does not fail alone while the others wait for it.
     "worker-optimizer-negative-lr": (
         ["--algorithm", "easgd", "--worker-optimizer", "sgd(lr=-1.0)"],
-        ["optimizer sgd(lr=-1.0): Invalid learning rate: -1.0"],
+        ["optimizer sgd(lr=-1.0): a learning rate below 0 climbs the loss instead of descending it"],
         None,
     ),
     "master-optimizer-negative-lr": (
         ["--master-optimizer", "sgd(lr=-0.1)"],
-        ["optimizer sgd(lr=-0.1): Invalid learning rate: -0.1"],
+        ["optimizer sgd(lr=-0.1): a learning rate below 0 climbs the loss instead of descending it: give lr above 0"],
         None,
     ),
     "master-optimizer-string-lr-synchronous": (
@@ -234,7 +234,7 @@ CASES = {
     ),
     "allreduce-optimizer-negative-lr": (
         ["--topology", "allreduce", "--worker-optimizer", "sgd(lr=-1.0)"],
-        ["Invalid learning rate: -1.0"],
+        ["optimizer sgd(lr=-1.0): a learning rate below 0 climbs the loss instead of descending it: give lr above 0"],
         None,
     ),
     "rule-argument-out-of-range": (
@@ -346,7 +346,7 @@ CASES = {
 SUB_MASTER_CASES = {
     "sub-masters-worker-optimizer": (
         ["--masters", "2", "--algorithm", "easgd", "--worker-optimizer", "sgd(lr=-1.0)"],
-        ["optimizer sgd(lr=-1.0): Invalid learning rate: -1.0"],
+        ["optimizer sgd(lr=-1.0): a learning rate below 0 climbs the loss instead of descending it"],
         None,
     ),
     "sub-masters-master-optimizer": (
@@ -746,7 +746,7 @@ I25_COMMANDS = {
     "slurm-script-negative-worker-lr": (
         ["slurm-script", "-n", "3", "--", "train", "--model", MLP, "--algorithm", "easgd"]
         + ["--worker-optimizer", "sgd(lr=-1.0)"],
-        ["the job would fail before training", "optimizer sgd(lr=-1.0): Invalid learning rate: -1.0"],
+        ["the job would fail before training", "optimizer sgd(lr=-1.0): a learning rate below 0 climbs the loss"],
     ),
     "slurm-script-target-typo": (
         ["slurm-script", "-n", "3", "--", "train", "--model", MLP, "--target", "val_acu > 0.5"],

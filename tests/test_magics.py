@@ -363,7 +363,10 @@ def test_bad_optimizer_arguments_are_one_error_in_the_cell_and_the_next_cell_tra
     )
     with pytest.raises(UserError) as caught:
         job.wait(timeout=60)
-    assert str(caught.value) == "optimizer sgd(lr=-1.0): Invalid learning rate: -1.0"
+    assert str(caught.value) == (
+        "optimizer sgd(lr=-1.0): a learning rate below 0 climbs the loss instead of descending it: give lr above 0, "
+        "e.g. sgd(lr=0.01)"
+    )
     assert job.status == "failed"
     assert (
         shell.run_cell_magic("distnn", f"train --epochs 1 --block {_opts(tmp_path)}", MODEL_CELL).status == "completed"

@@ -366,6 +366,12 @@ def step_on_scratch(spec: Spec, make: Callable[[np.ndarray], FlatOptimizer], scr
     Run during set-up, on every rank: a value the framework rejects (a negative learning
     rate, betas outside [0, 1), a string for a number) fails here, as one error, instead
     of in the one role that builds the optimiser while the others wait for it."""
+    given = next((spec.kwargs[k] for k in ("lr", "learning_rate") if k in spec.kwargs), None)
+    if isinstance(given, int | float) and not isinstance(given, bool) and given < 0:
+        raise SpecError(
+            f"optimizer {spec}: a learning rate below 0 climbs the loss instead of descending it: give lr "
+            f"above 0, e.g. {spec.name}(lr=0.01)"
+        )
     scratch[:] = 0.0
     optimizer = make(scratch)
     lr = optimizer.learning_rate
