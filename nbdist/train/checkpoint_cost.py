@@ -5,10 +5,10 @@ still takes CPU time, and the interpreter for parts of it, from the training loo
 epochs of seconds that is nothing; against epochs of tens of milliseconds (a small model on
 a GPU) a checkpoint every epoch, the default, slows the loop by a large part (a quarter of
 the digits CNN's epochs on an H200: bench/results/2026-11-28-step-costs.md). Nothing else
-tells the user, so the run's leader compares the CPU time its writer spent per checkpoint
-with the epochs between two checkpoints and says so, once, with the --checkpoint-every
-that would make the share small. The writer's CPU time is what it could take from the
-loop at most: where cores are free, the loop loses less.
+tells the user, so the run's leader compares the CPU time its writer spent with the
+epochs' time since the first epoch and says so, once, with the --checkpoint-every that
+would make the share small. The writer's CPU time is what it could take from the loop at
+most: where cores are free, the loop loses less.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ __all__ = ["CheckpointCost", "NOTE_SHARE", "AIM_SHARE"]
 
 # How many checkpoints, written after the first epoch, are measured before the share is judged.
 CHECKPOINTS_MEASURED = 3
-# The share of the epochs between two checkpoints at which the note is given.
+# The share of the epochs' time at which the note is given.
 NOTE_SHARE = 0.20
 # The share the --checkpoint-every it offers brings the writer's CPU time to, at most.
 AIM_SHARE = 0.05
