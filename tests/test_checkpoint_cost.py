@@ -109,6 +109,7 @@ def load_data():
 """
 
 
+@pytest.mark.mpi  # three mpiexec jobs: with the marked tests, one at a time, not beside the fast tier
 def test_a_run_of_millisecond_epochs_notes_its_checkpoints_and_its_advice_silences_it(tmp_path):
     """Epochs of 8 steps of a tiny MLP take milliseconds; a checkpoint's writes take
     several. The run trains on, says so once, and with the --checkpoint-every it offers
@@ -128,8 +129,10 @@ def test_a_run_of_millisecond_epochs_notes_its_checkpoints_and_its_advice_silenc
     first = train(60)
     [note] = NOTE.findall(first.stdout)
     per_checkpoint, share, epoch_ms, every = float(note[0]), int(note[1]) / 100, float(note[2]), int(note[3])
-    # The figures shown are rounded (to 0.1 ms, to 1%); the unit tests above check the arithmetic exactly.
-    assert share >= NOTE_SHARE and share == pytest.approx(per_checkpoint / epoch_ms, rel=0.05, abs=0.01)
+    # The figures shown are rounded (to 0.1 ms, to 1%); the unit tests above check the arithmetic
+    # exactly. The share is of the epochs' time, not per_checkpoint / epoch_ms: a writer that lags
+    # has written fewer shares than epochs went by.
+    assert share >= NOTE_SHARE
     fewest = per_checkpoint / (AIM_SHARE * epoch_ms * (1 - share))  # epochs between checkpoints that reach the aim
     assert -0.5 < every - fewest < 1.5
     assert "epoch  60/60" in first.stdout  # it trained on
