@@ -31,6 +31,7 @@ import numpy as np
 from nbdist.data.arrays import ArrayData
 from nbdist.datasets.jet_physics import PROCESSES, JetCuts, JetMaker, pythia_settings
 from nbdist.errors import UserError
+from nbdist.layout.tree import plural
 
 __all__ = ["jet_images", "JetSample", "DatasetError"]
 
@@ -140,14 +141,10 @@ class JetSample:
         if self.reused:
             how += (", " if how else "") + f"reused {self.reused} already made with these settings"
         return (
-            f"{n_train} training jets in {_files(len(self.train_files))} and {n_val} validation jets in "
-            f"{_files(len(self.val_files))} ({self.settings['signal']} vs qcd, {how}): "
+            f"{n_train} training jets in {plural(len(self.train_files), 'file')} and {n_val} validation jets in "
+            f"{plural(len(self.val_files), 'file')} ({self.settings['signal']} vs qcd, {how}): "
             f"--train '{self.train}' --val '{self.val}'"
         )
-
-
-def _files(count: int) -> str:
-    return f"{count} file" if count == 1 else f"{count} files"
 
 
 def jet_images(
