@@ -96,7 +96,7 @@ class RankContext:
     master_lr: LrPlan | None = None  # the lr of the master optimiser's steps
     compression: Spec | None = None  # --compression (None: none; transport/compression.py)
     loss_growth: LossGrowth | None = None  # the leader's watch on the training loss (None: a GAN's, not watched)
-    checkpoint_cost: CheckpointCost | None = None  # the leader's watch on what its checkpoints cost the epochs
+    checkpoint_cost: CheckpointCost | None = None  # the leader's watch on what its checkpoints cost (None: none)
     keep_state: Callable[[str, dict, dict], None] | None = None  # a study's trial keeps its checkpoint shares
     measures: dict[str, Callable[[Any], float]] = field(default_factory=dict)  # the model file's `objectives`
 
@@ -147,7 +147,7 @@ class RankContext:
 
     def watch_checkpoints(self, metrics: dict[str, Any], writer: CheckpointWriter) -> None:
         """After each epoch, on the run leader, before its checkpoint: one note when its
-        `writer`'s CPU time per checkpoint is a large share of the epochs (train/checkpoint_cost.py)."""
+        `writer`'s CPU time is a large share of the epochs' time (train/checkpoint_cost.py)."""
         if self.is_leader and self.checkpoint_cost is not None:
             note = self.checkpoint_cost.check(int(metrics["epoch"]), float(metrics["seconds"]), *writer.work_done())
             if note is not None:
@@ -296,7 +296,7 @@ def prepare(
         master_lr=master_lr,
         compression=compression,
         loss_growth=None if options.gan else LossGrowth(got.initial_loss),
-        checkpoint_cost=CheckpointCost(options.checkpoint_every, options.epochs) if is_leader else None,
+        checkpoint_cost=CheckpointCost(options.checkpoint_every, options.epochs),
         keep_state=trial.keep if trial else None,
         measures=got.measures,
     )
