@@ -10,7 +10,7 @@ from pathlib import Path
 from nbdist.cli.parser import LAUNCHABLE, build_parser
 from nbdist.errors import UserError
 
-__all__ = ["LAUNCHABLE"]  # (defined with the parser, whose help names them)
+__all__: list[str] = []  # its two commands are nbdist.cli's; LAUNCHABLE is the parser's
 
 
 def _launch(args: argparse.Namespace) -> int:
