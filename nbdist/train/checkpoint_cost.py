@@ -5,9 +5,9 @@ still takes CPU time, and the interpreter for parts of it, from the training loo
 epochs of seconds that is nothing; against epochs of tens of milliseconds (a small model on
 a GPU) a checkpoint every epoch, the default, slows the loop by a large part (a quarter of
 the digits CNN's epochs on an H200: bench/results/2026-11-28-step-costs.md). Nothing else
-tells the user, so the run's leader compares the CPU time its writer spent with the
-epochs' time since the first epoch and says so, once, with the --checkpoint-every that
-would make the share small. The writer's CPU time is what it could take from the loop at
+tells the user, so the run's leader compares the CPU time its writer spends on the
+checkpoints taken since the first epoch with those epochs' time and says so, once, with the
+--checkpoint-every that would make the share small. The writer's CPU time is what it could take from the loop at
 most: where cores are free, the loop loses less.
 """
 
@@ -33,34 +33,40 @@ class CheckpointCost:
     def __init__(self, every: int, epochs: int):
         self.every, self.epochs = every, epochs
         self.first = 0  # the first epoch this run trained (a resumed run's is not 1)
-        self.at_first = (0.0, 0)  # the writer's CPU seconds and shares written then
+        self.at_first = (0.0, 0, 0)  # the writer's CPU seconds, shares written and shares taken then
         self.seconds = 0.0  # of the epochs measured, those after the first
         self.done = every == 0
 
-    def check(self, epoch: int, seconds: float, writer_cpu: float, shares_written: int) -> str | None:
-        """After epoch `epoch` (1-based) of `seconds`: the note, once. `writer_cpu`: the CPU
-        seconds the writer's jobs have taken so far; `shares_written`: the checkpoint shares
-        it has written so far. The run's first epoch (the warm-up) is left out.
+    def check(
+        self, epoch: int, seconds: float, writer_cpu: float, shares_written: int, shares_taken: int
+    ) -> str | None:
+        """After epoch `epoch` (1-based) of `seconds`, before its checkpoint: the note, once.
+        `writer_cpu`: the CPU seconds the writer's jobs have taken so far; `shares_written`,
+        `shares_taken`: the checkpoint shares it has written so far, and those handed to it
+        (written or queued). The run's first epoch (the warm-up) is left out.
 
-        The share is the writer's CPU time over the epochs' time since: a writer that lags
-        behind has spent less of it, and a master whose snapshots wait for one another
-        (asynchronous runs) writes fewer checkpoints than epochs, so it is never more than
-        what the checkpoints really cost."""
+        Each checkpoint taken since is charged what those written cost on average, over
+        the epochs' time: a writer that lags behind (its disk's syncs slower than the
+        epochs) writes the queued ones during the training all the same, so what it has
+        written so far would understate them, the more so on a busy disk. A master whose
+        snapshots wait for one another (asynchronous runs) takes fewer checkpoints than
+        epochs and is charged for those it takes."""
         if self.done:
             return None
         if not self.first:
-            self.first, self.at_first = epoch, (writer_cpu, shares_written)
+            self.first, self.at_first = epoch, (writer_cpu, shares_written, shares_taken)
             return None
         self.seconds += seconds
         written = shares_written - self.at_first[1]
         if written < CHECKPOINTS_MEASURED:
             return None
         self.done = True
-        cpu = writer_cpu - self.at_first[0]
-        share = cpu / self.seconds if self.seconds > 0 else math.inf
+        per_checkpoint = (writer_cpu - self.at_first[0]) / written
+        taken = shares_taken - self.at_first[2]
+        share = per_checkpoint * taken / self.seconds if self.seconds > 0 else math.inf
         if share < NOTE_SHARE:
             return None
-        return self._words(cpu / written, self.seconds / (epoch - self.first), share)
+        return self._words(per_checkpoint, self.seconds / (epoch - self.first), share)
 
     def _words(self, per_checkpoint: float, per_epoch: float, share: float) -> str:
         every = self._every_to_aim(per_checkpoint, per_epoch, share)

@@ -52,13 +52,15 @@ class CheckpointWriter:
         self._thread: threading.Thread | None = None
         self._cpu_seconds = 0.0
         self._named_done = 0
+        self._named_taken = 0
 
-    def work_done(self) -> tuple[float, int]:
+    def work_done(self) -> tuple[float, int, int]:
         """The CPU time the jobs done so far took on the writer's thread (their fsyncs'
-        waits are not CPU), what checkpoints could take from training, and how many of
-        those jobs had a name (a rank's share of a checkpoint): train/checkpoint_cost.py."""
+        waits are not CPU), what checkpoints could take from training; how many of those
+        jobs had a name (a rank's share of a checkpoint); and how many named jobs were
+        submitted, done or not: train/checkpoint_cost.py."""
         with self._lock:
-            return self._cpu_seconds, self._named_done
+            return self._cpu_seconds, self._named_done, self._named_taken
 
     def submit(self, job: Callable[[], object], name: str | None = None) -> None:
         """Run `job()` after the jobs before it; `name` (a label), if given, is what
@@ -70,6 +72,7 @@ class CheckpointWriter:
             self._thread.start()
         with self._lock:
             self._pending += 1
+            self._named_taken += name is not None
         self._jobs.put((job, name))
 
     def written(self) -> list[str]:
