@@ -444,6 +444,18 @@ def test_an_optuna_tpe_study_resumes_from_the_store(tmp_path):
         assert len(s.study("tpe")["searcher_state"]["searcher"]["told"]) == 14
 
 
+def test_a_qmc_study_with_a_store_takes_new_points_of_its_sequence(tmp_path):
+    """A study with a store reloads its searcher between asks: QMC's place in its sequence
+    comes back with it (it proposed its first point again and failed on telling it)."""
+    from nbdist.hpo.functions import BRANIN_SPACE, branin
+
+    result = optimize(
+        branin, space=BRANIN_SPACE, searcher="optuna(sampler='qmc')", trials=6, store=tmp_path / "s.db", **QUIET
+    )
+    points = [(r["params"]["x1"], r["params"]["x2"]) for r in result.trials]
+    assert len(set(points)) == 6 and {r["state"] for r in result.trials} == {"complete"}
+
+
 def test_optuna_samplers_by_name_and_one_error_for_an_unknown_one():
     from nbdist.hpo import make_searcher
     from nbdist.specs import SpecError

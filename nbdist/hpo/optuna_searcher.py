@@ -12,7 +12,7 @@ The sampler's keywords besides `sampler` go to its constructor; the seed is the 
 
 The study's trials live in nbdist's run store, as every searcher's do: its state is the
 points asked and told, in the order asked (with their values, the epoch a stopped trial
-stopped at, and what the sampler noted on each trial), all JSON. A resumed searcher builds
+stopped at, what the sampler noted on each trial and on the study), all JSON. A resumed searcher builds
 an in-memory Optuna study again from them: each told trial is added as it ended (complete,
 pruned at its epoch with its value there, or failed), each pending one is enqueued and
 asked again. The sampler is made afresh for every point, seeded from the study's seed and
@@ -205,7 +205,13 @@ class OptunaSearcher(Searcher):
         return {"sampler": self.sampler, **directions, **self.sampler_options}
 
     def _extra_state(self) -> dict:
-        return {"values": dict(self._values), "order": list(self._order), "notes": dict(self._notes)}
+        study_notes = _json_only(self._study._storage.get_study_system_attrs(self._study._study_id))
+        return {
+            "values": dict(self._values),
+            "order": list(self._order),
+            "notes": dict(self._notes),
+            "study_notes": study_notes,
+        }
 
     def _load_extra_state(self, extra: Mapping[str, Any]) -> None:
         """Optuna's study again, from the points in the order asked (see the module docstring)."""
@@ -229,6 +235,11 @@ class OptunaSearcher(Searcher):
                 elif key in pending:
                     self._study.enqueue_trial({name: pending[key][name] for name in distributions})
                     self._trials.setdefault(key, []).append(self._study.ask(distributions))
+        # What the sampler noted on the study itself, as it stood (QMC's place in its sequence,
+        # which the trials added and asked again above do not move as the original asks did).
+        storage, study_id = self._study._storage, self._study._study_id
+        for name, value in extra.get("study_notes", {}).items():
+            storage.set_study_system_attr(study_id, str(name), value)
 
 
 def _json_only(attrs: Mapping[str, Any]) -> dict[str, Any]:
