@@ -90,7 +90,7 @@ def train(
 
 def _options(options: dict[str, Any]) -> TrainOptions:
     try:
-        return TrainOptions.from_dict(options).validate()
+        return TrainOptions.from_dict(options).validate().refuse_pipeline_options(options)
     except TypeError as exc:
         raise OptionsError(str(exc)) from None
 

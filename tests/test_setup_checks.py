@@ -178,6 +178,44 @@ def test_resume_from_a_notebook_is_checked_in_the_kernel(tmp_path):
         _for_the_engines(TrainOptions(resume=str(tmp_path / "typo")), cell="model = None", model=None, data=None)
 
 
+@pytest.mark.parametrize("given", [["--micro-batches", "4"], ["--pipeline-schedule", "gpipe"]])
+def test_pipeline_options_at_their_defaults_without_a_pipeline_are_refused_too(given):
+    """The values alone (4, gpipe: the defaults) cannot tell them from nothing; that the
+    user gave them can: the command line, the notebook's call and a study's options."""
+    from nbdist.api import _options
+    from nbdist.hpo.study_setup import resolve_options
+
+    args = build_parser().parse_args(["train", "--model", "m.py", *given])
+    name = given[0][2:].replace("-", "_")
+    value = int(given[1]) if name == "micro_batches" else given[1]
+    message = f"{given[0]} applies to pipeline workers: add --worker-parallel pipeline"
+    for make in (
+        lambda: options_from_args(args),
+        lambda: _options({name: value}),
+        lambda: resolve_options({}, {name: value}),
+    ):
+        with pytest.raises(OptionsError, match=message):
+            make()
+    piped = ["--worker-parallel", "pipeline", "--procs-per-worker", "2"]
+    assert options_from_args(build_parser().parse_args(["train", "--model", "m.py", *given, *piped]))
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (
+            {"precision": "bf16"},
+            "--precision bf16 does not apply to --worker-parallel pipeline: its stages train in fp32",
+        ),
+        ({"gan": True}, "--gan does not apply to --worker-parallel pipeline"),
+    ],
+)
+def test_a_pipeline_refuses_what_its_stages_cannot_train_by_name(changes, message):
+    with pytest.raises(OptionsError) as err:
+        TrainOptions(worker_parallel="pipeline", procs_per_worker=2, **changes).validate()
+    assert str(err.value).startswith(message)
+
+
 # ------------------------------------------------------------------ kinds of values
 @pytest.mark.parametrize(
     "changes, message",

@@ -31,7 +31,7 @@ def resolve_options(study: dict[str, Any], train: dict[str, Any]) -> tuple[Study
             base_study, base_train = saved_options(
                 store_path(given_train.store, given_train.runs_dir), study["resume_study"]
             )
-        return base_study.replace(**study), base_train.replace(**train)
+        return base_study.replace(**study), base_train.replace(**train).refuse_pipeline_options(train)
     except TypeError as exc:
         raise StudyError(str(exc)) from None
 

@@ -65,7 +65,7 @@ def options_from_args(args: argparse.Namespace, base: TrainOptions | None = None
     if base is None and getattr(args, "resume", None):
         base = saved_run_options(args.resume).replace(workers=None)
     given = {f.name: getattr(args, f.name) for f in fields(TrainOptions) if getattr(args, f.name, None) is not None}
-    return (base or TrainOptions()).replace(**given)
+    return (base or TrainOptions()).replace(**given).refuse_pipeline_options(given)
 
 
 def require_model(options: TrainOptions, defines: str = "build_model()") -> TrainOptions:

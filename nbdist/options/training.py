@@ -4,6 +4,7 @@ the checks that need no model."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,8 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 # model whose gradients they allreduce, or each one pipeline stage of it.
 WORKER_PARALLELS = ("allreduce", "pipeline")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+# The options only --worker-parallel pipeline reads.
+PIPELINE_ONLY = ("micro_batches", "pipeline_schedule")
 # How a rank waits for its peers (transport/waiting.py): polling without sleeping, or
 # between short sleeps; auto picks by whether the node's ranks fit its cores.
 BUSY_POLLS = ("auto", "on", "off")
@@ -334,6 +337,20 @@ class TrainOptions:
         self._validate_pipeline()
         return self
 
+    def refuse_pipeline_options(self, given: Iterable[str]) -> TrainOptions:
+        """These options, or one error where a run without a pipeline was given (`given`:
+        the names set on the command line or in the call) options only a pipeline reads.
+        validate() sees the values alone, which cannot tell `--micro-batches 4`, the
+        default, from nothing."""
+        named = [flag(name) for name in PIPELINE_ONLY if name in set(given)]
+        if named and self.worker_parallel in WORKER_PARALLELS and self.worker_parallel != "pipeline":
+            raise OptionsError(
+                f"{' and '.join(named)} appl{'y' if len(named) > 1 else 'ies'} to pipeline "
+                f"workers: add --worker-parallel pipeline (and --procs-per-worker, one process "
+                f"per stage)"
+            )
+        return self
+
     def _validate_pipeline(self) -> None:
         if self.worker_parallel not in WORKER_PARALLELS:
             raise OptionsError(
@@ -345,26 +362,23 @@ class TrainOptions:
                 f"{', '.join(PIPELINE_SCHEDULES)}"
             )
         if self.worker_parallel != "pipeline":
-            given = [
-                flag(name)
-                for name in ("micro_batches", "pipeline_schedule")
-                if getattr(self, name) != getattr(TrainOptions, name)
-            ]
-            if given:
-                raise OptionsError(
-                    f"{' and '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to pipeline "
-                    f"workers: add --worker-parallel pipeline (and --procs-per-worker, one process "
-                    f"per stage)"
-                )
+            self.refuse_pipeline_options(
+                [name for name in PIPELINE_ONLY if getattr(self, name) != getattr(TrainOptions, name)]
+            )
             return
         if self.procs_per_worker < 2:
             raise OptionsError(
                 "--worker-parallel pipeline needs --procs-per-worker 2 or more: one process per pipeline stage"
             )
-        if self.gan or self.precision != "fp32":
+        if self.gan:
             raise OptionsError(
-                f"--worker-parallel pipeline trains in fp32 without --gan (got "
-                f"{'--gan' if self.gan else '--precision ' + self.precision})"
+                "--gan does not apply to --worker-parallel pipeline: a GAN's generator and "
+                "discriminator train in one process per worker"
+            )
+        if self.precision != "fp32":
+            raise OptionsError(
+                f"--precision {self.precision} does not apply to --worker-parallel pipeline: its stages "
+                f"train in fp32; drop --precision, or train without a pipeline"
             )
         if self.sync_batchnorm:
             # Its processes hold different layers: no two of them normalise the same channels.
