@@ -75,7 +75,7 @@ def model_file(tmp_path: Path, name: str, source: str) -> str:
 def test_wrong_rank_count_says_how_many_are_needed(mpirun, tmp_path):
     done = train(mpirun, 2, tmp_path, "--workers", "5")
     line = assert_one_clear_error(done, "needs 6 ranks")
-    assert "2 were started" in line and "mpiexec -n 6" in line
+    assert "2 were started" in line and "start 6 ranks (-n 6)" in line
 
 
 NAN_AFTER_A_FEW_STEPS = """

@@ -247,7 +247,7 @@ def test_for_world_error_states_the_valid_sizes(size, options, formula, valid, f
     assert msg.startswith(f"{size} rank")
     assert f"needs {formula} ranks" in msg
     assert valid in msg
-    assert f"mpiexec {fixes}," in msg
+    assert f"start {fixes}," in msg
     # Every size the message offers really is a valid size.
     for offered in (int(x) for x in valid.strip("(.)").replace(" ", "").split(",") if x):
         assert Layout.for_world(offered, **options).n_ranks == offered
@@ -270,16 +270,16 @@ def test_for_world_with_workers_given_checks_the_size():
         Layout.for_world(4, workers=5)
     assert str(info.value) == (
         "this layout needs 6 ranks (1 master + 5 workers), but 4 were started: "
-        "run with mpiexec -n 6, or use --workers 3 to fit 4 ranks"
+        "start 6 ranks (-n 6), or use --workers 3 to fit 4 ranks"
     )
     with pytest.raises(LayoutError) as info:
         Layout.for_world(6, workers=2, masters=2, coordinator=True)
     # 6 ranks fit no worker count here (3 + 2 x W), so no --workers value is suggested.
     assert str(info.value) == (
         "this layout needs 7 ranks (1 coordinator + 2 masters x (1 + 2 workers)), but 6 were "
-        "started: run with mpiexec -n 7, or change --workers"
+        "started: start 7 ranks (-n 7), or change --workers"
     )
-    with pytest.raises(LayoutError, match="but 1 was started: run with mpiexec -n 6"):
+    with pytest.raises(LayoutError, match=r"but 1 was started: start 6 ranks \(-n 6\)"):
         Layout.for_world(1, workers=5)
 
 

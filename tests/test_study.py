@@ -135,8 +135,10 @@ def test_study_options_say_what_is_wrong():
         StudyOptions().validate()
     with pytest.raises(OptionsError, match="--groups must be at least 1"):
         StudyOptions(space="x=real(0,1)", groups=0).validate()
-    with pytest.raises(OptionsError, match="cannot read --target 'val_acc >> 1'"):
+    with pytest.raises(OptionsError, match="cannot read --goal 'val_acc >> 1'"):  # a study's, not a run's --target
         StudyOptions(space="x=real(0,1)", goal="val_acc >> 1").validate()
+    with pytest.raises(OptionsError, match="--goal 'val_acc > 1e': '1e' is not a number"):
+        StudyOptions(space="x=real(0,1)", goal="val_acc > 1e").validate()
     assert StudyOptions(objective="val_acc").resolved_direction == "maximize"
     assert StudyOptions(objective="val_loss").resolved_direction == "minimize"
 

@@ -52,7 +52,7 @@ class StudyRecords(SharedStudy):
         self.objectives = self.study.objectives
         self.directions = self.study.resolved_directions
         self.maximize = self.directions[0] == "maximize"
-        self.goal = parse_target(self.study.goal) if self.study.goal else None
+        self.goal = parse_target(self.study.goal, "--goal") if self.study.goal else None
         self.store = RunStore(self.store_path) if self.store_path is not None else None
         # This coordinator's name among the study's jobs: the trials it trains carry it.
         self.job = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"

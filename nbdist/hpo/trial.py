@@ -154,7 +154,7 @@ def watched_metrics(options: StudyOptions) -> tuple[tuple[str, str], ...]:
     run checks during set-up that it reports them (nbdist.train.trial.check_metric_names)."""
     watched = [(f"--objective {options.objective}", name) for name in options.objectives]
     if options.goal:
-        watched.append((f"--goal {options.goal!r}", parse_target(options.goal).metric))
+        watched.append((f"--goal {options.goal!r}", parse_target(options.goal, "--goal").metric))
     return tuple(watched)
 
 

@@ -89,7 +89,7 @@ class Layout:
                 raise LayoutError(
                     f"this layout needs {layout.n_ranks} ranks "
                     f"({layout._formula(str(layout.workers))}), but {started} started: "
-                    f"run with mpiexec -n {layout.n_ranks}, or {hint}"
+                    f"start {layout.n_ranks} ranks (-n {layout.n_ranks}), or {hint}"
                 )
             return layout
 
@@ -112,8 +112,8 @@ class Layout:
             raise LayoutError(
                 f"{plural(size, 'rank')} cannot be laid out as {probe._formula('W')}: "
                 f"this layout needs {needs} ranks for W workers {per} "
-                f"({', '.join(map(str, valid))}, ...): run with mpiexec "
-                f"{' or '.join(runs)}, or change {', '.join(knobs)}"
+                f"({', '.join(map(str, valid))}, ...): start {' or '.join(runs)}, or change "
+                f"{', '.join(knobs)}"
             )
         return cls(workers=fits, **options)
 
@@ -274,7 +274,7 @@ class Layout:
             # Every rank sees the same size, so every rank raises: no hang.
             raise LayoutError(
                 f"this layout needs {self.n_ranks} ranks ({self._formula(str(self.workers))}), "
-                f"but the communicator has {comm.Get_size()}: run with mpiexec -n {self.n_ranks}, "
+                f"but the communicator has {comm.Get_size()}: start {self.n_ranks} ranks (-n {self.n_ranks}), "
                 f"or build the layout with Layout.for_world({comm.Get_size()}, ...)"
             )
         return split_communicators(self, comm)

@@ -103,7 +103,7 @@ class StudyOptions:
                     f"({', '.join(objectives)}): give one per objective, e.g. --direction {example}"
                 )
         if self.goal is not None:
-            parse_target(self.goal)
+            parse_target(self.goal, "--goal")
         if self.study_name is not None and "/" in self.study_name:
             raise OptionsError(
                 f"--study-name {self.study_name!r}: its trials' run directories are named after it; "

@@ -28,12 +28,13 @@ class Target:
         return f"{self.metric} {self.op} {self.value:g}"
 
 
-def parse_target(text: str) -> Target:
+def parse_target(text: str, option: str = "--target") -> Target:
+    """`option`: the option `text` was given as, for the error (a study's is --goal)."""
     match = _TARGET.match(text)
     if not match:
-        raise OptionsError(f"cannot read --target {text!r}: write metric, comparison, number, e.g. 'val_acc > 0.97'")
+        raise OptionsError(f"cannot read {option} {text!r}: write metric, comparison, number, e.g. 'val_acc > 0.97'")
     try:
         value = float(match.group(3))
     except ValueError:
-        raise OptionsError(f"--target {text!r}: {match.group(3)!r} is not a number") from None
+        raise OptionsError(f"{option} {text!r}: {match.group(3)!r} is not a number") from None
     return Target(match.group(1), match.group(2), value)
