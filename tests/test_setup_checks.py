@@ -216,6 +216,21 @@ def test_a_pipeline_refuses_what_its_stages_cannot_train_by_name(changes, messag
     assert str(err.value).startswith(message)
 
 
+def test_a_load_data_that_raises_is_named_with_its_file_and_line(tmp_path):
+    """The GAN page's snippet saved as it stood (no imports) said only "setup failed:
+    NameError: name 'nbdist' is not defined"."""
+    from nbdist.backends.base import ModelError
+    from nbdist.train.definition import load_model_file
+
+    model = tmp_path / "snippet.py"
+    model.write_text("def build_model():\n    return None\n\ndef load_data():\n    return nbdist.datasets.digits()\n")
+    with pytest.raises(ModelError) as err:
+        load_model_file(model).make_data()
+    assert str(err.value) == (
+        f"model file {model}: load_data() failed: NameError: name 'nbdist' is not defined (snippet.py, line 5)"
+    )
+
+
 # ------------------------------------------------------------------ kinds of values
 @pytest.mark.parametrize(
     "changes, message",

@@ -18,6 +18,7 @@ from typing import Any
 
 from nbdist.backends.base import ModelError
 from nbdist.data.base import Data
+from nbdist.errors import UserError
 from nbdist.gan.model import GanModel
 
 __all__ = ["ModelDefinition", "definition_of", "load_model_file", "definition_from_namespace", "prefer_fresh"]
@@ -50,13 +51,25 @@ class ModelDefinition:
             from nbdist.datasets import digits
 
             return digits()
-        data = self.data() if callable(self.data) else self.data
+        data = self._load_data() if callable(self.data) else self.data
         if not isinstance(data, Data):
             raise ModelError(
                 f"{self.source}: data must be an nbdist.data.ArrayData or HDF5Data (or a function returning "
                 f"one), got {type(data).__name__}"
             )
         return data
+
+    def _load_data(self) -> Any:
+        """The model file's load_data() (or the API's data function), its own failure
+        reported as the user's, where it failed; nbdist's errors from inside it as they are."""
+        assert callable(self.data)
+        try:
+            return self.data()
+        except UserError:
+            raise
+        except Exception as exc:
+            name = getattr(self.data, "__name__", "data")
+            raise ModelError(f"{self.source}: {name}() failed: {_short(exc)}") from exc
 
     def make_model(self) -> Any:
         if self.build_model is None:
