@@ -359,7 +359,9 @@ class StudyRunner(StudyRecords):
 
     def _line(self, row: dict[str, Any], trial: Trial, settled: Settled) -> str:
         params = ", ".join(f"{k}={_short(v)}" for k, v in row["params"].items())
-        head = f"nbdist: trial {row['number']:>3} ({len(self.results)}/{self.scheduler.trials()}) {row['state']:<8}"
+        # Finished trials of the study's: under a scheduler, paused ones are not (yet).
+        done = f"{len(self.results)}/{self.scheduler.trials()} finished"
+        head = f"nbdist: trial {row['number']:>3} ({done}) {row['state']:<8}"
         if row["state"] == "failed":
             return f"{head} {params}: {row['error']}"
         if row["fom"] is None:
