@@ -139,6 +139,9 @@ def test_a_study_or_run_not_in_the_store_is_named_with_the_studies_it_holds(tmp_
         assert main(["dashboard", "--store", str(store), "--run", "nope", "--port", "0", *extra]) == 2
         assert f"no run 'nope' in the store {store}" in _error_line(capsys)
     assert not (tmp_path / "study.html").exists()
+    argv = ["study", "--model", "m.py", "--space", "lr=log(1e-3,1)", "--runs-dir", str(tmp_path)]
+    assert main([*argv, "--resume-study", "digit"]) == 2  # the same words where a study resumes
+    assert f"no study 'digit' in the store {store} (its studies: digits)" in _error_line(capsys)
 
 
 def test_the_dashboard_serves_plain_http_beyond_loopback_only_when_told(tmp_path, capsys):

@@ -115,10 +115,7 @@ def check_choices(store: RunStore, run: str | None = None, study: str | None = N
     if run is not None and run not in store.run_ids():
         raise StoreError(f"no run {run!r} in the store {store.label}")
     if study is not None:
-        studies = [s["id"] for s in store.studies()]
-        if study not in studies:
-            known = ", ".join(studies) if studies else "none yet"
-            raise StoreError(f"no study {study!r} in the store {store.label} (its studies: {known})")
+        store.study(study)  # its error names the studies the store holds
 
 
 def trials_frame(trials: list[TrialRow]) -> Any:

@@ -111,7 +111,10 @@ class StudyTables(StoreConnection):
         cursor = self._db.execute("SELECT * FROM studies WHERE id = ?", (study_id,))
         row = cursor.fetchone()
         if row is None:
-            raise StoreError(f"no study {study_id!r} in the store {self.label}")
+            # The newest first, a few: a name mistyped is usually one of those.
+            known = [r[0] for r in self._db.execute("SELECT id FROM studies ORDER BY started DESC LIMIT 6")]
+            listed = ", ".join(known[:5]) + (", ..." if len(known) > 5 else "") if known else "none yet"
+            raise StoreError(f"no study {study_id!r} in the store {self.label} (its studies: {listed})")
         study = dict(zip([d[0] for d in cursor.description], row, strict=True))
         for key in ("space", "options", "searcher_state"):
             study[key] = from_json(study[key], None)
