@@ -12,10 +12,11 @@ The sampler's keywords besides `sampler` go to its constructor; the seed is the 
 
 The study's trials live in nbdist's run store, as every searcher's do: its state is the
 points asked and told, in the order asked (with their values, the epoch a stopped trial
-stopped at, what the sampler noted on each trial and on the study), all JSON. A resumed searcher builds
-an in-memory Optuna study again from them: each told trial is added as it ended (complete,
-pruned at its epoch with its value there, or failed), each pending one is enqueued and
-asked again. The sampler is made afresh for every point, seeded from the study's seed and
+stopped at, what the sampler noted on each trial and on the study), all JSON. A resumed
+searcher builds an in-memory Optuna study again from them: each told trial is added as it
+ended (complete, pruned at its epoch with its value there, or failed), each pending one is
+enqueued and asked again, and the study's notes are set as they were (QMC's place in its
+sequence). The sampler is made afresh for every point, seeded from the study's seed and
 the point's place, so that a restored searcher proposes what the original would have
 (exactly so for TPE, GP, QMC and random sampling; CMA-ES and NSGA-II keep their state in
 what they noted on the told trials, which comes back too). A trial that was stopped at a
