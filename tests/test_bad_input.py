@@ -116,6 +116,28 @@ def test_nan_loss_from_the_model_file(mpirun, tmp_path, topology, n):
     )
 
 
+def test_resumes_that_fail_leave_the_run_resumable_and_each_says_why(mpirun, tmp_path):
+    """A resume with another model is refused before the run directory is touched (its
+    options kept the other model, and the --resume the error advised failed too); and a
+    failure.json left by an earlier job does not silence this job's error (every rank took
+    it for another's record, and the job ended with status 2 and no word)."""
+    finite = model_file(tmp_path, "linear.py", NAN_AFTER_A_FEW_STEPS.replace("calls > 5", "calls < 0"))
+    nan = model_file(tmp_path, "nan_loss.py", NAN_AFTER_A_FEW_STEPS)  # the same model, a loss that turns NaN
+    run = tmp_path / "runs" / "base"
+    first = train(mpirun, 2, tmp_path, "--topology", "allreduce", "--epochs", "1", "--run-name", "base", model=finite)
+    assert first.returncode == 0, first.output
+    other = train(mpirun, 2, tmp_path, "--resume", str(run), model=MLP)
+    assert_one_clear_error(other, "holds 650 weights for rank 0", "resume with the same model")
+    assert json.loads((run / "options.json").read_text())["model"] == finite
+    for attempt in range(2):  # the second finds the first one's failure.json
+        failed = train(mpirun, 2, tmp_path, "--resume", str(run), model=nan)
+        assert_one_clear_error(failed, "lower the learning rate", pattern=r"loss became nan")
+        assert json.loads((run / "failure.json").read_text())["message"].startswith("the loss became nan"), attempt
+    resumed = train(mpirun, 2, tmp_path, "--resume", str(run), model=finite)
+    assert resumed.returncode == 0, resumed.output
+    assert not (run / "failure.json").exists()  # the run it records ended well
+
+
 # --------------------------------------------------------------- cases in one job
 MODEL_FILES = {
     "no_build.py": """

@@ -19,6 +19,7 @@ layout: train/relayout.py.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -78,6 +79,8 @@ def run_rank(
         if threading.current_thread() is threading.main_thread():
             stop.install()
     given = _Given(definition, stop, sink, record, trial)
+    if options.resume and comm.Get_rank() == 0:
+        _forget_failure(Path(options.resume))
     warm = warm_start_phase(options)
     if warm is not None:
         # The synchronous first phase is a run of its own in the run's directory (whose
@@ -89,6 +92,16 @@ def run_rank(
             return result  # stopped, or stopped early: the run ends with the warm phase
         options = options.replace(resume=str(phase.run_dir))
     return _run_with_restarts(options, comm, given, _PhaseEnd())
+
+
+def _forget_failure(run_dir: Path) -> None:
+    """A resumed run's failure.json of an earlier job goes: it is not this job's, and the
+    rank that records this job's failure would take it for one another rank had recorded
+    (and no rank would say the error). Before set-up, whose ranks record a failure only
+    once this rank has joined them."""
+    if (run_dir / "options.json").exists():
+        with contextlib.suppress(OSError):
+            (run_dir / FAILURE_FILE).unlink(missing_ok=True)
 
 
 def warm_start_phase(options: TrainOptions) -> TrainOptions | None:

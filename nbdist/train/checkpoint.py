@@ -286,6 +286,18 @@ class Checkpoints:
         return (path / _file(rank, "safetensors")).exists() and (path / _file(rank, "json")).exists()
 
     @staticmethod
+    def weights_held(path: Path, rank: int = 0) -> int | None:
+        """How many weights rank `rank`'s share of checkpoint `path` holds, from its file's
+        header (the weights are not read); None where it holds none of its own."""
+        try:
+            with safe_open(str(path / _file(rank, "safetensors")), framework="numpy") as tensors:
+                if "model/params" not in tensors.keys():
+                    return None
+                return int(np.prod(tensors.get_slice("model/params").get_shape()))
+        except (OSError, SafetensorError):
+            return None  # reading the share says what is wrong with it
+
+    @staticmethod
     def read_scalars(path: Path, rank: int) -> dict[str, Any]:
         """Rank `rank`'s scalars (epoch, version, ...), without its arrays."""
         try:

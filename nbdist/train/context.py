@@ -34,7 +34,7 @@ from nbdist.train.loop import LossGrowth
 from nbdist.train.lr import LrPlan
 from nbdist.train.relayout import Share, centre_share, change_note, plan_shares, saved_layout
 from nbdist.train.rules import DEFAULT_MASTER_OPTIMIZER, DEFAULT_WORKER_OPTIMIZER
-from nbdist.train.run_dir import fresh_dir, run_name, write_run_files
+from nbdist.train.run_dir import check_resumed_model, fresh_dir, run_name, write_run_files
 from nbdist.train.settle import Settled, settle
 from nbdist.train.stopping import EarlyStopping, StopFlag, TrialStopping
 from nbdist.train.trial import MetricNameError, TrialTag, check_metric_names
@@ -186,6 +186,8 @@ def prepare(
     try:
         settled = settle(options, definition, comm.Get_size(), comm.Get_rank(), device, trial, restart_of, run=written)
         options = settled.options
+        if settled.resume_from is not None and restart_of is None and comm.Get_rank() == 0:
+            check_resumed_model(settled.resume_from, settled.backend.num_params)
         if record and comm.Get_rank() == 0:  # its SQLite file's directory exists, not on NFS from several hosts
             place_store(options.store, options.runs_dir, several_hosts=launch_spans_hosts())
         poll_without_sleeping(

@@ -17,7 +17,14 @@ from nbdist.train.checkpoint import CheckpointError, Checkpoints
 from nbdist.train.relayout import check_resumable
 from nbdist.train.trial import TrialTag
 
-__all__ = ["run_name", "fresh_dir", "write_run_files", "check_run_dir_writable", "find_resume"]
+__all__ = [
+    "run_name",
+    "fresh_dir",
+    "write_run_files",
+    "check_run_dir_writable",
+    "find_resume",
+    "check_resumed_model",
+]
 
 
 def run_name(options: TrainOptions) -> str:
@@ -66,6 +73,20 @@ def find_resume(options: TrainOptions) -> tuple[Path | None, list[str]]:
     if latest is None:
         raise CheckpointError(f"--resume {options.resume}: the run has no complete checkpoint")
     return latest, damaged
+
+
+def check_resumed_model(checkpoint: Path, num_params: int) -> None:
+    """One error, before the run directory's files are written anew, where the model to
+    resume has another number of weights than checkpoint `checkpoint`'s (rank 0's share:
+    an allreduce run's first rank, the top master: the whole model). Found only when the
+    shares were read, the run had already saved its options with the other model, and
+    the --resume that the error advised then failed too."""
+    held = Checkpoints.weights_held(checkpoint)
+    if held is not None and held != num_params:
+        raise CheckpointError(
+            f"checkpoint {checkpoint} holds {held} weights for rank 0, the model has {num_params}: resume with "
+            f"the same model"
+        )
 
 
 def fresh_dir(root: Path, name: str, database: str | None, trial: TrialTag | None = None) -> Path:
