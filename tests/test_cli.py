@@ -142,6 +142,12 @@ def test_a_study_or_run_not_in_the_store_is_named_with_the_studies_it_holds(tmp_
     argv = ["study", "--model", "m.py", "--space", "lr=log(1e-3,1)", "--runs-dir", str(tmp_path)]
     assert main([*argv, "--resume-study", "digit"]) == 2  # the same words where a study resumes
     assert f"no study 'digit' in the store {store} (its studies: digits)" in _error_line(capsys)
+    # Panel would write study.txt.html instead (readable by others) and leave study.txt empty.
+    assert main(["dashboard", "--store", str(store), "--study", "digits", "--export", str(tmp_path / "s.txt")]) == 2
+    assert f"--export {tmp_path / 's.txt'}: the dashboard is an HTML page; give a file name ending in .html" in (
+        _error_line(capsys)
+    )
+    assert not list(tmp_path.glob("s.txt*"))
 
 
 def test_the_dashboard_serves_plain_http_beyond_loopback_only_when_told(tmp_path, capsys):

@@ -117,7 +117,7 @@ def _dashboard(args: argparse.Namespace) -> int:
         args.store = place_store(None, DEFAULT_RUNS_DIR, several_hosts=False)
     args.store = args.store or DEFAULT_STORE
     if args.export:
-        existing_store(args.store)
+        existing_store(args.store, served=False)
         path = export_html(args.store, args.export, run=args.run, study=args.study)
         print(f"nbdist: dashboard written to {path}")
         return 0

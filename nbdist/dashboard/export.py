@@ -8,6 +8,7 @@ import base64
 from pathlib import Path
 
 from nbdist.durable import make_dir, open_private
+from nbdist.errors import UserError
 
 __all__ = ["export_html"]
 
@@ -25,9 +26,12 @@ def export_html(store: str | Path, path: str | Path, *, run: str | None = None, 
 
     from nbdist.dashboard.app import dashboard
 
+    path = Path(path)
+    if not path.name.endswith(".html"):
+        # Panel's save would write `<path>.html` instead, not private, and leave `path` empty.
+        raise UserError(f"--export {path}: the dashboard is an HTML page; give a file name ending in .html")
     board = dashboard(store, run=run, study=study, live=False, runs=study is None or run is not None)
     board.drain()
-    path = Path(path)
     make_dir(path.parent)
     # Made private before bokeh writes into it (it keeps the mode of a file it truncates):
     # the page holds the run's options, hosts and metrics.

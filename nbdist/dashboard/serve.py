@@ -37,9 +37,10 @@ class DashboardError(UserError):
     pass
 
 
-def existing_store(store: str | Path) -> str | Path:
+def existing_store(store: str | Path, *, served: bool = True) -> str | Path:
     """`store` when it is a run store file; else one error naming it and where runs put
-    theirs (a mistyped path would otherwise show a new, empty store)."""
+    theirs (a mistyped path would otherwise show a new, empty store). `served`: a server
+    could start before the first run (--create); an export has nothing to show then."""
     from nbdist.store import STORE_FILE, RunStore, is_url
 
     if is_url(store):  # a database: it must hold a store already (no tables: an error naming it)
@@ -52,8 +53,8 @@ def existing_store(store: str | Path) -> str | Path:
     if not path.exists():
         raise DashboardError(
             f"--store {store}: no such run store; runs record in RUNS_DIR/{STORE_FILE} "
-            f"(runs/{STORE_FILE} by default) or in the --store they were given "
-            f"(add --create to start the dashboard before the first run)"
+            f"(runs/{STORE_FILE} by default) or in the --store they were given"
+            + (" (add --create to start the dashboard before the first run)" if served else ": export after a run")
         )
     return path
 
