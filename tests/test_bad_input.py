@@ -138,6 +138,46 @@ def test_resumes_that_fail_leave_the_run_resumable_and_each_says_why(mpirun, tmp
     assert not (run / "failure.json").exists()  # the run it records ended well
 
 
+RAISES_ON_RANK_1 = """
+    import os
+
+    from torch import nn
+
+    class Raises(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer, self.calls = nn.Linear(64, 10), 0
+
+        def forward(self, x):
+            self.calls += 1
+            if os.environ.get("OMPI_COMM_WORLD_RANK") == "1" and self.calls > 40:
+                raise ValueError("a bug in the model's forward")
+            return self.layer(x)
+
+    def build_model():
+        return Raises()
+"""
+
+
+def test_a_bug_in_the_model_on_one_rank_shows_its_traceback_then_the_line_with_what_to_do(mpirun, tmp_path):
+    done = train(
+        mpirun, 2, tmp_path, "--topology", "allreduce", model=model_file(tmp_path, "raises.py", RAISES_ON_RANK_1)
+    )
+    assert done.returncode != 0
+    out = done.output
+    assert out.count("Traceback") == 1 and "ValueError: a bug in the model's forward" in out, out
+    [line] = [line for line in out.splitlines() if line.startswith("nbdist: error:")]
+    assert re.match(
+        r"nbdist: error: rank 1 \(worker 1, host \S+\) failed: ValueError: a bug in the model's forward; ", line
+    )
+    run = next(p for p in (tmp_path / "runs").iterdir() if p.is_dir())
+    assert line.endswith(f"its last checkpoint is epoch-0001: continue with --resume {run}") or line.endswith(
+        f"no checkpoint was committed when it failed: run it again, or continue with --resume {run} if one was "
+        f"committed as the run stopped"
+    ), line
+    assert json.loads((run / "failure.json").read_text())["message"] == line.removeprefix("nbdist: error: ")
+
+
 # --------------------------------------------------------------- cases in one job
 MODEL_FILES = {
     "no_build.py": """

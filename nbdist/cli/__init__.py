@@ -79,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         # The run's other ranks were told over its control channel and end on their own.
         sys.stderr.write(f"nbdist: rank {rank} failed:\n{traceback.format_exc()}")
+        line = getattr(exc, "failure_line", None)  # recorded in the run directory, with what to do next
+        if line and getattr(exc, "reported_here", False):
+            sys.stderr.write(f"nbdist: error: {line}\n")
         sys.stderr.flush()
         return 1
 

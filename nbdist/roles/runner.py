@@ -276,8 +276,10 @@ def _run_once(
         )
         ctx.peers.control.tell_all(told)
         _record_failure(ctx, told, options, attempt, disk=isinstance(error, DiskFull))
-        # Whatever the exception, the CLI asks it whether to print it (cli.py, _reports).
+        # Whatever the exception, the CLI asks it whether to print it (cli.py, _reports), and
+        # after a traceback prints the failure's line with what to do next.
         setattr(error, "reported_here", bool(told.reported_here))  # noqa: B010
+        setattr(error, "failure_line", str(told))  # noqa: B010
         if isinstance(error, DiskFull):
             error.args = told.args  # with the checkpoint to resume from
             ctx.checkpoints.discard_incomplete()  # what was written of the one that did not fit
@@ -358,7 +360,12 @@ def _what_next(ctx: RankContext, failure: RunFailure, options: TrainOptions, att
             "mpiexec --with-ft ulfm"
         )
     if latest is None:
-        return "no checkpoint was written yet: run it again (--checkpoint-every 1 checkpoints every epoch)"
+        # The other ranks may still commit one as they stop (their writers finish what was queued).
+        every = "" if options.checkpoint_every == 1 else " (--checkpoint-every 1 checkpoints every epoch)"
+        return (
+            f"no checkpoint was committed when it failed: run it again{every}, or continue with --resume "
+            f"{ctx.run_dir} if one was committed as the run stopped"
+        )
     resume = f"its last checkpoint is {latest.name}: continue with --resume {ctx.run_dir}"
     if failure.restartable and options.max_restarts == 0:
         resume += " (or add --max-restarts 1 to restart automatically on the surviving ranks)"
