@@ -136,6 +136,17 @@ def test_resumes_that_fail_leave_the_run_resumable_and_each_says_why(mpirun, tmp
     resumed = train(mpirun, 2, tmp_path, "--resume", str(run), model=finite)
     assert resumed.returncode == 0, resumed.output
     assert not (run / "failure.json").exists()  # the run it records ended well
+    assert "warning" not in resumed.output
+    # --epochs is the run's total: the 3 it has trained leave nothing to train.
+    again = train(mpirun, 2, tmp_path, "--resume", str(run), model=finite)
+    assert (
+        again.returncode == 0
+        and (
+            "nbdist: warning: --epochs 3 is the run's total, and epoch-0003 has trained 3: nothing is left to train "
+            "(give --epochs above 3 to train on)"
+        )
+        in again.output.splitlines()
+    ), again.output
 
 
 RAISES_ON_RANK_1 = """

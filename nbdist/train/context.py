@@ -32,7 +32,7 @@ from nbdist.train.definition import ModelDefinition
 from nbdist.train.history import HistoryFile
 from nbdist.train.loop import LossGrowth
 from nbdist.train.lr import LrPlan
-from nbdist.train.relayout import Share, centre_share, change_note, plan_shares, saved_layout
+from nbdist.train.relayout import Share, change_note, epochs_done, plan_shares, saved_layout
 from nbdist.train.rules import DEFAULT_MASTER_OPTIMIZER, DEFAULT_WORKER_OPTIMIZER
 from nbdist.train.run_dir import check_resumed_model, fresh_dir, run_name, write_run_files
 from nbdist.train.settle import Settled, settle
@@ -246,6 +246,8 @@ def prepare(
             print(f"nbdist: warning: {problem}; {where}", file=sys.stderr, flush=True)
         if resume.note:  # even with --quiet: what a run resumed on other ranks carries over differs
             print(f"nbdist: note: {resume.note}", flush=True)
+        if resume_from is not None and restart_of is None and trial is None and resume.old is not None:
+            _warn_if_trained(resume_from, resume.old, options.epochs)
     run_id = run_dir.name
     recorder, error = None, None
     database = store_path(options.store, options.runs_dir) if record else None
@@ -366,11 +368,20 @@ def _plan_resume(path: Path | None, layout: Layout, comm: Any, restart: bool, op
         return _Resume(Share(rank), old=old)
     pipeline = options.worker_parallel == "pipeline"
     plans = plan_shares(old, layout, world, pipeline)
-    if old.topology == "allreduce":
-        epoch = int(Checkpoints.read_scalars(path, 0).get("epoch", 0))
-    else:
-        epoch = int(Checkpoints.read_scalars(path, centre_share(old, 0)).get("next_epoch", 0))
-    return _Resume(plans[rank], True, old, change_note(old, layout, plans, epoch, restart))
+    return _Resume(plans[rank], True, old, change_note(old, layout, plans, epochs_done(path, old), restart))
+
+
+def _warn_if_trained(checkpoint: Path, old: Layout, epochs: int) -> None:
+    """--epochs is the run's total, not how many more: a resume of a run that has trained
+    that many trains nothing, and would otherwise end as "completed"."""
+    done = epochs_done(checkpoint, old)
+    if done >= epochs:
+        print(
+            f"nbdist: warning: --epochs {epochs} is the run's total, and {checkpoint.name} has trained {done}: "
+            f"nothing is left to train (give --epochs above {done} to train on)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _world_ranks(comm: Any) -> list[int]:

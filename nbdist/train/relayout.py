@@ -73,6 +73,14 @@ def saved_layout(path: Path) -> Layout | None:
     return Layout.from_dict(saved) if saved else None
 
 
+def epochs_done(path: Path, old: Layout) -> int:
+    """How many epochs checkpoint `path`, written by layout `old`, had trained: the epoch
+    an allreduce run's first rank ended, or the epochs the top master's centre began."""
+    if old.topology == "allreduce":
+        return int(Checkpoints.read_scalars(path, 0).get("epoch", 0))
+    return int(Checkpoints.read_scalars(path, centre_share(old, 0)).get("next_epoch", 0))
+
+
 def _key(layout: Layout, rank: int) -> tuple[Any, ...]:
     """A role by its place: ("master", m), or ("worker", k, p) for process p of the k-th
     worker of the run counted in rank order over all masters."""
