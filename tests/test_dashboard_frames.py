@@ -80,13 +80,26 @@ def test_staleness_points_per_worker_and_the_distribution():
     frames = RunFrames("master-worker", t0=0.0)
     updates = [_rec("update", 0, 1.0 + i / 10, role="master", source_rank=1 + i % 2, staleness=i % 3) for i in range(6)]
     out = frames.ingest(updates)
-    # One point per worker per batch of records: the mean and the max of its staleness.
+    # One point per worker per second of the run: the mean and the max of its staleness.
     assert out.staleness[1][["staleness", "max"]].values.tolist() == [[(0 + 2 + 1) / 3, 2]]
     assert out.staleness[2][["staleness", "max"]].values.tolist() == [[(1 + 0 + 2) / 3, 2]]
     counts = {(r, s): c for r, s, c in out.staleness_counts.values.tolist()}
     assert counts == {(1, 0): 1, (1, 1): 1, (1, 2): 1, (2, 0): 1, (2, 1): 1, (2, 2): 1}
     more = frames.ingest([_rec("update", 0, 2.0, role="master", source_rank=1, staleness=2)])
     assert {(r, s): c for r, s, c in more.staleness_counts.values.tolist()}[(1, 2)] == 2
+
+
+def test_a_runs_updates_read_at_once_draw_a_line_per_worker_not_a_point():
+    """A finished run's page and an export read every record in one batch: the points are
+    per second of the run (they were per batch read: one point per worker, no line)."""
+    from nbdist.dashboard.frames import STALENESS_POINT_SECONDS
+
+    assert STALENESS_POINT_SECONDS == 1.0
+    times = [0.2, 0.7, 1.3, 2.1, 2.4, 2.9]
+    updates = [_rec("update", 0, t, role="master", source_rank=1, staleness=i) for i, t in enumerate(times)]
+    out = RunFrames("master-worker", t0=0.0).ingest(updates)
+    assert out.staleness[1].values.tolist() == [[0.7, 0.5, 1], [1.3, 2.0, 2], [2.9, 4.0, 5]]
+    assert out.staleness_mean.values.tolist() == [[0.7, 0.5], [1.3, 2.0], [2.9, 4.0]]
 
 
 def test_a_masters_update_summaries_draw_what_its_single_updates_draw():

@@ -9,6 +9,7 @@ staleness counts (for the distribution).
 
 from __future__ import annotations
 
+import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -187,27 +188,25 @@ class RunFrames:
 
     def _updates(self, records: list[dict[str, Any]], out: Frames) -> None:
         """The masters' 'updates' summaries (per half second: updates and staleness per
-        source rank) and, with --trace-updates, their single 'update' records: one point
-        per worker per batch of records (mean and max), and the counts for the distribution."""
-        per_rank: dict[int, list[tuple[float, int, int]]] = defaultdict(list)  # t, staleness, updates
+        source rank) and, with --trace-updates, their single 'update' records: per worker,
+        one point (mean and max) per second of the run the records cover, and the counts
+        for the distribution. By the second, not by the batch read: a finished run's page
+        and an export read every record at once, and drew one point per worker, no line."""
+        # source rank -> second of the run -> (t, staleness, updates)
+        per_rank: dict[int, dict[int, list[tuple[float, int, int]]]] = defaultdict(lambda: defaultdict(list))
         for r in records:
             t = self._t(r["time"])
             for source, staleness, count in staleness_entries(r):
-                per_rank[source].append((t, staleness, count))
+                per_rank[source][math.floor(t / STALENESS_POINT_SECONDS)].append((t, staleness, count))
                 self._staleness[(source, staleness)] += count
         if not per_rank:
             return
-        out.staleness = {
-            rank: pd.DataFrame(
-                [(max(t for t, _, _ in pts), _mean_staleness(pts), max(s for _, s, _ in pts))],
-                columns=["t", "staleness", "max"],
-            )
-            for rank, pts in per_rank.items()
-        }
-        every = [p for pts in per_rank.values() for p in pts]
-        out.staleness_mean = pd.DataFrame(
-            [(max(t for t, _, _ in every), _mean_staleness(every))], columns=["t", "staleness"]
-        )
+        out.staleness = {rank: _staleness_points(seconds, with_max=True) for rank, seconds in per_rank.items()}
+        every: dict[int, list[tuple[float, int, int]]] = defaultdict(list)
+        for seconds in per_rank.values():
+            for second, points in seconds.items():
+                every[second].extend(points)
+        out.staleness_mean = _staleness_points(every, with_max=False)
         out.staleness_counts = pd.DataFrame(
             [(rank, value, count) for (rank, value), count in sorted(self._staleness.items())],
             columns=["rank", "staleness", "count"],
@@ -272,8 +271,21 @@ class RunFrames:
         out.resources = {rank: pd.DataFrame(rs, columns=["t", "cpu_percent", "rss_mb"]) for rank, rs in rows.items()}
 
 
+# The staleness plot's points: one per worker per this many seconds of the run.
+STALENESS_POINT_SECONDS = 1.0
+
 # The keys of a 'train' record that are not its metric.
 _TRAIN_KEYS = {"samples", "samples_per_s", "loss", "compute_s", "send_s", "wait_s", "update_s", "version", "bytes_sent"}
+
+
+def _staleness_points(seconds: dict[int, list[tuple[float, int, int]]], *, with_max: bool) -> pd.DataFrame:
+    """One row per second of (t, staleness, updates) points: its last time, the mean
+    staleness (and the largest), in time order."""
+    rows = []
+    for _, points in sorted(seconds.items()):
+        row = (max(t for t, _, _ in points), _mean_staleness(points))
+        rows.append((*row, max(s for _, s, _ in points)) if with_max else row)
+    return pd.DataFrame(rows, columns=["t", "staleness", "max"] if with_max else ["t", "staleness"])
 
 
 def _mean_staleness(points: list[tuple[float, int, int]]) -> float:
