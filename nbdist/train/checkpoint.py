@@ -39,7 +39,7 @@ from nbdist.errors import UserError
 from nbdist.train.diskspace import checkpoint_disk_full, is_disk_full
 from nbdist.train.tensor_files import write_safetensors
 
-__all__ = ["Checkpoints", "CheckpointError", "flatten_arrays", "unflatten_arrays"]
+__all__ = ["Checkpoints", "CheckpointError", "other_model", "flatten_arrays", "unflatten_arrays"]
 
 LATEST = "LATEST.json"
 META = "meta.json"
@@ -51,6 +51,16 @@ _READ_ERRORS = (OSError, ValueError, SafetensorError)
 
 class CheckpointError(UserError):
     pass
+
+
+def other_model(path: Path, held: int, rank: int, num_params: int) -> CheckpointError:
+    """The error for a resume whose model has `num_params` weights where rank `rank`'s share
+    of checkpoint `path` holds `held`: one wording, from the header at set-up
+    (train/run_dir.py) or from the share as it is loaded (train/state.py)."""
+    return CheckpointError(
+        f"checkpoint {path} holds {held} weights for rank {rank}, the model has {num_params}: resume with the "
+        f"same model"
+    )
 
 
 def flatten_arrays(groups: dict[str, dict[str, np.ndarray]]) -> dict[str, np.ndarray]:

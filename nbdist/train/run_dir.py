@@ -13,7 +13,7 @@ from nbdist.errors import OptionsError, UserError
 from nbdist.layout import Layout
 from nbdist.options import TrainOptions
 from nbdist.store import RunStore
-from nbdist.train.checkpoint import CheckpointError, Checkpoints
+from nbdist.train.checkpoint import CheckpointError, Checkpoints, other_model
 from nbdist.train.relayout import check_resumable
 from nbdist.train.trial import TrialTag
 
@@ -83,10 +83,7 @@ def check_resumed_model(checkpoint: Path, num_params: int) -> None:
     the --resume that the error advised then failed too."""
     held = Checkpoints.weights_held(checkpoint)
     if held is not None and held != num_params:
-        raise CheckpointError(
-            f"checkpoint {checkpoint} holds {held} weights for rank 0, the model has {num_params}: resume with "
-            f"the same model"
-        )
+        raise other_model(checkpoint, held, 0, num_params)
 
 
 def fresh_dir(root: Path, name: str, database: str | None, trial: TrialTag | None = None) -> Path:

@@ -11,7 +11,7 @@ import numpy as np
 from nbdist.algorithms.arrays import copy_into, host_copy, to_numpy
 from nbdist.algorithms.base import RuleState
 from nbdist.backends.base import FlatOptimizer
-from nbdist.train.checkpoint import CheckpointError
+from nbdist.train.checkpoint import CheckpointError, other_model
 from nbdist.train.writer import CheckpointWriter
 
 __all__ = ["save_rank_state", "rank_state_arrays", "write_rank_state", "load_rank_state"]
@@ -115,10 +115,7 @@ def load_rank_state(
     arrays, meta = ctx.checkpoints.read_rank(path, ctx.resume_rank)
     model = arrays.get("model", {})
     if model.get("params") is None or model["params"].shape != (backend.num_params,):
-        raise CheckpointError(
-            f"checkpoint {path} holds {getattr(model.get('params'), 'size', 0)} weights for rank "
-            f"{ctx.role.rank}, the model has {backend.num_params}: resume with the same model"
-        )
+        raise other_model(path, getattr(model.get("params"), "size", 0), ctx.role.rank, backend.num_params)
     copy_into(backend.params, model["params"])
     if "state" in model:
         copy_into(backend.state, model["state"])
