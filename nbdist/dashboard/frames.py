@@ -192,20 +192,19 @@ class RunFrames:
         one point (mean and max) per second of the run the records cover, and the counts
         for the distribution. By the second, not by the batch read: a finished run's page
         and an export read every record at once, and drew one point per worker, no line."""
-        # source rank -> second of the run -> (t, staleness, updates)
+        # second of the run -> (t, staleness, updates), per source rank and over them all
         per_rank: dict[int, dict[int, list[tuple[float, int, int]]]] = defaultdict(lambda: defaultdict(list))
+        every: dict[int, list[tuple[float, int, int]]] = defaultdict(list)
         for r in records:
             t = self._t(r["time"])
+            second = math.floor(t / STALENESS_POINT_SECONDS)
             for source, staleness, count in staleness_entries(r):
-                per_rank[source][math.floor(t / STALENESS_POINT_SECONDS)].append((t, staleness, count))
+                per_rank[source][second].append((t, staleness, count))
+                every[second].append((t, staleness, count))
                 self._staleness[(source, staleness)] += count
         if not per_rank:
             return
         out.staleness = {rank: _staleness_points(seconds, with_max=True) for rank, seconds in per_rank.items()}
-        every: dict[int, list[tuple[float, int, int]]] = defaultdict(list)
-        for seconds in per_rank.values():
-            for second, points in seconds.items():
-                every[second].extend(points)
         out.staleness_mean = _staleness_points(every, with_max=False)
         out.staleness_counts = pd.DataFrame(
             [(rank, value, count) for (rank, value), count in sorted(self._staleness.items())],
