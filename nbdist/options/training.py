@@ -342,7 +342,8 @@ class TrainOptions:
         the names set on the command line or in the call) options only a pipeline reads.
         validate() sees the values alone, which cannot tell `--micro-batches 4`, the
         default, from nothing."""
-        named = [flag(name) for name in PIPELINE_ONLY if name in set(given)]
+        given = set(given)
+        named = [flag(name) for name in PIPELINE_ONLY if name in given]
         if named and self.worker_parallel in WORKER_PARALLELS and self.worker_parallel != "pipeline":
             raise OptionsError(
                 f"{' and '.join(named)} appl{'y' if len(named) > 1 else 'ies'} to pipeline "

@@ -6,9 +6,9 @@ epochs of seconds that is nothing; against epochs of tens of milliseconds (a sma
 a GPU) a checkpoint every epoch, the default, slows the loop by a large part (a quarter of
 the digits CNN's epochs on an H200: bench/results/2026-11-28-step-costs.md). Nothing else
 tells the user, so the run's leader compares the CPU time its writer spends on the
-checkpoints taken since the first epoch with those epochs' time and says so, once, with the
---checkpoint-every that would make the share small. The writer's CPU time is what it could take from the loop at
-most: where cores are free, the loop loses less.
+checkpoints taken since the first epoch with those epochs' time and says so, once, with
+the --checkpoint-every that would make the share small. The writer's CPU time is what it
+could take from the loop at most: where cores are free, the loop loses less.
 """
 
 from __future__ import annotations
