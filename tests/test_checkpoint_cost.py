@@ -168,12 +168,11 @@ def test_a_run_of_millisecond_epochs_notes_its_checkpoints_and_its_advice_silenc
         (per_checkpoint + half_ms) / (AIM_SHARE * (epoch_ms - half_ms) * (1 - (share + half_point) / 100))
         for half_ms, half_point in ((-0.05, -0.5), (0.05, 0.5))
     )
+    assert "writing a checkpoint takes" not in train(12, "--checkpoint-every", "0").output
     if every == 0:  # the writer's CPU time about as long as the epochs: no bare epoch to go by, or too many
         assert share + 0.5 >= 100 or most >= epochs, notes[0]
-        assert "writing a checkpoint takes" not in train(12, "--checkpoint-every", "0").output
         return
     assert math.ceil(least) - 1 <= every <= math.ceil(most) + 1, notes[0]
-    assert "writing a checkpoint takes" not in train(12, "--checkpoint-every", "0").output
     advised = train(4 * every + 2, "--checkpoint-every", str(every))  # three checkpoints after the first epoch
     assert "writing a checkpoint takes" not in advised.output, advised.stdout[-2000:]
 
